@@ -1,0 +1,276 @@
+//! Scenario configuration for the simulator.
+//!
+//! A scenario is a TOML file (or the same structure built in code) that says how the simulated
+//! endpoint behaves: its latency, its quotas, its hidden concurrency cap and the faults it injects.
+//! Unknown keys are rejected so that a misspelt setting never silently changes nothing.
+
+use serde::{Deserialize, Serialize};
+use std::time::Duration;
+
+/// Everything that shapes the simulator's behaviour. `Default` is a fast, fault-free, unlimited
+/// endpoint, which is what the embedded `sim/` model of `weir run` uses.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct SimConfig {
+    /// Seed for generated text, latency spread and fault decisions; same seed, same behaviour.
+    pub seed: u64,
+    /// How long answers take.
+    pub latency: LatencyConfig,
+    /// Quotas enforced per API key, the way providers enforce them.
+    pub quota: QuotaConfig,
+    /// A concurrency limit the client is not told about.
+    pub concurrency: ConcurrencyConfig,
+    /// Rates of injected faults.
+    pub faults: FaultConfig,
+    /// Length of generated answers.
+    pub output: OutputConfig,
+    /// When non-empty, only these keys (API keys or bearer tokens) are accepted.
+    pub api_keys: Vec<String>,
+}
+
+/// Latency model: `fixed_ms + per_token_ms × output tokens + uniform(0, jitter_ms)`, the spread
+/// seeded by the request. When streaming, the first token comes after `fixed_ms` plus the spread
+/// and each further token after `per_token_ms`, so time to first token is real.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct LatencyConfig {
+    /// Fixed part of every answer's latency, in milliseconds.
+    pub fixed_ms: f64,
+    /// Added per generated token, in milliseconds.
+    pub per_token_ms: f64,
+    /// Upper bound of a uniformly distributed extra delay, in milliseconds.
+    pub jitter_ms: f64,
+}
+
+/// Quotas over a sliding window, per API key. `window_secs` is 60 for a real per-minute quota;
+/// a shorter window simulates a minute in a few seconds.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct QuotaConfig {
+    /// Requests accepted per window (0 = unlimited).
+    pub requests_per_window: u64,
+    /// Tokens (prompt + generated) accepted per window (0 = unlimited).
+    pub tokens_per_window: u64,
+    /// Length of the sliding window, in seconds.
+    pub window_secs: f64,
+    /// Requests accepted per day (0 = unlimited). Once spent it stays spent until the day ends.
+    pub requests_per_day: u64,
+    /// Length of the simulated day, in seconds.
+    pub day_secs: f64,
+}
+
+impl Default for QuotaConfig {
+    fn default() -> Self {
+        Self {
+            requests_per_window: 0,
+            tokens_per_window: 0,
+            window_secs: 60.0,
+            requests_per_day: 0,
+            day_secs: 86_400.0,
+        }
+    }
+}
+
+/// What an endpoint does beyond its hidden concurrency cap.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum OverloadMode {
+    /// Reject with 429, like a managed API.
+    #[serde(rename = "429")]
+    TooManyRequests,
+    /// Reject with 503, like an overloaded proxy.
+    #[default]
+    #[serde(rename = "503")]
+    Unavailable,
+    /// Accept everything but slow down in proportion to the load, like a self-hosted server.
+    Slow,
+}
+
+/// A concurrency cap the client is not told about.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct ConcurrencyConfig {
+    /// Requests in flight above which the endpoint is overloaded (0 = no cap).
+    pub max_in_flight: u64,
+    /// What happens above the cap.
+    pub mode: OverloadMode,
+}
+
+/// The probability, per request, of each injected fault. The sum must not exceed 1.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct FaultConfig {
+    /// HTTP 500 with the provider's error body.
+    pub error_500: f64,
+    /// HTTP 503 with the provider's error body.
+    pub error_503: f64,
+    /// The connection is dropped before any answer.
+    pub reset: f64,
+    /// No answer until the client gives up (or `hang_secs` pass).
+    pub hang: f64,
+    /// HTTP 200 with a body that is not valid JSON.
+    pub malformed: f64,
+    /// A streamed answer that stops before its end (streaming requests only).
+    pub truncate: f64,
+    /// Gemini: the prompt is blocked (no `candidates`, `promptFeedback.blockReason`).
+    /// OpenAI: 400 `content_filter`.
+    pub block_prompt: f64,
+    /// Gemini: a candidate with `finishReason: SAFETY` and no content.
+    /// OpenAI: `finish_reason: content_filter` and no content.
+    pub block_candidate: f64,
+    /// How long a hung request waits before the server closes it.
+    pub hang_secs: f64,
+}
+
+impl Default for FaultConfig {
+    fn default() -> Self {
+        Self {
+            error_500: 0.0,
+            error_503: 0.0,
+            reset: 0.0,
+            hang: 0.0,
+            malformed: 0.0,
+            truncate: 0.0,
+            block_prompt: 0.0,
+            block_candidate: 0.0,
+            hang_secs: 600.0,
+        }
+    }
+}
+
+/// Length of generated answers, in tokens, before `max_tokens` caps it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct OutputConfig {
+    /// Fewest tokens in an answer.
+    pub min_tokens: u32,
+    /// Most tokens in an answer.
+    pub max_tokens: u32,
+    /// Tokens per streamed event.
+    pub stream_chunk_tokens: u32,
+}
+
+impl Default for OutputConfig {
+    fn default() -> Self {
+        Self { min_tokens: 8, max_tokens: 48, stream_chunk_tokens: 1 }
+    }
+}
+
+/// A scenario that cannot be used, with what to fix.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The TOML did not parse or had unknown keys.
+    #[error("invalid simulator config: {0}")]
+    Parse(#[from] toml::de::Error),
+    /// A value is out of range.
+    #[error("invalid simulator config: {0}")]
+    Invalid(String),
+    /// The file could not be read.
+    #[error("cannot read simulator config {path}: {source}")]
+    Read {
+        /// The file named by the user.
+        path: String,
+        /// Why reading it failed.
+        source: std::io::Error,
+    },
+}
+
+impl SimConfig {
+    /// Parses a TOML scenario and validates it.
+    pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
+        let config: SimConfig = toml::from_str(text)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Reads and validates a TOML scenario file.
+    pub fn from_file(path: &std::path::Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| ConfigError::Read { path: path.display().to_string(), source })?;
+        Self::from_toml(&text)
+    }
+
+    /// Checks ranges; called by the constructors and by the server before it starts.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        let f = &self.faults;
+        let rates = [
+            ("error_500", f.error_500),
+            ("error_503", f.error_503),
+            ("reset", f.reset),
+            ("hang", f.hang),
+            ("malformed", f.malformed),
+            ("truncate", f.truncate),
+            ("block_prompt", f.block_prompt),
+            ("block_candidate", f.block_candidate),
+        ];
+        for (name, rate) in rates {
+            if !(0.0..=1.0).contains(&rate) {
+                return bad(format!("faults.{name} = {rate}: a rate must be between 0 and 1"));
+            }
+        }
+        let total: f64 = rates.iter().map(|(_, r)| r).sum();
+        if total > 1.0 + 1e-9 {
+            return bad(format!("fault rates add up to {total}, more than 1"));
+        }
+        for (name, v) in [
+            ("latency.fixed_ms", self.latency.fixed_ms),
+            ("latency.per_token_ms", self.latency.per_token_ms),
+            ("latency.jitter_ms", self.latency.jitter_ms),
+            ("faults.hang_secs", f.hang_secs),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                return bad(format!("{name} = {v}: must be a finite number ≥ 0"));
+            }
+        }
+        for (name, v) in [("quota.window_secs", self.quota.window_secs), ("quota.day_secs", self.quota.day_secs)] {
+            if !(v.is_finite() && v > 0.0) {
+                return bad(format!("{name} = {v}: must be a number > 0"));
+            }
+        }
+        if self.output.min_tokens == 0 || self.output.min_tokens > self.output.max_tokens {
+            return bad(format!(
+                "output.min_tokens = {} and output.max_tokens = {}: need 1 ≤ min ≤ max",
+                self.output.min_tokens, self.output.max_tokens
+            ));
+        }
+        if self.output.stream_chunk_tokens == 0 {
+            return bad("output.stream_chunk_tokens must be at least 1".into());
+        }
+        Ok(())
+    }
+
+    /// The sliding quota window.
+    pub fn window(&self) -> Duration {
+        Duration::from_secs_f64(self.quota.window_secs)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unknown_keys_are_rejected() {
+        let err = SimConfig::from_toml("[quota]\nrequests_per_minute = 5\n").unwrap_err();
+        assert!(err.to_string().contains("requests_per_minute"), "{err}");
+    }
+
+    #[test]
+    fn parses_a_scenario() {
+        let c = SimConfig::from_toml(
+            "seed = 7\n[quota]\nrequests_per_window = 100\nwindow_secs = 2\n[concurrency]\nmax_in_flight = 8\nmode = \"slow\"\n[faults]\nerror_503 = 0.1\n",
+        )
+        .unwrap();
+        assert_eq!(c.seed, 7);
+        assert_eq!(c.quota.requests_per_window, 100);
+        assert_eq!(c.concurrency.mode, OverloadMode::Slow);
+        assert_eq!(c.faults.error_503, 0.1);
+    }
+
+    #[test]
+    fn fault_rates_must_add_up_to_at_most_one() {
+        let err = SimConfig::from_toml("[faults]\nerror_500 = 0.6\nerror_503 = 0.6\n").unwrap_err();
+        assert!(err.to_string().contains("more than 1"), "{err}");
+    }
+}

@@ -1,0 +1,23 @@
+//! weir-sim: a simulated LLM endpoint for tests, benchmarks and weir's no-key first run.
+//!
+//! It speaks the real wire formats of the Gemini API, Gemini on Vertex AI, Vertex AI endpoints
+//! (`:predict`) and OpenAI-compatible servers, streaming included; it enforces quotas the way the
+//! providers do (sliding windows per key, per-day quotas, the providers' own 429 bodies and
+//! headers); it hides a concurrency cap; and it injects faults at configured rates. `GET /stats`
+//! reports what it saw, so callers can check their own account against the server's.
+//!
+//! Start one in-process on port 0 with [`SimServer::start`], read [`SimServer::addr`], and stop
+//! it with [`SimServer::shutdown`].
+
+#![warn(missing_docs)]
+
+pub mod config;
+pub mod gen;
+pub mod proto;
+pub mod quota;
+mod server;
+pub mod stats;
+
+pub use config::{ConfigError, OverloadMode, SimConfig};
+pub use server::{SimServer, StartError};
+pub use stats::StatsSnapshot;

@@ -1,0 +1,635 @@
+//! The HTTP server: routing, the request life cycle (auth → parse → overload → quota → fault →
+//! latency → answer) and clean shutdown.
+//!
+//! It is built on hyper directly rather than a framework because two faults need control a
+//! framework hides: a connection reset (the service fails, hyper drops the connection without an
+//! answer) and a truncated stream (the body fails mid-way, so the chunked encoding never ends).
+
+use bytes::Bytes;
+use http::{header, Method, Request, Response, StatusCode};
+use http_body_util::{combinators::BoxBody, BodyExt, Full, StreamBody};
+use hyper::body::{Frame, Incoming};
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use serde_json::{json, Value};
+use std::io;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
+
+use crate::config::{OverloadMode, SimConfig};
+use crate::gen::{count_tokens, generate, stable_hash, Generation};
+use crate::proto::{self, Api, Ending, ErrorReply, SimRequest, StreamFraming};
+use crate::quota::Quotas;
+use crate::stats::{Stats, StatsSnapshot, FAULT_KINDS};
+
+type Body = BoxBody<Bytes, io::Error>;
+
+struct State {
+    config: SimConfig,
+    stats: Arc<Stats>,
+    quotas: Mutex<Quotas>,
+    counter: AtomicU64,
+    any_fault: bool,
+}
+
+/// A running simulator. Dropping it does not stop it; call [`SimServer::shutdown`].
+pub struct SimServer {
+    addr: SocketAddr,
+    state: Arc<State>,
+    shutdown: watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+/// Why the simulator could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The scenario is invalid.
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
+    /// The address could not be bound.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        /// The address asked for.
+        addr: SocketAddr,
+        /// Why binding failed.
+        source: io::Error,
+    },
+}
+
+impl SimServer {
+    /// Starts a simulator on `addr` (port 0 picks a free port; see [`SimServer::addr`]).
+    pub async fn start(config: SimConfig, addr: SocketAddr) -> Result<Self, StartError> {
+        config.validate()?;
+        let listener = TcpListener::bind(addr).await.map_err(|source| StartError::Bind { addr, source })?;
+        let addr = listener.local_addr().map_err(|source| StartError::Bind { addr, source })?;
+        let f = &config.faults;
+        let any_fault =
+            [f.error_500, f.error_503, f.reset, f.hang, f.malformed, f.truncate, f.block_prompt, f.block_candidate]
+                .iter()
+                .any(|r| *r > 0.0);
+        let state = Arc::new(State {
+            quotas: Mutex::new(Quotas::new(config.quota.clone())),
+            config,
+            stats: Arc::new(Stats::default()),
+            counter: AtomicU64::new(0),
+            any_fault,
+        });
+        let (shutdown, rx) = watch::channel(false);
+        let task = tokio::spawn(accept_loop(listener, state.clone(), rx));
+        Ok(Self { addr, state, shutdown, task })
+    }
+
+    /// The address it listens on.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// `http://ADDR`, a base URL for clients.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// What the server has seen so far.
+    pub fn stats(&self) -> StatsSnapshot {
+        self.state.stats.snapshot()
+    }
+
+    /// Stops accepting, closes every connection (hung requests included) and waits for the
+    /// accept loop to end.
+    pub async fn shutdown(self) {
+        let _ = self.shutdown.send(true);
+        let _ = self.task.await;
+    }
+}
+
+async fn accept_loop(listener: TcpListener, state: Arc<State>, mut shutdown: watch::Receiver<bool>) {
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let Ok((stream, _)) = accepted else { continue };
+                let _ = stream.set_nodelay(true);
+                let state = state.clone();
+                let mut stop = shutdown.clone();
+                tokio::spawn(async move {
+                    let service = service_fn(move |req| handle(state.clone(), req));
+                    let conn = hyper::server::conn::http1::Builder::new()
+                        .keep_alive(true)
+                        .serve_connection(TokioIo::new(stream), service);
+                    tokio::select! {
+                        _ = conn => {}
+                        _ = stop.changed() => {}
+                    }
+                });
+            }
+            _ = shutdown.changed() => break,
+        }
+    }
+}
+
+fn full(status: u16, headers: &[(&str, String)], content_type: &str, body: impl Into<Bytes>) -> Response<Body> {
+    let mut builder = Response::builder().status(status).header(header::CONTENT_TYPE, content_type);
+    for (k, v) in headers {
+        builder = builder.header(*k, v.as_str());
+    }
+    builder
+        .body(Full::new(body.into()).map_err(|never| match never {}).boxed())
+        .expect("static response parts are valid")
+}
+
+fn json_reply(status: u16, headers: &[(&str, String)], value: &Value) -> Response<Body> {
+    full(status, headers, "application/json; charset=UTF-8", serde_json::to_vec(value).unwrap_or_default())
+}
+
+fn error_reply(state: &State, e: ErrorReply) -> Response<Body> {
+    state.stats.status(e.status);
+    json_reply(e.status, &e.headers, &e.body)
+}
+
+/// Aborts the connection without an answer: the client sees a reset.
+fn reset() -> io::Error {
+    io::Error::new(io::ErrorKind::ConnectionReset, "weir-sim: injected connection reset")
+}
+
+async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Body>, io::Error> {
+    let (parts, body) = req.into_parts();
+    let path = parts.uri.path();
+    match (&parts.method, path) {
+        (&Method::GET, "/stats") => {
+            let v = serde_json::to_value(state.stats.snapshot()).unwrap_or_default();
+            return Ok(json_reply(200, &[], &v));
+        }
+        (&Method::POST, "/stats/reset") => {
+            state.stats.reset();
+            return Ok(json_reply(200, &[], &json!({"reset": true})));
+        }
+        (&Method::GET, "/healthz") => return Ok(full(200, &[], "text/plain", "ok")),
+        (&Method::GET, "/v1/models") | (&Method::GET, "/models") => {
+            return Ok(json_reply(
+                200,
+                &[],
+                &json!({"object": "list", "data": [
+                    {"id": "sim-1", "object": "model", "created": 0, "owned_by": "weir-sim"},
+                ]}),
+            ));
+        }
+        (&Method::GET, "/v1beta/models") => {
+            return Ok(json_reply(
+                200,
+                &[],
+                &json!({"models": [
+                    {"name": "models/sim-1", "displayName": "weir sim", "supportedGenerationMethods": ["generateContent", "streamGenerateContent"]},
+                ]}),
+            ));
+        }
+        _ => {}
+    }
+    let Some(route) = route(path, parts.uri.query()) else {
+        let api = if path.contains("chat/completions") { Api::OpenAi } else { Api::Gemini };
+        return Ok(error_reply(&state, proto::error(api, 404, &format!("no route for {} {path}", parts.method))));
+    };
+    if parts.method != Method::POST {
+        return Ok(error_reply(&state, proto::error(route.api, 404, &format!("{path} takes POST"))));
+    }
+    let key = match route.api {
+        Api::Gemini => parts
+            .headers
+            .get("x-goog-api-key")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+            .or_else(|| query_param(parts.uri.query(), "key")),
+        _ => parts
+            .headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
+            .map(str::to_string),
+    };
+    let guard = state.stats.start_request();
+    if !state.config.api_keys.is_empty() && !key.as_ref().is_some_and(|k| state.config.api_keys.contains(k)) {
+        let e = proto::auth_error(route.api, key.is_some());
+        state.stats.auth_failure();
+        return Ok(json_reply(e.status, &e.headers, &e.body));
+    }
+    let bytes = body.collect().await.map_err(io::Error::other)?.to_bytes();
+    let parsed: Value = match serde_json::from_slice(&bytes) {
+        Ok(v) => v,
+        Err(e) => {
+            let msg = format!("Invalid JSON payload received. {e}");
+            return Ok(error_reply(&state, proto::error(route.api, 400, &msg)));
+        }
+    };
+    let request = match route.api {
+        Api::Gemini | Api::Vertex => proto::parse_gemini(route.api, &route.model, &parsed, route.stream),
+        Api::OpenAi => proto::parse_openai(&parsed),
+        Api::Predict => proto::parse_predict(&route.model, &parsed),
+    };
+    let request = match request {
+        Ok(r) => r,
+        Err(proto::BadRequest(msg)) => return Ok(error_reply(&state, proto::error(route.api, 400, &msg))),
+    };
+    serve_model(state, request, key.unwrap_or_default(), guard).await
+}
+
+struct Route {
+    api: Api,
+    model: String,
+    stream: Option<StreamFraming>,
+}
+
+fn query_param(query: Option<&str>, name: &str) -> Option<String> {
+    query?.split('&').find_map(|kv| {
+        let (k, v) = kv.split_once('=')?;
+        (k == name).then(|| v.to_string())
+    })
+}
+
+fn route(path: &str, query: Option<&str>) -> Option<Route> {
+    if path.ends_with("/chat/completions") {
+        return Some(Route { api: Api::OpenAi, model: String::new(), stream: None });
+    }
+    let (prefix, method) = path.rsplit_once(':')?;
+    let segs: Vec<&str> = prefix.trim_start_matches('/').split('/').collect();
+    let stream = match method {
+        "generateContent" => None,
+        "streamGenerateContent" => Some(if query_param(query, "alt").as_deref() == Some("sse") {
+            StreamFraming::Sse
+        } else {
+            StreamFraming::JsonArray
+        }),
+        "predict" => {
+            return match segs.as_slice() {
+                ["v1" | "v1beta1", "projects", _, "locations", _, "endpoints", id] => {
+                    Some(Route { api: Api::Predict, model: id.to_string(), stream: None })
+                }
+                _ => None,
+            }
+        }
+        _ => return None,
+    };
+    match segs.as_slice() {
+        ["v1beta" | "v1", "models", model] => Some(Route { api: Api::Gemini, model: model.to_string(), stream }),
+        ["v1" | "v1beta1", "projects", _, "locations", _, "publishers", "google", "models", model] => {
+            Some(Route { api: Api::Vertex, model: model.to_string(), stream })
+        }
+        _ => None,
+    }
+}
+
+/// A fault chosen for one request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    E500,
+    E503,
+    Reset,
+    Hang,
+    Malformed,
+    Truncate,
+    BlockPrompt,
+    BlockCandidate,
+}
+
+const FAULTS: [Fault; 8] = [
+    Fault::E500,
+    Fault::E503,
+    Fault::Reset,
+    Fault::Hang,
+    Fault::Malformed,
+    Fault::Truncate,
+    Fault::BlockPrompt,
+    Fault::BlockCandidate,
+];
+
+impl State {
+    /// A fault forced by a `[sim:KIND]` directive in the prompt, else one drawn at the
+    /// configured rates. `truncate` only applies to streams.
+    fn pick_fault(&self, req: &SimRequest, n: u64) -> Option<Fault> {
+        if let Some(start) = req.prompt.find("[sim:") {
+            let rest = &req.prompt[start + 5..];
+            if let Some(end) = rest.find(']') {
+                if let Some(i) = FAULT_KINDS.iter().position(|k| *k == &rest[..end]) {
+                    return Some(FAULTS[i]);
+                }
+            }
+        }
+        if !self.any_fault {
+            return None;
+        }
+        let f = &self.config.faults;
+        let rates =
+            [f.error_500, f.error_503, f.reset, f.hang, f.malformed, f.truncate, f.block_prompt, f.block_candidate];
+        let mut rng = SmallRng::seed_from_u64(self.config.seed ^ n.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        let draw: f64 = rng.gen();
+        let mut acc = 0.0;
+        for (fault, rate) in FAULTS.iter().zip(rates) {
+            acc += rate;
+            if draw < acc {
+                if *fault == Fault::Truncate && req.stream.is_none() {
+                    return None;
+                }
+                return Some(*fault);
+            }
+        }
+        None
+    }
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+async fn sleep_ms(ms: f64) {
+    if ms > 0.0 {
+        tokio::time::sleep(Duration::from_secs_f64(ms / 1000.0)).await;
+    }
+}
+
+async fn serve_model(
+    state: Arc<State>,
+    req: SimRequest,
+    key: String,
+    guard: crate::stats::InFlight,
+) -> Result<Response<Body>, io::Error> {
+    let cfg = &state.config;
+    let n = state.counter.fetch_add(1, Relaxed);
+    let id = format!("sim-{n}");
+
+    // The hidden concurrency cap.
+    let mut slow = 1.0;
+    if cfg.concurrency.max_in_flight > 0 && guard.level > cfg.concurrency.max_in_flight {
+        state.stats.overloaded();
+        match cfg.concurrency.mode {
+            OverloadMode::TooManyRequests => {
+                let e = match req.api {
+                    Api::OpenAi => {
+                        proto::error(req.api, 429, "The server is overloaded. Please retry your request later.")
+                    }
+                    _ => proto::error(req.api, 429, "Resource has been exhausted (e.g. check quota)."),
+                };
+                return Ok(error_reply(&state, e));
+            }
+            OverloadMode::Unavailable => {
+                let msg = match req.api {
+                    Api::OpenAi => "The server is overloaded or not ready yet.",
+                    _ => "The model is overloaded. Please try again later.",
+                };
+                return Ok(error_reply(&state, proto::error(req.api, 503, msg)));
+            }
+            OverloadMode::Slow => slow = guard.level as f64 / cfg.concurrency.max_in_flight as f64,
+        }
+    }
+
+    // The answer is a pure function of the request and the seed.
+    let seed = cfg.seed.to_le_bytes();
+    let gens: Vec<Generation> = if req.instances.is_empty() {
+        let limit = req.max_tokens.map(|m| m.to_le_bytes()).unwrap_or_default();
+        let h = stable_hash(&[&seed, req.model.as_bytes(), req.prompt.as_bytes(), req.settings.as_bytes(), &limit]);
+        vec![generate(h, cfg.output.min_tokens, cfg.output.max_tokens, req.max_tokens, cfg.latency.jitter_ms)]
+    } else {
+        req.instances
+            .iter()
+            .map(|i| {
+                let h = stable_hash(&[&seed, req.model.as_bytes(), i.prompt.as_bytes(), req.settings.as_bytes()]);
+                generate(h, cfg.output.min_tokens, cfg.output.max_tokens, i.max_tokens, cfg.latency.jitter_ms)
+            })
+            .collect()
+    };
+    let prompt_tokens = count_tokens(&req.prompt);
+    let out_tokens: u64 = gens.iter().map(|g| g.tokens.len() as u64).sum();
+
+    // Quotas.
+    let usage = {
+        let mut q = state.quotas.lock().unwrap_or_else(|e| e.into_inner());
+        if q.unlimited() {
+            None
+        } else {
+            match q.admit(&key, prompt_tokens + out_tokens, Instant::now()) {
+                Ok(u) => Some(u),
+                Err(rej) => {
+                    drop(q);
+                    return Ok(error_reply(&state, proto::quota_error(req.api, &req.model, &rej)));
+                }
+            }
+        }
+    };
+    let limit_headers = match (&usage, req.api) {
+        (Some(u), Api::OpenAi) => proto::openai_limit_headers(u),
+        _ => Vec::new(),
+    };
+
+    let first = &gens[0];
+    let fixed = (cfg.latency.fixed_ms + first.jitter_ms) * slow;
+    let per_token = cfg.latency.per_token_ms * slow;
+
+    let fault = state.pick_fault(&req, n);
+    if let Some(f) = fault {
+        state.stats.fault(FAULTS.iter().position(|x| *x == f).unwrap_or(0));
+    }
+    let mut ending = Ending::Normal;
+    match fault {
+        Some(Fault::E500) => {
+            sleep_ms(fixed).await;
+            let msg = match req.api {
+                Api::OpenAi => "The server had an error while processing your request. Sorry about that!",
+                _ => "An internal error has occurred. Please retry or report in https://developers.generativeai.google/guide/troubleshooting",
+            };
+            return Ok(error_reply(&state, proto::error(req.api, 500, msg)));
+        }
+        Some(Fault::E503) => {
+            sleep_ms(fixed).await;
+            let msg = match req.api {
+                Api::OpenAi => "The engine is currently overloaded, please try again later.",
+                _ => "The model is overloaded. Please try again later.",
+            };
+            return Ok(error_reply(&state, proto::error(req.api, 503, msg)));
+        }
+        Some(Fault::Reset) => {
+            sleep_ms(fixed).await;
+            return Err(reset());
+        }
+        Some(Fault::Hang) => {
+            tokio::time::sleep(Duration::from_secs_f64(cfg.faults.hang_secs)).await;
+            drop(guard);
+            return Err(reset());
+        }
+        Some(Fault::Malformed) => {
+            sleep_ms(fixed).await;
+            return Ok(full(
+                200,
+                &limit_headers,
+                "application/json; charset=UTF-8",
+                r#"{"candidates": [{"content": {"parts": [{"text": "unterminated"#,
+            ));
+        }
+        Some(Fault::BlockPrompt) => match req.api {
+            Api::Gemini | Api::Vertex => ending = Ending::BlockPrompt,
+            _ => {
+                sleep_ms(fixed).await;
+                let mut e = proto::error(req.api, 400, "The response was filtered due to the prompt triggering content management policy. Please modify your prompt and retry.");
+                if req.api == Api::OpenAi {
+                    e.body["error"]["code"] = json!("content_filter");
+                    e.body["error"]["param"] = json!("prompt");
+                }
+                return Ok(error_reply(&state, e));
+            }
+        },
+        Some(Fault::BlockCandidate) => ending = Ending::BlockCandidate,
+        Some(Fault::Truncate) | None => {}
+    }
+
+    if let Some(framing) = req.stream {
+        state.stats.stream();
+        let truncate = fault == Some(Fault::Truncate);
+        return Ok(stream_reply(
+            state.clone(),
+            req,
+            gens.into_iter().next().unwrap_or_else(|| generate(0, 1, 1, None, 0.0)),
+            prompt_tokens,
+            ending,
+            framing,
+            truncate,
+            fixed,
+            per_token,
+            id,
+            limit_headers,
+            guard,
+        ));
+    }
+
+    let emitted = if ending == Ending::Normal { out_tokens } else { 0 };
+    sleep_ms(fixed + per_token * emitted as f64).await;
+    let created = unix_now();
+    let body = match req.api {
+        Api::Gemini | Api::Vertex => proto::gemini_response(&req.model, &id, first, prompt_tokens, ending),
+        Api::OpenAi => proto::openai_response(&req.model, &id, created, first, prompt_tokens, ending),
+        Api::Predict => proto::predict_response(&req, &gens, created, &id),
+    };
+    state.stats.success(prompt_tokens, emitted);
+    drop(guard);
+    Ok(json_reply(200, &limit_headers, &body))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn stream_reply(
+    state: Arc<State>,
+    req: SimRequest,
+    gen: Generation,
+    prompt_tokens: u64,
+    ending: Ending,
+    framing: StreamFraming,
+    truncate: bool,
+    fixed_ms: f64,
+    per_token_ms: f64,
+    id: String,
+    headers: Vec<(&'static str, String)>,
+    guard: crate::stats::InFlight,
+) -> Response<Body> {
+    let (tx, rx) = mpsc::channel::<Result<Frame<Bytes>, io::Error>>(8);
+    let chunk = state.config.output.stream_chunk_tokens as usize;
+    tokio::spawn(async move {
+        let _guard = guard;
+        let created = unix_now();
+        let model = req.model.clone();
+        let mut events: Vec<Value> = Vec::new();
+        let tokens = if ending == Ending::Normal { gen.tokens.len() } else { 0 };
+        // Build the events first; send them over time.
+        match req.api {
+            Api::OpenAi => {
+                let iu = req.include_usage;
+                events.push(proto::openai_chunk(
+                    &model,
+                    &id,
+                    created,
+                    json!({"role": "assistant", "content": "", "refusal": null}),
+                    None,
+                    iu,
+                ));
+                for piece in gen.tokens[..tokens].chunks(chunk) {
+                    events.push(proto::openai_chunk(
+                        &model,
+                        &id,
+                        created,
+                        json!({"content": piece.concat()}),
+                        None,
+                        iu,
+                    ));
+                }
+                let finish = match ending {
+                    Ending::BlockCandidate => "content_filter",
+                    _ if gen.truncated_by_limit => "length",
+                    _ => "stop",
+                };
+                events.push(proto::openai_chunk(&model, &id, created, json!({}), Some(finish), iu));
+                if iu {
+                    events.push(proto::openai_usage_chunk(&model, &id, created, prompt_tokens, tokens as u64));
+                }
+            }
+            _ => match ending {
+                Ending::Normal => {
+                    let pieces: Vec<String> = gen.tokens.chunks(chunk).map(|p| p.concat()).collect();
+                    let last = pieces.len().saturating_sub(1);
+                    let reason = if gen.truncated_by_limit { "MAX_TOKENS" } else { "STOP" };
+                    for (i, p) in pieces.iter().enumerate() {
+                        let finish = (i == last).then_some((reason, tokens as u64));
+                        events.push(proto::gemini_chunk(&model, &id, p, prompt_tokens, finish));
+                    }
+                }
+                _ => events.push(proto::gemini_response(&model, &id, &gen, prompt_tokens, ending)),
+            },
+        }
+        // A truncated stream stops half-way, before any final event.
+        let cut = if truncate { (events.len() / 2).max(1) } else { events.len() };
+        let encode = |i: usize, v: &Value| -> Bytes {
+            let s = serde_json::to_string(v).unwrap_or_default();
+            match framing {
+                StreamFraming::Sse => Bytes::from(format!("data: {s}\r\n\r\n")),
+                StreamFraming::JsonArray => Bytes::from(format!("{}{s}", if i == 0 { "[" } else { ",\r\n" })),
+            }
+        };
+        sleep_ms(fixed_ms).await;
+        let content_events = events.len();
+        for (i, ev) in events.iter().enumerate().take(cut) {
+            if i > 0 && i < content_events && per_token_ms > 0.0 {
+                sleep_ms(per_token_ms * chunk as f64).await;
+            }
+            if tx.send(Ok(Frame::data(encode(i, ev)))).await.is_err() {
+                return;
+            }
+        }
+        if truncate {
+            let _ =
+                tx.send(Err(io::Error::new(io::ErrorKind::UnexpectedEof, "weir-sim: injected truncated stream"))).await;
+            return;
+        }
+        let tail = match (req.api, framing) {
+            (Api::OpenAi, _) => Some("data: [DONE]\r\n\r\n"),
+            (_, StreamFraming::JsonArray) => Some("]"),
+            _ => None,
+        };
+        if let Some(t) = tail {
+            if tx.send(Ok(Frame::data(Bytes::from_static(t.as_bytes())))).await.is_err() {
+                return;
+            }
+        }
+        state.stats.success(prompt_tokens, tokens as u64);
+    });
+    let stream = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|item| (item, rx)) });
+    let content_type = match framing {
+        StreamFraming::Sse => "text/event-stream",
+        StreamFraming::JsonArray => "application/json; charset=UTF-8",
+    };
+    let mut builder = Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, content_type)
+        .header(header::CACHE_CONTROL, "no-cache");
+    for (k, v) in &headers {
+        builder = builder.header(*k, v.as_str());
+    }
+    builder.body(BodyExt::boxed(StreamBody::new(stream))).expect("static response parts are valid")
+}

@@ -1,0 +1,80 @@
+//! The `weir` binary: parses the command line, wires the library crates together and maps the
+//! outcome to an exit status. Everything that does work lives in the library crates.
+
+mod sim_cmd;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+/// Run LLM inference over datasets at the endpoint's quota, never losing a record.
+#[derive(Debug, Parser)]
+#[command(name = "weir", version, about, propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Serve a simulated LLM endpoint (Gemini, Vertex AI, OpenAI wire formats) with quotas,
+    /// latency and injected faults.
+    Sim(sim_cmd::SimArgs),
+}
+
+/// Exit statuses: 0 success, 1 some records failed, 2 usage or configuration error, 3 fatal.
+pub(crate) mod exit {
+    pub const USAGE: u8 = 2;
+    pub const FATAL: u8 = 3;
+}
+
+/// An error that maps to exit status 2: the user must change the command or the config.
+#[derive(Debug)]
+pub(crate) struct UsageError(pub String);
+
+impl std::fmt::Display for UsageError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for UsageError {}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            let _ = e.print();
+            return ExitCode::from(if e.use_stderr() { exit::USAGE } else { 0 });
+        }
+    };
+    init_logging();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("weir: cannot start the async runtime: {e}");
+            return ExitCode::from(exit::FATAL);
+        }
+    };
+    let result = runtime.block_on(async {
+        match cli.command {
+            Command::Sim(args) => sim_cmd::run(args).await,
+        }
+    });
+    match result {
+        Ok(code) => ExitCode::from(code),
+        Err(err) => {
+            let usage = err.downcast_ref::<UsageError>().is_some();
+            eprintln!("weir: error: {err}");
+            for cause in err.chain().skip(1) {
+                eprintln!("  caused by: {cause}");
+            }
+            ExitCode::from(if usage { exit::USAGE } else { exit::FATAL })
+        }
+    }
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("WEIR_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).init();
+}
