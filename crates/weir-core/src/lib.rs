@@ -1,1 +1,27 @@
-//! weir-core
+//! weir-core: the engine of weir, independent of any provider or file format.
+//!
+//! A [`Record`] is parsed from an input row by a [`RecordSpec`]; the [`Driver`] takes it
+//! through a [`ModelHandler`] (a provider client) under a concurrency limit, a server-advised
+//! pause gate, a hard timeout and a [`RetryPolicy`], to exactly one [`Outcome`].
+
+#![warn(missing_docs)]
+
+pub mod driver;
+pub mod error;
+pub mod handler;
+pub mod limit;
+pub mod metrics;
+pub mod outcome;
+pub mod params;
+pub mod record;
+pub mod retry;
+
+pub use driver::{Driver, DriverSettings, StopReason};
+pub use error::{ErrorKind, ModelError, RetryHint};
+pub use handler::{ModelHandler, ModelRequest};
+pub use limit::{CallResult, ConcurrencyLimit, FixedLimit, Gate};
+pub use metrics::RunMetrics;
+pub use outcome::{Failure, ModelResponse, Outcome, Success, Usage};
+pub use params::{GenParams, ParamError};
+pub use record::{PromptSource, Record, RecordSpec, Template, TemplateError};
+pub use retry::{Decision, RetryPolicy};

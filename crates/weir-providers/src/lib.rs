@@ -1,1 +1,204 @@
-//! weir-providers
+//! weir-providers: clients of the model endpoints weir talks to.
+//!
+//! A model is named `provider/model`, the convention of LiteLLM:
+//! - `openai/<model>`: any OpenAI-compatible server (`--base-url` or `OPENAI_BASE_URL`; key from
+//!   `OPENAI_API_KEY`, optional for local servers);
+//! - `gemini/<model>`: the Gemini API (key from `GEMINI_API_KEY` or `GOOGLE_API_KEY`;
+//!   `--base-url` replaces the host);
+//! - `sim/<name>`: a simulator started in-process on loopback; no key, no network.
+//!
+//! Each client classifies its provider's errors once, into `weir_core::ModelError`s with a kind
+//! and a retry hint; the engine never looks at a status code.
+
+#![warn(missing_docs)]
+
+pub mod gemini;
+pub mod http;
+pub mod openai;
+
+use std::str::FromStr;
+use std::sync::Arc;
+use weir_core::ModelHandler;
+use weir_sim::{SimConfig, SimServer};
+
+pub use gemini::GeminiHandler;
+pub use http::Secret;
+pub use openai::OpenAiHandler;
+
+/// A provider that cannot be set up as asked; the message says what to fix.
+#[derive(Debug, thiserror::Error)]
+pub enum ProviderError {
+    /// The model name, base URL or credentials are wrong or missing (a usage error).
+    #[error("{0}")]
+    Config(String),
+    /// The in-process simulator could not start.
+    #[error("cannot start the simulator: {0}")]
+    Start(String),
+}
+
+/// Which provider a model id names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Provider {
+    /// Any OpenAI-compatible server.
+    OpenAi,
+    /// The Gemini API.
+    Gemini,
+    /// The in-process simulator.
+    Sim,
+}
+
+/// A parsed `provider/model`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelSpec {
+    /// The provider.
+    pub provider: Provider,
+    /// The model name as the provider knows it (may contain `/`).
+    pub model: String,
+}
+
+impl FromStr for ModelSpec {
+    type Err = ProviderError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let usage = || {
+            ProviderError::Config(format!(
+                "--model {s}: expected provider/model, e.g. sim/demo, openai/gpt-4o-mini, gemini/gemini-2.5-flash"
+            ))
+        };
+        let (provider, model) = s.split_once('/').ok_or_else(usage)?;
+        if model.trim().is_empty() {
+            return Err(usage());
+        }
+        let provider = match provider {
+            "openai" => Provider::OpenAi,
+            "gemini" => Provider::Gemini,
+            "sim" => Provider::Sim,
+            other => {
+                return Err(ProviderError::Config(format!(
+                    "--model {s}: unknown provider '{other}'; known providers: openai, gemini, sim"
+                )))
+            }
+        };
+        Ok(Self { provider, model: model.to_string() })
+    }
+}
+
+impl std::fmt::Display for ModelSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let p = match self.provider {
+            Provider::OpenAi => "openai",
+            Provider::Gemini => "gemini",
+            Provider::Sim => "sim",
+        };
+        write!(f, "{p}/{}", self.model)
+    }
+}
+
+/// Options that shape the connection.
+#[derive(Debug, Clone, Default)]
+pub struct ProviderOptions {
+    /// Replaces the provider's default base URL.
+    pub base_url: Option<String>,
+    /// Scenario of the in-process simulator (`sim/…` only); default: fast and fault-free.
+    pub sim_config: Option<SimConfig>,
+}
+
+/// A connected provider: the handler, and the simulator it runs, if any.
+pub struct Endpoint {
+    /// The client.
+    pub handler: Arc<dyn ModelHandler>,
+    /// The in-process simulator behind `sim/…` models; shut it down after the run.
+    pub sim: Option<SimServer>,
+}
+
+fn loopback(url: &reqwest::Url) -> bool {
+    match url.host() {
+        Some(url::Host::Domain(d)) => d == "localhost",
+        Some(url::Host::Ipv4(ip)) => ip.is_loopback(),
+        Some(url::Host::Ipv6(ip)) => ip.is_loopback(),
+        None => false,
+    }
+}
+
+/// Sets up the client for `spec`. `env` reads environment variables (injected for tests).
+pub async fn connect(
+    spec: &ModelSpec,
+    options: &ProviderOptions,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<Endpoint, ProviderError> {
+    let client = http::client()?;
+    let nonempty = |k: &str| env(k).filter(|v| !v.trim().is_empty());
+    match spec.provider {
+        Provider::OpenAi => {
+            let base = options
+                .base_url
+                .clone()
+                .or_else(|| nonempty("OPENAI_BASE_URL"))
+                .unwrap_or_else(|| "https://api.openai.com/v1".into());
+            let base = http::check_base_url(&base)?;
+            let key = nonempty("OPENAI_API_KEY").map(Secret::new);
+            if key.is_none() && base.host_str() == Some("api.openai.com") {
+                return Err(ProviderError::Config(
+                    "openai: set OPENAI_API_KEY, or point --base-url at your OpenAI-compatible server".into(),
+                ));
+            }
+            Ok(Endpoint { handler: Arc::new(OpenAiHandler::new(client, &base, &spec.model, key)), sim: None })
+        }
+        Provider::Gemini => {
+            let base = options.base_url.clone().unwrap_or_else(|| "https://generativelanguage.googleapis.com".into());
+            let base = http::check_base_url(&base)?;
+            let key = nonempty("GEMINI_API_KEY").or_else(|| nonempty("GOOGLE_API_KEY")).map(Secret::new);
+            if key.is_none() && !loopback(&base) {
+                return Err(ProviderError::Config(
+                    "gemini: set GEMINI_API_KEY (or GOOGLE_API_KEY) to your Gemini API key".into(),
+                ));
+            }
+            let handler = GeminiHandler::new(client, &base, &spec.model, key, spec.to_string());
+            Ok(Endpoint { handler: Arc::new(handler), sim: None })
+        }
+        Provider::Sim => {
+            if options.base_url.is_some() {
+                return Err(ProviderError::Config("--base-url does not apply to sim/ models; to use a running `weir sim`, use gemini/<model> or openai/<model> with --base-url".into()));
+            }
+            let config = options.sim_config.clone().unwrap_or_default();
+            let sim = SimServer::start(config, ([127, 0, 0, 1], 0).into())
+                .await
+                .map_err(|e| ProviderError::Start(e.to_string()))?;
+            let base = reqwest::Url::parse(&sim.url()).map_err(|e| ProviderError::Start(e.to_string()))?;
+            let handler =
+                GeminiHandler::new(client, &base, &spec.model, Some(Secret::new("sim".into())), spec.to_string());
+            Ok(Endpoint { handler: Arc::new(handler), sim: Some(sim) })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn model_specs() {
+        let s: ModelSpec = "openai/meta-llama/Llama-3.1-8B".parse().unwrap();
+        assert_eq!((s.provider, s.model.as_str()), (Provider::OpenAi, "meta-llama/Llama-3.1-8B"));
+        assert_eq!(s.to_string(), "openai/meta-llama/Llama-3.1-8B");
+        assert!("gpt-4".parse::<ModelSpec>().is_err());
+        assert!("anthropic/claude".parse::<ModelSpec>().unwrap_err().to_string().contains("unknown provider"));
+        assert!("sim/".parse::<ModelSpec>().is_err());
+    }
+
+    #[tokio::test]
+    async fn credentials_are_required_off_loopback() {
+        let none = |_: &str| None;
+        let gemini: ModelSpec = "gemini/gemini-2.5-flash".parse().unwrap();
+        let e = connect(&gemini, &ProviderOptions::default(), &none).await.err().unwrap();
+        assert!(e.to_string().contains("GEMINI_API_KEY"));
+        let key = |k: &str| (k == "GOOGLE_API_KEY").then(|| "abc".to_string());
+        assert!(connect(&gemini, &ProviderOptions::default(), &key).await.is_ok());
+        let openai: ModelSpec = "openai/gpt-4o-mini".parse().unwrap();
+        assert!(connect(&openai, &ProviderOptions::default(), &none).await.is_err());
+        let local = ProviderOptions { base_url: Some("http://127.0.0.1:9/v1".into()), ..Default::default() };
+        assert!(connect(&openai, &local, &none).await.is_ok());
+        let remote_http = ProviderOptions { base_url: Some("http://example.com/v1".into()), ..Default::default() };
+        assert!(connect(&openai, &remote_http, &none).await.is_err());
+    }
+}

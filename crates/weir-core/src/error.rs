@@ -1,0 +1,141 @@
+//! Errors of a model call, classified once, where the provider's answer is understood.
+//!
+//! Every failure carries a [`ErrorKind`] (what went wrong, written to the errors file) and a
+//! [`RetryHint`] (what the provider's answer says about trying again, including any delay it
+//! advised). The retry policy reads the hint; it never re-parses status codes or bodies.
+
+use serde::Serialize;
+use std::time::Duration;
+
+/// What went wrong with a record. The snake-case name is what the errors file shows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, PartialOrd, Ord)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorKind {
+    /// The input row cannot be turned into a request (bad JSON, missing field, duplicate id).
+    InvalidInput,
+    /// The provider's safety system blocked the prompt or the answer.
+    Blocked,
+    /// Too many requests or tokens (HTTP 429), or an overloaded server asked to slow down.
+    RateLimited,
+    /// A quota that will not come back soon (per-day, or billing) is spent.
+    QuotaExhausted,
+    /// The server failed (HTTP 5xx).
+    Server,
+    /// No answer within the request timeout.
+    Timeout,
+    /// The connection failed or broke (refused, reset, stream cut short).
+    Transport,
+    /// The answer could not be understood.
+    MalformedResponse,
+    /// The provider rejected the request as invalid (HTTP 400, 404, 422).
+    BadRequest,
+    /// Credentials missing or rejected (HTTP 401, 403).
+    Auth,
+    /// The run stopped before this record was tried (after a fatal error or an interrupt).
+    Aborted,
+}
+
+impl ErrorKind {
+    /// The name used in the errors file and the summary.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorKind::InvalidInput => "invalid_input",
+            ErrorKind::Blocked => "blocked",
+            ErrorKind::RateLimited => "rate_limited",
+            ErrorKind::QuotaExhausted => "quota_exhausted",
+            ErrorKind::Server => "server",
+            ErrorKind::Timeout => "timeout",
+            ErrorKind::Transport => "transport",
+            ErrorKind::MalformedResponse => "malformed_response",
+            ErrorKind::BadRequest => "bad_request",
+            ErrorKind::Auth => "auth",
+            ErrorKind::Aborted => "aborted",
+        }
+    }
+
+    /// Whether a later run may succeed where this one failed (used by `--retry-errors`).
+    pub fn is_transient(self) -> bool {
+        matches!(
+            self,
+            ErrorKind::RateLimited
+                | ErrorKind::QuotaExhausted
+                | ErrorKind::Server
+                | ErrorKind::Timeout
+                | ErrorKind::Transport
+                | ErrorKind::MalformedResponse
+                | ErrorKind::Aborted
+        )
+    }
+}
+
+impl std::fmt::Display for ErrorKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What the provider's answer says about trying again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RetryHint {
+    /// A transient failure: retry with exponential backoff.
+    Backoff,
+    /// The server asked to slow down; retry no sooner than the advised delay, when it gave one.
+    Later(Option<Duration>),
+    /// Retrying the same request cannot help.
+    Never,
+    /// Retrying cannot help and no other record will fare better: stop the run.
+    StopRun,
+}
+
+/// A failed model call.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{kind}: {message}")]
+pub struct ModelError {
+    /// What went wrong.
+    pub kind: ErrorKind,
+    /// What the answer says about retrying.
+    pub hint: RetryHint,
+    /// A human-readable explanation (never containing secrets).
+    pub message: String,
+    /// The HTTP status, when there was one.
+    pub status: Option<u16>,
+}
+
+impl ModelError {
+    /// An error of `kind` with the hint that kind usually implies.
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        let hint = match kind {
+            ErrorKind::RateLimited => RetryHint::Later(None),
+            ErrorKind::Server | ErrorKind::Timeout | ErrorKind::Transport | ErrorKind::MalformedResponse => {
+                RetryHint::Backoff
+            }
+            ErrorKind::QuotaExhausted => RetryHint::StopRun,
+            ErrorKind::InvalidInput
+            | ErrorKind::Blocked
+            | ErrorKind::BadRequest
+            | ErrorKind::Auth
+            | ErrorKind::Aborted => RetryHint::Never,
+        };
+        Self { kind, hint, message: message.into(), status: None }
+    }
+
+    /// Sets the HTTP status.
+    pub fn with_status(mut self, status: u16) -> Self {
+        self.status = Some(status);
+        self
+    }
+
+    /// Replaces the retry hint.
+    pub fn with_hint(mut self, hint: RetryHint) -> Self {
+        self.hint = hint;
+        self
+    }
+
+    /// The delay the server advised, if any.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self.hint {
+            RetryHint::Later(d) => d,
+            _ => None,
+        }
+    }
+}

@@ -1,0 +1,79 @@
+//! Outcomes: every input record ends in exactly one, a success or a failure.
+
+use serde::Serialize;
+use serde_json::{Map, Value};
+use std::time::Duration;
+
+use crate::error::ModelError;
+use crate::record::Record;
+
+/// Token usage as the provider reported it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Usage {
+    /// Tokens of the prompt (system text included).
+    pub prompt_tokens: u64,
+    /// Tokens generated.
+    pub output_tokens: u64,
+    /// What the provider billed in all (may include thinking tokens).
+    pub total_tokens: u64,
+}
+
+/// A model's answer to one request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelResponse {
+    /// The generated text.
+    pub text: String,
+    /// Why generation stopped, normalised: `stop`, `length`, or the provider's own value in
+    /// lower case.
+    pub finish_reason: String,
+    /// Token usage.
+    pub usage: Usage,
+    /// The model version that answered, when the provider says.
+    pub model_version: Option<String>,
+}
+
+/// A record that got an answer.
+#[derive(Debug, Clone)]
+pub struct Success {
+    /// The record.
+    pub record: Record,
+    /// The answer.
+    pub response: ModelResponse,
+    /// Calls made, the successful one included.
+    pub attempts: u32,
+    /// Time from the first attempt to the answer, backoff included.
+    pub latency: Duration,
+}
+
+/// A record that ended in failure; written to the errors file with enough to retry it.
+#[derive(Debug, Clone)]
+pub struct Failure {
+    /// The record's id, when it could be read.
+    pub id: Option<String>,
+    /// 1-based input line.
+    pub line: u64,
+    /// The input object, when the line parsed.
+    pub input: Option<Map<String, Value>>,
+    /// The raw line, when it did not parse.
+    pub raw: Option<String>,
+    /// What went wrong (the last error, after any retries).
+    pub error: ModelError,
+    /// Calls made (0 for invalid input).
+    pub attempts: u32,
+}
+
+impl Failure {
+    /// A failure of a parsed record.
+    pub fn of(record: Record, error: ModelError, attempts: u32) -> Self {
+        Self { id: Some(record.id), line: record.line, input: Some(record.input), raw: None, error, attempts }
+    }
+}
+
+/// The end of one record.
+#[derive(Debug, Clone)]
+pub enum Outcome {
+    /// It got an answer.
+    Success(Box<Success>),
+    /// It failed for good.
+    Failure(Box<Failure>),
+}

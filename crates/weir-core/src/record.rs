@@ -1,0 +1,266 @@
+//! Records: turning an input row into a request, or into an error row that names its line.
+
+use serde_json::{Map, Value};
+
+use crate::error::{ErrorKind, ModelError};
+use crate::outcome::Failure;
+
+/// One input row that parsed: its id, the prompt built from it, and its fields for passthrough.
+#[derive(Debug, Clone)]
+pub struct Record {
+    /// Stable id: the `--id-field` value, else the line number.
+    pub id: String,
+    /// 1-based line number in the input.
+    pub line: u64,
+    /// The prompt text.
+    pub prompt: String,
+    /// The input object, carried to the output untouched.
+    pub input: Map<String, Value>,
+}
+
+/// A prompt template: literal text with `{field}` placeholders; `{{` and `}}` are literal braces.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Template {
+    pieces: Vec<Piece>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Piece {
+    Text(String),
+    Field(String),
+}
+
+/// A template that cannot be used.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("--template: {0}")]
+pub struct TemplateError(String);
+
+impl Template {
+    /// Parses a template, rejecting unbalanced braces and empty field names.
+    pub fn parse(text: &str) -> Result<Self, TemplateError> {
+        let mut pieces = Vec::new();
+        let mut lit = String::new();
+        let mut chars = text.chars().peekable();
+        while let Some(c) = chars.next() {
+            match c {
+                '{' if chars.peek() == Some(&'{') => {
+                    chars.next();
+                    lit.push('{');
+                }
+                '}' if chars.peek() == Some(&'}') => {
+                    chars.next();
+                    lit.push('}');
+                }
+                '{' => {
+                    let mut name = String::new();
+                    loop {
+                        match chars.next() {
+                            Some('}') => break,
+                            Some('{') | None => {
+                                return Err(TemplateError(format!(
+                                    "unclosed '{{' in {text:?}; write {{{{ for a literal brace"
+                                )))
+                            }
+                            Some(c) => name.push(c),
+                        }
+                    }
+                    let name = name.trim().to_string();
+                    if name.is_empty() {
+                        return Err(TemplateError(format!("empty field name '{{}}' in {text:?}")));
+                    }
+                    if !lit.is_empty() {
+                        pieces.push(Piece::Text(std::mem::take(&mut lit)));
+                    }
+                    pieces.push(Piece::Field(name));
+                }
+                '}' => {
+                    return Err(TemplateError(format!("unmatched '}}' in {text:?}; write }}}} for a literal brace")))
+                }
+                c => lit.push(c),
+            }
+        }
+        if !lit.is_empty() {
+            pieces.push(Piece::Text(lit));
+        }
+        if !pieces.iter().any(|p| matches!(p, Piece::Field(_))) {
+            return Err(TemplateError(format!("{text:?} names no {{field}}, so every prompt would be the same")));
+        }
+        Ok(Self { pieces })
+    }
+
+    /// Fills the template from a row. Strings are inserted as they are, other values as JSON.
+    pub fn render(&self, row: &Map<String, Value>) -> Result<String, String> {
+        let mut out = String::new();
+        for p in &self.pieces {
+            match p {
+                Piece::Text(t) => out.push_str(t),
+                Piece::Field(name) => match row.get(name) {
+                    Some(Value::String(s)) => out.push_str(s),
+                    Some(Value::Null) | None => {
+                        return Err(format!("field '{name}' used by the template is missing or null"))
+                    }
+                    Some(v) => out.push_str(&v.to_string()),
+                },
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Where a record's prompt comes from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PromptSource {
+    /// A string field of the row.
+    Field(String),
+    /// A template over the row's fields.
+    Template(Template),
+}
+
+/// How rows become records; built once from the command line.
+#[derive(Debug, Clone)]
+pub struct RecordSpec {
+    /// The field holding the id; `None` means the line number is the id.
+    pub id_field: Option<String>,
+    /// Where the prompt comes from.
+    pub prompt: PromptSource,
+}
+
+fn invalid(
+    line: u64,
+    id: Option<String>,
+    input: Option<Map<String, Value>>,
+    raw: Option<String>,
+    msg: String,
+) -> Box<Failure> {
+    Box::new(Failure { id, line, input, raw, error: ModelError::new(ErrorKind::InvalidInput, msg), attempts: 0 })
+}
+
+impl RecordSpec {
+    /// Parses one input line (without its newline). Bad input becomes an `invalid_input`
+    /// failure that names the line and keeps the raw text, so nothing is lost.
+    pub fn parse(&self, line: u64, bytes: &[u8]) -> Result<Record, Box<Failure>> {
+        let bytes = bytes.strip_suffix(b"\r").unwrap_or(bytes);
+        let text = match std::str::from_utf8(bytes) {
+            Ok(t) => t,
+            Err(e) => {
+                let raw = String::from_utf8_lossy(bytes).into_owned();
+                return Err(invalid(line, None, None, Some(raw), format!("line {line} is not valid UTF-8 ({e})")));
+            }
+        };
+        let value: Value = match serde_json::from_str(text) {
+            Ok(v) => v,
+            Err(e) => {
+                return Err(invalid(
+                    line,
+                    None,
+                    None,
+                    Some(text.to_string()),
+                    format!("line {line} is not valid JSON: {e}"),
+                ))
+            }
+        };
+        let Value::Object(input) = value else {
+            return Err(invalid(line, None, None, Some(text.to_string()), format!("line {line} is not a JSON object")));
+        };
+        let id = match &self.id_field {
+            None => line.to_string(),
+            Some(f) => match input.get(f) {
+                Some(Value::String(s)) if !s.is_empty() => s.clone(),
+                Some(v @ Value::Number(_)) => v.to_string(),
+                _ => {
+                    return Err(invalid(
+                        line,
+                        None,
+                        Some(input),
+                        None,
+                        format!("line {line}: id field '{f}' is missing, empty or not a string or number"),
+                    ))
+                }
+            },
+        };
+        let prompt = match &self.prompt {
+            PromptSource::Field(f) => match input.get(f) {
+                Some(Value::String(s)) => s.clone(),
+                Some(Value::Null) | None => {
+                    return Err(invalid(
+                        line,
+                        Some(id),
+                        Some(input),
+                        None,
+                        format!("line {line}: prompt field '{f}' is missing"),
+                    ))
+                }
+                Some(_) => {
+                    return Err(invalid(
+                        line,
+                        Some(id),
+                        Some(input),
+                        None,
+                        format!("line {line}: prompt field '{f}' is not a string"),
+                    ))
+                }
+            },
+            PromptSource::Template(t) => match t.render(&input) {
+                Ok(p) => p,
+                Err(msg) => return Err(invalid(line, Some(id), Some(input), None, format!("line {line}: {msg}"))),
+            },
+        };
+        if prompt.trim().is_empty() {
+            return Err(invalid(line, Some(id), Some(input), None, format!("line {line}: the prompt is empty")));
+        }
+        Ok(Record { id, line, prompt, input })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(id: Option<&str>) -> RecordSpec {
+        RecordSpec { id_field: id.map(str::to_string), prompt: PromptSource::Field("prompt".into()) }
+    }
+
+    #[test]
+    fn rows_become_records() {
+        let r = spec(None).parse(3, br#"{"prompt":"hi","x":1}"#).unwrap();
+        assert_eq!((r.id.as_str(), r.line, r.prompt.as_str()), ("3", 3, "hi"));
+        assert_eq!(r.input["x"], 1);
+        let r = spec(Some("key")).parse(1, br#"{"prompt":"hi","key":42}"#).unwrap();
+        assert_eq!(r.id, "42");
+    }
+
+    #[test]
+    fn bad_rows_become_invalid_input_naming_the_line() {
+        let s = spec(Some("key"));
+        for (bytes, needle) in [
+            (&b"{not json"[..], "not valid JSON"),
+            (b"[1,2]", "not a JSON object"),
+            (b"{\"key\":\"a\"}", "prompt field 'prompt' is missing"),
+            (b"{\"key\":\"a\",\"prompt\":5}", "not a string"),
+            (b"{\"prompt\":\"x\"}", "id field 'key'"),
+            (b"{\"key\":\"a\",\"prompt\":\"\xff\"}", "not valid UTF-8"),
+            (b"{\"key\":\"a\",\"prompt\":\"  \"}", "empty"),
+        ] {
+            let f = s.parse(7, bytes).unwrap_err();
+            assert_eq!(f.error.kind, ErrorKind::InvalidInput);
+            assert_eq!(f.line, 7);
+            assert!(f.error.message.contains("line 7"), "{}", f.error.message);
+            assert!(f.error.message.contains(needle), "{} should contain {needle}", f.error.message);
+            assert!(f.input.is_some() || f.raw.is_some(), "the row must be kept");
+        }
+    }
+
+    #[test]
+    fn templates() {
+        let t = Template::parse("Translate {text} to {lang}. {{literal}}").unwrap();
+        let row: Map<String, Value> = serde_json::from_str(r#"{"text":"hello","lang":"French"}"#).unwrap();
+        assert_eq!(t.render(&row).unwrap(), "Translate hello to French. {literal}");
+        let row: Map<String, Value> = serde_json::from_str(r#"{"text":"hello","lang":3}"#).unwrap();
+        assert_eq!(t.render(&row).unwrap(), "Translate hello to 3. {literal}");
+        assert!(t.render(&Map::new()).unwrap_err().contains("'text'"));
+        assert!(Template::parse("no fields").is_err());
+        assert!(Template::parse("bad {field").is_err());
+        assert!(Template::parse("bad } brace {f}").is_err());
+        assert!(Template::parse("{}").is_err());
+    }
+}

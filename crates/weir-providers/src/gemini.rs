@@ -1,0 +1,256 @@
+//! The Gemini API's `generateContent` (and the same body on Vertex AI, later).
+
+use serde_json::{json, Map, Value};
+use weir_core::{ErrorKind, GenParams, ModelError, ModelHandler, ModelRequest, ModelResponse, RetryHint, Usage};
+
+use crate::http::{clip, proto_duration, status_error, transport_error, Secret};
+
+/// A client of one Gemini model.
+#[derive(Debug)]
+pub struct GeminiHandler {
+    client: reqwest::Client,
+    url: String,
+    model_id: String,
+    key: Option<Secret>,
+}
+
+/// Finish reasons that mean the answer was withheld.
+const BLOCKED_FINISH: &[&str] = &[
+    "SAFETY",
+    "RECITATION",
+    "BLOCKLIST",
+    "PROHIBITED_CONTENT",
+    "SPII",
+    "IMAGE_SAFETY",
+    "LANGUAGE",
+    "IMAGE_PROHIBITED_CONTENT",
+];
+
+impl GeminiHandler {
+    /// `base` is the scheme and host (and optional path prefix) that `/v1beta/models/…` follows.
+    pub fn new(
+        client: reqwest::Client,
+        base: &reqwest::Url,
+        model: &str,
+        key: Option<Secret>,
+        model_id: String,
+    ) -> Self {
+        let url = format!("{}/v1beta/models/{model}:generateContent", base.as_str().trim_end_matches('/'));
+        Self { client, url, model_id, key }
+    }
+
+    /// The request body for `request`.
+    pub fn body(request: &ModelRequest) -> Value {
+        let mut body = Map::new();
+        body.insert("contents".into(), json!([{"role": "user", "parts": [{"text": request.prompt}]}]));
+        if let Some(system) = &request.system {
+            body.insert("systemInstruction".into(), json!({"parts": [{"text": &**system}]}));
+        }
+        let config = generation_config(&request.params);
+        if !config.is_empty() {
+            body.insert("generationConfig".into(), Value::Object(config));
+        }
+        Value::Object(body)
+    }
+}
+
+/// Maps provider-neutral parameters to Gemini's `generationConfig`.
+pub fn generation_config(p: &GenParams) -> Map<String, Value> {
+    let mut c = Map::new();
+    let mut put = |k: &str, v: Value| {
+        c.insert(k.to_string(), v);
+    };
+    if let Some(t) = p.temperature {
+        put("temperature", json!(t));
+    }
+    if let Some(t) = p.top_p {
+        put("topP", json!(t));
+    }
+    if let Some(k) = p.top_k {
+        put("topK", json!(k));
+    }
+    if let Some(m) = p.max_output_tokens {
+        put("maxOutputTokens", json!(m));
+    }
+    if let Some(s) = p.seed {
+        put("seed", json!(s));
+    }
+    if !p.stop.is_empty() {
+        put("stopSequences", json!(p.stop));
+    }
+    if let Some(x) = p.presence_penalty {
+        put("presencePenalty", json!(x));
+    }
+    if let Some(x) = p.frequency_penalty {
+        put("frequencyPenalty", json!(x));
+    }
+    if let Some(schema) = &p.response_schema {
+        put("responseMimeType", json!("application/json"));
+        put("responseJsonSchema", schema.clone());
+    } else if let Some(m) = &p.response_mime_type {
+        put("responseMimeType", json!(m));
+    }
+    c
+}
+
+/// Classifies a Google error answer (`google.rpc.Status` with details).
+pub fn classify_error(status: u16, headers: &reqwest::header::HeaderMap, body: &[u8]) -> ModelError {
+    let v: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+    let err = v.get("error").unwrap_or(&Value::Null);
+    let message = err
+        .get("message")
+        .and_then(Value::as_str)
+        .map(str::to_string)
+        .unwrap_or_else(|| String::from_utf8_lossy(body).into_owned());
+    let rpc_status = err.get("status").and_then(Value::as_str).unwrap_or("");
+    let mut e = status_error(status, headers, clip(&format!("HTTP {status} {rpc_status}: {message}")));
+    let details = err.get("details").and_then(Value::as_array).map(Vec::as_slice).unwrap_or(&[]);
+    let mut per_day = false;
+    for d in details {
+        match d.get("@type").and_then(Value::as_str).unwrap_or("") {
+            "type.googleapis.com/google.rpc.RetryInfo" => {
+                if let Some(delay) = d.get("retryDelay").and_then(Value::as_str).and_then(proto_duration) {
+                    if matches!(e.hint, RetryHint::Later(_) | RetryHint::Backoff) {
+                        e.hint = RetryHint::Later(Some(delay));
+                    }
+                }
+            }
+            "type.googleapis.com/google.rpc.QuotaFailure" => {
+                let violations = d.get("violations").and_then(Value::as_array).map(Vec::as_slice).unwrap_or(&[]);
+                per_day |= violations
+                    .iter()
+                    .any(|v| v.get("quotaId").and_then(Value::as_str).is_some_and(|id| id.contains("PerDay")));
+            }
+            "type.googleapis.com/google.rpc.ErrorInfo" => {
+                if d.get("reason").and_then(Value::as_str) == Some("API_KEY_INVALID") {
+                    e.kind = ErrorKind::Auth;
+                    e.hint = RetryHint::Never;
+                }
+            }
+            _ => {}
+        }
+    }
+    if status == 429 && per_day {
+        e.kind = ErrorKind::QuotaExhausted;
+        e.hint = RetryHint::StopRun;
+        e.message = clip(&format!("the per-day quota is spent; it resets at the end of the quota day: {message}"));
+    }
+    e
+}
+
+/// Parses a `GenerateContentResponse`. A blocked prompt (no candidates) or a withheld answer
+/// (no content, a safety finish reason) is a `blocked` error with the reason, never an empty
+/// answer.
+pub fn parse_response(body: &[u8]) -> Result<ModelResponse, ModelError> {
+    let v: Value = serde_json::from_slice(body)
+        .map_err(|e| ModelError::new(ErrorKind::MalformedResponse, format!("the answer is not JSON: {e}")))?;
+    let candidate = v.get("candidates").and_then(|c| c.get(0));
+    let Some(candidate) = candidate else {
+        let feedback = v.get("promptFeedback");
+        let reason = feedback.and_then(|f| f.get("blockReason")).and_then(Value::as_str);
+        let detail = feedback.and_then(|f| f.get("blockReasonMessage")).and_then(Value::as_str).unwrap_or("");
+        let msg = match reason {
+            Some(r) => format!("the prompt was blocked (blockReason {r}) {detail}"),
+            None => "the answer has no candidates and no blockReason".to_string(),
+        };
+        return Err(ModelError::new(ErrorKind::Blocked, msg.trim().to_string()));
+    };
+    let finish = candidate.get("finishReason").and_then(Value::as_str).unwrap_or("FINISH_REASON_UNSPECIFIED");
+    if BLOCKED_FINISH.contains(&finish) {
+        return Err(ModelError::new(ErrorKind::Blocked, format!("the answer was withheld (finishReason {finish})")));
+    }
+    let mut text = String::new();
+    if let Some(parts) = candidate.pointer("/content/parts").and_then(Value::as_array) {
+        for p in parts {
+            if p.get("thought").and_then(Value::as_bool) == Some(true) {
+                continue;
+            }
+            if let Some(t) = p.get("text").and_then(Value::as_str) {
+                text.push_str(t);
+            }
+        }
+    }
+    let u = v.get("usageMetadata");
+    let n = |k: &str| u.and_then(|u| u.get(k)).and_then(Value::as_u64).unwrap_or(0);
+    let usage = Usage {
+        prompt_tokens: n("promptTokenCount"),
+        output_tokens: n("candidatesTokenCount"),
+        total_tokens: n("totalTokenCount"),
+    };
+    let finish_reason = match finish {
+        "STOP" => "stop".to_string(),
+        "MAX_TOKENS" => "length".to_string(),
+        other => other.to_ascii_lowercase(),
+    };
+    Ok(ModelResponse {
+        text,
+        finish_reason,
+        usage,
+        model_version: v.get("modelVersion").and_then(Value::as_str).map(str::to_string),
+    })
+}
+
+#[async_trait::async_trait]
+impl ModelHandler for GeminiHandler {
+    async fn generate(&self, request: &ModelRequest) -> Result<ModelResponse, ModelError> {
+        let body = serde_json::to_vec(&Self::body(request))
+            .map_err(|e| ModelError::new(ErrorKind::InvalidInput, e.to_string()))?;
+        let mut req = self.client.post(&self.url).header(reqwest::header::CONTENT_TYPE, "application/json").body(body);
+        if let Some(key) = &self.key {
+            req = req.header("x-goog-api-key", key.expose());
+        }
+        let resp = req.send().await.map_err(|e| transport_error(&e))?;
+        let status = resp.status().as_u16();
+        let headers = resp.headers().clone();
+        let bytes = resp.bytes().await.map_err(|e| transport_error(&e))?;
+        if status != 200 {
+            return Err(classify_error(status, &headers, &bytes));
+        }
+        parse_response(&bytes)
+    }
+
+    fn model_id(&self) -> &str {
+        &self.model_id
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use reqwest::header::HeaderMap;
+    use std::time::Duration;
+
+    #[test]
+    fn blocks_are_blocked_errors() {
+        let e =
+            parse_response(br#"{"promptFeedback":{"blockReason":"SAFETY"},"usageMetadata":{"promptTokenCount":3}}"#)
+                .unwrap_err();
+        assert_eq!(e.kind, ErrorKind::Blocked);
+        assert!(e.message.contains("SAFETY"));
+        let e = parse_response(br#"{"candidates":[{"finishReason":"SAFETY","index":0}]}"#).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::Blocked);
+        assert_eq!(parse_response(br#"{"candidates":[]}"#).unwrap_err().kind, ErrorKind::Blocked);
+    }
+
+    #[test]
+    fn parses_text_usage_and_finish() {
+        let r = parse_response(br#"{"candidates":[{"content":{"parts":[{"text":"think","thought":true},{"text":"a"},{"text":"b"}]},"finishReason":"MAX_TOKENS"}],"usageMetadata":{"promptTokenCount":2,"candidatesTokenCount":5,"totalTokenCount":9}}"#).unwrap();
+        assert_eq!(r.text, "ab");
+        assert_eq!(r.finish_reason, "length");
+        assert_eq!(r.usage, Usage { prompt_tokens: 2, output_tokens: 5, total_tokens: 9 });
+    }
+
+    #[test]
+    fn quota_errors_carry_the_advised_delay_and_tell_per_day_apart() {
+        let h = HeaderMap::new();
+        let per_minute = br#"{"error":{"code":429,"status":"RESOURCE_EXHAUSTED","message":"quota","details":[{"@type":"type.googleapis.com/google.rpc.QuotaFailure","violations":[{"quotaId":"GenerateRequestsPerMinutePerProjectPerModel-FreeTier"}]},{"@type":"type.googleapis.com/google.rpc.RetryInfo","retryDelay":"26s"}]}}"#;
+        let e = classify_error(429, &h, per_minute);
+        assert_eq!(e.kind, ErrorKind::RateLimited);
+        assert_eq!(e.hint, RetryHint::Later(Some(Duration::from_secs(26))));
+        let per_day = br#"{"error":{"code":429,"status":"RESOURCE_EXHAUSTED","message":"quota","details":[{"@type":"type.googleapis.com/google.rpc.QuotaFailure","violations":[{"quotaId":"GenerateRequestsPerDayPerProjectPerModel-FreeTier"}]},{"@type":"type.googleapis.com/google.rpc.RetryInfo","retryDelay":"3600s"}]}}"#;
+        let e = classify_error(429, &h, per_day);
+        assert_eq!((e.kind, e.hint), (ErrorKind::QuotaExhausted, RetryHint::StopRun));
+        let bad_key = br#"{"error":{"code":400,"status":"INVALID_ARGUMENT","message":"API key not valid.","details":[{"@type":"type.googleapis.com/google.rpc.ErrorInfo","reason":"API_KEY_INVALID"}]}}"#;
+        assert_eq!(classify_error(400, &h, bad_key).kind, ErrorKind::Auth);
+    }
+}

@@ -1,0 +1,202 @@
+//! What every HTTP provider shares: the client, URL rules, secrets, and the classification of
+//! transport failures and HTTP statuses into [`ModelError`]s.
+
+use reqwest::header::HeaderMap;
+use std::time::Duration;
+use weir_core::{ErrorKind, ModelError, RetryHint};
+
+use crate::ProviderError;
+
+/// A credential. Its `Debug` never shows the value, so it cannot leak into logs or errors.
+#[derive(Clone)]
+pub struct Secret(String);
+
+impl Secret {
+    /// Wraps a credential.
+    pub fn new(value: String) -> Self {
+        Self(value)
+    }
+
+    /// The value, for a request header only.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(***)")
+    }
+}
+
+/// The HTTP client of a run: one connection pool shared by every call.
+pub fn client() -> Result<reqwest::Client, ProviderError> {
+    reqwest::Client::builder()
+        .connect_timeout(Duration::from_secs(10))
+        .pool_idle_timeout(Duration::from_secs(60))
+        .tcp_nodelay(true)
+        .user_agent(concat!("weir/", env!("CARGO_PKG_VERSION")))
+        .build()
+        .map_err(|e| ProviderError::Config(format!("cannot build the HTTP client: {e}")))
+}
+
+/// Checks a base URL: it must parse, and plain `http` is only allowed to loopback hosts, so
+/// prompts and keys never cross a network unencrypted.
+pub fn check_base_url(url: &str) -> Result<reqwest::Url, ProviderError> {
+    let parsed =
+        reqwest::Url::parse(url).map_err(|e| ProviderError::Config(format!("--base-url {url}: not a URL ({e})")))?;
+    match parsed.scheme() {
+        "https" => {}
+        "http" => {
+            let loopback = match parsed.host() {
+                Some(url::Host::Domain(d)) => d == "localhost",
+                Some(url::Host::Ipv4(ip)) => ip.is_loopback(),
+                Some(url::Host::Ipv6(ip)) => ip.is_loopback(),
+                None => false,
+            };
+            if !loopback {
+                return Err(ProviderError::Config(format!(
+                    "--base-url {url}: plain http is only allowed to loopback (127.0.0.1, ::1, localhost); use https"
+                )));
+            }
+        }
+        other => return Err(ProviderError::Config(format!("--base-url {url}: scheme '{other}' is not http or https"))),
+    }
+    if !parsed.username().is_empty() || parsed.password().is_some() {
+        return Err(ProviderError::Config("--base-url must not contain credentials; use the API key variables".into()));
+    }
+    Ok(parsed)
+}
+
+/// Classifies a failure to get a response at all.
+pub fn transport_error(e: &reqwest::Error) -> ModelError {
+    let kind = if e.is_timeout() {
+        ErrorKind::Timeout
+    } else if e.is_decode() {
+        ErrorKind::MalformedResponse
+    } else {
+        ErrorKind::Transport
+    };
+    // reqwest's messages name the URL, which never carries a key here.
+    let mut msg = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        msg.push_str(": ");
+        msg.push_str(&s.to_string());
+        source = s.source();
+    }
+    ModelError::new(kind, msg)
+}
+
+/// Parses `retry-after-ms`, then `retry-after` (seconds or an HTTP date).
+pub fn retry_after(headers: &HeaderMap) -> Option<Duration> {
+    if let Some(ms) =
+        headers.get("retry-after-ms").and_then(|v| v.to_str().ok()).and_then(|v| v.trim().parse::<f64>().ok())
+    {
+        if ms.is_finite() && ms >= 0.0 {
+            return Some(Duration::from_secs_f64(ms / 1000.0));
+        }
+    }
+    let v = headers.get(reqwest::header::RETRY_AFTER)?.to_str().ok()?.trim();
+    if let Ok(secs) = v.parse::<f64>() {
+        return (secs.is_finite() && secs >= 0.0).then(|| Duration::from_secs_f64(secs));
+    }
+    let at = httpdate::parse_http_date(v).ok()?;
+    Some(at.duration_since(std::time::SystemTime::now()).unwrap_or_default())
+}
+
+/// Parses a `google.protobuf.Duration` in JSON form, such as `"26s"` or `"1.500s"`.
+pub fn proto_duration(s: &str) -> Option<Duration> {
+    let secs: f64 = s.strip_suffix('s')?.parse().ok()?;
+    (secs.is_finite() && secs >= 0.0).then(|| Duration::from_secs_f64(secs))
+}
+
+/// Classifies an HTTP error status; providers refine the result from the body.
+pub fn status_error(status: u16, headers: &HeaderMap, message: String) -> ModelError {
+    let advised = retry_after(headers);
+    let e = match status {
+        400 | 404 | 405 | 413 | 422 => ModelError::new(ErrorKind::BadRequest, message),
+        401 | 403 => ModelError::new(ErrorKind::Auth, message),
+        408 => ModelError::new(ErrorKind::Timeout, message),
+        429 => ModelError::new(ErrorKind::RateLimited, message).with_hint(RetryHint::Later(advised)),
+        503 => ModelError::new(ErrorKind::Server, message).with_hint(RetryHint::Later(advised)),
+        500..=599 => ModelError::new(ErrorKind::Server, message),
+        409 | 425 => ModelError::new(ErrorKind::Server, message),
+        _ => ModelError::new(ErrorKind::BadRequest, message),
+    }
+    .with_status(status);
+    // OpenAI's servers may say explicitly whether to retry.
+    match headers.get("x-should-retry").and_then(|v| v.to_str().ok()) {
+        Some("false") if e.hint != RetryHint::StopRun => e.with_hint(RetryHint::Never),
+        Some("true") if e.hint == RetryHint::Never && e.kind != ErrorKind::Auth => e.with_hint(RetryHint::Backoff),
+        _ => e,
+    }
+}
+
+/// Shortens a server's message for an errors file.
+pub fn clip(s: &str) -> String {
+    const MAX: usize = 600;
+    if s.len() <= MAX {
+        return s.to_string();
+    }
+    let mut end = MAX;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &s[..end])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use reqwest::header::{HeaderValue, RETRY_AFTER};
+
+    #[test]
+    fn base_urls_need_tls_off_loopback() {
+        assert!(check_base_url("https://api.openai.com/v1").is_ok());
+        assert!(check_base_url("http://127.0.0.1:8080/v1").is_ok());
+        assert!(check_base_url("http://localhost:8080").is_ok());
+        assert!(check_base_url("http://[::1]:8080").is_ok());
+        let e = check_base_url("http://10.0.0.5:8000/v1").unwrap_err();
+        assert!(e.to_string().contains("use https"), "{e}");
+        assert!(check_base_url("ftp://x").is_err());
+        assert!(check_base_url("not a url").is_err());
+        assert!(check_base_url("https://user:pw@host").is_err());
+    }
+
+    #[test]
+    fn retry_after_forms() {
+        let mut h = HeaderMap::new();
+        h.insert(RETRY_AFTER, HeaderValue::from_static("3"));
+        assert_eq!(retry_after(&h), Some(Duration::from_secs(3)));
+        h.insert("retry-after-ms", HeaderValue::from_static("1500"));
+        assert_eq!(retry_after(&h), Some(Duration::from_millis(1500)));
+        let mut h = HeaderMap::new();
+        let later = httpdate::fmt_http_date(std::time::SystemTime::now() + Duration::from_secs(30));
+        h.insert(RETRY_AFTER, HeaderValue::from_str(&later).unwrap());
+        let d = retry_after(&h).unwrap();
+        assert!(d > Duration::from_secs(28) && d <= Duration::from_secs(30), "{d:?}");
+        assert_eq!(proto_duration("26s"), Some(Duration::from_secs(26)));
+        assert_eq!(proto_duration("1.500s"), Some(Duration::from_millis(1500)));
+        assert_eq!(proto_duration("1.5"), None);
+    }
+
+    #[test]
+    fn statuses_classify() {
+        let h = HeaderMap::new();
+        assert_eq!(status_error(400, &h, "x".into()).kind, ErrorKind::BadRequest);
+        assert_eq!(status_error(401, &h, "x".into()).kind, ErrorKind::Auth);
+        assert_eq!(status_error(429, &h, "x".into()).hint, RetryHint::Later(None));
+        assert_eq!(status_error(500, &h, "x".into()).hint, RetryHint::Backoff);
+        assert_eq!(status_error(503, &h, "x".into()).kind, ErrorKind::Server);
+        let mut h = HeaderMap::new();
+        h.insert("x-should-retry", HeaderValue::from_static("false"));
+        assert_eq!(status_error(500, &h, "x".into()).hint, RetryHint::Never);
+    }
+
+    #[test]
+    fn secrets_do_not_print() {
+        let s = Secret::new("sk-very-secret".into());
+        assert!(!format!("{s:?}").contains("very"));
+    }
+}

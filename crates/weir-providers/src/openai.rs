@@ -1,0 +1,194 @@
+//! OpenAI-compatible chat completions: OpenAI itself, vLLM, llama.cpp's server, and any other
+//! server that speaks `POST {base}/chat/completions`.
+
+use serde_json::{json, Map, Value};
+use weir_core::{ErrorKind, GenParams, ModelError, ModelHandler, ModelRequest, ModelResponse, RetryHint, Usage};
+
+use crate::http::{clip, status_error, transport_error, Secret};
+
+/// A client of one OpenAI-compatible endpoint and model.
+#[derive(Debug)]
+pub struct OpenAiHandler {
+    client: reqwest::Client,
+    url: String,
+    model: String,
+    model_id: String,
+    key: Option<Secret>,
+}
+
+impl OpenAiHandler {
+    /// `base` is the API root (for example `https://api.openai.com/v1`); `model` is sent as is.
+    pub fn new(client: reqwest::Client, base: &reqwest::Url, model: &str, key: Option<Secret>) -> Self {
+        let url = format!("{}/chat/completions", base.as_str().trim_end_matches('/'));
+        Self { client, url, model: model.to_string(), model_id: format!("openai/{model}"), key }
+    }
+
+    /// The request body for `request`.
+    pub fn body(&self, request: &ModelRequest) -> Value {
+        let mut messages = Vec::with_capacity(2);
+        if let Some(system) = &request.system {
+            messages.push(json!({"role": "system", "content": &**system}));
+        }
+        messages.push(json!({"role": "user", "content": request.prompt}));
+        let mut body = Map::new();
+        body.insert("model".into(), json!(self.model));
+        body.insert("messages".into(), Value::Array(messages));
+        apply_params(&mut body, &request.params);
+        Value::Object(body)
+    }
+}
+
+/// Maps provider-neutral parameters to OpenAI's names.
+pub fn apply_params(body: &mut Map<String, Value>, p: &GenParams) {
+    let mut put = |k: &str, v: Value| {
+        body.insert(k.to_string(), v);
+    };
+    if let Some(t) = p.temperature {
+        put("temperature", json!(t));
+    }
+    if let Some(t) = p.top_p {
+        put("top_p", json!(t));
+    }
+    if let Some(k) = p.top_k {
+        put("top_k", json!(k));
+    }
+    if let Some(m) = p.max_output_tokens {
+        put("max_tokens", json!(m));
+    }
+    if let Some(s) = p.seed {
+        put("seed", json!(s));
+    }
+    if !p.stop.is_empty() {
+        put("stop", json!(p.stop));
+    }
+    if let Some(x) = p.presence_penalty {
+        put("presence_penalty", json!(x));
+    }
+    if let Some(x) = p.frequency_penalty {
+        put("frequency_penalty", json!(x));
+    }
+    if let Some(schema) = &p.response_schema {
+        put(
+            "response_format",
+            json!({"type": "json_schema", "json_schema": {"name": "response", "schema": schema, "strict": true}}),
+        );
+    } else if p.response_mime_type.as_deref() == Some("application/json") {
+        put("response_format", json!({"type": "json_object"}));
+    }
+}
+
+/// Classifies an OpenAI error answer.
+pub fn classify_error(status: u16, headers: &reqwest::header::HeaderMap, body: &[u8]) -> ModelError {
+    let v: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+    let err = v.get("error").unwrap_or(&Value::Null);
+    let message = err
+        .get("message")
+        .and_then(Value::as_str)
+        .map(str::to_string)
+        .unwrap_or_else(|| String::from_utf8_lossy(body).into_owned());
+    let code = err.get("code").and_then(Value::as_str).unwrap_or("");
+    let e = status_error(status, headers, clip(&format!("HTTP {status}: {message}")));
+    match code {
+        "insufficient_quota" => ModelError { kind: ErrorKind::QuotaExhausted, hint: RetryHint::StopRun, ..e },
+        "content_filter" => ModelError { kind: ErrorKind::Blocked, hint: RetryHint::Never, ..e },
+        "invalid_api_key" => ModelError { kind: ErrorKind::Auth, hint: RetryHint::Never, ..e },
+        _ => e,
+    }
+}
+
+/// Parses a chat completion.
+pub fn parse_response(body: &[u8]) -> Result<ModelResponse, ModelError> {
+    let v: Value = serde_json::from_slice(body)
+        .map_err(|e| ModelError::new(ErrorKind::MalformedResponse, format!("the answer is not JSON: {e}")))?;
+    let malformed = |what: &str| ModelError::new(ErrorKind::MalformedResponse, format!("the answer has no {what}"));
+    if let Some(err) = v.get("error") {
+        return Err(ModelError::new(ErrorKind::Server, clip(&format!("error in a 200 answer: {err}"))));
+    }
+    let choice = v.get("choices").and_then(|c| c.get(0)).ok_or_else(|| malformed("choices"))?;
+    let finish = choice.get("finish_reason").and_then(Value::as_str).unwrap_or("unknown").to_string();
+    if finish == "content_filter" {
+        return Err(ModelError::new(
+            ErrorKind::Blocked,
+            "the answer was blocked by the content filter (finish_reason content_filter)",
+        ));
+    }
+    let message = choice.get("message").ok_or_else(|| malformed("message"))?;
+    let text = match message.get("content") {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Null) | None => match message.get("refusal").and_then(Value::as_str) {
+            Some(r) => return Err(ModelError::new(ErrorKind::Blocked, clip(&format!("the model refused: {r}")))),
+            None => String::new(),
+        },
+        Some(_) => return Err(malformed("string content")),
+    };
+    let u = v.get("usage");
+    let n = |k: &str| u.and_then(|u| u.get(k)).and_then(Value::as_u64).unwrap_or(0);
+    let usage = Usage {
+        prompt_tokens: n("prompt_tokens"),
+        output_tokens: n("completion_tokens"),
+        total_tokens: n("total_tokens"),
+    };
+    Ok(ModelResponse {
+        text,
+        finish_reason: finish,
+        usage,
+        model_version: v.get("model").and_then(Value::as_str).map(str::to_string),
+    })
+}
+
+#[async_trait::async_trait]
+impl ModelHandler for OpenAiHandler {
+    async fn generate(&self, request: &ModelRequest) -> Result<ModelResponse, ModelError> {
+        let body = serde_json::to_vec(&self.body(request))
+            .map_err(|e| ModelError::new(ErrorKind::InvalidInput, e.to_string()))?;
+        let mut req = self.client.post(&self.url).header(reqwest::header::CONTENT_TYPE, "application/json").body(body);
+        if let Some(key) = &self.key {
+            req = req.bearer_auth(key.expose());
+        }
+        let resp = req.send().await.map_err(|e| transport_error(&e))?;
+        let status = resp.status().as_u16();
+        let headers = resp.headers().clone();
+        let bytes = resp.bytes().await.map_err(|e| transport_error(&e))?;
+        if status != 200 {
+            return Err(classify_error(status, &headers, &bytes));
+        }
+        parse_response(&bytes)
+    }
+
+    fn model_id(&self) -> &str {
+        &self.model_id
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use reqwest::header::HeaderMap;
+
+    #[test]
+    fn parses_answers_and_filters() {
+        let ok = br#"{"choices":[{"index":0,"message":{"role":"assistant","content":"hi"},"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4},"model":"m"}"#;
+        let r = parse_response(ok).unwrap();
+        assert_eq!((r.text.as_str(), r.finish_reason.as_str(), r.usage.total_tokens), ("hi", "stop", 4));
+        let filtered = br#"{"choices":[{"index":0,"message":{"role":"assistant","content":null},"finish_reason":"content_filter"}]}"#;
+        assert_eq!(parse_response(filtered).unwrap_err().kind, ErrorKind::Blocked);
+        assert_eq!(parse_response(b"{\"choices\": [").unwrap_err().kind, ErrorKind::MalformedResponse);
+        assert_eq!(parse_response(b"{}").unwrap_err().kind, ErrorKind::MalformedResponse);
+    }
+
+    #[test]
+    fn classifies_errors() {
+        let h = HeaderMap::new();
+        let e = classify_error(
+            429,
+            &h,
+            br#"{"error":{"code":"insufficient_quota","message":"You exceeded your current quota"}}"#,
+        );
+        assert_eq!((e.kind, e.hint), (ErrorKind::QuotaExhausted, RetryHint::StopRun));
+        let e = classify_error(400, &h, br#"{"error":{"code":"content_filter","message":"filtered"}}"#);
+        assert_eq!(e.kind, ErrorKind::Blocked);
+        let e = classify_error(429, &h, br#"{"error":{"code":"rate_limit_exceeded","message":"slow down"}}"#);
+        assert_eq!(e.kind, ErrorKind::RateLimited);
+        assert!(e.message.contains("slow down"));
+    }
+}
