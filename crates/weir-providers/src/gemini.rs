@@ -121,11 +121,11 @@ pub fn classify_error(status: u16, headers: &reqwest::header::HeaderMap, body: &
                     .iter()
                     .any(|v| v.get("quotaId").and_then(Value::as_str).is_some_and(|id| id.contains("PerDay")));
             }
-            "type.googleapis.com/google.rpc.ErrorInfo" => {
-                if d.get("reason").and_then(Value::as_str) == Some("API_KEY_INVALID") {
-                    e.kind = ErrorKind::Auth;
-                    e.hint = RetryHint::Never;
-                }
+            "type.googleapis.com/google.rpc.ErrorInfo"
+                if d.get("reason").and_then(Value::as_str) == Some("API_KEY_INVALID") =>
+            {
+                e.kind = ErrorKind::Auth;
+                e.hint = RetryHint::Never;
             }
             _ => {}
         }
