@@ -1,6 +1,7 @@
 //! The `weir` binary: parses the command line, wires the library crates together and maps the
 //! outcome to an exit status. Everything that does work lives in the library crates.
 
+mod run_cmd;
 mod sim_cmd;
 
 use clap::{Parser, Subcommand};
@@ -16,6 +17,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Run a model over every record of a JSONL dataset; one result or error row per record.
+    Run(run_cmd::RunArgs),
     /// Serve a simulated LLM endpoint (Gemini, Vertex AI, OpenAI wire formats) with quotas,
     /// latency and injected faults.
     Sim(sim_cmd::SimArgs),
@@ -57,6 +60,7 @@ fn main() -> ExitCode {
     };
     let result = runtime.block_on(async {
         match cli.command {
+            Command::Run(args) => run_cmd::run(args).await,
             Command::Sim(args) => sim_cmd::run(args).await,
         }
     });

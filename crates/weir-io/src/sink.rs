@@ -1,0 +1,192 @@
+//! Writing result and error rows as JSONL.
+//!
+//! A result row: `{"id", "input": {the input object, untouched}, "response", "finish_reason",
+//! "usage", "model", "model_version", "attempts", "latency_ms"}`. Nesting the input keeps its
+//! fields exactly as they were, whatever their names, and weir's fields never collide with them.
+//!
+//! An error row: `{"id", "line", "kind", "message", "status", "attempts", "input"}`, or `"raw"`
+//! (the line as text) in place of `"input"` when the line was not a JSON object, so a failed
+//! record can always be fixed and run again.
+
+use serde::Serialize;
+use serde_json::{Map, Value};
+use std::io::{self, BufWriter, Write};
+use std::path::{Path, PathBuf};
+use weir_core::{ErrorKind, Failure, Success, Usage};
+
+/// Where rows go.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OutputPath {
+    /// Standard output (`-`).
+    Stdout,
+    /// A local file (created or truncated).
+    File(PathBuf),
+}
+
+impl OutputPath {
+    /// `-` is stdout; anything else a file.
+    pub fn parse(s: &str) -> Self {
+        if s == "-" {
+            Self::Stdout
+        } else {
+            Self::File(PathBuf::from(s))
+        }
+    }
+
+    /// How to name it in messages.
+    pub fn display(&self) -> String {
+        match self {
+            Self::Stdout => "stdout".into(),
+            Self::File(p) => p.display().to_string(),
+        }
+    }
+}
+
+/// A JSONL writer.
+pub struct JsonlWriter {
+    out: BufWriter<Box<dyn Write + Send>>,
+    rows: u64,
+}
+
+impl JsonlWriter {
+    /// Creates (or truncates) the output.
+    pub fn create(path: &OutputPath) -> io::Result<Self> {
+        let out: Box<dyn Write + Send> = match path {
+            OutputPath::Stdout => Box::new(io::stdout()),
+            OutputPath::File(p) => {
+                if let Some(dir) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
+                    std::fs::create_dir_all(dir)?;
+                }
+                Box::new(std::fs::File::create(p)?)
+            }
+        };
+        Ok(Self { out: BufWriter::with_capacity(256 * 1024, out), rows: 0 })
+    }
+
+    /// Writes one row and its newline.
+    pub fn write<T: Serialize>(&mut self, row: &T) -> io::Result<()> {
+        serde_json::to_writer(&mut self.out, row).map_err(io::Error::other)?;
+        self.out.write_all(b"\n")?;
+        self.rows += 1;
+        Ok(())
+    }
+
+    /// Rows written.
+    pub fn rows(&self) -> u64 {
+        self.rows
+    }
+
+    /// Flushes buffered rows to the file.
+    pub fn flush(&mut self) -> io::Result<()> {
+        self.out.flush()
+    }
+}
+
+/// The default errors file beside an output file: `out.jsonl` → `out.errors.jsonl`.
+pub fn default_errors_path(output: &OutputPath) -> OutputPath {
+    match output {
+        OutputPath::Stdout => OutputPath::File(PathBuf::from("weir.errors.jsonl")),
+        OutputPath::File(p) => {
+            let stem = p.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "out".into());
+            let name = format!("{stem}.errors.jsonl");
+            OutputPath::File(p.parent().unwrap_or(Path::new("")).join(name))
+        }
+    }
+}
+
+/// A result row, borrowed from a success.
+#[derive(Debug, Serialize)]
+pub struct ResultRow<'a> {
+    /// The record's id.
+    pub id: &'a str,
+    /// The input object, untouched.
+    pub input: &'a Map<String, Value>,
+    /// The generated text.
+    pub response: &'a str,
+    /// Why generation stopped.
+    pub finish_reason: &'a str,
+    /// Token usage.
+    pub usage: &'a Usage,
+    /// `provider/model`.
+    pub model: &'a str,
+    /// The model version that answered, when reported.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model_version: Option<&'a str>,
+    /// Calls made.
+    pub attempts: u32,
+    /// Milliseconds from the first attempt to the answer.
+    pub latency_ms: u64,
+}
+
+impl<'a> ResultRow<'a> {
+    /// The row of a success.
+    pub fn of(s: &'a Success, model: &'a str) -> Self {
+        Self {
+            id: &s.record.id,
+            input: &s.record.input,
+            response: &s.response.text,
+            finish_reason: &s.response.finish_reason,
+            usage: &s.response.usage,
+            model,
+            model_version: s.response.model_version.as_deref(),
+            attempts: s.attempts,
+            latency_ms: s.latency.as_millis() as u64,
+        }
+    }
+}
+
+/// An error row, borrowed from a failure.
+#[derive(Debug, Serialize)]
+pub struct ErrorRow<'a> {
+    /// The record's id, when it could be read.
+    pub id: Option<&'a str>,
+    /// 1-based input line.
+    pub line: u64,
+    /// What went wrong.
+    pub kind: ErrorKind,
+    /// The explanation.
+    pub message: &'a str,
+    /// HTTP status of the last call, if any.
+    pub status: Option<u16>,
+    /// Calls made.
+    pub attempts: u32,
+    /// Whether a later run may succeed.
+    pub retryable: bool,
+    /// The input object, when the line parsed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub input: Option<&'a Map<String, Value>>,
+    /// The raw line, when it did not parse.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub raw: Option<&'a str>,
+}
+
+impl<'a> ErrorRow<'a> {
+    /// The row of a failure.
+    pub fn of(f: &'a Failure) -> Self {
+        Self {
+            id: f.id.as_deref(),
+            line: f.line,
+            kind: f.error.kind,
+            message: &f.error.message,
+            status: f.error.status,
+            attempts: f.attempts,
+            retryable: f.error.kind.is_transient(),
+            input: f.input.as_ref(),
+            raw: f.raw.as_deref(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_path_sits_beside_the_output() {
+        assert_eq!(
+            default_errors_path(&OutputPath::parse("out/res.jsonl")),
+            OutputPath::File("out/res.errors.jsonl".into())
+        );
+        assert_eq!(default_errors_path(&OutputPath::parse("res")), OutputPath::File("res.errors.jsonl".into()));
+    }
+}

@@ -1,0 +1,10 @@
+//! The `weir` command's library half: the `weir run` pipeline, wired from the library crates,
+//! and its report. The binary (`main.rs`) only parses flags and maps results to exit codes.
+
+#![warn(missing_docs)]
+
+pub mod pipeline;
+pub mod report;
+
+pub use pipeline::{run, RunError, RunSettings};
+pub use report::RunReport;

@@ -1,0 +1,184 @@
+//! What a run tells its user: a progress bar while it runs, a summary when it ends.
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::Duration;
+use weir_core::{ErrorKind, RunMetrics, StopReason};
+
+use crate::pipeline::RunSettings;
+
+/// The end of a run, in numbers.
+#[derive(Debug, Clone)]
+pub struct RunReport {
+    /// Records finished.
+    pub records: u64,
+    /// Records with a result row.
+    pub succeeded: u64,
+    /// Records with an error row.
+    pub failed: u64,
+    /// Failed records by kind.
+    pub failures: BTreeMap<ErrorKind, u64>,
+    /// Calls made.
+    pub calls: u64,
+    /// Calls beyond each record's first.
+    pub retries: u64,
+    /// Calls refused with a rate-limit error.
+    pub rate_limited: u64,
+    /// Seconds calls were held by server-advised pauses (summed over calls).
+    pub throttled_secs: f64,
+    /// Prompt tokens.
+    pub tokens_in: u64,
+    /// Output tokens.
+    pub tokens_out: u64,
+    /// Wall-clock time.
+    pub elapsed: Duration,
+    /// Why the run stopped early, if it did.
+    pub stopped: Option<StopReason>,
+    /// Where results went.
+    pub output: String,
+    /// Where errors went.
+    pub errors: String,
+}
+
+impl RunReport {
+    pub(crate) fn new(
+        m: &RunMetrics,
+        elapsed: Duration,
+        stopped: Option<StopReason>,
+        settings: &RunSettings,
+        result_rows: u64,
+        error_rows: u64,
+    ) -> Self {
+        Self {
+            records: result_rows + error_rows,
+            succeeded: result_rows,
+            failed: error_rows,
+            failures: m.failures_by_kind(),
+            calls: m.calls.load(Relaxed),
+            retries: m.retries.load(Relaxed),
+            rate_limited: m.rate_limited.load(Relaxed),
+            throttled_secs: m.throttled_micros.load(Relaxed) as f64 / 1e6,
+            tokens_in: m.tokens_in.load(Relaxed),
+            tokens_out: m.tokens_out.load(Relaxed),
+            elapsed,
+            stopped,
+            output: settings.output.display(),
+            errors: settings.errors.display(),
+        }
+    }
+
+    /// Records per second.
+    pub fn rate(&self) -> f64 {
+        self.records as f64 / self.elapsed.as_secs_f64()
+    }
+
+    /// The summary printed at the end of a run.
+    pub fn summary(&self) -> String {
+        let mut s = format!(
+            "weir: {} records in {:.2} s ({}/s): {} succeeded, {} failed\n",
+            thousands(self.records),
+            self.elapsed.as_secs_f64(),
+            thousands(self.rate().round() as u64),
+            thousands(self.succeeded),
+            thousands(self.failed),
+        );
+        s.push_str(&format!(
+            "  calls {} ({} retries, {} rate-limited, {:.1} s throttled); tokens {} in, {} out\n",
+            thousands(self.calls),
+            thousands(self.retries),
+            thousands(self.rate_limited),
+            self.throttled_secs,
+            thousands(self.tokens_in),
+            thousands(self.tokens_out),
+        ));
+        s.push_str(&format!("  results: {}\n", self.output));
+        if self.failed > 0 {
+            let kinds: Vec<String> = self.failures.iter().map(|(k, n)| format!("{k} {}", thousands(*n))).collect();
+            s.push_str(&format!("  errors:  {} ({})\n", self.errors, kinds.join(", ")));
+        }
+        if let Some(stop) = &self.stopped {
+            s.push_str(&format!("  stopped early ({}): {}\n", stop.kind, stop.message));
+        }
+        s
+    }
+}
+
+fn thousands(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// The progress bar: records done of total, rate, ETA, and a message with errors and tokens.
+pub(crate) struct Progress {
+    bar: Option<ProgressBar>,
+    ticker: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Progress {
+    pub(crate) fn start(enabled: bool, total: Option<u64>, metrics: Arc<RunMetrics>) -> Self {
+        if !enabled {
+            return Self { bar: None, ticker: None };
+        }
+        let bar = match total {
+            Some(t) => ProgressBar::with_draw_target(Some(t), ProgressDrawTarget::stderr()).with_style(
+                ProgressStyle::with_template(
+                    "{elapsed_precise} [{wide_bar}] {human_pos}/{human_len} {per_sec} ETA {eta} {msg}",
+                )
+                .unwrap_or_else(|_| ProgressStyle::default_bar())
+                .progress_chars("=> "),
+            ),
+            None => ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr()).with_style(
+                ProgressStyle::with_template("{elapsed_precise} {spinner} {human_pos} records {per_sec} {msg}")
+                    .unwrap_or_else(|_| ProgressStyle::default_spinner()),
+            ),
+        };
+        let b = bar.clone();
+        let ticker = tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(250)).await;
+                b.set_message(format!(
+                    "| {} errors | {} tok in, {} out",
+                    metrics.failed.load(Relaxed),
+                    thousands(metrics.tokens_in.load(Relaxed)),
+                    thousands(metrics.tokens_out.load(Relaxed)),
+                ));
+            }
+        });
+        Self { bar: Some(bar), ticker: Some(ticker) }
+    }
+
+    pub(crate) fn tick(&self) {
+        if let Some(b) = &self.bar {
+            b.inc(1);
+        }
+    }
+
+    pub(crate) fn finish(&self) {
+        if let Some(t) = &self.ticker {
+            t.abort();
+        }
+        if let Some(b) = &self.bar {
+            b.finish_and_clear();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn thousands_separators() {
+        assert_eq!(super::thousands(0), "0");
+        assert_eq!(super::thousands(999), "999");
+        assert_eq!(super::thousands(1000), "1,000");
+        assert_eq!(super::thousands(1234567), "1,234,567");
+    }
+}

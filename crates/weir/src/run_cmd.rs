@@ -1,0 +1,171 @@
+//! `weir run`: flags → validated settings → the pipeline → an exit status.
+
+use clap::{Args, ValueEnum};
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+use weir::{RunError, RunSettings};
+use weir_core::{DriverSettings, GenParams, PromptSource, RecordSpec, RetryPolicy, Template};
+use weir_io::{default_errors_path, InputPath, OutputPath};
+use weir_providers::{ModelSpec, ProviderOptions};
+use weir_sim::SimConfig;
+
+use crate::UsageError;
+
+/// When to draw a progress bar.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ProgressMode {
+    /// When stderr is a terminal.
+    Auto,
+    /// Always.
+    Always,
+    /// Never.
+    Never,
+}
+
+/// Options of `weir run`.
+#[derive(Debug, Args)]
+#[command(
+    after_help = "Models: sim/<name> (built-in simulator, no key), openai/<model> (any OpenAI-compatible server; \
+--base-url or OPENAI_BASE_URL, key from OPENAI_API_KEY), gemini/<model> (key from GEMINI_API_KEY or GOOGLE_API_KEY).\n\n\
+Exit status: 0 all records succeeded; 1 some records are in the errors file; 2 usage or configuration error; \
+3 fatal error (e.g. credentials rejected, daily quota spent)."
+)]
+pub struct RunArgs {
+    /// The model, as provider/model: sim/demo, openai/gpt-4o-mini, gemini/gemini-2.5-flash.
+    #[arg(long, value_name = "MODEL")]
+    model: String,
+    /// Input JSONL, one object per line; - reads stdin.
+    #[arg(long, value_name = "PATH")]
+    input: String,
+    /// Where result rows go (JSONL); - writes stdout.
+    #[arg(long, value_name = "PATH")]
+    output: String,
+    /// Where error rows go [default: <output>.errors.jsonl].
+    #[arg(long, value_name = "PATH")]
+    errors: Option<String>,
+    /// The field holding each record's id [default: the line number].
+    #[arg(long, value_name = "FIELD")]
+    id_field: Option<String>,
+    /// The field holding the prompt.
+    #[arg(long, value_name = "FIELD", default_value = "prompt", conflicts_with = "template")]
+    prompt_field: String,
+    /// Build the prompt from fields: "Summarise: {text}" ({{ and }} are literal braces).
+    #[arg(long, value_name = "TEMPLATE")]
+    template: Option<String>,
+    /// System instructions sent with every prompt.
+    #[arg(long, value_name = "TEXT")]
+    system: Option<String>,
+    /// A generation parameter, KEY=VALUE (repeatable): temperature, top_p, top_k, max_tokens,
+    /// seed, stop, presence_penalty, frequency_penalty, response_schema (JSON or @FILE),
+    /// response_mime_type.
+    #[arg(long = "param", value_name = "KEY=VALUE")]
+    params: Vec<String>,
+    /// The provider's base URL (OpenAI-compatible: the API root, e.g. http://127.0.0.1:8000/v1;
+    /// Gemini: replaces https://generativelanguage.googleapis.com). Plain http only to loopback.
+    #[arg(long, value_name = "URL")]
+    base_url: Option<String>,
+    /// Most calls in flight at once.
+    #[arg(long, value_name = "N", default_value_t = 32)]
+    max_concurrency: usize,
+    /// Seconds a call may take before it is cancelled and retried.
+    #[arg(long, value_name = "SECS", default_value_t = 120.0)]
+    timeout: f64,
+    /// Retries per record after its first call (retryable errors only).
+    #[arg(long, value_name = "N", default_value_t = 8)]
+    max_retries: u32,
+    /// Progress bar on stderr.
+    #[arg(long, value_enum, default_value_t = ProgressMode::Auto)]
+    progress: ProgressMode,
+    /// Scenario (TOML, as for `weir sim --config`) of the built-in simulator behind sim/ models.
+    #[arg(long, value_name = "FILE")]
+    sim_config: Option<PathBuf>,
+}
+
+impl RunArgs {
+    /// Raw flags → validated settings; every problem is a usage error naming the flag.
+    pub fn settings(&self) -> Result<RunSettings, UsageError> {
+        let model: ModelSpec =
+            self.model.parse().map_err(|e: weir_providers::ProviderError| UsageError(e.to_string()))?;
+        let params =
+            GenParams::from_specs(self.params.iter().map(String::as_str)).map_err(|e| UsageError(e.to_string()))?;
+        let prompt = match &self.template {
+            Some(t) => PromptSource::Template(Template::parse(t).map_err(|e| UsageError(e.to_string()))?),
+            None => PromptSource::Field(self.prompt_field.clone()),
+        };
+        if self.max_concurrency == 0 {
+            return Err(UsageError("--max-concurrency must be at least 1".into()));
+        }
+        if !(self.timeout.is_finite() && self.timeout > 0.0) {
+            return Err(UsageError(format!("--timeout {}: must be a number of seconds > 0", self.timeout)));
+        }
+        let sim_config = match &self.sim_config {
+            Some(path) => {
+                if !self.model.starts_with("sim/") {
+                    return Err(UsageError("--sim-config only applies to sim/ models".into()));
+                }
+                Some(SimConfig::from_file(path).map_err(|e| UsageError(e.to_string()))?)
+            }
+            None => None,
+        };
+        let output = OutputPath::parse(&self.output);
+        let errors = match &self.errors {
+            Some(e) => OutputPath::parse(e),
+            None => default_errors_path(&output),
+        };
+        if errors == OutputPath::Stdout && output == OutputPath::Stdout {
+            return Err(UsageError("--output and --errors cannot both be stdout".into()));
+        }
+        if errors == output {
+            return Err(UsageError("--output and --errors must be different files".into()));
+        }
+        let input = InputPath::parse(&self.input);
+        if let (InputPath::File(i), OutputPath::File(o)) = (&input, &output) {
+            if i == o {
+                return Err(UsageError("--output must not be the --input file".into()));
+            }
+        }
+        let progress = match self.progress {
+            ProgressMode::Always => true,
+            ProgressMode::Never => false,
+            ProgressMode::Auto => std::io::stderr().is_terminal(),
+        };
+        Ok(RunSettings {
+            model,
+            provider: ProviderOptions { base_url: self.base_url.clone(), sim_config },
+            input,
+            output,
+            errors,
+            records: RecordSpec { id_field: self.id_field.clone(), prompt },
+            driver: DriverSettings {
+                timeout: Duration::from_secs_f64(self.timeout),
+                retry: RetryPolicy { max_retries: self.max_retries, ..RetryPolicy::default() },
+                system: self.system.as_deref().map(Arc::from),
+                params: Arc::new(params),
+                ..DriverSettings::default()
+            },
+            max_concurrency: self.max_concurrency,
+            progress,
+        })
+    }
+}
+
+/// Runs the job; the exit status says how it went.
+pub async fn run(args: RunArgs) -> anyhow::Result<u8> {
+    let settings = args.settings()?;
+    let env = |k: &str| std::env::var(k).ok();
+    let report = match weir::run(settings, &env).await {
+        Ok(r) => r,
+        Err(RunError::Usage(m)) => return Err(UsageError(m).into()),
+        Err(RunError::Fatal(m)) => anyhow::bail!(m),
+    };
+    eprint!("{}", report.summary());
+    Ok(if report.stopped.is_some() {
+        crate::exit::FATAL
+    } else if report.failed > 0 {
+        1
+    } else {
+        0
+    })
+}
