@@ -152,7 +152,6 @@ pub async fn run(settings: RunSettings, env: &dyn Fn(&str) -> Option<String>) ->
         }
         progress.tick();
     }
-    drop(outcomes);
     let flushed = results.flush().and_then(|_| errors.flush());
     progress.finish();
     if let Some(sim) = endpoint.sim {
