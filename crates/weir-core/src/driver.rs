@@ -151,6 +151,10 @@ impl Driver {
                 self.metrics.add_throttled(held);
             }
             let permit = self.limit.acquire().await;
+            if self.is_stopped() {
+                // The run stopped while this record waited for a slot.
+                continue;
+            }
             attempts += 1;
             self.metrics.calls.fetch_add(1, Relaxed);
             if attempts > 1 {

@@ -1,0 +1,369 @@
+//! Black-box tests of `weir run` against the simulator.
+
+mod util;
+
+use serde_json::Value;
+use util::*;
+use weir_sim::{SimConfig, SimServer};
+
+async fn sim(config: SimConfig) -> SimServer {
+    SimServer::start(config, "127.0.0.1:0".parse().unwrap()).await.unwrap()
+}
+
+fn faulty(rate_each: f64, seed: u64) -> SimConfig {
+    let mut c = SimConfig { seed, ..SimConfig::default() };
+    let f = &mut c.faults;
+    f.error_500 = rate_each;
+    f.error_503 = rate_each;
+    f.reset = rate_each;
+    f.hang = rate_each;
+    f.malformed = rate_each;
+    f.block_prompt = rate_each;
+    f.block_candidate = rate_each;
+    f.hang_secs = 3.0;
+    c
+}
+
+/// 10,000 records, 20 % of calls faulted with every kind: each id ends exactly once; retryable
+/// faults end in success; safety blocks end in errors as `blocked`, one per injected block.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_thousand_records_with_faults_each_id_exactly_once() {
+    let server = sim(faulty(0.2 / 7.0, 11)).await;
+    let dir = Dir::new("faults");
+    let (data, ids) = prompts(10_000);
+    let input = dir.write("in.jsonl", &data);
+    let out = dir.path("out.jsonl");
+    let o = run(&[
+        "run",
+        "--model",
+        "gemini/gemini-2.5-flash",
+        "--base-url",
+        &server.url(),
+        "--input",
+        input.to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+        "--id-field",
+        "key",
+        "--timeout",
+        "0.5",
+        "--max-retries",
+        "30",
+        "--max-concurrency",
+        "64",
+        "--progress",
+        "never",
+    ])
+    .await;
+    let results = rows(&out);
+    let errors = rows(&dir.path("out.errors.jsonl"));
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert_each_id_once(&ids, &results, &errors);
+    let stats = server.stats();
+    let blocks = stats.faults["block_prompt"] + stats.faults["block_candidate"];
+    assert!(blocks > 100, "{stats:?}");
+    assert_eq!(errors.len() as u64, blocks, "exactly the blocked calls fail");
+    assert!(errors.iter().all(|e| e["kind"] == "blocked" && e["retryable"] == false), "{:?}", &errors[..3]);
+    assert!(errors.iter().all(|e| e["input"]["key"].is_string()), "the input is kept");
+    // Every transient fault was retried to success.
+    for kind in ["error_500", "error_503", "reset", "hang", "malformed"] {
+        assert!(stats.faults[kind] > 100, "{kind}: {stats:?}");
+    }
+    assert!(results.iter().any(|r| r["attempts"].as_u64().unwrap() > 1));
+    assert_eq!(stats.successes - blocks, results.len() as u64, "one successful call per result");
+    let r = results.iter().find(|r| r["id"] == "r7").unwrap();
+    assert_eq!(r["input"]["n"], 7);
+    assert_eq!(r["model"], "gemini/gemini-2.5-flash");
+    assert!(r["response"].as_str().unwrap().len() > 3);
+    assert!(r["usage"]["prompt_tokens"].as_u64().unwrap() > 0);
+    let summary = stderr(&o);
+    assert!(summary.contains("10,000 records"), "{summary}");
+    assert!(summary.contains("blocked"), "{summary}");
+    server.shutdown().await;
+}
+
+/// The same through the OpenAI-compatible route.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_route_with_faults() {
+    let server = sim(faulty(0.2 / 7.0, 5)).await;
+    let dir = Dir::new("openai-faults");
+    let (data, ids) = prompts(2_000);
+    let input = dir.write("in.jsonl", &data);
+    let out = dir.path("out.jsonl");
+    let o = run(&[
+        "run",
+        "--model",
+        "openai/sim-1",
+        "--base-url",
+        &format!("{}/v1", server.url()),
+        "--input",
+        input.to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+        "--id-field",
+        "key",
+        "--timeout",
+        "0.5",
+        "--max-retries",
+        "30",
+        "--progress",
+        "never",
+    ])
+    .await;
+    let results = rows(&out);
+    let errors = rows(&dir.path("out.errors.jsonl"));
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert_each_id_once(&ids, &results, &errors);
+    let stats = server.stats();
+    assert_eq!(errors.len() as u64, stats.faults["block_prompt"] + stats.faults["block_candidate"]);
+    assert!(errors.iter().all(|e| e["kind"] == "blocked"));
+    server.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embedded_sim_needs_no_key_and_exits_zero() {
+    let dir = Dir::new("embedded");
+    let (data, ids) = prompts(500);
+    let input = dir.write("in.jsonl", &data);
+    let out = dir.path("res.jsonl");
+    let o = run(&[
+        "run",
+        "--model",
+        "sim/demo",
+        "--input",
+        input.to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+        "--id-field",
+        "key",
+    ])
+    .await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let results = rows(&out);
+    assert_each_id_once(&ids, &results, &[]);
+    assert!(stderr(&o).contains("500 records"));
+    assert!(dir.path("res.errors.jsonl").exists());
+    assert!(rows(&dir.path("res.errors.jsonl")).is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_rows_become_error_rows_naming_their_line() {
+    let dir = Dir::new("bad-rows");
+    let mut data = Vec::new();
+    data.extend_from_slice(b"{\"prompt\":\"fine\"}\n");
+    data.extend_from_slice(b"{not json\n");
+    data.extend_from_slice(b"[1,2,3]\n");
+    data.extend_from_slice(b"{\"text\":\"no prompt field\"}\n");
+    data.extend_from_slice(b"{\"prompt\":\"bad \xff utf8\"}\n");
+    data.extend_from_slice(b"\n");
+    data.extend_from_slice(b"{\"prompt\":\"also fine\"}");
+    let input = dir.write("in.jsonl", &data);
+    let out = dir.path("out.jsonl");
+    let o =
+        run(&["run", "--model", "sim/x", "--input", input.to_str().unwrap(), "--output", out.to_str().unwrap()]).await;
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let results = rows(&out);
+    let errors = rows(&dir.path("out.errors.jsonl"));
+    let mut ok_ids: Vec<&str> = results.iter().map(|r| r["id"].as_str().unwrap()).collect();
+    ok_ids.sort();
+    assert_eq!(ok_ids, vec!["1", "7"]);
+    let mut lines: Vec<u64> = errors.iter().map(|e| e["line"].as_u64().unwrap()).collect();
+    lines.sort();
+    assert_eq!(lines, vec![2, 3, 4, 5]);
+    for e in &errors {
+        assert_eq!(e["kind"], "invalid_input");
+        let line = e["line"].as_u64().unwrap();
+        assert!(e["message"].as_str().unwrap().contains(&format!("line {line}")), "{e}");
+        assert!(e.get("raw").is_some() || e.get("input").is_some(), "{e}");
+    }
+    let utf8 = errors.iter().find(|e| e["line"] == 5).unwrap();
+    assert!(utf8["message"].as_str().unwrap().contains("UTF-8"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn empty_input_is_a_clean_zero() {
+    let dir = Dir::new("empty");
+    let input = dir.write("in.jsonl", b"");
+    let out = dir.path("out.jsonl");
+    let o =
+        run(&["run", "--model", "sim/x", "--input", input.to_str().unwrap(), "--output", out.to_str().unwrap()]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stderr(&o).contains("0 records"), "{}", stderr(&o));
+    assert!(rows(&out).is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicate_ids_fail_their_second_occurrence() {
+    let dir = Dir::new("dupes");
+    let input = dir.write(
+        "in.jsonl",
+        b"{\"k\":\"a\",\"prompt\":\"x\"}\n{\"k\":\"b\",\"prompt\":\"y\"}\n{\"k\":\"a\",\"prompt\":\"z\"}\n",
+    );
+    let out = dir.path("out.jsonl");
+    let o = run(&[
+        "run",
+        "--model",
+        "sim/x",
+        "--input",
+        input.to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+        "--id-field",
+        "k",
+    ])
+    .await;
+    assert_eq!(o.status.code(), Some(1));
+    let errors = rows(&dir.path("out.errors.jsonl"));
+    assert_eq!(errors.len(), 1);
+    assert_eq!((errors[0]["line"].as_u64(), errors[0]["kind"].as_str()), (Some(3), Some("invalid_input")));
+    assert!(errors[0]["message"].as_str().unwrap().contains("duplicate id 'a'"));
+    assert_eq!(rows(&out).len(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn usage_errors_exit_2_and_write_nothing() {
+    let dir = Dir::new("usage");
+    let input = dir.write("in.jsonl", b"{\"prompt\":\"x\"}\n");
+    let out = dir.path("out.jsonl");
+    let (i, o_) = (input.to_str().unwrap(), out.to_str().unwrap());
+    for (args, needle) in [
+        (vec!["run", "--model", "sim/x", "--input", i, "--output", o_, "--bogus"], "--bogus"),
+        (vec!["run", "--model", "nope", "--input", i, "--output", o_], "provider/model"),
+        (vec!["run", "--model", "claude/x", "--input", i, "--output", o_], "unknown provider"),
+        (vec!["run", "--model", "sim/x", "--input", i, "--output", o_, "--param", "temprature=1"], "unknown parameter"),
+        (vec!["run", "--model", "sim/x", "--input", i, "--output", o_, "--template", "no {field"], "--template"),
+        (vec!["run", "--model", "sim/x", "--input", "/nonexistent/in.jsonl", "--output", o_], "cannot read --input"),
+        (vec!["run", "--model", "gemini/gemini-2.5-flash", "--input", i, "--output", o_], "GEMINI_API_KEY"),
+        (vec!["run", "--model", "openai/m", "--base-url", "http://10.1.2.3/v1", "--input", i, "--output", o_], "https"),
+        (vec!["run", "--model", "sim/x", "--input", i, "--output", o_, "--max-concurrency", "0"], "--max-concurrency"),
+        (vec!["run", "--model", "sim/x", "--input", i, "--output", o_, "--timeout", "0"], "--timeout"),
+    ] {
+        let o = run(&args).await;
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", stderr(&o));
+        assert!(stderr(&o).contains(needle), "{args:?}: {}", stderr(&o));
+        assert!(!out.exists(), "{args:?} wrote output");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rejected_credentials_stop_early_with_exit_3() {
+    let server = sim(SimConfig { api_keys: vec!["right".into()], ..SimConfig::default() }).await;
+    let dir = Dir::new("auth");
+    let (data, ids) = prompts(5_000);
+    let input = dir.write("in.jsonl", &data);
+    let out = dir.path("out.jsonl");
+    let o = util::weir()
+        .args([
+            "run",
+            "--model",
+            "gemini/m",
+            "--base-url",
+            &server.url(),
+            "--input",
+            input.to_str().unwrap(),
+            "--output",
+            out.to_str().unwrap(),
+            "--id-field",
+            "key",
+            "--max-concurrency",
+            "4",
+        ])
+        .env("GEMINI_API_KEY", "wrong-secret-value")
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(err.contains("credentials were rejected"), "{err}");
+    assert!(!err.contains("wrong-secret-value"), "the key must not be printed");
+    let errors = rows(&dir.path("out.errors.jsonl"));
+    assert_each_id_once(&ids, &[], &errors);
+    assert!(errors.iter().all(|e| e["kind"] == "auth" || e["kind"] == "aborted"));
+    let calls = server.stats().requests;
+    assert!(calls <= 10, "stopped early: {calls} calls");
+    let written = std::fs::read_to_string(dir.path("out.errors.jsonl")).unwrap();
+    assert!(!written.contains("wrong-secret-value"));
+    server.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stdin_to_stdout_with_template_system_and_params() {
+    use tokio::io::AsyncWriteExt;
+    let dir = Dir::new("stdio");
+    let mut child = util::weir()
+        .args([
+            "run",
+            "--model",
+            "sim/x",
+            "--input",
+            "-",
+            "--output",
+            "-",
+            "--errors",
+            dir.path("e.jsonl").to_str().unwrap(),
+            "--template",
+            "Translate {text} into {lang}.",
+            "--system",
+            "Be terse.",
+            "--param",
+            "max_tokens=3",
+            "--param",
+            "temperature=0",
+        ])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(b"{\"text\":\"hello\",\"lang\":\"French\"}\n{\"text\":\"bye\"}\n").await.unwrap();
+    drop(stdin);
+    let o = child.wait_with_output().await.unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let out: Vec<Value> =
+        String::from_utf8(o.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(out.len(), 1);
+    assert_eq!(out[0]["finish_reason"], "length");
+    assert_eq!(out[0]["usage"]["output_tokens"], 3);
+    // "Be terse." + "Translate hello into French." = 9 + 1 + 28 chars → 10 tokens at 4 chars each.
+    assert_eq!(out[0]["usage"]["prompt_tokens"], 10);
+    let errors = rows(&dir.path("e.jsonl"));
+    assert_eq!(errors.len(), 1);
+    assert!(errors[0]["message"].as_str().unwrap().contains("'lang'"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn daily_quota_stops_the_run() {
+    let mut config = SimConfig::default();
+    config.quota.requests_per_day = 50;
+    let server = sim(config).await;
+    let dir = Dir::new("daily");
+    let (data, ids) = prompts(1_000);
+    let input = dir.write("in.jsonl", &data);
+    let out = dir.path("out.jsonl");
+    let o = run(&[
+        "run",
+        "--model",
+        "gemini/m",
+        "--base-url",
+        &server.url(),
+        "--input",
+        input.to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+        "--id-field",
+        "key",
+        "--max-concurrency",
+        "4",
+    ])
+    .await;
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    assert!(stderr(&o).contains("per-day quota"), "{}", stderr(&o));
+    let results = rows(&out);
+    let errors = rows(&dir.path("out.errors.jsonl"));
+    assert_eq!(results.len(), 50);
+    assert_each_id_once(&ids, &results, &errors);
+    let requests = server.stats().requests;
+    assert!(requests <= 55, "{requests} requests after the quota was spent");
+    server.shutdown().await;
+}

@@ -1,0 +1,93 @@
+//! Helpers for black-box tests of the built `weir` binary.
+#![allow(dead_code)]
+
+use serde_json::Value;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Output;
+
+/// A scratch directory, removed on drop.
+pub struct Dir(pub PathBuf);
+
+impl Dir {
+    pub fn new(name: &str) -> Self {
+        let p = std::env::temp_dir().join(format!("weir-test-{name}-{}-{}", std::process::id(), rand_suffix()));
+        std::fs::create_dir_all(&p).unwrap();
+        Dir(p)
+    }
+
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+
+    pub fn write(&self, name: &str, bytes: &[u8]) -> PathBuf {
+        let p = self.path(name);
+        std::fs::write(&p, bytes).unwrap();
+        p
+    }
+}
+
+impl Drop for Dir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn rand_suffix() -> u64 {
+    use std::time::{SystemTime, UNIX_EPOCH};
+    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().subsec_nanos() as u64
+}
+
+/// The binary under test.
+pub fn weir() -> tokio::process::Command {
+    let mut c = tokio::process::Command::new(env!("CARGO_BIN_EXE_weir"));
+    c.env_remove("GEMINI_API_KEY")
+        .env_remove("GOOGLE_API_KEY")
+        .env_remove("OPENAI_API_KEY")
+        .env_remove("OPENAI_BASE_URL");
+    c.kill_on_drop(true);
+    c
+}
+
+pub async fn run(args: &[&str]) -> Output {
+    weir().args(args).output().await.unwrap()
+}
+
+pub fn rows(path: &Path) -> Vec<Value> {
+    match std::fs::read_to_string(path) {
+        Ok(text) => {
+            text.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad row {l}: {e}"))).collect()
+        }
+        Err(_) => Vec::new(),
+    }
+}
+
+/// Checks that every id in `expected` appears exactly once across results and errors.
+pub fn assert_each_id_once(expected: &[String], results: &[Value], errors: &[Value]) {
+    let mut seen: HashMap<String, u32> = HashMap::new();
+    for r in results.iter().chain(errors) {
+        let id = r["id"].as_str().unwrap_or_else(|| panic!("row without id: {r}")).to_string();
+        *seen.entry(id).or_default() += 1;
+    }
+    for id in expected {
+        assert_eq!(seen.get(id).copied().unwrap_or(0), 1, "id {id} must appear exactly once");
+    }
+    assert_eq!(seen.len(), expected.len(), "no extra ids");
+}
+
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+pub fn prompts(n: usize) -> (Vec<u8>, Vec<String>) {
+    let mut data = Vec::new();
+    let mut ids = Vec::new();
+    for i in 0..n {
+        let id = format!("r{i}");
+        data.extend_from_slice(
+            format!("{{\"key\":\"{id}\",\"prompt\":\"Tell me about item {i}\",\"n\":{i}}}\n").as_bytes(),
+        );
+        ids.push(id);
+    }
+    (data, ids)
+}
