@@ -141,7 +141,23 @@ impl SimArgs {
     }
 }
 
-/// Runs the simulator until Ctrl-C.
+/// Waits for Ctrl-C or, on Unix, SIGTERM.
+async fn shutdown_signal() -> anyhow::Result<()> {
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .context("installing the SIGTERM handler")?;
+        tokio::select! {
+            r = tokio::signal::ctrl_c() => r.context("waiting for Ctrl-C")?,
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    tokio::signal::ctrl_c().await.context("waiting for Ctrl-C")?;
+    Ok(())
+}
+
+/// Runs the simulator until Ctrl-C or SIGTERM.
 pub async fn run(args: SimArgs) -> anyhow::Result<u8> {
     let config = args.to_config()?;
     let server = SimServer::start(config, args.listen).await.context("starting the simulator")?;
@@ -150,7 +166,7 @@ pub async fn run(args: SimArgs) -> anyhow::Result<u8> {
         writeln!(out, "weir sim listening on {}", server.url())?;
         out.flush()?;
     }
-    tokio::signal::ctrl_c().await.context("waiting for Ctrl-C")?;
+    shutdown_signal().await?;
     let stats = server.stats();
     server.shutdown().await;
     eprintln!(

@@ -91,3 +91,23 @@ pub fn prompts(n: usize) -> (Vec<u8>, Vec<String>) {
     }
     (data, ids)
 }
+
+/// The value of a peer's environment variable; `None` (skip) when unset, unless
+/// `WEIR_REQUIRE_PEERS=1`, when a missing peer fails the test.
+pub fn peer(var: &str) -> Option<String> {
+    match std::env::var(var) {
+        Ok(v) if !v.is_empty() => Some(v),
+        _ if std::env::var("WEIR_REQUIRE_PEERS").as_deref() == Ok("1") => {
+            panic!("{var} is not set; run ./scripts/test (it installs the peers)")
+        }
+        _ => {
+            eprintln!("skipped: {var} is not set (./scripts/test sets it)");
+            None
+        }
+    }
+}
+
+/// A free TCP port on loopback.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}

@@ -1,0 +1,136 @@
+"""The official Python clients, pointed at `weir sim`, must work unchanged.
+
+Usage: python clients.py BASE_URL. The simulator must run with a quota of 2 requests per window
+per key. Each check uses its own key; the rate-limit check makes a third call and must get the
+client's own rate-limit error. Prints one line per check; exits non-zero on the first failure.
+"""
+import sys
+
+import openai
+from google import genai
+from google.genai import errors as genai_errors
+from google.genai import types
+
+base = sys.argv[1].rstrip("/")
+
+
+def check(name, fn):
+    try:
+        fn()
+    except Exception as e:  # report and fail
+        print(f"FAIL {name}: {type(e).__name__}: {e}")
+        sys.exit(1)
+    print(f"ok   {name}")
+
+
+def oai(key):
+    return openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0)
+
+
+def openai_call():
+    r = oai("o-call").chat.completions.create(model="sim-1", messages=[{"role": "user", "content": "hello"}], max_tokens=20)
+    assert r.choices[0].message.content, r
+    assert r.choices[0].finish_reason in ("stop", "length"), r
+    assert r.usage.prompt_tokens > 0 and r.usage.completion_tokens > 0, r
+
+
+def openai_stream():
+    stream = oai("o-stream").chat.completions.create(
+        model="sim-1", messages=[{"role": "user", "content": "hello"}], stream=True, stream_options={"include_usage": True}
+    )
+    text, usage, finish = "", None, None
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            finish = c.finish_reason or finish
+    assert text and finish == "stop" and usage and usage.completion_tokens > 0, (text, finish, usage)
+
+
+def openai_429():
+    c = oai("o-limit")
+    for _ in range(2):
+        c.chat.completions.create(model="sim-1", messages=[{"role": "user", "content": "x"}])
+    try:
+        c.chat.completions.create(model="sim-1", messages=[{"role": "user", "content": "x"}])
+    except openai.RateLimitError as e:
+        assert e.status_code == 429
+        assert e.response.headers.get("retry-after"), e.response.headers
+        return
+    raise AssertionError("no RateLimitError")
+
+
+def gem(key, version=None):
+    opts = types.HttpOptions(base_url=base, api_version=version) if version else types.HttpOptions(base_url=base)
+    return genai.Client(api_key=key, http_options=opts)
+
+
+def gemini_call(version):
+    def f():
+        c = gem(f"g-call-{version}", version)  # keep the client alive: it closes when collected
+        r = c.models.generate_content(
+            model="gemini-2.5-flash", contents="hello", config=types.GenerateContentConfig(max_output_tokens=100, temperature=0.1)
+        )
+        assert r.text, r
+        assert r.usage_metadata.prompt_token_count > 0, r
+        assert r.candidates[0].finish_reason == types.FinishReason.STOP, r
+    return f
+
+
+def gemini_stream():
+    text = ""
+    last = None
+    c = gem("g-stream")
+    for chunk in c.models.generate_content_stream(model="gemini-2.5-flash", contents="hello"):
+        text += chunk.text or ""
+        last = chunk
+    assert text and last.candidates[0].finish_reason == types.FinishReason.STOP, (text, last)
+
+
+def gemini_429():
+    c = gem("g-limit")
+    for _ in range(2):
+        c.models.generate_content(model="gemini-2.5-flash", contents="x")
+    try:
+        c.models.generate_content(model="gemini-2.5-flash", contents="x")
+    except genai_errors.ClientError as e:
+        assert e.code == 429 and e.status == "RESOURCE_EXHAUSTED", (e.code, e.status)
+        details = e.details["error"]["details"]
+        assert any(d.get("retryDelay") for d in details), details
+        return
+    raise AssertionError("no 429 ClientError")
+
+
+def gemini_blocked():
+    c = gem("g-block")
+    r = c.models.generate_content(model="gemini-2.5-flash", contents="[sim:block_prompt]")
+    assert not r.candidates and r.prompt_feedback.block_reason == types.BlockedReason.SAFETY, r
+
+
+def vertex_call_and_stream():
+    from google.oauth2.credentials import Credentials
+
+    c = genai.Client(
+        vertexai=True,
+        project="weir-test",
+        location="us-central1",
+        credentials=Credentials(token="v-token"),
+        http_options=types.HttpOptions(base_url=base),
+    )
+    r = c.models.generate_content(model="gemini-2.5-flash", contents="hello")
+    assert r.text, r
+    text = "".join(ch.text or "" for ch in c.models.generate_content_stream(model="gemini-2.5-flash", contents="hello"))
+    assert text, text
+
+
+check("openai: chat completion", openai_call)
+check("openai: streamed chat completion with usage", openai_stream)
+check("openai: 429 raises RateLimitError", openai_429)
+check("google-genai: generate_content (default API version)", gemini_call(None))
+check("google-genai: generate_content (v1beta)", gemini_call("v1beta"))
+check("google-genai: generate_content_stream", gemini_stream)
+check("google-genai: 429 raises ClientError RESOURCE_EXHAUSTED with RetryInfo", gemini_429)
+check("google-genai: blocked prompt has prompt_feedback.block_reason", gemini_blocked)
+check("google-genai (Vertex AI mode): call and stream", vertex_call_and_stream)
+print("all client checks passed")
