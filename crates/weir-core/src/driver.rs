@@ -17,6 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::time::Instant;
 
+use crate::cache::{cache_key, ResponseCache};
 use crate::error::{ErrorKind, ModelError, RetryHint};
 use crate::handler::{ModelHandler, ModelRequest};
 use crate::limit::{CallResult, ConcurrencyLimit, Gate};
@@ -73,6 +74,9 @@ pub struct Driver {
     stop_reason: Mutex<Option<StopReason>>,
     auth_failures: AtomicU64,
     seed: AtomicU64,
+    wake: tokio::sync::Notify,
+    cache: Option<Arc<dyn ResponseCache>>,
+    model_id: String,
 }
 
 impl Driver {
@@ -84,7 +88,6 @@ impl Driver {
         metrics: Arc<RunMetrics>,
     ) -> Self {
         Self {
-            handler,
             limit,
             gate: Arc::new(Gate::default()),
             settings,
@@ -93,7 +96,17 @@ impl Driver {
             stop_reason: Mutex::new(None),
             auth_failures: AtomicU64::new(0),
             seed: AtomicU64::new(0x5eed),
+            wake: tokio::sync::Notify::new(),
+            model_id: handler.model_id().to_string(),
+            cache: None,
+            handler,
         }
+    }
+
+    /// Answers from `cache` when it has the request, and stores every new answer in it.
+    pub fn with_cache(mut self, cache: Arc<dyn ResponseCache>) -> Self {
+        self.cache = Some(cache);
+        self
     }
 
     /// The run's metrics.
@@ -119,6 +132,20 @@ impl Driver {
             *r = Some(reason);
         }
         self.stopped.store(true, Relaxed);
+        // Records sleeping in backoff or held by the gate give up at once.
+        self.wake.notify_waiters();
+    }
+
+    /// Sleeps for `d`, or less if the run stops meanwhile.
+    async fn pause(&self, d: Duration) {
+        let woken = self.wake.notified();
+        if self.is_stopped() {
+            return;
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(d) => {}
+            _ = woken => {}
+        }
     }
 
     /// Counts a failure that never reached the driver (invalid input) and passes it on.
@@ -136,6 +163,14 @@ impl Driver {
         };
         let mut rng = SmallRng::seed_from_u64(self.seed.fetch_add(1, Relaxed));
         let start = Instant::now();
+        let key = self.cache.as_ref().map(|c| (c, cache_key(&self.model_id, &request)));
+        if let Some((cache, key)) = &key {
+            if let Some(response) = cache.get(key) {
+                self.metrics.cache_hits.fetch_add(1, Relaxed);
+                self.metrics.record_success(response.usage.prompt_tokens, response.usage.output_tokens);
+                return Outcome::Success(Box::new(Success { record, response, attempts: 0, latency: start.elapsed() }));
+            }
+        }
         let mut attempts = 0u32;
         loop {
             if self.is_stopped() {
@@ -146,7 +181,10 @@ impl Driver {
                     attempts,
                 );
             }
-            let held = self.gate.wait().await;
+            let held = tokio::select! {
+                held = self.gate.wait() => held,
+                _ = self.wake.notified() => continue,
+            };
             if !held.is_zero() {
                 self.metrics.add_throttled(held);
             }
@@ -172,6 +210,9 @@ impl Driver {
             match result {
                 Ok(response) => {
                     self.limit.feedback(latency, CallResult::Ok);
+                    if let Some((cache, key)) = &key {
+                        cache.put(*key, &response);
+                    }
                     self.metrics.record_success(response.usage.prompt_tokens, response.usage.output_tokens);
                     return Outcome::Success(Box::new(Success {
                         record,
@@ -194,7 +235,7 @@ impl Driver {
                                 self.gate.hold(advised);
                             }
                             tracing::debug!(id = %record.id, attempts, ?delay, "retrying: {error}");
-                            tokio::time::sleep(delay).await;
+                            self.pause(delay).await;
                         }
                     }
                 }

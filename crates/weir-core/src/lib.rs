@@ -6,6 +6,7 @@
 
 #![warn(missing_docs)]
 
+pub mod cache;
 pub mod driver;
 pub mod error;
 pub mod handler;
@@ -16,6 +17,7 @@ pub mod params;
 pub mod record;
 pub mod retry;
 
+pub use cache::{cache_key, CacheKey, ResponseCache};
 pub use driver::{Driver, DriverSettings, StopReason};
 pub use error::{ErrorKind, ModelError, RetryHint};
 pub use handler::{ModelHandler, ModelRequest};

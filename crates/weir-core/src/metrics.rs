@@ -20,6 +20,8 @@ pub struct RunMetrics {
     pub calls: AtomicU64,
     /// Calls beyond each record's first.
     pub retries: AtomicU64,
+    /// Records answered from the response cache, without a call.
+    pub cache_hits: AtomicU64,
     /// Calls answered with a rate-limit error.
     pub rate_limited: AtomicU64,
     /// Prompt tokens reported by successful calls.

@@ -1,6 +1,6 @@
 //! Outcomes: every input record ends in exactly one, a success or a failure.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use std::time::Duration;
 
@@ -8,7 +8,7 @@ use crate::error::ModelError;
 use crate::record::Record;
 
 /// Token usage as the provider reported it.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Usage {
     /// Tokens of the prompt (system text included).
     pub prompt_tokens: u64,
@@ -19,7 +19,7 @@ pub struct Usage {
 }
 
 /// A model's answer to one request.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ModelResponse {
     /// The generated text.
     pub text: String,

@@ -21,6 +21,7 @@ pub struct Record {
 /// A prompt template: literal text with `{field}` placeholders; `{{` and `}}` are literal braces.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Template {
+    source: String,
     pieces: Vec<Piece>,
 }
 
@@ -85,7 +86,12 @@ impl Template {
         if !pieces.iter().any(|p| matches!(p, Piece::Field(_))) {
             return Err(TemplateError(format!("{text:?} names no {{field}}, so every prompt would be the same")));
         }
-        Ok(Self { pieces })
+        Ok(Self { source: text.to_string(), pieces })
+    }
+
+    /// The template as written.
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     /// Fills the template from a row. Strings are inserted as they are, other values as JSON.

@@ -1,9 +1,12 @@
-//! weir-io: where records come from and where outcomes go.
+//! weir-io: where records come from and where outcomes go, and what survives a crash.
 
 #![warn(missing_docs)]
 
+pub mod cache;
 pub mod sink;
 pub mod source;
+pub mod state;
 
+pub use cache::RedbCache;
 pub use sink::{default_errors_path, ErrorRow, JsonlWriter, OutputPath, ResultRow};
 pub use source::{count_records, InputPath, RawLine};

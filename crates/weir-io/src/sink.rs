@@ -1,6 +1,6 @@
 //! Writing result and error rows as JSONL.
 //!
-//! A result row: `{"id", "input": {the input object, untouched}, "response", "finish_reason",
+//! A result row: `{"id", "line", "input": {the input object, untouched}, "response", "finish_reason",
 //! "usage", "model", "model_version", "attempts", "latency_ms"}`. Nesting the input keeps its
 //! fields exactly as they were, whatever their names, and weir's fields never collide with them.
 //!
@@ -45,22 +45,46 @@ impl OutputPath {
 /// A JSONL writer.
 pub struct JsonlWriter {
     out: BufWriter<Box<dyn Write + Send>>,
+    file: Option<std::fs::File>,
     rows: u64,
 }
 
 impl JsonlWriter {
     /// Creates (or truncates) the output.
     pub fn create(path: &OutputPath) -> io::Result<Self> {
-        let out: Box<dyn Write + Send> = match path {
-            OutputPath::Stdout => Box::new(io::stdout()),
+        Self::open(path, false)
+    }
+
+    /// Opens the output for appending (creating it if needed), to resume a run.
+    pub fn append(path: &OutputPath) -> io::Result<Self> {
+        Self::open(path, true)
+    }
+
+    fn open(path: &OutputPath, append: bool) -> io::Result<Self> {
+        let (out, file): (Box<dyn Write + Send>, _) = match path {
+            OutputPath::Stdout => (Box::new(io::stdout()), None),
             OutputPath::File(p) => {
                 if let Some(dir) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
                     std::fs::create_dir_all(dir)?;
                 }
-                Box::new(std::fs::File::create(p)?)
+                let f = if append {
+                    std::fs::OpenOptions::new().create(true).append(true).open(p)?
+                } else {
+                    std::fs::File::create(p)?
+                };
+                (Box::new(f.try_clone()?), Some(f))
             }
         };
-        Ok(Self { out: BufWriter::with_capacity(256 * 1024, out), rows: 0 })
+        Ok(Self { out: BufWriter::with_capacity(256 * 1024, out), file, rows: 0 })
+    }
+
+    /// Flushes and asks the kernel to put the rows on disk (`fdatasync`).
+    pub fn sync(&mut self) -> io::Result<()> {
+        self.out.flush()?;
+        if let Some(f) = &self.file {
+            f.sync_data()?;
+        }
+        Ok(())
     }
 
     /// Writes one row and its newline.
@@ -99,6 +123,8 @@ pub fn default_errors_path(output: &OutputPath) -> OutputPath {
 pub struct ResultRow<'a> {
     /// The record's id.
     pub id: &'a str,
+    /// 1-based input line.
+    pub line: u64,
     /// The input object, untouched.
     pub input: &'a Map<String, Value>,
     /// The generated text.
@@ -112,7 +138,7 @@ pub struct ResultRow<'a> {
     /// The model version that answered, when reported.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub model_version: Option<&'a str>,
-    /// Calls made.
+    /// Calls made (0 when answered from the cache).
     pub attempts: u32,
     /// Milliseconds from the first attempt to the answer.
     pub latency_ms: u64,
@@ -123,6 +149,7 @@ impl<'a> ResultRow<'a> {
     pub fn of(s: &'a Success, model: &'a str) -> Self {
         Self {
             id: &s.record.id,
+            line: s.record.line,
             input: &s.record.input,
             response: &s.response.text,
             finish_reason: &s.response.finish_reason,

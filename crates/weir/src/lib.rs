@@ -6,5 +6,5 @@
 pub mod pipeline;
 pub mod report;
 
-pub use pipeline::{run, RunError, RunSettings};
+pub use pipeline::{run, RunError, RunSettings, StateMode};
 pub use report::RunReport;

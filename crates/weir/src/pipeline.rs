@@ -1,26 +1,38 @@
 //! `weir run` as one stream chain:
 //!
-//! source lines → parse (bad rows become `invalid_input` failures) → duplicate-id check →
-//! driver (gate → concurrency → timeout → provider call, retried per record) → outcome →
-//! sink (results / errors).
+//! source lines → parse (bad rows become `invalid_input` failures) → skip what an earlier run
+//! finished → duplicate-id check → driver (cache → gate → concurrency → timeout → provider call,
+//! retried per record) → outcome → sink (results / errors, one `write` per row when resumable).
 //!
 //! At most `max_concurrency` calls are in flight; at most `4 × max_concurrency` records are
 //! between the source and the sinks (the rest are sleeping in backoff), so memory does not grow
-//! with the input.
+//! with the input. The state directory (see `weir_io::state`) makes a run resumable.
 
 use futures::StreamExt;
 use std::collections::HashSet;
-use std::hash::{Hash, Hasher};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::sync::watch;
 use tokio::time::Instant;
 use weir_core::{
-    Driver, DriverSettings, ErrorKind, Failure, FixedLimit, ModelError, Outcome, Record, RecordSpec, RunMetrics,
+    Driver, DriverSettings, ErrorKind, Failure, FixedLimit, ModelError, Outcome, PromptSource, Record, RecordSpec,
+    RunMetrics, StopReason,
 };
-use weir_io::{ErrorRow, InputPath, JsonlWriter, OutputPath, ResultRow};
+use weir_io::state::{self, finished_key, id_key, RunIdentity};
+use weir_io::{ErrorRow, InputPath, JsonlWriter, OutputPath, RedbCache, ResultRow};
 use weir_providers::{ModelSpec, ProviderError, ProviderOptions};
 
 use crate::report::{Progress, RunReport};
+
+/// Where a run keeps what makes it resumable.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StateMode {
+    /// No journal and no cache (also the case when the output is stdout).
+    Off,
+    /// The state directory; by default `.weir/` beside the output.
+    Dir(PathBuf),
+}
 
 /// Everything `weir run` needs, validated.
 #[derive(Debug, Clone)]
@@ -43,6 +55,16 @@ pub struct RunSettings {
     pub max_concurrency: usize,
     /// Show a progress bar on stderr.
     pub progress: bool,
+    /// The state directory.
+    pub state: StateMode,
+    /// Discard an earlier run's state and outputs.
+    pub fresh: bool,
+    /// Use the response cache (in the state directory).
+    pub cache: bool,
+    /// Run again the records whose error rows are of a retryable kind.
+    pub retry_errors: bool,
+    /// After the first interrupt, how long calls in flight may take to finish.
+    pub drain: Duration,
 }
 
 /// Why a run could not start or had to stop.
@@ -71,14 +93,34 @@ enum Work {
     ReadError(std::io::Error),
 }
 
-fn fingerprint(id: &str) -> u64 {
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    id.hash(&mut h);
-    h.finish()
+fn identity(settings: &RunSettings) -> Result<RunIdentity, RunError> {
+    let input = match &settings.input {
+        InputPath::Stdin => "stdin".to_string(),
+        InputPath::File(p) => state::input_identity(p)
+            .map_err(|e| RunError::Usage(format!("cannot read --input {}: {e}", p.display())))?,
+    };
+    Ok(RunIdentity {
+        version: 1,
+        input,
+        model: settings.model.to_string(),
+        base_url: settings.provider.base_url.clone(),
+        prompt: match &settings.records.prompt {
+            PromptSource::Field(f) => format!("field:{f}"),
+            PromptSource::Template(t) => format!("template:{}", t.source()),
+        },
+        id_field: settings.records.id_field.clone(),
+        system: settings.driver.system.as_deref().map(str::to_string),
+        params: serde_json::to_value(&*settings.driver.params).unwrap_or_default(),
+    })
 }
 
-/// Runs the whole job and reports what happened. `env` reads environment variables.
-pub async fn run(settings: RunSettings, env: &dyn Fn(&str) -> Option<String>) -> Result<RunReport, RunError> {
+/// Runs the whole job and reports what happened. `env` reads environment variables;
+/// `interrupts` counts Ctrl-C presses (the first one drains and stops).
+pub async fn run(
+    settings: RunSettings,
+    env: &dyn Fn(&str) -> Option<String>,
+    interrupts: watch::Receiver<u32>,
+) -> Result<RunReport, RunError> {
     // Everything that can be wrong with the command is checked before any file is written.
     let total = match &settings.input {
         InputPath::File(p) => Some(
@@ -92,34 +134,104 @@ pub async fn run(settings: RunSettings, env: &dyn Fn(&str) -> Option<String>) ->
         .map_err(|e| RunError::Usage(format!("cannot open --input: {e}")))?;
     let endpoint = weir_providers::connect(&settings.model, &settings.provider, env).await?;
     let model_id = endpoint.handler.model_id().to_string();
+
+    // The state directory: identity check, lock, recovery of an earlier run's outputs.
+    let mut state_dir = None;
+    let mut recovered = state::Recovered::default();
+    let mut cache = None;
+    let mut resuming = false;
+    let journal = match (&settings.state, &settings.output, &settings.errors) {
+        (StateMode::Dir(dir), OutputPath::File(out), OutputPath::File(errs)) => {
+            let name = out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "output".into());
+            let id = identity(&settings)?;
+            let (sd, resume) =
+                state::open(dir, &name, &id, settings.fresh).map_err(|e| RunError::Usage(e.to_string()))?;
+            resuming = resume;
+            if resuming {
+                recovered = state::recover(out, errs, settings.retry_errors)
+                    .map_err(|e| RunError::Fatal(format!("recovering the earlier run's outputs: {e}")))?;
+                let of = total.map(|t| format!(" of {}", crate::report::thousands(t))).unwrap_or_default();
+                eprintln!(
+                    "Resuming: {}{of} finished ({} results, {} errors){}{}",
+                    crate::report::thousands(recovered.finished_count()),
+                    crate::report::thousands(recovered.results),
+                    crate::report::thousands(recovered.errors),
+                    if recovered.requeued > 0 {
+                        format!("; {} error rows to run again", recovered.requeued)
+                    } else {
+                        String::new()
+                    },
+                    if recovered.torn_bytes > 0 {
+                        format!("; cut a torn tail of {} bytes", recovered.torn_bytes)
+                    } else {
+                        String::new()
+                    },
+                );
+            } else if settings.retry_errors {
+                return Err(RunError::Usage(
+                    "--retry-errors needs the state of an earlier run of the same command (none found)".into(),
+                ));
+            }
+            if settings.cache {
+                let c = RedbCache::open(&dir.join("cache.redb"))
+                    .map_err(|e| RunError::Usage(format!("{e}; or run with --no-cache")))?;
+                cache = Some(Arc::new(c));
+            }
+            state_dir = Some(sd);
+            true
+        }
+        _ => false,
+    };
     let open = |p: &OutputPath| {
-        JsonlWriter::create(p).map_err(|e| RunError::Usage(format!("cannot create {}: {e}", p.display())))
+        let w = if resuming { JsonlWriter::append(p) } else { JsonlWriter::create(p) };
+        w.map_err(|e| RunError::Usage(format!("cannot create {}: {e}", p.display())))
     };
     let mut results = open(&settings.output)?;
     let mut errors = open(&settings.errors)?;
 
     let metrics = Arc::new(RunMetrics::default());
     let limit = Arc::new(FixedLimit::new(settings.max_concurrency));
-    let driver = Arc::new(Driver::new(endpoint.handler.clone(), limit, settings.driver.clone(), metrics.clone()));
-    let progress = Progress::start(settings.progress, total, metrics.clone());
+    let mut driver = Driver::new(endpoint.handler.clone(), limit, settings.driver.clone(), metrics.clone());
+    if let Some(c) = &cache {
+        driver = driver.with_cache(c.clone());
+    }
+    let driver = Arc::new(driver);
+    let remaining = total.map(|t| t.saturating_sub(recovered.finished_count()));
+    let progress = Progress::start(settings.progress, remaining, metrics.clone());
     let started = Instant::now();
 
     let spec = settings.records.clone();
     let check_duplicates = spec.id_field.is_some();
-    let mut seen: HashSet<u64> = HashSet::new();
-    let work = weir_io::source::lines(reader).map(move |line| match line {
-        Err(e) => Work::ReadError(e),
-        Ok(raw) => match spec.parse(raw.line, &raw.bytes) {
-            Err(failure) => Work::Done(failure),
-            Ok(record) => {
-                if check_duplicates && !seen.insert(fingerprint(&record.id)) {
-                    let msg = format!("line {}: duplicate id '{}' (an earlier line has it)", record.line, record.id);
-                    Work::Done(Box::new(Failure::of(record, ModelError::new(ErrorKind::InvalidInput, msg), 0)))
-                } else {
-                    Work::Call(record)
+    let finished = std::mem::take(&mut recovered.finished);
+    let mut seen: HashSet<u64> = if check_duplicates { std::mem::take(&mut recovered.ids) } else { HashSet::new() };
+    let mut first_interrupt = interrupts.clone();
+    let input_stop = async move {
+        let _ = first_interrupt.wait_for(|n| *n >= 1).await;
+    };
+    let work = weir_io::source::lines(reader).take_until(input_stop).filter_map(move |line| {
+        let item = match line {
+            Err(e) => Some(Work::ReadError(e)),
+            Ok(raw) => match spec.parse(raw.line, &raw.bytes) {
+                Err(failure) => (!finished.contains(&finished_key(failure.id.as_deref(), failure.line)))
+                    .then_some(Work::Done(failure)),
+                Ok(record) => {
+                    if finished.contains(&finished_key(Some(&record.id), record.line)) {
+                        None
+                    } else if check_duplicates && !seen.insert(id_key(&record.id)) {
+                        let msg =
+                            format!("line {}: duplicate id '{}' (an earlier line has it)", record.line, record.id);
+                        Some(Work::Done(Box::new(Failure::of(
+                            record,
+                            ModelError::new(ErrorKind::InvalidInput, msg),
+                            0,
+                        ))))
+                    } else {
+                        Some(Work::Call(record))
+                    }
                 }
-            }
-        },
+            },
+        };
+        futures::future::ready(item)
     });
     let width = settings.max_concurrency.max(1) * 4;
     let outcomes = work
@@ -137,10 +249,51 @@ pub async fn run(settings: RunSettings, env: &dyn Fn(&str) -> Option<String>) ->
     tokio::pin!(outcomes);
 
     let mut fatal = None;
-    while let Some(outcome) = outcomes.next().await {
+    let mut interrupts = interrupts;
+    let mut interrupted = false;
+    let far = Instant::now() + Duration::from_secs(86_400 * 365);
+    let drain_deadline = tokio::time::sleep_until(far);
+    tokio::pin!(drain_deadline);
+    let mut last_sync = Instant::now();
+    let mut not_written = 0u64;
+    loop {
+        let outcome = tokio::select! {
+            o = outcomes.next() => match o {
+                Some(o) => o,
+                None => break,
+            },
+            changed = interrupts.changed(), if !interrupted => {
+                if changed.is_ok() && *interrupts.borrow() >= 1 {
+                    interrupted = true;
+                    progress.suspend(|| eprintln!(
+                        "weir: interrupted; letting calls in flight finish (up to {} s). Press Ctrl-C again to stop at once.",
+                        settings.drain.as_secs()
+                    ));
+                    driver.stop(StopReason { kind: ErrorKind::Aborted, message: "interrupted".into() });
+                    drain_deadline.as_mut().reset(Instant::now() + settings.drain);
+                }
+                continue;
+            }
+            _ = &mut drain_deadline => {
+                tracing::warn!("calls still in flight after the drain deadline were cancelled");
+                break;
+            }
+        };
         let written = match outcome {
-            Ok(Outcome::Success(s)) => results.write(&ResultRow::of(&s, &model_id)),
-            Ok(Outcome::Failure(f)) => errors.write(&ErrorRow::of(&f)),
+            Ok(Outcome::Success(s)) => {
+                results
+                    .write(&ResultRow::of(&s, &model_id))
+                    .and_then(|_| if journal { results.flush() } else { Ok(()) })
+            }
+            // With a journal, a record the run never tried is simply not finished: the next run
+            // does it. Without one, it gets an error row so that nothing is silently dropped.
+            Ok(Outcome::Failure(f)) if journal && f.error.kind == ErrorKind::Aborted => {
+                not_written += 1;
+                Ok(())
+            }
+            Ok(Outcome::Failure(f)) => {
+                errors.write(&ErrorRow::of(&f)).and_then(|_| if journal { errors.flush() } else { Ok(()) })
+            }
             Err(e) => {
                 fatal = Some(format!("reading the input failed: {e}"));
                 break;
@@ -151,12 +304,25 @@ pub async fn run(settings: RunSettings, env: &dyn Fn(&str) -> Option<String>) ->
             break;
         }
         progress.tick();
+        if journal && last_sync.elapsed() >= Duration::from_secs(1) {
+            last_sync = Instant::now();
+            if let Err(e) = results.sync().and_then(|_| errors.sync()) {
+                fatal = Some(format!("writing rows failed: {e}"));
+                break;
+            }
+            if let Some(c) = &cache {
+                c.checkpoint();
+            }
+        }
     }
-    let flushed = results.flush().and_then(|_| errors.flush());
+    let flushed =
+        if journal { results.sync().and_then(|_| errors.sync()) } else { results.flush().and_then(|_| errors.flush()) };
     progress.finish();
     if let Some(sim) = endpoint.sim {
         sim.shutdown().await;
     }
+    drop(cache);
+    let state_path = state_dir.take().map(|s| s.dir.display().to_string());
     if let Err(e) = flushed {
         fatal.get_or_insert(format!("writing rows failed: {e}"));
     }
@@ -168,7 +334,9 @@ pub async fn run(settings: RunSettings, env: &dyn Fn(&str) -> Option<String>) ->
         started.elapsed().max(Duration::from_micros(1)),
         driver.stop_reason(),
         &settings,
-        results.rows(),
-        errors.rows(),
+        (results.rows(), errors.rows()),
+        (recovered.results, recovered.errors),
+        not_written,
+        state_path,
     ))
 }

@@ -12,13 +12,17 @@ use crate::pipeline::RunSettings;
 /// The end of a run, in numbers.
 #[derive(Debug, Clone)]
 pub struct RunReport {
-    /// Records finished.
+    /// Records finished by this run.
     pub records: u64,
-    /// Records with a result row.
+    /// Result rows written by this run.
     pub succeeded: u64,
-    /// Records with an error row.
+    /// Error rows written by this run.
     pub failed: u64,
-    /// Failed records by kind.
+    /// Result and error rows an earlier run had written (when resuming).
+    pub earlier: (u64, u64),
+    /// Records not finished (the run stopped or was interrupted; a resume does them).
+    pub unfinished: u64,
+    /// Failed records by kind, this run.
     pub failures: BTreeMap<ErrorKind, u64>,
     /// Calls made.
     pub calls: u64,
@@ -26,6 +30,8 @@ pub struct RunReport {
     pub retries: u64,
     /// Calls refused with a rate-limit error.
     pub rate_limited: u64,
+    /// Records answered from the response cache.
+    pub cache_hits: u64,
     /// Seconds calls were held by server-advised pauses (summed over calls).
     pub throttled_secs: f64,
     /// Prompt tokens.
@@ -40,25 +46,37 @@ pub struct RunReport {
     pub output: String,
     /// Where errors went.
     pub errors: String,
+    /// The state directory, when the run is resumable.
+    pub state: Option<String>,
 }
 
 impl RunReport {
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         m: &RunMetrics,
         elapsed: Duration,
         stopped: Option<StopReason>,
         settings: &RunSettings,
-        result_rows: u64,
-        error_rows: u64,
+        rows: (u64, u64),
+        earlier: (u64, u64),
+        unfinished: u64,
+        state: Option<String>,
     ) -> Self {
         Self {
-            records: result_rows + error_rows,
-            succeeded: result_rows,
-            failed: error_rows,
-            failures: m.failures_by_kind(),
+            records: rows.0 + rows.1,
+            succeeded: rows.0,
+            failed: rows.1,
+            earlier,
+            unfinished,
+            failures: m
+                .failures_by_kind()
+                .into_iter()
+                .filter(|(k, _)| state.is_none() || *k != ErrorKind::Aborted)
+                .collect(),
             calls: m.calls.load(Relaxed),
             retries: m.retries.load(Relaxed),
             rate_limited: m.rate_limited.load(Relaxed),
+            cache_hits: m.cache_hits.load(Relaxed),
             throttled_secs: m.throttled_micros.load(Relaxed) as f64 / 1e6,
             tokens_in: m.tokens_in.load(Relaxed),
             tokens_out: m.tokens_out.load(Relaxed),
@@ -66,12 +84,23 @@ impl RunReport {
             stopped,
             output: settings.output.display(),
             errors: settings.errors.display(),
+            state,
         }
     }
 
     /// Records per second.
     pub fn rate(&self) -> f64 {
         self.records as f64 / self.elapsed.as_secs_f64()
+    }
+
+    /// Error rows in the errors file, this run's and earlier ones'.
+    pub fn total_failed(&self) -> u64 {
+        self.failed + self.earlier.1
+    }
+
+    /// True when the run was interrupted by the user.
+    pub fn interrupted(&self) -> bool {
+        self.stopped.as_ref().is_some_and(|s| s.kind == ErrorKind::Aborted)
     }
 
     /// The summary printed at the end of a run.
@@ -84,12 +113,20 @@ impl RunReport {
             thousands(self.succeeded),
             thousands(self.failed),
         );
+        if self.earlier != (0, 0) {
+            s.push_str(&format!(
+                "  earlier runs: {} succeeded, {} failed\n",
+                thousands(self.earlier.0),
+                thousands(self.earlier.1)
+            ));
+        }
         s.push_str(&format!(
-            "  calls {} ({} retries, {} rate-limited, {:.1} s throttled); tokens {} in, {} out\n",
+            "  calls {} ({} retries, {} rate-limited, {:.1} s throttled); {} from cache; tokens {} in, {} out\n",
             thousands(self.calls),
             thousands(self.retries),
             thousands(self.rate_limited),
             self.throttled_secs,
+            thousands(self.cache_hits),
             thousands(self.tokens_in),
             thousands(self.tokens_out),
         ));
@@ -99,13 +136,26 @@ impl RunReport {
             s.push_str(&format!("  errors:  {} ({})\n", self.errors, kinds.join(", ")));
         }
         if let Some(stop) = &self.stopped {
-            s.push_str(&format!("  stopped early ({}): {}\n", stop.kind, stop.message));
+            if self.interrupted() {
+                s.push_str("  interrupted\n");
+            } else {
+                s.push_str(&format!("  stopped early ({}): {}\n", stop.kind, stop.message));
+            }
+        }
+        if self.unfinished > 0 || (self.stopped.is_some() && self.state.is_some()) {
+            if let Some(state) = &self.state {
+                s.push_str(&format!(
+                    "  {} records not finished; run the same command again to resume (state in {state})\n",
+                    thousands(self.unfinished)
+                ));
+            }
         }
         s
     }
 }
 
-fn thousands(n: u64) -> String {
+/// Formats a count with thousands separators.
+pub fn thousands(n: u64) -> String {
     let digits = n.to_string();
     let mut out = String::with_capacity(digits.len() + digits.len() / 3);
     for (i, c) in digits.chars().enumerate() {
@@ -154,6 +204,14 @@ impl Progress {
             }
         });
         Self { bar: Some(bar), ticker: Some(ticker) }
+    }
+
+    /// Prints a line without tearing the bar.
+    pub(crate) fn suspend(&self, f: impl FnOnce()) {
+        match &self.bar {
+            Some(b) => b.suspend(f),
+            None => f(),
+        }
     }
 
     pub(crate) fn tick(&self) {

@@ -5,7 +5,7 @@ use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
-use weir::{RunError, RunSettings};
+use weir::{RunError, RunSettings, StateMode};
 use weir_core::{DriverSettings, GenParams, PromptSource, RecordSpec, RetryPolicy, Template};
 use weir_io::{default_errors_path, InputPath, OutputPath};
 use weir_providers::{ModelSpec, ProviderOptions};
@@ -78,6 +78,23 @@ pub struct RunArgs {
     /// Progress bar on stderr.
     #[arg(long, value_enum, default_value_t = ProgressMode::Auto)]
     progress: ProgressMode,
+    /// The state directory that makes the run resumable and holds the response cache
+    /// [default: .weir/ beside the output].
+    #[arg(long, value_name = "DIR")]
+    state: Option<PathBuf>,
+    /// Keep no state: no resume, no cache (rows are then written in large buffered blocks).
+    #[arg(long, conflicts_with_all = ["state", "fresh", "retry_errors"])]
+    no_state: bool,
+    /// Start over: discard an earlier run's state and outputs (the response cache is kept).
+    #[arg(long)]
+    fresh: bool,
+    /// Do not use the response cache.
+    #[arg(long)]
+    no_cache: bool,
+    /// Run again the records whose error rows are of a retryable kind (rate_limited, server,
+    /// timeout, transport, malformed_response); those that succeed move to the output.
+    #[arg(long, conflicts_with = "fresh")]
+    retry_errors: bool,
     /// Scenario (TOML, as for `weir sim --config`) of the built-in simulator behind sim/ models.
     #[arg(long, value_name = "FILE")]
     sim_config: Option<PathBuf>,
@@ -131,6 +148,28 @@ impl RunArgs {
             ProgressMode::Never => false,
             ProgressMode::Auto => std::io::stderr().is_terminal(),
         };
+        let state = if self.no_state {
+            StateMode::Off
+        } else {
+            match (&self.state, &output) {
+                (Some(_), OutputPath::Stdout) => {
+                    return Err(UsageError("--state needs --output to be a file (a resumed run appends to it)".into()))
+                }
+                (Some(dir), _) => StateMode::Dir(dir.clone()),
+                (None, OutputPath::File(p)) => StateMode::Dir(
+                    p.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(std::path::Path::new(".")).join(".weir"),
+                ),
+                (None, OutputPath::Stdout) => {
+                    if self.fresh || self.retry_errors {
+                        return Err(UsageError("--fresh and --retry-errors need --output to be a file".into()));
+                    }
+                    StateMode::Off
+                }
+            }
+        };
+        if state != StateMode::Off && errors == OutputPath::Stdout {
+            return Err(UsageError("a resumable run needs --errors to be a file (or use --no-state)".into()));
+        }
         Ok(RunSettings {
             model,
             provider: ProviderOptions { base_url: self.base_url.clone(), sim_config },
@@ -147,6 +186,11 @@ impl RunArgs {
             },
             max_concurrency: self.max_concurrency,
             progress,
+            state,
+            fresh: self.fresh,
+            cache: !self.no_cache,
+            retry_errors: self.retry_errors,
+            drain: Duration::from_secs_f64(self.timeout.min(30.0)),
         })
     }
 }
@@ -155,15 +199,31 @@ impl RunArgs {
 pub async fn run(args: RunArgs) -> anyhow::Result<u8> {
     let settings = args.settings()?;
     let env = |k: &str| std::env::var(k).ok();
-    let report = match weir::run(settings, &env).await {
+    // Ctrl-C: the first press drains and stops (resumable); the second exits at once, which is
+    // still resumable because every row already written is a whole line or a torn tail.
+    let (tx, rx) = tokio::sync::watch::channel(0u32);
+    tokio::spawn(async move {
+        let mut presses = 0;
+        while tokio::signal::ctrl_c().await.is_ok() {
+            presses += 1;
+            if presses >= 2 {
+                eprintln!("weir: stopped at once; run the same command again to resume");
+                std::process::exit(130);
+            }
+            let _ = tx.send(presses);
+        }
+    });
+    let report = match weir::run(settings, &env, rx).await {
         Ok(r) => r,
         Err(RunError::Usage(m)) => return Err(UsageError(m).into()),
         Err(RunError::Fatal(m)) => anyhow::bail!(m),
     };
     eprint!("{}", report.summary());
-    Ok(if report.stopped.is_some() {
+    Ok(if report.interrupted() {
+        130
+    } else if report.stopped.is_some() {
         crate::exit::FATAL
-    } else if report.failed > 0 {
+    } else if report.total_failed() > 0 {
         1
     } else {
         0

@@ -246,32 +246,30 @@ async fn usage_errors_exit_2_and_write_nothing() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn rejected_credentials_stop_early_with_exit_3() {
+async fn rejected_credentials_stop_early_with_exit_3_then_resume() {
     let server = sim(SimConfig { api_keys: vec!["right".into()], ..SimConfig::default() }).await;
     let dir = Dir::new("auth");
     let (data, ids) = prompts(5_000);
     let input = dir.write("in.jsonl", &data);
     let out = dir.path("out.jsonl");
-    let o = util::weir()
-        .args([
-            "run",
-            "--model",
-            "gemini/m",
-            "--base-url",
-            &server.url(),
-            "--input",
-            input.to_str().unwrap(),
-            "--output",
-            out.to_str().unwrap(),
-            "--id-field",
-            "key",
-            "--max-concurrency",
-            "4",
-        ])
-        .env("GEMINI_API_KEY", "wrong-secret-value")
-        .output()
-        .await
-        .unwrap();
+    let args = [
+        "run",
+        "--model",
+        "gemini/m",
+        "--base-url",
+        &server.url(),
+        "--input",
+        input.to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+        "--id-field",
+        "key",
+        "--max-concurrency",
+        "4",
+    ];
+    // Without state, every record gets a row: the rejected ones and the ones never tried.
+    let o =
+        util::weir().args(args).arg("--no-state").env("GEMINI_API_KEY", "wrong-secret-value").output().await.unwrap();
     assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
     let err = stderr(&o);
     assert!(err.contains("credentials were rejected"), "{err}");
@@ -279,10 +277,25 @@ async fn rejected_credentials_stop_early_with_exit_3() {
     let errors = rows(&dir.path("out.errors.jsonl"));
     assert_each_id_once(&ids, &[], &errors);
     assert!(errors.iter().all(|e| e["kind"] == "auth" || e["kind"] == "aborted"));
-    let calls = server.stats().requests;
-    assert!(calls <= 10, "stopped early: {calls} calls");
-    let written = std::fs::read_to_string(dir.path("out.errors.jsonl")).unwrap();
-    assert!(!written.contains("wrong-secret-value"));
+    assert!(server.stats().requests <= 10, "stopped early");
+    assert!(!std::fs::read_to_string(dir.path("out.errors.jsonl")).unwrap().contains("wrong-secret-value"));
+
+    // With state (the default), the run stops the same way and the next run, with the right
+    // key, finishes the job: each id exactly once.
+    let o = util::weir().args(args).env("GEMINI_API_KEY", "wrong-secret-value").output().await.unwrap();
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    assert!(stderr(&o).contains("run the same command again to resume"), "{}", stderr(&o));
+    let o = util::weir().args(args).env("GEMINI_API_KEY", "right").output().await.unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stderr(&o).contains("Resuming:"), "{}", stderr(&o));
+    assert_each_id_once(&ids, &rows(&out), &rows(&dir.path("out.errors.jsonl")));
+    assert!(rows(&dir.path("out.errors.jsonl")).is_empty());
+    for dir in std::fs::read_dir(&dir.0).unwrap() {
+        let p = dir.unwrap().path();
+        if p.is_file() {
+            assert!(!std::fs::read_to_string(&p).unwrap_or_default().contains("wrong-secret-value"), "{p:?}");
+        }
+    }
     server.shutdown().await;
 }
 
@@ -333,15 +346,16 @@ async fn stdin_to_stdout_with_template_system_and_params() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn daily_quota_stops_the_run() {
+async fn daily_quota_stops_the_run_and_the_next_day_resumes() {
     let mut config = SimConfig::default();
     config.quota.requests_per_day = 50;
+    config.quota.day_secs = 1.0;
     let server = sim(config).await;
     let dir = Dir::new("daily");
-    let (data, ids) = prompts(1_000);
+    let (data, ids) = prompts(120);
     let input = dir.write("in.jsonl", &data);
     let out = dir.path("out.jsonl");
-    let o = run(&[
+    let args = [
         "run",
         "--model",
         "gemini/m",
@@ -355,15 +369,28 @@ async fn daily_quota_stops_the_run() {
         "key",
         "--max-concurrency",
         "4",
-    ])
-    .await;
+    ];
+    let o = run(&args).await;
     assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
     assert!(stderr(&o).contains("per-day quota"), "{}", stderr(&o));
-    let results = rows(&out);
-    let errors = rows(&dir.path("out.errors.jsonl"));
-    assert_eq!(results.len(), 50);
-    assert_each_id_once(&ids, &results, &errors);
-    let requests = server.stats().requests;
-    assert!(requests <= 55, "{requests} requests after the quota was spent");
+    assert_eq!(rows(&out).len(), 50);
+    let mut runs = 1;
+    loop {
+        tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
+        let o = run(&args).await;
+        runs += 1;
+        assert!(stderr(&o).contains("Resuming:"), "{}", stderr(&o));
+        if o.status.code() == Some(0) {
+            break;
+        }
+        assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+        assert!(runs < 6);
+    }
+    assert_eq!(runs, 3, "50 + 50 + 20");
+    assert_each_id_once(&ids, &rows(&out), &rows(&dir.path("out.errors.jsonl")));
+    // One call per record: the quota refusals were the only extra calls.
+    let s = server.stats();
+    assert_eq!(s.successes, 120);
+    assert!(s.rate_limited <= 10, "{s:?}");
     server.shutdown().await;
 }

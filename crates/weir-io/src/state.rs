@@ -1,0 +1,427 @@
+//! Resumable runs: the state directory, the run's identity, and recovery of the output files.
+//!
+//! # The journal is the output
+//!
+//! A finished record is one complete line in the results file or the errors file, and nothing
+//! else. weir writes each row with its own `write` call as soon as its outcome is known, so the
+//! row *is* the journal entry: there is no second record that could disagree with it, and a crash
+//! between "writing the row" and "recording it" cannot happen because they are the same act.
+//!
+//! On resume, each file is scanned: every complete line that parses as a row is a finished
+//! record; the first line that is incomplete (no newline) or unparseable marks a torn tail,
+//! and the file is truncated there — rows after a torn point cannot be trusted after a power
+//! loss, and after a process kill only the very last line can be torn. The records of the dropped
+//! rows are simply requested again.
+//!
+//! Error rows that describe the run rather than the record (`aborted`: not tried;
+//! `quota_exhausted`: a spent daily quota; `auth`: rejected credentials) are not finished:
+//! resume removes them from the errors file (rewritten to a temporary file and renamed over it,
+//! so a crash mid-way leaves the old or the new file, never a mix) and runs their records again.
+//! With `--retry-errors`, every error row of a retryable kind is treated the same way.
+//!
+//! # Durability
+//!
+//! - A process that dies (Ctrl-C twice, SIGKILL, out of memory) loses nothing it wrote: each row
+//!   reaches the kernel with a `write` before the next outcome is handled. At most the calls in
+//!   flight at that moment are made again.
+//! - A machine that dies may lose what the kernel had not yet written to disk: weir calls
+//!   `fdatasync` on both files about once a second and at the end, so at most about the last
+//!   second of rows is lost, then requested again on resume.
+//! - The run's identity (`run.json`) is written to a temporary file, synced, and renamed.
+//!
+//! # Identity
+//!
+//! A state belongs to one run: the input (its path, size, and a hash of its first and last
+//! 64 KiB), the model, the base URL, how prompts and ids are read, the system text and the
+//! generation parameters. A command that differs in any of these refuses to resume and says what
+//! changed; `--fresh` starts over. Concurrency, timeouts and retries may change freely.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+use std::collections::HashSet;
+use std::fs::{File, OpenOptions};
+use std::hash::{Hash, Hasher};
+use std::io::{self, BufRead, BufReader, Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+
+/// What determines a run's results; stored as `run.json` in the state directory.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunIdentity {
+    /// Format version of this file.
+    pub version: u32,
+    /// The input: `stdin`, or `path (size bytes, sha256 of head and tail)`.
+    pub input: String,
+    /// `provider/model`.
+    pub model: String,
+    /// The base URL, if one was given.
+    pub base_url: Option<String>,
+    /// `field:NAME` or `template:TEXT`.
+    pub prompt: String,
+    /// The id field, if any.
+    pub id_field: Option<String>,
+    /// System text.
+    pub system: Option<String>,
+    /// Generation parameters, as JSON.
+    pub params: Value,
+}
+
+impl RunIdentity {
+    /// What differs between a stored identity and this one, as `name: old → new`.
+    pub fn differences(&self, stored: &RunIdentity) -> Vec<String> {
+        let mut d = Vec::new();
+        let mut cmp = |name: &str, old: String, new: String| {
+            if old != new {
+                d.push(format!("{name}: {old} → {new}"));
+            }
+        };
+        let opt = |o: &Option<String>| o.clone().unwrap_or_else(|| "(none)".into());
+        cmp("input", stored.input.clone(), self.input.clone());
+        cmp("model", stored.model.clone(), self.model.clone());
+        cmp("base URL", opt(&stored.base_url), opt(&self.base_url));
+        cmp("prompt", stored.prompt.clone(), self.prompt.clone());
+        cmp("id field", opt(&stored.id_field), opt(&self.id_field));
+        cmp("system text", opt(&stored.system), opt(&self.system));
+        cmp("parameters", stored.params.to_string(), self.params.to_string());
+        d
+    }
+}
+
+/// Describes an input file cheaply but tightly: path, size, and a hash of its first and last
+/// 64 KiB (hashing all of a large input would delay every start).
+pub fn input_identity(path: &Path) -> io::Result<String> {
+    const SPAN: u64 = 64 * 1024;
+    let mut f = File::open(path)?;
+    let size = f.metadata()?.len();
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; SPAN as usize];
+    let n = f.read(&mut buf)?;
+    h.update(&buf[..n]);
+    if size > SPAN {
+        f.seek(SeekFrom::Start(size.saturating_sub(SPAN).max(SPAN)))?;
+        let mut tail = Vec::new();
+        f.take(SPAN).read_to_end(&mut tail)?;
+        h.update(&tail);
+    }
+    let abs = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+    let digest: [u8; 32] = h.finalize().into();
+    let hex: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+    Ok(format!("{} ({size} bytes, {hex})", abs.display()))
+}
+
+/// Why the state directory cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    /// The stored run differs from this command.
+    #[error("the state in {dir} belongs to a different run ({changes}); run with --fresh to start over, or use another --output or --state")]
+    Mismatch {
+        /// The state directory.
+        dir: String,
+        /// What changed.
+        changes: String,
+    },
+    /// Another weir process holds the lock.
+    #[error("another weir run is writing {output} (lock {lock}); wait for it to finish")]
+    Locked {
+        /// The output file.
+        output: String,
+        /// The lock file.
+        lock: String,
+    },
+    /// A file could not be read or written.
+    #[error("state directory {path}: {source}")]
+    Io {
+        /// The file or directory.
+        path: String,
+        /// The error.
+        source: io::Error,
+    },
+}
+
+fn io_err(path: &Path) -> impl FnOnce(io::Error) -> StateError + '_ {
+    move |source| StateError::Io { path: path.display().to_string(), source }
+}
+
+/// An open state directory, locked for this run until dropped.
+#[derive(Debug)]
+pub struct StateDir {
+    /// The directory.
+    pub dir: PathBuf,
+    _lock: File,
+}
+
+/// The key under which a finished record is remembered: its id (if known) and its line.
+pub fn finished_key(id: Option<&str>, line: u64) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    id.hash(&mut h);
+    line.hash(&mut h);
+    h.finish()
+}
+
+/// The key of an id alone, for the duplicate check.
+pub fn id_key(id: &str) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    id.hash(&mut h);
+    h.finish()
+}
+
+/// What an earlier run left.
+#[derive(Debug, Default)]
+pub struct Recovered {
+    /// Finished records, by [`finished_key`].
+    pub finished: HashSet<u64>,
+    /// Ids of finished records, by [`id_key`] (for the duplicate check).
+    pub ids: HashSet<u64>,
+    /// Result rows kept.
+    pub results: u64,
+    /// Error rows kept.
+    pub errors: u64,
+    /// Error rows removed so their records run again.
+    pub requeued: u64,
+    /// Bytes of torn tails cut off.
+    pub torn_bytes: u64,
+}
+
+impl Recovered {
+    /// Finished records in all.
+    pub fn finished_count(&self) -> u64 {
+        self.results + self.errors
+    }
+}
+
+/// Opens (creating) the state directory for `output_name`, checks the stored identity against
+/// `identity`, and locks it. With `fresh`, a stored identity is replaced.
+pub fn open(
+    dir: &Path,
+    output_name: &str,
+    identity: &RunIdentity,
+    fresh: bool,
+) -> Result<(StateDir, bool), StateError> {
+    let runs = dir.join("runs");
+    std::fs::create_dir_all(&runs).map_err(io_err(&runs))?;
+    let lock_path = runs.join(format!("{output_name}.lock"));
+    let lock =
+        OpenOptions::new().create(true).truncate(false).write(true).open(&lock_path).map_err(io_err(&lock_path))?;
+    match lock.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => {
+            return Err(StateError::Locked { output: output_name.into(), lock: lock_path.display().to_string() })
+        }
+        Err(std::fs::TryLockError::Error(e)) => {
+            return Err(StateError::Io { path: lock_path.display().to_string(), source: e })
+        }
+    }
+    let meta = runs.join(format!("{output_name}.json"));
+    let mut resuming = false;
+    if !fresh {
+        match std::fs::read(&meta) {
+            Ok(bytes) => {
+                let stored: Option<RunIdentity> = serde_json::from_slice(&bytes).ok();
+                match stored {
+                    Some(stored) => {
+                        let diffs = identity.differences(&stored);
+                        if !diffs.is_empty() {
+                            return Err(StateError::Mismatch {
+                                dir: dir.display().to_string(),
+                                changes: diffs.join("; "),
+                            });
+                        }
+                        resuming = true;
+                    }
+                    None => {
+                        return Err(StateError::Mismatch {
+                            dir: dir.display().to_string(),
+                            changes: format!("{} is unreadable", meta.display()),
+                        })
+                    }
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(StateError::Io { path: meta.display().to_string(), source: e }),
+        }
+    }
+    if !resuming {
+        let bytes = serde_json::to_vec_pretty(identity)
+            .map_err(|e| StateError::Io { path: meta.display().to_string(), source: io::Error::other(e) })?;
+        write_atomic(&meta, &bytes).map_err(io_err(&meta))?;
+    }
+    Ok((StateDir { dir: dir.to_path_buf(), _lock: lock }, resuming))
+}
+
+/// Writes a file so that a crash leaves the old content or the new, never a mix.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    let tmp = path.with_extension("tmp");
+    {
+        let mut f = File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+    }
+    std::fs::rename(&tmp, path)?;
+    if let Some(dir) = path.parent() {
+        if let Ok(d) = File::open(dir) {
+            let _ = d.sync_all();
+        }
+    }
+    Ok(())
+}
+
+/// Parses a row enough to know whose it is: `(id, line, kind)`.
+fn row_identity(line: &[u8]) -> Option<(Option<String>, u64, Option<String>)> {
+    #[derive(Deserialize)]
+    struct Row {
+        id: Option<String>,
+        line: u64,
+        kind: Option<String>,
+    }
+    let r: Row = serde_json::from_slice(line).ok()?;
+    Some((r.id, r.line, r.kind))
+}
+
+/// Scans a JSONL file of rows: calls `keep` for each complete, parseable row, cuts a torn tail.
+/// Returns the bytes cut.
+fn scan(path: &Path, mut keep: impl FnMut(&[u8], Option<String>, u64, Option<String>)) -> io::Result<u64> {
+    let file = match File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(0),
+        Err(e) => return Err(e),
+    };
+    let len = file.metadata()?.len();
+    let mut reader = BufReader::with_capacity(256 * 1024, file);
+    let mut offset = 0u64;
+    let mut buf = Vec::new();
+    loop {
+        buf.clear();
+        let n = reader.read_until(b'\n', &mut buf)?;
+        if n == 0 {
+            break;
+        }
+        let complete = buf.last() == Some(&b'\n');
+        let parsed = if complete { row_identity(&buf[..n - 1]) } else { None };
+        match parsed {
+            Some((id, line, kind)) => {
+                keep(&buf[..n], id, line, kind);
+                offset += n as u64;
+            }
+            None => break,
+        }
+    }
+    if offset < len {
+        let f = OpenOptions::new().write(true).open(path)?;
+        f.set_len(offset)?;
+        f.sync_all()?;
+    }
+    Ok(len - offset)
+}
+
+/// Recovers the finished records from the results and errors files of an earlier run, cutting
+/// torn tails and requeueing error rows whose records should run again.
+pub fn recover(results: &Path, errors: &Path, retry_errors: bool) -> io::Result<Recovered> {
+    let mut r = Recovered::default();
+    r.torn_bytes += scan(results, |_, id, line, _| {
+        if let Some(id) = &id {
+            r.ids.insert(id_key(id));
+        }
+        r.finished.insert(finished_key(id.as_deref(), line));
+        r.results += 1;
+    })?;
+    let mut kept = Vec::new();
+    let mut requeued = 0;
+    let mut finished = Vec::new();
+    let torn = scan(errors, |bytes, id, line, kind| {
+        let kind = kind.unwrap_or_default();
+        let rerun = matches!(kind.as_str(), "aborted" | "quota_exhausted" | "auth")
+            || (retry_errors
+                && matches!(kind.as_str(), "rate_limited" | "server" | "timeout" | "transport" | "malformed_response"));
+        if rerun {
+            requeued += 1;
+        } else {
+            kept.extend_from_slice(bytes);
+            finished.push((id, line));
+        }
+    })?;
+    r.torn_bytes += torn;
+    if requeued > 0 {
+        write_atomic(errors, &kept)?;
+    }
+    for (id, line) in finished {
+        if let Some(id) = &id {
+            r.ids.insert(id_key(id));
+        }
+        r.finished.insert(finished_key(id.as_deref(), line));
+        r.errors += 1;
+    }
+    r.requeued = requeued;
+    Ok(r)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tmpdir(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("weir-state-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    fn identity(model: &str) -> RunIdentity {
+        RunIdentity {
+            version: 1,
+            input: "in.jsonl (10 bytes, ab)".into(),
+            model: model.into(),
+            base_url: None,
+            prompt: "field:prompt".into(),
+            id_field: None,
+            system: None,
+            params: serde_json::json!({"temperature": 0.5}),
+        }
+    }
+
+    #[test]
+    fn a_changed_run_refuses_to_resume_and_fresh_starts_over() {
+        let d = tmpdir("identity");
+        let (s, resuming) = open(&d, "out.jsonl", &identity("sim/a"), false).unwrap();
+        assert!(!resuming);
+        drop(s);
+        let (s, resuming) = open(&d, "out.jsonl", &identity("sim/a"), false).unwrap();
+        assert!(resuming);
+        // Locked while held.
+        assert!(matches!(open(&d, "out.jsonl", &identity("sim/a"), false), Err(StateError::Locked { .. })));
+        drop(s);
+        let e = open(&d, "out.jsonl", &identity("sim/b"), false).unwrap_err();
+        let msg = e.to_string();
+        assert!(msg.contains("model: sim/a → sim/b") && msg.contains("--fresh"), "{msg}");
+        let (_s, resuming) = open(&d, "out.jsonl", &identity("sim/b"), true).unwrap();
+        assert!(!resuming);
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn torn_tails_are_cut_and_unfinished_errors_requeued() {
+        let d = tmpdir("recover");
+        let res = d.join("r.jsonl");
+        let err = d.join("e.jsonl");
+        std::fs::write(&res, b"{\"id\":\"a\",\"line\":1,\"response\":\"x\"}\n{\"id\":\"b\",\"line\":2,\"response\":\"y\"}\n{\"id\":\"c\",\"li").unwrap();
+        std::fs::write(
+            &err,
+            b"{\"id\":\"d\",\"line\":4,\"kind\":\"blocked\"}\n{\"id\":\"e\",\"line\":5,\"kind\":\"aborted\"}\n{\"id\":null,\"line\":6,\"kind\":\"invalid_input\"}\n{\"id\":\"f\",\"line\":7,\"kind\":\"server\"}\n",
+        )
+        .unwrap();
+        let r = recover(&res, &err, false).unwrap();
+        assert_eq!((r.results, r.errors, r.requeued), (2, 3, 1));
+        assert!(r.torn_bytes > 0);
+        assert_eq!(std::fs::read(&res).unwrap().iter().filter(|b| **b == b'\n').count(), 2);
+        assert!(std::fs::read(&res).unwrap().ends_with(b"}\n"));
+        assert!(r.finished.contains(&finished_key(Some("a"), 1)));
+        assert!(r.finished.contains(&finished_key(None, 6)));
+        assert!(!r.finished.contains(&finished_key(Some("e"), 5)));
+        assert!(!String::from_utf8(std::fs::read(&err).unwrap()).unwrap().contains("aborted"));
+        // --retry-errors also requeues retryable failures.
+        let r = recover(&res, &err, true).unwrap();
+        assert_eq!((r.errors, r.requeued), (2, 1));
+        assert!(!r.finished.contains(&finished_key(Some("f"), 7)));
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+}
