@@ -291,6 +291,7 @@ mod tests {
                 finish_reason: "stop".into(),
                 usage: Usage { prompt_tokens: 1, output_tokens: 2, total_tokens: 3 },
                 model_version: None,
+                limits: None,
             })
         }
         fn model_id(&self) -> &str {

@@ -99,6 +99,17 @@ pub struct ModelError {
     pub message: String,
     /// The HTTP status, when there was one.
     pub status: Option<u16>,
+    /// For a rate-limit error: which quota refused the call, when the answer says.
+    pub quota: Option<QuotaScope>,
+}
+
+/// Which quota a rate-limit error is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuotaScope {
+    /// Requests per window.
+    Requests,
+    /// Tokens per window.
+    Tokens,
 }
 
 impl ModelError {
@@ -116,12 +127,18 @@ impl ModelError {
             | ErrorKind::Auth
             | ErrorKind::Aborted => RetryHint::Never,
         };
-        Self { kind, hint, message: message.into(), status: None }
+        Self { kind, hint, message: message.into(), status: None, quota: None }
     }
 
     /// Sets the HTTP status.
     pub fn with_status(mut self, status: u16) -> Self {
         self.status = Some(status);
+        self
+    }
+
+    /// Says which quota refused the call.
+    pub fn with_quota(mut self, quota: QuotaScope) -> Self {
+        self.quota = Some(quota);
         self
     }
 

@@ -19,11 +19,11 @@ pub mod retry;
 
 pub use cache::{cache_key, CacheKey, ResponseCache};
 pub use driver::{Driver, DriverSettings, StopReason};
-pub use error::{ErrorKind, ModelError, RetryHint};
+pub use error::{ErrorKind, ModelError, QuotaScope, RetryHint};
 pub use handler::{ModelHandler, ModelRequest};
 pub use limit::{CallResult, ConcurrencyLimit, FixedLimit, Gate};
 pub use metrics::RunMetrics;
-pub use outcome::{Failure, ModelResponse, Outcome, Success, Usage};
+pub use outcome::{Failure, LimitInfo, ModelResponse, Outcome, Success, Usage};
 pub use params::{GenParams, ParamError};
 pub use record::{PromptSource, Record, RecordSpec, Template, TemplateError};
 pub use retry::{Decision, RetryPolicy};

@@ -30,6 +30,22 @@ pub struct ModelResponse {
     pub usage: Usage,
     /// The model version that answered, when the provider says.
     pub model_version: Option<String>,
+    /// Rate limits the answer's headers reported (not cached).
+    #[serde(skip)]
+    pub limits: Option<LimitInfo>,
+}
+
+/// Rate limits as reported by response headers (OpenAI's `x-ratelimit-*`).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct LimitInfo {
+    /// Requests per window.
+    pub requests: Option<u64>,
+    /// Time until the request window is back to its initial state.
+    pub requests_reset: Option<Duration>,
+    /// Tokens per window.
+    pub tokens: Option<u64>,
+    /// Time until the token window is back to its initial state.
+    pub tokens_reset: Option<Duration>,
 }
 
 /// A record that got an answer.

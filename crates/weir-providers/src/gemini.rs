@@ -1,7 +1,9 @@
 //! The Gemini API's `generateContent` (and the same body on Vertex AI, later).
 
 use serde_json::{json, Map, Value};
-use weir_core::{ErrorKind, GenParams, ModelError, ModelHandler, ModelRequest, ModelResponse, RetryHint, Usage};
+use weir_core::{
+    ErrorKind, GenParams, ModelError, ModelHandler, ModelRequest, ModelResponse, QuotaScope, RetryHint, Usage,
+};
 
 use crate::http::{clip, proto_duration, status_error, transport_error, Secret};
 
@@ -117,9 +119,15 @@ pub fn classify_error(status: u16, headers: &reqwest::header::HeaderMap, body: &
             }
             "type.googleapis.com/google.rpc.QuotaFailure" => {
                 let violations = d.get("violations").and_then(Value::as_array).map(Vec::as_slice).unwrap_or(&[]);
-                per_day |= violations
-                    .iter()
-                    .any(|v| v.get("quotaId").and_then(Value::as_str).is_some_and(|id| id.contains("PerDay")));
+                for v in violations {
+                    let id = v.get("quotaId").and_then(Value::as_str).unwrap_or("");
+                    per_day |= id.contains("PerDay");
+                    if id.contains("Token") {
+                        e.quota = Some(QuotaScope::Tokens);
+                    } else if id.contains("Requests") && e.quota.is_none() {
+                        e.quota = Some(QuotaScope::Requests);
+                    }
+                }
             }
             "type.googleapis.com/google.rpc.ErrorInfo"
                 if d.get("reason").and_then(Value::as_str) == Some("API_KEY_INVALID") =>
@@ -187,6 +195,7 @@ pub fn parse_response(body: &[u8]) -> Result<ModelResponse, ModelError> {
         finish_reason,
         usage,
         model_version: v.get("modelVersion").and_then(Value::as_str).map(str::to_string),
+        limits: None,
     })
 }
 
@@ -247,6 +256,7 @@ mod tests {
         let e = classify_error(429, &h, per_minute);
         assert_eq!(e.kind, ErrorKind::RateLimited);
         assert_eq!(e.hint, RetryHint::Later(Some(Duration::from_secs(26))));
+        assert_eq!(e.quota, Some(QuotaScope::Requests));
         let per_day = br#"{"error":{"code":429,"status":"RESOURCE_EXHAUSTED","message":"quota","details":[{"@type":"type.googleapis.com/google.rpc.QuotaFailure","violations":[{"quotaId":"GenerateRequestsPerDayPerProjectPerModel-FreeTier"}]},{"@type":"type.googleapis.com/google.rpc.RetryInfo","retryDelay":"3600s"}]}}"#;
         let e = classify_error(429, &h, per_day);
         assert_eq!((e.kind, e.hint), (ErrorKind::QuotaExhausted, RetryHint::StopRun));

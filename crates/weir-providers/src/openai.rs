@@ -2,7 +2,10 @@
 //! server that speaks `POST {base}/chat/completions`.
 
 use serde_json::{json, Map, Value};
-use weir_core::{ErrorKind, GenParams, ModelError, ModelHandler, ModelRequest, ModelResponse, RetryHint, Usage};
+use weir_core::{
+    ErrorKind, GenParams, LimitInfo, ModelError, ModelHandler, ModelRequest, ModelResponse, QuotaScope, RetryHint,
+    Usage,
+};
 
 use crate::http::{clip, status_error, transport_error, Secret};
 
@@ -87,13 +90,64 @@ pub fn classify_error(status: u16, headers: &reqwest::header::HeaderMap, body: &
         .map(str::to_string)
         .unwrap_or_else(|| String::from_utf8_lossy(body).into_owned());
     let code = err.get("code").and_then(Value::as_str).unwrap_or("");
-    let e = status_error(status, headers, clip(&format!("HTTP {status}: {message}")));
+    let mut e = status_error(status, headers, clip(&format!("HTTP {status}: {message}")));
+    if status == 429 {
+        e.quota = match err.get("type").and_then(Value::as_str) {
+            Some("tokens") => Some(QuotaScope::Tokens),
+            Some("requests") => Some(QuotaScope::Requests),
+            _ => None,
+        };
+    }
     match code {
         "insufficient_quota" => ModelError { kind: ErrorKind::QuotaExhausted, hint: RetryHint::StopRun, ..e },
         "content_filter" => ModelError { kind: ErrorKind::Blocked, hint: RetryHint::Never, ..e },
         "invalid_api_key" => ModelError { kind: ErrorKind::Auth, hint: RetryHint::Never, ..e },
         _ => e,
     }
+}
+
+/// Reads `x-ratelimit-limit-*` and `x-ratelimit-reset-*` (durations such as `12ms`, `1.5s`,
+/// `6m0s`).
+pub fn limit_headers(headers: &reqwest::header::HeaderMap) -> Option<LimitInfo> {
+    let num = |k: &str| headers.get(k).and_then(|v| v.to_str().ok()).and_then(|v| v.trim().parse::<u64>().ok());
+    let dur = |k: &str| headers.get(k).and_then(|v| v.to_str().ok()).and_then(parse_reset);
+    let info = LimitInfo {
+        requests: num("x-ratelimit-limit-requests"),
+        requests_reset: dur("x-ratelimit-reset-requests"),
+        tokens: num("x-ratelimit-limit-tokens"),
+        tokens_reset: dur("x-ratelimit-reset-tokens"),
+    };
+    (info.requests.is_some() || info.tokens.is_some()).then_some(info)
+}
+
+/// Parses OpenAI's reset durations: `12ms`, `1.5s`, `6m0s`, `1h2m3s`.
+pub fn parse_reset(s: &str) -> Option<std::time::Duration> {
+    let s = s.trim();
+    if let Some(ms) = s.strip_suffix("ms") {
+        return ms
+            .parse::<f64>()
+            .ok()
+            .filter(|v| v.is_finite() && *v >= 0.0)
+            .map(|v| std::time::Duration::from_secs_f64(v / 1000.0));
+    }
+    let mut total = 0.0;
+    let mut num = String::new();
+    for c in s.chars() {
+        match c {
+            '0'..='9' | '.' => num.push(c),
+            'h' | 'm' | 's' => {
+                let v: f64 = num.parse().ok()?;
+                total += v * match c {
+                    'h' => 3600.0,
+                    'm' => 60.0,
+                    _ => 1.0,
+                };
+                num.clear();
+            }
+            _ => return None,
+        }
+    }
+    (num.is_empty() && total.is_finite()).then(|| std::time::Duration::from_secs_f64(total))
 }
 
 /// Parses a chat completion.
@@ -133,6 +187,7 @@ pub fn parse_response(body: &[u8]) -> Result<ModelResponse, ModelError> {
         finish_reason: finish,
         usage,
         model_version: v.get("model").and_then(Value::as_str).map(str::to_string),
+        limits: None,
     })
 }
 
@@ -152,7 +207,9 @@ impl ModelHandler for OpenAiHandler {
         if status != 200 {
             return Err(classify_error(status, &headers, &bytes));
         }
-        parse_response(&bytes)
+        let mut r = parse_response(&bytes)?;
+        r.limits = limit_headers(&headers);
+        Ok(r)
     }
 
     fn model_id(&self) -> &str {
@@ -177,6 +234,16 @@ mod tests {
     }
 
     #[test]
+    fn reset_durations() {
+        use std::time::Duration;
+        assert_eq!(parse_reset("12ms"), Some(Duration::from_millis(12)));
+        assert_eq!(parse_reset("1.5s"), Some(Duration::from_millis(1500)));
+        assert_eq!(parse_reset("6m0s"), Some(Duration::from_secs(360)));
+        assert_eq!(parse_reset("1h2m3s"), Some(Duration::from_secs(3723)));
+        assert_eq!(parse_reset("soon"), None);
+    }
+
+    #[test]
     fn classifies_errors() {
         let h = HeaderMap::new();
         let e = classify_error(
@@ -187,8 +254,13 @@ mod tests {
         assert_eq!((e.kind, e.hint), (ErrorKind::QuotaExhausted, RetryHint::StopRun));
         let e = classify_error(400, &h, br#"{"error":{"code":"content_filter","message":"filtered"}}"#);
         assert_eq!(e.kind, ErrorKind::Blocked);
-        let e = classify_error(429, &h, br#"{"error":{"code":"rate_limit_exceeded","message":"slow down"}}"#);
+        let e = classify_error(
+            429,
+            &h,
+            br#"{"error":{"code":"rate_limit_exceeded","type":"tokens","message":"slow down"}}"#,
+        );
         assert_eq!(e.kind, ErrorKind::RateLimited);
+        assert_eq!(e.quota, Some(QuotaScope::Tokens));
         assert!(e.message.contains("slow down"));
     }
 }
