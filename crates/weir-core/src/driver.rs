@@ -26,6 +26,16 @@ use crate::outcome::{Failure, Outcome, Success};
 use crate::params::GenParams;
 use crate::record::Record;
 use crate::retry::{Decision, RetryPolicy};
+use crate::throttle::{RateLimiter, SreThrottler};
+
+/// How long a call rejected by the SRE throttler waits before asking again.
+const SRE_DELAY: Duration = Duration::from_millis(500);
+
+/// Push-back that says the endpoint is over capacity (for the concurrency limit), as opposed to a
+/// quota (for the rate budgets): a 503, or a 429 that names no quota and advises no delay.
+fn is_pushback(e: &ModelError) -> bool {
+    e.status == Some(503) || (e.kind == ErrorKind::RateLimited && e.quota.is_none() && e.retry_after().is_none())
+}
 
 /// Settings of the driver, validated by the caller.
 #[derive(Debug, Clone)]
@@ -76,6 +86,8 @@ pub struct Driver {
     seed: AtomicU64,
     wake: tokio::sync::Notify,
     cache: Option<Arc<dyn ResponseCache>>,
+    rate: Option<Arc<RateLimiter>>,
+    sre: Option<Mutex<SreThrottler>>,
     model_id: String,
 }
 
@@ -99,8 +111,32 @@ impl Driver {
             wake: tokio::sync::Notify::new(),
             model_id: handler.model_id().to_string(),
             cache: None,
+            rate: None,
+            sre: None,
             handler,
         }
+    }
+
+    /// Keeps sends within the rate budgets of `rate`.
+    pub fn with_rate(mut self, rate: Arc<RateLimiter>) -> Self {
+        self.rate = Some(rate);
+        self
+    }
+
+    /// Adds Beam's client-side SRE throttler.
+    pub fn with_sre(mut self, sre: SreThrottler) -> Self {
+        self.sre = Some(Mutex::new(sre));
+        self
+    }
+
+    /// The concurrency limit in force.
+    pub fn concurrency(&self) -> usize {
+        self.limit.current()
+    }
+
+    /// The rate limits in force.
+    pub fn rate_snapshot(&self) -> Option<crate::throttle::RateSnapshot> {
+        self.rate.as_ref().map(|r| r.snapshot())
     }
 
     /// Answers from `cache` when it has the request, and stores every new answer in it.
@@ -188,11 +224,33 @@ impl Driver {
             if !held.is_zero() {
                 self.metrics.add_throttled(held);
             }
-            let permit = self.limit.acquire().await;
+            let (permit, level) = self.limit.acquire().await;
             if self.is_stopped() {
                 // The run stopped while this record waited for a slot.
                 continue;
             }
+            if let Some(sre) = &self.sre {
+                while sre.lock().unwrap_or_else(|e| e.into_inner()).throttle(Instant::now()) && !self.is_stopped() {
+                    self.metrics.add_throttled(SRE_DELAY);
+                    self.pause(SRE_DELAY).await;
+                }
+            }
+            let ticket = match &self.rate {
+                Some(rate) => {
+                    let chars =
+                        request.prompt.chars().count() + request.system.as_deref().map_or(0, |s| s.chars().count());
+                    let estimate = rate.estimate(chars, request.params.max_output_tokens);
+                    let ticket = tokio::select! {
+                        t = rate.acquire(estimate) => t,
+                        _ = self.wake.notified() => continue,
+                    };
+                    if !ticket.waited.is_zero() {
+                        self.metrics.add_throttled(ticket.waited);
+                    }
+                    Some(ticket)
+                }
+                None => None,
+            };
             attempts += 1;
             self.metrics.calls.fetch_add(1, Relaxed);
             if attempts > 1 {
@@ -207,9 +265,22 @@ impl Driver {
             };
             let latency = t0.elapsed();
             drop(permit);
+            if let (Some(rate), Some(ticket)) = (&self.rate, ticket) {
+                rate.complete(ticket, &result);
+            }
+            let class = match &result {
+                Ok(_) => CallResult::Ok,
+                Err(e) if is_pushback(e) => CallResult::Backpressure,
+                Err(_) => CallResult::Other,
+            };
+            if let Some(sre) = &self.sre {
+                if class != CallResult::Backpressure && !matches!(&result, Err(e) if e.kind == ErrorKind::RateLimited) {
+                    sre.lock().unwrap_or_else(|e| e.into_inner()).accepted(Instant::now());
+                }
+            }
+            self.limit.feedback(level, latency, class);
             match result {
                 Ok(response) => {
-                    self.limit.feedback(latency, CallResult::Ok);
                     if let Some((cache, key)) = &key {
                         cache.put(*key, &response);
                     }
@@ -222,8 +293,6 @@ impl Driver {
                     }));
                 }
                 Err(error) => {
-                    let pushback = matches!(error.kind, ErrorKind::RateLimited) || error.status == Some(503);
-                    self.limit.feedback(latency, if pushback { CallResult::Backpressure } else { CallResult::Other });
                     if error.kind == ErrorKind::RateLimited {
                         self.metrics.rate_limited.fetch_add(1, Relaxed);
                     }

@@ -31,10 +31,10 @@ pub type Permit = Box<dyn Send + Sync>;
 /// Limits calls in flight.
 #[async_trait::async_trait]
 pub trait ConcurrencyLimit: Send + Sync {
-    /// Waits for a slot.
-    async fn acquire(&self) -> Permit;
-    /// Reports a finished call.
-    fn feedback(&self, latency: Duration, result: CallResult);
+    /// Waits for a slot; also returns the number of calls in flight including this one.
+    async fn acquire(&self) -> (Permit, usize);
+    /// Reports a finished call that was sent when `level` calls were in flight.
+    fn feedback(&self, level: usize, latency: Duration, result: CallResult);
     /// The current limit.
     fn current(&self) -> usize;
 }
@@ -56,16 +56,211 @@ impl FixedLimit {
 
 #[async_trait::async_trait]
 impl ConcurrencyLimit for FixedLimit {
-    async fn acquire(&self) -> Permit {
+    async fn acquire(&self) -> (Permit, usize) {
         let permit: OwnedSemaphorePermit =
             self.sem.clone().acquire_owned().await.expect("the semaphore is never closed");
-        Box::new(permit)
+        let level = self.limit - self.sem.available_permits();
+        (Box::new(permit), level)
     }
 
-    fn feedback(&self, _latency: Duration, _result: CallResult) {}
+    fn feedback(&self, _level: usize, _latency: Duration, _result: CallResult) {}
 
     fn current(&self) -> usize {
         self.limit
+    }
+}
+
+/// Adaptive concurrency: finds how many calls the endpoint takes at once, with nothing told.
+///
+/// It starts at `initial` and doubles every round trip (slow start) until the server pushes
+/// back. A push-back (HTTP 503, or a 429 that names no quota and no delay) to a call sent when
+/// `level` calls were in flight, when no call sent at that level or above succeeded in the last
+/// two round trips, says the endpoint's capacity is below `level`: the limit drops at once to
+/// `level − 1` — the reaction is immediate because refusals come back fast, and a late one would
+/// let a storm of them through — and that value is remembered as the ceiling. Push-back at levels
+/// that also succeed is noise (random 503s): only a round trip with more than 10 % of it lowers
+/// the limit, by 10 %. Below
+/// the ceiling the limit grows by one per round trip in which it was fully used; at the ceiling
+/// it probes one step higher only every 20 round trips, so a steady endpoint sees few refusals.
+/// An endpoint that slows down instead of refusing is caught by latency: a round trip whose median
+/// latency (of successful calls) is twice the best seen, and 5 ms more, lowers the limit by 10 %.
+#[derive(Debug)]
+pub struct AdaptiveLimit {
+    sem: Arc<Semaphore>,
+    max: usize,
+    ctl: Mutex<Control>,
+}
+
+#[derive(Debug)]
+struct Control {
+    limit: usize,
+    debt: usize,
+    in_flight: usize,
+    slow_start: bool,
+    ceiling: Option<usize>,
+    rounds_at_ceiling: u32,
+    done_in_round: usize,
+    rtts: Vec<f64>,
+    bound: bool,
+    best_rtt: Option<f64>,
+    ok_level_cur: usize,
+    ok_level_prev: usize,
+    noise_in_round: usize,
+}
+
+struct AdaptivePermit {
+    limit: Arc<AdaptiveLimit>,
+    permit: Option<OwnedSemaphorePermit>,
+}
+
+impl Drop for AdaptivePermit {
+    fn drop(&mut self) {
+        let mut c = self.limit.ctl.lock().unwrap_or_else(|e| e.into_inner());
+        c.in_flight = c.in_flight.saturating_sub(1);
+        if let Some(p) = self.permit.take() {
+            if c.debt > 0 {
+                c.debt -= 1;
+                p.forget();
+            }
+        }
+    }
+}
+
+impl AdaptiveLimit {
+    /// A limit between 1 and `max`, starting at `initial`.
+    pub fn new(initial: usize, max: usize) -> Arc<Self> {
+        let max = max.max(1);
+        let initial = initial.clamp(1, max);
+        Arc::new(Self {
+            sem: Arc::new(Semaphore::new(initial)),
+            max,
+            ctl: Mutex::new(Control {
+                limit: initial,
+                debt: 0,
+                in_flight: 0,
+                slow_start: true,
+                ceiling: None,
+                rounds_at_ceiling: 0,
+                done_in_round: 0,
+                rtts: Vec::new(),
+                bound: false,
+                best_rtt: None,
+                ok_level_cur: 0,
+                ok_level_prev: 0,
+                noise_in_round: 0,
+            }),
+        })
+    }
+
+    fn set_limit(&self, c: &mut Control, new: usize) {
+        let new = new.clamp(1, self.max);
+        if new > c.limit {
+            let mut add = new - c.limit;
+            let repaid = add.min(c.debt);
+            c.debt -= repaid;
+            add -= repaid;
+            if add > 0 {
+                self.sem.add_permits(add);
+            }
+        } else if new < c.limit {
+            let remove = c.limit - new;
+            let forgotten = self.sem.forget_permits(remove);
+            c.debt += remove - forgotten;
+        }
+        c.limit = new;
+    }
+}
+
+/// The adaptive limit behind an `Arc`, as the driver holds it.
+#[derive(Debug, Clone)]
+pub struct Adaptive(pub Arc<AdaptiveLimit>);
+
+#[async_trait::async_trait]
+impl ConcurrencyLimit for Adaptive {
+    async fn acquire(&self) -> (Permit, usize) {
+        let permit = self.0.sem.clone().acquire_owned().await.expect("the semaphore is never closed");
+        let mut c = self.0.ctl.lock().unwrap_or_else(|e| e.into_inner());
+        c.in_flight += 1;
+        if c.in_flight >= c.limit {
+            c.bound = true;
+        }
+        let level = c.in_flight;
+        drop(c);
+        (Box::new(AdaptivePermit { limit: self.0.clone(), permit: Some(permit) }), level)
+    }
+
+    fn feedback(&self, level: usize, latency: Duration, result: CallResult) {
+        let me = &self.0;
+        let mut c = me.ctl.lock().unwrap_or_else(|e| e.into_inner());
+        if result == CallResult::Backpressure {
+            if level > c.ok_level_cur.max(c.ok_level_prev) {
+                // Refused above every level that recently succeeded: the capacity is below it.
+                let cap = level.saturating_sub(1).max(1);
+                if cap < c.limit {
+                    me.set_limit(&mut c, cap);
+                }
+                c.ceiling = Some(c.limit);
+                c.slow_start = false;
+                c.rounds_at_ceiling = 0;
+                return;
+            }
+            // Refused at a level that also succeeds: overload noise, judged per round below.
+            c.noise_in_round += 1;
+        } else if result == CallResult::Ok {
+            c.ok_level_cur = c.ok_level_cur.max(level);
+        }
+        c.done_in_round += 1;
+        if result == CallResult::Ok {
+            c.rtts.push(latency.as_secs_f64());
+        }
+        if c.done_in_round < c.limit {
+            return;
+        }
+        // The median of the round's successful calls: a few hung or timed-out calls are not load.
+        let mean = if c.rtts.is_empty() {
+            c.best_rtt.unwrap_or(0.0)
+        } else {
+            let mid = c.rtts.len() / 2;
+            *c.rtts.select_nth_unstable_by(mid, f64::total_cmp).1
+        };
+        c.rtts.clear();
+        let best = c.best_rtt.map_or(mean, |b| b.min(mean));
+        c.best_rtt = Some(best);
+        let (bound, limit) = (c.bound, c.limit);
+        let noisy = c.noise_in_round * 10 > c.done_in_round;
+        c.done_in_round = 0;
+        c.bound = false;
+        c.noise_in_round = 0;
+        c.ok_level_prev = c.ok_level_cur;
+        c.ok_level_cur = 0;
+        if noisy {
+            c.slow_start = false;
+            me.set_limit(&mut c, ((limit as f64) * 0.9).floor() as usize);
+            return;
+        }
+        if mean > 2.0 * best && mean - best > 0.005 {
+            c.slow_start = false;
+            me.set_limit(&mut c, ((limit as f64) * 0.9).floor() as usize);
+            return;
+        }
+        if !bound {
+            return;
+        }
+        if c.slow_start {
+            me.set_limit(&mut c, limit * 2);
+        } else if c.ceiling.is_none_or(|ceiling| limit < ceiling) {
+            me.set_limit(&mut c, limit + 1);
+        } else {
+            c.rounds_at_ceiling += 1;
+            if c.rounds_at_ceiling >= 20 {
+                c.rounds_at_ceiling = 0;
+                me.set_limit(&mut c, limit + 1);
+            }
+        }
+    }
+
+    fn current(&self) -> usize {
+        self.0.ctl.lock().unwrap_or_else(|e| e.into_inner()).limit
     }
 }
 
@@ -124,10 +319,84 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn adaptive_limit_slow_starts_then_drops_to_the_capacity_it_hit() {
+        let a = Adaptive(AdaptiveLimit::new(4, 64));
+        let round = |a: &Adaptive, result: CallResult| {
+            let a = a.clone();
+            async move {
+                let n = a.current();
+                let mut permits = Vec::new();
+                for _ in 0..n {
+                    permits.push(a.acquire().await);
+                }
+                for (_, level) in &permits {
+                    a.feedback(*level, Duration::from_millis(50), result);
+                }
+                drop(permits);
+            }
+        };
+        round(&a, CallResult::Ok).await;
+        assert_eq!(a.current(), 8);
+        round(&a, CallResult::Ok).await;
+        assert_eq!(a.current(), 16);
+        // A call sent at level 13 is refused: capacity 12.
+        let mut permits = Vec::new();
+        for _ in 0..13 {
+            permits.push(a.acquire().await);
+        }
+        a.feedback(13, Duration::from_millis(1), CallResult::Backpressure);
+        drop(permits);
+        assert_eq!(a.current(), 12);
+        // At the ceiling it stays for 20 full rounds, then probes one higher.
+        for _ in 0..19 {
+            round(&a, CallResult::Ok).await;
+            assert_eq!(a.current(), 12);
+        }
+        round(&a, CallResult::Ok).await;
+        assert_eq!(a.current(), 13);
+        // Latency doubling lowers it.
+        round(&a, CallResult::Ok).await;
+        let before = a.current();
+        let n = a.current();
+        let mut permits = Vec::new();
+        for _ in 0..n {
+            permits.push(a.acquire().await);
+        }
+        for (_, level) in &permits {
+            a.feedback(*level, Duration::from_millis(200), CallResult::Ok);
+        }
+        drop(permits);
+        assert!(a.current() < before);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn adaptive_limit_really_limits_after_a_decrease() {
+        let a = Adaptive(AdaptiveLimit::new(8, 8));
+        let held: Vec<_> = {
+            let mut v = Vec::new();
+            for _ in 0..8 {
+                v.push(a.acquire().await);
+            }
+            v
+        };
+        a.feedback(3, Duration::from_millis(1), CallResult::Backpressure);
+        assert_eq!(a.current(), 2);
+        drop(held);
+        let (_p1, _) = a.acquire().await;
+        let (_p2, _) = a.acquire().await;
+        let a2 = a.clone();
+        let third = tokio::spawn(async move { a2.acquire().await });
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert!(!third.is_finished(), "only two slots after the drop");
+        third.abort();
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn fixed_limit_bounds_permits() {
         let l = Arc::new(FixedLimit::new(2));
-        let a = l.acquire().await;
-        let _b = l.acquire().await;
+        let (a, _) = l.acquire().await;
+        let (_b, level) = l.acquire().await;
+        assert_eq!(level, 2);
         let l2 = l.clone();
         let third = tokio::spawn(async move { l2.acquire().await });
         tokio::time::sleep(Duration::from_millis(10)).await;

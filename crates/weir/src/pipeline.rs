@@ -16,8 +16,8 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::Instant;
 use weir_core::{
-    Driver, DriverSettings, ErrorKind, Failure, FixedLimit, ModelError, Outcome, PromptSource, Record, RecordSpec,
-    RunMetrics, StopReason,
+    Adaptive, AdaptiveLimit, ConcurrencyLimit, Driver, DriverSettings, ErrorKind, Failure, FixedLimit, ModelError,
+    Outcome, PromptSource, RateLimiter, RateSettings, Record, RecordSpec, RunMetrics, SreThrottler, StopReason,
 };
 use weir_io::state::{self, finished_key, id_key, RunIdentity};
 use weir_io::{ErrorRow, InputPath, JsonlWriter, OutputPath, RedbCache, ResultRow};
@@ -65,6 +65,12 @@ pub struct RunSettings {
     pub retry_errors: bool,
     /// After the first interrupt, how long calls in flight may take to finish.
     pub drain: Duration,
+    /// Static rate limits and whether to learn them.
+    pub rate: RateSettings,
+    /// Adaptive concurrency (else fixed at `max_concurrency`).
+    pub adaptive: bool,
+    /// Beam's SRE throttler with this overload ratio.
+    pub sre_k: Option<f64>,
 }
 
 /// Why a run could not start or had to stop.
@@ -190,8 +196,16 @@ pub async fn run(
     let mut errors = open(&settings.errors)?;
 
     let metrics = Arc::new(RunMetrics::default());
-    let limit = Arc::new(FixedLimit::new(settings.max_concurrency));
-    let mut driver = Driver::new(endpoint.handler.clone(), limit, settings.driver.clone(), metrics.clone());
+    let limit: Arc<dyn ConcurrencyLimit> = if settings.adaptive {
+        Arc::new(Adaptive(AdaptiveLimit::new(16, settings.max_concurrency)))
+    } else {
+        Arc::new(FixedLimit::new(settings.max_concurrency))
+    };
+    let mut driver = Driver::new(endpoint.handler.clone(), limit, settings.driver.clone(), metrics.clone())
+        .with_rate(Arc::new(RateLimiter::new(settings.rate.clone())));
+    if let Some(k) = settings.sre_k {
+        driver = driver.with_sre(SreThrottler::new(k, settings.rate.window, 0x5e));
+    }
     if let Some(c) = &cache {
         driver = driver.with_cache(c.clone());
     }
@@ -338,5 +352,7 @@ pub async fn run(
         (recovered.results, recovered.errors),
         not_written,
         state_path,
+        driver.concurrency(),
+        driver.rate_snapshot(),
     ))
 }

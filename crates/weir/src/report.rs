@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Duration;
-use weir_core::{ErrorKind, RunMetrics, StopReason};
+use weir_core::{ErrorKind, RateSnapshot, RunMetrics, StopReason};
 
 use crate::pipeline::RunSettings;
 
@@ -48,6 +48,10 @@ pub struct RunReport {
     pub errors: String,
     /// The state directory, when the run is resumable.
     pub state: Option<String>,
+    /// The concurrency limit at the end.
+    pub concurrency: usize,
+    /// The rate limits in force at the end.
+    pub rates: Option<RateSnapshot>,
 }
 
 impl RunReport {
@@ -61,6 +65,8 @@ impl RunReport {
         earlier: (u64, u64),
         unfinished: u64,
         state: Option<String>,
+        concurrency: usize,
+        rates: Option<RateSnapshot>,
     ) -> Self {
         Self {
             records: rows.0 + rows.1,
@@ -85,6 +91,8 @@ impl RunReport {
             output: settings.output.display(),
             errors: settings.errors.display(),
             state,
+            concurrency,
+            rates,
         }
     }
 
@@ -129,6 +137,24 @@ impl RunReport {
             thousands(self.cache_hits),
             thousands(self.tokens_in),
             thousands(self.tokens_out),
+        ));
+        let mut limits = vec![format!("concurrency {}", self.concurrency)];
+        if let Some(r) = &self.rates {
+            for (what, v) in [("requests", r.requests), ("tokens", r.tokens)] {
+                if let Some((cap, window, learned)) = v {
+                    limits.push(format!(
+                        "{} {what} per {:.1} s{}",
+                        thousands(cap.round() as u64),
+                        window.as_secs_f64(),
+                        if learned { " (learned)" } else { "" }
+                    ));
+                }
+            }
+        }
+        s.push_str(&format!(
+            "  limits: {}; {}/s succeeded\n",
+            limits.join(", "),
+            thousands((self.succeeded as f64 / self.elapsed.as_secs_f64()).round() as u64)
         ));
         s.push_str(&format!("  results: {}\n", self.output));
         if self.failed > 0 {

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 use weir::{RunError, RunSettings, StateMode};
-use weir_core::{DriverSettings, GenParams, PromptSource, RecordSpec, RetryPolicy, Template};
+use weir_core::{DriverSettings, GenParams, PromptSource, RateSettings, RecordSpec, RetryPolicy, Template};
 use weir_io::{default_errors_path, InputPath, OutputPath};
 use weir_providers::{ModelSpec, ProviderOptions};
 use weir_sim::SimConfig;
@@ -22,6 +22,15 @@ pub enum ProgressMode {
     Always,
     /// Never.
     Never,
+}
+
+/// How concurrency is limited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ConcurrencyMode {
+    /// Found from push-back and latency.
+    Adaptive,
+    /// Always --max-concurrency.
+    Fixed,
 }
 
 /// Options of `weir run`.
@@ -67,8 +76,28 @@ pub struct RunArgs {
     #[arg(long, value_name = "URL")]
     base_url: Option<String>,
     /// Most calls in flight at once.
-    #[arg(long, value_name = "N", default_value_t = 32)]
+    #[arg(long, value_name = "N", default_value_t = 64)]
     max_concurrency: usize,
+    /// How many calls may be in flight: `adaptive` finds the endpoint's capacity from
+    /// push-back and latency (up to --max-concurrency); `fixed` always allows --max-concurrency.
+    #[arg(long, value_enum, default_value_t = ConcurrencyMode::Adaptive)]
+    concurrency: ConcurrencyMode,
+    /// Requests allowed per --limit-window (the endpoint's quota, when you know it).
+    #[arg(long, value_name = "N")]
+    rpm: Option<u64>,
+    /// Tokens (prompt + output) allowed per --limit-window.
+    #[arg(long, value_name = "N")]
+    tpm: Option<u64>,
+    /// The window --rpm and --tpm are counted over, in seconds (60 for per-minute quotas).
+    #[arg(long, value_name = "SECS", default_value_t = 60.0)]
+    limit_window: f64,
+    /// Do not learn limits from 429s and rate-limit headers.
+    #[arg(long)]
+    no_learn_limits: bool,
+    /// Beam's client-side throttler: reject locally when requests exceed K × accepted requests
+    /// over --limit-window (Beam's overload_ratio; 2 is its default). Off unless given.
+    #[arg(long, value_name = "K")]
+    sre_throttle: Option<f64>,
     /// Seconds a call may take before it is cancelled and retried.
     #[arg(long, value_name = "SECS", default_value_t = 120.0)]
     timeout: f64,
@@ -113,6 +142,17 @@ impl RunArgs {
         };
         if self.max_concurrency == 0 {
             return Err(UsageError("--max-concurrency must be at least 1".into()));
+        }
+        if !(self.limit_window.is_finite() && self.limit_window > 0.0) {
+            return Err(UsageError(format!("--limit-window {}: must be a number of seconds > 0", self.limit_window)));
+        }
+        if self.rpm == Some(0) || self.tpm == Some(0) {
+            return Err(UsageError("--rpm and --tpm must be at least 1".into()));
+        }
+        if let Some(k) = self.sre_throttle {
+            if !(k.is_finite() && k >= 1.0) {
+                return Err(UsageError(format!("--sre-throttle {k}: K must be a number ≥ 1 (Beam's default is 2)")));
+            }
         }
         if !(self.timeout.is_finite() && self.timeout > 0.0) {
             return Err(UsageError(format!("--timeout {}: must be a number of seconds > 0", self.timeout)));
@@ -191,6 +231,14 @@ impl RunArgs {
             cache: !self.no_cache,
             retry_errors: self.retry_errors,
             drain: Duration::from_secs_f64(self.timeout.min(30.0)),
+            rate: RateSettings {
+                requests: self.rpm,
+                tokens: self.tpm,
+                window: Duration::from_secs_f64(self.limit_window),
+                learn: !self.no_learn_limits,
+            },
+            adaptive: self.concurrency == ConcurrencyMode::Adaptive,
+            sre_k: self.sre_throttle,
         })
     }
 }

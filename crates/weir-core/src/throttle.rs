@@ -1,0 +1,411 @@
+//! The throttle of one endpoint: everything that decides *when* a call may start, shared by every
+//! task that calls the same endpoint with the same key.
+//!
+//! In the order a call meets them: the [`Gate`] (a pause the server asked for), the concurrency
+//! limit (fixed or adaptive, see [`crate::limit`]), the optional SRE client-side throttler
+//! ([`SreThrottler`], Beam's `AdaptiveThrottler` with a window that remembers), and the rate
+//! budgets ([`RateLimiter`], requests and tokens per window, given or learned).
+
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Mutex;
+use std::time::Duration;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use crate::error::{ErrorKind, ModelError, QuotaScope, RetryHint};
+use crate::outcome::ModelResponse;
+use crate::rate::{Budget, Mode};
+
+/// Static limits and options, from the command line.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RateSettings {
+    /// Requests per window, when known.
+    pub requests: Option<u64>,
+    /// Tokens per window, when known.
+    pub tokens: Option<u64>,
+    /// The window the limits are counted over (60 s for per-minute quotas).
+    pub window: Duration,
+    /// Learn limits from 429s and headers when none is given.
+    pub learn: bool,
+}
+
+impl Default for RateSettings {
+    fn default() -> Self {
+        Self { requests: None, tokens: None, window: Duration::from_secs(60), learn: true }
+    }
+}
+
+/// A send's place in the budgets; hand it back with the call's result.
+#[derive(Debug)]
+pub struct Ticket {
+    id: u64,
+    tokens: f64,
+    /// Time spent waiting for the budgets.
+    pub waited: Duration,
+}
+
+/// Requests and tokens per window.
+#[derive(Debug)]
+pub struct RateLimiter {
+    state: Mutex<(Budget, Budget)>,
+    settings: RateSettings,
+    changed: Notify,
+    next_id: AtomicU64,
+    /// Mean output tokens of answers so far (to estimate a request's tokens before it is sent).
+    mean_output: Mutex<(f64, u64)>,
+}
+
+/// What the rate limiter knows, for the summary.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RateSnapshot {
+    /// Requests per window in force, if any, and whether it was learned.
+    pub requests: Option<(f64, Duration, bool)>,
+    /// Tokens per window in force, if any, and whether it was learned.
+    pub tokens: Option<(f64, Duration, bool)>,
+}
+
+impl RateLimiter {
+    /// A limiter with the given static limits.
+    pub fn new(settings: RateSettings) -> Self {
+        let req = settings.requests.map_or_else(Budget::unlimited, |r| Budget::fixed(r as f64, settings.window));
+        let tok = settings.tokens.map_or_else(Budget::unlimited, |t| Budget::fixed(t as f64, settings.window));
+        Self {
+            state: Mutex::new((req, tok)),
+            settings,
+            changed: Notify::new(),
+            next_id: AtomicU64::new(0),
+            mean_output: Mutex::new((0.0, 0)),
+        }
+    }
+
+    /// Estimates the tokens a request will be counted for: about four characters a token for the
+    /// prompt, plus the output limit when one is set, else the mean output so far.
+    pub fn estimate(&self, prompt_chars: usize, max_output: Option<u32>) -> u64 {
+        let prompt = (prompt_chars as u64).div_ceil(4);
+        let out = match max_output {
+            Some(m) => u64::from(m),
+            None => self.mean_output.lock().unwrap_or_else(|e| e.into_inner()).0.ceil() as u64,
+        };
+        prompt + out
+    }
+
+    /// Waits until both budgets admit a send of `tokens`.
+    pub async fn acquire(&self, tokens: u64) -> Ticket {
+        let id = self.next_id.fetch_add(1, Relaxed);
+        let weight = tokens as f64;
+        let start = Instant::now();
+        loop {
+            let changed = self.changed.notified();
+            let wake = {
+                let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+                let now = Instant::now();
+                match s.0.try_take(id, 1.0, now) {
+                    Ok(()) => match s.1.try_take(id, weight, now) {
+                        Ok(()) => return Ticket { id, tokens: weight, waited: start.elapsed() },
+                        Err(wake) => {
+                            s.0.refused_locally(id);
+                            wake
+                        }
+                    },
+                    Err(wake) => wake,
+                }
+            };
+            match wake {
+                Some(at) => {
+                    tokio::select! {
+                        _ = tokio::time::sleep_until(at) => {}
+                        _ = changed => {}
+                    }
+                }
+                None => changed.await,
+            }
+        }
+    }
+
+    /// Reports how the call went.
+    pub fn complete(&self, ticket: Ticket, result: &Result<ModelResponse, ModelError>) {
+        {
+            let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            let now = Instant::now();
+            match result {
+                Ok(r) => {
+                    let counted = if r.usage.total_tokens > 0 {
+                        r.usage.total_tokens
+                    } else {
+                        r.usage.prompt_tokens + r.usage.output_tokens
+                    };
+                    s.0.admitted(ticket.id, 1.0);
+                    s.1.admitted(ticket.id, if counted > 0 { counted as f64 } else { ticket.tokens });
+                    if self.settings.learn {
+                        if let Some(l) = r.limits {
+                            if self.settings.requests.is_none() {
+                                if let Some(n) = l.requests {
+                                    s.0.learn_capacity(n, l.requests_reset);
+                                }
+                            }
+                            if self.settings.tokens.is_none() {
+                                if let Some(n) = l.tokens {
+                                    s.1.learn_capacity(n, l.tokens_reset);
+                                }
+                            }
+                        }
+                    }
+                    let mut m = self.mean_output.lock().unwrap_or_else(|e| e.into_inner());
+                    m.1 += 1;
+                    m.0 += (r.usage.output_tokens as f64 - m.0) / m.1 as f64;
+                }
+                Err(e)
+                    if e.kind == ErrorKind::RateLimited
+                        && (matches!(e.hint, RetryHint::Later(Some(_))) || e.quota.is_some()) =>
+                {
+                    let delay = e.retry_after();
+                    let learn = self.settings.learn;
+                    match e.quota {
+                        Some(QuotaScope::Tokens) => {
+                            s.0.failed_refused_elsewhere(ticket.id);
+                            if learn || s.1.mode() != Mode::Unlimited {
+                                s.1.refused(ticket.id, now, delay);
+                            } else {
+                                s.1.failed(ticket.id);
+                            }
+                        }
+                        _ => {
+                            s.1.failed_refused_elsewhere(ticket.id);
+                            if learn || s.0.mode() != Mode::Unlimited {
+                                s.0.refused(ticket.id, now, delay);
+                            } else {
+                                s.0.failed(ticket.id);
+                            }
+                        }
+                    }
+                }
+                Err(_) => {
+                    s.0.failed(ticket.id);
+                    s.1.failed(ticket.id);
+                }
+            }
+        }
+        self.changed.notify_waiters();
+    }
+
+    /// The limits in force.
+    pub fn snapshot(&self) -> RateSnapshot {
+        let s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let view = |b: &Budget| {
+            b.effective_capacity().map(|c| (c, b.window().unwrap_or(self.settings.window), b.mode() == Mode::Learned))
+        };
+        RateSnapshot { requests: view(&s.0), tokens: view(&s.1) }
+    }
+}
+
+impl Budget {
+    /// Undoes a take that the other budget refused (the send never happened).
+    fn refused_locally(&mut self, id: u64) {
+        self.forget(id);
+    }
+
+    /// The send was refused by the *other* quota: the server did not count it here either.
+    fn failed_refused_elsewhere(&mut self, id: u64) {
+        self.forget(id);
+    }
+}
+
+/// The client-side throttler of Google's SRE book that Beam uses (`AdaptiveThrottler`): over a
+/// sliding window, reject locally with probability `max(0, (requests − K·accepts) / (requests + 1))`.
+/// Unlike Beam's default (a one-second window that wipes itself every second), the window here is
+/// made of buckets that expire one by one, so failures are remembered for the whole window.
+#[derive(Debug)]
+pub struct SreThrottler {
+    k: f64,
+    bucket: Duration,
+    requests: Ring,
+    accepts: Ring,
+    rng: SmallRng,
+}
+
+#[derive(Debug)]
+struct Ring {
+    counts: Vec<u64>,
+    /// Index of the bucket that `start` falls in, and that bucket's start time.
+    head: usize,
+    head_start: Option<Instant>,
+    bucket: Duration,
+}
+
+impl Ring {
+    fn new(buckets: usize, bucket: Duration) -> Self {
+        Self { counts: vec![0; buckets], head: 0, head_start: None, bucket }
+    }
+
+    fn advance(&mut self, now: Instant) {
+        let start = *self.head_start.get_or_insert(now);
+        let elapsed = now.saturating_duration_since(start);
+        let steps = (elapsed.as_nanos() / self.bucket.as_nanos().max(1)) as usize;
+        if steps == 0 {
+            return;
+        }
+        for i in 1..=steps.min(self.counts.len()) {
+            let idx = (self.head + i) % self.counts.len();
+            self.counts[idx] = 0;
+        }
+        self.head = (self.head + steps) % self.counts.len();
+        self.head_start = Some(start + self.bucket * steps as u32);
+    }
+
+    fn add(&mut self, now: Instant) {
+        self.advance(now);
+        self.counts[self.head] += 1;
+    }
+
+    fn sum(&mut self, now: Instant) -> u64 {
+        self.advance(now);
+        self.counts.iter().sum()
+    }
+}
+
+impl SreThrottler {
+    /// A throttler with overload ratio `k` over `window`, in one-second buckets (finer for short
+    /// windows).
+    pub fn new(k: f64, window: Duration, seed: u64) -> Self {
+        let bucket = (window / 60).clamp(Duration::from_millis(10), Duration::from_secs(1));
+        let n = (window.as_nanos() / bucket.as_nanos()).max(1) as usize;
+        Self {
+            k,
+            bucket,
+            requests: Ring::new(n, bucket),
+            accepts: Ring::new(n, bucket),
+            rng: SmallRng::seed_from_u64(seed),
+        }
+    }
+
+    /// The probability of a local rejection now.
+    pub fn probability(&mut self, now: Instant) -> f64 {
+        let all = self.requests.sum(now) as f64;
+        let acc = self.accepts.sum(now) as f64;
+        ((all - self.k * acc) / (all + 1.0)).max(0.0)
+    }
+
+    /// Decides whether to reject a request locally; every request counts, rejected or not.
+    pub fn throttle(&mut self, now: Instant) -> bool {
+        let p = self.probability(now);
+        self.requests.add(now);
+        self.rng.gen::<f64>() < p
+    }
+
+    /// Counts a request the backend accepted.
+    pub fn accepted(&mut self, now: Instant) {
+        self.accepts.add(now);
+    }
+
+    /// The bucket length.
+    pub fn bucket(&self) -> Duration {
+        self.bucket
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::outcome::Usage;
+
+    fn ok(total: u64) -> Result<ModelResponse, ModelError> {
+        Ok(ModelResponse {
+            text: String::new(),
+            finish_reason: "stop".into(),
+            usage: Usage { prompt_tokens: total / 2, output_tokens: total - total / 2, total_tokens: total },
+            model_version: None,
+            limits: None,
+        })
+    }
+
+    fn quota_429(delay: Duration) -> Result<ModelResponse, ModelError> {
+        Err(ModelError::new(ErrorKind::RateLimited, "429")
+            .with_hint(RetryHint::Later(Some(delay)))
+            .with_quota(QuotaScope::Requests))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn static_rpm_spaces_sends_over_the_window() {
+        let rl = std::sync::Arc::new(RateLimiter::new(RateSettings {
+            requests: Some(10),
+            window: Duration::from_secs(1),
+            ..RateSettings::default()
+        }));
+        let t0 = Instant::now();
+        let mut times = Vec::new();
+        for _ in 0..25 {
+            let t = rl.acquire(1).await;
+            times.push(t0.elapsed());
+            rl.complete(t, &ok(2));
+        }
+        // 10 at once, 10 more after a window (plus margin), 5 after another.
+        assert!(times[9] < Duration::from_millis(1));
+        assert!(times[10] >= Duration::from_secs(1) && times[10] < Duration::from_millis(1100));
+        assert!(times[20] >= Duration::from_secs(2) && times[20] < Duration::from_millis(2200));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn learns_from_a_quota_429() {
+        let rl = RateLimiter::new(RateSettings::default());
+        let mut tickets = Vec::new();
+        for _ in 0..6 {
+            tickets.push(rl.acquire(1).await);
+        }
+        let last = tickets.pop().unwrap();
+        for t in tickets {
+            rl.complete(t, &ok(2));
+        }
+        tokio::time::advance(Duration::from_millis(100)).await;
+        rl.complete(last, &quota_429(Duration::from_millis(1900)));
+        let snap = rl.snapshot();
+        let (cap, window, learned) = snap.requests.unwrap();
+        assert!(learned);
+        assert_eq!(cap, 5.0);
+        assert_eq!(window, Duration::from_secs(2));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn tokens_are_estimated_then_corrected() {
+        let rl = RateLimiter::new(RateSettings {
+            tokens: Some(100),
+            window: Duration::from_secs(1),
+            ..RateSettings::default()
+        });
+        assert_eq!(rl.estimate(40, Some(20)), 30);
+        let a = rl.acquire(60).await;
+        rl.complete(a, &ok(30));
+        let b = rl.acquire(60).await; // fits only because the first was corrected to 30
+        assert!(b.waited.is_zero());
+        assert_eq!(rl.estimate(4, None), 1 + 15);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn sre_window_remembers_failures_for_the_whole_window() {
+        let mut t = SreThrottler::new(2.0, Duration::from_secs(60), 1);
+        let t0 = Instant::now();
+        assert_eq!(t.probability(t0), 0.0);
+        // 100 requests, 10 accepted: p = (100 - 20) / 101.
+        for i in 0..100 {
+            let now = t0 + Duration::from_millis(i * 10);
+            t.throttle(now);
+            if i % 10 == 0 {
+                t.accepted(now);
+            }
+        }
+        let p = t.probability(t0 + Duration::from_secs(1));
+        assert!((p - 80.0 / 101.0).abs() < 1e-9, "{p}");
+        // Thirty seconds later the failures still count (Beam's default window forgets after 1 s).
+        assert!((t.probability(t0 + Duration::from_secs(30)) - 80.0 / 101.0).abs() < 1e-9);
+        // After the window, they are gone.
+        assert_eq!(t.probability(t0 + Duration::from_secs(62)), 0.0);
+        // With all requests accepted, nothing is throttled.
+        let mut t = SreThrottler::new(2.0, Duration::from_secs(60), 1);
+        for i in 0..1000 {
+            let now = t0 + Duration::from_millis(i);
+            assert!(!t.throttle(now));
+            t.accepted(now);
+        }
+    }
+}
