@@ -93,7 +93,6 @@ impl RateLimiter {
 
     /// Waits until both budgets admit a send of `tokens`.
     pub async fn acquire(&self, tokens: u64) -> Ticket {
-        let id = self.next_id.fetch_add(1, Relaxed);
         let weight = tokens as f64;
         let start = Instant::now();
         loop {
@@ -101,6 +100,8 @@ impl RateLimiter {
             let wake = {
                 let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
                 let now = Instant::now();
+                // Ids are taken under the lock, so each budget's log stays sorted by id.
+                let id = self.next_id.fetch_add(1, Relaxed);
                 match s.0.try_take(id, 1.0, now) {
                     Ok(()) => match s.1.try_take(id, weight, now) {
                         Ok(()) => return Ticket { id, tokens: weight, waited: start.elapsed() },

@@ -38,6 +38,8 @@ struct Timeline {
     last_success: Option<Instant>,
     /// Successes per whole second since `start` (bounded to one hour).
     per_second: Vec<u64>,
+    /// Tokens (prompt + generated) of those successes.
+    tokens_per_second: Vec<u64>,
 }
 
 /// A snapshot of the counters, as served by `/stats`.
@@ -76,6 +78,8 @@ pub struct StatsSnapshot {
     pub successes_per_sec: f64,
     /// Successes in each whole second since start or the last reset.
     pub successes_per_second: Vec<u64>,
+    /// Tokens (prompt + generated) of the successes in each whole second.
+    pub tokens_per_second: Vec<u64>,
 }
 
 impl Default for Stats {
@@ -99,6 +103,7 @@ impl Default for Stats {
                 first_success: None,
                 last_success: None,
                 per_second: Vec::new(),
+                tokens_per_second: Vec::new(),
             }),
         }
     }
@@ -141,8 +146,10 @@ impl Stats {
         if sec < 3600 {
             if t.per_second.len() <= sec {
                 t.per_second.resize(sec + 1, 0);
+                t.tokens_per_second.resize(sec + 1, 0);
             }
             t.per_second[sec] += 1;
+            t.tokens_per_second[sec] += tokens_in + tokens_out;
         }
     }
 
@@ -201,6 +208,7 @@ impl Stats {
             elapsed_secs: t.start.elapsed().as_secs_f64(),
             successes_per_sec,
             successes_per_second: t.per_second.clone(),
+            tokens_per_second: t.tokens_per_second.clone(),
         }
     }
 
@@ -225,6 +233,12 @@ impl Stats {
         }
         self.peak_in_flight.store(self.in_flight.load(Relaxed), Relaxed);
         let mut t = self.timeline.lock().unwrap_or_else(|e| e.into_inner());
-        *t = Timeline { start: Instant::now(), first_success: None, last_success: None, per_second: Vec::new() };
+        *t = Timeline {
+            start: Instant::now(),
+            first_success: None,
+            last_success: None,
+            per_second: Vec::new(),
+            tokens_per_second: Vec::new(),
+        };
     }
 }

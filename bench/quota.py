@@ -1,0 +1,138 @@
+#!/usr/bin/env python3
+"""Quota-level throughput: `weir run` against `weir sim` with a quota, truth read from /stats.
+
+Cases (simulated quota windows of a few seconds, so each case runs in about a minute):
+  1. R requests per window, nothing told to weir;
+  2. the same with --rpm R --limit-window W;
+  3. a token-bound workload (long prompts), nothing told;
+  4. a hidden concurrency cap (503 above it), nothing told, against a sweep of fixed
+     --max-concurrency values run in the same invocation.
+Usage: bench/quota.py [CASE...]   (default: all). Needs a release build (it makes one).
+"""
+import json, os, socket, subprocess, sys, tempfile, time, urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+subprocess.run(["cargo", "build", "--release", "-q", "-p", "weir"], cwd=ROOT, check=True)
+TARGET = os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target"))
+BIN = os.path.join(TARGET, "release", "weir")
+WORK = tempfile.mkdtemp()
+
+
+def free_port():
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); p = s.getsockname()[1]; s.close(); return p
+
+
+def start_sim(*args):
+    port = free_port()
+    p = subprocess.Popen([BIN, "sim", "--listen", f"127.0.0.1:{port}", *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    p.stdout.readline()
+    return p, f"http://127.0.0.1:{port}"
+
+
+def stats(url):
+    return json.load(urllib.request.urlopen(url + "/stats"))
+
+
+def reset(url):
+    urllib.request.urlopen(urllib.request.Request(url + "/stats/reset", method="POST")).read()
+
+
+def dataset(name, n, prompt_len=40):
+    path = os.path.join(WORK, name)
+    with open(path, "w") as f:
+        for i in range(n):
+            filler = ("river stone water " * (prompt_len // 18 + 1))[: max(0, prompt_len - 20)]
+            f.write(json.dumps({"id": f"r{i}", "prompt": f"{i:08d} {filler}"}) + "\n")
+    return path
+
+
+def run(url, data, *extra):
+    out = os.path.join(WORK, f"out-{time.monotonic_ns()}.jsonl")
+    t0 = time.monotonic()
+    p = subprocess.run([BIN, "run", "--model", "gemini/gemini-2.5-flash", "--base-url", url, "--input", data,
+                        "--output", out, "--id-field", "id", "--no-state", "--progress", "never", "--max-retries", "50", *extra],
+                       capture_output=True, text=True)
+    secs = time.monotonic() - t0
+    if p.returncode != 0:
+        sys.exit(f"weir run failed ({p.returncode}): {p.stderr}")
+    return secs, p.stderr
+
+
+def windows(per_second, window, skip_first=True):
+    """Sums per window, dropping the first window and the last partial one."""
+    n = len(per_second) // window
+    sums = [sum(per_second[i * window:(i + 1) * window]) for i in range(n)]
+    return sums[1:] if skip_first else sums
+
+
+def quota_case(title, told):
+    R, W = 200, 5
+    sim, url = start_sim("--rpm", str(R), "--window-secs", str(W), "--latency-ms", "50", "--jitter-ms", "30")
+    try:
+        data = dataset("q.jsonl", R * 12)
+        extra = ["--rpm", str(R), "--limit-window", str(W)] if told else []
+        secs, err = run(url, data, *extra)
+        s = stats(url)
+    finally:
+        sim.terminate()
+    per_window = windows(s["successes_per_second"], W)
+    full = per_window[:-1] if len(per_window) > 1 else per_window
+    achieved = sum(full) / len(full) / R
+    rejected = s["rate_limited"] / s["requests"]
+    print(f"== {title}: quota {R} requests per {W} s window, latency 50±15 ms")
+    print(f"   successes per window after the first: {full}")
+    print(f"   achieved {achieved:.1%} of R; 429s {s['rate_limited']} of {s['requests']} requests sent ({rejected:.2%}); run {secs:.1f} s")
+    print("   " + [l for l in err.splitlines() if "limits:" in l][0].strip())
+
+
+def token_case():
+    T, W = 40000, 5
+    sim, url = start_sim("--tpm", str(T), "--window-secs", str(W), "--latency-ms", "50", "--jitter-ms", "30")
+    try:
+        data = dataset("t.jsonl", 1000, prompt_len=2400)
+        secs, err = run(url, data)
+        s = stats(url)
+    finally:
+        sim.terminate()
+    per_window = windows(s["tokens_per_second"], W)
+    full = per_window[:-1] if len(per_window) > 1 else per_window
+    achieved = sum(full) / len(full) / T
+    rejected = s["rate_limited"] / s["requests"]
+    print(f"== 3. token-bound: quota {T} tokens per {W} s window, prompts of ~600 tokens, nothing told")
+    print(f"   tokens per window after the first: {full}")
+    print(f"   achieved {achieved:.1%} of the token quota; 429s {s['rate_limited']} of {s['requests']} ({rejected:.2%}); run {secs:.1f} s")
+    print("   " + [l for l in err.splitlines() if "limits:" in l][0].strip())
+
+
+def cap_case():
+    C, N = 12, 1500
+    sim, url = start_sim("--max-in-flight", str(C), "--overload", "503", "--latency-ms", "100", "--jitter-ms", "20")
+    data = dataset("c.jsonl", N)
+    results = {}
+    try:
+        for mode, extra in [("fixed 4", ["--concurrency", "fixed", "--max-concurrency", "4"]),
+                            ("fixed 8", ["--concurrency", "fixed", "--max-concurrency", "8"]),
+                            ("fixed 12", ["--concurrency", "fixed", "--max-concurrency", "12"]),
+                            ("fixed 16", ["--concurrency", "fixed", "--max-concurrency", "16"]),
+                            ("fixed 24", ["--concurrency", "fixed", "--max-concurrency", "24"]),
+                            ("adaptive", [])]:
+            reset(url)
+            secs, err = run(url, data, *extra)
+            s = stats(url)
+            results[mode] = (N / secs, s["unavailable"] / s["requests"], s["requests"], err)
+    finally:
+        sim.terminate()
+    best = max(v[0] for k, v in results.items() if k != "adaptive")
+    print(f"== 4. hidden concurrency cap: {C} in flight (503 above), latency 110±10 ms, {N} records each, nothing told")
+    for k, (rate, rej, req, _) in results.items():
+        print(f"   {k:9s} {rate:7.1f} records/s  rejected {rej:6.2%} of {req} requests")
+    a = results["adaptive"]
+    print(f"   adaptive: {a[0] / best:.1%} of the best fixed setting; rejected {a[1]:.2%}")
+    print("   " + [l for l in a[3].splitlines() if "limits:" in l][0].strip())
+
+
+cases = sys.argv[1:] or ["1", "2", "3", "4"]
+for c in cases:
+    {"1": lambda: quota_case("1. request quota, nothing told", False),
+     "2": lambda: quota_case("2. request quota, --rpm given", True),
+     "3": token_case, "4": cap_case}[c]()
