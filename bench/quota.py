@@ -105,17 +105,13 @@ def token_case():
 
 
 def cap_case():
-    C, N = 12, 1500
+    C, N = 12, 2500
     sim, url = start_sim("--max-in-flight", str(C), "--overload", "503", "--latency-ms", "100", "--jitter-ms", "20")
     data = dataset("c.jsonl", N)
     results = {}
     try:
-        for mode, extra in [("fixed 4", ["--concurrency", "fixed", "--max-concurrency", "4"]),
-                            ("fixed 8", ["--concurrency", "fixed", "--max-concurrency", "8"]),
-                            ("fixed 12", ["--concurrency", "fixed", "--max-concurrency", "12"]),
-                            ("fixed 16", ["--concurrency", "fixed", "--max-concurrency", "16"]),
-                            ("fixed 24", ["--concurrency", "fixed", "--max-concurrency", "24"]),
-                            ("adaptive", [])]:
+        sweep = [(f"fixed {n}", ["--concurrency", "fixed", "--max-concurrency", str(n)]) for n in (6, 10, 12, 14, 20)]
+        for mode, extra in sweep + [("adaptive", [])]:
             reset(url)
             secs, err = run(url, data, *extra)
             s = stats(url)

@@ -81,7 +81,8 @@ impl ConcurrencyLimit for FixedLimit {
 /// that also succeed is noise (random 503s): only a round trip with more than 10 % of it lowers
 /// the limit, by 10 %. Below
 /// the ceiling the limit grows by one per round trip in which it was fully used; at the ceiling
-/// it probes one step higher only every 20 round trips, so a steady endpoint sees few refusals.
+/// it probes one step higher only every 20 round trips, so a steady endpoint sees few refusals;
+/// a probe that goes through a whole round trip without push-back clears the ceiling.
 /// An endpoint that slows down instead of refusing is caught by latency: a round trip whose median
 /// latency (of successful calls) is twice the best seen, and 5 ms more, lowers the limit by 10 %.
 #[derive(Debug)]
@@ -245,6 +246,10 @@ impl ConcurrencyLimit for Adaptive {
         }
         if !bound {
             return;
+        }
+        if c.ceiling.is_some_and(|ceiling| limit > ceiling) {
+            // A probe above the ceiling went through a whole round: the ceiling is stale.
+            c.ceiling = None;
         }
         if c.slow_start {
             me.set_limit(&mut c, limit * 2);

@@ -88,6 +88,13 @@ impl Quotas {
         Self { config, window, keys: HashMap::new() }
     }
 
+    /// Changes the per-window limits from now on (what was admitted stays counted), as when a
+    /// provider lowers a project's quota mid-run.
+    pub fn set_limits(&mut self, requests_per_window: u64, tokens_per_window: u64) {
+        self.config.requests_per_window = requests_per_window;
+        self.config.tokens_per_window = tokens_per_window;
+    }
+
     /// True when no quota is configured, so callers may skip the bookkeeping entirely.
     pub fn unlimited(&self) -> bool {
         self.config.requests_per_window == 0 && self.config.tokens_per_window == 0 && self.config.requests_per_day == 0

@@ -1,0 +1,340 @@
+//! Deterministic throttling scenarios under `tokio::time::pause()`, described in
+//! `tests/scenarios/*.toml`: a simulated endpoint (the simulator's own quota logic, a latency
+//! model, a hidden concurrency cap, 503 bursts, quota changes) behind the real driver, rate
+//! budgets and adaptive concurrency. Time is virtual, so a ten-minute scenario runs in a moment
+//! and gives the same result every time. Each file states the ranges its results must fall in.
+
+use futures::StreamExt;
+use serde::Deserialize;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::time::Instant;
+use weir_core::{
+    Adaptive, AdaptiveLimit, ConcurrencyLimit, Driver, DriverSettings, ErrorKind, FixedLimit, ModelError, ModelHandler,
+    ModelRequest, ModelResponse, Outcome, QuotaScope, RateLimiter, RateSettings, Record, RetryHint, RetryPolicy,
+    RunMetrics, Usage,
+};
+use weir_sim::config::QuotaConfig;
+use weir_sim::quota::{Quotas, Rejection};
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Scenario {
+    description: String,
+    records: usize,
+    #[serde(default = "default_max")]
+    max_concurrency: usize,
+    #[serde(default)]
+    client: Client,
+    endpoint: Endpoint,
+    expect: Expect,
+}
+
+fn default_max() -> usize {
+    64
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Client {
+    rpm: Option<u64>,
+    tpm: Option<u64>,
+    limit_window_secs: Option<f64>,
+    #[serde(default)]
+    fixed_concurrency: bool,
+}
+
+#[derive(Debug, Default, Deserialize, Clone)]
+#[serde(deny_unknown_fields)]
+struct Endpoint {
+    latency_ms: f64,
+    #[serde(default)]
+    requests_per_window: u64,
+    #[serde(default)]
+    tokens_per_window: u64,
+    #[serde(default = "default_window")]
+    window_secs: f64,
+    #[serde(default)]
+    requests_per_day: u64,
+    #[serde(default)]
+    max_in_flight: u64,
+    #[serde(default)]
+    overload: Option<String>,
+    #[serde(default)]
+    change: Vec<Change>,
+    #[serde(default)]
+    burst_503: Vec<Burst>,
+}
+
+fn default_window() -> f64 {
+    60.0
+}
+
+#[derive(Debug, Deserialize, Clone)]
+#[serde(deny_unknown_fields)]
+struct Change {
+    at_secs: f64,
+    requests_per_window: u64,
+}
+
+#[derive(Debug, Deserialize, Clone)]
+#[serde(deny_unknown_fields)]
+struct Burst {
+    from_secs: f64,
+    to_secs: f64,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Expect {
+    window_share: Option<[f64; 2]>,
+    rejected_share: Option<[f64; 2]>,
+    learned_requests: Option<[f64; 2]>,
+    throughput_share: Option<[f64; 2]>,
+    final_concurrency: Option<[usize; 2]>,
+    all_succeed: Option<bool>,
+    stopped: Option<String>,
+    successes: Option<[u64; 2]>,
+}
+
+/// The simulated endpoint: the simulator's quota logic with virtual time.
+struct SimEndpoint {
+    cfg: Endpoint,
+    quotas: Mutex<Quotas>,
+    in_flight: AtomicU64,
+    start: Instant,
+    successes: Mutex<Vec<f64>>,
+    rejected: AtomicU64,
+    calls: AtomicU64,
+}
+
+struct Leave<'a>(&'a AtomicU64);
+impl Drop for Leave<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Relaxed);
+    }
+}
+
+#[async_trait::async_trait]
+impl ModelHandler for SimEndpoint {
+    async fn generate(&self, request: &ModelRequest) -> Result<ModelResponse, ModelError> {
+        self.calls.fetch_add(1, Relaxed);
+        let now = Instant::now();
+        let t = now.duration_since(self.start).as_secs_f64();
+        let level = self.in_flight.fetch_add(1, Relaxed) + 1;
+        let _leave = Leave(&self.in_flight);
+        let reject = |e: ModelError| {
+            self.rejected.fetch_add(1, Relaxed);
+            Err(e)
+        };
+        if self.cfg.burst_503.iter().any(|b| t >= b.from_secs && t < b.to_secs) {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            return reject(ModelError::new(ErrorKind::Server, "503 overloaded").with_status(503));
+        }
+        let mut latency = self.cfg.latency_ms;
+        if self.cfg.max_in_flight > 0 && level > self.cfg.max_in_flight {
+            match self.cfg.overload.as_deref().unwrap_or("503") {
+                "503" => return reject(ModelError::new(ErrorKind::Server, "503 overloaded").with_status(503)),
+                "429" => {
+                    return reject(
+                        ModelError::new(ErrorKind::RateLimited, "429 overloaded")
+                            .with_status(429)
+                            .with_hint(RetryHint::Later(None)),
+                    )
+                }
+                _ => latency *= level as f64 / self.cfg.max_in_flight as f64,
+            }
+        }
+        let prompt_tokens = (request.prompt.len() as u64).div_ceil(4);
+        let output_tokens = 20;
+        let admitted = {
+            let mut q = self.quotas.lock().unwrap();
+            if let Some(c) = self.cfg.change.iter().filter(|c| t >= c.at_secs).last() {
+                q.set_limits(c.requests_per_window, self.cfg.tokens_per_window);
+            }
+            q.admit("key", prompt_tokens + output_tokens, now)
+        };
+        match admitted {
+            Ok(_) => {}
+            Err(Rejection::Requests { retry_after, .. }) => {
+                return reject(
+                    ModelError::new(ErrorKind::RateLimited, "429 requests")
+                        .with_status(429)
+                        .with_hint(RetryHint::Later(Some(retry_after)))
+                        .with_quota(QuotaScope::Requests),
+                )
+            }
+            Err(Rejection::Tokens { retry_after, .. }) => {
+                return reject(
+                    ModelError::new(ErrorKind::RateLimited, "429 tokens")
+                        .with_status(429)
+                        .with_hint(RetryHint::Later(Some(retry_after)))
+                        .with_quota(QuotaScope::Tokens),
+                )
+            }
+            Err(Rejection::Daily { .. }) => {
+                return reject(ModelError::new(ErrorKind::QuotaExhausted, "per-day quota spent").with_status(429))
+            }
+            Err(Rejection::TooLarge { .. }) => return Err(ModelError::new(ErrorKind::BadRequest, "too large")),
+        }
+        tokio::time::sleep(Duration::from_secs_f64(latency / 1000.0)).await;
+        self.successes.lock().unwrap().push(Instant::now().duration_since(self.start).as_secs_f64());
+        Ok(ModelResponse {
+            text: "ok".into(),
+            finish_reason: "stop".into(),
+            usage: Usage { prompt_tokens, output_tokens, total_tokens: prompt_tokens + output_tokens },
+            model_version: None,
+            limits: None,
+        })
+    }
+
+    fn model_id(&self) -> &str {
+        "sim/scenario"
+    }
+}
+
+fn check(name: &str, what: &str, value: f64, range: [f64; 2], failures: &mut Vec<String>) {
+    let ok = value >= range[0] - 1e-9 && value <= range[1] + 1e-9;
+    println!("  {what}: {value:.4} (expected {}..={}) {}", range[0], range[1], if ok { "ok" } else { "FAIL" });
+    if !ok {
+        failures.push(format!("{name}: {what} = {value:.4}, expected {}..={}", range[0], range[1]));
+    }
+}
+
+async fn run_scenario(name: &str) -> Vec<String> {
+    let path = format!("{}/tests/scenarios/{name}.toml", env!("CARGO_MANIFEST_DIR"));
+    let sc: Scenario =
+        toml::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap_or_else(|e| panic!("{path}: {e}"));
+    println!("{name}: {}", sc.description);
+    let quota = QuotaConfig {
+        requests_per_window: sc.endpoint.requests_per_window,
+        tokens_per_window: sc.endpoint.tokens_per_window,
+        window_secs: sc.endpoint.window_secs,
+        requests_per_day: sc.endpoint.requests_per_day,
+        day_secs: 86_400.0,
+    };
+    let endpoint = Arc::new(SimEndpoint {
+        cfg: sc.endpoint.clone(),
+        quotas: Mutex::new(Quotas::new(quota)),
+        in_flight: AtomicU64::new(0),
+        start: Instant::now(),
+        successes: Mutex::new(Vec::new()),
+        rejected: AtomicU64::new(0),
+        calls: AtomicU64::new(0),
+    });
+    let limit: Arc<dyn ConcurrencyLimit> = if sc.client.fixed_concurrency {
+        Arc::new(FixedLimit::new(sc.max_concurrency))
+    } else {
+        Arc::new(Adaptive(AdaptiveLimit::new(16, sc.max_concurrency)))
+    };
+    let window = Duration::from_secs_f64(sc.client.limit_window_secs.unwrap_or(60.0));
+    let rate = RateSettings { requests: sc.client.rpm, tokens: sc.client.tpm, window, learn: true };
+    let settings = DriverSettings {
+        timeout: Duration::from_secs(60),
+        retry: RetryPolicy { max_retries: 100, ..RetryPolicy::default() },
+        ..DriverSettings::default()
+    };
+    let metrics = Arc::new(RunMetrics::default());
+    let driver = Arc::new(
+        Driver::new(endpoint.clone(), limit, settings, metrics.clone()).with_rate(Arc::new(RateLimiter::new(rate))),
+    );
+    let records = (0..sc.records).map(|i| Record {
+        id: i.to_string(),
+        line: i as u64 + 1,
+        prompt: format!("prompt {i:06} about the river"),
+        input: Default::default(),
+    });
+    let t0 = Instant::now();
+    let outcomes: Vec<Outcome> = futures::stream::iter(records)
+        .map(|r| {
+            let d = driver.clone();
+            async move { d.run(r).await }
+        })
+        .buffer_unordered(sc.max_concurrency * 4)
+        .collect()
+        .await;
+    let elapsed = t0.elapsed().as_secs_f64();
+    let ok = outcomes.iter().filter(|o| matches!(o, Outcome::Success(_))).count() as u64;
+    let calls = endpoint.calls.load(Relaxed);
+    let rejected = endpoint.rejected.load(Relaxed);
+    println!("  {ok} of {} succeeded in {elapsed:.1} virtual s; {calls} calls, {rejected} refused", sc.records);
+    let mut failures = Vec::new();
+    let e = &sc.expect;
+    if let Some(r) = e.rejected_share {
+        check(name, "refused share of calls", rejected as f64 / calls.max(1) as f64, r, &mut failures);
+    }
+    if let Some(r) = e.window_share {
+        // Successes per window after the first, up to the last full window, against the quota
+        // in force for most of that window.
+        let w = sc.endpoint.window_secs;
+        let times = endpoint.successes.lock().unwrap().clone();
+        let last = times.iter().cloned().fold(0.0, f64::max);
+        let full = (last / w).floor() as usize;
+        let mut shares = Vec::new();
+        for k in 1..full {
+            let (a, b) = (k as f64 * w, (k + 1) as f64 * w);
+            let n = times.iter().filter(|t| **t >= a && **t < b).count() as f64;
+            let quota = sc
+                .endpoint
+                .change
+                .iter()
+                .filter(|c| c.at_secs <= a)
+                .last()
+                .map_or(sc.endpoint.requests_per_window, |c| c.requests_per_window);
+            // The window in which a change happens is judged against neither quota.
+            if sc.endpoint.change.iter().any(|c| c.at_secs > a - w && c.at_secs < b) {
+                continue;
+            }
+            shares.push(n / quota as f64);
+        }
+        println!("  per-window shares: {:?}", shares.iter().map(|s| format!("{s:.2}")).collect::<Vec<_>>());
+        let mean = shares.iter().sum::<f64>() / shares.len().max(1) as f64;
+        check(name, "mean successes per window / quota", mean, r, &mut failures);
+    }
+    if let Some(r) = e.learned_requests {
+        let learned = driver.rate_snapshot().and_then(|s| s.requests).map_or(0.0, |x| x.0);
+        check(name, "learned requests per window", learned, r, &mut failures);
+    }
+    if let Some(r) = e.throughput_share {
+        let cap = sc.endpoint.max_in_flight as f64;
+        let physical = cap / (sc.endpoint.latency_ms / 1000.0);
+        check(name, "throughput / (cap / latency)", ok as f64 / elapsed / physical, r, &mut failures);
+    }
+    if let Some(r) = e.final_concurrency {
+        let c = driver.concurrency() as f64;
+        check(name, "final concurrency limit", c, [r[0] as f64, r[1] as f64], &mut failures);
+    }
+    if e.all_succeed == Some(true) && ok != sc.records as u64 {
+        failures.push(format!("{name}: {ok} of {} succeeded", sc.records));
+    }
+    if let Some(r) = e.successes {
+        check(name, "successes", ok as f64, [r[0] as f64, r[1] as f64], &mut failures);
+    }
+    if let Some(kind) = &e.stopped {
+        let got = driver.stop_reason().map(|s| s.kind.as_str().to_string());
+        println!("  stopped: {got:?}");
+        if got.as_deref() != Some(kind.as_str()) {
+            failures.push(format!("{name}: stopped {got:?}, expected {kind}"));
+        }
+    }
+    failures
+}
+
+macro_rules! scenario {
+    ($name:ident) => {
+        #[tokio::test(start_paused = true)]
+        async fn $name() {
+            let failures = run_scenario(stringify!($name)).await;
+            assert!(failures.is_empty(), "{failures:#?}");
+        }
+    };
+}
+
+scenario!(steady_quota);
+scenario!(steady_quota_told);
+scenario!(quota_drop);
+scenario!(hidden_cap);
+scenario!(latency_grows);
+scenario!(bursts_503);
+scenario!(daily_quota);
