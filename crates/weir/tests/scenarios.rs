@@ -150,7 +150,7 @@ impl ModelHandler for SimEndpoint {
         let output_tokens = 20;
         let admitted = {
             let mut q = self.quotas.lock().unwrap();
-            if let Some(c) = self.cfg.change.iter().filter(|c| t >= c.at_secs).last() {
+            if let Some(c) = self.cfg.change.iter().rfind(|c| t >= c.at_secs) {
                 q.set_limits(c.requests_per_window, self.cfg.tokens_per_window);
             }
             q.admit("key", prompt_tokens + output_tokens, now)
@@ -279,8 +279,7 @@ async fn run_scenario(name: &str) -> Vec<String> {
                 .endpoint
                 .change
                 .iter()
-                .filter(|c| c.at_secs <= a)
-                .last()
+                .rfind(|c| c.at_secs <= a)
                 .map_or(sc.endpoint.requests_per_window, |c| c.requests_per_window);
             // The window in which a change happens is judged against neither quota.
             if sc.endpoint.change.iter().any(|c| c.at_secs > a - w && c.at_secs < b) {
