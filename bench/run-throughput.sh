@@ -3,7 +3,8 @@
 # memory (max RSS from GNU time) as the input grows. The simulator runs as its own process
 # (gemini/ via --base-url), so the RSS is weir's alone; the inproc row runs it in-process (sim/).
 # With --id-field, weir keeps an 8-byte fingerprint per id to reject duplicates; with line-number
-# ids it keeps nothing per record.
+# ids it keeps nothing per record. Runs with --no-state (the journal's cost is bench/journal.sh's
+# subject) and --concurrency fixed (64 calls in flight).
 # Usage: bench/run-throughput.sh [SIZES...]   (default: 100000 1000000)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,7 +37,7 @@ PY
     times=(); rss=()
     for _ in $(seq "$REPEAT"); do
       /usr/bin/time -f "%e %M" -o "$WORK/time" "$BIN" run "${args[@]}" --input "$WORK/in-$n.jsonl" \
-        --output "$WORK/out.jsonl" --max-concurrency 64 --progress never 2>/dev/null
+        --output "$WORK/out.jsonl" --max-concurrency 64 --concurrency fixed --no-state --progress never 2>/dev/null
       read -r secs kb < "$WORK/time"
       lines=$(wc -l < "$WORK/out.jsonl")
       [ "$lines" -eq "$n" ] || { echo "expected $n result rows, got $lines" >&2; exit 1; }
