@@ -5,7 +5,7 @@ use weir_core::{
     ErrorKind, GenParams, ModelError, ModelHandler, ModelRequest, ModelResponse, QuotaScope, RetryHint, Usage,
 };
 
-use crate::http::{clip, proto_duration, status_error, transport_error, Secret};
+use crate::http::{clip, post_json, proto_duration, status_error, Auth, Secret};
 
 /// A client of one Gemini model.
 #[derive(Debug)]
@@ -202,20 +202,12 @@ pub fn parse_response(body: &[u8]) -> Result<ModelResponse, ModelError> {
 #[async_trait::async_trait]
 impl ModelHandler for GeminiHandler {
     async fn generate(&self, request: &ModelRequest) -> Result<ModelResponse, ModelError> {
-        let body = serde_json::to_vec(&Self::body(request))
-            .map_err(|e| ModelError::new(ErrorKind::InvalidInput, e.to_string()))?;
-        let mut req = self.client.post(&self.url).header(reqwest::header::CONTENT_TYPE, "application/json").body(body);
-        if let Some(key) = &self.key {
-            req = req.header("x-goog-api-key", key.expose());
+        let auth = self.key.as_ref().map_or(Auth::None, |k| Auth::Header("x-goog-api-key", k));
+        let reply = post_json(&self.client, &self.url, &Self::body(request), auth).await?;
+        if reply.status != 200 {
+            return Err(classify_error(reply.status, &reply.headers, &reply.body));
         }
-        let resp = req.send().await.map_err(|e| transport_error(&e))?;
-        let status = resp.status().as_u16();
-        let headers = resp.headers().clone();
-        let bytes = resp.bytes().await.map_err(|e| transport_error(&e))?;
-        if status != 200 {
-            return Err(classify_error(status, &headers, &bytes));
-        }
-        parse_response(&bytes)
+        parse_response(&reply.body)
     }
 
     fn model_id(&self) -> &str {

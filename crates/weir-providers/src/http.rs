@@ -68,6 +68,50 @@ pub fn check_base_url(url: &str) -> Result<reqwest::Url, ProviderError> {
     Ok(parsed)
 }
 
+/// How a request carries its credential.
+#[derive(Debug, Clone, Copy)]
+pub enum Auth<'a> {
+    /// No credential.
+    None,
+    /// `Authorization: Bearer …` (OpenAI, Vertex AI).
+    Bearer(&'a Secret),
+    /// A named header (`x-goog-api-key` for the Gemini API).
+    Header(&'static str, &'a Secret),
+}
+
+/// An answer of any status, read whole.
+#[derive(Debug)]
+pub struct Reply {
+    /// HTTP status.
+    pub status: u16,
+    /// Response headers.
+    pub headers: HeaderMap,
+    /// Response body.
+    pub body: bytes::Bytes,
+}
+
+/// POSTs a JSON body and reads the whole answer; only a failure to get an answer is an error
+/// here (each provider classifies error statuses from their bodies).
+pub async fn post_json(
+    client: &reqwest::Client,
+    url: &str,
+    body: &serde_json::Value,
+    auth: Auth<'_>,
+) -> Result<Reply, ModelError> {
+    let body = serde_json::to_vec(body).map_err(|e| ModelError::new(ErrorKind::InvalidInput, e.to_string()))?;
+    let mut req = client.post(url).header(reqwest::header::CONTENT_TYPE, "application/json").body(body);
+    req = match auth {
+        Auth::None => req,
+        Auth::Bearer(key) => req.bearer_auth(key.expose()),
+        Auth::Header(name, key) => req.header(name, key.expose()),
+    };
+    let resp = req.send().await.map_err(|e| transport_error(&e))?;
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let body = resp.bytes().await.map_err(|e| transport_error(&e))?;
+    Ok(Reply { status, headers, body })
+}
+
 /// Classifies a failure to get a response at all.
 pub fn transport_error(e: &reqwest::Error) -> ModelError {
     let kind = if e.is_timeout() {

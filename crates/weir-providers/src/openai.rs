@@ -7,7 +7,7 @@ use weir_core::{
     Usage,
 };
 
-use crate::http::{clip, status_error, transport_error, Secret};
+use crate::http::{clip, post_json, status_error, Auth, Secret};
 
 /// A client of one OpenAI-compatible endpoint and model.
 #[derive(Debug)]
@@ -194,21 +194,13 @@ pub fn parse_response(body: &[u8]) -> Result<ModelResponse, ModelError> {
 #[async_trait::async_trait]
 impl ModelHandler for OpenAiHandler {
     async fn generate(&self, request: &ModelRequest) -> Result<ModelResponse, ModelError> {
-        let body = serde_json::to_vec(&self.body(request))
-            .map_err(|e| ModelError::new(ErrorKind::InvalidInput, e.to_string()))?;
-        let mut req = self.client.post(&self.url).header(reqwest::header::CONTENT_TYPE, "application/json").body(body);
-        if let Some(key) = &self.key {
-            req = req.bearer_auth(key.expose());
+        let auth = self.key.as_ref().map_or(Auth::None, Auth::Bearer);
+        let reply = post_json(&self.client, &self.url, &self.body(request), auth).await?;
+        if reply.status != 200 {
+            return Err(classify_error(reply.status, &reply.headers, &reply.body));
         }
-        let resp = req.send().await.map_err(|e| transport_error(&e))?;
-        let status = resp.status().as_u16();
-        let headers = resp.headers().clone();
-        let bytes = resp.bytes().await.map_err(|e| transport_error(&e))?;
-        if status != 200 {
-            return Err(classify_error(status, &headers, &bytes));
-        }
-        let mut r = parse_response(&bytes)?;
-        r.limits = limit_headers(&headers);
+        let mut r = parse_response(&reply.body)?;
+        r.limits = limit_headers(&reply.headers);
         Ok(r)
     }
 
