@@ -219,8 +219,14 @@ pub async fn run(
     let finished = std::mem::take(&mut recovered.finished);
     let mut seen: HashSet<u64> = if check_duplicates { std::mem::take(&mut recovered.ids) } else { HashSet::new() };
     let mut first_interrupt = interrupts.clone();
+    // With a journal, an interrupted run stops reading: what it did not read, the next run does.
+    // Without one, it reads on, and every record left gets an `aborted` row, so none is dropped.
     let input_stop = async move {
-        let _ = first_interrupt.wait_for(|n| *n >= 1).await;
+        if journal {
+            let _ = first_interrupt.wait_for(|n| *n >= 1).await;
+        } else {
+            std::future::pending::<()>().await;
+        }
     };
     let work = weir_io::source::lines(reader).take_until(input_stop).filter_map(move |line| {
         let item = match line {

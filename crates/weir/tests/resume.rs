@@ -267,3 +267,31 @@ async fn retry_errors_runs_only_retryable_failures_again() {
     assert_eq!(good.stats().requests, 36, "blocked records were not called again");
     good.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ctrl_c_without_state_still_accounts_for_every_record() {
+    let mut config = SimConfig::default();
+    config.latency.fixed_ms = 300.0;
+    let server = sim(config).await;
+    let url = server.url();
+    let dir = Dir::new("ctrlc-nostate");
+    let (data, ids) = prompts(300);
+    let input = dir.write("in.jsonl", &data);
+    let out = dir.path("out.jsonl");
+    let (i, o) = (input.to_str().unwrap().to_string(), out.to_str().unwrap().to_string());
+    let mut args = base_args(&url, &i, &o);
+    args.extend(["--max-concurrency", "8", "--progress", "never", "--no-state"]);
+    let child = weir().args(&args).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let pid = child.id().unwrap().to_string();
+    assert!(std::process::Command::new("kill").args(["-INT", &pid]).status().unwrap().success());
+    let o1 = child.wait_with_output().await.unwrap();
+    assert_eq!(o1.status.code(), Some(130), "{}", stderr(&o1));
+    let results = rows(&out);
+    let errors = rows(&dir.path("out.errors.jsonl"));
+    assert_each_id_once(&ids, &results, &errors);
+    assert!(!results.is_empty() && !errors.is_empty());
+    assert!(errors.iter().all(|e| e["kind"] == "aborted"));
+    assert_eq!(server.stats().requests, results.len() as u64, "every call made got its result row");
+    server.shutdown().await;
+}
