@@ -24,8 +24,9 @@ use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 use tokio::time::Instant;
 
-/// Most sends remembered while nothing is known (bounds memory at high rates).
-const MAX_LOG: usize = 200_000;
+/// Most sends remembered while nothing is known: bounds memory (about 2 MB) at high rates. A
+/// window holding more sends than this is learned too short at first, and refined by later 429s.
+const MAX_LOG: usize = 50_000;
 /// How long sends are remembered while nothing is known.
 const HORIZON: Duration = Duration::from_secs(3600);
 
