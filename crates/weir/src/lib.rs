@@ -3,6 +3,7 @@
 
 #![warn(missing_docs)]
 
+pub mod metrics_server;
 pub mod pipeline;
 pub mod report;
 

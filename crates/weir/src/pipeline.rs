@@ -71,6 +71,8 @@ pub struct RunSettings {
     pub adaptive: bool,
     /// Beam's SRE throttler with this overload ratio.
     pub sre_k: Option<f64>,
+    /// Serve Prometheus metrics on this address during the run.
+    pub metrics_listen: Option<std::net::SocketAddr>,
 }
 
 /// Why a run could not start or had to stop.
@@ -210,6 +212,16 @@ pub async fn run(
         driver = driver.with_cache(c.clone());
     }
     let driver = Arc::new(driver);
+    let metrics_task = match settings.metrics_listen {
+        Some(addr) => {
+            let (local, task) = crate::metrics_server::serve(addr, driver.clone(), Instant::now())
+                .await
+                .map_err(|e| RunError::Usage(format!("--metrics-listen {addr}: {e}")))?;
+            tracing::info!("metrics on http://{local}/metrics");
+            Some(task)
+        }
+        None => None,
+    };
     let remaining = total.map(|t| t.saturating_sub(recovered.finished_count()));
     let progress = Progress::start(settings.progress, remaining, metrics.clone());
     let started = Instant::now();
@@ -338,6 +350,9 @@ pub async fn run(
     let flushed =
         if journal { results.sync().and_then(|_| errors.sync()) } else { results.flush().and_then(|_| errors.flush()) };
     progress.finish();
+    if let Some(task) = metrics_task {
+        task.abort();
+    }
     if let Some(sim) = endpoint.sim {
         sim.shutdown().await;
     }

@@ -124,6 +124,9 @@ pub struct RunArgs {
     /// timeout, transport, malformed_response); those that succeed move to the output.
     #[arg(long, conflicts_with = "fresh")]
     retry_errors: bool,
+    /// Serve the run's counters in the Prometheus text format at http://ADDR/metrics.
+    #[arg(long, value_name = "ADDR")]
+    metrics_listen: Option<std::net::SocketAddr>,
     /// Scenario (TOML, as for `weir sim --config`) of the built-in simulator behind sim/ models.
     #[arg(long, value_name = "FILE")]
     sim_config: Option<PathBuf>,
@@ -239,6 +242,7 @@ impl RunArgs {
             },
             adaptive: self.concurrency == ConcurrencyMode::Adaptive,
             sre_k: self.sre_throttle,
+            metrics_listen: self.metrics_listen,
         })
     }
 }

@@ -394,3 +394,51 @@ async fn daily_quota_stops_the_run_and_the_next_day_resumes() {
     assert!(s.rate_limited <= 10, "{s:?}");
     server.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_are_served_in_the_prometheus_format_during_a_run() {
+    let mut config = SimConfig::default();
+    config.latency.fixed_ms = 100.0;
+    let server = sim(config).await;
+    let dir = Dir::new("metrics");
+    let (data, _) = prompts(300);
+    let input = dir.write("in.jsonl", &data);
+    let out = dir.path("out.jsonl");
+    let port = util::free_port().to_string();
+    let listen = format!("127.0.0.1:{port}");
+    let child = util::weir()
+        .args([
+            "run",
+            "--model",
+            "gemini/m",
+            "--base-url",
+            &server.url(),
+            "--input",
+            input.to_str().unwrap(),
+            "--output",
+            out.to_str().unwrap(),
+            "--max-concurrency",
+            "8",
+            "--metrics-listen",
+            &listen,
+        ])
+        .spawn()
+        .unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    let text = reqwest::get(format!("http://{listen}/metrics")).await.unwrap().text().await.unwrap();
+    for name in [
+        "weir_records_total{outcome=\"success\"}",
+        "weir_calls_total",
+        "weir_throttled_seconds_total",
+        "weir_rate_limited_total",
+        "weir_concurrency_limit",
+        "# TYPE weir_tokens_total counter",
+    ] {
+        assert!(text.contains(name), "{name} missing from:\n{text}");
+    }
+    let calls: f64 = text.lines().find(|l| l.starts_with("weir_calls_total ")).unwrap()[17..].trim().parse().unwrap();
+    assert!(calls > 0.0);
+    let o = child.wait_with_output().await.unwrap();
+    assert_eq!(o.status.code(), Some(0));
+    server.shutdown().await;
+}
