@@ -206,23 +206,24 @@ impl Progress {
         }
         let bar = match total {
             Some(t) => ProgressBar::with_draw_target(Some(t), ProgressDrawTarget::stderr()).with_style(
-                ProgressStyle::with_template(
-                    "{elapsed_precise} [{wide_bar}] {human_pos}/{human_len} {per_sec} ETA {eta} {msg}",
-                )
-                .unwrap_or_else(|_| ProgressStyle::default_bar())
-                .progress_chars("=> "),
+                ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {human_pos}/{human_len} ETA {eta} {msg}")
+                    .unwrap_or_else(|_| ProgressStyle::default_bar())
+                    .progress_chars("=> "),
             ),
             None => ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr()).with_style(
-                ProgressStyle::with_template("{elapsed_precise} {spinner} {human_pos} records {per_sec} {msg}")
+                ProgressStyle::with_template("{elapsed_precise} {spinner} {human_pos} records {msg}")
                     .unwrap_or_else(|_| ProgressStyle::default_spinner()),
             ),
         };
         let b = bar.clone();
         let ticker = tokio::spawn(async move {
+            let start = tokio::time::Instant::now();
             loop {
                 tokio::time::sleep(Duration::from_millis(250)).await;
+                let rate = metrics.done.load(Relaxed) as f64 / start.elapsed().as_secs_f64();
                 b.set_message(format!(
-                    "| {} errors | {} tok in, {} out",
+                    "| {}/s | {} errors | {} tok in, {} out",
+                    thousands(rate.round() as u64),
                     metrics.failed.load(Relaxed),
                     thousands(metrics.tokens_in.load(Relaxed)),
                     thousands(metrics.tokens_out.load(Relaxed)),
