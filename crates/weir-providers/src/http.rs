@@ -40,6 +40,16 @@ pub fn client() -> Result<reqwest::Client, ProviderError> {
         .map_err(|e| ProviderError::Config(format!("cannot build the HTTP client: {e}")))
 }
 
+/// True when the URL's host is a loopback address or `localhost`.
+pub fn is_loopback(url: &reqwest::Url) -> bool {
+    match url.host() {
+        Some(url::Host::Domain(d)) => d == "localhost",
+        Some(url::Host::Ipv4(ip)) => ip.is_loopback(),
+        Some(url::Host::Ipv6(ip)) => ip.is_loopback(),
+        None => false,
+    }
+}
+
 /// Checks a base URL: it must parse, and plain `http` is only allowed to loopback hosts, so
 /// prompts and keys never cross a network unencrypted.
 pub fn check_base_url(url: &str) -> Result<reqwest::Url, ProviderError> {
@@ -48,13 +58,7 @@ pub fn check_base_url(url: &str) -> Result<reqwest::Url, ProviderError> {
     match parsed.scheme() {
         "https" => {}
         "http" => {
-            let loopback = match parsed.host() {
-                Some(url::Host::Domain(d)) => d == "localhost",
-                Some(url::Host::Ipv4(ip)) => ip.is_loopback(),
-                Some(url::Host::Ipv6(ip)) => ip.is_loopback(),
-                None => false,
-            };
-            if !loopback {
+            if !is_loopback(&parsed) {
                 return Err(ProviderError::Config(format!(
                     "--base-url {url}: plain http is only allowed to loopback (127.0.0.1, ::1, localhost); use https"
                 )));

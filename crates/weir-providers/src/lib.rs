@@ -111,15 +111,6 @@ pub struct Endpoint {
     pub sim: Option<SimServer>,
 }
 
-fn loopback(url: &reqwest::Url) -> bool {
-    match url.host() {
-        Some(url::Host::Domain(d)) => d == "localhost",
-        Some(url::Host::Ipv4(ip)) => ip.is_loopback(),
-        Some(url::Host::Ipv6(ip)) => ip.is_loopback(),
-        None => false,
-    }
-}
-
 /// Sets up the client for `spec`. `env` reads environment variables (injected for tests).
 pub async fn connect(
     spec: &ModelSpec,
@@ -148,7 +139,7 @@ pub async fn connect(
             let base = options.base_url.clone().unwrap_or_else(|| "https://generativelanguage.googleapis.com".into());
             let base = http::check_base_url(&base)?;
             let key = nonempty("GEMINI_API_KEY").or_else(|| nonempty("GOOGLE_API_KEY")).map(Secret::new);
-            if key.is_none() && !loopback(&base) {
+            if key.is_none() && !http::is_loopback(&base) {
                 return Err(ProviderError::Config(
                     "gemini: set GEMINI_API_KEY (or GOOGLE_API_KEY) to your Gemini API key".into(),
                 ));
