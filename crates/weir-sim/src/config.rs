@@ -138,6 +138,42 @@ impl Default for FaultConfig {
     }
 }
 
+/// The kinds of injected fault, in the order of [`FaultConfig::rates`]; the names used in TOML,
+/// on the command line (`--fault KIND=RATE`), in `[sim:KIND]` directives and in `/stats`.
+pub const FAULT_KINDS: [&str; 8] =
+    ["error_500", "error_503", "reset", "hang", "malformed", "truncate", "block_prompt", "block_candidate"];
+
+impl FaultConfig {
+    /// The rate of each kind, in the order of [`FAULT_KINDS`].
+    pub fn rates(&self) -> [f64; 8] {
+        [
+            self.error_500,
+            self.error_503,
+            self.reset,
+            self.hang,
+            self.malformed,
+            self.truncate,
+            self.block_prompt,
+            self.block_candidate,
+        ]
+    }
+
+    /// The rate of the kind named `kind`, to set it; `None` for an unknown name.
+    pub fn rate_mut(&mut self, kind: &str) -> Option<&mut f64> {
+        Some(match kind {
+            "error_500" => &mut self.error_500,
+            "error_503" => &mut self.error_503,
+            "reset" => &mut self.reset,
+            "hang" => &mut self.hang,
+            "malformed" => &mut self.malformed,
+            "truncate" => &mut self.truncate,
+            "block_prompt" => &mut self.block_prompt,
+            "block_candidate" => &mut self.block_candidate,
+            _ => return None,
+        })
+    }
+}
+
 /// Length of generated answers, in tokens, before `max_tokens` caps it.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
@@ -194,22 +230,13 @@ impl SimConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
         let f = &self.faults;
-        let rates = [
-            ("error_500", f.error_500),
-            ("error_503", f.error_503),
-            ("reset", f.reset),
-            ("hang", f.hang),
-            ("malformed", f.malformed),
-            ("truncate", f.truncate),
-            ("block_prompt", f.block_prompt),
-            ("block_candidate", f.block_candidate),
-        ];
+        let rates = FAULT_KINDS.iter().zip(f.rates());
         for (name, rate) in rates {
             if !(0.0..=1.0).contains(&rate) {
                 return bad(format!("faults.{name} = {rate}: a rate must be between 0 and 1"));
             }
         }
-        let total: f64 = rates.iter().map(|(_, r)| r).sum();
+        let total: f64 = f.rates().iter().sum();
         if total > 1.0 + 1e-9 {
             return bad(format!("fault rates add up to {total}, more than 1"));
         }

@@ -69,11 +69,7 @@ impl SimServer {
         config.validate()?;
         let listener = TcpListener::bind(addr).await.map_err(|source| StartError::Bind { addr, source })?;
         let addr = listener.local_addr().map_err(|source| StartError::Bind { addr, source })?;
-        let f = &config.faults;
-        let any_fault =
-            [f.error_500, f.error_503, f.reset, f.hang, f.malformed, f.truncate, f.block_prompt, f.block_candidate]
-                .iter()
-                .any(|r| *r > 0.0);
+        let any_fault = config.faults.rates().iter().any(|r| *r > 0.0);
         let state = Arc::new(State {
             quotas: Mutex::new(Quotas::new(config.quota.clone())),
             config,
@@ -321,9 +317,7 @@ impl State {
         if !self.any_fault {
             return None;
         }
-        let f = &self.config.faults;
-        let rates =
-            [f.error_500, f.error_503, f.reset, f.hang, f.malformed, f.truncate, f.block_prompt, f.block_candidate];
+        let rates = self.config.faults.rates();
         let mut rng = SmallRng::seed_from_u64(self.config.seed ^ n.wrapping_mul(0x9e37_79b9_7f4a_7c15));
         let draw: f64 = rng.gen();
         let mut acc = 0.0;

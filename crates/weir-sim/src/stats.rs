@@ -8,9 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
 use tokio::time::Instant;
 
-/// Kinds of injected fault, in the order of `FaultConfig`.
-pub const FAULT_KINDS: [&str; 8] =
-    ["error_500", "error_503", "reset", "hang", "malformed", "truncate", "block_prompt", "block_candidate"];
+pub use crate::config::FAULT_KINDS;
 
 /// Live counters.
 #[derive(Debug)]

@@ -5,6 +5,7 @@ use clap::Args;
 use std::io::Write;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use weir_sim::config::FAULT_KINDS;
 use weir_sim::{OverloadMode, SimConfig, SimServer};
 
 use crate::UsageError;
@@ -115,22 +116,9 @@ impl SimArgs {
                 .split_once('=')
                 .ok_or_else(|| UsageError(format!("--fault {spec}: expected KIND=RATE, for example error_503=0.05")))?;
             let rate: f64 = rate.parse().map_err(|_| UsageError(format!("--fault {spec}: {rate} is not a number")))?;
-            let f = &mut c.faults;
-            let slot = match kind {
-                "error_500" => &mut f.error_500,
-                "error_503" => &mut f.error_503,
-                "reset" => &mut f.reset,
-                "hang" => &mut f.hang,
-                "malformed" => &mut f.malformed,
-                "truncate" => &mut f.truncate,
-                "block_prompt" => &mut f.block_prompt,
-                "block_candidate" => &mut f.block_candidate,
-                other => {
-                    return Err(UsageError(format!(
-                        "--fault {spec}: unknown kind '{other}'; kinds are error_500, error_503, reset, hang, malformed, truncate, block_prompt, block_candidate"
-                    )))
-                }
-            };
+            let slot = c.faults.rate_mut(kind).ok_or_else(|| {
+                UsageError(format!("--fault {spec}: unknown kind '{kind}'; kinds are {}", FAULT_KINDS.join(", ")))
+            })?;
             *slot = rate;
         }
         if !self.api_keys.is_empty() {
