@@ -247,8 +247,8 @@ impl Budget {
             }
             e.weight = weight;
             e.state = State::Ok;
-        } else if let Some(w) = self.overdue.remove(&id) {
-            let _ = w;
+        } else if self.overdue.remove(&id).is_some() {
+            // It outlived the window while pending: its credit comes back now, at its real weight.
             self.credits += weight;
         }
     }

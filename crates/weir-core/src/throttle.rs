@@ -106,7 +106,8 @@ impl RateLimiter {
                     Ok(()) => match s.1.try_take(id, weight, now) {
                         Ok(()) => return Ticket { id, tokens: weight, waited: start.elapsed() },
                         Err(wake) => {
-                            s.0.refused_locally(id);
+                            // The token budget said no: the send does not happen.
+                            s.0.forget(id);
                             wake
                         }
                     },
@@ -162,24 +163,17 @@ impl RateLimiter {
                         && (matches!(e.hint, RetryHint::Later(Some(_))) || e.quota.is_some()) =>
                 {
                     let delay = e.retry_after();
-                    let learn = self.settings.learn;
-                    match e.quota {
-                        Some(QuotaScope::Tokens) => {
-                            s.0.failed_refused_elsewhere(ticket.id);
-                            if learn || s.1.mode() != Mode::Unlimited {
-                                s.1.refused(ticket.id, now, delay);
-                            } else {
-                                s.1.failed(ticket.id);
-                            }
-                        }
-                        _ => {
-                            s.1.failed_refused_elsewhere(ticket.id);
-                            if learn || s.0.mode() != Mode::Unlimited {
-                                s.0.refused(ticket.id, now, delay);
-                            } else {
-                                s.0.failed(ticket.id);
-                            }
-                        }
+                    let (requests, tokens) = &mut *s;
+                    let (refusing, other) = match e.quota {
+                        Some(QuotaScope::Tokens) => (tokens, requests),
+                        _ => (requests, tokens),
+                    };
+                    // The other quota did not count the send either.
+                    other.forget(ticket.id);
+                    if self.settings.learn || refusing.mode() != Mode::Unlimited {
+                        refusing.refused(ticket.id, now, delay);
+                    } else {
+                        refusing.failed(ticket.id);
                     }
                 }
                 Err(_) => {
@@ -198,18 +192,6 @@ impl RateLimiter {
             b.effective_capacity().map(|c| (c, b.window().unwrap_or(self.settings.window), b.mode() == Mode::Learned))
         };
         RateSnapshot { requests: view(&s.0), tokens: view(&s.1) }
-    }
-}
-
-impl Budget {
-    /// Undoes a take that the other budget refused (the send never happened).
-    fn refused_locally(&mut self, id: u64) {
-        self.forget(id);
-    }
-
-    /// The send was refused by the *other* quota: the server did not count it here either.
-    fn failed_refused_elsewhere(&mut self, id: u64) {
-        self.forget(id);
     }
 }
 
