@@ -5,7 +5,7 @@ use weir_core::{
     ErrorKind, GenParams, ModelError, ModelHandler, ModelRequest, ModelResponse, QuotaScope, RetryHint, Usage,
 };
 
-use crate::http::{clip, post_json, proto_duration, status_error, Auth, Secret};
+use crate::http::{clip, post_json, proto_duration, put_sampling, status_error, Auth, SamplingNames, Secret};
 
 /// A client of one Gemini model.
 #[derive(Debug)]
@@ -56,41 +56,27 @@ impl GeminiHandler {
     }
 }
 
+/// Gemini's names for the sampling parameters.
+const NAMES: SamplingNames = SamplingNames {
+    temperature: "temperature",
+    top_p: "topP",
+    top_k: "topK",
+    max_output_tokens: "maxOutputTokens",
+    seed: "seed",
+    stop: "stopSequences",
+    presence_penalty: "presencePenalty",
+    frequency_penalty: "frequencyPenalty",
+};
+
 /// Maps provider-neutral parameters to Gemini's `generationConfig`.
 pub fn generation_config(p: &GenParams) -> Map<String, Value> {
     let mut c = Map::new();
-    let mut put = |k: &str, v: Value| {
-        c.insert(k.to_string(), v);
-    };
-    if let Some(t) = p.temperature {
-        put("temperature", json!(t));
-    }
-    if let Some(t) = p.top_p {
-        put("topP", json!(t));
-    }
-    if let Some(k) = p.top_k {
-        put("topK", json!(k));
-    }
-    if let Some(m) = p.max_output_tokens {
-        put("maxOutputTokens", json!(m));
-    }
-    if let Some(s) = p.seed {
-        put("seed", json!(s));
-    }
-    if !p.stop.is_empty() {
-        put("stopSequences", json!(p.stop));
-    }
-    if let Some(x) = p.presence_penalty {
-        put("presencePenalty", json!(x));
-    }
-    if let Some(x) = p.frequency_penalty {
-        put("frequencyPenalty", json!(x));
-    }
+    put_sampling(&mut c, p, &NAMES);
     if let Some(schema) = &p.response_schema {
-        put("responseMimeType", json!("application/json"));
-        put("responseJsonSchema", schema.clone());
+        c.insert("responseMimeType".into(), json!("application/json"));
+        c.insert("responseJsonSchema".into(), schema.clone());
     } else if let Some(m) = &p.response_mime_type {
-        put("responseMimeType", json!(m));
+        c.insert("responseMimeType".into(), json!(m));
     }
     c
 }
@@ -220,6 +206,26 @@ mod tests {
     use super::*;
     use reqwest::header::HeaderMap;
     use std::time::Duration;
+
+    #[test]
+    fn parameters_take_gemini_names() {
+        let p = GenParams::from_specs([
+            "temperature=0.5",
+            "max_tokens=7",
+            "stop=END",
+            "top_p=0.9",
+            "response_schema={\"type\":\"object\"}",
+        ])
+        .unwrap();
+        let c = generation_config(&p);
+        assert_eq!(c["temperature"], 0.5);
+        assert_eq!(c["maxOutputTokens"], 7);
+        assert_eq!(c["stopSequences"], serde_json::json!(["END"]));
+        assert_eq!(c["topP"], 0.9);
+        assert_eq!(c["responseMimeType"], "application/json");
+        assert_eq!(c["responseJsonSchema"]["type"], "object");
+        assert_eq!(c.len(), 6);
+    }
 
     #[test]
     fn blocks_are_blocked_errors() {

@@ -40,6 +40,65 @@ pub fn client() -> Result<reqwest::Client, ProviderError> {
         .map_err(|e| ProviderError::Config(format!("cannot build the HTTP client: {e}")))
 }
 
+/// A provider's names for the sampling parameters, which every provider takes with the same
+/// meaning and only names differently.
+#[derive(Debug, Clone, Copy)]
+pub struct SamplingNames {
+    /// Sampling temperature.
+    pub temperature: &'static str,
+    /// Nucleus sampling mass.
+    pub top_p: &'static str,
+    /// Top-k sampling.
+    pub top_k: &'static str,
+    /// Most output tokens.
+    pub max_output_tokens: &'static str,
+    /// Sampling seed.
+    pub seed: &'static str,
+    /// Stop sequences.
+    pub stop: &'static str,
+    /// Presence penalty.
+    pub presence_penalty: &'static str,
+    /// Frequency penalty.
+    pub frequency_penalty: &'static str,
+}
+
+/// Puts the sampling parameters that are set into `out`, under the provider's `names`. (The
+/// answer's format is shaped differently by each provider and is mapped by each.)
+pub fn put_sampling(
+    out: &mut serde_json::Map<String, serde_json::Value>,
+    p: &weir_core::GenParams,
+    names: &SamplingNames,
+) {
+    use serde_json::json;
+    let mut put = |k: &str, v: serde_json::Value| {
+        out.insert(k.to_string(), v);
+    };
+    if let Some(t) = p.temperature {
+        put(names.temperature, json!(t));
+    }
+    if let Some(t) = p.top_p {
+        put(names.top_p, json!(t));
+    }
+    if let Some(k) = p.top_k {
+        put(names.top_k, json!(k));
+    }
+    if let Some(m) = p.max_output_tokens {
+        put(names.max_output_tokens, json!(m));
+    }
+    if let Some(s) = p.seed {
+        put(names.seed, json!(s));
+    }
+    if !p.stop.is_empty() {
+        put(names.stop, json!(p.stop));
+    }
+    if let Some(x) = p.presence_penalty {
+        put(names.presence_penalty, json!(x));
+    }
+    if let Some(x) = p.frequency_penalty {
+        put(names.frequency_penalty, json!(x));
+    }
+}
+
 /// True when the URL's host is a loopback address or `localhost`.
 pub fn is_loopback(url: &reqwest::Url) -> bool {
     match url.host() {

@@ -7,7 +7,7 @@ use weir_core::{
     Usage,
 };
 
-use crate::http::{clip, post_json, status_error, Auth, Secret};
+use crate::http::{clip, post_json, put_sampling, status_error, Auth, SamplingNames, Secret};
 
 /// A client of one OpenAI-compatible endpoint and model.
 #[derive(Debug)]
@@ -41,42 +41,28 @@ impl OpenAiHandler {
     }
 }
 
+/// OpenAI's names for the sampling parameters (vLLM and llama.cpp also take `top_k`).
+const NAMES: SamplingNames = SamplingNames {
+    temperature: "temperature",
+    top_p: "top_p",
+    top_k: "top_k",
+    max_output_tokens: "max_tokens",
+    seed: "seed",
+    stop: "stop",
+    presence_penalty: "presence_penalty",
+    frequency_penalty: "frequency_penalty",
+};
+
 /// Maps provider-neutral parameters to OpenAI's names.
 pub fn apply_params(body: &mut Map<String, Value>, p: &GenParams) {
-    let mut put = |k: &str, v: Value| {
-        body.insert(k.to_string(), v);
-    };
-    if let Some(t) = p.temperature {
-        put("temperature", json!(t));
-    }
-    if let Some(t) = p.top_p {
-        put("top_p", json!(t));
-    }
-    if let Some(k) = p.top_k {
-        put("top_k", json!(k));
-    }
-    if let Some(m) = p.max_output_tokens {
-        put("max_tokens", json!(m));
-    }
-    if let Some(s) = p.seed {
-        put("seed", json!(s));
-    }
-    if !p.stop.is_empty() {
-        put("stop", json!(p.stop));
-    }
-    if let Some(x) = p.presence_penalty {
-        put("presence_penalty", json!(x));
-    }
-    if let Some(x) = p.frequency_penalty {
-        put("frequency_penalty", json!(x));
-    }
+    put_sampling(body, p, &NAMES);
     if let Some(schema) = &p.response_schema {
-        put(
-            "response_format",
+        body.insert(
+            "response_format".into(),
             json!({"type": "json_schema", "json_schema": {"name": "response", "schema": schema, "strict": true}}),
         );
     } else if p.response_mime_type.as_deref() == Some("application/json") {
-        put("response_format", json!({"type": "json_object"}));
+        body.insert("response_format".into(), json!({"type": "json_object"}));
     }
 }
 
@@ -223,6 +209,26 @@ mod tests {
         assert_eq!(parse_response(filtered).unwrap_err().kind, ErrorKind::Blocked);
         assert_eq!(parse_response(b"{\"choices\": [").unwrap_err().kind, ErrorKind::MalformedResponse);
         assert_eq!(parse_response(b"{}").unwrap_err().kind, ErrorKind::MalformedResponse);
+    }
+
+    #[test]
+    fn parameters_take_openai_names() {
+        let p = GenParams::from_specs([
+            "temperature=0.5",
+            "max_tokens=7",
+            "stop=END",
+            "top_k=3",
+            "response_mime_type=application/json",
+        ])
+        .unwrap();
+        let mut body = Map::new();
+        apply_params(&mut body, &p);
+        assert_eq!(body["temperature"], 0.5);
+        assert_eq!(body["max_tokens"], 7);
+        assert_eq!(body["stop"], serde_json::json!(["END"]));
+        assert_eq!(body["top_k"], 3);
+        assert_eq!(body["response_format"]["type"], "json_object");
+        assert_eq!(body.len(), 5);
     }
 
     #[test]
