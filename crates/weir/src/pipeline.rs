@@ -130,16 +130,22 @@ pub async fn run(
     interrupts: watch::Receiver<u32>,
 ) -> Result<RunReport, RunError> {
     // Everything that can be wrong with the command is checked before any file is written.
-    let total = match &settings.input {
-        InputPath::File(p) => Some(
-            weir_io::count_records(p)
-                .map_err(|e| RunError::Usage(format!("cannot read --input {}: {e}", p.display())))?,
-        ),
-        InputPath::Stdin => None,
+    let input_name = match &settings.input {
+        InputPath::File(p) => p.display().to_string(),
+        InputPath::Stdin => "-".to_string(),
     };
     let reader = weir_io::source::open(&settings.input)
         .await
-        .map_err(|e| RunError::Usage(format!("cannot open --input: {e}")))?;
+        .map_err(|e| RunError::Usage(format!("cannot read --input {input_name}: {e}")))?;
+    // The number of records is an extra pass over the input: made only when something shows it
+    // (the progress bar, the resume message).
+    let count = || match &settings.input {
+        InputPath::File(p) => weir_io::count_records(p)
+            .map(Some)
+            .map_err(|e| RunError::Usage(format!("cannot read --input {}: {e}", p.display()))),
+        InputPath::Stdin => Ok(None),
+    };
+    let mut total = if settings.progress { count()? } else { None };
     let endpoint = weir_providers::connect(&settings.model, &settings.provider, env).await?;
     let model_id = endpoint.handler.model_id().to_string();
 
@@ -158,6 +164,9 @@ pub async fn run(
             if resuming {
                 recovered = state::recover(out, errs, settings.retry_errors)
                     .map_err(|e| RunError::Fatal(format!("recovering the earlier run's outputs: {e}")))?;
+                if total.is_none() {
+                    total = count()?;
+                }
                 let of = total.map(|t| format!(" of {}", crate::report::thousands(t))).unwrap_or_default();
                 eprintln!(
                     "Resuming: {}{of} finished ({} results, {} errors){}{}",
