@@ -7,14 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 N=${1:-100000}
 ROUNDS=${2:-5}
-cargo build --release -q -p weir
-BIN=$(realpath "${CARGO_TARGET_DIR:-target}/release/weir")
-WORK=$(mktemp -d)
-PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-"$BIN" sim --listen 127.0.0.1:$PORT >/dev/null &
-SIM=$!
-trap 'kill $SIM 2>/dev/null; rm -rf "$WORK"' EXIT
-sleep 0.5
+source bench/common.sh
 python3 - "$N" "$WORK/in.jsonl" <<'PY'
 import json, sys
 n, path = int(sys.argv[1]), sys.argv[2]

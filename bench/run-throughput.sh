@@ -10,14 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 SIZES=${*:-100000 1000000}
 REPEAT=${REPEAT:-3}
-cargo build --release -q -p weir
-BIN=$(realpath "${CARGO_TARGET_DIR:-target}/release/weir")
-WORK=$(mktemp -d)
-PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-"$BIN" sim --listen 127.0.0.1:$PORT >/dev/null &
-SIM=$!
-trap 'kill $SIM 2>/dev/null; rm -rf "$WORK"' EXIT
-sleep 0.5
+source bench/common.sh
 printf "%-10s %-15s %9s %10s %13s\n" records mode "median s" "records/s" "peak RSS MiB"
 for n in $SIZES; do
   python3 - "$n" "$WORK/in-$n.jsonl" <<'PY'

@@ -7,14 +7,8 @@ cd "$(dirname "$0")/.."
 DURATION=${1:-10}
 CONNS=${2:-64}
 command -v wrk >/dev/null || { echo "needs wrk: apt-get install wrk" >&2; exit 2; }
-cargo build --release -q -p weir
-BIN=${CARGO_TARGET_DIR:-target}/release/weir
-PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-"$BIN" sim --listen 127.0.0.1:$PORT >/dev/null &
-SIM=$!
-trap 'kill $SIM 2>/dev/null' EXIT
-sleep 0.5
-LUA=$(mktemp --suffix=.lua)
+source bench/common.sh
+LUA="$WORK/post.lua"
 for route in openai gemini; do
   if [ $route = openai ]; then
     path=/v1/chat/completions
@@ -35,4 +29,3 @@ LUA
 done
 echo "== server-side count"
 curl -s "http://127.0.0.1:$PORT/stats" | python3 -c 'import json,sys; s=json.load(sys.stdin); print("requests", s["requests"], "successes", s["successes"])'
-rm -f "$LUA"
