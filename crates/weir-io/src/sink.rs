@@ -47,6 +47,7 @@ pub struct JsonlWriter {
     out: BufWriter<Box<dyn Write + Send>>,
     file: Option<std::fs::File>,
     rows: u64,
+    flush_each_row: bool,
 }
 
 impl JsonlWriter {
@@ -75,7 +76,7 @@ impl JsonlWriter {
                 (Box::new(f.try_clone()?), Some(f))
             }
         };
-        Ok(Self { out: BufWriter::with_capacity(256 * 1024, out), file, rows: 0 })
+        Ok(Self { out: BufWriter::with_capacity(256 * 1024, out), file, rows: 0, flush_each_row: false })
     }
 
     /// Flushes and asks the kernel to put the rows on disk (`fdatasync`).
@@ -87,11 +88,22 @@ impl JsonlWriter {
         Ok(())
     }
 
+    /// Hands each row to the kernel with its own `write` as soon as it is written, so that a
+    /// killed process loses no row it wrote (what the resume journal relies on); otherwise rows
+    /// go out in large buffered blocks.
+    pub fn flushing_each_row(mut self, yes: bool) -> Self {
+        self.flush_each_row = yes;
+        self
+    }
+
     /// Writes one row and its newline.
     pub fn write<T: Serialize>(&mut self, row: &T) -> io::Result<()> {
         serde_json::to_writer(&mut self.out, row).map_err(io::Error::other)?;
         self.out.write_all(b"\n")?;
         self.rows += 1;
+        if self.flush_each_row {
+            self.out.flush()?;
+        }
         Ok(())
     }
 

@@ -201,7 +201,8 @@ pub async fn run(
     };
     let open = |p: &OutputPath| {
         let w = if resuming { JsonlWriter::append(p) } else { JsonlWriter::create(p) };
-        w.map_err(|e| RunError::Usage(format!("cannot create {}: {e}", p.display())))
+        w.map(|w| w.flushing_each_row(journal))
+            .map_err(|e| RunError::Usage(format!("cannot create {}: {e}", p.display())))
     };
     let mut results = open(&settings.output)?;
     let mut errors = open(&settings.errors)?;
@@ -321,20 +322,14 @@ pub async fn run(
             }
         };
         let written = match outcome {
-            Ok(Outcome::Success(s)) => {
-                results
-                    .write(&ResultRow::of(&s, &model_id))
-                    .and_then(|_| if journal { results.flush() } else { Ok(()) })
-            }
+            Ok(Outcome::Success(s)) => results.write(&ResultRow::of(&s, &model_id)),
             // With a journal, a record the run never tried is simply not finished: the next run
             // does it. Without one, it gets an error row so that nothing is silently dropped.
             Ok(Outcome::Failure(f)) if journal && f.error.kind == ErrorKind::Aborted => {
                 not_written += 1;
                 Ok(())
             }
-            Ok(Outcome::Failure(f)) => {
-                errors.write(&ErrorRow::of(&f)).and_then(|_| if journal { errors.flush() } else { Ok(()) })
-            }
+            Ok(Outcome::Failure(f)) => errors.write(&ErrorRow::of(&f)),
             Err(e) => {
                 fatal = Some(format!("reading the input failed: {e}"));
                 break;
