@@ -207,6 +207,11 @@ impl Driver {
                 return Outcome::Success(Box::new(Success { record, response, attempts: 0, latency: start.elapsed() }));
             }
         }
+        let prompt_chars = if self.rate.is_some() {
+            request.prompt.chars().count() + request.system.as_deref().map_or(0, |s| s.chars().count())
+        } else {
+            0
+        };
         let mut attempts = 0u32;
         loop {
             if self.is_stopped() {
@@ -237,9 +242,7 @@ impl Driver {
             }
             let ticket = match &self.rate {
                 Some(rate) => {
-                    let chars =
-                        request.prompt.chars().count() + request.system.as_deref().map_or(0, |s| s.chars().count());
-                    let estimate = rate.estimate(chars, request.params.max_output_tokens);
+                    let estimate = rate.estimate(prompt_chars, request.params.max_output_tokens);
                     let ticket = tokio::select! {
                         t = rate.acquire(estimate) => t,
                         _ = self.wake.notified() => continue,
