@@ -199,7 +199,7 @@ impl Driver {
         };
         let mut rng = SmallRng::seed_from_u64(self.seed.fetch_add(1, Relaxed));
         let start = Instant::now();
-        let key = self.cache.as_ref().map(|c| (c, cache_key(&self.model_id, &request)));
+        let key = self.cache.as_ref().map(|c| (c, cache_key(&self.model_id, &request, &record.id)));
         if let Some((cache, key)) = &key {
             if let Some(response) = cache.get(key) {
                 self.metrics.cache_hits.fetch_add(1, Relaxed);
@@ -343,6 +343,7 @@ mod tests {
     use super::*;
     use crate::limit::FixedLimit;
     use crate::outcome::{ModelResponse, Usage};
+    use crate::record::RecordId;
     use std::collections::VecDeque;
 
     /// A handler that replays a script of results, one per call, and counts calls.
@@ -372,7 +373,7 @@ mod tests {
     }
 
     fn record(id: &str) -> Record {
-        Record { id: id.into(), line: 1, prompt: "p".into(), input: Default::default() }
+        Record { id: RecordId::from(id), line: 1, prompt: "p".into(), input: Default::default() }
     }
 
     fn driver(script: Vec<Result<Duration, ModelError>>, settings: DriverSettings) -> (Driver, Arc<Scripted>) {

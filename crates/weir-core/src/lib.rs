@@ -19,7 +19,7 @@ pub mod record;
 pub mod retry;
 pub mod throttle;
 
-pub use cache::{cache_key, CacheKey, ResponseCache};
+pub use cache::{cache_key, is_deterministic, CacheKey, ResponseCache};
 pub use driver::{Driver, DriverSettings, StopReason};
 pub use error::{ErrorKind, ModelError, QuotaScope, RetryHint};
 pub use handler::{ModelHandler, ModelRequest};
@@ -27,6 +27,6 @@ pub use limit::{Adaptive, AdaptiveLimit, CallResult, ConcurrencyLimit, FixedLimi
 pub use metrics::RunMetrics;
 pub use outcome::{Failure, LimitInfo, ModelResponse, Outcome, Success, Usage};
 pub use params::{GenParams, ParamError};
-pub use record::{PromptSource, Record, RecordSpec, Template, TemplateError};
+pub use record::{PromptSource, Record, RecordId, RecordSpec, Template, TemplateError};
 pub use retry::{Decision, RetryPolicy};
 pub use throttle::{RateLimiter, RateSettings, RateSnapshot, SreThrottler, Ticket};

@@ -5,7 +5,7 @@ use serde_json::{Map, Value};
 use std::time::Duration;
 
 use crate::error::ModelError;
-use crate::record::Record;
+use crate::record::{Record, RecordId};
 
 /// Token usage as the provider reported it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -65,7 +65,7 @@ pub struct Success {
 #[derive(Debug, Clone)]
 pub struct Failure {
     /// The record's id, when it could be read.
-    pub id: Option<String>,
+    pub id: Option<RecordId>,
     /// 1-based input line.
     pub line: u64,
     /// The input object, when the line parsed.

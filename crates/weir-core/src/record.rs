@@ -5,11 +5,78 @@ use serde_json::{Map, Value};
 use crate::error::{ErrorKind, ModelError};
 use crate::outcome::Failure;
 
+/// A record's id, kept exactly as the input wrote it.
+///
+/// Ids of different JSON types are different ids: `7` and `"7"` are two records, and a number
+/// keeps its digits as written (`12345678901234567890123` is not rounded to a float), so two
+/// distinct large ids can never collide.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum RecordId {
+    /// A string id, or the line number when no id field is given.
+    Text(String),
+    /// A JSON number, as written.
+    Number(String),
+}
+
+impl RecordId {
+    /// The id from a row's JSON value: a non-empty string or a number.
+    pub fn from_value(v: &Value) -> Option<Self> {
+        match v {
+            Value::String(s) if !s.is_empty() => Some(Self::Text(s.clone())),
+            Value::Number(n) => Some(Self::Number(n.to_string())),
+            _ => None,
+        }
+    }
+
+    /// The id as text (a number's digits as written).
+    pub fn as_str(&self) -> &str {
+        match self {
+            Self::Text(s) | Self::Number(s) => s,
+        }
+    }
+
+    /// Bytes that identify the id and its type, for exact keys.
+    pub fn key_bytes(&self) -> Vec<u8> {
+        let (tag, s) = match self {
+            Self::Text(s) => (b's', s),
+            Self::Number(s) => (b'n', s),
+        };
+        let mut v = Vec::with_capacity(s.len() + 1);
+        v.push(tag);
+        v.extend_from_slice(s.as_bytes());
+        v
+    }
+}
+
+impl std::fmt::Display for RecordId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl From<&str> for RecordId {
+    fn from(s: &str) -> Self {
+        Self::Text(s.to_string())
+    }
+}
+
+impl serde::Serialize for RecordId {
+    fn serialize<S: serde::Serializer>(&self, ser: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Self::Text(s) => ser.serialize_str(s),
+            Self::Number(s) => match s.parse::<serde_json::Number>() {
+                Ok(n) => n.serialize(ser),
+                Err(_) => ser.serialize_str(s),
+            },
+        }
+    }
+}
+
 /// One input row that parsed: its id, the prompt built from it, and its fields for passthrough.
 #[derive(Debug, Clone)]
 pub struct Record {
     /// Stable id: the `--id-field` value, else the line number.
-    pub id: String,
+    pub id: RecordId,
     /// 1-based line number in the input.
     pub line: u64,
     /// The prompt text.
@@ -133,7 +200,7 @@ pub struct RecordSpec {
 
 fn invalid(
     line: u64,
-    id: Option<String>,
+    id: Option<RecordId>,
     input: Option<Map<String, Value>>,
     raw: Option<String>,
     msg: String,
@@ -169,11 +236,10 @@ impl RecordSpec {
             return Err(invalid(line, None, None, Some(text.to_string()), format!("line {line} is not a JSON object")));
         };
         let id = match &self.id_field {
-            None => line.to_string(),
-            Some(f) => match input.get(f) {
-                Some(Value::String(s)) if !s.is_empty() => s.clone(),
-                Some(v @ Value::Number(_)) => v.to_string(),
-                _ => {
+            None => RecordId::Text(line.to_string()),
+            Some(f) => match input.get(f).and_then(RecordId::from_value) {
+                Some(id) => id,
+                None => {
                     return Err(invalid(
                         line,
                         None,
@@ -230,9 +296,15 @@ mod tests {
     fn rows_become_records() {
         let r = spec(None).parse(3, br#"{"prompt":"hi","x":1}"#).unwrap();
         assert_eq!((r.id.as_str(), r.line, r.prompt.as_str()), ("3", 3, "hi"));
+        assert_eq!(r.id, RecordId::Text("3".into()));
         assert_eq!(r.input["x"], 1);
         let r = spec(Some("key")).parse(1, br#"{"prompt":"hi","key":42}"#).unwrap();
-        assert_eq!(r.id, "42");
+        assert_eq!(r.id, RecordId::Number("42".into()));
+        let big = spec(Some("key")).parse(1, br#"{"prompt":"hi","key":12345678901234567890123}"#).unwrap();
+        assert_eq!(serde_json::to_string(&big.id).unwrap(), "12345678901234567890123");
+        let text = spec(Some("key")).parse(1, br#"{"prompt":"hi","key":"42"}"#).unwrap();
+        assert_ne!(text.id, r.id, "42 and \"42\" are different ids");
+        assert_ne!(text.id.key_bytes(), r.id.key_bytes());
     }
 
     #[test]

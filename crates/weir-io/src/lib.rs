@@ -3,6 +3,7 @@
 #![warn(missing_docs)]
 
 pub mod cache;
+pub mod paths;
 pub mod sink;
 pub mod source;
 pub mod state;

@@ -12,7 +12,7 @@ use serde::Serialize;
 use serde_json::{Map, Value};
 use std::io::{self, BufWriter, Write};
 use std::path::{Path, PathBuf};
-use weir_core::{ErrorKind, Failure, Success, Usage};
+use weir_core::{ErrorKind, Failure, RecordId, Success, Usage};
 
 /// Where rows go.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -50,33 +50,38 @@ pub struct JsonlWriter {
     flush_each_row: bool,
 }
 
+/// Opens an output file for one run and locks it: created if missing, never truncated here,
+/// opened for appending, and held with an advisory lock on the file itself, so two weir
+/// processes can never write one file, whatever state directories they use. The lock goes
+/// with the returned handle.
+pub fn claim(path: &Path) -> io::Result<std::fs::File> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)?;
+    }
+    let f = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
+    match f.try_lock() {
+        Ok(()) => Ok(f),
+        Err(std::fs::TryLockError::WouldBlock) => Err(io::Error::new(
+            io::ErrorKind::WouldBlock,
+            "another weir run is writing this file; wait for it to finish or choose another path",
+        )),
+        Err(std::fs::TryLockError::Error(e)) => Err(e),
+    }
+}
+
 impl JsonlWriter {
-    /// Creates (or truncates) the output.
-    pub fn create(path: &OutputPath) -> io::Result<Self> {
-        Self::open(path, false)
+    /// Writes to standard output.
+    pub fn stdout() -> Self {
+        Self::new(Box::new(io::stdout()), None)
     }
 
-    /// Opens the output for appending (creating it if needed), to resume a run.
-    pub fn append(path: &OutputPath) -> io::Result<Self> {
-        Self::open(path, true)
+    /// Writes to a file opened by [`claim`] (rows go after what it holds).
+    pub fn to_file(file: std::fs::File) -> io::Result<Self> {
+        Ok(Self::new(Box::new(file.try_clone()?), Some(file)))
     }
 
-    fn open(path: &OutputPath, append: bool) -> io::Result<Self> {
-        let (out, file): (Box<dyn Write + Send>, _) = match path {
-            OutputPath::Stdout => (Box::new(io::stdout()), None),
-            OutputPath::File(p) => {
-                if let Some(dir) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
-                    std::fs::create_dir_all(dir)?;
-                }
-                let f = if append {
-                    std::fs::OpenOptions::new().create(true).append(true).open(p)?
-                } else {
-                    std::fs::File::create(p)?
-                };
-                (Box::new(f.try_clone()?), Some(f))
-            }
-        };
-        Ok(Self { out: BufWriter::with_capacity(256 * 1024, out), file, rows: 0, flush_each_row: false })
+    fn new(out: Box<dyn Write + Send>, file: Option<std::fs::File>) -> Self {
+        Self { out: BufWriter::with_capacity(256 * 1024, out), file, rows: 0, flush_each_row: false }
     }
 
     /// Flushes and asks the kernel to put the rows on disk (`fdatasync`).
@@ -118,7 +123,8 @@ impl JsonlWriter {
     }
 }
 
-/// The default errors file beside an output file: `out.jsonl` → `out.errors.jsonl`.
+/// The default errors file beside an output file: `out.jsonl` → `out.errors.jsonl`; with
+/// `--output -`, `weir.errors.jsonl` in the working directory.
 pub fn default_errors_path(output: &OutputPath) -> OutputPath {
     match output {
         OutputPath::Stdout => OutputPath::File(PathBuf::from("weir.errors.jsonl")),
@@ -133,8 +139,8 @@ pub fn default_errors_path(output: &OutputPath) -> OutputPath {
 /// A result row, borrowed from a success.
 #[derive(Debug, Serialize)]
 pub struct ResultRow<'a> {
-    /// The record's id.
-    pub id: &'a str,
+    /// The record's id, as the input wrote it.
+    pub id: &'a RecordId,
     /// 1-based input line.
     pub line: u64,
     /// The input object, untouched.
@@ -178,7 +184,7 @@ impl<'a> ResultRow<'a> {
 #[derive(Debug, Serialize)]
 pub struct ErrorRow<'a> {
     /// The record's id, when it could be read.
-    pub id: Option<&'a str>,
+    pub id: Option<&'a RecordId>,
     /// 1-based input line.
     pub line: u64,
     /// What went wrong.
@@ -203,7 +209,7 @@ impl<'a> ErrorRow<'a> {
     /// The row of a failure.
     pub fn of(f: &'a Failure) -> Self {
         Self {
-            id: f.id.as_deref(),
+            id: f.id.as_ref(),
             line: f.line,
             kind: f.error.kind,
             message: &f.error.message,

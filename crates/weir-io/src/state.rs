@@ -41,9 +41,9 @@ use serde_json::Value;
 use sha2::{Digest, Sha256};
 use std::collections::HashSet;
 use std::fs::{File, OpenOptions};
-use std::hash::{Hash, Hasher};
 use std::io::{self, BufRead, BufReader, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
+use weir_core::RecordId;
 
 /// What determines a run's results; stored as `run.json` in the state directory.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -88,26 +88,44 @@ impl RunIdentity {
     }
 }
 
-/// Describes an input file cheaply but tightly: path, size, and a hash of its first and last
-/// 64 KiB (hashing all of a large input would delay every start).
+/// Inputs up to this size are hashed whole; larger ones by their first and last 64 KiB.
+pub const HASH_WHOLE_UP_TO: u64 = 128 * 1024 * 1024;
+
+/// Describes an input file tightly: its canonical path, size, and a hash of all of it when it
+/// is at most [`HASH_WHOLE_UP_TO`] bytes (a fraction of a second), else of its first and last
+/// 64 KiB (hashing all of a very large input would delay every start; a same-size edit in its
+/// middle then goes unnoticed, as the README says).
 pub fn input_identity(path: &Path) -> io::Result<String> {
     const SPAN: u64 = 64 * 1024;
     let mut f = File::open(path)?;
     let size = f.metadata()?.len();
     let mut h = Sha256::new();
-    let mut buf = vec![0u8; SPAN as usize];
-    let n = f.read(&mut buf)?;
-    h.update(&buf[..n]);
-    if size > SPAN {
-        f.seek(SeekFrom::Start(size.saturating_sub(SPAN).max(SPAN)))?;
-        let mut tail = Vec::new();
-        f.take(SPAN).read_to_end(&mut tail)?;
-        h.update(&tail);
+    if size <= HASH_WHOLE_UP_TO {
+        io::copy(&mut f, &mut HashWriter(&mut h))?;
+    } else {
+        let mut buf = vec![0u8; SPAN as usize];
+        f.read_exact(&mut buf)?;
+        h.update(&buf);
+        f.seek(SeekFrom::Start(size - SPAN))?;
+        f.read_exact(&mut buf)?;
+        h.update(&buf);
     }
     let abs = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
     let digest: [u8; 32] = h.finalize().into();
     let hex: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
     Ok(format!("{} ({size} bytes, {hex})", abs.display()))
+}
+
+struct HashWriter<'a>(&'a mut Sha256);
+
+impl Write for HashWriter<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.0.update(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
 }
 
 /// Why the state directory cannot be used.
@@ -148,31 +166,53 @@ fn io_err(path: &Path) -> impl FnOnce(io::Error) -> StateError + '_ {
 pub struct StateDir {
     /// The directory.
     pub dir: PathBuf,
+    meta: PathBuf,
     _lock: File,
 }
 
-/// The key under which a finished record is remembered: its id (if known) and its line.
-pub fn finished_key(id: Option<&str>, line: u64) -> u64 {
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    id.hash(&mut h);
-    line.hash(&mut h);
-    h.finish()
+impl StateDir {
+    /// Records `identity` as this output's run. Called once the run is sure to start (after
+    /// every check), so a refused command leaves no state that a later run would resume.
+    pub fn record(&self, identity: &RunIdentity) -> Result<(), StateError> {
+        let bytes = serde_json::to_vec_pretty(identity)
+            .map_err(|e| StateError::Io { path: self.meta.display().to_string(), source: io::Error::other(e) })?;
+        write_atomic(&self.meta, &bytes).map_err(io_err(&self.meta))
+    }
+}
+
+/// An exact key: 128 bits of SHA-256. Unlike a 64-bit hash, no two ids of a realistic dataset
+/// share one (a collision would silently skip a record).
+pub type Key = u128;
+
+fn digest(parts: &[&[u8]]) -> Key {
+    let mut h = Sha256::new();
+    for p in parts {
+        h.update((p.len() as u64).to_le_bytes());
+        h.update(p);
+    }
+    let d: [u8; 32] = h.finalize().into();
+    u128::from_le_bytes(d[..16].try_into().expect("16 bytes"))
+}
+
+/// The key under which a finished record is remembered: its id (if known, with its JSON type)
+/// and its line.
+pub fn finished_key(id: Option<&RecordId>, line: u64) -> Key {
+    let id = id.map(RecordId::key_bytes).unwrap_or_default();
+    digest(&[&id, &line.to_le_bytes()])
 }
 
 /// The key of an id alone, for the duplicate check.
-pub fn id_key(id: &str) -> u64 {
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    id.hash(&mut h);
-    h.finish()
+pub fn id_key(id: &RecordId) -> Key {
+    digest(&[&id.key_bytes()])
 }
 
 /// What an earlier run left.
 #[derive(Debug, Default)]
 pub struct Recovered {
     /// Finished records, by [`finished_key`].
-    pub finished: HashSet<u64>,
+    pub finished: HashSet<Key>,
     /// Ids of finished records, by [`id_key`] (for the duplicate check).
-    pub ids: HashSet<u64>,
+    pub ids: HashSet<Key>,
     /// Result rows kept.
     pub results: u64,
     /// Error rows kept.
@@ -190,8 +230,9 @@ impl Recovered {
     }
 }
 
-/// Opens (creating) the state directory for `output_name`, checks the stored identity against
-/// `identity`, and locks it. With `fresh`, a stored identity is replaced.
+/// Opens (creating) the state directory for `output_name`, locks it, and checks the stored
+/// identity against `identity`; returns whether an earlier run of this command is resumed. With
+/// `fresh`, a stored identity is ignored. Nothing is recorded until [`StateDir::record`].
 pub fn open(
     dir: &Path,
     output_name: &str,
@@ -241,12 +282,7 @@ pub fn open(
             Err(e) => return Err(StateError::Io { path: meta.display().to_string(), source: e }),
         }
     }
-    if !resuming {
-        let bytes = serde_json::to_vec_pretty(identity)
-            .map_err(|e| StateError::Io { path: meta.display().to_string(), source: io::Error::other(e) })?;
-        write_atomic(&meta, &bytes).map_err(io_err(&meta))?;
-    }
-    Ok((StateDir { dir: dir.to_path_buf(), _lock: lock }, resuming))
+    Ok((StateDir { dir: dir.to_path_buf(), meta, _lock: lock }, resuming))
 }
 
 /// Writes a file so that a crash leaves the old content or the new, never a mix.
@@ -267,20 +303,20 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
 }
 
 /// Parses a row enough to know whose it is: `(id, line, kind)`.
-fn row_identity(line: &[u8]) -> Option<(Option<String>, u64, Option<String>)> {
+fn row_identity(line: &[u8]) -> Option<(Option<RecordId>, u64, Option<String>)> {
     #[derive(Deserialize)]
     struct Row {
-        id: Option<String>,
+        id: Option<Value>,
         line: u64,
         kind: Option<String>,
     }
     let r: Row = serde_json::from_slice(line).ok()?;
-    Some((r.id, r.line, r.kind))
+    Some((r.id.as_ref().and_then(RecordId::from_value), r.line, r.kind))
 }
 
 /// Scans a JSONL file of rows: calls `keep` for each complete, parseable row, cuts a torn tail.
 /// Returns the bytes cut.
-fn scan(path: &Path, mut keep: impl FnMut(&[u8], Option<String>, u64, Option<String>)) -> io::Result<u64> {
+fn scan(path: &Path, mut keep: impl FnMut(&[u8], Option<RecordId>, u64, Option<String>)) -> io::Result<u64> {
     let file = match File::open(path) {
         Ok(f) => f,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(0),
@@ -322,7 +358,7 @@ pub fn recover(results: &Path, errors: &Path, retry_errors: bool) -> io::Result<
         if let Some(id) = &id {
             r.ids.insert(id_key(id));
         }
-        r.finished.insert(finished_key(id.as_deref(), line));
+        r.finished.insert(finished_key(id.as_ref(), line));
         r.results += 1;
     })?;
     let mut kept = Vec::new();
@@ -348,7 +384,7 @@ pub fn recover(results: &Path, errors: &Path, retry_errors: bool) -> io::Result<
         if let Some(id) = &id {
             r.ids.insert(id_key(id));
         }
-        r.finished.insert(finished_key(id.as_deref(), line));
+        r.finished.insert(finished_key(id.as_ref(), line));
         r.errors += 1;
     }
     r.requeued = requeued;
@@ -385,6 +421,11 @@ mod tests {
         let (s, resuming) = open(&d, "out.jsonl", &identity("sim/a"), false).unwrap();
         assert!(!resuming);
         drop(s);
+        // Nothing was recorded: still a new run.
+        let (s, resuming) = open(&d, "out.jsonl", &identity("sim/a"), false).unwrap();
+        assert!(!resuming);
+        s.record(&identity("sim/a")).unwrap();
+        drop(s);
         let (s, resuming) = open(&d, "out.jsonl", &identity("sim/a"), false).unwrap();
         assert!(resuming);
         // Locked while held.
@@ -414,14 +455,15 @@ mod tests {
         assert!(r.torn_bytes > 0);
         assert_eq!(std::fs::read(&res).unwrap().iter().filter(|b| **b == b'\n').count(), 2);
         assert!(std::fs::read(&res).unwrap().ends_with(b"}\n"));
-        assert!(r.finished.contains(&finished_key(Some("a"), 1)));
+        let id = |s: &str| RecordId::from(s);
+        assert!(r.finished.contains(&finished_key(Some(&id("a")), 1)));
         assert!(r.finished.contains(&finished_key(None, 6)));
-        assert!(!r.finished.contains(&finished_key(Some("e"), 5)));
+        assert!(!r.finished.contains(&finished_key(Some(&id("e")), 5)));
         assert!(!String::from_utf8(std::fs::read(&err).unwrap()).unwrap().contains("aborted"));
         // --retry-errors also requeues retryable failures.
         let r = recover(&res, &err, true).unwrap();
         assert_eq!((r.errors, r.requeued), (2, 1));
-        assert!(!r.finished.contains(&finished_key(Some("f"), 7)));
+        assert!(!r.finished.contains(&finished_key(Some(&id("f")), 7)));
         std::fs::remove_dir_all(&d).unwrap();
     }
 }

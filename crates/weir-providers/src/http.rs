@@ -112,6 +112,13 @@ pub fn is_loopback(url: &reqwest::Url) -> bool {
 /// Checks a base URL: it must parse, and plain `http` is only allowed to loopback hosts, so
 /// prompts and keys never cross a network unencrypted.
 pub fn check_base_url(url: &str) -> Result<reqwest::Url, ProviderError> {
+    // A query may carry a key (`?key=…`): never echo it, never keep it, never send it.
+    if url.contains('?') || url.contains('#') {
+        let shown = url.split(['?', '#']).next().unwrap_or_default();
+        return Err(ProviderError::Config(format!(
+            "--base-url {shown}?…: must not have a query or fragment (keys go in GEMINI_API_KEY, OPENAI_API_KEY, …); give the API root only"
+        )));
+    }
     let parsed =
         reqwest::Url::parse(url).map_err(|e| ProviderError::Config(format!("--base-url {url}: not a URL ({e})")))?;
     match parsed.scheme() {
@@ -269,6 +276,8 @@ mod tests {
         assert!(check_base_url("ftp://x").is_err());
         assert!(check_base_url("not a url").is_err());
         assert!(check_base_url("https://user:pw@host").is_err());
+        let e = check_base_url("http://127.0.0.1:8080/v1?key=SECRET123").unwrap_err().to_string();
+        assert!(e.contains("query") && !e.contains("SECRET123"), "{e}");
     }
 
     #[test]

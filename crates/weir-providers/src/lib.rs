@@ -79,6 +79,11 @@ impl FromStr for ModelSpec {
                 )))
             }
         };
+        if provider == Provider::Sim && model.contains('/') {
+            return Err(ProviderError::Config(format!(
+                "--model {s}: a simulator model is one name without '/', e.g. sim/demo"
+            )));
+        }
         Ok(Self { provider, model: model.to_string() })
     }
 }
@@ -175,6 +180,7 @@ mod tests {
         assert!("gpt-4".parse::<ModelSpec>().is_err());
         assert!("anthropic/claude".parse::<ModelSpec>().unwrap_err().to_string().contains("unknown provider"));
         assert!("sim/".parse::<ModelSpec>().is_err());
+        assert!("sim/a/b".parse::<ModelSpec>().unwrap_err().to_string().contains("without '/'"));
     }
 
     #[tokio::test]

@@ -59,6 +59,10 @@ pub struct RunSettings {
     pub state: StateMode,
     /// Discard an earlier run's state and outputs.
     pub fresh: bool,
+    /// Replace output files that hold rows this run did not write.
+    pub overwrite: bool,
+    /// Resume from a stream input without being able to identify it.
+    pub resume_stream: bool,
     /// Use the response cache (in the state directory).
     pub cache: bool,
     /// Run again the records whose error rows are of a retryable kind.
@@ -101,11 +105,32 @@ enum Work {
     ReadError(std::io::Error),
 }
 
-fn identity(settings: &RunSettings) -> Result<RunIdentity, RunError> {
-    let input = match &settings.input {
-        InputPath::Stdin => "stdin".to_string(),
-        InputPath::File(p) => state::input_identity(p)
+/// Refuses to replace files that hold rows this run did not write (a file weir is resuming is
+/// its own; `--fresh` and `--overwrite` say replacing is wanted). Empty files are fair game.
+fn check_not_foreign(files: &[&Option<(PathBuf, std::fs::File)>], allowed: bool) -> Result<(), RunError> {
+    if allowed {
+        return Ok(());
+    }
+    for (path, f) in files.iter().filter_map(|c| c.as_ref()) {
+        let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+        if len > 0 {
+            return Err(RunError::Usage(format!(
+                "{} already exists ({len} bytes) and no earlier run of this command wrote it; weir will not \
+                 overwrite it. Pass --overwrite to replace it (or --fresh to start this run over), or choose \
+                 another path",
+                path.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn identity(settings: &RunSettings, input_file: Option<&std::path::Path>) -> Result<RunIdentity, RunError> {
+    let input = match (input_file, &settings.input) {
+        (Some(p), _) => state::input_identity(p)
             .map_err(|e| RunError::Usage(format!("cannot read --input {}: {e}", p.display())))?,
+        (None, InputPath::Stdin) => "stdin (a stream)".to_string(),
+        (None, InputPath::File(p)) => format!("{} (a stream)", p.display()),
     };
     Ok(RunIdentity {
         version: 1,
@@ -134,20 +159,36 @@ pub async fn run(
         InputPath::File(p) => p.display().to_string(),
         InputPath::Stdin => "-".to_string(),
     };
+    // A stream (stdin, a FIFO, `<(cmd)`, /dev/stdin) can be read only once: it is never read to
+    // be identified or counted, and an earlier run's state is not resumed from it silently.
+    let input_file = match &settings.input {
+        InputPath::File(p) if !weir_io::paths::is_stream(p) => Some(p.clone()),
+        _ => None,
+    };
     let reader = weir_io::source::open(&settings.input)
         .await
         .map_err(|e| RunError::Usage(format!("cannot read --input {input_name}: {e}")))?;
     // The number of records is an extra pass over the input: made only when something shows it
-    // (the progress bar, the resume message).
-    let count = || match &settings.input {
-        InputPath::File(p) => weir_io::count_records(p)
+    // (the progress bar, the resume message, an interrupted run's summary).
+    let count = || match &input_file {
+        Some(p) => weir_io::count_records(p)
             .map(Some)
             .map_err(|e| RunError::Usage(format!("cannot read --input {}: {e}", p.display()))),
-        InputPath::Stdin => Ok(None),
+        None => Ok(None),
     };
     let mut total = if settings.progress { count()? } else { None };
     let endpoint = weir_providers::connect(&settings.model, &settings.provider, env).await?;
     let model_id = endpoint.handler.model_id().to_string();
+
+    // The output files, opened (never truncated yet) and locked against other weir processes.
+    let claim = |p: &OutputPath, flag: &str| match p {
+        OutputPath::Stdout => Ok(None),
+        OutputPath::File(path) => weir_io::sink::claim(path)
+            .map(|f| Some((path.clone(), f)))
+            .map_err(|e| RunError::Usage(format!("{flag} {}: {e}", path.display()))),
+    };
+    let mut out_file = claim(&settings.output, "--output")?;
+    let mut err_file = claim(&settings.errors, "--errors")?;
 
     // The state directory: identity check, lock, recovery of an earlier run's outputs.
     let mut state_dir = None;
@@ -157,13 +198,29 @@ pub async fn run(
     let journal = match (&settings.state, &settings.output, &settings.errors) {
         (StateMode::Dir(dir), OutputPath::File(out), OutputPath::File(errs)) => {
             let name = out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "output".into());
-            let id = identity(&settings)?;
+            let id = identity(&settings, input_file.as_deref())?;
             let (sd, resume) =
                 state::open(dir, &name, &id, settings.fresh).map_err(|e| RunError::Usage(e.to_string()))?;
             resuming = resume;
+            if resuming && input_file.is_none() && !settings.resume_stream {
+                return Err(RunError::Usage(format!(
+                    "{} holds an earlier run of this command, but the input {input_name} is a stream, which weir \
+                     cannot check is the same data. Pass --resume-stream to resume anyway (records whose id and \
+                     line are finished are skipped), or --fresh to start over",
+                    out.display()
+                )));
+            }
+            check_not_foreign(&[&out_file, &err_file], resuming || settings.fresh || settings.overwrite)?;
+            if !resuming {
+                sd.record(&id).map_err(|e| RunError::Usage(e.to_string()))?;
+            }
             if resuming {
                 recovered = state::recover(out, errs, settings.retry_errors)
                     .map_err(|e| RunError::Fatal(format!("recovering the earlier run's outputs: {e}")))?;
+                if recovered.requeued > 0 {
+                    // The errors file was replaced by a rewritten one: write (and lock) that one.
+                    err_file = claim(&settings.errors, "--errors")?;
+                }
                 if total.is_none() {
                     total = count()?;
                 }
@@ -197,15 +254,23 @@ pub async fn run(
             state_dir = Some(sd);
             true
         }
-        _ => false,
+        _ => {
+            check_not_foreign(&[&out_file, &err_file], settings.overwrite)?;
+            false
+        }
     };
-    let open = |p: &OutputPath| {
-        let w = if resuming { JsonlWriter::append(p) } else { JsonlWriter::create(p) };
-        w.map(|w| w.flushing_each_row(journal))
-            .map_err(|e| RunError::Usage(format!("cannot create {}: {e}", p.display())))
+    let open = |claimed: &mut Option<(PathBuf, std::fs::File)>| match claimed.take() {
+        None => Ok(JsonlWriter::stdout()),
+        Some((path, f)) => {
+            let truncated = if resuming { Ok(()) } else { f.set_len(0) };
+            truncated
+                .and_then(|_| JsonlWriter::to_file(f))
+                .map(|w| w.flushing_each_row(journal))
+                .map_err(|e| RunError::Usage(format!("cannot write {}: {e}", path.display())))
+        }
     };
-    let mut results = open(&settings.output)?;
-    let mut errors = open(&settings.errors)?;
+    let mut results = open(&mut out_file)?;
+    let mut errors = open(&mut err_file)?;
 
     let metrics = Arc::new(RunMetrics::default());
     let limit: Arc<dyn ConcurrencyLimit> = if settings.adaptive {
@@ -239,7 +304,8 @@ pub async fn run(
     let spec = settings.records.clone();
     let check_duplicates = spec.id_field.is_some();
     let finished = std::mem::take(&mut recovered.finished);
-    let mut seen: HashSet<u64> = if check_duplicates { std::mem::take(&mut recovered.ids) } else { HashSet::new() };
+    let mut seen: HashSet<state::Key> =
+        if check_duplicates { std::mem::take(&mut recovered.ids) } else { HashSet::new() };
     let mut first_interrupt = interrupts.clone();
     // With a journal, an interrupted run stops reading: what it did not read, the next run does.
     // Without one, it reads on, and every record left gets an `aborted` row, so none is dropped.
@@ -254,7 +320,7 @@ pub async fn run(
         let item = match line {
             Err(e) => Some(Work::ReadError(e)),
             Ok(raw) => match spec.parse(raw.line, &raw.bytes) {
-                Err(failure) => (!finished.contains(&finished_key(failure.id.as_deref(), failure.line)))
+                Err(failure) => (!finished.contains(&finished_key(failure.id.as_ref(), failure.line)))
                     .then_some(Work::Done(failure)),
                 Ok(record) => {
                     if finished.contains(&finished_key(Some(&record.id), record.line)) {

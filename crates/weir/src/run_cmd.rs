@@ -89,17 +89,17 @@ pub struct RunArgs {
     #[arg(long, value_name = "N")]
     tpm: Option<u64>,
     /// The window --rpm and --tpm are counted over, in seconds (60 for per-minute quotas).
-    #[arg(long, value_name = "SECS", default_value_t = 60.0)]
+    #[arg(long, value_name = "SECS", default_value_t = 60.0, allow_negative_numbers = true)]
     limit_window: f64,
     /// Do not learn limits from 429s and rate-limit headers.
     #[arg(long)]
     no_learn_limits: bool,
     /// Beam's client-side throttler: reject locally when requests exceed K × accepted requests
     /// over --limit-window (Beam's overload_ratio; 2 is its default). Off unless given.
-    #[arg(long, value_name = "K")]
+    #[arg(long, value_name = "K", allow_negative_numbers = true)]
     sre_throttle: Option<f64>,
     /// Seconds a call may take before it is cancelled and retried.
-    #[arg(long, value_name = "SECS", default_value_t = 120.0)]
+    #[arg(long, value_name = "SECS", default_value_t = 120.0, allow_negative_numbers = true)]
     timeout: f64,
     /// Retries per record after its first call (retryable errors only).
     #[arg(long, value_name = "N", default_value_t = 8)]
@@ -117,6 +117,14 @@ pub struct RunArgs {
     /// Start over: discard an earlier run's state and outputs (the response cache is kept).
     #[arg(long)]
     fresh: bool,
+    /// Replace --output and --errors files that already hold rows this run did not write
+    /// (weir refuses otherwise).
+    #[arg(long)]
+    overwrite: bool,
+    /// Resume from a stream (stdin, a pipe) although weir cannot check that it carries the same
+    /// data as the earlier run: records whose id and line are finished are skipped.
+    #[arg(long, conflicts_with = "fresh")]
+    resume_stream: bool,
     /// Do not use the response cache.
     #[arg(long)]
     no_cache: bool,
@@ -177,15 +185,8 @@ impl RunArgs {
         if errors == OutputPath::Stdout && output == OutputPath::Stdout {
             return Err(UsageError("--output and --errors cannot both be stdout".into()));
         }
-        if errors == output {
-            return Err(UsageError("--output and --errors must be different files".into()));
-        }
         let input = InputPath::parse(&self.input);
-        if let (InputPath::File(i), OutputPath::File(o)) = (&input, &output) {
-            if i == o {
-                return Err(UsageError("--output must not be the --input file".into()));
-            }
-        }
+        check_distinct_files(&input, &output, &errors, self.errors.is_some())?;
         let progress = match self.progress {
             ProgressMode::Always => true,
             ProgressMode::Never => false,
@@ -231,6 +232,8 @@ impl RunArgs {
             progress,
             state,
             fresh: self.fresh,
+            overwrite: self.overwrite,
+            resume_stream: self.resume_stream,
             cache: !self.no_cache,
             retry_errors: self.retry_errors,
             drain: Duration::from_secs_f64(self.timeout.min(30.0)),
@@ -245,6 +248,48 @@ impl RunArgs {
             metrics_listen: self.metrics_listen,
         })
     }
+}
+
+/// Refuses, before anything is opened for writing, a command in which two of the input, the
+/// output and the errors file are one file under different spellings (`p.jsonl`, `./p.jsonl`,
+/// a symlink): writing one would destroy or interleave the other.
+fn check_distinct_files(
+    input: &InputPath,
+    output: &OutputPath,
+    errors: &OutputPath,
+    errors_given: bool,
+) -> Result<(), UsageError> {
+    let mut files: Vec<(String, &std::path::Path)> = Vec::new();
+    match input {
+        InputPath::File(p) => files.push((format!("--input {}", p.display()), p)),
+        // stdin redirected from a file (`< p.jsonl`) is that file.
+        InputPath::Stdin => {
+            let dev = std::path::Path::new("/dev/stdin");
+            if std::fs::metadata(dev).is_ok_and(|m| m.is_file()) {
+                files.push(("--input - (stdin, redirected from a file)".into(), dev));
+            }
+        }
+    }
+    if let OutputPath::File(p) = output {
+        files.push((format!("--output {}", p.display()), p));
+    }
+    if let OutputPath::File(p) = errors {
+        let name =
+            if errors_given { format!("--errors {}", p.display()) } else { format!("the errors file {}", p.display()) };
+        files.push((name, p));
+    }
+    let ids: Vec<Option<weir_io::paths::FileId>> = files.iter().map(|(_, p)| weir_io::paths::file_id(p).ok()).collect();
+    for i in 0..files.len() {
+        for j in i + 1..files.len() {
+            if ids[i].is_some() && ids[i] == ids[j] {
+                return Err(UsageError(format!(
+                    "{} and {} are the same file; writing one would destroy the other. Choose another path",
+                    files[i].0, files[j].0
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Runs the job; the exit status says how it went.

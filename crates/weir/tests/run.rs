@@ -281,8 +281,13 @@ async fn rejected_credentials_stop_early_with_exit_3_then_resume() {
     assert!(!std::fs::read_to_string(dir.path("out.errors.jsonl")).unwrap().contains("wrong-secret-value"));
 
     // With state (the default), the run stops the same way and the next run, with the right
-    // key, finishes the job: each id exactly once.
+    // key, finishes the job: each id exactly once. (The --no-state run's errors file is not
+    // this run's: replacing it takes --overwrite.)
     let o = util::weir().args(args).env("GEMINI_API_KEY", "wrong-secret-value").output().await.unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("--overwrite"), "{}", stderr(&o));
+    let o =
+        util::weir().args(args).arg("--overwrite").env("GEMINI_API_KEY", "wrong-secret-value").output().await.unwrap();
     assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
     assert!(stderr(&o).contains("run the same command again to resume"), "{}", stderr(&o));
     let o = util::weir().args(args).env("GEMINI_API_KEY", "right").output().await.unwrap();

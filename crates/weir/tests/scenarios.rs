@@ -240,7 +240,7 @@ async fn run_scenario(name: &str) -> Vec<String> {
         Driver::new(endpoint.clone(), limit, settings, metrics.clone()).with_rate(Arc::new(RateLimiter::new(rate))),
     );
     let records = (0..sc.records).map(|i| Record {
-        id: i.to_string(),
+        id: weir_core::RecordId::Text(i.to_string()),
         line: i as u64 + 1,
         prompt: format!("prompt {i:06} about the river"),
         input: Default::default(),
