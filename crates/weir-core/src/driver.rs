@@ -28,6 +28,10 @@ use crate::record::Record;
 use crate::retry::{Decision, RetryPolicy};
 use crate::throttle::{RateLimiter, SreThrottler};
 
+/// How long connecting may fail, with nothing ever answering, before the run stops: long enough
+/// for a server that is still starting, short enough not to burn through the input.
+const DEAD_ENDPOINT_AFTER: Duration = Duration::from_secs(5);
+
 /// How long a call rejected by the SRE throttler waits before asking again.
 const SRE_DELAY: Duration = Duration::from_millis(500);
 
@@ -83,6 +87,8 @@ pub struct Driver {
     stopped: AtomicBool,
     stop_reason: Mutex<Option<StopReason>>,
     auth_failures: AtomicU64,
+    answered: AtomicBool,
+    first_unreachable: Mutex<Option<Instant>>,
     seed: AtomicU64,
     wake: tokio::sync::Notify,
     cache: Option<Arc<dyn ResponseCache>>,
@@ -107,6 +113,8 @@ impl Driver {
             stopped: AtomicBool::new(false),
             stop_reason: Mutex::new(None),
             auth_failures: AtomicU64::new(0),
+            answered: AtomicBool::new(false),
+            first_unreachable: Mutex::new(None),
             seed: AtomicU64::new(0x5eed),
             wake: tokio::sync::Notify::new(),
             model_id: handler.model_id().to_string(),
@@ -282,6 +290,9 @@ impl Driver {
                 }
             }
             self.limit.feedback(level, latency, class);
+            if !matches!(&result, Err(e) if e.unreachable || e.status.is_none()) {
+                self.answered.store(true, Relaxed);
+            }
             match result {
                 Ok(response) => {
                     if let Some((cache, key)) = &key {
@@ -299,7 +310,7 @@ impl Driver {
                     if error.kind == ErrorKind::RateLimited {
                         self.metrics.rate_limited.fetch_add(1, Relaxed);
                     }
-                    self.check_stop(&error);
+                    self.check_stop(&error, attempts);
                     match self.settings.retry.decide(attempts, &error, &mut rng) {
                         Decision::GiveUp => return self.fail(record, error, attempts),
                         Decision::Retry(delay) => {
@@ -320,8 +331,25 @@ impl Driver {
         Outcome::Failure(Box::new(Failure::of(record, error, attempts)))
     }
 
-    fn check_stop(&self, error: &ModelError) {
-        if error.hint == RetryHint::StopRun {
+    fn check_stop(&self, error: &ModelError, attempts: u32) {
+        // A dead endpoint: no call of the run has ever reached a server, and connecting has
+        // failed for a while (a server still starting up gets that long) or this record is out
+        // of retries. Every other record would fare the same, so stop, resumable, rather than
+        // burn through the input.
+        let dead = error.unreachable && !self.answered.load(Relaxed) && {
+            let now = Instant::now();
+            let first = *self.first_unreachable.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(now);
+            now.duration_since(first) >= DEAD_ENDPOINT_AFTER || attempts > self.settings.retry.max_retries
+        };
+        if dead {
+            self.stop(StopReason {
+                kind: ErrorKind::Transport,
+                message: format!(
+                    "cannot connect to the endpoint (nothing has answered any call yet): {}; check --base-url and that the server is running",
+                    error.message
+                ),
+            });
+        } else if error.hint == RetryHint::StopRun {
             self.stop(StopReason { kind: error.kind, message: error.message.clone() });
         } else if error.kind == ErrorKind::Auth {
             let n = self.auth_failures.fetch_add(1, Relaxed) + 1;

@@ -101,6 +101,9 @@ pub struct ModelError {
     pub status: Option<u16>,
     /// For a rate-limit error: which quota refused the call, when the answer says.
     pub quota: Option<QuotaScope>,
+    /// No connection could be made: nothing listened, or the host could not be reached. Unlike
+    /// a reset or a timeout, this says the request never reached a server.
+    pub unreachable: bool,
 }
 
 /// Which quota a rate-limit error is about.
@@ -127,7 +130,7 @@ impl ModelError {
             | ErrorKind::Auth
             | ErrorKind::Aborted => RetryHint::Never,
         };
-        Self { kind, hint, message: message.into(), status: None, quota: None }
+        Self { kind, hint, message: message.into(), status: None, quota: None, unreachable: false }
     }
 
     /// Sets the HTTP status.
@@ -139,6 +142,12 @@ impl ModelError {
     /// Says which quota refused the call.
     pub fn with_quota(mut self, quota: QuotaScope) -> Self {
         self.quota = Some(quota);
+        self
+    }
+
+    /// Marks a failure to connect at all (see [`ModelError::unreachable`]).
+    pub fn with_unreachable(mut self) -> Self {
+        self.unreachable = true;
         self
     }
 

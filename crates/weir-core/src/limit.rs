@@ -73,16 +73,23 @@ impl ConcurrencyLimit for FixedLimit {
 /// Adaptive concurrency: finds how many calls the endpoint takes at once, with nothing told.
 ///
 /// It starts at `initial` and doubles every round trip (slow start) until the server pushes
-/// back. A push-back (HTTP 503, or a 429 that names no quota and no delay) to a call sent when
-/// `level` calls were in flight, when no call sent at that level or above succeeded in the last
-/// two round trips, says the endpoint's capacity is below `level`: the limit drops at once to
-/// `level − 1` — the reaction is immediate because refusals come back fast, and a late one would
-/// let a storm of them through — and that value is remembered as the ceiling. Push-back at levels
-/// that also succeed is noise (random 503s): only a round trip with more than 10 % of it lowers
-/// the limit, by 10 %. Below
-/// the ceiling the limit grows by one per round trip in which it was fully used; at the ceiling
-/// it probes one step higher only every 20 round trips, so a steady endpoint sees few refusals;
-/// a probe that goes through a whole round trip without push-back clears the ceiling.
+/// back. Push-back (HTTP 503, or a 429 that names no quota and no delay) is judged once per
+/// round trip, when every call of the round has reported, because only then is it known whether
+/// calls at the same levels succeeded:
+///
+/// - **A capacity signal** is push-back *above every level that succeeded* in this round and the
+///   last: a hidden cap refuses every call above it and none below. Two such refusals in a
+///   round — or one in each of two rounds running — set the limit to just below the lowest
+///   refused level, and that value is remembered as the ceiling. A single one is only suspect:
+///   a random fault lands on the top level now and then, and must not set a ceiling.
+/// - **Random faults** — push-back scattered among successes at the same levels — do not track
+///   load, and lowering the limit would not reduce them; they are tolerated. Only a round whose
+///   push-back share is both above 10 % and more than twice the long-run share (at least three
+///   calls) lowers the limit, by 10 %, without touching the ceiling.
+///
+/// Below the ceiling the limit grows by one per round trip in which it was fully used; at the
+/// ceiling it probes one step higher only every 20 round trips, so a steady endpoint sees few
+/// refusals; a probe that goes through a whole round trip without push-back clears the ceiling.
 /// An endpoint that slows down instead of refusing is caught by latency: a round trip whose median
 /// latency (of successful calls) is twice the best seen, and 5 ms more, lowers the limit by 10 %.
 #[derive(Debug)]
@@ -106,7 +113,12 @@ struct Control {
     best_rtt: Option<f64>,
     ok_level_cur: usize,
     ok_level_prev: usize,
-    noise_in_round: usize,
+    /// Levels of this round's push-back.
+    refused: Vec<usize>,
+    /// The last round had one refusal above every success (a capacity signal if repeated).
+    suspect: bool,
+    /// Long-run share of calls pushed back (exponentially weighted over rounds).
+    pushback_share: f64,
 }
 
 struct AdaptivePermit {
@@ -148,7 +160,9 @@ impl AdaptiveLimit {
                 best_rtt: None,
                 ok_level_cur: 0,
                 ok_level_prev: 0,
-                noise_in_round: 0,
+                refused: Vec::new(),
+                suspect: false,
+                pushback_share: 0.0,
             }),
         })
     }
@@ -169,6 +183,36 @@ impl AdaptiveLimit {
             c.debt += remove - forgotten;
         }
         c.limit = new;
+    }
+}
+
+/// The capacity a round's refusals reveal at once: at least three refusals above every level
+/// that succeeded, two of them at one level — the mark of a cap (every call above it refused,
+/// and the freed slot refused again), which random faults scattered over levels almost never
+/// leave. The capacity is just below the lowest level refused twice.
+fn repeated_refusal(refused: &[usize], ok_level: usize) -> Option<usize> {
+    let mut above: Vec<usize> = refused.iter().copied().filter(|l| *l > ok_level).collect();
+    if above.len() < 3 {
+        return None;
+    }
+    above.sort_unstable();
+    above.windows(2).find(|w| w[0] == w[1]).map(|w| w[0].saturating_sub(1).max(ok_level))
+}
+
+impl AdaptiveLimit {
+    /// Sets the limit to `cap` (never raising it) and remembers it as the ceiling; a new round
+    /// starts, so the refusals that revealed it are not counted again.
+    fn set_ceiling(&self, c: &mut Control, cap: usize) {
+        let cap = cap.max(1).min(c.limit);
+        self.set_limit(c, cap);
+        c.ceiling = Some(c.limit);
+        c.slow_start = false;
+        c.rounds_at_ceiling = 0;
+        c.suspect = false;
+        c.refused.clear();
+        c.rtts.clear();
+        c.done_in_round = 0;
+        c.bound = false;
     }
 }
 
@@ -193,53 +237,76 @@ impl ConcurrencyLimit for Adaptive {
     fn feedback(&self, level: usize, latency: Duration, result: CallResult) {
         let me = &self.0;
         let mut c = me.ctl.lock().unwrap_or_else(|e| e.into_inner());
-        if result == CallResult::Backpressure {
-            if level > c.ok_level_cur.max(c.ok_level_prev) {
-                // Refused above every level that recently succeeded: the capacity is below it.
-                let cap = level.saturating_sub(1).max(1);
-                if cap < c.limit {
-                    me.set_limit(&mut c, cap);
+        match result {
+            CallResult::Backpressure => {
+                c.refused.push(level);
+                if let Some(cap) = repeated_refusal(&c.refused, c.ok_level_cur.max(c.ok_level_prev)) {
+                    // A cap refuses every call above it, again and again, and refusals come
+                    // back at once: waiting for the round's end would let a storm through.
+                    me.set_ceiling(&mut c, cap);
+                    return;
                 }
-                c.ceiling = Some(c.limit);
-                c.slow_start = false;
-                c.rounds_at_ceiling = 0;
-                return;
             }
-            // Refused at a level that also succeeds: overload noise, judged per round below.
-            c.noise_in_round += 1;
-        } else if result == CallResult::Ok {
-            c.ok_level_cur = c.ok_level_cur.max(level);
+            CallResult::Ok => c.ok_level_cur = c.ok_level_cur.max(level),
+            CallResult::Other => {}
         }
-        c.done_in_round += 1;
+        if result != CallResult::Backpressure {
+            c.done_in_round += 1;
+        }
         if result == CallResult::Ok {
             c.rtts.push(latency.as_secs_f64());
         }
-        if c.done_in_round < c.limit {
+        // A round trip: as many calls answered as the limit allows in flight. Refusals come back
+        // at once and would fill a round before any answer does, so they do not count towards
+        // it — unless nothing else comes back (an outage), when twice the limit of them ends it.
+        if c.done_in_round < c.limit && c.refused.len() < 2 * c.limit {
             return;
         }
         // The median of the round's successful calls: a few hung or timed-out calls are not load.
         let mean = if c.rtts.is_empty() {
-            c.best_rtt.unwrap_or(0.0)
+            None
         } else {
             let mid = c.rtts.len() / 2;
-            *c.rtts.select_nth_unstable_by(mid, f64::total_cmp).1
+            Some(*c.rtts.select_nth_unstable_by(mid, f64::total_cmp).1)
         };
         c.rtts.clear();
-        let best = c.best_rtt.map_or(mean, |b| b.min(mean));
-        c.best_rtt = Some(best);
+        let best = match (c.best_rtt, mean) {
+            (Some(b), Some(m)) => Some(b.min(m)),
+            (b, m) => b.or(m),
+        };
+        c.best_rtt = best;
+        let slower = matches!((mean, best), (Some(m), Some(b)) if m > 2.0 * b && m - b > 0.005);
         let (bound, limit) = (c.bound, c.limit);
-        let noisy = c.noise_in_round * 10 > c.done_in_round;
+        let done = c.done_in_round + c.refused.len();
+        let ok_level = c.ok_level_cur.max(c.ok_level_prev);
+        let refused = std::mem::take(&mut c.refused);
         c.done_in_round = 0;
         c.bound = false;
-        c.noise_in_round = 0;
         c.ok_level_prev = c.ok_level_cur;
         c.ok_level_cur = 0;
-        if noisy {
+        let share = refused.len() as f64 / done.max(1) as f64;
+        let baseline = c.pushback_share;
+        c.pushback_share = 0.9 * baseline + 0.1 * share;
+        // Push-back above every level that succeeded: the capacity is below it.
+        // With no success at all (an outage, not a cap), nothing is learned about capacity.
+        let above: Vec<usize> =
+            if ok_level == 0 { Vec::new() } else { refused.iter().copied().filter(|l| *l > ok_level).collect() };
+        let suspect = std::mem::replace(&mut c.suspect, above.len() == 1);
+        if above.len() >= 2 || (above.len() == 1 && suspect) {
+            let lowest = above.iter().copied().min().unwrap_or(limit + 1);
+            me.set_ceiling(&mut c, lowest.saturating_sub(1).max(ok_level));
+            return;
+        }
+        if above.len() == 1 {
+            // One refusal at the top: wait for the next round to tell a cap from a fault.
+            return;
+        }
+        if refused.len() >= 3 && share > 0.1 && share > 2.0 * baseline {
             c.slow_start = false;
             me.set_limit(&mut c, ((limit as f64) * 0.9).floor() as usize);
             return;
         }
-        if mean > 2.0 * best && mean - best > 0.005 {
+        if slower {
             c.slow_start = false;
             me.set_limit(&mut c, ((limit as f64) * 0.9).floor() as usize);
             return;
@@ -344,11 +411,15 @@ mod tests {
         assert_eq!(a.current(), 8);
         round(&a, CallResult::Ok).await;
         assert_eq!(a.current(), 16);
-        // A call sent at level 13 is refused: capacity 12.
+        // A single refusal at level 13 is not yet a cap (a random fault looks the same)...
         let mut permits = Vec::new();
         for _ in 0..13 {
             permits.push(a.acquire().await);
         }
+        a.feedback(13, Duration::from_millis(1), CallResult::Backpressure);
+        assert_eq!(a.current(), 16);
+        // ...but level 13 refused again and again, above every success, is: capacity 12.
+        a.feedback(13, Duration::from_millis(1), CallResult::Backpressure);
         a.feedback(13, Duration::from_millis(1), CallResult::Backpressure);
         drop(permits);
         assert_eq!(a.current(), 12);
@@ -375,6 +446,25 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn random_refusals_among_successes_do_not_lower_the_limit() {
+        let a = Adaptive(AdaptiveLimit::new(20, 20));
+        // 40 rounds in which one call in twenty, at a level that also succeeds, is refused.
+        for r in 0..40usize {
+            let mut permits = Vec::new();
+            for _ in 0..20 {
+                permits.push(a.acquire().await);
+            }
+            for (i, (_, level)) in permits.iter().enumerate() {
+                let refused = i == (r * 7) % 20;
+                let result = if refused { CallResult::Backpressure } else { CallResult::Ok };
+                a.feedback(*level, Duration::from_millis(100), result);
+            }
+            drop(permits);
+        }
+        assert_eq!(a.current(), 20);
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn adaptive_limit_really_limits_after_a_decrease() {
         let a = Adaptive(AdaptiveLimit::new(8, 8));
         let held: Vec<_> = {
@@ -384,7 +474,10 @@ mod tests {
             }
             v
         };
-        a.feedback(3, Duration::from_millis(1), CallResult::Backpressure);
+        a.feedback(2, Duration::from_millis(1), CallResult::Ok);
+        for _ in 0..3 {
+            a.feedback(3, Duration::from_millis(1), CallResult::Backpressure);
+        }
         assert_eq!(a.current(), 2);
         drop(held);
         let (_p1, _) = a.acquire().await;

@@ -35,6 +35,7 @@ pub struct RawLine {
 }
 
 const BUFFER: usize = 256 * 1024;
+const BOM: &[u8] = b"\xef\xbb\xbf";
 
 /// Opens the input for reading.
 pub async fn open(input: &InputPath) -> io::Result<Box<dyn AsyncRead + Send + Unpin>> {
@@ -63,6 +64,10 @@ pub fn lines(reader: Box<dyn AsyncRead + Send + Unpin>) -> impl Stream<Item = io
                     }
                     if bytes.last() == Some(&b'\r') {
                         bytes.pop();
+                    }
+                    // A UTF-8 byte-order mark (as some editors and Excel write) is not data.
+                    if n == 1 && bytes.starts_with(BOM) {
+                        bytes.drain(..BOM.len());
                     }
                     if bytes.iter().all(u8::is_ascii_whitespace) {
                         continue;
@@ -111,7 +116,7 @@ mod tests {
 
     #[tokio::test]
     async fn lines_skip_blanks_and_keep_numbers() {
-        let data: &'static [u8] = b"{\"a\":1}\r\n\n  \n{\"a\":2}\n{\"a\":3}";
+        let data: &'static [u8] = b"\xef\xbb\xbf{\"a\":1}\r\n\n  \n{\"a\":2}\n{\"a\":3}";
         let got: Vec<RawLine> = lines(Box::new(data)).map(|l| l.unwrap()).collect().await;
         assert_eq!(got.len(), 3);
         assert_eq!((got[0].line, got[0].bytes.as_slice()), (1, &b"{\"a\":1}"[..]));

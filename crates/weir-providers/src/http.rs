@@ -199,7 +199,12 @@ pub fn transport_error(e: &reqwest::Error) -> ModelError {
         msg.push_str(&s.to_string());
         source = s.source();
     }
-    ModelError::new(kind, msg)
+    let error = ModelError::new(kind, msg);
+    if e.is_connect() {
+        error.with_unreachable()
+    } else {
+        error
+    }
 }
 
 /// Parses `retry-after-ms`, then `retry-after` (seconds or an HTTP date).

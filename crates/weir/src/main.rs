@@ -80,5 +80,12 @@ fn main() -> ExitCode {
 fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("WEIR_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).init();
+    // Colour codes only for a terminal: in a log file they are noise.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(ansi)
+        .with_target(false)
+        .init();
 }

@@ -434,6 +434,17 @@ pub async fn run(
     if let Some(msg) = fatal {
         return Err(RunError::Fatal(msg));
     }
+    // What a resume has left to do: every record of the input not in either file. Counted from
+    // the input when it is a file; a stream cannot be counted again.
+    let stopped = interrupted || driver.is_stopped();
+    let unfinished = if !stopped {
+        Some(0)
+    } else if journal {
+        let done = recovered.results + recovered.errors + results.rows() + errors.rows();
+        count()?.map(|t| t.saturating_sub(done))
+    } else {
+        Some(not_written)
+    };
     Ok(RunReport::new(
         &metrics,
         started.elapsed().max(Duration::from_micros(1)),
@@ -441,7 +452,7 @@ pub async fn run(
         &settings,
         (results.rows(), errors.rows()),
         (recovered.results, recovered.errors),
-        not_written,
+        unfinished,
         state_path,
         driver.concurrency(),
         driver.rate_snapshot(),

@@ -2,6 +2,7 @@
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::collections::BTreeMap;
+use std::io::IsTerminal;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Duration;
@@ -20,8 +21,9 @@ pub struct RunReport {
     pub failed: u64,
     /// Result and error rows an earlier run had written (when resuming).
     pub earlier: (u64, u64),
-    /// Records not finished (the run stopped or was interrupted; a resume does them).
-    pub unfinished: u64,
+    /// Records not finished (the run stopped or was interrupted; a resume does them); `None`
+    /// when the input is a stream, which cannot be counted.
+    pub unfinished: Option<u64>,
     /// Failed records by kind, this run.
     pub failures: BTreeMap<ErrorKind, u64>,
     /// Calls made.
@@ -63,7 +65,7 @@ impl RunReport {
         settings: &RunSettings,
         rows: (u64, u64),
         earlier: (u64, u64),
-        unfinished: u64,
+        unfinished: Option<u64>,
         state: Option<String>,
         concurrency: usize,
         rates: Option<RateSnapshot>,
@@ -168,12 +170,18 @@ impl RunReport {
                 s.push_str(&format!("  stopped early ({}): {}\n", stop.kind, stop.message));
             }
         }
-        if self.unfinished > 0 || (self.stopped.is_some() && self.state.is_some()) {
+        if self.unfinished != Some(0) || self.stopped.is_some() {
             if let Some(state) = &self.state {
-                s.push_str(&format!(
-                    "  {} records not finished; run the same command again to resume (state in {state})\n",
-                    thousands(self.unfinished)
-                ));
+                match self.unfinished {
+                    Some(n) => s.push_str(&format!(
+                        "  {} records not finished; run the same command again to resume (state in {state})\n",
+                        thousands(n)
+                    )),
+                    None => s.push_str(&format!(
+                        "  the rest of the input (a stream, not counted) is not finished; feed the same data to the \
+                         same command with --resume-stream to resume (state in {state})\n"
+                    )),
+                }
             }
         }
         s
@@ -193,6 +201,9 @@ pub fn thousands(n: u64) -> String {
     out
 }
 
+/// How often progress is printed as a line when stderr is not a terminal.
+const LINE_EVERY: Duration = Duration::from_secs(5);
+
 /// The progress bar: records done of total, rate, ETA, and a message with errors and tokens.
 pub(crate) struct Progress {
     bar: Option<ProgressBar>,
@@ -203,6 +214,25 @@ impl Progress {
     pub(crate) fn start(enabled: bool, total: Option<u64>, metrics: Arc<RunMetrics>) -> Self {
         if !enabled {
             return Self { bar: None, ticker: None };
+        }
+        if !std::io::stderr().is_terminal() {
+            // A log file or a pipe cannot redraw a bar: a line every few seconds instead.
+            let ticker = tokio::spawn(async move {
+                let start = tokio::time::Instant::now();
+                loop {
+                    tokio::time::sleep(LINE_EVERY).await;
+                    let done = metrics.done.load(Relaxed);
+                    let of = total.map(|t| format!(" of {}", thousands(t))).unwrap_or_default();
+                    eprintln!(
+                        "weir: {}{of} records in {:.0} s ({}/s), {} errors",
+                        thousands(done),
+                        start.elapsed().as_secs_f64(),
+                        thousands((done as f64 / start.elapsed().as_secs_f64()).round() as u64),
+                        thousands(metrics.failed.load(Relaxed)),
+                    );
+                }
+            });
+            return Self { bar: None, ticker: Some(ticker) };
         }
         let bar = match total {
             Some(t) => ProgressBar::with_draw_target(Some(t), ProgressDrawTarget::stderr()).with_style(

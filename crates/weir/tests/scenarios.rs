@@ -5,6 +5,8 @@
 //! and gives the same result every time. Each file states the ranges its results must fall in.
 
 use futures::StreamExt;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
 use serde::Deserialize;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
@@ -65,6 +67,9 @@ struct Endpoint {
     change: Vec<Change>,
     #[serde(default)]
     burst_503: Vec<Burst>,
+    /// Share of calls answered 503 at random, whatever the load (a flaky backend, not overload).
+    #[serde(default)]
+    random_503: f64,
 }
 
 fn default_window() -> f64 {
@@ -107,6 +112,7 @@ struct SimEndpoint {
     successes: Mutex<Vec<f64>>,
     rejected: AtomicU64,
     calls: AtomicU64,
+    rng: Mutex<SmallRng>,
 }
 
 struct Leave<'a>(&'a AtomicU64);
@@ -131,6 +137,10 @@ impl ModelHandler for SimEndpoint {
         if self.cfg.burst_503.iter().any(|b| t >= b.from_secs && t < b.to_secs) {
             tokio::time::sleep(Duration::from_millis(5)).await;
             return reject(ModelError::new(ErrorKind::Server, "503 overloaded").with_status(503));
+        }
+        if self.cfg.random_503 > 0.0 && self.rng.lock().unwrap().gen_bool(self.cfg.random_503) {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            return reject(ModelError::new(ErrorKind::Server, "503 unavailable").with_status(503));
         }
         let mut latency = self.cfg.latency_ms;
         if self.cfg.max_in_flight > 0 && level > self.cfg.max_in_flight {
@@ -222,6 +232,7 @@ async fn run_scenario(name: &str) -> Vec<String> {
         successes: Mutex::new(Vec::new()),
         rejected: AtomicU64::new(0),
         calls: AtomicU64::new(0),
+        rng: Mutex::new(SmallRng::seed_from_u64(7)),
     });
     let limit: Arc<dyn ConcurrencyLimit> = if sc.client.fixed_concurrency {
         Arc::new(FixedLimit::new(sc.max_concurrency))
@@ -337,3 +348,5 @@ scenario!(hidden_cap);
 scenario!(latency_grows);
 scenario!(bursts_503);
 scenario!(daily_quota);
+scenario!(random_503_quota);
+scenario!(random_503_cap);
