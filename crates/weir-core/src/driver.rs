@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::time::Instant;
 
-use crate::cache::{cache_key, ResponseCache};
+use crate::cache::{cache_key, is_deterministic, ResponseCache};
 use crate::error::{ErrorKind, ModelError, RetryHint};
 use crate::handler::{ModelHandler, ModelRequest};
 use crate::limit::{CallResult, ConcurrencyLimit, Gate};
@@ -208,11 +208,16 @@ impl Driver {
         let mut rng = SmallRng::seed_from_u64(self.seed.fetch_add(1, Relaxed));
         let start = Instant::now();
         let key = self.cache.as_ref().map(|c| (c, cache_key(&self.model_id, &request, &record.id)));
-        if let Some((cache, key)) = &key {
-            if let Some(response) = cache.get(key) {
-                self.metrics.cache_hits.fetch_add(1, Relaxed);
-                self.metrics.record_success(response.usage.prompt_tokens, response.usage.output_tokens);
-                return Outcome::Success(Box::new(Success { record, response, attempts: 0, latency: start.elapsed() }));
+        let cached = |record: Record, attempts: u32| {
+            let (cache, key) = key.as_ref()?;
+            let response = cache.get(key)?;
+            self.metrics.cache_hits.fetch_add(1, Relaxed);
+            self.metrics.record_success(response.usage.prompt_tokens, response.usage.output_tokens);
+            Some(Outcome::Success(Box::new(Success { record, response, attempts, latency: start.elapsed() })))
+        };
+        if key.is_some() {
+            if let Some(hit) = cached(record.clone(), 0) {
+                return hit;
             }
         }
         let prompt_chars = if self.rate.is_some() {
@@ -241,6 +246,13 @@ impl Driver {
             if self.is_stopped() {
                 // The run stopped while this record waited for a slot.
                 continue;
+            }
+            if key.is_some() && is_deterministic(&request.params) {
+                // A shared answer may have arrived while this record waited for its slot (an
+                // identical request ahead of it): ask again before paying for it.
+                if let Some(hit) = cached(record.clone(), attempts) {
+                    return hit;
+                }
             }
             if let Some(sre) = &self.sre {
                 while sre.lock().unwrap_or_else(|e| e.into_inner()).throttle(Instant::now()) && !self.is_stopped() {

@@ -66,7 +66,11 @@ pub fn rows(path: &Path) -> Vec<Value> {
 pub fn assert_each_id_once(expected: &[String], results: &[Value], errors: &[Value]) {
     let mut seen: HashMap<String, u32> = HashMap::new();
     for r in results.iter().chain(errors) {
-        let id = r["id"].as_str().unwrap_or_else(|| panic!("row without id: {r}")).to_string();
+        let id = match &r["id"] {
+            Value::String(s) => s.clone(),
+            Value::Number(n) => n.to_string(),
+            _ => panic!("row without id: {r}"),
+        };
         *seen.entry(id).or_default() += 1;
     }
     for id in expected {

@@ -1,0 +1,528 @@
+//! Regression tests for the ways a careful (or hurried, or hostile) user could lose or destroy
+//! data: one test per defect found by trying weir by hand (issue #8), run on the built binary.
+
+mod util;
+
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+use tokio::io::AsyncWriteExt;
+use util::*;
+use weir_sim::{SimConfig, SimServer};
+
+async fn sim(config: SimConfig) -> SimServer {
+    SimServer::start(config, "127.0.0.1:0".parse().unwrap()).await.unwrap()
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// Runs `weir run --model sim/demo` with `args`, from `cwd`.
+async fn run_in(cwd: &Path, args: &[&str]) -> std::process::Output {
+    weir()
+        .current_dir(cwd)
+        .args(["run", "--model", "sim/demo", "--progress", "never"])
+        .args(args)
+        .output()
+        .await
+        .unwrap()
+}
+
+/// 1. The input, output and errors file are compared as files, not strings: every spelling of
+///    one file is refused with exit 2 before anything is written, and the input survives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_file_under_two_spellings_is_refused_and_the_input_survives() {
+    let dir = Dir::new("spellings");
+    std::fs::create_dir_all(dir.path("sub")).unwrap();
+    let (data, _) = prompts(5);
+    dir.write("p.jsonl", &data);
+    std::os::unix::fs::symlink(dir.path("p.jsonl"), dir.path("link.jsonl")).unwrap();
+    let cases: &[&[&str]] = &[
+        &["--input", "p.jsonl", "--output", "./p.jsonl"],
+        &["--input", "p.jsonl", "--output", "sub/../p.jsonl"],
+        &["--input", "link.jsonl", "--output", "p.jsonl"],
+        &["--input", "p.jsonl", "--output", "link.jsonl"],
+        &["--input", "p.jsonl", "--output", "o.jsonl", "--errors", "p.jsonl"],
+        &["--input", "p.jsonl", "--output", "o/x.jsonl", "--errors", "./o/x.jsonl"],
+        &["--input", "p.jsonl", "--output", "o/x.jsonl", "--errors", "sub/../o/x.jsonl"],
+    ];
+    for args in cases {
+        let o = run_in(&dir.0, args).await;
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains("are the same file"), "{args:?}: {err}");
+        assert_eq!(std::fs::read(dir.path("p.jsonl")).unwrap(), data, "{args:?}: the input must be untouched");
+        assert!(!dir.path("o.jsonl").exists() && !dir.path("o").exists(), "{args:?}: nothing written");
+    }
+    // stdin redirected from the output file is that file too.
+    let o = weir()
+        .current_dir(&dir.0)
+        .args(["run", "--model", "sim/demo", "--input", "-", "--output", "p.jsonl", "--progress", "never"])
+        .stdin(std::fs::File::open(dir.path("p.jsonl")).unwrap())
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert_eq!(std::fs::read(dir.path("p.jsonl")).unwrap(), data);
+}
+
+/// Feeds `data` to a FIFO at `path` from a thread (a FIFO blocks until both ends are open).
+fn feed_fifo(path: &Path, data: Vec<u8>) -> std::thread::JoinHandle<()> {
+    assert!(std::process::Command::new("mkfifo").arg(path).status().unwrap().success());
+    let p = path.to_path_buf();
+    std::thread::spawn(move || {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new().write(true).open(p).unwrap();
+        let _ = f.write_all(&data);
+    })
+}
+
+/// 2. A FIFO (or `<(cmd)`, `/dev/stdin`) is read once, as records, never to fingerprint it: every
+///    line becomes exactly one row, with its own line number.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn non_regular_inputs_lose_no_record() {
+    let dir = Dir::new("fifo");
+    for n in [5usize, 5_000] {
+        let (data, ids) = prompts(n);
+        let fifo = dir.path(&format!("in-{n}.fifo"));
+        let writer = feed_fifo(&fifo, data);
+        let out = dir.path(&format!("out-{n}.jsonl"));
+        let o = run_in(&dir.0, &["--input", s(&fifo), "--output", s(&out), "--id-field", "key"]).await;
+        writer.join().unwrap();
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        let results = rows(&out);
+        assert_each_id_once(&ids, &results, &rows(&dir.path(&format!("out-{n}.errors.jsonl"))));
+        for r in &results {
+            let i: u64 = r["id"].as_str().unwrap()[1..].parse().unwrap();
+            assert_eq!(r["line"], i + 1, "line numbers point at the input");
+        }
+    }
+    // /dev/stdin fed by a pipe.
+    let (data, ids) = prompts(3_000);
+    let out = dir.path("stdin.jsonl");
+    let mut child = weir()
+        .current_dir(&dir.0)
+        .args(["run", "--model", "sim/demo", "--progress", "never", "--id-field", "key"])
+        .args(["--input", "/dev/stdin", "--output", s(&out)])
+        .stdin(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(&data).await.unwrap();
+    drop(stdin);
+    let o = child.wait_with_output().await.unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_each_id_once(&ids, &rows(&out), &[]);
+}
+
+async fn run_stdin(cwd: &Path, data: &[u8], args: &[&str]) -> std::process::Output {
+    let mut child = weir()
+        .current_dir(cwd)
+        .args(["run", "--model", "sim/demo", "--progress", "never", "--input", "-"])
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    // The run may refuse before reading: a broken pipe is fine.
+    let _ = stdin.write_all(data).await;
+    drop(stdin);
+    child.wait_with_output().await.unwrap()
+}
+
+/// 3. A stream cannot be identified, so an earlier run's state is not resumed from one silently:
+///    new data piped into an existing output is refused until the user says what they mean.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resuming_from_stdin_is_refused_unless_asked_for() {
+    let dir = Dir::new("stdin-resume");
+    let (first, ids) = prompts(200);
+    let o = run_stdin(&dir.0, &first, &["--output", "out.jsonl", "--id-field", "key"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    // A different dataset with the same ids.
+    let second = String::from_utf8(first.clone()).unwrap().replace("Tell me about", "Now describe");
+    let o = run_stdin(&dir.0, second.as_bytes(), &["--output", "out.jsonl", "--id-field", "key"]).await;
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("stream") && err.contains("--resume-stream") && err.contains("--fresh"), "{err}");
+    assert_eq!(rows(&dir.path("out.jsonl")).len(), 200, "the earlier output is untouched");
+    // --fresh starts over with the new data: every row is the new prompt's.
+    let o = run_stdin(&dir.0, second.as_bytes(), &["--output", "out.jsonl", "--id-field", "key", "--fresh"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let results = rows(&dir.path("out.jsonl"));
+    assert_each_id_once(&ids, &results, &[]);
+    assert!(results.iter().all(|r| r["input"]["prompt"].as_str().unwrap().starts_with("Now describe")));
+    // --resume-stream resumes, trusting the user: nothing left to do.
+    let o =
+        run_stdin(&dir.0, second.as_bytes(), &["--output", "out.jsonl", "--id-field", "key", "--resume-stream"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stderr(&o).contains("Resuming: 200 finished"), "{}", stderr(&o));
+}
+
+/// 4. The lock belongs to the output file: a second run with another --state cannot write it
+///    while the first runs, and after it cannot take it over as its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_runs_never_write_one_output_whatever_their_state_dirs() {
+    let mut config = SimConfig::default();
+    config.latency.fixed_ms = 200.0;
+    let server = sim(config).await;
+    let dir = Dir::new("two-runs");
+    let (data, ids) = prompts(100);
+    dir.write("in.jsonl", &data);
+    let url = server.url();
+    let cmd = |state: &str, model: &str| {
+        let mut c = weir();
+        c.current_dir(&dir.0)
+            .args(["run", "--model", model, "--base-url", &url, "--input", "in.jsonl", "--output", "out.jsonl"])
+            .args(["--id-field", "key", "--progress", "never", "--max-concurrency", "4", "--state", state]);
+        c
+    };
+    let first = cmd("s1", "gemini/a").stderr(Stdio::piped()).spawn().unwrap();
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let o = cmd("s2", "gemini/b").output().await.unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("another weir run is writing"), "{}", stderr(&o));
+    let o = first.wait_with_output().await.unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let results = rows(&dir.path("out.jsonl"));
+    assert_each_id_once(&ids, &results, &[]);
+    // Afterwards, the other state directory does not know this file: it is not its to resume.
+    let o = cmd("s2", "gemini/b").output().await.unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("--overwrite"), "{}", stderr(&o));
+    assert!(rows(&dir.path("out.jsonl")).iter().all(|r| r["model"] == "gemini/a"), "rows of one model only");
+    server.shutdown().await;
+}
+
+/// 5. With `--output -` errors go to ./weir.errors.jsonl (documented), and a later run does
+///    not truncate one that holds rows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stdout_errors_file_is_never_truncated_unasked() {
+    let dir = Dir::new("stdout-errors");
+    let input = b"{\"prompt\":\"fine\"}\nnot json\n";
+    dir.write("in.jsonl", input);
+    let o = run_in(&dir.0, &["--input", "in.jsonl", "--output", "-"]).await;
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert_eq!(String::from_utf8_lossy(&o.stdout).lines().count(), 1);
+    let errors = rows(&dir.path("weir.errors.jsonl"));
+    assert_eq!(errors.len(), 1);
+    assert_eq!(errors[0]["line"], 2);
+    let o = run_in(&dir.0, &["--input", "in.jsonl", "--output", "-"]).await;
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("weir.errors.jsonl") && stderr(&o).contains("--overwrite"), "{}", stderr(&o));
+    assert_eq!(rows(&dir.path("weir.errors.jsonl")).len(), 1, "kept");
+    let o = run_in(&dir.0, &["--input", "in.jsonl", "--output", "-", "--overwrite"]).await;
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert_eq!(rows(&dir.path("weir.errors.jsonl")).len(), 1, "replaced, not appended");
+}
+
+/// 6. A file at --output that weir did not write is not overwritten without --overwrite/--fresh.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_foreign_output_file_is_not_overwritten() {
+    let dir = Dir::new("foreign");
+    let (data, ids) = prompts(10);
+    dir.write("in.jsonl", &data);
+    dir.write("precious.jsonl", b"{\"my\":\"data\"}\n");
+    let o = run_in(&dir.0, &["--input", "in.jsonl", "--output", "precious.jsonl", "--id-field", "key"]).await;
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("--overwrite"), "{}", stderr(&o));
+    assert_eq!(std::fs::read(dir.path("precious.jsonl")).unwrap(), b"{\"my\":\"data\"}\n");
+    assert!(!dir.path(".weir/runs/precious.jsonl.json").exists(), "a refused run leaves no state to resume");
+    // The same with --no-state.
+    let o = run_in(&dir.0, &["--input", "in.jsonl", "--output", "precious.jsonl", "--no-state"]).await;
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert_eq!(std::fs::read(dir.path("precious.jsonl")).unwrap(), b"{\"my\":\"data\"}\n");
+    // Asked for, it is replaced.
+    let o = run_in(&dir.0, &["--input", "in.jsonl", "--output", "precious.jsonl", "--id-field", "key", "--overwrite"])
+        .await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_each_id_once(&ids, &rows(&dir.path("precious.jsonl")), &[]);
+    // An empty file is fair game.
+    dir.write("empty.jsonl", b"");
+    let o = run_in(&dir.0, &["--input", "in.jsonl", "--output", "empty.jsonl"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+}
+
+/// 7. Repeated prompts are independent samples: the cache never answers one record with another
+///    record's sampled answer, whatever the concurrency; deterministic requests are shared.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn repeated_prompts_are_sampled_independently() {
+    let server = sim(SimConfig::default()).await;
+    let dir = Dir::new("samples");
+    let mut data = Vec::new();
+    for i in 0..200 {
+        data.extend_from_slice(format!("{{\"key\":\"s{i}\",\"prompt\":\"Write a haiku about rivers\"}}\n").as_bytes());
+    }
+    dir.write("in.jsonl", &data);
+    let base = |out: &'static str| {
+        vec![
+            "run".to_string(),
+            "--model".into(),
+            "gemini/m".into(),
+            "--base-url".into(),
+            server.url(),
+            "--input".into(),
+            "in.jsonl".into(),
+            "--output".into(),
+            out.into(),
+            "--id-field".into(),
+            "key".into(),
+            "--concurrency".into(),
+            "fixed".into(),
+            "--max-concurrency".into(),
+            "1".into(),
+            "--progress".into(),
+            "never".into(),
+        ]
+    };
+    for temp in [None, Some("0.7")] {
+        let before = server.stats().requests;
+        let mut args = base("sampled.jsonl");
+        if let Some(t) = temp {
+            args.extend(["--param".into(), format!("temperature={t}"), "--fresh".into()]);
+        }
+        let o = weir().current_dir(&dir.0).args(&args).output().await.unwrap();
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        assert_eq!(server.stats().requests - before, 200, "temperature {temp:?}: one call per record");
+        assert!(rows(&dir.path("sampled.jsonl")).iter().all(|r| r["attempts"] == 1));
+    }
+    // Temperature 0: one answer serves every record.
+    let before = server.stats().requests;
+    let mut args = base("greedy.jsonl");
+    args.extend(["--param".into(), "temperature=0".into()]);
+    let o = weir().current_dir(&dir.0).args(&args).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(server.stats().requests - before, 1, "deterministic requests share the cache");
+    // The same records again (after --fresh): their own answers come from the cache.
+    let before = server.stats().requests;
+    let mut args = base("sampled.jsonl");
+    args.extend(["--param".into(), "temperature=0.7".into(), "--fresh".into()]);
+    let o = weir().current_dir(&dir.0).args(&args).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(server.stats().requests - before, 0, "a record's own earlier answer is reused");
+    server.shutdown().await;
+}
+
+/// 8. Numbers are kept as written, and ids of different JSON types are different ids.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn numbers_and_ids_are_kept_exactly() {
+    let dir = Dir::new("numbers");
+    let input = concat!(
+        "{\"id\":12345678901234567890123,\"prompt\":\"a\",\"x\":1.10,\"big\":98765432109876543210.5}\n",
+        "{\"id\":12345678901234567890124,\"prompt\":\"b\"}\n",
+        "{\"id\":7,\"prompt\":\"c\"}\n",
+        "{\"id\":\"7\",\"prompt\":\"d\"}\n",
+    );
+    dir.write("in.jsonl", input.as_bytes());
+    let o = run_in(&dir.0, &["--input", "in.jsonl", "--output", "out.jsonl", "--id-field", "id"]).await;
+    assert_eq!(o.status.code(), Some(0), "four distinct ids, no duplicate: {}", stderr(&o));
+    let text = std::fs::read_to_string(dir.path("out.jsonl")).unwrap();
+    assert_eq!(text.lines().count(), 4);
+    assert!(text.contains("\"id\":12345678901234567890123,"), "{text}");
+    assert!(text.contains("\"id\":12345678901234567890124,"), "{text}");
+    assert!(text.contains("\"x\":1.10") && text.contains("\"big\":98765432109876543210.5"), "{text}");
+    assert!(text.contains("\"id\":7,") && text.contains("\"id\":\"7\","), "{text}");
+    // The same rows resume exactly: nothing is run again.
+    let o = run_in(&dir.0, &["--input", "in.jsonl", "--output", "out.jsonl", "--id-field", "id"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stderr(&o).contains("Resuming: 4 of 4 finished") || stderr(&o).contains("Resuming: 4 finished"));
+    assert!(stderr(&o).contains("0 records"), "{}", stderr(&o));
+}
+
+/// 9. A dead endpoint stops the run early (exit 3, resumable) instead of burning through the
+///    input with retries; once the server is up, the same command finishes the job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_endpoint_stops_early_and_the_run_resumes() {
+    let dir = Dir::new("dead");
+    let (data, ids) = prompts(300);
+    dir.write("in.jsonl", &data);
+    let port = free_port();
+    let url = format!("http://127.0.0.1:{port}");
+    let args = [
+        "run",
+        "--model",
+        "gemini/m",
+        "--base-url",
+        &url,
+        "--input",
+        "in.jsonl",
+        "--output",
+        "out.jsonl",
+        "--id-field",
+        "key",
+        "--progress",
+        "never",
+    ];
+    let t0 = std::time::Instant::now();
+    let o = weir().current_dir(&dir.0).args(args).output().await.unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(3), "{err}");
+    assert!(t0.elapsed() < Duration::from_secs(20), "stopped early: {:?}", t0.elapsed());
+    assert!(err.contains("cannot connect"), "{err}");
+    assert!(err.contains("300 records not finished"), "{err}");
+    assert!(rows(&dir.path("out.errors.jsonl")).is_empty(), "nothing is marked finished");
+    let server = SimServer::start(SimConfig::default(), format!("127.0.0.1:{port}").parse().unwrap()).await.unwrap();
+    let o = weir().current_dir(&dir.0).args(args).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_each_id_once(&ids, &rows(&dir.path("out.jsonl")), &rows(&dir.path("out.errors.jsonl")));
+    server.shutdown().await;
+}
+
+/// 10. Random faults are not overload. A short black-box check (the full measurement is the
+///     `random_503_*` scenarios and `bench/quota.py 5`): with 5 % random 503s and a hidden cap
+///     far above the need, the adaptive limit does not collapse.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_503s_do_not_collapse_concurrency() {
+    let mut config = SimConfig { seed: 5, ..SimConfig::default() };
+    config.latency.fixed_ms = 100.0;
+    config.faults.error_503 = 0.05;
+    let server = sim(config).await;
+    let dir = Dir::new("random503");
+    let (data, ids) = prompts(3_000);
+    dir.write("in.jsonl", &data);
+    let o = weir()
+        .current_dir(&dir.0)
+        .args(["run", "--model", "gemini/m", "--base-url", &server.url(), "--input", "in.jsonl"])
+        .args(["--output", "out.jsonl", "--id-field", "key", "--progress", "never", "--max-concurrency", "32"])
+        .output()
+        .await
+        .unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert_each_id_once(&ids, &rows(&dir.path("out.jsonl")), &[]);
+    let limit: usize = err
+        .split("limits: concurrency ")
+        .nth(1)
+        .and_then(|s| s.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no limit in {err}"));
+    assert!(limit >= 28, "the limit stays near --max-concurrency 32, got {limit}: {err}");
+    assert!(server.stats().faults["error_503"] > 50);
+    server.shutdown().await;
+}
+
+/// 11. An interrupted run's summary counts what a resume has left: the input's records minus
+///     every row in either file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_interrupted_summary_counts_what_is_left() {
+    let mut config = SimConfig::default();
+    config.latency.fixed_ms = 200.0;
+    let server = sim(config).await;
+    let dir = Dir::new("unfinished");
+    let (data, _) = prompts(3_000);
+    dir.write("in.jsonl", &data);
+    let child = weir()
+        .current_dir(&dir.0)
+        .args(["run", "--model", "gemini/m", "--base-url", &server.url(), "--input", "in.jsonl"])
+        .args(["--output", "out.jsonl", "--id-field", "key", "--progress", "never", "--max-concurrency", "16"])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let pid = child.id().unwrap().to_string();
+    assert!(std::process::Command::new("kill").args(["-INT", &pid]).status().unwrap().success());
+    let o = child.wait_with_output().await.unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(130), "{err}");
+    let done = rows(&dir.path("out.jsonl")).len() + rows(&dir.path("out.errors.jsonl")).len();
+    assert!(done > 0 && done < 3_000, "{done}");
+    let left = 3_000 - done;
+    let expected = format!("{} records not finished", thousands(left as u64));
+    assert!(err.contains(&expected), "expected '{expected}' in {err}");
+    server.shutdown().await;
+}
+
+fn thousands(n: u64) -> String {
+    let d = n.to_string();
+    let mut out = String::new();
+    for (i, c) in d.chars().enumerate() {
+        if i > 0 && (d.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// 12. The smaller ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn smaller_edges() {
+    let dir = Dir::new("edges");
+    // A byte-order mark on the first line is not data.
+    dir.write("bom.jsonl", b"\xef\xbb\xbf{\"prompt\":\"first\"}\n{\"prompt\":\"second\"}\n");
+    let o = run_in(&dir.0, &["--input", "bom.jsonl", "--output", "bom-out.jsonl"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(rows(&dir.path("bom-out.jsonl")).len(), 2);
+    // Negative numbers get weir's own message, not clap's "unexpected argument".
+    let o = run_in(&dir.0, &["--input", "bom.jsonl", "--output", "t.jsonl", "--timeout", "-5"]).await;
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("--timeout -5: must be a number of seconds > 0"), "{}", stderr(&o));
+    // A key in the base URL is refused and never echoed or stored.
+    let o = weir()
+        .current_dir(&dir.0)
+        .args(["run", "--model", "gemini/m", "--base-url", "http://127.0.0.1:9/v1beta?key=SEKRIT-42"])
+        .args(["--input", "bom.jsonl", "--output", "k.jsonl"])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("query") && !stderr(&o).contains("SEKRIT-42"), "{}", stderr(&o));
+    assert!(!dir.path("k.jsonl").exists());
+    // sim/a/b is a usage error, not 2 bad_request rows.
+    let o = weir()
+        .current_dir(&dir.0)
+        .args(["run", "--model", "sim/a/b", "--input", "bom.jsonl", "--output", "ab.jsonl"])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(!dir.path("ab.jsonl").exists());
+    // Logs carry no colour codes when stderr is not a terminal.
+    let o = weir()
+        .current_dir(&dir.0)
+        .env("WEIR_LOG", "info")
+        .args(["run", "--model", "sim/demo", "--input", "bom.jsonl", "--output", "log.jsonl"])
+        .args(["--metrics-listen", "127.0.0.1:0"])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stderr(&o).contains("INFO") && stderr(&o).contains("metrics on"), "logs were written: {}", stderr(&o));
+    assert!(!stderr(&o).contains('\x1b'), "no ANSI codes: {:?}", stderr(&o));
+    // A same-size edit in the middle of a (small) input is noticed on resume.
+    let (data, _) = prompts(50);
+    dir.write("edit.jsonl", &data);
+    let o = run_in(&dir.0, &["--input", "edit.jsonl", "--output", "edit-out.jsonl", "--id-field", "key"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let edited = String::from_utf8(data.clone()).unwrap().replacen("item 25", "item X5", 1);
+    assert_eq!(edited.len(), data.len());
+    dir.write("edit.jsonl", edited.as_bytes());
+    let o = run_in(&dir.0, &["--input", "edit.jsonl", "--output", "edit-out.jsonl", "--id-field", "key"]).await;
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("input:"), "{}", stderr(&o));
+}
+
+/// 12. `--progress always` prints periodic lines when stderr is not a terminal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn progress_always_prints_lines_off_a_terminal() {
+    let mut config = SimConfig::default();
+    config.latency.fixed_ms = 100.0;
+    let server = sim(config).await;
+    let dir = Dir::new("progress");
+    let (data, _) = prompts(500);
+    dir.write("in.jsonl", &data);
+    let o = weir()
+        .current_dir(&dir.0)
+        .args(["run", "--model", "gemini/m", "--base-url", &server.url(), "--input", "in.jsonl"])
+        .args(["--output", "out.jsonl", "--progress", "always", "--concurrency", "fixed", "--max-concurrency", "8"])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(err.contains(" of 500 records in "), "a progress line: {err}");
+    server.shutdown().await;
+}
