@@ -8,6 +8,7 @@ use std::process::Stdio;
 use std::time::Duration;
 use tokio::io::AsyncWriteExt;
 use util::*;
+use weir::report::thousands;
 use weir_sim::{SimConfig, SimServer};
 
 async fn sim(config: SimConfig) -> SimServer {
@@ -433,18 +434,6 @@ async fn the_interrupted_summary_counts_what_is_left() {
     let expected = format!("{} records not finished", thousands(left as u64));
     assert!(err.contains(&expected), "expected '{expected}' in {err}");
     server.shutdown().await;
-}
-
-fn thousands(n: u64) -> String {
-    let d = n.to_string();
-    let mut out = String::new();
-    for (i, c) in d.chars().enumerate() {
-        if i > 0 && (d.len() - i) % 3 == 0 {
-            out.push(',');
-        }
-        out.push(c);
-    }
-    out
 }
 
 /// 12. The smaller ones.
