@@ -31,8 +31,9 @@
 //!
 //! # Identity
 //!
-//! A state belongs to one run: the input (its path, size, and a hash of its first and last
-//! 64 KiB), the model, the base URL, how prompts and ids are read, the system text and the
+//! A state belongs to one run: the input (its path, size, and a hash of all of it up to
+//! [`HASH_WHOLE_UP_TO`], else of its first and last 64 KiB; a stream is not read to identify
+//! it), the model, the base URL, how prompts and ids are read, the system text and the
 //! generation parameters. A command that differs in any of these refuses to resume and says what
 //! changed; `--fresh` starts over. Concurrency, timeouts and retries may change freely.
 
