@@ -1,45 +1,35 @@
-//! The driver: takes a record to exactly one outcome.
+//! The record driver: `weir run`'s front end over the [`Executor`]. It takes a record to
+//! exactly one outcome.
 //!
-//! For each attempt it waits for the gate (a server-advised pause), takes a concurrency permit,
-//! makes the call under a hard timeout (the call's future is dropped when time is up, which
-//! cancels the request), and reports the result to the limiter. The retry policy decides what
-//! happens after a failure; the driver only carries the decision out. Only the failed record is
-//! retried, never a batch.
-//!
-//! A run stops early, rather than burn through its input, when an error says no record can
-//! succeed (a spent daily quota), or when credentials are rejected by the first calls before any
-//! success. After a stop, records not yet tried end as `aborted` failures without a call.
+//! It turns the record into a request (system text and parameters are per request, so a front
+//! end may vary them per record), answers from the response cache when the cache's rule allows
+//! (see [`crate::cache`]), and otherwise hands the call to the executor of the record's
+//! endpoint. What a *run* means is decided here, not below: a run stops early, rather than burn
+//! through its input, when an error says no record can succeed (a spent daily quota), when
+//! credentials are rejected by the first calls before any success, or when nothing can be
+//! reached at all. Stopping cancels the run's token; records not yet tried end as `aborted`.
 
-use rand::rngs::SmallRng;
-use rand::SeedableRng;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
-use crate::cache::{cache_key, is_deterministic, ResponseCache};
+use crate::cache::{cache_key, is_deterministic, CacheKey, ResponseCache};
 use crate::error::{ErrorKind, ModelError, RetryHint};
+use crate::executor::{Executor, Observer};
 use crate::handler::{ModelHandler, ModelRequest};
-use crate::limit::{CallResult, ConcurrencyLimit, Gate};
 use crate::metrics::RunMetrics;
 use crate::outcome::{Failure, Outcome, Success};
 use crate::params::GenParams;
 use crate::record::Record;
-use crate::retry::{Decision, RetryPolicy};
-use crate::throttle::{RateLimiter, SreThrottler};
+use crate::retry::RetryPolicy;
+use crate::throttle::{RateSnapshot, Throttle};
 
 /// How long connecting may fail, with nothing ever answering, before the run stops: long enough
 /// for a server that is still starting, short enough not to burn through the input.
 const DEAD_ENDPOINT_AFTER: Duration = Duration::from_secs(5);
-
-/// How long a call rejected by the SRE throttler waits before asking again.
-const SRE_DELAY: Duration = Duration::from_millis(500);
-
-/// Push-back that says the endpoint is over capacity (for the concurrency limit), as opposed to a
-/// quota (for the rate budgets): a 503, or a 429 that names no quota and advises no delay.
-fn is_pushback(e: &ModelError) -> bool {
-    e.status == Some(503) || (e.kind == ErrorKind::RateLimited && e.quota.is_none() && e.retry_after().is_none())
-}
 
 /// Settings of the driver, validated by the caller.
 #[derive(Debug, Clone)]
@@ -77,281 +67,47 @@ pub struct StopReason {
     pub message: String,
 }
 
-/// Runs records through a model handler.
-pub struct Driver {
-    handler: Arc<dyn ModelHandler>,
-    limit: Arc<dyn ConcurrencyLimit>,
-    gate: Arc<Gate>,
-    settings: DriverSettings,
-    metrics: Arc<RunMetrics>,
-    stopped: AtomicBool,
-    stop_reason: Mutex<Option<StopReason>>,
+/// The run's rules for stopping early, fed every attempt by the executor.
+struct StopRules {
+    cancel: CancellationToken,
+    reason: Mutex<Option<StopReason>>,
     auth_failures: AtomicU64,
+    auth_failures_to_stop: u64,
+    max_retries: u32,
     answered: AtomicBool,
     first_unreachable: Mutex<Option<Instant>>,
-    seed: AtomicU64,
-    wake: tokio::sync::Notify,
-    cache: Option<Arc<dyn ResponseCache>>,
-    rate: Option<Arc<RateLimiter>>,
-    sre: Option<Mutex<SreThrottler>>,
-    model_id: String,
+    metrics: Arc<RunMetrics>,
 }
 
-impl Driver {
-    /// A driver over `handler`, limited by `limit`, counting into `metrics`.
-    pub fn new(
-        handler: Arc<dyn ModelHandler>,
-        limit: Arc<dyn ConcurrencyLimit>,
-        settings: DriverSettings,
-        metrics: Arc<RunMetrics>,
-    ) -> Self {
-        Self {
-            limit,
-            gate: Arc::new(Gate::default()),
-            settings,
-            metrics,
-            stopped: AtomicBool::new(false),
-            stop_reason: Mutex::new(None),
-            auth_failures: AtomicU64::new(0),
-            answered: AtomicBool::new(false),
-            first_unreachable: Mutex::new(None),
-            seed: AtomicU64::new(0x5eed),
-            wake: tokio::sync::Notify::new(),
-            model_id: handler.model_id().to_string(),
-            cache: None,
-            rate: None,
-            sre: None,
-            handler,
-        }
-    }
-
-    /// Keeps sends within the rate budgets of `rate`.
-    pub fn with_rate(mut self, rate: Arc<RateLimiter>) -> Self {
-        self.rate = Some(rate);
-        self
-    }
-
-    /// Adds Beam's client-side SRE throttler.
-    pub fn with_sre(mut self, sre: SreThrottler) -> Self {
-        self.sre = Some(Mutex::new(sre));
-        self
-    }
-
-    /// The concurrency limit in force.
-    pub fn concurrency(&self) -> usize {
-        self.limit.current()
-    }
-
-    /// The rate limits in force.
-    pub fn rate_snapshot(&self) -> Option<crate::throttle::RateSnapshot> {
-        self.rate.as_ref().map(|r| r.snapshot())
-    }
-
-    /// Answers from `cache` when it has the request, and stores every new answer in it.
-    pub fn with_cache(mut self, cache: Arc<dyn ResponseCache>) -> Self {
-        self.cache = Some(cache);
-        self
-    }
-
-    /// The run's metrics.
-    pub fn metrics(&self) -> &Arc<RunMetrics> {
-        &self.metrics
-    }
-
-    /// Why the run stopped early, if it did.
-    pub fn stop_reason(&self) -> Option<StopReason> {
-        self.stop_reason.lock().unwrap_or_else(|e| e.into_inner()).clone()
-    }
-
-    /// True once the run has stopped early.
-    pub fn is_stopped(&self) -> bool {
-        self.stopped.load(Relaxed)
-    }
-
-    /// Stops the run: records not yet tried end as `aborted`.
-    pub fn stop(&self, reason: StopReason) {
-        let mut r = self.stop_reason.lock().unwrap_or_else(|e| e.into_inner());
+impl StopRules {
+    fn stop(&self, reason: StopReason) {
+        let mut r = self.reason.lock().unwrap_or_else(|e| e.into_inner());
         if r.is_none() {
-            tracing::error!("stopping the run: {}", reason.message);
+            if reason.kind != ErrorKind::Aborted {
+                tracing::error!("stopping the run: {}", reason.message);
+            }
             *r = Some(reason);
         }
-        self.stopped.store(true, Relaxed);
-        // Records sleeping in backoff or held by the gate give up at once.
-        self.wake.notify_waiters();
+        self.cancel.cancel();
+    }
+}
+
+impl Observer for StopRules {
+    fn answered(&self) {
+        self.answered.store(true, Relaxed);
     }
 
-    /// Sleeps for `d`, or less if the run stops meanwhile.
-    async fn pause(&self, d: Duration) {
-        let woken = self.wake.notified();
-        if self.is_stopped() {
-            return;
+    fn failed_attempt(&self, error: &ModelError, attempts: u32) {
+        if error.status.is_some() {
+            self.answered.store(true, Relaxed);
         }
-        tokio::select! {
-            _ = tokio::time::sleep(d) => {}
-            _ = woken => {}
-        }
-    }
-
-    /// Counts a failure that never reached the driver (invalid input) and passes it on.
-    pub fn reject(&self, failure: Box<Failure>) -> Outcome {
-        self.metrics.record_failure(failure.error.kind);
-        Outcome::Failure(failure)
-    }
-
-    /// Takes one record to its outcome, retrying as the policy decides.
-    pub async fn run(&self, record: Record) -> Outcome {
-        let request = ModelRequest {
-            prompt: record.prompt.clone(),
-            system: self.settings.system.clone(),
-            params: self.settings.params.clone(),
-        };
-        let mut rng = SmallRng::seed_from_u64(self.seed.fetch_add(1, Relaxed));
-        let start = Instant::now();
-        let key = self.cache.as_ref().map(|c| (c, cache_key(&self.model_id, &request, &record.id)));
-        let cached = |record: Record, attempts: u32| {
-            let (cache, key) = key.as_ref()?;
-            let response = cache.get(key)?;
-            self.metrics.cache_hits.fetch_add(1, Relaxed);
-            self.metrics.record_success(response.usage.prompt_tokens, response.usage.output_tokens);
-            Some(Outcome::Success(Box::new(Success { record, response, attempts, latency: start.elapsed() })))
-        };
-        if key.is_some() {
-            if let Some(hit) = cached(record.clone(), 0) {
-                return hit;
-            }
-        }
-        let prompt_chars = if self.rate.is_some() {
-            request.prompt.chars().count() + request.system.as_deref().map_or(0, |s| s.chars().count())
-        } else {
-            0
-        };
-        let mut attempts = 0u32;
-        loop {
-            if self.is_stopped() {
-                let reason = self.stop_reason().map(|r| r.message).unwrap_or_default();
-                return self.fail(
-                    record,
-                    ModelError::new(ErrorKind::Aborted, format!("not tried: the run stopped ({reason})")),
-                    attempts,
-                );
-            }
-            let held = tokio::select! {
-                held = self.gate.wait() => held,
-                _ = self.wake.notified() => continue,
-            };
-            if !held.is_zero() {
-                self.metrics.add_throttled(held);
-            }
-            let (permit, level) = self.limit.acquire().await;
-            if self.is_stopped() {
-                // The run stopped while this record waited for a slot.
-                continue;
-            }
-            if key.is_some() && is_deterministic(&request.params) {
-                // A shared answer may have arrived while this record waited for its slot (an
-                // identical request ahead of it): ask again before paying for it.
-                if let Some(hit) = cached(record.clone(), attempts) {
-                    return hit;
-                }
-            }
-            if let Some(sre) = &self.sre {
-                while sre.lock().unwrap_or_else(|e| e.into_inner()).throttle(Instant::now()) && !self.is_stopped() {
-                    self.metrics.add_throttled(SRE_DELAY);
-                    self.pause(SRE_DELAY).await;
-                }
-            }
-            let ticket = match &self.rate {
-                Some(rate) => {
-                    let estimate = rate.estimate(prompt_chars, request.params.max_output_tokens);
-                    let ticket = tokio::select! {
-                        t = rate.acquire(estimate) => t,
-                        _ = self.wake.notified() => continue,
-                    };
-                    if !ticket.waited.is_zero() {
-                        self.metrics.add_throttled(ticket.waited);
-                    }
-                    Some(ticket)
-                }
-                None => None,
-            };
-            attempts += 1;
-            self.metrics.calls.fetch_add(1, Relaxed);
-            if attempts > 1 {
-                self.metrics.retries.fetch_add(1, Relaxed);
-            }
-            let t0 = Instant::now();
-            let result = match tokio::time::timeout(self.settings.timeout, self.handler.generate(&request)).await {
-                Ok(r) => r,
-                Err(_) => {
-                    Err(ModelError::new(ErrorKind::Timeout, format!("no answer within {:?}", self.settings.timeout)))
-                }
-            };
-            let latency = t0.elapsed();
-            drop(permit);
-            if let (Some(rate), Some(ticket)) = (&self.rate, ticket) {
-                rate.complete(ticket, &result);
-            }
-            let class = match &result {
-                Ok(_) => CallResult::Ok,
-                Err(e) if is_pushback(e) => CallResult::Backpressure,
-                Err(_) => CallResult::Other,
-            };
-            if let Some(sre) = &self.sre {
-                if class != CallResult::Backpressure && !matches!(&result, Err(e) if e.kind == ErrorKind::RateLimited) {
-                    sre.lock().unwrap_or_else(|e| e.into_inner()).accepted(Instant::now());
-                }
-            }
-            self.limit.feedback(level, latency, class);
-            if !matches!(&result, Err(e) if e.unreachable || e.status.is_none()) {
-                self.answered.store(true, Relaxed);
-            }
-            match result {
-                Ok(response) => {
-                    if let Some((cache, key)) = &key {
-                        cache.put(*key, &response);
-                    }
-                    self.metrics.record_success(response.usage.prompt_tokens, response.usage.output_tokens);
-                    return Outcome::Success(Box::new(Success {
-                        record,
-                        response,
-                        attempts,
-                        latency: start.elapsed(),
-                    }));
-                }
-                Err(error) => {
-                    if error.kind == ErrorKind::RateLimited {
-                        self.metrics.rate_limited.fetch_add(1, Relaxed);
-                    }
-                    self.check_stop(&error, attempts);
-                    match self.settings.retry.decide(attempts, &error, &mut rng) {
-                        Decision::GiveUp => return self.fail(record, error, attempts),
-                        Decision::Retry(delay) => {
-                            if let RetryHint::Later(Some(advised)) = error.hint {
-                                self.gate.hold(advised);
-                            }
-                            tracing::debug!(id = %record.id, attempts, ?delay, "retrying: {error}");
-                            self.pause(delay).await;
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    fn fail(&self, record: Record, error: ModelError, attempts: u32) -> Outcome {
-        self.metrics.record_failure(error.kind);
-        Outcome::Failure(Box::new(Failure::of(record, error, attempts)))
-    }
-
-    fn check_stop(&self, error: &ModelError, attempts: u32) {
         // A dead endpoint: no call of the run has ever reached a server, and connecting has
-        // failed for a while (a server still starting up gets that long) or this record is out
-        // of retries. Every other record would fare the same, so stop, resumable, rather than
-        // burn through the input.
+        // failed for a while (a server still starting up gets that long) or a record is out of
+        // retries. Every other record would fare the same.
         let dead = error.unreachable && !self.answered.load(Relaxed) && {
             let now = Instant::now();
             let first = *self.first_unreachable.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(now);
-            now.duration_since(first) >= DEAD_ENDPOINT_AFTER || attempts > self.settings.retry.max_retries
+            now.duration_since(first) >= DEAD_ENDPOINT_AFTER || attempts > self.max_retries
         };
         if dead {
             self.stop(StopReason {
@@ -365,7 +121,7 @@ impl Driver {
             self.stop(StopReason { kind: error.kind, message: error.message.clone() });
         } else if error.kind == ErrorKind::Auth {
             let n = self.auth_failures.fetch_add(1, Relaxed) + 1;
-            if n >= self.settings.auth_failures_to_stop && RunMetrics::get(&self.metrics.succeeded) == 0 {
+            if n >= self.auth_failures_to_stop && !self.answered_ok() {
                 self.stop(StopReason {
                     kind: ErrorKind::Auth,
                     message: format!(
@@ -378,12 +134,189 @@ impl Driver {
     }
 }
 
+impl StopRules {
+    fn answered_ok(&self) -> bool {
+        self.metrics.succeeded.load(Relaxed) > 0
+    }
+}
+
+/// Runs records through a model handler and its endpoint's executor.
+pub struct Driver {
+    handler: Arc<dyn ModelHandler>,
+    executor: Executor,
+    settings: DriverSettings,
+    metrics: Arc<RunMetrics>,
+    rules: Arc<StopRules>,
+    cache: Option<Arc<dyn ResponseCache>>,
+    /// Deterministic requests in flight, so identical ones wait for the first answer (and take
+    /// it from the cache) instead of paying for it again.
+    inflight: Mutex<HashMap<CacheKey, Arc<tokio::sync::Mutex<()>>>>,
+    model_id: String,
+}
+
+impl Driver {
+    /// A driver over `handler`, admitted by `throttle` (shared with whatever else calls the
+    /// same endpoint), counting into `metrics`.
+    pub fn new(
+        handler: Arc<dyn ModelHandler>,
+        throttle: Arc<Throttle>,
+        settings: DriverSettings,
+        metrics: Arc<RunMetrics>,
+    ) -> Self {
+        let rules = Arc::new(StopRules {
+            cancel: CancellationToken::new(),
+            reason: Mutex::new(None),
+            auth_failures: AtomicU64::new(0),
+            auth_failures_to_stop: settings.auth_failures_to_stop,
+            max_retries: settings.retry.max_retries,
+            answered: AtomicBool::new(false),
+            first_unreachable: Mutex::new(None),
+            metrics: metrics.clone(),
+        });
+        let executor = Executor::new(throttle, settings.retry.clone(), settings.timeout, metrics.clone())
+            .with_observer(rules.clone());
+        Self {
+            model_id: handler.model_id().to_string(),
+            handler,
+            executor,
+            settings,
+            metrics,
+            rules,
+            cache: None,
+            inflight: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Answers from `cache` when its rule allows, and stores every new answer in it.
+    pub fn with_cache(mut self, cache: Arc<dyn ResponseCache>) -> Self {
+        self.cache = Some(cache);
+        self
+    }
+
+    /// The endpoint's throttle.
+    pub fn throttle(&self) -> &Arc<Throttle> {
+        self.executor.throttle()
+    }
+
+    /// The concurrency limit in force.
+    pub fn concurrency(&self) -> usize {
+        self.throttle().concurrency()
+    }
+
+    /// The rate limits in force.
+    pub fn rate_snapshot(&self) -> Option<RateSnapshot> {
+        Some(self.throttle().rates())
+    }
+
+    /// The run's metrics.
+    pub fn metrics(&self) -> &Arc<RunMetrics> {
+        &self.metrics
+    }
+
+    /// Why the run stopped early, if it did.
+    pub fn stop_reason(&self) -> Option<StopReason> {
+        self.rules.reason.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// True once the run has stopped early.
+    pub fn is_stopped(&self) -> bool {
+        self.rules.cancel.is_cancelled()
+    }
+
+    /// Stops the run: records not yet tried end as `aborted`, calls in backoff give up.
+    pub fn stop(&self, reason: StopReason) {
+        self.rules.stop(reason);
+    }
+
+    /// Counts a failure that never reached the driver (invalid input) and passes it on.
+    pub fn reject(&self, failure: Box<Failure>) -> Outcome {
+        self.metrics.record_failure(failure.error.kind);
+        Outcome::Failure(failure)
+    }
+
+    /// The cached answer for `key`, counted as a hit.
+    fn cached(&self, key: Option<&CacheKey>) -> Option<crate::outcome::ModelResponse> {
+        let response = self.cache.as_ref()?.get(key?)?;
+        self.metrics.cache_hits.fetch_add(1, Relaxed);
+        self.metrics.record_success(response.usage.prompt_tokens, response.usage.output_tokens);
+        Some(response)
+    }
+
+    /// Takes one record to its outcome.
+    pub async fn run(&self, record: Record) -> Outcome {
+        let start = Instant::now();
+        let request = ModelRequest {
+            prompt: record.prompt.clone(),
+            system: self.settings.system.clone(),
+            params: self.settings.params.clone(),
+        };
+        let key = self.cache.as_ref().map(|_| cache_key(&self.model_id, &request, &record.id));
+        let hit = |response| {
+            Outcome::Success(Box::new(Success {
+                record: record.clone(),
+                response,
+                attempts: 0,
+                latency: start.elapsed(),
+            }))
+        };
+        if let Some(response) = self.cached(key.as_ref()) {
+            return hit(response);
+        }
+        // One request at a time per deterministic key: the others then find its answer cached.
+        let _single = match (&key, is_deterministic(&request.params)) {
+            (Some(k), true) => {
+                let m = self.inflight.lock().unwrap_or_else(|e| e.into_inner()).entry(*k).or_default().clone();
+                Some(m.lock_owned().await)
+            }
+            _ => None,
+        };
+        if _single.is_some() {
+            if let Some(response) = self.cached(key.as_ref()) {
+                return hit(response);
+            }
+        }
+        let chars = request.prompt.chars().count() + request.system.as_deref().map_or(0, |s| s.chars().count());
+        let weight = self.throttle().estimate(chars, request.params.max_output_tokens);
+        let result = self.executor.run(weight, &self.rules.cancel, || self.handler.generate(&request)).await;
+        if let Some(k) = &key {
+            let mut m = self.inflight.lock().unwrap_or_else(|e| e.into_inner());
+            if m.get(k).is_some_and(|a| Arc::strong_count(a) <= 2) {
+                m.remove(k);
+            }
+        }
+        match result {
+            Ok(done) => {
+                if let (Some(cache), Some(k)) = (&self.cache, &key) {
+                    cache.put(*k, &done.value);
+                }
+                self.metrics.record_success(done.value.usage.prompt_tokens, done.value.usage.output_tokens);
+                Outcome::Success(Box::new(Success {
+                    record,
+                    response: done.value,
+                    attempts: done.attempts,
+                    latency: start.elapsed(),
+                }))
+            }
+            Err(failed) => {
+                let error = if failed.cancelled {
+                    let reason = self.stop_reason().map(|r| r.message).unwrap_or_default();
+                    ModelError::new(ErrorKind::Aborted, format!("not finished: the run stopped ({reason})"))
+                } else {
+                    failed.error
+                };
+                self.metrics.record_failure(error.kind);
+                Outcome::Failure(Box::new(Failure::of(record, error, failed.attempts)))
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::limit::FixedLimit;
     use crate::outcome::{ModelResponse, Usage};
     use crate::record::RecordId;
+    use crate::throttle::ThrottleSettings;
     use std::collections::VecDeque;
 
     /// A handler that replays a script of results, one per call, and counts calls.
@@ -418,7 +351,12 @@ mod tests {
 
     fn driver(script: Vec<Result<Duration, ModelError>>, settings: DriverSettings) -> (Driver, Arc<Scripted>) {
         let h = Arc::new(Scripted { script: Mutex::new(script.into()), calls: AtomicU64::new(0) });
-        (Driver::new(h.clone(), Arc::new(FixedLimit::new(4)), settings, Arc::new(RunMetrics::default())), h)
+        let throttle = Arc::new(Throttle::new(&ThrottleSettings {
+            max_concurrency: 4,
+            adaptive: false,
+            ..ThrottleSettings::default()
+        }));
+        (Driver::new(h.clone(), throttle, settings, Arc::new(RunMetrics::default())), h)
     }
 
     #[tokio::test(start_paused = true)]

@@ -9,6 +9,7 @@
 pub mod cache;
 pub mod driver;
 pub mod error;
+pub mod executor;
 pub mod handler;
 pub mod limit;
 pub mod metrics;
@@ -22,6 +23,7 @@ pub mod throttle;
 pub use cache::{cache_key, is_deterministic, CacheKey, ResponseCache};
 pub use driver::{Driver, DriverSettings, StopReason};
 pub use error::{ErrorKind, ModelError, QuotaScope, RetryHint};
+pub use executor::{Done, Executor, Failed, Metered, NoObserver, Observer};
 pub use handler::{ModelHandler, ModelRequest};
 pub use limit::{Adaptive, AdaptiveLimit, CallResult, ConcurrencyLimit, FixedLimit, Gate};
 pub use metrics::RunMetrics;
@@ -29,4 +31,7 @@ pub use outcome::{Failure, LimitInfo, ModelResponse, Outcome, Success, Usage};
 pub use params::{GenParams, ParamError};
 pub use record::{PromptSource, Record, RecordId, RecordSpec, Template, TemplateError};
 pub use retry::{Decision, RetryPolicy};
-pub use throttle::{RateLimiter, RateSettings, RateSnapshot, SreThrottler, Ticket};
+pub use throttle::{
+    is_pushback, Admitted, RateLimiter, RateSettings, RateSnapshot, SreThrottler, Throttle, ThrottleSettings, Ticket,
+    Weight,
+};

@@ -9,14 +9,221 @@
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 use crate::error::{ErrorKind, ModelError, QuotaScope, RetryHint};
-use crate::outcome::ModelResponse;
+use crate::limit::{Adaptive, AdaptiveLimit, CallResult, ConcurrencyLimit, FixedLimit, Gate, Permit};
+use crate::outcome::{LimitInfo, ModelResponse, Usage};
 use crate::rate::{Budget, Mode};
+
+/// How an endpoint's [`Throttle`] is set up.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ThrottleSettings {
+    /// Most calls in flight.
+    pub max_concurrency: usize,
+    /// Find the concurrency the endpoint takes (else always `max_concurrency`).
+    pub adaptive: bool,
+    /// Rate budgets: given limits, and whether to learn them.
+    pub rate: RateSettings,
+    /// Beam's SRE client-side throttler with this overload ratio, when wanted.
+    pub sre_k: Option<f64>,
+}
+
+impl Default for ThrottleSettings {
+    fn default() -> Self {
+        Self { max_concurrency: 64, adaptive: true, rate: RateSettings::default(), sre_k: None }
+    }
+}
+
+/// The admission control of one endpoint (one URL and key), shared through an `Arc` by every
+/// task, record, batch or front end that calls it, so that together they stay within what the
+/// endpoint allows.
+///
+/// A call is admitted in this order: the server-advised pause ([`Gate`]), the SRE throttler,
+/// the rate budgets (requests and estimated tokens), and last a concurrency slot — so a call
+/// waiting for budget holds no slot, and the concurrency in force is the number of calls
+/// really on the wire. The throttle knows nothing of records, files or runs.
+pub struct Throttle {
+    gate: Gate,
+    limit: Arc<dyn ConcurrencyLimit>,
+    rate: RateLimiter,
+    sre: Option<Mutex<SreThrottler>>,
+    throttled_micros: AtomicU64,
+}
+
+/// How long a call rejected by the SRE throttler waits before asking again.
+const SRE_DELAY: Duration = Duration::from_millis(500);
+
+/// A call's cost to the endpoint: one request, and an estimate of the tokens it will count.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Weight {
+    /// Estimated tokens (prompt plus expected output), corrected by the answer's usage.
+    pub tokens: u64,
+}
+
+/// Push-back that says the endpoint is over capacity (for the concurrency limit), as opposed to a
+/// quota (for the rate budgets): a 503, or a 429 that names no quota and advises no delay.
+pub fn is_pushback(e: &ModelError) -> bool {
+    e.status == Some(503) || (e.kind == ErrorKind::RateLimited && e.quota.is_none() && e.retry_after().is_none())
+}
+
+/// A call admitted by a [`Throttle`]: it holds a concurrency slot and a place in the budgets
+/// until [`Admitted::finish`] reports how the call went (dropping it unreported frees both, as
+/// a call that failed without an answer).
+pub struct Admitted<'a> {
+    throttle: &'a Throttle,
+    permit: Option<Permit>,
+    level: usize,
+    ticket: Option<Ticket>,
+    sent: Instant,
+    /// Time the call was held by a server-advised pause, the SRE throttler and the budgets
+    /// (not counting the wait for a concurrency slot).
+    pub waited: Duration,
+}
+
+impl Throttle {
+    /// A throttle with the given settings.
+    pub fn new(settings: &ThrottleSettings) -> Self {
+        let limit: Arc<dyn ConcurrencyLimit> = if settings.adaptive {
+            Arc::new(Adaptive(AdaptiveLimit::new(16, settings.max_concurrency)))
+        } else {
+            Arc::new(FixedLimit::new(settings.max_concurrency))
+        };
+        Self {
+            gate: Gate::default(),
+            limit,
+            rate: RateLimiter::new(settings.rate.clone()),
+            sre: settings.sre_k.map(|k| Mutex::new(SreThrottler::new(k, settings.rate.window, 0x5e))),
+            throttled_micros: AtomicU64::new(0),
+        }
+    }
+
+    /// Estimates the tokens of a call with `prompt_chars` characters of input.
+    pub fn estimate(&self, prompt_chars: usize, max_output: Option<u32>) -> Weight {
+        Weight { tokens: self.rate.estimate(prompt_chars, max_output) }
+    }
+
+    /// Waits until a call of `weight` may start; `None` if `cancel` fires first.
+    pub async fn admit(&self, weight: Weight, cancel: &CancellationToken) -> Option<Admitted<'_>> {
+        tokio::select! {
+            biased;
+            _ = cancel.cancelled() => None,
+            a = self.admit_inner(weight) => Some(a),
+        }
+    }
+
+    async fn admit_inner(&self, weight: Weight) -> Admitted<'_> {
+        let start = Instant::now();
+        self.gate.wait().await;
+        if let Some(sre) = &self.sre {
+            while sre.lock().unwrap_or_else(|e| e.into_inner()).throttle(Instant::now()) {
+                tokio::time::sleep(SRE_DELAY).await;
+            }
+        }
+        let sre_held = start.elapsed();
+        // A slot first, then the budgets — but a call the budgets turn away gives its slot back
+        // while it waits, so waiting for budget never holds a slot, and the budgets count a
+        // send only at the moment it really goes out.
+        let mut held = Duration::ZERO;
+        let (permit, level, ticket) = loop {
+            let (permit, level) = self.limit.acquire().await;
+            // A pause the server asked for while this call waited for its slot holds it too.
+            let t = Instant::now();
+            self.gate.wait().await;
+            let changed = self.rate.changed.notified();
+            match self.rate.try_acquire(weight.tokens) {
+                Ok(ticket) => {
+                    held += t.elapsed();
+                    break (permit, level, ticket);
+                }
+                Err(wake) => {
+                    drop(permit);
+                    tokio::select! {
+                        _ = async {
+                            match wake {
+                                Some(at) => tokio::time::sleep_until(at).await,
+                                None => std::future::pending().await,
+                            }
+                        } => {}
+                        _ = changed => {}
+                    }
+                    held += t.elapsed();
+                }
+            }
+        };
+        // Throttled time is what the pause, the SRE throttler and the budgets held the call; a
+        // wait for a concurrency slot is the endpoint's pace, not throttling.
+        let waited = held + sre_held;
+        self.throttled_micros.fetch_add(waited.as_micros() as u64, Relaxed);
+        Admitted { throttle: self, permit: Some(permit), level, ticket: Some(ticket), sent: Instant::now(), waited }
+    }
+
+    /// Holds every new call for `delay` (a server-advised pause; never shortens one in force).
+    pub fn hold(&self, delay: Duration) {
+        self.gate.hold(delay);
+    }
+
+    /// The concurrency limit in force.
+    pub fn concurrency(&self) -> usize {
+        self.limit.current()
+    }
+
+    /// The rate limits in force.
+    pub fn rates(&self) -> RateSnapshot {
+        self.rate.snapshot()
+    }
+
+    /// Total time calls waited to be admitted (Beam's `cumulativeThrottlingSeconds`).
+    pub fn throttled(&self) -> Duration {
+        Duration::from_micros(self.throttled_micros.load(Relaxed))
+    }
+}
+
+impl Admitted<'_> {
+    /// Reports how the call went (usage and rate-limit headers of an answer, or the error):
+    /// frees the slot, corrects the budgets, and teaches the limits.
+    pub fn finish(mut self, result: Result<(Usage, Option<LimitInfo>), &ModelError>) {
+        let latency = self.sent.elapsed();
+        drop(self.permit.take());
+        let t = self.throttle;
+        if let Some(ticket) = self.ticket.take() {
+            t.rate.complete_with(ticket, result);
+        }
+        let class = match result {
+            Ok(_) => CallResult::Ok,
+            Err(e) if is_pushback(e) => CallResult::Backpressure,
+            Err(_) => CallResult::Other,
+        };
+        if let Some(sre) = &t.sre {
+            if class != CallResult::Backpressure && !matches!(result, Err(e) if e.kind == ErrorKind::RateLimited) {
+                sre.lock().unwrap_or_else(|e| e.into_inner()).accepted(Instant::now());
+            }
+        }
+        t.limit.feedback(self.level, latency, class);
+        if let Err(e) = result {
+            // A server-advised pause holds every call (even after a refusal a budget explains
+            // as its own experiment: measured, not pausing then let the window drift more).
+            if let RetryHint::Later(Some(advised)) = e.hint {
+                t.gate.hold(advised);
+            }
+        }
+    }
+}
+
+impl Drop for Admitted<'_> {
+    fn drop(&mut self) {
+        // Not reported (the call was cancelled): the server may have counted it, so the budgets
+        // keep it; the slot is freed without teaching the concurrency limit anything.
+        if let Some(ticket) = self.ticket.take() {
+            let e = ModelError::new(ErrorKind::Aborted, "cancelled");
+            self.throttle.rate.complete_with(ticket, Err(&e));
+        }
+    }
+}
 
 /// Static limits and options, from the command line.
 #[derive(Debug, Clone, PartialEq)]
@@ -91,28 +298,54 @@ impl RateLimiter {
         prompt + out
     }
 
+    /// Takes a place for a send of `tokens` now, if both budgets admit it; otherwise says when
+    /// to try again (`None`: when some send completes).
+    pub fn try_acquire(&self, tokens: u64) -> Result<Ticket, Option<Instant>> {
+        let weight = tokens as f64;
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        // Ids are taken under the lock, so each budget's log stays sorted by id.
+        let id = self.next_id.fetch_add(1, Relaxed);
+        match s.0.try_take(id, 1.0, now) {
+            Ok(()) => match s.1.try_take(id, weight, now) {
+                Ok(()) => Ok(Ticket { id, tokens: weight, waited: Duration::ZERO }),
+                Err(wake) => {
+                    // The token budget said no: the send does not happen.
+                    s.0.forget(id);
+                    Err(wake)
+                }
+            },
+            Err(wake) => Err(wake),
+        }
+    }
+
+    /// Waits until `wake` (or, with `None`, until some send completes), or until the budgets
+    /// change, whichever comes first.
+    pub async fn wait(&self, wake: Option<Instant>) {
+        let changed = self.changed.notified();
+        match wake {
+            Some(at) => {
+                tokio::select! {
+                    _ = tokio::time::sleep_until(at) => {}
+                    _ = changed => {}
+                }
+            }
+            None => changed.await,
+        }
+    }
+
     /// Waits until both budgets admit a send of `tokens`.
     pub async fn acquire(&self, tokens: u64) -> Ticket {
-        let weight = tokens as f64;
         let start = Instant::now();
         loop {
+            // Registered before trying, so a change between the try and the wait is not missed.
             let changed = self.changed.notified();
-            let wake = {
-                let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
-                let now = Instant::now();
-                // Ids are taken under the lock, so each budget's log stays sorted by id.
-                let id = self.next_id.fetch_add(1, Relaxed);
-                match s.0.try_take(id, 1.0, now) {
-                    Ok(()) => match s.1.try_take(id, weight, now) {
-                        Ok(()) => return Ticket { id, tokens: weight, waited: start.elapsed() },
-                        Err(wake) => {
-                            // The token budget said no: the send does not happen.
-                            s.0.forget(id);
-                            wake
-                        }
-                    },
-                    Err(wake) => wake,
+            let wake = match self.try_acquire(tokens) {
+                Ok(mut t) => {
+                    t.waited = start.elapsed();
+                    return t;
                 }
+                Err(wake) => wake,
             };
             match wake {
                 Some(at) => {
@@ -128,20 +361,37 @@ impl RateLimiter {
 
     /// Reports how the call went.
     pub fn complete(&self, ticket: Ticket, result: &Result<ModelResponse, ModelError>) {
+        self.complete_with(ticket, result.as_ref().map(|r| (r.usage, r.limits)));
+    }
+
+    /// Marks the moment the call of `ticket` is really sent (after waiting for a concurrency
+    /// slot), so the budgets free its slot one window after the server counted it, not earlier.
+    pub fn sent(&self, ticket: &Ticket) {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        s.0.restamp(ticket.id, now);
+        s.1.restamp(ticket.id, now);
+    }
+
+    /// Reports how the call went: the usage and rate-limit headers of an answer, or the error.
+    /// Returns true when a refusal is explained by a budget's own experiment (see
+    /// [`Budget::refused`]), so that no pause is needed.
+    pub fn complete_with(&self, ticket: Ticket, result: Result<(Usage, Option<LimitInfo>), &ModelError>) -> bool {
+        let mut explained = false;
         {
             let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
             let now = Instant::now();
             match result {
-                Ok(r) => {
-                    let counted = if r.usage.total_tokens > 0 {
-                        r.usage.total_tokens
+                Ok((usage, limits)) => {
+                    let counted = if usage.total_tokens > 0 {
+                        usage.total_tokens
                     } else {
-                        r.usage.prompt_tokens + r.usage.output_tokens
+                        usage.prompt_tokens + usage.output_tokens
                     };
                     s.0.admitted(ticket.id, 1.0);
                     s.1.admitted(ticket.id, if counted > 0 { counted as f64 } else { ticket.tokens });
                     if self.settings.learn {
-                        if let Some(l) = r.limits {
+                        if let Some(l) = limits {
                             if self.settings.requests.is_none() {
                                 if let Some(n) = l.requests {
                                     s.0.learn_capacity(n, l.requests_reset);
@@ -156,7 +406,7 @@ impl RateLimiter {
                     }
                     let mut m = self.mean_output.lock().unwrap_or_else(|e| e.into_inner());
                     m.1 += 1;
-                    m.0 += (r.usage.output_tokens as f64 - m.0) / m.1 as f64;
+                    m.0 += (usage.output_tokens as f64 - m.0) / m.1 as f64;
                 }
                 Err(e)
                     if e.kind == ErrorKind::RateLimited
@@ -171,7 +421,7 @@ impl RateLimiter {
                     // The other quota did not count the send either.
                     other.forget(ticket.id);
                     if self.settings.learn || refusing.mode() != Mode::Unlimited {
-                        refusing.refused(ticket.id, now, delay);
+                        explained = refusing.refused(ticket.id, now, delay);
                     } else {
                         refusing.failed(ticket.id);
                     }
@@ -183,6 +433,7 @@ impl RateLimiter {
             }
         }
         self.changed.notify_waiters();
+        explained
     }
 
     /// The limits in force.

@@ -57,6 +57,9 @@ pub struct QuotaConfig {
     pub requests_per_day: u64,
     /// Length of the simulated day, in seconds.
     pub day_secs: f64,
+    /// Round every advised delay up to whole seconds, as real servers do (OpenAI's
+    /// `retry-after: 2`, Gemini's `retryDelay: "13s"`), instead of advising it exactly.
+    pub round_advice: bool,
 }
 
 impl Default for QuotaConfig {
@@ -67,6 +70,7 @@ impl Default for QuotaConfig {
             window_secs: 60.0,
             requests_per_day: 0,
             day_secs: 86_400.0,
+            round_advice: false,
         }
     }
 }

@@ -101,7 +101,23 @@ impl Quotas {
     }
 
     /// Tries to admit a request of `tokens` for `key` at `now`. On success the request is counted.
+    /// With `round_advice`, a rejection's advised delay is rounded up to whole seconds.
     pub fn admit(&mut self, key: &str, tokens: u64, now: Instant) -> Result<Usage, Rejection> {
+        let mut r = self.admit_exact(key, tokens, now);
+        if self.config.round_advice {
+            if let Err(
+                Rejection::Requests { retry_after, .. }
+                | Rejection::Tokens { retry_after, .. }
+                | Rejection::Daily { retry_after, .. },
+            ) = &mut r
+            {
+                *retry_after = Duration::from_secs(retry_after.as_secs_f64().ceil().max(1.0) as u64);
+            }
+        }
+        r
+    }
+
+    fn admit_exact(&mut self, key: &str, tokens: u64, now: Instant) -> Result<Usage, Rejection> {
         let c = &self.config;
         let window = self.window;
         let day = Duration::from_secs_f64(c.day_secs);

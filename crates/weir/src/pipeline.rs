@@ -16,8 +16,8 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::Instant;
 use weir_core::{
-    Adaptive, AdaptiveLimit, ConcurrencyLimit, Driver, DriverSettings, ErrorKind, Failure, FixedLimit, ModelError,
-    Outcome, PromptSource, RateLimiter, RateSettings, Record, RecordSpec, RunMetrics, SreThrottler, StopReason,
+    Driver, DriverSettings, ErrorKind, Failure, ModelError, Outcome, PromptSource, RateSettings, Record, RecordSpec,
+    RunMetrics, StopReason, Throttle, ThrottleSettings,
 };
 use weir_io::state::{self, finished_key, id_key, RunIdentity};
 use weir_io::{ErrorRow, InputPath, JsonlWriter, OutputPath, RedbCache, ResultRow};
@@ -273,16 +273,13 @@ pub async fn run(
     let mut errors = open(&mut err_file)?;
 
     let metrics = Arc::new(RunMetrics::default());
-    let limit: Arc<dyn ConcurrencyLimit> = if settings.adaptive {
-        Arc::new(Adaptive(AdaptiveLimit::new(16, settings.max_concurrency)))
-    } else {
-        Arc::new(FixedLimit::new(settings.max_concurrency))
-    };
-    let mut driver = Driver::new(endpoint.handler.clone(), limit, settings.driver.clone(), metrics.clone())
-        .with_rate(Arc::new(RateLimiter::new(settings.rate.clone())));
-    if let Some(k) = settings.sre_k {
-        driver = driver.with_sre(SreThrottler::new(k, settings.rate.window, 0x5e));
-    }
+    let throttle = Arc::new(Throttle::new(&ThrottleSettings {
+        max_concurrency: settings.max_concurrency,
+        adaptive: settings.adaptive,
+        rate: settings.rate.clone(),
+        sre_k: settings.sre_k,
+    }));
+    let mut driver = Driver::new(endpoint.handler.clone(), throttle, settings.driver.clone(), metrics.clone());
     if let Some(c) = &cache {
         driver = driver.with_cache(c.clone());
     }

@@ -53,6 +53,9 @@ pub struct SimArgs {
     /// Length of the simulated day, in seconds.
     #[arg(long, value_name = "SECS")]
     day_secs: Option<f64>,
+    /// Round advised delays (retry-after, retryDelay) up to whole seconds, as real servers do.
+    #[arg(long)]
+    round_advice: bool,
     /// Hidden concurrency cap: requests in flight above this are overloaded (0 = none).
     #[arg(long, value_name = "N")]
     max_in_flight: Option<u64>,
@@ -100,6 +103,9 @@ impl SimArgs {
         set!(c.quota.window_secs, self.window_secs);
         set!(c.quota.requests_per_day, self.rpd);
         set!(c.quota.day_secs, self.day_secs);
+        if self.round_advice {
+            c.quota.round_advice = true;
+        }
         set!(c.concurrency.max_in_flight, self.max_in_flight);
         set!(c.faults.hang_secs, self.hang_secs);
         set!(c.output.min_tokens, self.min_tokens);

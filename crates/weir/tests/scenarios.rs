@@ -13,9 +13,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::time::Instant;
 use weir_core::{
-    Adaptive, AdaptiveLimit, ConcurrencyLimit, Driver, DriverSettings, ErrorKind, FixedLimit, ModelError, ModelHandler,
-    ModelRequest, ModelResponse, Outcome, QuotaScope, RateLimiter, RateSettings, Record, RetryHint, RetryPolicy,
-    RunMetrics, Usage,
+    Driver, DriverSettings, ErrorKind, ModelError, ModelHandler, ModelRequest, ModelResponse, Outcome, QuotaScope,
+    RateSettings, Record, RetryHint, RetryPolicy, RunMetrics, Throttle, ThrottleSettings, Usage,
 };
 use weir_sim::config::QuotaConfig;
 use weir_sim::quota::{Quotas, Rejection};
@@ -45,6 +44,11 @@ struct Client {
     limit_window_secs: Option<f64>,
     #[serde(default)]
     fixed_concurrency: bool,
+    /// Independent clients (processes) sharing the endpoint's quota.
+    #[serde(default)]
+    clients: usize,
+    /// Beam's SRE throttler with this overload ratio.
+    sre_k: Option<f64>,
 }
 
 #[derive(Debug, Default, Deserialize, Clone)]
@@ -70,6 +74,9 @@ struct Endpoint {
     /// Share of calls answered 503 at random, whatever the load (a flaky backend, not overload).
     #[serde(default)]
     random_503: f64,
+    /// Advised delays rounded up to whole seconds, as real servers send them.
+    #[serde(default)]
+    round_advice: bool,
 }
 
 fn default_window() -> f64 {
@@ -101,6 +108,10 @@ struct Expect {
     all_succeed: Option<bool>,
     stopped: Option<String>,
     successes: Option<[u64; 2]>,
+    /// Tokens per full window (after the first) ÷ the token quota.
+    token_window_share: Option<[f64; 2]>,
+    /// The ideal completion time (every window full from the start) ÷ the actual one.
+    completion_share: Option<[f64; 2]>,
 }
 
 /// The simulated endpoint: the simulator's quota logic with virtual time.
@@ -110,6 +121,7 @@ struct SimEndpoint {
     in_flight: AtomicU64,
     start: Instant,
     successes: Mutex<Vec<f64>>,
+    tokens: Mutex<Vec<(f64, u64)>>,
     rejected: AtomicU64,
     calls: AtomicU64,
     rng: Mutex<SmallRng>,
@@ -189,7 +201,9 @@ impl ModelHandler for SimEndpoint {
             Err(Rejection::TooLarge { .. }) => return Err(ModelError::new(ErrorKind::BadRequest, "too large")),
         }
         tokio::time::sleep(Duration::from_secs_f64(latency / 1000.0)).await;
-        self.successes.lock().unwrap().push(Instant::now().duration_since(self.start).as_secs_f64());
+        let at = Instant::now().duration_since(self.start).as_secs_f64();
+        self.successes.lock().unwrap().push(at);
+        self.tokens.lock().unwrap().push((at, prompt_tokens + output_tokens));
         Ok(ModelResponse {
             text: "ok".into(),
             finish_reason: "stop".into(),
@@ -217,12 +231,27 @@ async fn run_scenario(name: &str) -> Vec<String> {
     let sc: Scenario =
         toml::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap_or_else(|e| panic!("{path}: {e}"));
     println!("{name}: {}", sc.description);
+    let e = &sc.expect;
+    let asserts = [
+        e.window_share.is_some(),
+        e.rejected_share.is_some(),
+        e.learned_requests.is_some(),
+        e.throughput_share.is_some(),
+        e.final_concurrency.is_some(),
+        e.all_succeed.is_some(),
+        e.stopped.is_some(),
+        e.successes.is_some(),
+        e.token_window_share.is_some(),
+        e.completion_share.is_some(),
+    ];
+    assert!(asserts.iter().any(|a| *a), "{path}: [expect] asserts nothing, so the scenario could not fail");
     let quota = QuotaConfig {
         requests_per_window: sc.endpoint.requests_per_window,
         tokens_per_window: sc.endpoint.tokens_per_window,
         window_secs: sc.endpoint.window_secs,
         requests_per_day: sc.endpoint.requests_per_day,
         day_secs: 86_400.0,
+        round_advice: sc.endpoint.round_advice,
     };
     let endpoint = Arc::new(SimEndpoint {
         cfg: sc.endpoint.clone(),
@@ -230,15 +259,11 @@ async fn run_scenario(name: &str) -> Vec<String> {
         in_flight: AtomicU64::new(0),
         start: Instant::now(),
         successes: Mutex::new(Vec::new()),
+        tokens: Mutex::new(Vec::new()),
         rejected: AtomicU64::new(0),
         calls: AtomicU64::new(0),
         rng: Mutex::new(SmallRng::seed_from_u64(7)),
     });
-    let limit: Arc<dyn ConcurrencyLimit> = if sc.client.fixed_concurrency {
-        Arc::new(FixedLimit::new(sc.max_concurrency))
-    } else {
-        Arc::new(Adaptive(AdaptiveLimit::new(16, sc.max_concurrency)))
-    };
     let window = Duration::from_secs_f64(sc.client.limit_window_secs.unwrap_or(60.0));
     let rate = RateSettings { requests: sc.client.rpm, tokens: sc.client.tpm, window, learn: true };
     let settings = DriverSettings {
@@ -247,9 +272,19 @@ async fn run_scenario(name: &str) -> Vec<String> {
         ..DriverSettings::default()
     };
     let metrics = Arc::new(RunMetrics::default());
-    let driver = Arc::new(
-        Driver::new(endpoint.clone(), limit, settings, metrics.clone()).with_rate(Arc::new(RateLimiter::new(rate))),
-    );
+    // Each client is a process of its own: its own throttle, the endpoint's quota shared.
+    let drivers: Vec<Arc<Driver>> = (0..sc.client.clients.max(1))
+        .map(|_| {
+            let throttle = Arc::new(Throttle::new(&ThrottleSettings {
+                max_concurrency: sc.max_concurrency,
+                adaptive: !sc.client.fixed_concurrency,
+                rate: rate.clone(),
+                sre_k: sc.client.sre_k,
+            }));
+            Arc::new(Driver::new(endpoint.clone(), throttle, settings.clone(), metrics.clone()))
+        })
+        .collect();
+    let driver = drivers[0].clone();
     let records = (0..sc.records).map(|i| Record {
         id: weir_core::RecordId::Text(i.to_string()),
         line: i as u64 + 1,
@@ -257,14 +292,34 @@ async fn run_scenario(name: &str) -> Vec<String> {
         input: Default::default(),
     });
     let t0 = Instant::now();
-    let outcomes: Vec<Outcome> = futures::stream::iter(records)
-        .map(|r| {
-            let d = driver.clone();
-            async move { d.run(r).await }
+    // The records are dealt to the clients in turn; each client works through its share.
+    let n = drivers.len();
+    let mut shares: Vec<Vec<Record>> = (0..n).map(|_| Vec::new()).collect();
+    for (i, r) in records.enumerate() {
+        shares[i % n].push(r);
+    }
+    let tasks: Vec<_> = drivers
+        .iter()
+        .cloned()
+        .zip(shares)
+        .map(|(d, share)| {
+            let width = sc.max_concurrency * 4;
+            tokio::spawn(async move {
+                futures::stream::iter(share)
+                    .map(|r| {
+                        let d = d.clone();
+                        async move { d.run(r).await }
+                    })
+                    .buffer_unordered(width)
+                    .collect::<Vec<Outcome>>()
+                    .await
+            })
         })
-        .buffer_unordered(sc.max_concurrency * 4)
-        .collect()
-        .await;
+        .collect();
+    let mut outcomes = Vec::new();
+    for t in tasks {
+        outcomes.extend(t.await.unwrap());
+    }
     let elapsed = t0.elapsed().as_secs_f64();
     let ok = outcomes.iter().filter(|o| matches!(o, Outcome::Success(_))).count() as u64;
     let calls = endpoint.calls.load(Relaxed);
@@ -301,6 +356,35 @@ async fn run_scenario(name: &str) -> Vec<String> {
         println!("  per-window shares: {:?}", shares.iter().map(|s| format!("{s:.2}")).collect::<Vec<_>>());
         let mean = shares.iter().sum::<f64>() / shares.len().max(1) as f64;
         check(name, "mean successes per window / quota", mean, r, &mut failures);
+    }
+    if let Some(r) = e.token_window_share {
+        let w = sc.endpoint.window_secs;
+        let tokens = endpoint.tokens.lock().unwrap().clone();
+        let last = tokens.iter().map(|t| t.0).fold(0.0, f64::max);
+        let full = (last / w).floor() as usize;
+        let shares: Vec<f64> = (1..full)
+            .map(|k| {
+                let (a, b) = (k as f64 * w, (k + 1) as f64 * w);
+                tokens.iter().filter(|t| t.0 >= a && t.0 < b).map(|t| t.1).sum::<u64>() as f64
+                    / sc.endpoint.tokens_per_window as f64
+            })
+            .collect();
+        println!("  per-window token shares: {:?}", shares.iter().map(|s| format!("{s:.2}")).collect::<Vec<_>>());
+        let mean = shares.iter().sum::<f64>() / shares.len().max(1) as f64;
+        check(name, "mean tokens per window / token quota", mean, r, &mut failures);
+    }
+    if let Some(r) = e.completion_share {
+        let w = sc.endpoint.window_secs;
+        let times = endpoint.successes.lock().unwrap().clone();
+        let last = times.iter().cloned().fold(0.0, f64::max);
+        let counts: Vec<usize> = (0..=(last / w).floor() as usize)
+            .map(|k| times.iter().filter(|t| **t >= k as f64 * w && **t < (k + 1) as f64 * w).count())
+            .collect();
+        println!("  successes per window: {counts:?}");
+        // Every window full from the start: the last window's requests start when it opens.
+        let q = sc.endpoint.requests_per_window as f64;
+        let ideal = ((sc.records as f64 - 1.0) / q).floor() * sc.endpoint.window_secs + sc.endpoint.latency_ms / 1000.0;
+        check(name, "ideal completion time / actual", ideal / elapsed, r, &mut failures);
     }
     if let Some(r) = e.learned_requests {
         let learned = driver.rate_snapshot().and_then(|s| s.requests).map_or(0.0, |x| x.0);
@@ -350,3 +434,7 @@ scenario!(bursts_503);
 scenario!(daily_quota);
 scenario!(random_503_quota);
 scenario!(random_503_cap);
+scenario!(token_quota);
+scenario!(coarse_advice);
+scenario!(two_clients);
+scenario!(sre_throttle);

@@ -1,0 +1,468 @@
+//! The executor: takes one call to a result through admission, a hard timeout and retries.
+//!
+//! A *call* is whatever a provider sends in one request: one prompt, or a batch of items (Vertex
+//! `:predict` instances, an embedding batch). The executor knows nothing of records, files or
+//! runs: the caller hands it a closure that makes the call, a [`Weight`], and a cancellation
+//! token it owns. For each attempt the [`Throttle`] admits the call, the closure's future runs
+//! under the timeout (dropped when time is up, which cancels the request), the throttle learns
+//! from the result, and the [`RetryPolicy`] decides what happens next — deciding to retry is the
+//! policy's business, doing it is the executor's.
+//!
+//! Nothing is sticky. An error that says retrying cannot help ([`RetryHint::Never`]) or that no
+//! other call will fare better either ([`RetryHint::StopRun`], a spent per-day quota) ends the
+//! call and goes back to the caller, who decides what it means for everything else (`weir run`
+//! stops; a long-lived worker may wait until tomorrow). Cancelling the token ends every call
+//! that uses it at its next wait.
+//!
+//! A batched call has one outcome per item. A whole-call failure (429, 503, timeout) retries the
+//! call; an item that failed on its own is retried alone in a later call with the other failed
+//! items, never with the items that already succeeded.
+
+use rand::rngs::SmallRng;
+use rand::SeedableRng;
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::error::{ErrorKind, ModelError};
+use crate::metrics::RunMetrics;
+use crate::outcome::{LimitInfo, ModelResponse, Usage};
+use crate::retry::{Decision, RetryPolicy};
+use crate::throttle::{Throttle, Weight};
+
+/// What an answer tells the throttle: the usage it counted and any rate-limit headers.
+pub trait Metered {
+    /// Tokens the endpoint counted for this answer.
+    fn usage(&self) -> Usage;
+    /// Rate limits the answer's headers reported.
+    fn limits(&self) -> Option<LimitInfo> {
+        None
+    }
+}
+
+impl Metered for ModelResponse {
+    fn usage(&self) -> Usage {
+        self.usage
+    }
+    fn limits(&self) -> Option<LimitInfo> {
+        self.limits
+    }
+}
+
+/// A finished call.
+#[derive(Debug, Clone)]
+pub struct Done<T> {
+    /// The answer.
+    pub value: T,
+    /// Attempts made, the successful one included.
+    pub attempts: u32,
+    /// From the first admission request to the answer, waits and backoff included.
+    pub latency: Duration,
+}
+
+/// A call that ended without an answer.
+#[derive(Debug, Clone)]
+pub struct Failed {
+    /// The last error; `aborted` when the call was cancelled before any attempt.
+    pub error: ModelError,
+    /// Attempts made.
+    pub attempts: u32,
+    /// True when the caller's token ended it.
+    pub cancelled: bool,
+}
+
+/// Something that watches every attempt's error (e.g. a front end's rule for stopping a run
+/// when credentials are rejected or nothing can be reached).
+pub trait Observer: Send + Sync {
+    /// Called after each failed attempt, with the attempts made so far.
+    fn failed_attempt(&self, error: &ModelError, attempts: u32);
+    /// Called after each answered attempt.
+    fn answered(&self) {}
+}
+
+/// An observer that does nothing.
+pub struct NoObserver;
+
+impl Observer for NoObserver {
+    fn failed_attempt(&self, _error: &ModelError, _attempts: u32) {}
+}
+
+/// Runs calls against one endpoint's [`Throttle`].
+pub struct Executor {
+    throttle: Arc<Throttle>,
+    policy: RetryPolicy,
+    timeout: Duration,
+    metrics: Arc<RunMetrics>,
+    seed: AtomicU64,
+    observer: Arc<dyn Observer>,
+}
+
+impl Executor {
+    /// An executor over `throttle`: every attempt is cut at `timeout`, and retried as `policy`
+    /// decides. Counts calls, retries and rate-limit refusals into `metrics`.
+    pub fn new(throttle: Arc<Throttle>, policy: RetryPolicy, timeout: Duration, metrics: Arc<RunMetrics>) -> Self {
+        Self { throttle, policy, timeout, metrics, seed: AtomicU64::new(0x5eed), observer: Arc::new(NoObserver) }
+    }
+
+    /// Reports every attempt to `observer`.
+    pub fn with_observer(mut self, observer: Arc<dyn Observer>) -> Self {
+        self.observer = observer;
+        self
+    }
+
+    /// The throttle calls are admitted by.
+    pub fn throttle(&self) -> &Arc<Throttle> {
+        &self.throttle
+    }
+
+    /// The counters.
+    pub fn metrics(&self) -> &Arc<RunMetrics> {
+        &self.metrics
+    }
+
+    fn rng(&self) -> SmallRng {
+        SmallRng::seed_from_u64(self.seed.fetch_add(1, Relaxed))
+    }
+
+    /// One attempt: admission, then `call` under the timeout. `None` when cancelled while
+    /// waiting for admission.
+    async fn attempt<T: Metered, Fut>(
+        &self,
+        weight: Weight,
+        cancel: &CancellationToken,
+        attempts: u32,
+        call: Fut,
+    ) -> Option<Result<T, ModelError>>
+    where
+        Fut: Future<Output = Result<T, ModelError>>,
+    {
+        let admitted = self.throttle.admit(weight, cancel).await?;
+        if !admitted.waited.is_zero() {
+            self.metrics.add_throttled(admitted.waited);
+        }
+        self.metrics.calls.fetch_add(1, Relaxed);
+        if attempts > 0 {
+            self.metrics.retries.fetch_add(1, Relaxed);
+        }
+        // A call on the wire is not cancelled: the endpoint may already have counted (and
+        // billed) it, so its answer is worth waiting for. Cancellation ends calls at their
+        // next wait; a caller that cannot wait drops the future.
+        let result = match tokio::time::timeout(self.timeout, call).await {
+            Ok(r) => r,
+            Err(_) => Err(ModelError::new(ErrorKind::Timeout, format!("no answer within {:?}", self.timeout))),
+        };
+        admitted.finish(result.as_ref().map(|v| (v.usage(), v.limits())));
+        match &result {
+            Ok(_) => self.observer.answered(),
+            Err(e) => {
+                if e.kind == ErrorKind::RateLimited {
+                    self.metrics.rate_limited.fetch_add(1, Relaxed);
+                }
+                self.observer.failed_attempt(e, attempts + 1);
+            }
+        }
+        Some(result)
+    }
+
+    /// Sleeps `d`, or less if `cancel` fires; false when cancelled.
+    async fn backoff(d: Duration, cancel: &CancellationToken) -> bool {
+        tokio::select! {
+            _ = tokio::time::sleep(d) => true,
+            _ = cancel.cancelled() => false,
+        }
+    }
+
+    fn cancelled(attempts: u32, last: Option<ModelError>) -> Failed {
+        let error = match last {
+            Some(e) if attempts > 0 => ModelError::new(ErrorKind::Aborted, format!("cancelled after: {e}")),
+            _ => ModelError::new(ErrorKind::Aborted, "cancelled before it was tried"),
+        };
+        Failed { error, attempts, cancelled: true }
+    }
+
+    /// Takes one call to its result: `call` makes the request (once per attempt).
+    pub async fn run<T, F, Fut>(
+        &self,
+        weight: Weight,
+        cancel: &CancellationToken,
+        mut call: F,
+    ) -> Result<Done<T>, Failed>
+    where
+        T: Metered,
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, ModelError>>,
+    {
+        let start = Instant::now();
+        let mut rng = self.rng();
+        let mut attempts = 0u32;
+        let mut last = None;
+        loop {
+            if cancel.is_cancelled() {
+                return Err(Self::cancelled(attempts, last));
+            }
+            let Some(result) = self.attempt(weight, cancel, attempts, call()).await else {
+                return Err(Self::cancelled(attempts, last));
+            };
+            attempts += 1;
+            match result {
+                Ok(value) => return Ok(Done { value, attempts, latency: start.elapsed() }),
+                Err(error) => match self.policy.decide(attempts, &error, &mut rng) {
+                    Decision::GiveUp => return Err(Failed { error, attempts, cancelled: false }),
+                    Decision::Retry(delay) => {
+                        tracing::debug!(attempts, ?delay, "retrying: {error}");
+                        last = Some(error);
+                        if !Self::backoff(delay, cancel).await {
+                            return Err(Self::cancelled(attempts, last));
+                        }
+                    }
+                },
+            }
+        }
+    }
+
+    /// Takes a batched call of `items` items to one outcome per item. `call` gets the indices
+    /// of the items to send and answers one result per index, in order; `weight` gives the
+    /// weight of a set of items. A whole-call error retries the call; items that failed alone
+    /// are retried together, without the ones that succeeded.
+    pub async fn run_batch<T, F, Fut, W>(
+        &self,
+        items: usize,
+        weight: W,
+        cancel: &CancellationToken,
+        mut call: F,
+    ) -> Vec<Result<Done<T>, Failed>>
+    where
+        T: Metered,
+        W: Fn(&[usize]) -> Weight,
+        F: FnMut(Vec<usize>) -> Fut,
+        Fut: Future<Output = Result<Vec<Result<T, ModelError>>, ModelError>>,
+    {
+        let start = Instant::now();
+        let mut rng = self.rng();
+        let mut out: Vec<Option<Result<Done<T>, Failed>>> = (0..items).map(|_| None).collect();
+        let mut attempts = vec![0u32; items];
+        let mut pending: Vec<usize> = (0..items).collect();
+        let mut last: Vec<Option<ModelError>> = vec![None; items];
+        while !pending.is_empty() {
+            if cancel.is_cancelled() {
+                break;
+            }
+            let batch = Batch(pending.clone());
+            let w = weight(&batch.0);
+            let n = batch.0.len();
+            let result = self.attempt(w, cancel, attempts[batch.0[0]], Batch::call(&batch, &mut call)).await;
+            let Some(result) = result else { break };
+            for &i in &batch.0 {
+                attempts[i] += 1;
+            }
+            // Item-level outcomes; a whole-call failure applies to every item of the call.
+            let per_item: Vec<Result<T, ModelError>> = match result {
+                Ok(BatchReply(v)) if v.len() == n => v,
+                Ok(BatchReply(v)) => {
+                    let msg = format!("the batch answer has {} items for {n} sent", v.len());
+                    (0..n).map(|_| Err(ModelError::new(ErrorKind::MalformedResponse, msg.clone()))).collect()
+                }
+                Err(e) => (0..n).map(|_| Err(e.clone())).collect(),
+            };
+            let mut retry = Vec::new();
+            let mut delay = Duration::ZERO;
+            for (i, r) in batch.0.iter().copied().zip(per_item) {
+                match r {
+                    Ok(value) => out[i] = Some(Ok(Done { value, attempts: attempts[i], latency: start.elapsed() })),
+                    Err(error) => match self.policy.decide(attempts[i], &error, &mut rng) {
+                        Decision::GiveUp => {
+                            out[i] = Some(Err(Failed { error, attempts: attempts[i], cancelled: false }));
+                        }
+                        Decision::Retry(d) => {
+                            delay = delay.max(d);
+                            last[i] = Some(error);
+                            retry.push(i);
+                        }
+                    },
+                }
+            }
+            pending = retry;
+            if !pending.is_empty() && !Self::backoff(delay, cancel).await {
+                break;
+            }
+        }
+        out.into_iter()
+            .enumerate()
+            .map(|(i, o)| o.unwrap_or_else(|| Err(Self::cancelled(attempts[i], last[i].take()))))
+            .collect()
+    }
+}
+
+/// The indices of one batched attempt.
+struct Batch(Vec<usize>);
+
+/// The answer of a batched attempt, metered as the sum of its items.
+struct BatchReply<T>(Vec<Result<T, ModelError>>);
+
+impl<T: Metered> Metered for BatchReply<T> {
+    fn usage(&self) -> Usage {
+        let mut u = Usage::default();
+        for r in self.0.iter().flatten() {
+            let x = r.usage();
+            u.prompt_tokens += x.prompt_tokens;
+            u.output_tokens += x.output_tokens;
+            u.total_tokens += x.total_tokens;
+        }
+        u
+    }
+    fn limits(&self) -> Option<LimitInfo> {
+        self.0.iter().flatten().find_map(|r| r.limits())
+    }
+}
+
+impl Batch {
+    fn call<T, F, Fut>(&self, call: &mut F) -> impl Future<Output = Result<BatchReply<T>, ModelError>>
+    where
+        F: FnMut(Vec<usize>) -> Fut,
+        Fut: Future<Output = Result<Vec<Result<T, ModelError>>, ModelError>>,
+    {
+        let fut = call(self.0.clone());
+        async move { fut.await.map(BatchReply) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::RetryHint;
+    use crate::throttle::ThrottleSettings;
+    use std::sync::Mutex;
+
+    fn answer(text: &str) -> ModelResponse {
+        ModelResponse {
+            text: text.into(),
+            finish_reason: "stop".into(),
+            usage: Usage { prompt_tokens: 1, output_tokens: 1, total_tokens: 2 },
+            model_version: None,
+            limits: None,
+        }
+    }
+
+    fn executor(max_retries: u32) -> Executor {
+        let t = Arc::new(Throttle::new(&ThrottleSettings { adaptive: false, ..ThrottleSettings::default() }));
+        let policy = RetryPolicy { max_retries, ..RetryPolicy::default() };
+        Executor::new(t, policy, Duration::from_secs(5), Arc::new(RunMetrics::default()))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_call_is_retried_until_it_succeeds_and_a_hang_is_cut() {
+        let ex = executor(5);
+        let n = Mutex::new(0);
+        let cancel = CancellationToken::new();
+        let done = ex
+            .run(Weight::default(), &cancel, || {
+                let k = {
+                    let mut n = n.lock().unwrap();
+                    *n += 1;
+                    *n
+                };
+                async move {
+                    match k {
+                        1 => Err(ModelError::new(ErrorKind::Server, "500")),
+                        2 => {
+                            tokio::time::sleep(Duration::from_secs(3600)).await;
+                            Ok(answer("late"))
+                        }
+                        _ => Ok(answer("ok")),
+                    }
+                }
+            })
+            .await
+            .unwrap();
+        assert_eq!((done.value.text.as_str(), done.attempts), ("ok", 3));
+        assert!(done.latency >= Duration::from_secs(5), "the hang was cut at the timeout");
+        assert_eq!(ex.metrics().calls.load(Relaxed), 3);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stop_error_goes_back_to_the_caller_and_nothing_is_sticky() {
+        let ex = executor(5);
+        let cancel = CancellationToken::new();
+        let e = ex
+            .run(Weight::default(), &cancel, || async {
+                Err::<ModelResponse, _>(ModelError::new(ErrorKind::QuotaExhausted, "per day"))
+            })
+            .await
+            .unwrap_err();
+        assert_eq!((e.error.kind, e.attempts, e.cancelled), (ErrorKind::QuotaExhausted, 1, false));
+        // The next call is made as usual: the caller decides what a spent quota means.
+        let ok = ex.run(Weight::default(), &cancel, || async { Ok(answer("x")) }).await.unwrap();
+        assert_eq!(ok.attempts, 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn cancelling_ends_calls_in_backoff_and_before_admission() {
+        let ex = Arc::new(executor(50));
+        let cancel = CancellationToken::new();
+        let c = cancel.clone();
+        let ex2 = ex.clone();
+        let task = tokio::spawn(async move {
+            ex2.run(Weight::default(), &c, || async {
+                Err::<ModelResponse, _>(
+                    ModelError::new(ErrorKind::RateLimited, "429")
+                        .with_hint(RetryHint::Later(Some(Duration::from_secs(60)))),
+                )
+            })
+            .await
+        });
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        cancel.cancel();
+        let e = task.await.unwrap().unwrap_err();
+        assert!(e.cancelled);
+        assert_eq!(e.error.kind, ErrorKind::Aborted);
+        let e = ex.run(Weight::default(), &cancel, || async { Ok(answer("never")) }).await.unwrap_err();
+        assert_eq!((e.attempts, e.cancelled), (0, true));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_batch_retries_only_the_items_that_failed() {
+        let ex = executor(5);
+        let cancel = CancellationToken::new();
+        let sent: Mutex<Vec<Vec<usize>>> = Mutex::new(Vec::new());
+        let out = ex
+            .run_batch(
+                5,
+                |items| Weight { tokens: items.len() as u64 },
+                &cancel,
+                |items: Vec<usize>| {
+                    let round = {
+                        let mut s = sent.lock().unwrap();
+                        s.push(items.clone());
+                        s.len()
+                    };
+                    async move {
+                        match round {
+                            // The whole call is refused: every item goes again.
+                            1 => Err(ModelError::new(ErrorKind::Server, "503").with_status(503)),
+                            // Items 1 and 3 fail alone (3 for good), the rest succeed.
+                            _ => Ok(items
+                                .iter()
+                                .map(|&i| match (round, i) {
+                                    (2, 1) => Err(ModelError::new(ErrorKind::Server, "item 1 flaked")),
+                                    (_, 3) => Err(ModelError::new(ErrorKind::BadRequest, "item 3 is invalid")),
+                                    _ => Ok(answer(&format!("a{i}"))),
+                                })
+                                .collect()),
+                        }
+                    }
+                },
+            )
+            .await;
+        let sent = sent.into_inner().unwrap();
+        assert_eq!(sent, vec![vec![0, 1, 2, 3, 4], vec![0, 1, 2, 3, 4], vec![1]]);
+        for i in [0, 1, 2, 4] {
+            assert_eq!(out[i].as_ref().unwrap().value.text, format!("a{i}"));
+        }
+        assert_eq!(out[1].as_ref().unwrap().attempts, 3);
+        assert_eq!(out[3].as_ref().unwrap_err().error.kind, ErrorKind::BadRequest);
+        assert_eq!(ex.metrics().calls.load(Relaxed), 3, "three requests for five items");
+    }
+}
