@@ -69,17 +69,9 @@ pub struct Budget {
     overdue: HashMap<u64, f64>,
     last_refusal: Option<Instant>,
     last_probe: Option<Instant>,
-    last_shrink: Option<Instant>,
-    /// The window before the last shrink, until a refusal or the next shrink judges it.
-    before_shrink: Option<Duration>,
-    /// The shortest the window can be, given the advice it was learned from.
-    floor: Duration,
     probe: f64,
     refusals: u64,
 }
-
-/// The shortest window weir believes in.
-const MIN_WINDOW: Duration = Duration::from_millis(500);
 
 /// True for advice in whole seconds (`retry-after: 2`, `retryDelay: "13s"`): rounded up, so the
 /// real delay may be up to a second shorter.
@@ -111,9 +103,6 @@ impl Budget {
             overdue: HashMap::new(),
             last_refusal: None,
             last_probe: None,
-            last_shrink: None,
-            before_shrink: None,
-            floor: MIN_WINDOW,
             probe: 1.0,
             refusals: 0,
         }
@@ -203,23 +192,8 @@ impl Budget {
             Mode::Unlimited => true,
             Mode::Static { capacity } => self.in_window + weight <= capacity || self.log.is_empty(),
             Mode::Learned => {
-                let mut w = self.window.unwrap_or(DEFAULT_WINDOW);
-                if self.credits < weight {
-                    // Sends wait, and a whole window passed with no refusal: the window may be
-                    // shorter than learned (advice rounded to whole seconds makes it look
-                    // longer). Halve the distance to the shortest window the advice allows.
-                    // A probe's refusal must not be blamed on a shrink: one experiment at a time.
-                    let quiet = self.last_refusal.max(self.last_shrink).max(self.last_probe).unwrap_or(now);
-                    if now.duration_since(quiet) >= w && w > self.floor + Duration::from_millis(10) {
-                        self.before_shrink = Some(w);
-                        w = self.floor + (w - self.floor) / 2;
-
-                        self.window = Some(w);
-                        self.last_shrink = Some(now);
-                        self.expire(now);
-                    }
-                }
-                let quiet_since = self.last_refusal.max(self.last_probe).max(self.last_shrink).unwrap_or(now);
+                let w = self.window.unwrap_or(DEFAULT_WINDOW);
+                let quiet_since = self.last_refusal.max(self.last_probe).unwrap_or(now);
                 if self.credits < weight && now.duration_since(quiet_since) >= w * 2 {
                     // Two windows without a refusal while sends wait: probe for more.
                     self.credits += self.probe;
@@ -255,7 +229,7 @@ impl Budget {
                 at
             }
             Mode::Learned => {
-                let quiet_since = self.last_refusal.max(self.last_probe).max(self.last_shrink).unwrap_or(now);
+                let quiet_since = self.last_refusal.max(self.last_probe).unwrap_or(now);
                 let probe_at = quiet_since + w * 2;
                 let next_credit = self.log.iter().find(|e| e.state == State::Ok).map(|e| e.at + span);
                 Some(next_credit.map_or(probe_at, |c| c.min(probe_at)))
@@ -295,16 +269,13 @@ impl Budget {
     }
 
     /// The send was refused by this quota at `now`; the server advised `delay`, if it did.
-    /// Returns true when the refusal is explained by the budget's own experiment (a window
-    /// shrunk too far, now undone), so no pause is needed.
-    pub fn refused(&mut self, id: u64, now: Instant, delay: Option<Duration>) -> bool {
-        let mut explained = false;
+    pub fn refused(&mut self, id: u64, now: Instant, delay: Option<Duration>) {
         self.refusals += 1;
         let removed = self.position(id).map(|i| self.log.remove(i).expect("index is valid"));
         self.overdue.remove(&id);
         match self.mode {
             Mode::Static { .. } => {
-                if let Some(e) = removed {
+                if let Some(e) = &removed {
                     self.in_window -= e.weight;
                 }
             }
@@ -312,19 +283,12 @@ impl Budget {
                 // The window is full. It frees its oldest slot when the server said to come back;
                 // our oldest admitted send is that slot.
                 let oldest = self.log.iter().find(|e| e.state == State::Ok).map(|e| e.at);
-                let window = match (delay, oldest) {
+                self.window = Some(match (delay, oldest) {
                     (Some(d), Some(at)) => {
                         (now + d).duration_since(at).clamp(Duration::from_millis(500), Duration::from_secs(3600))
                     }
                     _ => DEFAULT_WINDOW,
-                };
-                self.window = Some(window);
-                // Advice in whole seconds was rounded up by up to a second: the window may be
-                // that much shorter, and is refined towards it while no refusal says otherwise.
-                self.floor = match delay {
-                    Some(d) if is_coarse(d) => window.saturating_sub(Duration::from_secs(1)).max(MIN_WINDOW),
-                    _ => window,
-                };
+                });
                 self.mode = Mode::Learned;
                 self.credits = 0.0;
                 let admitted: Vec<f64> = self.log.iter().filter(|e| e.state == State::Ok).map(|e| e.weight).collect();
@@ -335,23 +299,14 @@ impl Budget {
             }
             Mode::Learned => {
                 // A refused send spent a credit and gets none back: the budget shrinks by it.
-                if let Some(longer) = self.before_shrink.take() {
-                    // The last shrink went too far: the window is longer than that. Go back, and
-                    // look for it between the two (a bisection, one refusal per step). The
-                    // refusal was the window's fault, not a smaller quota's: the credit stays.
-                    self.floor = self.floor.max(self.window.unwrap_or(longer));
-                    self.window = Some(longer);
-                    explained = true;
-                    if let Some(e) = &removed {
-                        self.credits += e.weight;
-                    }
-                } else if let (Some(d), Some(w)) = (delay, self.window) {
-                    // Refine the window: the server's next free slot should be our oldest credit.
+                // Refine the window: the server's next free slot should be our oldest credit.
+                if let (Some(d), Some(w)) = (delay, self.window) {
                     if let Some(e) = self.log.iter().find(|e| e.state == State::Ok) {
                         let predicted =
                             (e.at + w).duration_since(now).as_secs_f64() - now.duration_since(e.at + w).as_secs_f64();
-                        // Coarse advice says only that the slot frees within the second before
-                        // `d`; a prediction inside that second is not an error.
+                        // Advice in whole seconds (`retry-after: 2`) says only that the slot
+                        // frees within the second before `d`; a prediction inside that second is
+                        // not an error (taking `d` as exact would lengthen the window each time).
                         let hi = d.as_secs_f64();
                         let lo = if is_coarse(d) { (hi - 1.0).max(0.0) } else { hi };
                         let err = if predicted < lo {
@@ -362,19 +317,13 @@ impl Budget {
                             0.0
                         };
                         if err != 0.0 && err.abs() < w.as_secs_f64() / 2.0 {
-                            let nw = Duration::from_secs_f64((w.as_secs_f64() + err / 2.0).max(0.5));
-                            self.window = Some(nw);
-                            if err > 0.0 {
-                                // Credits came back too early: the window is at least this long.
-                                self.floor = self.floor.max(nw.min(w));
-                            }
+                            self.window = Some(Duration::from_secs_f64((w.as_secs_f64() + err / 2.0).max(0.5)));
                         }
                     }
                 }
             }
         }
         self.last_refusal = Some(now);
-        explained
     }
 
     /// The send failed for another reason; the server may have counted it, so keep it.
@@ -522,31 +471,25 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_window_learned_from_whole_second_advice_is_refined_by_bisection() {
+    async fn whole_second_advice_does_not_stretch_the_window() {
         let mut b = Budget::unlimited();
         let t0 = Instant::now();
-        // Two sends at t0, the third refused 200 ms later with "retry-after: 5" (the true
-        // remaining 4.8 s, rounded up): the window looks like 5.2 s; it may be down to 4.2 s.
         for id in 0..2u64 {
             b.try_take(id, 1.0, t0).unwrap();
             b.admitted(id, 1.0);
         }
+        // Refused at 200 ms with "retry-after: 5": the window looks like 5.2 s.
         b.try_take(2, 1.0, t0 + ms(200)).unwrap();
         b.refused(2, t0 + ms(200), Some(Duration::from_secs(5)));
         assert_eq!(b.window(), Some(ms(5200)));
-        // A quiet window later, with a send waiting: halfway to the shortest possible window.
-        let t1 = t0 + ms(200) + ms(5200);
-        assert!(b.try_take(3, 1.0, t1).is_ok() && b.try_take(4, 1.0, t1).is_ok(), "the two credits");
-        assert!(b.try_take(5, 1.0, t1).is_err());
-        assert_eq!(b.window(), Some(ms(4700)));
-        // The shrink went too far (the true window is 5 s): a refusal undoes it, the credit
-        // stays, and the next step looks between 4.7 and 5.2 s.
-        assert!(b.refused(4, t1, Some(Duration::from_secs(1))));
+        // The next window: a send refused 0.6 s before our oldest credit returns, told "1 s"
+        // (rounded up from anything in 0..1 s): consistent, so the window stays.
+        let t1 = t0 + ms(5300);
+        assert!(b.try_take(3, 1.0, t1).is_ok());
+        b.admitted(3, 1.0);
+        assert!(b.try_take(4, 1.0, t1).is_ok());
+        b.refused(4, t1 + ms(4600), Some(Duration::from_secs(1)));
         assert_eq!(b.window(), Some(ms(5200)));
-        let t2 = t1 + ms(5300);
-        assert!(b.try_take(5, 1.0, t2).is_ok(), "the credit kept");
-        assert!(b.try_take(6, 1.0, t2).is_err());
-        assert_eq!(b.window(), Some(ms(4950)));
     }
 
     #[tokio::test(start_paused = true)]

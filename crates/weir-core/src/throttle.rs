@@ -205,8 +205,7 @@ impl Admitted<'_> {
         }
         t.limit.feedback(self.level, latency, class);
         if let Err(e) = result {
-            // A server-advised pause holds every call (even after a refusal a budget explains
-            // as its own experiment: measured, not pausing then let the window drift more).
+            // A server-advised pause holds every call.
             if let RetryHint::Later(Some(advised)) = e.hint {
                 t.gate.hold(advised);
             }
@@ -374,10 +373,7 @@ impl RateLimiter {
     }
 
     /// Reports how the call went: the usage and rate-limit headers of an answer, or the error.
-    /// Returns true when a refusal is explained by a budget's own experiment (see
-    /// [`Budget::refused`]), so that no pause is needed.
-    pub fn complete_with(&self, ticket: Ticket, result: Result<(Usage, Option<LimitInfo>), &ModelError>) -> bool {
-        let mut explained = false;
+    pub fn complete_with(&self, ticket: Ticket, result: Result<(Usage, Option<LimitInfo>), &ModelError>) {
         {
             let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
             let now = Instant::now();
@@ -421,7 +417,7 @@ impl RateLimiter {
                     // The other quota did not count the send either.
                     other.forget(ticket.id);
                     if self.settings.learn || refusing.mode() != Mode::Unlimited {
-                        explained = refusing.refused(ticket.id, now, delay);
+                        refusing.refused(ticket.id, now, delay);
                     } else {
                         refusing.failed(ticket.id);
                     }
@@ -433,7 +429,6 @@ impl RateLimiter {
             }
         }
         self.changed.notify_waiters();
-        explained
     }
 
     /// The limits in force.
