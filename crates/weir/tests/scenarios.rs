@@ -438,3 +438,53 @@ scenario!(token_quota);
 scenario!(coarse_advice);
 scenario!(two_clients);
 scenario!(sre_throttle);
+
+/// The same machinery through the real HTTP provider against the real simulator, in real time:
+/// a Gemini API client, `weir sim` with a quota of 40 requests per 2 s window and advice rounded
+/// to whole seconds, the record driver over one throttle. The simulator's own counts are the
+/// truth.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_quota_through_the_real_provider() {
+    use weir_providers::{connect, ModelSpec, ProviderOptions};
+    let mut config = weir_sim::SimConfig::default();
+    config.quota.requests_per_window = 40;
+    config.quota.window_secs = 2.0;
+    config.quota.round_advice = true;
+    config.latency.fixed_ms = 30.0;
+    let sim = weir_sim::SimServer::start(config, "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let spec: ModelSpec = "gemini/m".parse().unwrap();
+    let options = ProviderOptions { base_url: Some(sim.url()), ..ProviderOptions::default() };
+    let handler = connect(&spec, &options, &|_| None).await.unwrap().handler;
+    let throttle = Arc::new(Throttle::new(&ThrottleSettings::default()));
+    let settings =
+        DriverSettings { retry: RetryPolicy { max_retries: 30, ..RetryPolicy::default() }, ..Default::default() };
+    let driver = Arc::new(Driver::new(handler, throttle, settings, Arc::new(RunMetrics::default())));
+    let records = (0..400).map(|i| Record {
+        id: weir_core::RecordId::Text(i.to_string()),
+        line: i + 1,
+        prompt: format!("http prompt {i}"),
+        input: Default::default(),
+    });
+    let outcomes: Vec<Outcome> = futures::stream::iter(records)
+        .map(|r| {
+            let d = driver.clone();
+            async move { d.run(r).await }
+        })
+        .buffer_unordered(128)
+        .collect()
+        .await;
+    let stats = sim.stats();
+    sim.shutdown().await;
+    assert!(outcomes.iter().all(|o| matches!(o, Outcome::Success(_))));
+    let per_s = &stats.successes_per_second;
+    // Full 2-second windows after the first, up to the last full one.
+    let windows: Vec<u64> = per_s.chunks(2).filter(|c| c.len() == 2).map(|c| c.iter().sum()).collect();
+    let inner = &windows[1..windows.len().saturating_sub(1)];
+    let mean = inner.iter().sum::<u64>() as f64 / inner.len().max(1) as f64 / 40.0;
+    println!(
+        "successes per window: {windows:?}; mean share {mean:.3}; {} of {} refused",
+        stats.rate_limited, stats.requests
+    );
+    assert!(mean >= 0.85, "windows {windows:?}");
+    assert!((stats.rate_limited as f64) < 0.1 * stats.requests as f64, "{} of {}", stats.rate_limited, stats.requests);
+}
