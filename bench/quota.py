@@ -8,7 +8,10 @@ Cases (simulated quota windows of a few seconds, so each case runs in about a mi
   4. a hidden concurrency cap (503 above it), nothing told, against a sweep of fixed
      --max-concurrency values run in the same invocation;
   5. random 503s that do not track load (5 % of calls) under a request quota, side by side
-     with the same quota and no faults: the faults must cost about 5 %, not half the quota.
+     with the same quota and no faults: the faults must cost about 5 %, not half the quota;
+  6. advice rounded to whole seconds (as real servers give it), 5-second windows: one weir
+     process, then two weir processes sharing one key; completion time against the ideal
+     (every window full from the start) and the share of 429s.
 Usage: bench/quota.py [CASE...]   (default: all). Needs a release build (it makes one).
 """
 import json, os, socket, subprocess, sys, tempfile, time, urllib.request
@@ -157,8 +160,34 @@ def random_faults_case():
           f"(the simulator counts a faulted call against the quota, so 95 % is the physical limit)")
 
 
-cases = sys.argv[1:] or ["1", "2", "3", "4", "5"]
+def coarse_case():
+    R, W, N = 100, 5, 2000
+    sim, url = start_sim("--rpm", str(R), "--window-secs", str(W), "--latency-ms", "50", "--jitter-ms", "20", "--round-advice")
+    ideal = ((N - 1) // R) * W + 0.05
+    print(f"== 6. advice in whole seconds: quota {R} requests per {W} s, latency 50±10 ms, {N} records, nothing told")
+    try:
+        for procs in [int(p) for p in os.environ.get("PROCS", "1 2").split()]:
+            reset(url)
+            share = N // procs
+            paths = [dataset(f"c{procs}-{i}.jsonl", share) for i in range(procs)]
+            t0 = time.monotonic()
+            ps = [subprocess.Popen([BIN, "run", "--model", "gemini/gemini-2.5-flash", "--base-url", url, "--input", p,
+                                    "--output", p + ".out", "--id-field", "id", "--no-state", "--progress", "never",
+                                    "--max-retries", "50"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                  for p in paths]
+            errs = [p.communicate()[1] for p in ps]
+            secs = time.monotonic() - t0
+            if any(p.returncode != 0 for p in ps):
+                sys.exit(f"weir run failed: {errs}")
+            s = stats(url)
+            print(f"   {procs} process{'es' if procs > 1 else ''}: {secs:5.1f} s against {ideal:.1f} s ideal "
+                  f"({ideal / secs:.1%}); 429s {s['rate_limited']} of {s['requests']} ({s['rate_limited'] / s['requests']:.2%})")
+    finally:
+        sim.terminate()
+
+
+cases = sys.argv[1:] or ["1", "2", "3", "4", "5", "6"]
 for c in cases:
     {"1": lambda: quota_case("1. request quota, nothing told", False),
      "2": lambda: quota_case("2. request quota, --rpm given", True),
-     "3": token_case, "4": cap_case, "5": random_faults_case}[c]()
+     "3": token_case, "4": cap_case, "5": random_faults_case, "6": coarse_case}[c]()

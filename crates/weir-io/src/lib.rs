@@ -7,7 +7,9 @@ pub mod paths;
 pub mod sink;
 pub mod source;
 pub mod state;
+pub mod writer;
 
 pub use cache::RedbCache;
 pub use sink::{default_errors_path, ErrorRow, JsonlWriter, OutputPath, ResultRow};
 pub use source::{count_records, InputPath, RawLine};
+pub use writer::{RowWriter, WriterSettings};

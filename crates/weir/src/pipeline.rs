@@ -20,7 +20,7 @@ use weir_core::{
     RunMetrics, StopReason, Throttle, ThrottleSettings,
 };
 use weir_io::state::{self, finished_key, id_key, RunIdentity};
-use weir_io::{ErrorRow, InputPath, JsonlWriter, OutputPath, RedbCache, ResultRow};
+use weir_io::{InputPath, JsonlWriter, OutputPath, RedbCache};
 use weir_providers::{ModelSpec, ProviderError, ProviderOptions};
 
 use crate::report::{Progress, RunReport};
@@ -269,8 +269,15 @@ pub async fn run(
                 .map_err(|e| RunError::Usage(format!("cannot write {}: {e}", path.display())))
         }
     };
-    let mut results = open(&mut out_file)?;
-    let mut errors = open(&mut err_file)?;
+    let results = open(&mut out_file)?;
+    let errors = open(&mut err_file)?;
+    let on_sync: Option<Box<dyn Fn() + Send>> = cache.clone().map(|c| Box::new(move || c.checkpoint()) as _);
+    let writer = weir_io::RowWriter::spawn(
+        results,
+        errors,
+        weir_io::WriterSettings { model_id: model_id.clone(), journal, on_sync },
+    )
+    .map_err(|e| RunError::Fatal(format!("cannot start the writer thread: {e}")))?;
 
     let metrics = Arc::new(RunMetrics::default());
     let throttle = Arc::new(Throttle::new(&ThrottleSettings {
@@ -359,7 +366,6 @@ pub async fn run(
     let far = Instant::now() + Duration::from_secs(86_400 * 365);
     let drain_deadline = tokio::time::sleep_until(far);
     tokio::pin!(drain_deadline);
-    let mut last_sync = Instant::now();
     let mut not_written = 0u64;
     loop {
         let outcome = tokio::select! {
@@ -384,15 +390,16 @@ pub async fn run(
                 break;
             }
         };
+        // Rows are written (and made durable) by the writer thread, off this task.
         let written = match outcome {
-            Ok(Outcome::Success(s)) => results.write(&ResultRow::of(&s, &model_id)),
+            Ok(Outcome::Success(s)) => writer.success(s).await,
             // With a journal, a record the run never tried is simply not finished: the next run
             // does it. Without one, it gets an error row so that nothing is silently dropped.
             Ok(Outcome::Failure(f)) if journal && f.error.kind == ErrorKind::Aborted => {
                 not_written += 1;
                 Ok(())
             }
-            Ok(Outcome::Failure(f)) => errors.write(&ErrorRow::of(&f)),
+            Ok(Outcome::Failure(f)) => writer.failure(f).await,
             Err(e) => {
                 fatal = Some(format!("reading the input failed: {e}"));
                 break;
@@ -403,19 +410,8 @@ pub async fn run(
             break;
         }
         progress.tick();
-        if journal && last_sync.elapsed() >= Duration::from_secs(1) {
-            last_sync = Instant::now();
-            if let Err(e) = results.sync().and_then(|_| errors.sync()) {
-                fatal = Some(format!("writing rows failed: {e}"));
-                break;
-            }
-            if let Some(c) = &cache {
-                c.checkpoint();
-            }
-        }
     }
-    let flushed =
-        if journal { results.sync().and_then(|_| errors.sync()) } else { results.flush().and_then(|_| errors.flush()) };
+    let ((result_rows, error_rows), flushed) = writer.finish().await;
     progress.finish();
     if let Some(task) = metrics_task {
         task.abort();
@@ -437,7 +433,7 @@ pub async fn run(
     let unfinished = if !stopped {
         Some(0)
     } else if journal {
-        let done = recovered.results + recovered.errors + results.rows() + errors.rows();
+        let done = recovered.results + recovered.errors + result_rows + error_rows;
         count()?.map(|t| t.saturating_sub(done))
     } else {
         Some(not_written)
@@ -447,7 +443,7 @@ pub async fn run(
         started.elapsed().max(Duration::from_micros(1)),
         driver.stop_reason(),
         &settings,
-        (results.rows(), errors.rows()),
+        (result_rows, error_rows),
         (recovered.results, recovered.errors),
         unfinished,
         state_path,
