@@ -23,9 +23,9 @@ for r in $(seq "$ROUNDS"); do
     mkdir -p "$WORK/$mode"
     extra=()
     case $mode in
-      no-state) extra=(--no-state) ;;
-      journal) rm -rf "$WORK/$mode/.weir"; extra=(--no-cache) ;;
-      "journal+cache(cold)") rm -rf "$WORK/$mode/.weir" ;;
+      no-state) extra=(--no-state --overwrite) ;;
+      journal) rm -rf "$WORK/$mode/.weir"; extra=(--no-cache --overwrite) ;;
+      "journal+cache(cold)") rm -rf "$WORK/$mode/.weir"; extra=(--overwrite) ;;
       "journal+cache(warm)") [ -d "$WORK/$mode/.weir" ] || "$BIN" run --model gemini/gemini-2.5-flash --base-url "http://127.0.0.1:$PORT" \
           --input "$WORK/in.jsonl" --output "$out" --id-field id --progress never 2>/dev/null
         extra=(--fresh) ;;

@@ -30,7 +30,7 @@ PY
     times=(); rss=()
     for _ in $(seq "$REPEAT"); do
       /usr/bin/time -f "%e %M" -o "$WORK/time" "$BIN" run "${args[@]}" --input "$WORK/in-$n.jsonl" \
-        --output "$WORK/out.jsonl" --max-concurrency 64 --concurrency fixed --no-state --progress never 2>/dev/null
+        --output "$WORK/out.jsonl" --max-concurrency 64 --concurrency fixed --no-state --overwrite --progress never 2>/dev/null
       read -r secs kb < "$WORK/time"
       lines=$(wc -l < "$WORK/out.jsonl")
       [ "$lines" -eq "$n" ] || { echo "expected $n result rows, got $lines" >&2; exit 1; }

@@ -17,6 +17,8 @@ use weir_core::{CacheKey, ModelResponse, ResponseCache};
 
 const TABLE: TableDefinition<&[u8], &[u8]> = TableDefinition::new("responses");
 const BATCH: usize = 256;
+/// Memory redb may use for its page cache.
+const CACHE_BYTES: usize = 32 * 1024 * 1024;
 
 /// A response cache in a redb file.
 pub struct RedbCache {
@@ -82,7 +84,9 @@ impl RedbCache {
     /// Opens or creates the cache file, and starts the thread that commits to it.
     pub fn open(path: &Path) -> Result<Self, CacheError> {
         let err = |e: &dyn std::fmt::Display| CacheError { path: path.display().to_string(), message: e.to_string() };
-        let db = Database::create(path).map_err(|e| err(&e))?;
+        // redb keeps up to 1 GiB of pages in memory by default, so a large cache would grow the
+        // process with the dataset; the pages it needs most fit in far less.
+        let db = redb::Builder::new().set_cache_size(CACHE_BYTES).create(path).map_err(|e| err(&e))?;
         let shared = Arc::new(Shared { db, pending: Mutex::new(HashMap::new()) });
         let (tx, rx) = mpsc::channel::<Msg>();
         let s = shared.clone();
