@@ -44,8 +44,9 @@ pub struct RowWriter {
     thread: Option<JoinHandle<(Counts, io::Result<()>)>>,
 }
 
-/// Rows waiting to be written at most (about a second of rows at a high rate).
-const QUEUE: usize = 4096;
+/// Rows waiting to be written at most. Small: a killed process loses the queued rows (their
+/// records are requested again on resume), so the queue only smooths out a slow write.
+const QUEUE: usize = 256;
 
 impl RowWriter {
     /// Starts the thread that owns `results` and `errors`.
