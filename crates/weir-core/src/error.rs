@@ -53,18 +53,50 @@ impl ErrorKind {
         }
     }
 
-    /// Whether a later run may succeed where this one failed (used by `--retry-errors`).
-    pub fn is_transient(self) -> bool {
+    /// Every kind, in the order of the enum.
+    pub const ALL: [ErrorKind; 11] = [
+        ErrorKind::InvalidInput,
+        ErrorKind::Blocked,
+        ErrorKind::RateLimited,
+        ErrorKind::QuotaExhausted,
+        ErrorKind::Server,
+        ErrorKind::Timeout,
+        ErrorKind::Transport,
+        ErrorKind::MalformedResponse,
+        ErrorKind::BadRequest,
+        ErrorKind::Auth,
+        ErrorKind::Aborted,
+    ];
+
+    /// The kind named `s` (as in the errors file).
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|k| k.as_str() == s)
+    }
+
+    /// The one definition of what is retried: the failure says nothing against the request, so
+    /// the same request may succeed later. The executor retries these within a run (with
+    /// backoff, or after the advised delay), and `--retry-errors` runs their rows again.
+    pub fn is_retryable(self) -> bool {
         matches!(
             self,
             ErrorKind::RateLimited
-                | ErrorKind::QuotaExhausted
                 | ErrorKind::Server
                 | ErrorKind::Timeout
                 | ErrorKind::Transport
                 | ErrorKind::MalformedResponse
-                | ErrorKind::Aborted
         )
+    }
+
+    /// The failure belongs to the run, not to the record (not tried, a spent daily quota,
+    /// rejected credentials): its row does not finish the record, and a resumed run tries it.
+    pub fn is_about_the_run(self) -> bool {
+        matches!(self, ErrorKind::Aborted | ErrorKind::QuotaExhausted | ErrorKind::Auth)
+    }
+
+    /// Whether a later run may succeed where this one failed (the `retryable` column of the
+    /// errors file): a retryable failure, or one that belongs to the run.
+    pub fn may_succeed_later(self) -> bool {
+        self.is_retryable() || self.is_about_the_run()
     }
 }
 
@@ -120,15 +152,9 @@ impl ModelError {
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
         let hint = match kind {
             ErrorKind::RateLimited => RetryHint::Later(None),
-            ErrorKind::Server | ErrorKind::Timeout | ErrorKind::Transport | ErrorKind::MalformedResponse => {
-                RetryHint::Backoff
-            }
             ErrorKind::QuotaExhausted => RetryHint::StopRun,
-            ErrorKind::InvalidInput
-            | ErrorKind::Blocked
-            | ErrorKind::BadRequest
-            | ErrorKind::Auth
-            | ErrorKind::Aborted => RetryHint::Never,
+            k if k.is_retryable() => RetryHint::Backoff,
+            _ => RetryHint::Never,
         };
         Self { kind, hint, message: message.into(), status: None, quota: None, unreachable: false }
     }
@@ -163,5 +189,23 @@ impl ModelError {
             RetryHint::Later(d) => d,
             _ => None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_definition_of_what_is_retried() {
+        for k in ErrorKind::ALL {
+            assert_eq!(ErrorKind::parse(k.as_str()), Some(k));
+            let hint = ModelError::new(k, "x").hint;
+            // The executor retries exactly the retryable kinds (given their default hint).
+            let retried = matches!(hint, RetryHint::Backoff | RetryHint::Later(_));
+            assert_eq!(retried, k.is_retryable(), "{k}");
+            assert!(!(k.is_retryable() && k.is_about_the_run()), "{k}");
+        }
+        assert_eq!(ErrorKind::parse("nope"), None);
     }
 }

@@ -215,7 +215,7 @@ impl<'a> ErrorRow<'a> {
             message: &f.error.message,
             status: f.error.status,
             attempts: f.attempts,
-            retryable: f.error.kind.is_transient(),
+            retryable: f.error.kind.may_succeed_later(),
             input: f.input.as_ref(),
             raw: f.raw.as_deref(),
         }

@@ -44,7 +44,7 @@ use std::collections::HashSet;
 use std::fs::{File, OpenOptions};
 use std::io::{self, BufRead, BufReader, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
-use weir_core::RecordId;
+use weir_core::{ErrorKind, RecordId};
 
 /// What determines a run's results; stored as `run.json` in the state directory.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -367,9 +367,7 @@ pub fn recover(results: &Path, errors: &Path, retry_errors: bool) -> io::Result<
     let mut finished = Vec::new();
     let torn = scan(errors, |bytes, id, line, kind| {
         let kind = kind.unwrap_or_default();
-        let rerun = matches!(kind.as_str(), "aborted" | "quota_exhausted" | "auth")
-            || (retry_errors
-                && matches!(kind.as_str(), "rate_limited" | "server" | "timeout" | "transport" | "malformed_response"));
+        let rerun = ErrorKind::parse(&kind).is_some_and(|k| k.is_about_the_run() || (retry_errors && k.is_retryable()));
         if rerun {
             requeued += 1;
         } else {
