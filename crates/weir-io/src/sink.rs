@@ -17,27 +17,39 @@ use weir_core::{ErrorKind, Failure, RecordId, Success, Usage};
 /// Where rows go.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum OutputPath {
-    /// Standard output (`-`).
+    /// Standard output (`-`, `/dev/stdout`).
     Stdout,
-    /// A local file (created or truncated).
+    /// A regular file (created, or truncated unless resumed).
     File(PathBuf),
+    /// Something that exists and is not a regular file: a FIFO, a terminal, `/dev/stderr`. It is
+    /// written to, never locked, truncated, read back or resumed.
+    Stream(PathBuf),
 }
 
 impl OutputPath {
-    /// `-` is stdout; anything else a file.
+    /// `-` and `/dev/stdout` are stdout; an existing non-regular file, or anything under
+    /// `/dev/` or `/proc/` (`/dev/stderr` redirected to a file is still not a file weir may put
+    /// state beside), is a stream; anything else a file.
     pub fn parse(s: &str) -> Self {
-        if s == "-" {
+        if matches!(s, "-" | "/dev/stdout" | "/dev/fd/1" | "/proc/self/fd/1") {
             Self::Stdout
+        } else if s.starts_with("/dev/") || s.starts_with("/proc/") || crate::paths::is_stream(Path::new(s)) {
+            Self::Stream(PathBuf::from(s))
         } else {
             Self::File(PathBuf::from(s))
         }
+    }
+
+    /// True for a regular file, the only kind of output a run can be resumed into.
+    pub fn is_file(&self) -> bool {
+        matches!(self, Self::File(_))
     }
 
     /// How to name it in messages.
     pub fn display(&self) -> String {
         match self {
             Self::Stdout => "stdout".into(),
-            Self::File(p) => p.display().to_string(),
+            Self::File(p) | Self::Stream(p) => p.display().to_string(),
         }
     }
 }
@@ -124,10 +136,10 @@ impl JsonlWriter {
 }
 
 /// The default errors file beside an output file: `out.jsonl` → `out.errors.jsonl`; with
-/// `--output -`, `weir.errors.jsonl` in the working directory.
+/// `--output -` (or a stream), `weir.errors.jsonl` in the working directory.
 pub fn default_errors_path(output: &OutputPath) -> OutputPath {
     match output {
-        OutputPath::Stdout => OutputPath::File(PathBuf::from("weir.errors.jsonl")),
+        OutputPath::Stdout | OutputPath::Stream(_) => OutputPath::File(PathBuf::from("weir.errors.jsonl")),
         OutputPath::File(p) => {
             let stem = p.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "out".into());
             let name = format!("{stem}.errors.jsonl");

@@ -186,6 +186,12 @@ pub async fn run(
         OutputPath::File(path) => weir_io::sink::claim(path)
             .map(|f| Some((path.clone(), f)))
             .map_err(|e| RunError::Usage(format!("{flag} {}: {e}", path.display()))),
+        // A FIFO or a device: written to as it is, never locked, truncated or read back.
+        OutputPath::Stream(path) => std::fs::OpenOptions::new()
+            .append(true)
+            .open(path)
+            .map(|f| Some((path.clone(), f)))
+            .map_err(|e| RunError::Usage(format!("{flag} {}: {e}", path.display()))),
     };
     let mut out_file = claim(&settings.output, "--output")?;
     let mut err_file = claim(&settings.errors, "--errors")?;
@@ -262,7 +268,8 @@ pub async fn run(
     let open = |claimed: &mut Option<(PathBuf, std::fs::File)>| match claimed.take() {
         None => Ok(JsonlWriter::stdout()),
         Some((path, f)) => {
-            let truncated = if resuming { Ok(()) } else { f.set_len(0) };
+            let regular = f.metadata().map(|m| m.is_file()).unwrap_or(false);
+            let truncated = if resuming || !regular { Ok(()) } else { f.set_len(0) };
             truncated
                 .and_then(|_| JsonlWriter::to_file(f))
                 .map(|w| w.flushing_each_row(journal))

@@ -196,23 +196,25 @@ impl RunArgs {
             StateMode::Off
         } else {
             match (&self.state, &output) {
-                (Some(_), OutputPath::Stdout) => {
-                    return Err(UsageError("--state needs --output to be a file (a resumed run appends to it)".into()))
+                (Some(_), OutputPath::Stdout | OutputPath::Stream(_)) => {
+                    return Err(UsageError(
+                        "--state needs --output to be a regular file (a resumed run appends to it)".into(),
+                    ))
                 }
                 (Some(dir), _) => StateMode::Dir(dir.clone()),
                 (None, OutputPath::File(p)) => StateMode::Dir(
                     p.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(std::path::Path::new(".")).join(".weir"),
                 ),
-                (None, OutputPath::Stdout) => {
+                (None, OutputPath::Stdout | OutputPath::Stream(_)) => {
                     if self.fresh || self.retry_errors {
-                        return Err(UsageError("--fresh and --retry-errors need --output to be a file".into()));
+                        return Err(UsageError("--fresh and --retry-errors need --output to be a regular file".into()));
                     }
                     StateMode::Off
                 }
             }
         };
-        if state != StateMode::Off && errors == OutputPath::Stdout {
-            return Err(UsageError("a resumable run needs --errors to be a file (or use --no-state)".into()));
+        if state != StateMode::Off && !errors.is_file() {
+            return Err(UsageError("a resumable run needs --errors to be a regular file (or use --no-state)".into()));
         }
         Ok(RunSettings {
             model,
@@ -270,10 +272,10 @@ fn check_distinct_files(
             }
         }
     }
-    if let OutputPath::File(p) = output {
+    if let OutputPath::File(p) | OutputPath::Stream(p) = output {
         files.push((format!("--output {}", p.display()), p));
     }
-    if let OutputPath::File(p) = errors {
+    if let OutputPath::File(p) | OutputPath::Stream(p) = errors {
         let name =
             if errors_given { format!("--errors {}", p.display()) } else { format!("the errors file {}", p.display()) };
         files.push((name, p));

@@ -515,3 +515,37 @@ async fn progress_always_prints_lines_off_a_terminal() {
     assert!(err.contains(" of 500 records in "), "a progress line: {err}");
     server.shutdown().await;
 }
+
+/// Outputs that are not regular files — `/dev/stdout`, a FIFO, `/dev/stderr` — are written to as
+/// they are: no state beside them (not in `/dev/`), nothing read back from them (reading one's
+/// own stdout pipe hung forever), and a second run does not try to resume into them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outputs_that_are_not_files_are_written_never_resumed() {
+    let dir = Dir::new("stream-out");
+    let (data, _) = prompts(20);
+    dir.write("in.jsonl", &data);
+    for _ in 0..2 {
+        let o = tokio::time::timeout(
+            Duration::from_secs(30),
+            run_in(&dir.0, &["--input", "in.jsonl", "--output", "/dev/stdout", "--id-field", "key"]),
+        )
+        .await
+        .expect("a run into /dev/stdout must not hang");
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        assert_eq!(String::from_utf8_lossy(&o.stdout).lines().count(), 20);
+        assert!(!Path::new("/dev/stdout.errors.jsonl").exists());
+    }
+    // Errors to stderr: only without state (it cannot be resumed from), said clearly.
+    let o = run_in(&dir.0, &["--input", "in.jsonl", "--output", "o.jsonl", "--errors", "/dev/stderr"]).await;
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("--errors to be a regular file"), "{}", stderr(&o));
+    // A FIFO as the output: its reader gets every row.
+    let fifo = dir.path("rows.fifo");
+    assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let f = fifo.clone();
+    let reader = std::thread::spawn(move || std::fs::read_to_string(f).unwrap().lines().count());
+    let o = run_in(&dir.0, &["--input", "in.jsonl", "--output", s(&fifo)]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(reader.join().unwrap(), 20);
+    assert!(!dir.path(".weir").exists(), "no state for a stream output");
+}
