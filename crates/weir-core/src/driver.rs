@@ -151,7 +151,7 @@ pub struct Driver {
     /// Deterministic requests in flight, so identical ones wait for the first answer (and take
     /// it from the cache) instead of paying for it again.
     inflight: Mutex<HashMap<CacheKey, Arc<tokio::sync::Mutex<()>>>>,
-    model_id: String,
+    model_id: Arc<str>,
 }
 
 impl Driver {
@@ -176,7 +176,7 @@ impl Driver {
         let executor = Executor::new(throttle, settings.retry.clone(), settings.timeout, metrics.clone())
             .with_observer(rules.clone());
         Self {
-            model_id: handler.model_id().to_string(),
+            model_id: Arc::from(handler.model_id()),
             handler,
             executor,
             settings,
@@ -191,6 +191,11 @@ impl Driver {
     pub fn with_cache(mut self, cache: Arc<dyn ResponseCache>) -> Self {
         self.cache = Some(cache);
         self
+    }
+
+    /// `provider/model` of the handler.
+    pub fn model_id(&self) -> &str {
+        &self.model_id
     }
 
     /// The endpoint's throttle.
@@ -257,6 +262,7 @@ impl Driver {
                 response,
                 attempts: 0,
                 latency: start.elapsed(),
+                model: self.model_id.clone(),
             }))
         };
         if let Some(response) = self.cached(key.as_ref()) {
@@ -295,6 +301,7 @@ impl Driver {
                     response: done.value,
                     attempts: done.attempts,
                     latency: start.elapsed(),
+                    model: self.model_id.clone(),
                 }))
             }
             Err(failed) => {

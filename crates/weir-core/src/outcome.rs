@@ -59,6 +59,8 @@ pub struct Success {
     pub attempts: u32,
     /// Time from the first attempt to the answer, backoff included.
     pub latency: Duration,
+    /// `provider/model` that answered (records of one run may go to different models).
+    pub model: std::sync::Arc<str>,
 }
 
 /// A record that ended in failure; written to the errors file with enough to retry it.

@@ -176,7 +176,7 @@ pub struct ResultRow<'a> {
 
 impl<'a> ResultRow<'a> {
     /// The row of a success.
-    pub fn of(s: &'a Success, model: &'a str) -> Self {
+    pub fn of(s: &'a Success) -> Self {
         Self {
             id: &s.record.id,
             line: s.record.line,
@@ -184,7 +184,7 @@ impl<'a> ResultRow<'a> {
             response: &s.response.text,
             finish_reason: &s.response.finish_reason,
             usage: &s.response.usage,
-            model,
+            model: &s.model,
             model_version: s.response.model_version.as_deref(),
             attempts: s.attempts,
             latency_ms: s.latency.as_millis() as u64,

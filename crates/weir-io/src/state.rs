@@ -56,6 +56,9 @@ pub struct RunIdentity {
     pub input: String,
     /// `provider/model`.
     pub model: String,
+    /// The field naming each record's own model, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_field: Option<String>,
     /// The base URL, if one was given.
     pub base_url: Option<String>,
     /// `field:NAME` or `template:TEXT`.
@@ -80,6 +83,7 @@ impl RunIdentity {
         let opt = |o: &Option<String>| o.clone().unwrap_or_else(|| "(none)".into());
         cmp("input", stored.input.clone(), self.input.clone());
         cmp("model", stored.model.clone(), self.model.clone());
+        cmp("model field", opt(&stored.model_field), opt(&self.model_field));
         cmp("base URL", opt(&stored.base_url), opt(&self.base_url));
         cmp("prompt", stored.prompt.clone(), self.prompt.clone());
         cmp("id field", opt(&stored.id_field), opt(&self.id_field));
@@ -406,6 +410,7 @@ mod tests {
             version: 1,
             input: "in.jsonl (10 bytes, ab)".into(),
             model: model.into(),
+            model_field: None,
             base_url: None,
             prompt: "field:prompt".into(),
             id_field: None,

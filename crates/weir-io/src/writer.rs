@@ -21,8 +21,6 @@ use crate::sink::{ErrorRow, JsonlWriter, ResultRow};
 
 /// How the thread is set up.
 pub struct WriterSettings {
-    /// `provider/model`, written in each result row.
-    pub model_id: String,
     /// Make rows durable about once a second (`fdatasync`), for a resumable run.
     pub journal: bool,
     /// Called after each durable sync (e.g. to make the response cache durable too).
@@ -75,7 +73,7 @@ impl RowWriter {
                     continue;
                 }
                 let written = match &row {
-                    Row::Success(s) => results.write(&ResultRow::of(s, &settings.model_id)),
+                    Row::Success(s) => results.write(&ResultRow::of(s)),
                     Row::Failure(f) => errors.write(&ErrorRow::of(f)),
                 };
                 let synced = match written {

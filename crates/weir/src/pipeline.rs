@@ -9,7 +9,7 @@
 //! with the input. The state directory (see `weir_io::state`) makes a run resumable.
 
 use futures::StreamExt;
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -37,8 +37,10 @@ pub enum StateMode {
 /// Everything `weir run` needs, validated.
 #[derive(Debug, Clone)]
 pub struct RunSettings {
-    /// The model to call.
+    /// The model to call (for records whose `model_field` is absent).
     pub model: ModelSpec,
+    /// A field naming each record's own model (`provider/model`); one throttle per model.
+    pub model_field: Option<String>,
     /// Provider options (base URL, simulator scenario).
     pub provider: ProviderOptions,
     /// Input JSONL.
@@ -99,6 +101,78 @@ impl From<ProviderError> for RunError {
     }
 }
 
+/// Environment variables a provider may read, captured once for connecting lazily.
+const ENV_VARS: [&str; 4] = ["GEMINI_API_KEY", "GOOGLE_API_KEY", "OPENAI_API_KEY", "OPENAI_BASE_URL"];
+
+/// Routes each record to the driver (and so the throttle) of its model: the run's `--model`, or
+/// the model its `--model-field` names, connected the first time a record asks for it.
+struct Endpoints {
+    default: Arc<Driver>,
+    field: Option<String>,
+    provider: ProviderOptions,
+    env: HashMap<String, String>,
+    make: Box<dyn Fn(Arc<dyn weir_core::ModelHandler>) -> Arc<Driver> + Send + Sync>,
+    others: tokio::sync::Mutex<HashMap<String, Arc<Driver>>>,
+    sims: std::sync::Mutex<Vec<weir_sim::SimServer>>,
+}
+
+impl Endpoints {
+    /// The driver for `record`, or why its model field cannot be used.
+    async fn driver_for(&self, record: &Record) -> Result<Arc<Driver>, String> {
+        let Some(field) = &self.field else { return Ok(self.default.clone()) };
+        let name = match record.input.get(field) {
+            None | Some(serde_json::Value::Null) => return Ok(self.default.clone()),
+            Some(serde_json::Value::String(s)) => s.trim().to_string(),
+            Some(_) => return Err(format!("line {}: model field '{field}' is not a string", record.line)),
+        };
+        let spec: ModelSpec = name.parse().map_err(|e: ProviderError| {
+            format!("line {}: model field '{field}': {}", record.line, e.to_string().replacen("--model ", "", 1))
+        })?;
+        if spec.to_string() == self.default.model_id() {
+            return Ok(self.default.clone());
+        }
+        let mut others = self.others.lock().await;
+        if let Some(d) = others.get(&spec.to_string()) {
+            return Ok(d.clone());
+        }
+        let env = |k: &str| self.env.get(k).cloned();
+        let endpoint = weir_providers::connect(&spec, &self.provider, &env)
+            .await
+            .map_err(|e| format!("line {}: model field '{field}': {e}", record.line))?;
+        let driver = (self.make)(endpoint.handler);
+        if self.default.is_stopped() {
+            // Interrupted before this model was first needed.
+            driver.stop(
+                self.default
+                    .stop_reason()
+                    .unwrap_or(StopReason { kind: ErrorKind::Aborted, message: "stopped".into() }),
+            );
+        }
+        if let Some(sim) = endpoint.sim {
+            self.sims.lock().unwrap_or_else(|e| e.into_inner()).push(sim);
+        }
+        others.insert(spec.to_string(), driver.clone());
+        Ok(driver)
+    }
+
+    /// Stops every model's driver (an interrupt).
+    fn stop(&self, reason: StopReason) {
+        self.default.stop(reason.clone());
+        if let Ok(others) = self.others.try_lock() {
+            for d in others.values() {
+                d.stop(reason.clone());
+            }
+        }
+    }
+
+    /// Why some model's driver stopped, if one did.
+    fn stop_reason(&self) -> Option<StopReason> {
+        self.default
+            .stop_reason()
+            .or_else(|| self.others.try_lock().ok().and_then(|o| o.values().find_map(|d| d.stop_reason())))
+    }
+}
+
 enum Work {
     Call(Record),
     Done(Box<Failure>),
@@ -136,6 +210,7 @@ fn identity(settings: &RunSettings, input_file: Option<&std::path::Path>) -> Res
         version: 1,
         input,
         model: settings.model.to_string(),
+        model_field: settings.model_field.clone(),
         base_url: settings.provider.base_url.clone(),
         prompt: match &settings.records.prompt {
             PromptSource::Field(f) => format!("field:{f}"),
@@ -178,7 +253,6 @@ pub async fn run(
     };
     let mut total = if settings.progress { count()? } else { None };
     let endpoint = weir_providers::connect(&settings.model, &settings.provider, env).await?;
-    let model_id = endpoint.handler.model_id().to_string();
 
     // The output files, opened (never truncated yet) and locked against other weir processes.
     let claim = |p: &OutputPath, flag: &str| match p {
@@ -279,25 +353,38 @@ pub async fn run(
     let results = open(&mut out_file)?;
     let errors = open(&mut err_file)?;
     let on_sync: Option<Box<dyn Fn() + Send>> = cache.clone().map(|c| Box::new(move || c.checkpoint()) as _);
-    let writer = weir_io::RowWriter::spawn(
-        results,
-        errors,
-        weir_io::WriterSettings { model_id: model_id.clone(), journal, on_sync },
-    )
-    .map_err(|e| RunError::Fatal(format!("cannot start the writer thread: {e}")))?;
+    let writer = weir_io::RowWriter::spawn(results, errors, weir_io::WriterSettings { journal, on_sync })
+        .map_err(|e| RunError::Fatal(format!("cannot start the writer thread: {e}")))?;
 
     let metrics = Arc::new(RunMetrics::default());
-    let throttle = Arc::new(Throttle::new(&ThrottleSettings {
+    let throttle_settings = ThrottleSettings {
         max_concurrency: settings.max_concurrency,
         adaptive: settings.adaptive,
         rate: settings.rate.clone(),
         sre_k: settings.sre_k,
-    }));
-    let mut driver = Driver::new(endpoint.handler.clone(), throttle, settings.driver.clone(), metrics.clone());
-    if let Some(c) = &cache {
-        driver = driver.with_cache(c.clone());
-    }
-    let driver = Arc::new(driver);
+    };
+    let make_driver = {
+        let (metrics, cache, driver_settings) = (metrics.clone(), cache.clone(), settings.driver.clone());
+        move |handler: Arc<dyn weir_core::ModelHandler>| {
+            // One throttle per endpoint: every record of one model shares it.
+            let throttle = Arc::new(Throttle::new(&throttle_settings));
+            let mut d = Driver::new(handler, throttle, driver_settings.clone(), metrics.clone());
+            if let Some(c) = &cache {
+                d = d.with_cache(c.clone());
+            }
+            Arc::new(d)
+        }
+    };
+    let driver = make_driver(endpoint.handler.clone());
+    let endpoints = Arc::new(Endpoints {
+        default: driver.clone(),
+        field: settings.model_field.clone(),
+        provider: settings.provider.clone(),
+        env: ENV_VARS.iter().filter_map(|k| env(k).map(|v| (k.to_string(), v))).collect(),
+        make: Box::new(make_driver),
+        others: tokio::sync::Mutex::new(HashMap::new()),
+        sims: std::sync::Mutex::new(Vec::new()),
+    });
     let metrics_task = match settings.metrics_listen {
         Some(addr) => {
             let (local, task) = crate::metrics_server::serve(addr, driver.clone(), Instant::now())
@@ -355,10 +442,17 @@ pub async fn run(
     let width = settings.max_concurrency.max(1) * 4;
     let outcomes = work
         .map(|w| {
-            let driver = driver.clone();
+            let (driver, endpoints) = (driver.clone(), endpoints.clone());
             async move {
                 match w {
-                    Work::Call(record) => Ok(driver.run(record).await),
+                    Work::Call(record) => Ok(match endpoints.driver_for(&record).await {
+                        Ok(d) => d.run(record).await,
+                        Err(msg) => driver.reject(Box::new(Failure::of(
+                            record,
+                            ModelError::new(ErrorKind::InvalidInput, msg),
+                            0,
+                        ))),
+                    }),
                     Work::Done(failure) => Ok(driver.reject(failure)),
                     Work::ReadError(e) => Err(e),
                 }
@@ -387,7 +481,7 @@ pub async fn run(
                         "weir: interrupted; letting calls in flight finish (up to {} s). Press Ctrl-C again to stop at once.",
                         settings.drain.as_secs()
                     ));
-                    driver.stop(StopReason { kind: ErrorKind::Aborted, message: "interrupted".into() });
+                    endpoints.stop(StopReason { kind: ErrorKind::Aborted, message: "interrupted".into() });
                     drain_deadline.as_mut().reset(Instant::now() + settings.drain);
                 }
                 continue;
@@ -426,6 +520,10 @@ pub async fn run(
     if let Some(sim) = endpoint.sim {
         sim.shutdown().await;
     }
+    let sims = std::mem::take(&mut *endpoints.sims.lock().unwrap_or_else(|e| e.into_inner()));
+    for sim in sims {
+        sim.shutdown().await;
+    }
     drop(cache);
     let state_path = state_dir.take().map(|s| s.dir.display().to_string());
     if let Err(e) = flushed {
@@ -436,7 +534,7 @@ pub async fn run(
     }
     // What a resume has left to do: every record of the input not in either file. Counted from
     // the input when it is a file; a stream cannot be counted again.
-    let stopped = interrupted || driver.is_stopped();
+    let stopped = interrupted || endpoints.stop_reason().is_some();
     let unfinished = if !stopped {
         Some(0)
     } else if journal {
@@ -448,7 +546,7 @@ pub async fn run(
     Ok(RunReport::new(
         &metrics,
         started.elapsed().max(Duration::from_micros(1)),
-        driver.stop_reason(),
+        endpoints.stop_reason(),
         &settings,
         (result_rows, error_rows),
         (recovered.results, recovered.errors),

@@ -45,6 +45,10 @@ pub struct RunArgs {
     /// The model, as provider/model: sim/demo, openai/gpt-4o-mini, gemini/gemini-2.5-flash.
     #[arg(long, value_name = "MODEL")]
     model: String,
+    /// The field naming each record's own model (provider/model, e.g. to compare models in one
+    /// run); records without it use --model. Each model gets a throttle of its own.
+    #[arg(long, value_name = "FIELD")]
+    model_field: Option<String>,
     /// Input JSONL, one object per line; - reads stdin.
     #[arg(long, value_name = "PATH")]
     input: String,
@@ -218,6 +222,7 @@ impl RunArgs {
         }
         Ok(RunSettings {
             model,
+            model_field: self.model_field.clone(),
             provider: ProviderOptions { base_url: self.base_url.clone(), sim_config },
             input,
             output,

@@ -447,3 +447,50 @@ async fn metrics_are_served_in_the_prometheus_format_during_a_run() {
     assert_eq!(o.status.code(), Some(0));
     server.shutdown().await;
 }
+
+/// `--model-field` sends each record to its own model (one throttle each); records without the
+/// field use --model; a bad model name is that record's `invalid_input` row, not the run's end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn model_field_routes_each_record_to_its_model() {
+    let dir = Dir::new("model-field");
+    let mut data = String::new();
+    for i in 0..30 {
+        let m = match i % 3 {
+            0 => ",\"m\":\"sim/a\"",
+            1 => ",\"m\":\"sim/b\"",
+            _ => "",
+        };
+        data.push_str(&format!("{{\"id\":\"r{i}\",\"prompt\":\"p {i}\"{m}}}\n"));
+    }
+    data.push_str("{\"id\":\"bad1\",\"prompt\":\"x\",\"m\":\"nope\"}\n{\"id\":\"bad2\",\"prompt\":\"x\",\"m\":5}\n");
+    let input = dir.write("in.jsonl", data.as_bytes());
+    let out = dir.path("out.jsonl");
+    let o = run(&[
+        "run",
+        "--model",
+        "sim/demo",
+        "--model-field",
+        "m",
+        "--input",
+        input.to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+        "--id-field",
+        "id",
+        "--progress",
+        "never",
+    ])
+    .await;
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let results = rows(&out);
+    let errors = rows(&dir.path("out.errors.jsonl"));
+    let count = |m: &str| results.iter().filter(|r| r["model"] == m).count();
+    assert_eq!((count("sim/a"), count("sim/b"), count("sim/demo")), (10, 10, 10));
+    for r in &results {
+        let want = r["input"]["m"].as_str().unwrap_or("sim/demo");
+        assert_eq!(r["model"], want, "{r}");
+    }
+    assert_eq!(errors.len(), 2);
+    assert!(errors.iter().all(|e| e["kind"] == "invalid_input"), "{errors:?}");
+    assert!(errors.iter().any(|e| e["message"].as_str().unwrap().contains("model field 'm': nope")));
+}
