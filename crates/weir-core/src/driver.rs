@@ -242,7 +242,7 @@ impl Driver {
     /// The cached answer for `key`, counted as a hit.
     fn cached(&self, key: Option<&CacheKey>) -> Option<crate::outcome::ModelResponse> {
         let response = self.cache.as_ref()?.get(key?)?;
-        self.metrics.cache_hits.fetch_add(1, Relaxed);
+        self.metrics.record_cache_hit();
         self.metrics.record_success(response.usage.prompt_tokens, response.usage.output_tokens);
         Some(response)
     }

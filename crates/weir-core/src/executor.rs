@@ -143,10 +143,8 @@ impl Executor {
         if !admitted.waited.is_zero() {
             self.metrics.add_throttled(admitted.waited);
         }
-        self.metrics.calls.fetch_add(1, Relaxed);
-        if attempts > 0 {
-            self.metrics.retries.fetch_add(1, Relaxed);
-        }
+        self.metrics.record_call(attempts > 0);
+        let sent = Instant::now();
         // A call on the wire is not cancelled: the endpoint may already have counted (and
         // billed) it, so its answer is worth waiting for. Cancellation ends calls at their
         // next wait; a caller that cannot wait drops the future.
@@ -154,12 +152,13 @@ impl Executor {
             Ok(r) => r,
             Err(_) => Err(ModelError::new(ErrorKind::Timeout, format!("no answer within {:?}", self.timeout))),
         };
+        self.metrics.record_latency(sent.elapsed());
         admitted.finish(result.as_ref().map(|v| (v.usage(), v.limits())));
         match &result {
             Ok(_) => self.observer.answered(),
             Err(e) => {
                 if e.kind == ErrorKind::RateLimited {
-                    self.metrics.rate_limited.fetch_add(1, Relaxed);
+                    self.metrics.record_rate_limited();
                 }
                 self.observer.failed_attempt(e, attempts + 1);
             }

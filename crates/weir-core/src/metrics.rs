@@ -1,4 +1,8 @@
 //! Counters of a run, shared by the driver, the progress bar and the summary.
+//!
+//! Every count is also reported through the `metrics` facade (a no-op until a recorder is
+//! installed: `weir run --metrics-listen` installs the Prometheus exporter), from this one
+//! place, so the summary and the exported metrics can never disagree.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -40,6 +44,8 @@ impl RunMetrics {
         self.failed.fetch_add(1, Relaxed);
         self.done.fetch_add(1, Relaxed);
         *self.failures_by_kind.lock().unwrap_or_else(|e| e.into_inner()).entry(kind).or_default() += 1;
+        metrics::counter!("weir_records_total", "outcome" => "failure").increment(1);
+        metrics::counter!("weir_failures_total", "kind" => kind.as_str()).increment(1);
     }
 
     /// Counts a record's success.
@@ -48,11 +54,78 @@ impl RunMetrics {
         self.done.fetch_add(1, Relaxed);
         self.tokens_in.fetch_add(tokens_in, Relaxed);
         self.tokens_out.fetch_add(tokens_out, Relaxed);
+        metrics::counter!("weir_records_total", "outcome" => "success").increment(1);
+        metrics::counter!("weir_tokens_total", "direction" => "in").increment(tokens_in);
+        metrics::counter!("weir_tokens_total", "direction" => "out").increment(tokens_out);
+    }
+
+    /// Counts a call made; `retry` when it was not the first for its record or batch.
+    pub fn record_call(&self, retry: bool) {
+        self.calls.fetch_add(1, Relaxed);
+        metrics::counter!("weir_calls_total").increment(1);
+        if retry {
+            self.retries.fetch_add(1, Relaxed);
+            metrics::counter!("weir_retries_total").increment(1);
+        }
+    }
+
+    /// Counts a call answered with a rate-limit error.
+    pub fn record_rate_limited(&self) {
+        self.rate_limited.fetch_add(1, Relaxed);
+        metrics::counter!("weir_rate_limited_total").increment(1);
+    }
+
+    /// Counts a record answered from the response cache.
+    pub fn record_cache_hit(&self) {
+        self.cache_hits.fetch_add(1, Relaxed);
+        metrics::counter!("weir_cache_hits_total").increment(1);
+    }
+
+    /// Records how long one call took, answered or not (a histogram when exported).
+    pub fn record_latency(&self, d: Duration) {
+        metrics::histogram!("weir_call_seconds").record(d.as_secs_f64());
     }
 
     /// Adds time spent held by the gate.
     pub fn add_throttled(&self, d: Duration) {
         self.throttled_micros.fetch_add(d.as_micros() as u64, Relaxed);
+        metrics::counter!("weir_throttled_microseconds_total").increment(d.as_micros() as u64);
+    }
+
+    /// Describes the exported metrics and makes every counter visible from the start (a
+    /// counter a scraper never saw cannot be told from one that is zero).
+    pub fn describe() {
+        metrics::describe_counter!("weir_records_total", "Records finished, by outcome.");
+        metrics::describe_counter!("weir_failures_total", "Failed records, by kind.");
+        metrics::describe_counter!("weir_calls_total", "Calls made to the endpoint.");
+        metrics::describe_counter!("weir_retries_total", "Calls beyond each record's first.");
+        metrics::describe_counter!("weir_rate_limited_total", "Calls answered with a rate-limit error (429).");
+        metrics::describe_counter!("weir_cache_hits_total", "Records answered from the response cache.");
+        metrics::describe_counter!("weir_tokens_total", "Tokens reported by successful calls.");
+        metrics::describe_counter!(
+            "weir_throttled_microseconds_total",
+            metrics::Unit::Microseconds,
+            "Time calls were held by the throttle (Beam: cumulativeThrottlingSeconds)."
+        );
+        metrics::describe_histogram!("weir_call_seconds", metrics::Unit::Seconds, "Latency of each call.");
+        metrics::describe_gauge!("weir_concurrency_limit", "Calls allowed in flight now.");
+        metrics::describe_gauge!("weir_requests_per_second_limit", "Request rate allowed now.");
+        metrics::describe_gauge!("weir_tokens_per_second_limit", "Token rate allowed now.");
+        for outcome in ["success", "failure"] {
+            metrics::counter!("weir_records_total", "outcome" => outcome).increment(0);
+        }
+        for direction in ["in", "out"] {
+            metrics::counter!("weir_tokens_total", "direction" => direction).increment(0);
+        }
+        for name in [
+            "weir_calls_total",
+            "weir_retries_total",
+            "weir_rate_limited_total",
+            "weir_cache_hits_total",
+            "weir_throttled_microseconds_total",
+        ] {
+            metrics::counter!(name).increment(0);
+        }
     }
 
     /// Failed records by kind.

@@ -387,10 +387,9 @@ pub async fn run(
     });
     let metrics_task = match settings.metrics_listen {
         Some(addr) => {
-            let (local, task) = crate::metrics_server::serve(addr, driver.clone(), Instant::now())
-                .await
+            let task = crate::metrics_server::serve(addr, driver.clone())
                 .map_err(|e| RunError::Usage(format!("--metrics-listen {addr}: {e}")))?;
-            tracing::info!("metrics on http://{local}/metrics");
+            tracing::info!("metrics on http://{addr}/metrics");
             Some(task)
         }
         None => None,

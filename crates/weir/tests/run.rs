@@ -434,10 +434,12 @@ async fn metrics_are_served_in_the_prometheus_format_during_a_run() {
     for name in [
         "weir_records_total{outcome=\"success\"}",
         "weir_calls_total",
-        "weir_throttled_seconds_total",
+        "weir_throttled_microseconds_total",
         "weir_rate_limited_total",
         "weir_concurrency_limit",
         "# TYPE weir_tokens_total counter",
+        "# TYPE weir_call_seconds histogram",
+        "weir_call_seconds_bucket{le=\"0.25\"}",
     ] {
         assert!(text.contains(name), "{name} missing from:\n{text}");
     }
