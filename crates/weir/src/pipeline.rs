@@ -101,6 +101,19 @@ impl From<ProviderError> for RunError {
     }
 }
 
+/// Output files a run created, removed on drop unless the run started (then it clears them).
+struct Created(Vec<PathBuf>);
+
+impl Drop for Created {
+    fn drop(&mut self) {
+        for p in &self.0 {
+            if std::fs::metadata(p).is_ok_and(|m| m.len() == 0) {
+                let _ = std::fs::remove_file(p);
+            }
+        }
+    }
+}
+
 /// Environment variables a provider may read, captured once for connecting lazily.
 const ENV_VARS: [&str; 4] = ["GEMINI_API_KEY", "GOOGLE_API_KEY", "OPENAI_API_KEY", "OPENAI_BASE_URL"];
 
@@ -267,6 +280,17 @@ pub async fn run(
             .map(|f| Some((path.clone(), f)))
             .map_err(|e| RunError::Usage(format!("{flag} {}: {e}", path.display()))),
     };
+    // Files this run creates are removed again if the command is refused before it starts, so
+    // that a refused command leaves nothing behind.
+    let mut created = Created(
+        [&settings.output, &settings.errors]
+            .into_iter()
+            .filter_map(|p| match p {
+                OutputPath::File(path) if !path.exists() => Some(path.clone()),
+                _ => None,
+            })
+            .collect(),
+    );
     let mut out_file = claim(&settings.output, "--output")?;
     let mut err_file = claim(&settings.errors, "--errors")?;
 
@@ -353,6 +377,7 @@ pub async fn run(
     let results = open(&mut out_file)?;
     let errors = open(&mut err_file)?;
     let on_sync: Option<Box<dyn Fn() + Send>> = cache.clone().map(|c| Box::new(move || c.checkpoint()) as _);
+    created.0.clear();
     let writer = weir_io::RowWriter::spawn(results, errors, weir_io::WriterSettings { journal, on_sync })
         .map_err(|e| RunError::Fatal(format!("cannot start the writer thread: {e}")))?;
 

@@ -460,6 +460,10 @@ async fn smaller_edges() {
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("query") && !stderr(&o).contains("SEKRIT-42"), "{}", stderr(&o));
     assert!(!dir.path("k.jsonl").exists());
+    // A command refused after the outputs were claimed (an unusable --state) leaves no files.
+    let o = run_in(&dir.0, &["--input", "bom.jsonl", "--output", "claimed.jsonl", "--state", "bom.jsonl"]).await;
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(!dir.path("claimed.jsonl").exists() && !dir.path("claimed.errors.jsonl").exists());
     // sim/a/b is a usage error, not 2 bad_request rows.
     let o = weir()
         .current_dir(&dir.0)
