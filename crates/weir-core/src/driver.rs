@@ -345,6 +345,7 @@ mod tests {
                 usage: Usage { prompt_tokens: 1, output_tokens: 2, total_tokens: 3 },
                 model_version: None,
                 limits: None,
+                embedding: None,
             })
         }
         fn model_id(&self) -> &str {

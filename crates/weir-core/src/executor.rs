@@ -28,6 +28,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::{ErrorKind, ModelError};
+use crate::handler::{Delta, DeltaStream};
 use crate::metrics::RunMetrics;
 use crate::outcome::{LimitInfo, ModelResponse, Usage};
 use crate::retry::{Decision, RetryPolicy};
@@ -295,6 +296,78 @@ impl Executor {
     }
 }
 
+/// What the consumer of a streamed call sees while it runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamEvent<'a> {
+    /// More text of the answer, in order.
+    Text(&'a str),
+    /// The call is being made again from the start: discard the text seen so far.
+    Restart,
+}
+
+impl Executor {
+    /// Takes one streamed call to its whole answer, passing each piece of text to `on_event` as
+    /// it arrives. `open` makes the request (once per attempt) and answers the stream. The time
+    /// from sending to the first text is recorded as time to first token. A stream that fails
+    /// or is cut part-way is retried from the start like any failed call; a consumer that was
+    /// given text for it gets [`StreamEvent::Restart`] first. The answer returned has the whole
+    /// text, so it can be written and cached as if it had not been streamed.
+    pub async fn run_stream<F, Fut, E>(
+        &self,
+        weight: Weight,
+        cancel: &CancellationToken,
+        mut open: F,
+        on_event: E,
+    ) -> Result<Done<ModelResponse>, Failed>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<DeltaStream, ModelError>>,
+        E: FnMut(StreamEvent<'_>) + Send,
+    {
+        use futures::StreamExt;
+        // (consumer, whether it holds text of an attempt that did not finish)
+        let consumer = std::sync::Mutex::new((on_event, false));
+        let consumer = &consumer;
+        let metrics = &self.metrics;
+        self.run(weight, cancel, move || {
+            let opened = open();
+            async move {
+                let sent = Instant::now();
+                {
+                    let mut c = consumer.lock().unwrap_or_else(|p| p.into_inner());
+                    if c.1 {
+                        (c.0)(StreamEvent::Restart);
+                        c.1 = false;
+                    }
+                }
+                let mut stream = opened.await?;
+                let mut text = String::new();
+                while let Some(item) = stream.next().await {
+                    match item? {
+                        Delta::Text(t) if t.is_empty() => {}
+                        Delta::Text(t) => {
+                            if text.is_empty() {
+                                metrics.record_first_token(sent.elapsed());
+                            }
+                            let mut c = consumer.lock().unwrap_or_else(|p| p.into_inner());
+                            (c.0)(StreamEvent::Text(&t));
+                            c.1 = true;
+                            text.push_str(&t);
+                        }
+                        Delta::End(mut whole) => {
+                            whole.text = text;
+                            consumer.lock().unwrap_or_else(|p| p.into_inner()).1 = false;
+                            return Ok(whole);
+                        }
+                    }
+                }
+                Err(ModelError::new(ErrorKind::Transport, "the streamed answer was cut before its end"))
+            }
+        })
+        .await
+    }
+}
+
 /// The indices of one batched attempt.
 struct Batch(Vec<usize>);
 
@@ -342,6 +415,7 @@ mod tests {
             usage: Usage { prompt_tokens: 1, output_tokens: 1, total_tokens: 2 },
             model_version: None,
             limits: None,
+            embedding: None,
         }
     }
 
@@ -463,5 +537,70 @@ mod tests {
         assert_eq!(out[1].as_ref().unwrap().attempts, 3);
         assert_eq!(out[3].as_ref().unwrap_err().error.kind, ErrorKind::BadRequest);
         assert_eq!(ex.metrics().calls.load(Relaxed), 3, "three requests for five items");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stream_cut_part_way_restarts_and_answers_once() {
+        use crate::handler::{Delta, DeltaStream};
+        let ex = executor(5);
+        let cancel = CancellationToken::new();
+        let opened = Mutex::new(0);
+        let events = Mutex::new(Vec::new());
+        let done = ex
+            .run_stream(
+                Weight::default(),
+                &cancel,
+                || {
+                    let k = {
+                        let mut n = opened.lock().unwrap();
+                        *n += 1;
+                        *n
+                    };
+                    async move {
+                        let text = |t: &str| Ok(Delta::Text(t.to_string()));
+                        let items = match k {
+                            // Cut before any text: retried without a restart.
+                            1 => vec![Err(ModelError::new(ErrorKind::Transport, "reset"))],
+                            // Cut after some text: the consumer is told to start over.
+                            2 => vec![text(""), text("a"), text("b")],
+                            _ => vec![text("a"), text("b"), text("c"), Ok(Delta::End(answer("")))],
+                        };
+                        Ok(Box::pin(futures::stream::iter(items)) as DeltaStream)
+                    }
+                },
+                |e| {
+                    events.lock().unwrap().push(match e {
+                        StreamEvent::Text(t) => t.to_string(),
+                        StreamEvent::Restart => "<restart>".to_string(),
+                    })
+                },
+            )
+            .await
+            .unwrap();
+        assert_eq!(done.value.text, "abc");
+        assert_eq!(done.attempts, 3);
+        assert_eq!(events.into_inner().unwrap(), ["a", "b", "<restart>", "a", "b", "c"]);
+    }
+
+    #[tokio::test]
+    async fn a_handler_that_takes_one_request_per_call_answers_a_batch_of_one() {
+        use crate::handler::{ModelHandler, ModelRequest};
+        struct One;
+        #[async_trait::async_trait]
+        impl ModelHandler for One {
+            async fn generate(&self, r: &ModelRequest) -> Result<ModelResponse, ModelError> {
+                Ok(answer(&r.prompt))
+            }
+            fn model_id(&self) -> &str {
+                "test/one"
+            }
+        }
+        let req = |p: &str| ModelRequest { prompt: p.into(), system: None, params: Default::default() };
+        let one = One.generate_batch(&[req("x")]).await.unwrap();
+        assert_eq!(one[0].as_ref().unwrap().text, "x");
+        assert_eq!(One.generate_batch(&[req("x"), req("y")]).await.unwrap_err().kind, ErrorKind::BadRequest);
+        let streamed = One.generate_stream(&req("whole")).await.unwrap();
+        let items: Vec<_> = futures::StreamExt::collect(streamed).await;
+        assert_eq!(items.len(), 2, "the whole text, then the end");
     }
 }

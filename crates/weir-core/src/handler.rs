@@ -1,30 +1,79 @@
 //! The seam between the engine and the providers.
+//!
+//! A provider makes calls of three shapes, and nothing else: one request to one answer
+//! ([`ModelHandler::generate`]); one request carrying many records to one outcome per record
+//! ([`ModelHandler::generate_batch`]: Vertex `:predict` instances, embedding batches); and one
+//! request to a stream of [`Delta`]s ending with the usage ([`ModelHandler::generate_stream`]).
+//! Retrying, throttling and timeouts belong to the [`Executor`](crate::Executor), so a handler
+//! never sleeps or loops and every provider gets the same resilience.
 
+use futures::stream::BoxStream;
 use std::sync::Arc;
 
-use crate::error::ModelError;
+use crate::error::{ErrorKind, ModelError};
 use crate::outcome::ModelResponse;
 use crate::params::GenParams;
 
-/// One call's worth of input. Parameters are shared by every request of a run.
+/// One call's worth of input.
 #[derive(Debug, Clone)]
 pub struct ModelRequest {
     /// The user prompt.
     pub prompt: String,
     /// System instructions.
     pub system: Option<Arc<str>>,
-    /// Generation parameters.
+    /// Generation parameters (shared, since most requests of a run carry the same ones).
     pub params: Arc<GenParams>,
 }
 
-/// Something that turns a request into an answer: a provider client. It makes exactly one call
-/// per invocation; retrying, throttling and timeouts are the driver's job, so a handler never
-/// sleeps or loops, and every handler gets the same resilience.
+/// A piece of a streamed answer.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Delta {
+    /// More text, in order.
+    Text(String),
+    /// The end of the answer: everything but the text (which the deltas carried), with the
+    /// usage the provider reported at the end. A stream that stops without it was cut.
+    End(ModelResponse),
+}
+
+/// A streamed answer as it arrives. An error item ends it (a cut connection, an error event).
+pub type DeltaStream = BoxStream<'static, Result<Delta, ModelError>>;
+
+/// What a batched call answers: one result per request, in order. The outer error is a failure
+/// of the whole call (a 429 or 503 retries the call); an inner error failed that item alone.
+pub type BatchAnswer = Result<Vec<Result<ModelResponse, ModelError>>, ModelError>;
+
+/// Something that turns requests into answers: a provider client. Each method makes exactly one
+/// call per invocation. Errors are classified here, where the provider's answer is understood.
 #[async_trait::async_trait]
 pub trait ModelHandler: Send + Sync {
-    /// Makes one call. Errors are classified here, where the provider's answer is understood.
+    /// Makes one call for one request.
     async fn generate(&self, request: &ModelRequest) -> Result<ModelResponse, ModelError>;
 
     /// `provider/model`, as written in the output rows.
     fn model_id(&self) -> &str;
+
+    /// The most requests one call may carry; 1 when the endpoint takes one at a time.
+    fn max_batch(&self) -> usize {
+        1
+    }
+
+    /// Makes one call carrying every request in `requests` (at most [`max_batch`](Self::max_batch)).
+    /// Endpoints that take one request per call answer a batch of one.
+    async fn generate_batch(&self, requests: &[ModelRequest]) -> BatchAnswer {
+        match requests {
+            [one] => Ok(vec![self.generate(one).await]),
+            _ => Err(ModelError::new(
+                ErrorKind::BadRequest,
+                format!("{} takes one request per call, not {}", self.model_id(), requests.len()),
+            )),
+        }
+    }
+
+    /// Makes one call whose answer arrives as a stream. Endpoints that cannot stream answer the
+    /// whole text as one delta.
+    async fn generate_stream(&self, request: &ModelRequest) -> Result<DeltaStream, ModelError> {
+        let mut whole = self.generate(request).await?;
+        let text = std::mem::take(&mut whole.text);
+        Ok(Box::pin(futures::stream::iter([Ok(Delta::Text(text)), Ok(Delta::End(whole))])))
+    }
 }

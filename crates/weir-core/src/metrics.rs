@@ -86,6 +86,11 @@ impl RunMetrics {
         metrics::histogram!("weir_call_seconds").record(d.as_secs_f64());
     }
 
+    /// Records the time from sending a streamed call to its first text.
+    pub fn record_first_token(&self, d: Duration) {
+        metrics::histogram!("weir_time_to_first_token_seconds").record(d.as_secs_f64());
+    }
+
     /// Adds time spent held by the gate.
     pub fn add_throttled(&self, d: Duration) {
         self.throttled_micros.fetch_add(d.as_micros() as u64, Relaxed);
@@ -108,6 +113,11 @@ impl RunMetrics {
             "Time calls were held by the throttle (Beam: cumulativeThrottlingSeconds)."
         );
         metrics::describe_histogram!("weir_call_seconds", metrics::Unit::Seconds, "Latency of each call.");
+        metrics::describe_histogram!(
+            "weir_time_to_first_token_seconds",
+            metrics::Unit::Seconds,
+            "Time from sending a streamed call to its first text."
+        );
         metrics::describe_gauge!("weir_concurrency_limit", "Calls allowed in flight now.");
         metrics::describe_gauge!("weir_requests_per_second_limit", "Request rate allowed now.");
         metrics::describe_gauge!("weir_tokens_per_second_limit", "Token rate allowed now.");

@@ -18,11 +18,15 @@ pub struct Usage {
     pub total_tokens: u64,
 }
 
-/// A model's answer to one request.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// A model's answer to one request: generated text, or an embedding vector (then `text` is
+/// empty).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ModelResponse {
     /// The generated text.
     pub text: String,
+    /// The embedding, for an embedding model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub embedding: Option<Vec<f32>>,
     /// Why generation stopped, normalised: `stop`, `length`, or the provider's own value in
     /// lower case.
     pub finish_reason: String,

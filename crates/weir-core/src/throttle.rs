@@ -546,6 +546,7 @@ mod tests {
             usage: Usage { prompt_tokens: total / 2, output_tokens: total - total / 2, total_tokens: total },
             model_version: None,
             limits: None,
+            embedding: None,
         })
     }
 

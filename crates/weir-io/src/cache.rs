@@ -173,6 +173,7 @@ mod tests {
             usage: Usage { prompt_tokens: 1, output_tokens: 2, total_tokens: 3 },
             model_version: None,
             limits: None,
+            embedding: None,
         };
         {
             let c = RedbCache::open(&path).unwrap();

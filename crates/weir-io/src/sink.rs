@@ -157,8 +157,12 @@ pub struct ResultRow<'a> {
     pub line: u64,
     /// The input object, untouched.
     pub input: &'a Map<String, Value>,
-    /// The generated text.
-    pub response: &'a str,
+    /// The generated text (absent for an embedding).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub response: Option<&'a str>,
+    /// The embedding vector, for an embedding model.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub embedding: Option<&'a [f32]>,
     /// Why generation stopped.
     pub finish_reason: &'a str,
     /// Token usage.
@@ -181,7 +185,8 @@ impl<'a> ResultRow<'a> {
             id: &s.record.id,
             line: s.record.line,
             input: &s.record.input,
-            response: &s.response.text,
+            response: s.response.embedding.is_none().then_some(s.response.text.as_str()),
+            embedding: s.response.embedding.as_deref(),
             finish_reason: &s.response.finish_reason,
             usage: &s.response.usage,
             model: &s.model,

@@ -2,16 +2,21 @@
 
 use serde_json::{json, Map, Value};
 use weir_core::{
-    ErrorKind, GenParams, ModelError, ModelHandler, ModelRequest, ModelResponse, QuotaScope, RetryHint, Usage,
+    Delta, DeltaStream, ErrorKind, GenParams, ModelError, ModelHandler, ModelRequest, ModelResponse, QuotaScope,
+    RetryHint, Usage,
 };
 
-use crate::http::{clip, post_json, proto_duration, put_sampling, status_error, Auth, SamplingNames, Secret};
+use crate::http::{
+    clip, cut_stream, deltas, post_json, post_sse, proto_duration, put_sampling, status_error, Auth, Opened,
+    SamplingNames, Secret, StreamParser,
+};
 
 /// A client of one Gemini model.
 #[derive(Debug)]
 pub struct GeminiHandler {
     client: reqwest::Client,
     url: String,
+    stream_url: String,
     model_id: String,
     key: Option<Secret>,
 }
@@ -37,8 +42,10 @@ impl GeminiHandler {
         key: Option<Secret>,
         model_id: String,
     ) -> Self {
-        let url = format!("{}/v1beta/models/{model}:generateContent", base.as_str().trim_end_matches('/'));
-        Self { client, url, model_id, key }
+        let root = format!("{}/v1beta/models/{model}", base.as_str().trim_end_matches('/'));
+        let url = format!("{root}:generateContent");
+        let stream_url = format!("{root}:streamGenerateContent?alt=sse");
+        Self { client, url, stream_url, model_id, key }
     }
 
     /// The request body for `request`.
@@ -132,28 +139,33 @@ pub fn classify_error(status: u16, headers: &reqwest::header::HeaderMap, body: &
     e
 }
 
-/// Parses a `GenerateContentResponse`. A blocked prompt (no candidates) or a withheld answer
-/// (no content, a safety finish reason) is a `blocked` error with the reason, never an empty
-/// answer.
-pub fn parse_response(body: &[u8]) -> Result<ModelResponse, ModelError> {
-    let v: Value = serde_json::from_slice(body)
-        .map_err(|e| ModelError::new(ErrorKind::MalformedResponse, format!("the answer is not JSON: {e}")))?;
-    let candidate = v.get("candidates").and_then(|c| c.get(0));
-    let Some(candidate) = candidate else {
-        let feedback = v.get("promptFeedback");
-        let reason = feedback.and_then(|f| f.get("blockReason")).and_then(Value::as_str);
-        let detail = feedback.and_then(|f| f.get("blockReasonMessage")).and_then(Value::as_str).unwrap_or("");
-        let msg = match reason {
-            Some(r) => format!("the prompt was blocked (blockReason {r}) {detail}"),
-            None => "the answer has no candidates and no blockReason".to_string(),
-        };
-        return Err(ModelError::new(ErrorKind::Blocked, msg.trim().to_string()));
+/// A prompt blocked before any candidate, from `promptFeedback`.
+fn prompt_blocked(v: &Value) -> ModelError {
+    let feedback = v.get("promptFeedback");
+    let reason = feedback.and_then(|f| f.get("blockReason")).and_then(Value::as_str);
+    let detail = feedback.and_then(|f| f.get("blockReasonMessage")).and_then(Value::as_str).unwrap_or("");
+    let msg = match reason {
+        Some(r) => format!("the prompt was blocked (blockReason {r}) {detail}"),
+        None => "the answer has no candidates and no blockReason".to_string(),
     };
-    let finish = candidate.get("finishReason").and_then(Value::as_str).unwrap_or("FINISH_REASON_UNSPECIFIED");
+    ModelError::new(ErrorKind::Blocked, msg.trim().to_string())
+}
+
+/// A candidate's finish reason, normalised; a withheld answer is a `blocked` error.
+fn finish_reason(candidate: &Value) -> Result<Option<String>, ModelError> {
+    let Some(finish) = candidate.get("finishReason").and_then(Value::as_str) else { return Ok(None) };
     if BLOCKED_FINISH.contains(&finish) {
         return Err(ModelError::new(ErrorKind::Blocked, format!("the answer was withheld (finishReason {finish})")));
     }
-    let mut text = String::new();
+    Ok(Some(match finish {
+        "STOP" => "stop".to_string(),
+        "MAX_TOKENS" => "length".to_string(),
+        other => other.to_ascii_lowercase(),
+    }))
+}
+
+/// A candidate's text, thoughts left out.
+fn push_text(candidate: &Value, text: &mut String) {
     if let Some(parts) = candidate.pointer("/content/parts").and_then(Value::as_array) {
         for p in parts {
             if p.get("thought").and_then(Value::as_bool) == Some(true) {
@@ -164,25 +176,85 @@ pub fn parse_response(body: &[u8]) -> Result<ModelResponse, ModelError> {
             }
         }
     }
+}
+
+/// Reads `usageMetadata`.
+fn usage(v: &Value) -> Usage {
     let u = v.get("usageMetadata");
     let n = |k: &str| u.and_then(|u| u.get(k)).and_then(Value::as_u64).unwrap_or(0);
-    let usage = Usage {
+    Usage {
         prompt_tokens: n("promptTokenCount"),
         output_tokens: n("candidatesTokenCount"),
         total_tokens: n("totalTokenCount"),
-    };
-    let finish_reason = match finish {
-        "STOP" => "stop".to_string(),
-        "MAX_TOKENS" => "length".to_string(),
-        other => other.to_ascii_lowercase(),
-    };
+    }
+}
+
+/// Parses a `GenerateContentResponse`. A blocked prompt (no candidates) or a withheld answer
+/// (no content, a safety finish reason) is a `blocked` error with the reason, never an empty
+/// answer.
+pub fn parse_response(body: &[u8]) -> Result<ModelResponse, ModelError> {
+    let v: Value = serde_json::from_slice(body)
+        .map_err(|e| ModelError::new(ErrorKind::MalformedResponse, format!("the answer is not JSON: {e}")))?;
+    let candidate = v.get("candidates").and_then(|c| c.get(0)).ok_or_else(|| prompt_blocked(&v))?;
+    let finish_reason = finish_reason(candidate)?.unwrap_or_else(|| "finish_reason_unspecified".into());
+    let mut text = String::new();
+    push_text(candidate, &mut text);
     Ok(ModelResponse {
         text,
         finish_reason,
-        usage,
+        usage: usage(&v),
         model_version: v.get("modelVersion").and_then(Value::as_str).map(str::to_string),
-        limits: None,
+        ..ModelResponse::default()
     })
+}
+
+/// Reads a streamed answer (`:streamGenerateContent?alt=sse`): each event is a
+/// `GenerateContentResponse` carrying the next text; the last carries the finish reason and the
+/// usage, and the events then end.
+#[derive(Debug, Default)]
+pub struct ChunkParser {
+    finish: Option<String>,
+    usage: Usage,
+    model: Option<String>,
+}
+
+impl StreamParser for ChunkParser {
+    fn event(&mut self, data: &str) -> Result<Option<Delta>, ModelError> {
+        let v: Value = serde_json::from_str(data)
+            .map_err(|e| ModelError::new(ErrorKind::MalformedResponse, format!("a streamed chunk is not JSON: {e}")))?;
+        if let Some(err) = v.get("error") {
+            let code = err.get("code").and_then(Value::as_u64).and_then(|c| u16::try_from(c).ok()).unwrap_or(500);
+            return Err(classify_error(code, &reqwest::header::HeaderMap::new(), data.as_bytes()));
+        }
+        if v.get("usageMetadata").is_some() {
+            self.usage = usage(&v);
+        }
+        if let Some(m) = v.get("modelVersion").and_then(Value::as_str) {
+            self.model = Some(m.to_string());
+        }
+        let Some(candidate) = v.get("candidates").and_then(|c| c.get(0)) else {
+            return match v.pointer("/promptFeedback/blockReason") {
+                Some(_) => Err(prompt_blocked(&v)),
+                None => Ok(None),
+            };
+        };
+        if let Some(f) = finish_reason(candidate)? {
+            self.finish = Some(f);
+        }
+        let mut text = String::new();
+        push_text(candidate, &mut text);
+        Ok((!text.is_empty()).then_some(Delta::Text(text)))
+    }
+
+    fn finish(&mut self) -> Result<Delta, ModelError> {
+        let finish_reason = self.finish.take().ok_or_else(cut_stream)?;
+        Ok(Delta::End(ModelResponse {
+            finish_reason,
+            usage: self.usage,
+            model_version: self.model.take(),
+            ..ModelResponse::default()
+        }))
+    }
 }
 
 #[async_trait::async_trait]
@@ -194,6 +266,14 @@ impl ModelHandler for GeminiHandler {
             return Err(classify_error(reply.status, &reply.headers, &reply.body));
         }
         parse_response(&reply.body)
+    }
+
+    async fn generate_stream(&self, request: &ModelRequest) -> Result<DeltaStream, ModelError> {
+        let auth = self.key.as_ref().map_or(Auth::None, |k| Auth::Header("x-goog-api-key", k));
+        match post_sse(&self.client, &self.stream_url, &Self::body(request), auth).await? {
+            Opened::Events(events) => Ok(deltas(events, ChunkParser::default())),
+            Opened::Error(reply) => Err(classify_error(reply.status, &reply.headers, &reply.body)),
+        }
     }
 
     fn model_id(&self) -> &str {

@@ -3,7 +3,7 @@
 
 use reqwest::header::HeaderMap;
 use std::time::Duration;
-use weir_core::{ErrorKind, ModelError, RetryHint};
+use weir_core::{Delta, DeltaStream, ErrorKind, ModelError, RetryHint};
 
 use crate::ProviderError;
 
@@ -160,6 +160,22 @@ pub struct Reply {
     pub body: bytes::Bytes,
 }
 
+/// A JSON POST carrying its credential.
+fn post(
+    client: &reqwest::Client,
+    url: &str,
+    body: &serde_json::Value,
+    auth: Auth<'_>,
+) -> Result<reqwest::RequestBuilder, ModelError> {
+    let body = serde_json::to_vec(body).map_err(|e| ModelError::new(ErrorKind::InvalidInput, e.to_string()))?;
+    let req = client.post(url).header(reqwest::header::CONTENT_TYPE, "application/json").body(body);
+    Ok(match auth {
+        Auth::None => req,
+        Auth::Bearer(key) => req.bearer_auth(key.expose()),
+        Auth::Header(name, key) => req.header(name, key.expose()),
+    })
+}
+
 /// POSTs a JSON body and reads the whole answer; only a failure to get an answer is an error
 /// here (each provider classifies error statuses from their bodies).
 pub async fn post_json(
@@ -168,18 +184,83 @@ pub async fn post_json(
     body: &serde_json::Value,
     auth: Auth<'_>,
 ) -> Result<Reply, ModelError> {
-    let body = serde_json::to_vec(body).map_err(|e| ModelError::new(ErrorKind::InvalidInput, e.to_string()))?;
-    let mut req = client.post(url).header(reqwest::header::CONTENT_TYPE, "application/json").body(body);
-    req = match auth {
-        Auth::None => req,
-        Auth::Bearer(key) => req.bearer_auth(key.expose()),
-        Auth::Header(name, key) => req.header(name, key.expose()),
-    };
-    let resp = req.send().await.map_err(|e| transport_error(&e))?;
+    let resp = post(client, url, body, auth)?.send().await.map_err(|e| transport_error(&e))?;
     let status = resp.status().as_u16();
     let headers = resp.headers().clone();
     let body = resp.bytes().await.map_err(|e| transport_error(&e))?;
     Ok(Reply { status, headers, body })
+}
+
+/// Server-sent events, each event's `data` as it arrives.
+pub type Events = futures::stream::BoxStream<'static, Result<String, ModelError>>;
+
+/// What a streamed POST got: the event stream of a 200 answer, or any other answer read whole.
+pub enum Opened {
+    /// A 200 answer's events.
+    Events(Events),
+    /// An error answer, to be classified by the provider.
+    Error(Reply),
+}
+
+/// POSTs a JSON body that asks for a streamed answer, and opens its server-sent events.
+pub async fn post_sse(
+    client: &reqwest::Client,
+    url: &str,
+    body: &serde_json::Value,
+    auth: Auth<'_>,
+) -> Result<Opened, ModelError> {
+    use eventsource_stream::{EventStreamError, Eventsource};
+    use futures::StreamExt;
+    let req = post(client, url, body, auth)?.header(reqwest::header::ACCEPT, "text/event-stream");
+    let resp = req.send().await.map_err(|e| transport_error(&e))?;
+    let status = resp.status().as_u16();
+    if status != 200 {
+        let headers = resp.headers().clone();
+        let body = resp.bytes().await.map_err(|e| transport_error(&e))?;
+        return Ok(Opened::Error(Reply { status, headers, body }));
+    }
+    let events = resp.bytes_stream().eventsource().map(|e| match e {
+        Ok(event) => Ok(event.data),
+        Err(EventStreamError::Transport(e)) => Err(transport_error(&e)),
+        Err(e) => Err(ModelError::new(ErrorKind::MalformedResponse, format!("a bad event in the stream: {e}"))),
+    });
+    Ok(Opened::Events(Box::pin(events)))
+}
+
+/// A provider's reading of its streamed events.
+pub trait StreamParser: Send + 'static {
+    /// Reads one event's data: a delta to pass on, or nothing (bookkeeping only).
+    fn event(&mut self, data: &str) -> Result<Option<Delta>, ModelError>;
+    /// The events ended without an explicit end: the end, if the answer was complete.
+    fn finish(&mut self) -> Result<Delta, ModelError>;
+}
+
+/// The answer cut before its end.
+pub fn cut_stream() -> ModelError {
+    ModelError::new(ErrorKind::Transport, "the streamed answer was cut before its end")
+}
+
+/// Turns server-sent events into deltas with `parser`; the stream ends after an end delta or
+/// the first error.
+pub fn deltas<P: StreamParser>(events: Events, parser: P) -> DeltaStream {
+    use futures::StreamExt;
+    let state = Some((events, parser));
+    Box::pin(futures::stream::unfold(state, |state| async move {
+        let (mut events, mut parser) = state?;
+        loop {
+            let item = match events.next().await {
+                None => parser.finish(),
+                Some(Err(e)) => Err(e),
+                Some(Ok(data)) => match parser.event(&data) {
+                    Ok(None) => continue,
+                    Ok(Some(delta)) => Ok(delta),
+                    Err(e) => Err(e),
+                },
+            };
+            let more = matches!(item, Ok(Delta::Text(_)));
+            return Some((item, more.then_some((events, parser))));
+        }
+    }))
 }
 
 /// Classifies a failure to get a response at all.

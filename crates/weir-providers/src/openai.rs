@@ -3,11 +3,14 @@
 
 use serde_json::{json, Map, Value};
 use weir_core::{
-    ErrorKind, GenParams, LimitInfo, ModelError, ModelHandler, ModelRequest, ModelResponse, QuotaScope, RetryHint,
-    Usage,
+    Delta, DeltaStream, ErrorKind, GenParams, LimitInfo, ModelError, ModelHandler, ModelRequest, ModelResponse,
+    QuotaScope, RetryHint, Usage,
 };
 
-use crate::http::{clip, post_json, put_sampling, status_error, Auth, SamplingNames, Secret};
+use crate::http::{
+    clip, cut_stream, deltas, post_json, post_sse, put_sampling, status_error, Auth, Opened, SamplingNames, Secret,
+    StreamParser,
+};
 
 /// A client of one OpenAI-compatible endpoint and model.
 #[derive(Debug)]
@@ -136,6 +139,73 @@ pub fn parse_reset(s: &str) -> Option<std::time::Duration> {
     (num.is_empty() && total.is_finite()).then(|| std::time::Duration::from_secs_f64(total))
 }
 
+/// Reads an OpenAI `usage` object.
+fn usage(u: Option<&Value>) -> Usage {
+    let n = |k: &str| u.and_then(|u| u.get(k)).and_then(Value::as_u64).unwrap_or(0);
+    Usage { prompt_tokens: n("prompt_tokens"), output_tokens: n("completion_tokens"), total_tokens: n("total_tokens") }
+}
+
+/// Reads a streamed chat completion: `chat.completion.chunk` events, a finish reason, the usage
+/// chunk (`stream_options.include_usage`), then `[DONE]`.
+#[derive(Debug, Default)]
+pub struct ChunkParser {
+    finish: Option<String>,
+    usage: Usage,
+    model: Option<String>,
+}
+
+impl ChunkParser {
+    fn end(&mut self) -> Delta {
+        Delta::End(ModelResponse {
+            finish_reason: self.finish.take().unwrap_or_else(|| "unknown".into()),
+            usage: self.usage,
+            model_version: self.model.take(),
+            ..ModelResponse::default()
+        })
+    }
+}
+
+impl StreamParser for ChunkParser {
+    fn event(&mut self, data: &str) -> Result<Option<Delta>, ModelError> {
+        if data.trim() == "[DONE]" {
+            return Ok(Some(self.end()));
+        }
+        let v: Value = serde_json::from_str(data)
+            .map_err(|e| ModelError::new(ErrorKind::MalformedResponse, format!("a streamed chunk is not JSON: {e}")))?;
+        if let Some(err) = v.get("error") {
+            return Err(ModelError::new(ErrorKind::Server, clip(&format!("error in the stream: {err}"))));
+        }
+        if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
+            self.usage = usage(Some(u));
+        }
+        if let Some(m) = v.get("model").and_then(Value::as_str) {
+            self.model = Some(m.to_string());
+        }
+        let Some(choice) = v.get("choices").and_then(|c| c.get(0)) else { return Ok(None) };
+        if let Some(f) = choice.get("finish_reason").and_then(Value::as_str) {
+            if f == "content_filter" {
+                return Err(ModelError::new(ErrorKind::Blocked, "the answer was blocked by the content filter"));
+            }
+            self.finish = Some(f.to_string());
+        }
+        let delta = choice.get("delta");
+        if let Some(r) = delta.and_then(|d| d.get("refusal")).and_then(Value::as_str).filter(|r| !r.is_empty()) {
+            return Err(ModelError::new(ErrorKind::Blocked, clip(&format!("the model refused: {r}"))));
+        }
+        let text = delta.and_then(|d| d.get("content")).and_then(Value::as_str).unwrap_or("");
+        Ok((!text.is_empty()).then(|| Delta::Text(text.to_string())))
+    }
+
+    fn finish(&mut self) -> Result<Delta, ModelError> {
+        // A server that ends the events without `[DONE]` after a finish reason has answered.
+        if self.finish.is_some() {
+            Ok(self.end())
+        } else {
+            Err(cut_stream())
+        }
+    }
+}
+
 /// Parses a chat completion.
 pub fn parse_response(body: &[u8]) -> Result<ModelResponse, ModelError> {
     let v: Value = serde_json::from_slice(body)
@@ -161,19 +231,13 @@ pub fn parse_response(body: &[u8]) -> Result<ModelResponse, ModelError> {
         },
         Some(_) => return Err(malformed("string content")),
     };
-    let u = v.get("usage");
-    let n = |k: &str| u.and_then(|u| u.get(k)).and_then(Value::as_u64).unwrap_or(0);
-    let usage = Usage {
-        prompt_tokens: n("prompt_tokens"),
-        output_tokens: n("completion_tokens"),
-        total_tokens: n("total_tokens"),
-    };
     Ok(ModelResponse {
         text,
         finish_reason: finish,
-        usage,
+        usage: usage(v.get("usage")),
         model_version: v.get("model").and_then(Value::as_str).map(str::to_string),
         limits: None,
+        embedding: None,
     })
 }
 
@@ -188,6 +252,17 @@ impl ModelHandler for OpenAiHandler {
         let mut r = parse_response(&reply.body)?;
         r.limits = limit_headers(&reply.headers);
         Ok(r)
+    }
+
+    async fn generate_stream(&self, request: &ModelRequest) -> Result<DeltaStream, ModelError> {
+        let auth = self.key.as_ref().map_or(Auth::None, Auth::Bearer);
+        let mut body = self.body(request);
+        body["stream"] = json!(true);
+        body["stream_options"] = json!({"include_usage": true});
+        match post_sse(&self.client, &self.url, &body, auth).await? {
+            Opened::Events(events) => Ok(deltas(events, ChunkParser::default())),
+            Opened::Error(reply) => Err(classify_error(reply.status, &reply.headers, &reply.body)),
+        }
     }
 
     fn model_id(&self) -> &str {

@@ -210,6 +210,7 @@ impl ModelHandler for SimEndpoint {
             usage: Usage { prompt_tokens, output_tokens, total_tokens: prompt_tokens + output_tokens },
             model_version: None,
             limits: None,
+            embedding: None,
         })
     }
 
