@@ -252,8 +252,11 @@ impl Driver {
         let start = Instant::now();
         let request = ModelRequest {
             prompt: record.prompt.clone(),
-            system: self.settings.system.clone(),
-            params: self.settings.params.clone(),
+            system: record.system.clone().or_else(|| self.settings.system.clone()),
+            params: match &record.params {
+                Some(own) => Arc::new(self.settings.params.overlay(own)),
+                None => self.settings.params.clone(),
+            },
         };
         let key = self.cache.as_ref().map(|_| cache_key(&self.model_id, &request, &record.id));
         let hit = |response| {
@@ -354,7 +357,7 @@ mod tests {
     }
 
     fn record(id: &str) -> Record {
-        Record { id: RecordId::from(id), line: 1, prompt: "p".into(), input: Default::default() }
+        Record::new(RecordId::from(id), 1, "p".into(), Default::default())
     }
 
     fn driver(script: Vec<Result<Duration, ModelError>>, settings: DriverSettings) -> (Driver, Arc<Scripted>) {

@@ -60,8 +60,43 @@ impl GenParams {
     pub fn set(&mut self, spec: &str) -> Result<(), ParamError> {
         let err = |reason: String| ParamError { spec: spec.to_string(), reason };
         let (key, raw) = spec.split_once('=').ok_or_else(|| err("expected KEY=VALUE, e.g. temperature=0.2".into()))?;
-        let key = key.trim();
         let value: Value = serde_json::from_str(raw).unwrap_or_else(|_| Value::String(raw.to_string()));
+        self.set_value(key.trim(), value, true).map_err(|e| ParamError { spec: spec.to_string(), ..e })
+    }
+
+    /// Applies every key of a JSON object (a record's own parameters). Values are taken as
+    /// they are; `@FILE` is not read, since a data row must not make weir read local files.
+    pub fn apply_object(&mut self, object: &serde_json::Map<String, Value>) -> Result<(), ParamError> {
+        for (key, value) in object {
+            self.set_value(key, value.clone(), false)?;
+        }
+        Ok(())
+    }
+
+    /// These parameters with every one that `over` sets replaced by its value (a record's own
+    /// parameters over the run's).
+    pub fn overlay(&self, over: &GenParams) -> GenParams {
+        fn pick<T: Clone>(over: &Option<T>, base: &Option<T>) -> Option<T> {
+            over.clone().or_else(|| base.clone())
+        }
+        GenParams {
+            temperature: pick(&over.temperature, &self.temperature),
+            top_p: pick(&over.top_p, &self.top_p),
+            top_k: pick(&over.top_k, &self.top_k),
+            max_output_tokens: pick(&over.max_output_tokens, &self.max_output_tokens),
+            seed: pick(&over.seed, &self.seed),
+            stop: if over.stop.is_empty() { self.stop.clone() } else { over.stop.clone() },
+            presence_penalty: pick(&over.presence_penalty, &self.presence_penalty),
+            frequency_penalty: pick(&over.frequency_penalty, &self.frequency_penalty),
+            response_schema: pick(&over.response_schema, &self.response_schema),
+            response_mime_type: pick(&over.response_mime_type, &self.response_mime_type),
+        }
+    }
+
+    /// Applies one parameter; `files` allows `response_schema=@FILE`.
+    fn set_value(&mut self, key: &str, value: Value, files: bool) -> Result<(), ParamError> {
+        let shown = format!("{key}={value}");
+        let err = |reason: String| ParamError { spec: shown.clone(), reason };
         let num = |v: &Value| v.as_f64().ok_or_else(|| err(format!("{key} takes a number")));
         let uint = |v: &Value| {
             v.as_u64()
@@ -102,7 +137,7 @@ impl GenParams {
             "frequency_penalty" => self.frequency_penalty = Some(num(&value)?),
             "response_schema" => {
                 let schema = match value {
-                    Value::String(s) if s.starts_with('@') => {
+                    Value::String(s) if files && s.starts_with('@') => {
                         let text = std::fs::read_to_string(&s[1..])
                             .map_err(|e| err(format!("cannot read {}: {e}", &s[1..])))?;
                         serde_json::from_str(&text).map_err(|e| err(format!("{} is not JSON: {e}", &s[1..])))?
@@ -158,5 +193,21 @@ mod tests {
         assert!(GenParams::from_specs(["max_tokens=0"]).is_err());
         assert!(GenParams::from_specs(["max_tokens"]).is_err());
         assert!(GenParams::from_specs(["temperature=3"]).is_err());
+    }
+
+    #[test]
+    fn a_records_parameters_override_the_runs_and_read_no_files() {
+        let run = GenParams::from_specs(["temperature=0.2", "max_tokens=64", "stop=END"]).unwrap();
+        let mut own = GenParams::default();
+        let obj = serde_json::json!({"temperature": 0.9, "seed": 3});
+        own.apply_object(obj.as_object().unwrap()).unwrap();
+        let p = run.overlay(&own);
+        assert_eq!((p.temperature, p.max_output_tokens, p.seed), (Some(0.9), Some(64), Some(3)));
+        assert_eq!(p.stop, vec!["END".to_string()]);
+        let file = serde_json::json!({"response_schema": "@/etc/passwd"});
+        let e = GenParams::default().apply_object(file.as_object().unwrap()).unwrap_err();
+        assert!(e.to_string().contains("JSON object"), "{e}");
+        let typo = serde_json::json!({"temprature": 1});
+        assert!(GenParams::default().apply_object(typo.as_object().unwrap()).is_err());
     }
 }

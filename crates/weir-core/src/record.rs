@@ -4,6 +4,7 @@ use serde_json::{Map, Value};
 
 use crate::error::{ErrorKind, ModelError};
 use crate::outcome::Failure;
+use crate::params::GenParams;
 
 /// A record's id, kept exactly as the input wrote it.
 ///
@@ -81,8 +82,19 @@ pub struct Record {
     pub line: u64,
     /// The prompt text.
     pub prompt: String,
+    /// The record's own system text (`--system-field`), used instead of the run's.
+    pub system: Option<std::sync::Arc<str>>,
+    /// The record's own generation parameters (`--params-field`), laid over the run's.
+    pub params: Option<Box<GenParams>>,
     /// The input object, carried to the output untouched.
     pub input: Map<String, Value>,
+}
+
+impl Record {
+    /// A record with the run's system text and parameters.
+    pub fn new(id: RecordId, line: u64, prompt: String, input: Map<String, Value>) -> Self {
+        Self { id, line, prompt, system: None, params: None, input }
+    }
 }
 
 /// A prompt template: literal text with `{field}` placeholders; `{{` and `}}` are literal braces.
@@ -196,6 +208,19 @@ pub struct RecordSpec {
     pub id_field: Option<String>,
     /// Where the prompt comes from.
     pub prompt: PromptSource,
+    /// A string field holding the record's own system text; a missing or null field means the
+    /// run's.
+    pub system_field: Option<String>,
+    /// An object field holding the record's own parameters (`{"temperature": 0.2}`), laid over
+    /// the run's; a missing or null field means the run's.
+    pub params_field: Option<String>,
+}
+
+impl RecordSpec {
+    /// Prompts from `prompt`, ids from `id_field` (else line numbers), nothing per record.
+    pub fn new(id_field: Option<String>, prompt: PromptSource) -> Self {
+        Self { id_field, prompt, system_field: None, params_field: None }
+    }
 }
 
 fn invalid(
@@ -280,7 +305,31 @@ impl RecordSpec {
         if prompt.trim().is_empty() {
             return Err(invalid(line, Some(id), Some(input), None, format!("line {line}: the prompt is empty")));
         }
-        Ok(Record { id, line, prompt, input })
+        let system = match self.system_field.as_deref().map(|f| (f, input.get(f))) {
+            None | Some((_, None | Some(Value::Null))) => None,
+            Some((_, Some(Value::String(s)))) => Some(std::sync::Arc::from(s.as_str())),
+            Some((f, Some(_))) => {
+                let msg = format!("line {line}: system field '{f}' is not a string");
+                return Err(invalid(line, Some(id), Some(input), None, msg));
+            }
+        };
+        let params = match self.params_field.as_deref().map(|f| (f, input.get(f))) {
+            None | Some((_, None | Some(Value::Null))) => None,
+            Some((f, Some(Value::Object(o)))) => {
+                let mut p = GenParams::default();
+                if let Err(e) = p.apply_object(o) {
+                    let msg =
+                        format!("line {line}: params field '{f}': {}", e.to_string().trim_start_matches("--param "));
+                    return Err(invalid(line, Some(id), Some(input), None, msg));
+                }
+                Some(Box::new(p))
+            }
+            Some((f, Some(_))) => {
+                let msg = format!("line {line}: params field '{f}' is not a JSON object of parameters");
+                return Err(invalid(line, Some(id), Some(input), None, msg));
+            }
+        };
+        Ok(Record { id, line, prompt, system, params, input })
     }
 }
 
@@ -289,7 +338,7 @@ mod tests {
     use super::*;
 
     fn spec(id: Option<&str>) -> RecordSpec {
-        RecordSpec { id_field: id.map(str::to_string), prompt: PromptSource::Field("prompt".into()) }
+        RecordSpec::new(id.map(str::to_string), PromptSource::Field("prompt".into()))
     }
 
     #[test]

@@ -75,6 +75,14 @@ pub struct RunArgs {
     /// response_mime_type.
     #[arg(long = "param", value_name = "KEY=VALUE")]
     params: Vec<String>,
+    /// A string field holding each record's own system instructions (used instead of
+    /// --system where the field is set).
+    #[arg(long, value_name = "FIELD")]
+    system_field: Option<String>,
+    /// An object field holding each record's own parameters, e.g. {"temperature": 0.9}, laid
+    /// over the --param values where the field is set.
+    #[arg(long, value_name = "FIELD")]
+    params_field: Option<String>,
     /// The provider's base URL (OpenAI-compatible: the API root, e.g. http://127.0.0.1:8000/v1;
     /// Gemini: replaces https://generativelanguage.googleapis.com). Plain http only to loopback.
     #[arg(long, value_name = "URL")]
@@ -227,7 +235,11 @@ impl RunArgs {
             input,
             output,
             errors,
-            records: RecordSpec { id_field: self.id_field.clone(), prompt },
+            records: RecordSpec {
+                system_field: self.system_field.clone(),
+                params_field: self.params_field.clone(),
+                ..RecordSpec::new(self.id_field.clone(), prompt)
+            },
             driver: DriverSettings {
                 timeout: Duration::from_secs_f64(self.timeout),
                 retry: RetryPolicy { max_retries: self.max_retries, ..RetryPolicy::default() },

@@ -351,6 +351,49 @@ async fn stdin_to_stdout_with_template_system_and_params() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_record_may_carry_its_own_system_text_and_parameters() {
+    let dir = Dir::new("per-record");
+    let input = dir.write(
+        "in.jsonl",
+        concat!(
+            "{\"text\":\"aaaaaaaa\",\"sys\":\"SSSSSSSSSSSSSSS\",\"p\":{\"max_tokens\":2}}\n",
+            "{\"text\":\"bbbbbbbb\"}\n",
+            "{\"text\":\"cccccccc\",\"p\":{\"max_tokns\":2}}\n",
+            "{\"text\":\"dddddddd\",\"sys\":5}\n",
+            "{\"text\":\"eeeeeeee\",\"sys\":null,\"p\":{\"max_tokens\":1,\"temperature\":0}}\n",
+        )
+        .as_bytes(),
+    );
+    let out = dir.path("out.jsonl");
+    let o = util::weir()
+        .args(["run", "--model", "sim/x", "--input", input.to_str().unwrap(), "--output", out.to_str().unwrap()])
+        .args(["--prompt-field", "text", "--system", "Be terse.", "--param", "max_tokens=3"])
+        .args(["--system-field", "sys", "--params-field", "p"])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let by_line = |rows: &[Value], line: u64| rows.iter().find(|r| r["line"] == line).cloned().unwrap();
+    let results = rows(&out);
+    assert_eq!(results.len(), 3);
+    // The record's own system text (15 chars) and max_tokens; the sim counts 4 chars a token.
+    let r1 = by_line(&results, 1);
+    assert_eq!((r1["usage"]["prompt_tokens"].as_u64(), r1["usage"]["output_tokens"].as_u64()), (Some(6), Some(2)));
+    // The run's: "Be terse." (9 chars) and max_tokens=3.
+    let r2 = by_line(&results, 2);
+    assert_eq!((r2["usage"]["prompt_tokens"].as_u64(), r2["usage"]["output_tokens"].as_u64()), (Some(5), Some(3)));
+    // A null field means the run's system text; the record's parameters still apply.
+    let r5 = by_line(&results, 5);
+    assert_eq!((r5["usage"]["prompt_tokens"].as_u64(), r5["usage"]["output_tokens"].as_u64()), (Some(5), Some(1)));
+    let errors = rows(&dir.path("out.errors.jsonl"));
+    assert_eq!(errors.len(), 2);
+    let e3 = by_line(&errors, 3)["message"].as_str().unwrap().to_string();
+    assert!(e3.contains("line 3") && e3.contains("max_tokns"), "{e3}");
+    let e4 = by_line(&errors, 4)["message"].as_str().unwrap().to_string();
+    assert!(e4.contains("line 4") && e4.contains("not a string"), "{e4}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn daily_quota_stops_the_run_and_the_next_day_resumes() {
     let mut config = SimConfig::default();
     config.quota.requests_per_day = 50;

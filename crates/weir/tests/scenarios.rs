@@ -286,11 +286,9 @@ async fn run_scenario(name: &str) -> Vec<String> {
         })
         .collect();
     let driver = drivers[0].clone();
-    let records = (0..sc.records).map(|i| Record {
-        id: weir_core::RecordId::Text(i.to_string()),
-        line: i as u64 + 1,
-        prompt: format!("prompt {i:06} about the river"),
-        input: Default::default(),
+    let records = (0..sc.records).map(|i| {
+        let id = weir_core::RecordId::Text(i.to_string());
+        Record::new(id, i as u64 + 1, format!("prompt {i:06} about the river"), Default::default())
     });
     let t0 = Instant::now();
     // The records are dealt to the clients in turn; each client works through its share.
@@ -460,11 +458,8 @@ async fn http_quota_through_the_real_provider() {
     let settings =
         DriverSettings { retry: RetryPolicy { max_retries: 30, ..RetryPolicy::default() }, ..Default::default() };
     let driver = Arc::new(Driver::new(handler, throttle, settings, Arc::new(RunMetrics::default())));
-    let records = (0..400).map(|i| Record {
-        id: weir_core::RecordId::Text(i.to_string()),
-        line: i + 1,
-        prompt: format!("http prompt {i}"),
-        input: Default::default(),
+    let records = (0..400).map(|i| {
+        Record::new(weir_core::RecordId::Text(i.to_string()), i + 1, format!("http prompt {i}"), Default::default())
     });
     let outcomes: Vec<Outcome> = futures::stream::iter(records)
         .map(|r| {
