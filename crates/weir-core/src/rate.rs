@@ -283,6 +283,14 @@ impl Budget {
                 // The window is full. It frees its oldest slot when the server said to come back;
                 // our oldest admitted send is that slot.
                 let oldest = self.log.iter().find(|e| e.state == State::Ok).map(|e| e.at);
+                if oldest.is_none() {
+                    // Refused before any send of ours was admitted: someone else filled the
+                    // window (another process on the same key), and nothing about its size can
+                    // be told from that. The server's advised pause holds the calls; learn from
+                    // a refusal that follows sends of our own.
+                    self.last_refusal = Some(now);
+                    return;
+                }
                 self.window = Some(match (delay, oldest) {
                     (Some(d), Some(at)) => {
                         (now + d).duration_since(at).clamp(Duration::from_millis(500), Duration::from_secs(3600))
@@ -490,6 +498,25 @@ mod tests {
         assert!(b.try_take(4, 1.0, t1).is_ok());
         b.refused(4, t1 + ms(4600), Some(Duration::from_secs(1)));
         assert_eq!(b.window(), Some(ms(5200)));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_refusal_before_any_own_send_was_admitted_teaches_nothing() {
+        // Another process filled the window: our very first send is refused.
+        let mut b = Budget::unlimited();
+        let t0 = Instant::now();
+        b.try_take(0, 1.0, t0).unwrap();
+        b.refused(0, t0, Some(Duration::from_secs(4)));
+        assert_eq!(b.mode(), Mode::Unlimited, "no window of 60 s with no credits");
+        // Once the window frees, sends go out as before, and a later refusal teaches.
+        let t1 = t0 + Duration::from_secs(4);
+        for id in 1..4u64 {
+            b.try_take(id, 1.0, t1).unwrap();
+            b.admitted(id, 1.0);
+        }
+        b.try_take(4, 1.0, t1).unwrap();
+        b.refused(4, t1, Some(ms(999)));
+        assert_eq!((b.mode(), b.window()), (Mode::Learned, Some(ms(999))));
     }
 
     #[tokio::test(start_paused = true)]

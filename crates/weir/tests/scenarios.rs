@@ -386,7 +386,12 @@ async fn run_scenario(name: &str) -> Vec<String> {
         check(name, "ideal completion time / actual", ideal / elapsed, r, &mut failures);
     }
     if let Some(r) = e.learned_requests {
-        let learned = driver.rate_snapshot().and_then(|s| s.requests).map_or(0.0, |x| x.0);
+        // The learned rate, in requests per the endpoint's window (the learned window may differ
+        // a little from the endpoint's, with the count to match).
+        let learned = driver.rate_snapshot().and_then(|s| s.requests).map_or(0.0, |(n, w, _)| {
+            println!("  learned: {n} requests per {w:?}");
+            n * sc.endpoint.window_secs / w.as_secs_f64()
+        });
         check(name, "learned requests per window", learned, r, &mut failures);
     }
     if let Some(r) = e.throughput_share {
