@@ -13,6 +13,7 @@
 #![warn(missing_docs)]
 
 pub mod gemini;
+pub mod google_auth;
 pub mod http;
 pub mod openai;
 

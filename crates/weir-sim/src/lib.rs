@@ -11,6 +11,7 @@
 
 #![warn(missing_docs)]
 
+pub mod auth;
 pub mod config;
 pub mod gen;
 pub mod proto;

@@ -166,6 +166,25 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Bo
             return Ok(json_reply(200, &[], &json!({"reset": true})));
         }
         (&Method::GET, "/healthz") => return Ok(full(200, &[], "text/plain", "ok")),
+        // Google's OAuth token endpoint (a service account's `token_uri`, or the refresh of an
+        // `authorized_user` file) and the GCE metadata server's token route, so that Google
+        // credentials can be tested offline.
+        (&Method::POST, "/token") => {
+            let bytes = body.collect().await.map_err(io::Error::other)?.to_bytes();
+            let (status, reply) = crate::auth::token_grant(&state.config, &bytes);
+            if status == 200 {
+                state.stats.token_issued();
+            }
+            return Ok(json_reply(status, &[], &reply));
+        }
+        (&Method::GET, "/computeMetadata/v1/instance/service-accounts/default/token") => {
+            let flavor = parts.headers.get("metadata-flavor").and_then(|v| v.to_str().ok());
+            if flavor != Some("Google") {
+                return Ok(full(403, &[], "text/plain", "Missing Metadata-Flavor:Google header."));
+            }
+            state.stats.token_issued();
+            return Ok(json_reply(200, &[], &crate::auth::access_token(&state.config)));
+        }
         (&Method::GET, "/v1/models") | (&Method::GET, "/models") => {
             return Ok(json_reply(
                 200,

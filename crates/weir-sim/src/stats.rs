@@ -26,6 +26,7 @@ pub struct Stats {
     tokens_in: AtomicU64,
     tokens_out: AtomicU64,
     streams: AtomicU64,
+    tokens_issued: AtomicU64,
     timeline: Mutex<Timeline>,
 }
 
@@ -70,6 +71,9 @@ pub struct StatsSnapshot {
     pub tokens_out: u64,
     /// Streaming requests started.
     pub streams: u64,
+    /// Access tokens issued by `/token` and the metadata route.
+    #[serde(default)]
+    pub tokens_issued: u64,
     /// Seconds since start or the last reset.
     pub elapsed_secs: f64,
     /// Successes per second between the first and the last success.
@@ -96,6 +100,7 @@ impl Default for Stats {
             tokens_in: AtomicU64::new(0),
             tokens_out: AtomicU64::new(0),
             streams: AtomicU64::new(0),
+            tokens_issued: AtomicU64::new(0),
             timeline: Mutex::new(Timeline {
                 start: Instant::now(),
                 first_success: None,
@@ -176,6 +181,11 @@ impl Stats {
         self.faults[index].fetch_add(1, Relaxed);
     }
 
+    /// Counts an access token issued.
+    pub fn token_issued(&self) {
+        self.tokens_issued.fetch_add(1, Relaxed);
+    }
+
     /// Counts a streaming request.
     pub fn stream(&self) {
         self.streams.fetch_add(1, Relaxed);
@@ -203,6 +213,7 @@ impl Stats {
             tokens_in: self.tokens_in.load(Relaxed),
             tokens_out: self.tokens_out.load(Relaxed),
             streams: self.streams.load(Relaxed),
+            tokens_issued: self.tokens_issued.load(Relaxed),
             elapsed_secs: t.start.elapsed().as_secs_f64(),
             successes_per_sec,
             successes_per_second: t.per_second.clone(),
@@ -223,6 +234,7 @@ impl Stats {
             &self.tokens_in,
             &self.tokens_out,
             &self.streams,
+            &self.tokens_issued,
         ] {
             c.store(0, Relaxed);
         }
