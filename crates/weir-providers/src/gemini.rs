@@ -6,6 +6,7 @@ use weir_core::{
     RetryHint, Usage,
 };
 
+use crate::google_auth::TokenSource;
 use crate::http::{
     clip, cut_stream, deltas, post_json, post_sse, proto_duration, put_sampling, status_error, Auth, Opened,
     SamplingNames, Secret, StreamParser,
@@ -18,7 +19,18 @@ pub struct GeminiHandler {
     url: String,
     stream_url: String,
     model_id: String,
-    key: Option<Secret>,
+    credential: Credential,
+}
+
+/// How a Gemini request is authorised.
+#[derive(Debug)]
+enum Credential {
+    /// None (a local server).
+    None,
+    /// A Gemini API key, in `x-goog-api-key`.
+    ApiKey(Secret),
+    /// Google access tokens, as `Authorization: Bearer` (Vertex AI).
+    Tokens(std::sync::Arc<TokenSource>),
 }
 
 /// Finish reasons that mean the answer was withheld.
@@ -43,9 +55,54 @@ impl GeminiHandler {
         model_id: String,
     ) -> Self {
         let root = format!("{}/v1beta/models/{model}", base.as_str().trim_end_matches('/'));
+        let credential = key.map_or(Credential::None, Credential::ApiKey);
+        Self::with_root(client, root, credential, model_id)
+    }
+
+    /// Gemini on Vertex AI: `root` is the model's URL up to its method
+    /// (`…/v1/projects/P/locations/L/publishers/google/models/M`); calls carry access tokens.
+    pub fn vertex(
+        client: reqwest::Client,
+        root: String,
+        tokens: std::sync::Arc<TokenSource>,
+        model_id: String,
+    ) -> Self {
+        Self::with_root(client, root, Credential::Tokens(tokens), model_id)
+    }
+
+    fn with_root(client: reqwest::Client, root: String, credential: Credential, model_id: String) -> Self {
         let url = format!("{root}:generateContent");
         let stream_url = format!("{root}:streamGenerateContent?alt=sse");
-        Self { client, url, stream_url, model_id, key }
+        Self { client, url, stream_url, model_id, credential }
+    }
+
+    /// The credential to send now (an access token is fetched or taken from the cache).
+    async fn secret(&self) -> Result<Option<Secret>, ModelError> {
+        match &self.credential {
+            Credential::None => Ok(None),
+            Credential::ApiKey(k) => Ok(Some(k.clone())),
+            Credential::Tokens(t) => t.token().await.map(Some),
+        }
+    }
+
+    fn auth<'a>(&self, secret: Option<&'a Secret>) -> Auth<'a> {
+        match (&self.credential, secret) {
+            (Credential::Tokens(_), Some(t)) => Auth::Bearer(t),
+            (_, Some(k)) => Auth::Header("x-goog-api-key", k),
+            (_, None) => Auth::None,
+        }
+    }
+
+    /// After a 401: true when the rejected access token was dropped and one more try with a
+    /// fresh one is worth it (an expired or revoked token); an API key is simply wrong.
+    async fn renew(&self, status: u16, secret: Option<&Secret>, tried: bool) -> bool {
+        match (&self.credential, secret) {
+            (Credential::Tokens(t), Some(s)) if status == 401 && !tried => {
+                t.reject(s).await;
+                true
+            }
+            _ => false,
+        }
     }
 
     /// The request body for `request`.
@@ -260,19 +317,35 @@ impl StreamParser for ChunkParser {
 #[async_trait::async_trait]
 impl ModelHandler for GeminiHandler {
     async fn generate(&self, request: &ModelRequest) -> Result<ModelResponse, ModelError> {
-        let auth = self.key.as_ref().map_or(Auth::None, |k| Auth::Header("x-goog-api-key", k));
-        let reply = post_json(&self.client, &self.url, &Self::body(request), auth).await?;
-        if reply.status != 200 {
-            return Err(classify_error(reply.status, &reply.headers, &reply.body));
+        let body = Self::body(request);
+        let mut tried = false;
+        loop {
+            let secret = self.secret().await?;
+            let reply = post_json(&self.client, &self.url, &body, self.auth(secret.as_ref())).await?;
+            if reply.status == 200 {
+                return parse_response(&reply.body);
+            }
+            if !self.renew(reply.status, secret.as_ref(), tried).await {
+                return Err(classify_error(reply.status, &reply.headers, &reply.body));
+            }
+            tried = true;
         }
-        parse_response(&reply.body)
     }
 
     async fn generate_stream(&self, request: &ModelRequest) -> Result<DeltaStream, ModelError> {
-        let auth = self.key.as_ref().map_or(Auth::None, |k| Auth::Header("x-goog-api-key", k));
-        match post_sse(&self.client, &self.stream_url, &Self::body(request), auth).await? {
-            Opened::Events(events) => Ok(deltas(events, ChunkParser::default())),
-            Opened::Error(reply) => Err(classify_error(reply.status, &reply.headers, &reply.body)),
+        let body = Self::body(request);
+        let mut tried = false;
+        loop {
+            let secret = self.secret().await?;
+            match post_sse(&self.client, &self.stream_url, &body, self.auth(secret.as_ref())).await? {
+                Opened::Events(events) => return Ok(deltas(events, ChunkParser::default())),
+                Opened::Error(reply) => {
+                    if !self.renew(reply.status, secret.as_ref(), tried).await {
+                        return Err(classify_error(reply.status, &reply.headers, &reply.body));
+                    }
+                    tried = true;
+                }
+            }
         }
     }
 

@@ -256,7 +256,15 @@ impl TokenSource {
         };
         let resp = request.send().await.map_err(|e| {
             let e = transport_error(&e);
-            ModelError { message: format!("cannot get a Google access token: {}", e.message), ..e }
+            let hint = match &self.credentials {
+                Credentials::Metadata { .. } => {
+                    " (no GOOGLE_APPLICATION_CREDENTIALS and no gcloud credentials file were found, so the metadata \
+                     server of a GCP machine was asked; off GCP, set GOOGLE_APPLICATION_CREDENTIALS to a service \
+                     account key file or run `gcloud auth application-default login`)"
+                }
+                _ => "",
+            };
+            ModelError { message: format!("cannot get a Google access token: {}{hint}", e.message), ..e }
         })?;
         let status = resp.status().as_u16();
         let body = resp.bytes().await.map_err(|e| transport_error(&e))?;

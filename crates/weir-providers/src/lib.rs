@@ -5,6 +5,9 @@
 //!   `OPENAI_API_KEY`, optional for local servers);
 //! - `gemini/<model>`: the Gemini API (key from `GEMINI_API_KEY` or `GOOGLE_API_KEY`;
 //!   `--base-url` replaces the host);
+//! - `vertex_ai/<model>`: Gemini on Vertex AI, with Google credentials found as Google's SDKs
+//!   find them (see [`google_auth`]); project and location from the options or
+//!   `GOOGLE_CLOUD_PROJECT` / `GOOGLE_CLOUD_LOCATION` (default `us-central1`);
 //! - `sim/<name>`: a simulator started in-process on loopback; no key, no network.
 //!
 //! Each client classifies its provider's errors once, into `weir_core::ModelError`s with a kind
@@ -44,6 +47,8 @@ pub enum Provider {
     OpenAi,
     /// The Gemini API.
     Gemini,
+    /// Gemini on Vertex AI.
+    Vertex,
     /// The in-process simulator.
     Sim,
 }
@@ -73,10 +78,11 @@ impl FromStr for ModelSpec {
         let provider = match provider {
             "openai" => Provider::OpenAi,
             "gemini" => Provider::Gemini,
+            "vertex_ai" => Provider::Vertex,
             "sim" => Provider::Sim,
             other => {
                 return Err(ProviderError::Config(format!(
-                    "--model {s}: unknown provider '{other}'; known providers: openai, gemini, sim"
+                    "--model {s}: unknown provider '{other}'; known providers: openai, gemini, vertex_ai, sim"
                 )))
             }
         };
@@ -94,6 +100,7 @@ impl std::fmt::Display for ModelSpec {
         let p = match self.provider {
             Provider::OpenAi => "openai",
             Provider::Gemini => "gemini",
+            Provider::Vertex => "vertex_ai",
             Provider::Sim => "sim",
         };
         write!(f, "{p}/{}", self.model)
@@ -107,6 +114,21 @@ pub struct ProviderOptions {
     pub base_url: Option<String>,
     /// Scenario of the in-process simulator (`sim/…` only); default: fast and fault-free.
     pub sim_config: Option<SimConfig>,
+    /// Google Cloud project (`vertex_ai/…`); default `GOOGLE_CLOUD_PROJECT`.
+    pub project: Option<String>,
+    /// Google Cloud location (`vertex_ai/…`); default `GOOGLE_CLOUD_LOCATION`, else `us-central1`.
+    pub location: Option<String>,
+}
+
+/// A project or location name: letters, digits, `-`, `_` and `.`, as Google's are.
+fn check_name(what: &str, v: &str) -> Result<String, ProviderError> {
+    let v = v.trim();
+    if v.is_empty() || !v.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) {
+        return Err(ProviderError::Config(format!(
+            "{what} '{v}': expected a Google Cloud {what} name (letters, digits, '-', '_', '.')"
+        )));
+    }
+    Ok(v.to_string())
 }
 
 /// A connected provider: the handler, and the simulator it runs, if any.
@@ -152,6 +174,31 @@ pub async fn connect(
             }
             let handler = GeminiHandler::new(client, &base, &spec.model, key, spec.to_string());
             Ok(Endpoint { handler: Arc::new(handler), sim: None })
+        }
+        Provider::Vertex => {
+            let project = options.project.clone().or_else(|| nonempty("GOOGLE_CLOUD_PROJECT")).ok_or_else(|| {
+                ProviderError::Config(
+                    "vertex_ai: set --project or GOOGLE_CLOUD_PROJECT to your Google Cloud project".into(),
+                )
+            })?;
+            let project = check_name("project", &project)?;
+            let location = options.location.clone().or_else(|| nonempty("GOOGLE_CLOUD_LOCATION"));
+            let location = check_name("location", location.as_deref().unwrap_or("us-central1"))?;
+            // `global` has no regional host.
+            let host = match location.as_str() {
+                "global" => "https://aiplatform.googleapis.com".to_string(),
+                l => format!("https://{l}-aiplatform.googleapis.com"),
+            };
+            let base = http::check_base_url(options.base_url.as_deref().unwrap_or(&host))?;
+            let (credentials, origin) = google_auth::Credentials::discover(env)?;
+            tracing::debug!("Google credentials from {origin}");
+            let tokens = Arc::new(google_auth::TokenSource::new(credentials, client.clone()));
+            let root = format!(
+                "{}/v1/projects/{project}/locations/{location}/publishers/google/models/{}",
+                base.as_str().trim_end_matches('/'),
+                spec.model
+            );
+            Ok(Endpoint { handler: Arc::new(GeminiHandler::vertex(client, root, tokens, spec.to_string())), sim: None })
         }
         Provider::Sim => {
             if options.base_url.is_some() {

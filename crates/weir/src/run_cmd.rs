@@ -84,9 +84,17 @@ pub struct RunArgs {
     #[arg(long, value_name = "FIELD")]
     params_field: Option<String>,
     /// The provider's base URL (OpenAI-compatible: the API root, e.g. http://127.0.0.1:8000/v1;
-    /// Gemini: replaces https://generativelanguage.googleapis.com). Plain http only to loopback.
+    /// Gemini: replaces https://generativelanguage.googleapis.com; Vertex AI: replaces
+    /// https://LOCATION-aiplatform.googleapis.com). Plain http only to loopback.
     #[arg(long, value_name = "URL")]
     base_url: Option<String>,
+    /// Google Cloud project for vertex_ai/ models [default: GOOGLE_CLOUD_PROJECT].
+    #[arg(long, value_name = "PROJECT")]
+    project: Option<String>,
+    /// Google Cloud location for vertex_ai/ models, e.g. us-central1 or global
+    /// [default: GOOGLE_CLOUD_LOCATION, else us-central1].
+    #[arg(long, value_name = "LOCATION")]
+    location: Option<String>,
     /// Most calls in flight at once.
     #[arg(long, value_name = "N", default_value_t = 64)]
     max_concurrency: usize,
@@ -231,7 +239,12 @@ impl RunArgs {
         Ok(RunSettings {
             model,
             model_field: self.model_field.clone(),
-            provider: ProviderOptions { base_url: self.base_url.clone(), sim_config },
+            provider: ProviderOptions {
+                base_url: self.base_url.clone(),
+                sim_config,
+                project: self.project.clone(),
+                location: self.location.clone(),
+            },
             input,
             output,
             errors,

@@ -44,7 +44,12 @@ pub fn weir() -> tokio::process::Command {
     c.env_remove("GEMINI_API_KEY")
         .env_remove("GOOGLE_API_KEY")
         .env_remove("OPENAI_API_KEY")
-        .env_remove("OPENAI_BASE_URL");
+        .env_remove("OPENAI_BASE_URL")
+        .env_remove("GOOGLE_APPLICATION_CREDENTIALS")
+        .env_remove("GOOGLE_CLOUD_PROJECT")
+        .env_remove("GOOGLE_CLOUD_LOCATION")
+        .env_remove("CLOUDSDK_CONFIG")
+        .env_remove("GCE_METADATA_HOST");
     c.kill_on_drop(true);
     c
 }
