@@ -413,5 +413,10 @@ mod tests {
         assert_eq!((e.kind, e.hint), (ErrorKind::QuotaExhausted, RetryHint::StopRun));
         let bad_key = br#"{"error":{"code":400,"status":"INVALID_ARGUMENT","message":"API key not valid.","details":[{"@type":"type.googleapis.com/google.rpc.ErrorInfo","reason":"API_KEY_INVALID"}]}}"#;
         assert_eq!(classify_error(400, &h, bad_key).kind, ErrorKind::Auth);
+        // Vertex AI's 429: no RetryInfo, no QuotaFailure, `rateLimitExceeded` in `errors`.
+        let vertex = br#"{"error":{"code":429,"message":"Resource exhausted. Please try again later.","status":"RESOURCE_EXHAUSTED","errors":[{"domain":"global","reason":"rateLimitExceeded","message":"Resource exhausted."}]}}"#;
+        let e = classify_error(429, &h, vertex);
+        assert_eq!((e.kind, e.hint), (ErrorKind::RateLimited, RetryHint::Later(None)));
+        assert!(e.message.contains("RESOURCE_EXHAUSTED"), "{}", e.message);
     }
 }

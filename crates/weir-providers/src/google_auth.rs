@@ -210,17 +210,19 @@ impl TokenSource {
         Self { credentials, client, cached: Mutex::new(None) }
     }
 
-    /// A token valid for at least five more minutes; fetched when there is none. Callers
-    /// waiting at the same time share one fetch.
+    /// A token valid for at least five more minutes (a quarter of its lifetime, when that is
+    /// shorter); fetched when there is none. Callers waiting at the same time share one fetch.
     pub async fn token(&self) -> Result<Secret, ModelError> {
         let mut cached = self.cached.lock().await;
-        if let Some((token, expires)) = cached.as_ref() {
-            if Instant::now() + EARLY < *expires {
+        if let Some((token, renew_at)) = cached.as_ref() {
+            if Instant::now() < *renew_at {
                 return Ok(token.clone());
             }
         }
         let (token, lifetime) = self.fetch().await?;
-        *cached = Some((token.clone(), Instant::now() + lifetime));
+        // Renewed five minutes before it expires (a quarter of its life, for short-lived ones).
+        let renew_at = Instant::now() + lifetime - EARLY.min(lifetime / 4);
+        *cached = Some((token.clone(), renew_at));
         Ok(token)
     }
 

@@ -1,20 +1,23 @@
 //! Google's token endpoints, simulated: the OAuth token endpoint (`POST /token`, a service
 //! account's `token_uri` or the refresh of an `authorized_user` file) and the GCE metadata
 //! server's token route. They hand out the first of the configured API keys as the access
-//! token (or a fixed one when no keys are set), so a test can require the token on model routes
-//! with `api_keys` and see that a client fetched and used it.
+//! token (or [`AuthConfig::issued_token`](crate::config::AuthConfig)), living
+//! `token_lifetime_secs`, so a test can require the token on model routes with `api_keys`, see
+//! that a client fetched, used and renewed it, and simulate a revoked token.
 
 use serde_json::{json, Value};
 
 use crate::config::SimConfig;
 
-/// How long issued tokens live, in seconds.
-const LIFETIME_SECS: u64 = 3600;
-
 /// The access token answer.
 pub fn access_token(config: &SimConfig) -> Value {
-    let token = config.api_keys.first().cloned().unwrap_or_else(|| "sim-access-token".into());
-    json!({"access_token": token, "expires_in": LIFETIME_SECS, "token_type": "Bearer"})
+    let token = config
+        .auth
+        .issued_token
+        .clone()
+        .or_else(|| config.api_keys.first().cloned())
+        .unwrap_or_else(|| "sim-access-token".into());
+    json!({"access_token": token, "expires_in": config.auth.token_lifetime_secs, "token_type": "Bearer"})
 }
 
 fn invalid(description: &str) -> (u16, Value) {

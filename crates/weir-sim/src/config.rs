@@ -26,6 +26,25 @@ pub struct SimConfig {
     pub output: OutputConfig,
     /// When non-empty, only these keys (API keys or bearer tokens) are accepted.
     pub api_keys: Vec<String>,
+    /// The simulated Google token endpoints (`/token`, the metadata route).
+    pub auth: AuthConfig,
+}
+
+/// What the simulated Google token endpoints hand out.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuthConfig {
+    /// Lifetime of issued access tokens, in seconds (`expires_in`).
+    pub token_lifetime_secs: u64,
+    /// The access token issued; default: the first of `api_keys` (so it is accepted), else a
+    /// fixed one. Set it to something not in `api_keys` to simulate a revoked token.
+    pub issued_token: Option<String>,
+}
+
+impl Default for AuthConfig {
+    fn default() -> Self {
+        Self { token_lifetime_secs: 3600, issued_token: None }
+    }
 }
 
 /// Latency model: `fixed_ms + per_token_ms × output tokens + uniform(0, jitter_ms)`, the spread

@@ -101,3 +101,62 @@ async fn vertex_settings_that_cannot_work_exit_2_saying_what_to_fix() {
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(!out.exists() || std::fs::metadata(&out).unwrap().len() == 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_are_renewed_as_they_expire_during_a_long_run() {
+    let mut config = SimConfig { api_keys: vec![TOKEN.into()], ..SimConfig::default() };
+    config.auth.token_lifetime_secs = 1;
+    config.latency.fixed_ms = 25.0;
+    let server = SimServer::start(config, "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let dir = Dir::new("vertex-renew");
+    let sa = service_account(&dir, &format!("{}/token", server.url()));
+    let (data, ids) = prompts(100);
+    let input = dir.write("in.jsonl", &data);
+    let out = dir.path("out.jsonl");
+    let started = std::time::Instant::now();
+    let o = weir()
+        .args(["run", "--model", "vertex_ai/gemini-2.5-flash", "--base-url", &server.url(), "--project", "p"])
+        .args(["--id-field", "key", "--concurrency", "fixed", "--max-concurrency", "1"])
+        .args(["--input", input.to_str().unwrap(), "--output", out.to_str().unwrap()])
+        .env("GOOGLE_APPLICATION_CREDENTIALS", &sa)
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_each_id_once(&ids, &rows(&out), &[]);
+    let secs = started.elapsed().as_secs_f64();
+    let issued = server.stats().tokens_issued;
+    // A 1 s token is renewed after 0.75 s: about one fetch per 0.75 s of the run, not per call.
+    assert!(secs > 2.5, "the run must outlive several tokens ({secs:.1} s)");
+    assert!(issued >= 3 && (issued as f64) <= secs / 0.75 + 2.0, "{issued} tokens in {secs:.1} s");
+    assert_eq!(server.stats().auth_failures, 0, "no call was made with an expired token");
+    server.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_token_stops_the_run_with_exit_3() {
+    let mut config = SimConfig { api_keys: vec![TOKEN.into()], ..SimConfig::default() };
+    config.auth.issued_token = Some("ya29.revoked".into());
+    let server = SimServer::start(config, "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let dir = Dir::new("vertex-revoked");
+    let sa = service_account(&dir, &format!("{}/token", server.url()));
+    let (data, _) = prompts(500);
+    let input = dir.write("in.jsonl", &data);
+    let out = dir.path("out.jsonl");
+    let o = weir()
+        .args(["run", "--model", "vertex_ai/gemini-2.5-flash", "--base-url", &server.url(), "--project", "p"])
+        .args(["--id-field", "key", "--input", input.to_str().unwrap(), "--output", out.to_str().unwrap()])
+        .env("GOOGLE_APPLICATION_CREDENTIALS", &sa)
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(err.to_lowercase().contains("credential") || err.contains("401"), "{err}");
+    assert!(!err.contains("ya29.revoked"), "the token is not shown: {err}");
+    let stats = server.stats();
+    assert!(stats.requests <= 40, "stopped early: {} calls", stats.requests);
+    // Every 401 was followed by one fresh token before giving up on that call.
+    assert!(stats.tokens_issued >= 2, "{}", stats.tokens_issued);
+    server.shutdown().await;
+}
