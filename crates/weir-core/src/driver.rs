@@ -152,6 +152,10 @@ pub struct Driver {
     /// it from the cache) instead of paying for it again.
     inflight: Mutex<HashMap<CacheKey, Arc<tokio::sync::Mutex<()>>>>,
     model_id: Arc<str>,
+    /// Whose answers these are, for the cache: the model and the endpoint that serves it (the
+    /// same model name behind a simulator, another project or another server is not the same
+    /// source).
+    source: Arc<str>,
 }
 
 impl Driver {
@@ -177,6 +181,7 @@ impl Driver {
             .with_observer(rules.clone());
         Self {
             model_id: Arc::from(handler.model_id()),
+            source: Arc::from(format!("{} at {}", handler.model_id(), handler.endpoint())),
             handler,
             executor,
             settings,
@@ -258,7 +263,7 @@ impl Driver {
                 None => self.settings.params.clone(),
             },
         };
-        let key = self.cache.as_ref().map(|_| cache_key(&self.model_id, &request, &record.id));
+        let key = self.cache.as_ref().map(|_| cache_key(&self.source, &request, &record.id));
         let hit = |response| {
             Outcome::Success(Box::new(Success {
                 record: record.clone(),

@@ -52,6 +52,13 @@ pub trait ModelHandler: Send + Sync {
     /// `provider/model`, as written in the output rows.
     fn model_id(&self) -> &str;
 
+    /// Where the calls go (the model's URL, without credentials). With the model id it names
+    /// the source of the answers, which the response cache keeps apart: the same model name on
+    /// a simulator, another project or another server answers differently.
+    fn endpoint(&self) -> &str {
+        self.model_id()
+    }
+
     /// The most requests one call may carry; 1 when the endpoint takes one at a time.
     fn max_batch(&self) -> usize {
         1

@@ -18,6 +18,7 @@ pub struct GeminiHandler {
     client: reqwest::Client,
     url: String,
     stream_url: String,
+    endpoint: String,
     model_id: String,
     credential: Credential,
 }
@@ -73,7 +74,15 @@ impl GeminiHandler {
     fn with_root(client: reqwest::Client, root: String, credential: Credential, model_id: String) -> Self {
         let url = format!("{root}:generateContent");
         let stream_url = format!("{root}:streamGenerateContent?alt=sse");
-        Self { client, url, stream_url, model_id, credential }
+        let endpoint = url.clone();
+        Self { client, url, stream_url, endpoint, model_id, credential }
+    }
+
+    /// Names the endpoint `name` instead of its URL (the in-process simulator, whose port
+    /// changes from run to run while its answers do not).
+    pub fn named(mut self, name: &str) -> Self {
+        self.endpoint = name.to_string();
+        self
     }
 
     /// The credential to send now (an access token is fetched or taken from the cache).
@@ -351,6 +360,10 @@ impl ModelHandler for GeminiHandler {
 
     fn model_id(&self) -> &str {
         &self.model_id
+    }
+
+    fn endpoint(&self) -> &str {
+        &self.endpoint
     }
 }
 

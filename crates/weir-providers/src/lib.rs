@@ -210,7 +210,8 @@ pub async fn connect(
                 .map_err(|e| ProviderError::Start(e.to_string()))?;
             let base = reqwest::Url::parse(&sim.url()).map_err(|e| ProviderError::Start(e.to_string()))?;
             let handler =
-                GeminiHandler::new(client, &base, &spec.model, Some(Secret::new("sim".into())), spec.to_string());
+                GeminiHandler::new(client, &base, &spec.model, Some(Secret::new("sim".into())), spec.to_string())
+                    .named("the in-process simulator");
             Ok(Endpoint { handler: Arc::new(handler), sim: Some(sim) })
         }
     }

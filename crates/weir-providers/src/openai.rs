@@ -17,6 +17,7 @@ use crate::http::{
 pub struct OpenAiHandler {
     client: reqwest::Client,
     url: String,
+    endpoint: String,
     model: String,
     model_id: String,
     key: Option<Secret>,
@@ -26,7 +27,8 @@ impl OpenAiHandler {
     /// `base` is the API root (for example `https://api.openai.com/v1`); `model` is sent as is.
     pub fn new(client: reqwest::Client, base: &reqwest::Url, model: &str, key: Option<Secret>) -> Self {
         let url = format!("{}/chat/completions", base.as_str().trim_end_matches('/'));
-        Self { client, url, model: model.to_string(), model_id: format!("openai/{model}"), key }
+        let endpoint = url.clone();
+        Self { client, url, endpoint, model: model.to_string(), model_id: format!("openai/{model}"), key }
     }
 
     /// The request body for `request`.
@@ -267,6 +269,10 @@ impl ModelHandler for OpenAiHandler {
 
     fn model_id(&self) -> &str {
         &self.model_id
+    }
+
+    fn endpoint(&self) -> &str {
+        &self.endpoint
     }
 }
 

@@ -539,3 +539,40 @@ async fn model_field_routes_each_record_to_its_model() {
     assert!(errors.iter().all(|e| e["kind"] == "invalid_input"), "{errors:?}");
     assert!(errors.iter().any(|e| e["message"].as_str().unwrap().contains("model field 'm': nope")));
 }
+
+/// The cache keeps answers apart by where they came from: the same model name on another server
+/// (a simulator, then the real endpoint) is asked again, never answered from the first one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cache_does_not_answer_for_another_endpoint() {
+    let a = sim(SimConfig { seed: 1, ..SimConfig::default() }).await;
+    let b = sim(SimConfig { seed: 2, ..SimConfig::default() }).await;
+    let dir = Dir::new("cache-endpoint");
+    let (data, ids) = prompts(20);
+    let input = dir.write("in.jsonl", &data);
+    let go = |url: String, out: &str| {
+        let out = dir.path(out);
+        let input = input.clone();
+        async move {
+            let o = util::weir()
+                .args(["run", "--model", "gemini/m", "--base-url", &url, "--param", "temperature=0"])
+                .args(["--id-field", "key", "--input", input.to_str().unwrap(), "--output", out.to_str().unwrap()])
+                .output()
+                .await
+                .unwrap();
+            assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+            (rows(&out), stderr(&o))
+        }
+    };
+    let (first, _) = go(a.url(), "a.jsonl").await;
+    let (second, err) = go(b.url(), "b.jsonl").await;
+    assert!(err.contains("0 from cache"), "{err}");
+    assert_eq!(b.stats().successes, 20, "every record was asked of the second server");
+    assert_each_id_once(&ids, &second, &[]);
+    let text = |rows: &[Value], id: &str| rows.iter().find(|r| r["id"] == id).unwrap()["response"].clone();
+    assert_ne!(text(&first, "r0"), text(&second, "r0"), "the answers are the second server's own");
+    // The same endpoint again: answered from the cache.
+    let (_, err) = go(a.url(), "a2.jsonl").await;
+    assert!(err.contains("20 from cache"), "{err}");
+    a.shutdown().await;
+    b.shutdown().await;
+}
