@@ -8,9 +8,9 @@
 //! between "writing the row" and "recording it" cannot happen because they are the same act.
 //!
 //! On resume, each file is scanned: every complete line that parses as a row is a finished
-//! record; the first line that is incomplete (no newline) or unparseable marks a torn tail,
-//! and the file is truncated there — rows after a torn point cannot be trusted after a power
-//! loss, and after a process kill only the very last line can be torn. The records of the dropped
+//! record; an unfinished last line (no newline), or zeros to the end (what a power loss can
+//! leave), is a torn tail and is cut. A whole line that is not a row is never cut, nor anything
+//! after it: the run is refused, naming the line, since the user may have edited the file. The records of the dropped
 //! rows are simply requested again.
 //!
 //! Error rows that describe the run rather than the record (`aborted`: not tried;
@@ -331,20 +331,39 @@ fn scan(path: &Path, mut keep: impl FnMut(&[u8], Option<RecordId>, u64, Option<S
     let mut reader = BufReader::with_capacity(256 * 1024, file);
     let mut offset = 0u64;
     let mut buf = Vec::new();
+    let mut number = 0u64;
     loop {
         buf.clear();
         let n = reader.read_until(b'\n', &mut buf)?;
         if n == 0 {
             break;
         }
-        let complete = buf.last() == Some(&b'\n');
-        let parsed = if complete { row_identity(&buf[..n - 1]) } else { None };
-        match parsed {
+        number += 1;
+        if buf.last() != Some(&b'\n') {
+            // The last line, unfinished: the write it belongs to was cut. Only this is cut.
+            break;
+        }
+        match row_identity(&buf[..n - 1]) {
             Some((id, line, kind)) => {
                 keep(&buf[..n], id, line, kind);
                 offset += n as u64;
             }
-            None => break,
+            None if buf[..n - 1].iter().all(|b| *b == 0 || b.is_ascii_whitespace()) && is_rest_blank(&mut reader)? => {
+                // Zeros or blanks to the end: what a power loss leaves after the last write.
+                break;
+            }
+            None => {
+                // A whole line that is not a row weir wrote (edited by hand, or another file):
+                // never cut rows that may follow it.
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!(
+                        "line {number} of {} is not a result row weir wrote; weir only cuts an unfinished last line, \
+                         so fix or remove that line, or start over with --fresh",
+                        path.display()
+                    ),
+                ));
+            }
         }
     }
     if offset < len {
@@ -353,6 +372,21 @@ fn scan(path: &Path, mut keep: impl FnMut(&[u8], Option<RecordId>, u64, Option<S
         f.sync_all()?;
     }
     Ok(len - offset)
+}
+
+/// True when nothing but zeros and whitespace is left to read.
+fn is_rest_blank(reader: &mut impl BufRead) -> io::Result<bool> {
+    loop {
+        let chunk = reader.fill_buf()?;
+        if chunk.is_empty() {
+            return Ok(true);
+        }
+        if !chunk.iter().all(|b| *b == 0 || b.is_ascii_whitespace()) {
+            return Ok(false);
+        }
+        let n = chunk.len();
+        reader.consume(n);
+    }
 }
 
 /// Recovers the finished records from the results and errors files of an earlier run, cutting
@@ -468,6 +502,30 @@ mod tests {
         let r = recover(&res, &err, true).unwrap();
         assert_eq!((r.errors, r.requeued), (2, 1));
         assert!(!r.finished.contains(&finished_key(Some(&id("f")), 7)));
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn a_whole_line_that_is_not_a_row_is_never_cut_nor_what_follows() {
+        let d = tmpdir("not-a-row");
+        let res = d.join("r.jsonl");
+        let err = d.join("e.jsonl");
+        let rows = b"{\"id\":\"a\",\"line\":1}\ngarbage line\n{\"id\":\"b\",\"line\":2}\n{\"note\":\"mine\"}\n";
+        std::fs::write(&res, rows).unwrap();
+        let e = recover(&res, &err, false).unwrap_err().to_string();
+        assert!(e.contains("line 2 of") && e.contains("--fresh"), "{e}");
+        assert_eq!(std::fs::read(&res).unwrap(), rows, "nothing was cut");
+        // A row-shaped JSON line that is not a row is refused the same way.
+        std::fs::write(&res, b"{\"id\":\"a\",\"line\":1}\n{\"note\":\"mine\"}\n").unwrap();
+        assert!(recover(&res, &err, false).is_err());
+        // Zeros to the end (a power loss) are cut.
+        let mut z = b"{\"id\":\"a\",\"line\":1}\n".to_vec();
+        z.extend_from_slice(&[0u8; 100]);
+        z.push(b'\n');
+        z.extend_from_slice(&[0u8; 50]);
+        std::fs::write(&res, &z).unwrap();
+        let r = recover(&res, &err, false).unwrap();
+        assert_eq!((r.results, r.torn_bytes), (1, 151));
         std::fs::remove_dir_all(&d).unwrap();
     }
 }

@@ -8,7 +8,7 @@ use weir_core::{
 
 use crate::google_auth::TokenSource;
 use crate::http::{
-    clip, cut_stream, deltas, post_json, post_sse, proto_duration, put_sampling, status_error, Auth, Opened,
+    clip, cut_stream, deltas, post_json, post_sse, proto_duration, put_sampling, redact, status_error, Auth, Opened,
     SamplingNames, Secret, StreamParser,
 };
 
@@ -335,7 +335,7 @@ impl ModelHandler for GeminiHandler {
                 return parse_response(&reply.body);
             }
             if !self.renew(reply.status, secret.as_ref(), tried).await {
-                return Err(classify_error(reply.status, &reply.headers, &reply.body));
+                return Err(redact(classify_error(reply.status, &reply.headers, &reply.body), secret.as_ref()));
             }
             tried = true;
         }
@@ -350,7 +350,7 @@ impl ModelHandler for GeminiHandler {
                 Opened::Events(events) => return Ok(deltas(events, ChunkParser::default())),
                 Opened::Error(reply) => {
                     if !self.renew(reply.status, secret.as_ref(), tried).await {
-                        return Err(classify_error(reply.status, &reply.headers, &reply.body));
+                        return Err(redact(classify_error(reply.status, &reply.headers, &reply.body), secret.as_ref()));
                     }
                     tried = true;
                 }

@@ -333,6 +333,17 @@ pub fn status_error(status: u16, headers: &HeaderMap, message: String) -> ModelE
     }
 }
 
+/// Masks `secret` wherever a server echoed it into an error's message (some proxies and
+/// gateways echo the `Authorization` header whole), so it never reaches an errors file or log.
+pub fn redact(mut e: ModelError, secret: Option<&Secret>) -> ModelError {
+    if let Some(s) = secret.map(Secret::expose).filter(|s| s.len() >= 4) {
+        if e.message.contains(s) {
+            e.message = e.message.replace(s, "***");
+        }
+    }
+    e
+}
+
 /// Shortens a server's message for an errors file.
 pub fn clip(s: &str) -> String {
     const MAX: usize = 600;
@@ -394,6 +405,14 @@ mod tests {
         let mut h = HeaderMap::new();
         h.insert("x-should-retry", HeaderValue::from_static("false"));
         assert_eq!(status_error(500, &h, "x".into()).hint, RetryHint::Never);
+    }
+
+    #[test]
+    fn a_key_echoed_by_a_server_is_masked() {
+        let key = Secret::new("sk-LEAKCHECK-777".into());
+        let e = ModelError::new(ErrorKind::Auth, "HTTP 401: Incorrect API key provided: Bearer sk-LEAKCHECK-777");
+        let e = redact(e, Some(&key));
+        assert_eq!(e.message, "HTTP 401: Incorrect API key provided: Bearer ***");
     }
 
     #[test]

@@ -8,8 +8,8 @@ use weir_core::{
 };
 
 use crate::http::{
-    clip, cut_stream, deltas, post_json, post_sse, put_sampling, status_error, Auth, Opened, SamplingNames, Secret,
-    StreamParser,
+    clip, cut_stream, deltas, post_json, post_sse, put_sampling, redact, status_error, Auth, Opened, SamplingNames,
+    Secret, StreamParser,
 };
 
 /// A client of one OpenAI-compatible endpoint and model.
@@ -249,7 +249,7 @@ impl ModelHandler for OpenAiHandler {
         let auth = self.key.as_ref().map_or(Auth::None, Auth::Bearer);
         let reply = post_json(&self.client, &self.url, &self.body(request), auth).await?;
         if reply.status != 200 {
-            return Err(classify_error(reply.status, &reply.headers, &reply.body));
+            return Err(redact(classify_error(reply.status, &reply.headers, &reply.body), self.key.as_ref()));
         }
         let mut r = parse_response(&reply.body)?;
         r.limits = limit_headers(&reply.headers);
@@ -263,7 +263,9 @@ impl ModelHandler for OpenAiHandler {
         body["stream_options"] = json!({"include_usage": true});
         match post_sse(&self.client, &self.url, &body, auth).await? {
             Opened::Events(events) => Ok(deltas(events, ChunkParser::default())),
-            Opened::Error(reply) => Err(classify_error(reply.status, &reply.headers, &reply.body)),
+            Opened::Error(reply) => {
+                Err(redact(classify_error(reply.status, &reply.headers, &reply.body), self.key.as_ref()))
+            }
         }
     }
 

@@ -319,8 +319,15 @@ pub async fn run(
                 sd.record(&id).map_err(|e| RunError::Usage(e.to_string()))?;
             }
             if resuming {
-                recovered = state::recover(out, errs, settings.retry_errors)
-                    .map_err(|e| RunError::Fatal(format!("recovering the earlier run's outputs: {e}")))?;
+                recovered = state::recover(out, errs, settings.retry_errors).map_err(|e| {
+                    let msg = format!("recovering the earlier run's outputs: {e}");
+                    // A line that is not a row is the user's to fix; other failures are I/O.
+                    if e.kind() == std::io::ErrorKind::InvalidData {
+                        RunError::Usage(msg)
+                    } else {
+                        RunError::Fatal(msg)
+                    }
+                })?;
                 if recovered.requeued > 0 {
                     // The errors file was replaced by a rewritten one: write (and lock) that one.
                     err_file = claim(&settings.errors, "--errors")?;

@@ -302,8 +302,16 @@ fn check_distinct_files(
             }
         }
     }
-    if let OutputPath::File(p) | OutputPath::Stream(p) = output {
-        files.push((format!("--output {}", p.display()), p));
+    match output {
+        OutputPath::File(p) | OutputPath::Stream(p) => files.push((format!("--output {}", p.display()), p)),
+        // stdout redirected to a file (`>> p.jsonl`) is that file: appending results to the
+        // input would feed them back in without end.
+        OutputPath::Stdout => {
+            let dev = std::path::Path::new("/dev/stdout");
+            if std::fs::metadata(dev).is_ok_and(|m| m.is_file()) {
+                files.push(("--output - (stdout, redirected to a file)".into(), dev));
+            }
+        }
     }
     if let OutputPath::File(p) | OutputPath::Stream(p) = errors {
         let name =

@@ -553,3 +553,49 @@ async fn outputs_that_are_not_files_are_written_never_resumed() {
     assert_eq!(reader.join().unwrap(), 20);
     assert!(!dir.path(".weir").exists(), "no state for a stream output");
 }
+
+/// Found by a hostile try: `--output - >> input.jsonl` appended each result row (which nests its
+/// input) to the input being read, which grew without end. stdout redirected to the input is the
+/// input, and refused like any other spelling of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stdout_appended_to_the_input_is_refused() {
+    let dir = Dir::new("stdout-into-input");
+    let (data, _) = prompts(50);
+    let input = dir.write("in.jsonl", &data);
+    let append = std::fs::OpenOptions::new().append(true).open(&input).unwrap();
+    let o = weir()
+        .current_dir(dir.path(""))
+        .args(["run", "--model", "sim/demo", "--input", "in.jsonl", "--output", "-", "--no-state"])
+        .args(["--errors", "e.jsonl"])
+        .stdout(std::process::Stdio::from(append))
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap()
+        .wait_with_output()
+        .await
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("same file"), "{}", stderr(&o));
+    assert_eq!(std::fs::read(&input).unwrap(), data, "the input is untouched");
+}
+
+/// Found by a hostile try: a line that is not a row in the middle of the output cut every row
+/// after it ("torn tail") and paid for them again. Only an unfinished last line is cut.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_foreign_line_in_the_output_is_refused_not_cut() {
+    let dir = Dir::new("foreign-line");
+    let (data, _) = prompts(20);
+    dir.write("in.jsonl", &data);
+    let args = ["--input", "in.jsonl", "--output", "r.jsonl", "--id-field", "key", "--no-cache"];
+    let o = run_in(&dir.path(""), &args).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = dir.path("r.jsonl");
+    let mut lines: Vec<String> = std::fs::read_to_string(&out).unwrap().lines().map(str::to_string).collect();
+    lines.insert(10, "garbage line".into());
+    let edited = lines.join("\n") + "\n";
+    std::fs::write(&out, &edited).unwrap();
+    let o = run_in(&dir.path(""), &args).await;
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("line 11 of"), "{}", stderr(&o));
+    assert_eq!(std::fs::read_to_string(&out).unwrap(), edited, "no row was cut");
+}
