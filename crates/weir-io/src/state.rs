@@ -307,6 +307,17 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
     Ok(())
 }
 
+/// The name of an output's state in a state directory shared by outputs of several
+/// directories: its file name and a digest of its full path (`r.jsonl-3f2a9c1b7d04`).
+pub fn shared_name(output: &Path, base: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let parent = output.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let full = std::fs::canonicalize(parent).unwrap_or_else(|_| parent.to_path_buf()).join(base);
+    let digest = Sha256::digest(full.to_string_lossy().as_bytes());
+    let hex: String = digest.iter().take(6).map(|b| format!("{b:02x}")).collect();
+    format!("{base}-{hex}")
+}
+
 /// Parses a row enough to know whose it is: `(id, line, kind)`.
 fn row_identity(line: &[u8]) -> Option<(Option<RecordId>, u64, Option<String>)> {
     #[derive(Deserialize)]

@@ -10,7 +10,7 @@
 
 use futures::StreamExt;
 use std::collections::{HashMap, HashSet};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
@@ -286,7 +286,8 @@ pub async fn run(
         [&settings.output, &settings.errors]
             .into_iter()
             .filter_map(|p| match p {
-                OutputPath::File(path) if !path.exists() => Some(path.clone()),
+                // Nothing at all there, not even a symlink: a refused run may remove it again.
+                OutputPath::File(path) if std::fs::symlink_metadata(path).is_err() => Some(path.clone()),
                 _ => None,
             })
             .collect(),
@@ -301,7 +302,13 @@ pub async fn run(
     let mut resuming = false;
     let journal = match (&settings.state, &settings.output, &settings.errors) {
         (StateMode::Dir(dir), OutputPath::File(out), OutputPath::File(errs)) => {
-            let name = out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "output".into());
+            let base = out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "output".into());
+            // In the default `.weir/` beside the output, the file name is unique. A state
+            // directory shared by outputs in several directories (`--state`) must tell
+            // `a/r.jsonl` from `b/r.jsonl`: the name carries a digest of the output's full path.
+            let beside = out.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new(".")).join(".weir");
+            let shared = weir_io::paths::file_id(&beside).ok() != weir_io::paths::file_id(dir).ok();
+            let name = if shared { state::shared_name(out, &base) } else { base };
             let id = identity(&settings, input_file.as_deref())?;
             let (sd, resume) =
                 state::open(dir, &name, &id, settings.fresh).map_err(|e| RunError::Usage(e.to_string()))?;

@@ -599,3 +599,43 @@ async fn a_foreign_line_in_the_output_is_refused_not_cut() {
     assert!(stderr(&o).contains("line 11 of"), "{}", stderr(&o));
     assert_eq!(std::fs::read_to_string(&out).unwrap(), edited, "no row was cut");
 }
+
+/// Found by a hostile try: with one `--state` for outputs in two directories, `a/r.jsonl` and
+/// `b/r.jsonl` shared one state file, so a user's own `b/r.jsonl` was taken for a finished run's
+/// output and cut. Each output has its own state; the foreign file is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_state_directory_tells_outputs_of_one_name_apart() {
+    let dir = Dir::new("shared-state");
+    let (data, _) = prompts(20);
+    dir.write("in.jsonl", &data);
+    std::fs::create_dir_all(dir.path("a")).unwrap();
+    std::fs::create_dir_all(dir.path("b")).unwrap();
+    let args = |out: &'static str| ["--input", "in.jsonl", "--output", out, "--state", "S", "--id-field", "key"];
+    let o = run_in(&dir.path(""), &args("a/r.jsonl")).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let mine = b"my notes\n{\"user\":\"data\"}\nno newline";
+    std::fs::write(dir.path("b/r.jsonl"), mine).unwrap();
+    let o = run_in(&dir.path(""), &args("b/r.jsonl")).await;
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert_eq!(std::fs::read(dir.path("b/r.jsonl")).unwrap(), mine, "the user's file is untouched");
+    // The first output still resumes as finished.
+    let o = run_in(&dir.path(""), &args("a/r.jsonl")).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stderr(&o).contains("Resuming: 20 of 20"), "{}", stderr(&o));
+}
+
+/// Found by a hostile try: a refused run removed the files it had created, and took an output
+/// that was a symlink to a file not there yet for one of them: the user's symlink was deleted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_run_leaves_the_users_symlinks_alone() {
+    let dir = Dir::new("symlink-cleanup");
+    let (data, _) = prompts(5);
+    dir.write("in.jsonl", &data);
+    std::fs::create_dir_all(dir.path("store")).unwrap();
+    dir.write("e.jsonl", b"old errors\n");
+    std::os::unix::fs::symlink("store/r.jsonl", dir.path("out.jsonl")).unwrap();
+    let o = run_in(&dir.path(""), &["--input", "in.jsonl", "--output", "out.jsonl", "--errors", "e.jsonl"]).await;
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(std::fs::symlink_metadata(dir.path("out.jsonl")).is_ok_and(|m| m.file_type().is_symlink()));
+    assert_eq!(std::fs::read(dir.path("e.jsonl")).unwrap(), b"old errors\n");
+}
