@@ -216,8 +216,6 @@ pub fn id_key(id: &RecordId) -> Key {
 pub struct Recovered {
     /// Finished records, by [`finished_key`].
     pub finished: HashSet<Key>,
-    /// Ids of finished records, by [`id_key`] (for the duplicate check).
-    pub ids: HashSet<Key>,
     /// Result rows kept.
     pub results: u64,
     /// Error rows kept.
@@ -405,9 +403,6 @@ fn is_rest_blank(reader: &mut impl BufRead) -> io::Result<bool> {
 pub fn recover(results: &Path, errors: &Path, retry_errors: bool) -> io::Result<Recovered> {
     let mut r = Recovered::default();
     r.torn_bytes += scan(results, |_, id, line, _| {
-        if let Some(id) = &id {
-            r.ids.insert(id_key(id));
-        }
         r.finished.insert(finished_key(id.as_ref(), line));
         r.results += 1;
     })?;
@@ -429,9 +424,6 @@ pub fn recover(results: &Path, errors: &Path, retry_errors: bool) -> io::Result<
         write_atomic(errors, &kept)?;
     }
     for (id, line) in finished {
-        if let Some(id) = &id {
-            r.ids.insert(id_key(id));
-        }
         r.finished.insert(finished_key(id.as_ref(), line));
         r.errors += 1;
     }

@@ -440,8 +440,10 @@ pub async fn run(
     let spec = settings.records.clone();
     let check_duplicates = spec.id_field.is_some();
     let finished = std::mem::take(&mut recovered.finished);
-    let mut seen: HashSet<state::Key> =
-        if check_duplicates { std::mem::take(&mut recovered.ids) } else { HashSet::new() };
+    // Ids are registered in input order, finished lines included, so "an earlier line has it"
+    // is true of the input whatever order the rows were written in (a first occurrence that an
+    // interruption left unfinished is still the first).
+    let mut seen: HashSet<state::Key> = HashSet::new();
     let mut first_interrupt = interrupts.clone();
     // With a journal, an interrupted run stops reading: what it did not read, the next run does.
     // Without one, it reads on, and every record left gets an `aborted` row, so none is dropped.
@@ -459,9 +461,10 @@ pub async fn run(
                 Err(failure) => (!finished.contains(&finished_key(failure.id.as_ref(), failure.line)))
                     .then_some(Work::Done(failure)),
                 Ok(record) => {
+                    let first = !check_duplicates || seen.insert(id_key(&record.id));
                     if finished.contains(&finished_key(Some(&record.id), record.line)) {
                         None
-                    } else if check_duplicates && !seen.insert(id_key(&record.id)) {
+                    } else if !first {
                         let msg =
                             format!("line {}: duplicate id '{}' (an earlier line has it)", record.line, record.id);
                         Some(Work::Done(Box::new(Failure::of(

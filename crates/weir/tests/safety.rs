@@ -639,3 +639,45 @@ async fn a_refused_run_leaves_the_users_symlinks_alone() {
     assert!(std::fs::symlink_metadata(dir.path("out.jsonl")).is_ok_and(|m| m.file_type().is_symlink()));
     assert_eq!(std::fs::read(dir.path("e.jsonl")).unwrap(), b"old errors\n");
 }
+
+/// Found by a hostile try: after an interrupted run, the first of two lines with one id was taken
+/// for the duplicate (the second's error row was already written) and never answered. The
+/// first occurrence in the input is the one answered, whatever order rows were written in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_of_a_duplicated_id_is_answered_after_an_interruption() {
+    let server = sim(SimConfig { api_keys: vec!["good-key".into()], ..SimConfig::default() }).await;
+    let dir = Dir::new("dup-after-stop");
+    dir.write("in.jsonl", b"{\"id\":\"a\",\"prompt\":\"first\"}\n{\"id\":\"a\",\"prompt\":\"second\"}\n{\"id\":\"b\",\"prompt\":\"third\"}\n");
+    let url = format!("{}/v1", server.url());
+    let go = |key: &'static str| {
+        let url = url.clone();
+        let cwd = dir.path("");
+        async move {
+            weir()
+                .current_dir(cwd)
+                .env("OPENAI_API_KEY", key)
+                .args(["run", "--model", "openai/x", "--base-url", &url, "--progress", "never"])
+                .args(["--input", "in.jsonl", "--output", "r.jsonl", "--id-field", "id"])
+                .output()
+                .await
+                .unwrap()
+        }
+    };
+    // Refused credentials: line 1 and 3 end as `auth` (requeued next time), line 2 as a
+    // duplicate, written in whatever order.
+    let o = go("bad-key").await;
+    assert_ne!(o.status.code(), Some(0), "{}", stderr(&o));
+    let o = go("good-key").await;
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let results = rows(&dir.path("r.jsonl"));
+    let errors = rows(&dir.path("r.errors.jsonl"));
+    let lines = |rows: &[serde_json::Value]| {
+        let mut l: Vec<u64> = rows.iter().map(|r| r["line"].as_u64().unwrap()).collect();
+        l.sort();
+        l
+    };
+    assert_eq!(lines(&results), [1, 3], "{results:?}");
+    assert_eq!(lines(&errors), [2], "{errors:?}");
+    assert!(errors[0]["message"].as_str().unwrap().contains("duplicate id"));
+    server.shutdown().await;
+}
