@@ -143,6 +143,11 @@ impl GenParams {
                         serde_json::from_str(&text).map_err(|e| err(format!("{} is not JSON: {e}", &s[1..])))?
                     }
                     v @ Value::Object(_) => v,
+                    _ if !files => {
+                        return Err(err(
+                            "response_schema here takes a JSON object (@FILE is read only from --param)".into()
+                        ))
+                    }
                     _ => return Err(err("response_schema takes a JSON object, or @FILE".into())),
                 };
                 self.response_schema = Some(schema);

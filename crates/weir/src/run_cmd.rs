@@ -174,6 +174,23 @@ impl RunArgs {
         if self.max_concurrency == 0 {
             return Err(UsageError("--max-concurrency must be at least 1".into()));
         }
+        for (flag, field) in [
+            ("--id-field", self.id_field.as_ref()),
+            ("--prompt-field", Some(&self.prompt_field)),
+            ("--system-field", self.system_field.as_ref()),
+            ("--params-field", self.params_field.as_ref()),
+            ("--model-field", self.model_field.as_ref()),
+        ] {
+            if field.is_some_and(|f| f.trim().is_empty()) {
+                return Err(UsageError(format!("{flag} needs a field name")));
+            }
+        }
+        if self.input != "-" && std::path::Path::new(&self.input).is_dir() {
+            return Err(UsageError(format!(
+                "--input {}: is a directory; give a JSONL file, or - for stdin",
+                self.input
+            )));
+        }
         if !(self.limit_window.is_finite() && self.limit_window > 0.0) {
             return Err(UsageError(format!("--limit-window {}: must be a number of seconds > 0", self.limit_window)));
         }
@@ -233,6 +250,32 @@ impl RunArgs {
                 }
             }
         };
+        if let StateMode::Dir(dir) = &state {
+            // An output inside the state directory could overwrite a run's state or the cache.
+            let inside = |p: &std::path::Path| {
+                let canon = |x: &std::path::Path| {
+                    let abs = std::fs::canonicalize(
+                        x.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(std::path::Path::new(".")),
+                    );
+                    abs.ok()
+                };
+                match (canon(p), std::fs::canonicalize(dir)) {
+                    (Some(parent), Ok(d)) => parent.starts_with(d),
+                    _ => false,
+                }
+            };
+            for (flag, p) in [("--output", &output), ("--errors", &errors)] {
+                if let OutputPath::File(p) = p {
+                    if inside(p) {
+                        return Err(UsageError(format!(
+                            "{flag} {}: is inside the state directory {}; choose a path outside it",
+                            p.display(),
+                            dir.display()
+                        )));
+                    }
+                }
+            }
+        }
         if state != StateMode::Off && !errors.is_file() {
             return Err(UsageError("a resumable run needs --errors to be a regular file (or use --no-state)".into()));
         }

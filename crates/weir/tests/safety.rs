@@ -681,3 +681,28 @@ async fn the_first_of_a_duplicated_id_is_answered_after_an_interruption() {
     assert!(errors[0]["message"].as_str().unwrap().contains("duplicate id"));
     server.shutdown().await;
 }
+
+/// Found by a hostile try: these were accepted, or failed late after creating files.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn more_commands_that_cannot_work_exit_2_and_write_nothing() {
+    let dir = Dir::new("more-usage");
+    let (data, _) = prompts(5);
+    dir.write("in.jsonl", &data);
+    std::fs::create_dir_all(dir.path(".weir/runs")).unwrap();
+    dir.write(".weir/runs/keep.json", b"{}");
+    for (args, says) in [
+        (vec!["--input", ".", "--output", "o.jsonl"], "is a directory"),
+        (vec!["--input", "in.jsonl", "--output", "o.jsonl", "--id-field", ""], "needs a field name"),
+        (vec!["--input", "in.jsonl", "--output", "o.jsonl", "--prompt-field", " "], "needs a field name"),
+        (
+            vec!["--input", "in.jsonl", "--output", "o.jsonl", "--errors", ".weir/runs/keep.json", "--overwrite"],
+            "inside the state directory",
+        ),
+    ] {
+        let o = run_in(&dir.path(""), &args).await;
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", stderr(&o));
+        assert!(stderr(&o).contains(says), "{args:?}: {}", stderr(&o));
+        assert!(!dir.path("o.jsonl").exists(), "{args:?} wrote the output");
+    }
+    assert_eq!(std::fs::read(dir.path(".weir/runs/keep.json")).unwrap(), b"{}");
+}
