@@ -282,9 +282,11 @@ impl Budget {
             Mode::Unlimited => {
                 // The window is full. It frees its oldest slot when the server said to come back;
                 // our oldest admitted send is that slot.
-                let oldest = self.log.iter().find(|e| e.state == State::Ok).map(|e| e.at);
+                // Sends still in flight count too: a refusal is fast and can overtake the answers
+                // of the sends that filled the window.
+                let oldest = self.log.iter().find(|e| e.state == State::Ok).or_else(|| self.log.front()).map(|e| e.at);
                 if oldest.is_none() {
-                    // Refused before any send of ours was admitted: someone else filled the
+                    // Refused with no other send of ours admitted or out: someone else filled the
                     // window (another process on the same key), and nothing about its size can
                     // be told from that. The server's advised pause holds the calls; learn from
                     // a refusal that follows sends of our own.
