@@ -185,6 +185,11 @@ impl RunArgs {
                 return Err(UsageError(format!("{flag} needs a field name")));
             }
         }
+        if let Some(addr) = self.metrics_listen {
+            // Found out before any file is created (the exporter binds it again later).
+            std::net::TcpListener::bind(addr)
+                .map_err(|e| UsageError(format!("--metrics-listen {addr}: cannot listen there ({e})")))?;
+        }
         if self.input != "-" && std::path::Path::new(&self.input).is_dir() {
             return Err(UsageError(format!(
                 "--input {}: is a directory; give a JSONL file, or - for stdin",
