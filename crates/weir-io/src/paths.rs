@@ -70,6 +70,11 @@ fn future_path(path: &Path) -> io::Result<PathBuf> {
     }
 }
 
+/// The directory a file is in: its parent, or `.` for a bare file name.
+pub fn parent_dir(path: &Path) -> &Path {
+    path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."))
+}
+
 /// True when `path` names something other than a regular file (a FIFO, a terminal,
 /// `/dev/stdin`, a process substitution): reading it consumes it, so it can be read only once.
 pub fn is_stream(path: &Path) -> bool {

@@ -10,8 +10,8 @@
 //! On resume, each file is scanned: every complete line that parses as a row is a finished
 //! record; an unfinished last line (no newline), or zeros to the end (what a power loss can
 //! leave), is a torn tail and is cut. A whole line that is not a row is never cut, nor anything
-//! after it: the run is refused, naming the line, since the user may have edited the file. The records of the dropped
-//! rows are simply requested again.
+//! after it: the run is refused, naming the line, since the user may have edited the file. The
+//! records of the dropped rows are simply requested again.
 //!
 //! Error rows that describe the run rather than the record (`aborted`: not tried;
 //! `quota_exhausted`: a spent daily quota; `auth`: rejected credentials) are not finished:
@@ -305,11 +305,16 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
     Ok(())
 }
 
+/// The state directory of an output when none is given: `.weir/` beside it.
+pub fn default_dir(output: &Path) -> PathBuf {
+    crate::paths::parent_dir(output).join(".weir")
+}
+
 /// The name of an output's state in a state directory shared by outputs of several
 /// directories: its file name and a digest of its full path (`r.jsonl-3f2a9c1b7d04`).
 pub fn shared_name(output: &Path, base: &str) -> String {
     use sha2::{Digest, Sha256};
-    let parent = output.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let parent = crate::paths::parent_dir(output);
     let full = std::fs::canonicalize(parent).unwrap_or_else(|_| parent.to_path_buf()).join(base);
     let digest = Sha256::digest(full.to_string_lossy().as_bytes());
     let hex: String = digest.iter().take(6).map(|b| format!("{b:02x}")).collect();

@@ -185,6 +185,11 @@ pub async fn post_json(
     auth: Auth<'_>,
 ) -> Result<Reply, ModelError> {
     let resp = post(client, url, body, auth)?.send().await.map_err(|e| transport_error(&e))?;
+    read_reply(resp).await
+}
+
+/// Reads an answer whole.
+async fn read_reply(resp: reqwest::Response) -> Result<Reply, ModelError> {
     let status = resp.status().as_u16();
     let headers = resp.headers().clone();
     let body = resp.bytes().await.map_err(|e| transport_error(&e))?;
@@ -213,11 +218,8 @@ pub async fn post_sse(
     use futures::StreamExt;
     let req = post(client, url, body, auth)?.header(reqwest::header::ACCEPT, "text/event-stream");
     let resp = req.send().await.map_err(|e| transport_error(&e))?;
-    let status = resp.status().as_u16();
-    if status != 200 {
-        let headers = resp.headers().clone();
-        let body = resp.bytes().await.map_err(|e| transport_error(&e))?;
-        return Ok(Opened::Error(Reply { status, headers, body }));
+    if resp.status().as_u16() != 200 {
+        return Ok(Opened::Error(read_reply(resp).await?));
     }
     let events = resp.bytes_stream().eventsource().map(|e| match e {
         Ok(event) => Ok(event.data),

@@ -45,6 +45,20 @@ struct Seen {
 }
 
 impl Seen {
+    /// Takes one event: text is kept (and the first one's time), a restart drops what was kept.
+    fn on(&mut self, e: StreamEvent<'_>) {
+        match e {
+            StreamEvent::Text(t) => {
+                self.first_text.get_or_insert_with(Instant::now);
+                self.events.push(t.to_string());
+            }
+            StreamEvent::Restart => {
+                self.restarts += 1;
+                self.events.clear();
+            }
+        }
+    }
+
     /// The text since the last restart.
     fn text(&self) -> String {
         self.events.concat()
@@ -67,21 +81,7 @@ async fn both_framings_stream_text_in_order_and_it_equals_the_whole_answer() {
         let seen = Mutex::new(Seen::default());
         let sent = Instant::now();
         let done = ex
-            .run_stream(
-                Weight::default(),
-                &cancel,
-                || handler.generate_stream(&req),
-                |e| {
-                    let mut s = seen.lock().unwrap();
-                    match e {
-                        StreamEvent::Text(t) => {
-                            s.first_text.get_or_insert_with(Instant::now);
-                            s.events.push(t.to_string());
-                        }
-                        StreamEvent::Restart => s.restarts += 1,
-                    }
-                },
-            )
+            .run_stream(Weight::default(), &cancel, || handler.generate_stream(&req), |e| seen.lock().unwrap().on(e))
             .await
             .unwrap();
         let total = sent.elapsed();
@@ -123,16 +123,7 @@ async fn a_stream_cut_part_way_is_retried_from_the_start_with_a_restart() {
                     Weight::default(),
                     &cancel,
                     || handler.generate_stream(&req),
-                    |e| {
-                        let mut s = seen.lock().unwrap();
-                        match e {
-                            StreamEvent::Text(t) => s.events.push(t.to_string()),
-                            StreamEvent::Restart => {
-                                s.restarts += 1;
-                                s.events.clear();
-                            }
-                        }
-                    },
+                    |e| seen.lock().unwrap().on(e),
                 )
                 .await
                 .unwrap();

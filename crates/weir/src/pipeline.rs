@@ -10,7 +10,7 @@
 
 use futures::StreamExt;
 use std::collections::{HashMap, HashSet};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
@@ -306,7 +306,7 @@ pub async fn run(
             // In the default `.weir/` beside the output, the file name is unique. A state
             // directory shared by outputs in several directories (`--state`) must tell
             // `a/r.jsonl` from `b/r.jsonl`: the name carries a digest of the output's full path.
-            let beside = out.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new(".")).join(".weir");
+            let beside = state::default_dir(out);
             let shared = weir_io::paths::file_id(&beside).ok() != weir_io::paths::file_id(dir).ok();
             let name = if shared { state::shared_name(out, &base) } else { base };
             let id = identity(&settings, input_file.as_deref())?;

@@ -244,9 +244,7 @@ impl RunArgs {
                     ))
                 }
                 (Some(dir), _) => StateMode::Dir(dir.clone()),
-                (None, OutputPath::File(p)) => StateMode::Dir(
-                    p.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(std::path::Path::new(".")).join(".weir"),
-                ),
+                (None, OutputPath::File(p)) => StateMode::Dir(weir_io::state::default_dir(p)),
                 (None, OutputPath::Stdout | OutputPath::Stream(_)) => {
                     if self.fresh || self.retry_errors {
                         return Err(UsageError("--fresh and --retry-errors need --output to be a regular file".into()));
@@ -257,17 +255,12 @@ impl RunArgs {
         };
         if let StateMode::Dir(dir) = &state {
             // An output inside the state directory could overwrite a run's state or the cache.
-            let inside = |p: &std::path::Path| {
-                let canon = |x: &std::path::Path| {
-                    let abs = std::fs::canonicalize(
-                        x.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(std::path::Path::new(".")),
-                    );
-                    abs.ok()
-                };
-                match (canon(p), std::fs::canonicalize(dir)) {
-                    (Some(parent), Ok(d)) => parent.starts_with(d),
-                    _ => false,
-                }
+            let inside = |p: &std::path::Path| match (
+                std::fs::canonicalize(weir_io::paths::parent_dir(p)),
+                std::fs::canonicalize(dir),
+            ) {
+                (Ok(parent), Ok(d)) => parent.starts_with(d),
+                _ => false,
             };
             for (flag, p) in [("--output", &output), ("--errors", &errors)] {
                 if let OutputPath::File(p) = p {

@@ -8,9 +8,11 @@ use weir_sim::{SimConfig, SimServer};
 
 const TOKEN: &str = "ya29.vertex-test-token";
 
-async fn sim() -> SimServer {
-    // The model route accepts only the access token the token endpoint hands out.
-    let config = SimConfig { api_keys: vec![TOKEN.into()], ..SimConfig::default() };
+/// A simulator whose model route accepts only `TOKEN`, which its token endpoint hands out
+/// unless `shape` says otherwise.
+async fn sim(shape: impl FnOnce(&mut SimConfig)) -> SimServer {
+    let mut config = SimConfig { api_keys: vec![TOKEN.into()], ..SimConfig::default() };
+    shape(&mut config);
     SimServer::start(config, "127.0.0.1:0".parse().unwrap()).await.unwrap()
 }
 
@@ -23,23 +25,36 @@ fn service_account(dir: &Dir, token_uri: &str) -> std::path::PathBuf {
     dir.write("sa.json", file.to_string().as_bytes())
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn gemini_on_vertex_with_a_service_account() {
-    let server = sim().await;
-    let dir = Dir::new("vertex-sa");
-    let sa = service_account(&dir, &format!("{}/token", server.url()));
-    let (data, ids) = prompts(50);
+/// A run of `records` prompts against `server` as `vertex_ai/gemini-2.5-flash`, with a service
+/// account whose `token_uri` is the simulator's: the output, the result path and the ids.
+async fn vertex_run(
+    server: &SimServer,
+    dir: &Dir,
+    records: usize,
+    extra: &[&str],
+) -> (std::process::Output, std::path::PathBuf, Vec<String>) {
+    let sa = service_account(dir, &format!("{}/token", server.url()));
+    let (data, ids) = prompts(records);
     let input = dir.write("in.jsonl", &data);
     let out = dir.path("out.jsonl");
     let o = weir()
-        .args(["run", "--model", "vertex_ai/gemini-2.5-flash", "--base-url", &server.url()])
-        .args(["--project", "my-project", "--location", "us-central1", "--id-field", "key"])
+        .args(["run", "--model", "vertex_ai/gemini-2.5-flash", "--base-url", &server.url(), "--id-field", "key"])
         .args(["--input", input.to_str().unwrap(), "--output", out.to_str().unwrap()])
+        .args(extra)
         .env("GOOGLE_APPLICATION_CREDENTIALS", &sa)
         .env("HOME", dir.path("home"))
         .output()
         .await
         .unwrap();
+    (o, out, ids)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gemini_on_vertex_with_a_service_account() {
+    let server = sim(|_| {}).await;
+    let dir = Dir::new("vertex-sa");
+    let (o, out, ids) = vertex_run(&server, &dir, 50, &["--project", "my-project", "--location", "us-central1"]).await;
+    let sa = dir.path("sa.json");
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let results = rows(&out);
     assert_each_id_once(&ids, &results, &[]);
@@ -104,24 +119,15 @@ async fn vertex_settings_that_cannot_work_exit_2_saying_what_to_fix() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tokens_are_renewed_as_they_expire_during_a_long_run() {
-    let mut config = SimConfig { api_keys: vec![TOKEN.into()], ..SimConfig::default() };
-    config.auth.token_lifetime_secs = 1;
-    config.latency.fixed_ms = 25.0;
-    let server = SimServer::start(config, "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let server = sim(|c| {
+        c.auth.token_lifetime_secs = 1;
+        c.latency.fixed_ms = 25.0;
+    })
+    .await;
     let dir = Dir::new("vertex-renew");
-    let sa = service_account(&dir, &format!("{}/token", server.url()));
-    let (data, ids) = prompts(100);
-    let input = dir.write("in.jsonl", &data);
-    let out = dir.path("out.jsonl");
     let started = std::time::Instant::now();
-    let o = weir()
-        .args(["run", "--model", "vertex_ai/gemini-2.5-flash", "--base-url", &server.url(), "--project", "p"])
-        .args(["--id-field", "key", "--concurrency", "fixed", "--max-concurrency", "1"])
-        .args(["--input", input.to_str().unwrap(), "--output", out.to_str().unwrap()])
-        .env("GOOGLE_APPLICATION_CREDENTIALS", &sa)
-        .output()
-        .await
-        .unwrap();
+    let one_at_a_time = ["--project", "p", "--concurrency", "fixed", "--max-concurrency", "1"];
+    let (o, out, ids) = vertex_run(&server, &dir, 100, &one_at_a_time).await;
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     assert_each_id_once(&ids, &rows(&out), &[]);
     let secs = started.elapsed().as_secs_f64();
@@ -135,21 +141,9 @@ async fn tokens_are_renewed_as_they_expire_during_a_long_run() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_revoked_token_stops_the_run_with_exit_3() {
-    let mut config = SimConfig { api_keys: vec![TOKEN.into()], ..SimConfig::default() };
-    config.auth.issued_token = Some("ya29.revoked".into());
-    let server = SimServer::start(config, "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let server = sim(|c| c.auth.issued_token = Some("ya29.revoked".into())).await;
     let dir = Dir::new("vertex-revoked");
-    let sa = service_account(&dir, &format!("{}/token", server.url()));
-    let (data, _) = prompts(500);
-    let input = dir.write("in.jsonl", &data);
-    let out = dir.path("out.jsonl");
-    let o = weir()
-        .args(["run", "--model", "vertex_ai/gemini-2.5-flash", "--base-url", &server.url(), "--project", "p"])
-        .args(["--id-field", "key", "--input", input.to_str().unwrap(), "--output", out.to_str().unwrap()])
-        .env("GOOGLE_APPLICATION_CREDENTIALS", &sa)
-        .output()
-        .await
-        .unwrap();
+    let (o, _, _) = vertex_run(&server, &dir, 500, &["--project", "p"]).await;
     assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
     let err = stderr(&o);
     assert!(err.to_lowercase().contains("credential") || err.contains("401"), "{err}");
