@@ -18,14 +18,14 @@ use tokio_util::sync::CancellationToken;
 
 use crate::cache::{cache_key, is_deterministic, CacheKey, ResponseCache};
 use crate::error::{ErrorKind, ModelError, RetryHint};
-use crate::executor::{Executor, Observer};
+use crate::executor::{Done, Executor, Failed, Observer};
 use crate::handler::{ModelHandler, ModelRequest};
 use crate::metrics::RunMetrics;
 use crate::outcome::{Failure, Outcome, Success};
 use crate::params::GenParams;
 use crate::record::Record;
 use crate::retry::RetryPolicy;
-use crate::throttle::{RateSnapshot, Throttle};
+use crate::throttle::{RateSnapshot, Throttle, Weight};
 
 /// How long connecting may fail, with nothing ever answering, before the run stops: long enough
 /// for a server that is still starting, short enough not to burn through the input.
@@ -252,55 +252,56 @@ impl Driver {
         Some(response)
     }
 
-    /// Takes one record to its outcome.
-    pub async fn run(&self, record: Record) -> Outcome {
-        let start = Instant::now();
-        let request = ModelRequest {
+    /// The request a record makes: its own system text and parameters over the run's.
+    fn request_of(&self, record: &Record) -> ModelRequest {
+        ModelRequest {
             prompt: record.prompt.clone(),
             system: record.system.clone().or_else(|| self.settings.system.clone()),
             params: match &record.params {
                 Some(own) => Arc::new(self.settings.params.overlay(own)),
                 None => self.settings.params.clone(),
             },
-        };
-        let key = self.cache.as_ref().map(|_| cache_key(&self.source, &request, &record.id));
-        let hit = |response| {
-            Outcome::Success(Box::new(Success {
-                record: record.clone(),
-                response,
-                attempts: 0,
-                latency: start.elapsed(),
-                model: self.model_id.clone(),
-            }))
-        };
-        if let Some(response) = self.cached(key.as_ref()) {
-            return hit(response);
         }
-        // One request at a time per deterministic key: the others then find its answer cached.
-        let _single = match (&key, is_deterministic(&request.params)) {
-            (Some(k), true) => {
-                let m = self.inflight.lock().unwrap_or_else(|e| e.into_inner()).entry(*k).or_default().clone();
-                Some(m.lock_owned().await)
-            }
-            _ => None,
-        };
-        if _single.is_some() {
-            if let Some(response) = self.cached(key.as_ref()) {
-                return hit(response);
-            }
-        }
+    }
+
+    /// The throttle's weight of one request.
+    fn weight_of(&self, request: &ModelRequest) -> Weight {
         let chars = request.prompt.chars().count() + request.system.as_deref().map_or(0, |s| s.chars().count());
-        let weight = self.throttle().estimate(chars, request.params.max_output_tokens);
-        let result = self.executor.run(weight, &self.rules.cancel, || self.handler.generate(&request)).await;
-        if let Some(k) = &key {
-            let mut m = self.inflight.lock().unwrap_or_else(|e| e.into_inner());
-            if m.get(k).is_some_and(|a| Arc::strong_count(a) <= 2) {
-                m.remove(k);
-            }
-        }
+        self.throttle().estimate(chars, request.params.max_output_tokens)
+    }
+
+    /// Estimated tokens of a record's call, for cutting batches by weight.
+    pub fn estimate(&self, record: &Record) -> u64 {
+        self.weight_of(&self.request_of(record)).tokens
+    }
+
+    /// The most records one call may carry (1 unless the endpoint takes batches).
+    pub fn max_batch(&self) -> usize {
+        self.handler.max_batch().max(1)
+    }
+
+    /// A success answered from the cache.
+    fn hit(&self, record: Record, response: crate::outcome::ModelResponse, start: Instant) -> Outcome {
+        Outcome::Success(Box::new(Success {
+            record,
+            response,
+            attempts: 0,
+            latency: start.elapsed(),
+            model: self.model_id.clone(),
+        }))
+    }
+
+    /// The outcome of a call the executor finished, stored in the cache when it succeeded.
+    fn settle(
+        &self,
+        record: Record,
+        result: Result<Done<crate::outcome::ModelResponse>, Failed>,
+        key: Option<&CacheKey>,
+        start: Instant,
+    ) -> Outcome {
         match result {
             Ok(done) => {
-                if let (Some(cache), Some(k)) = (&self.cache, &key) {
+                if let (Some(cache), Some(k)) = (&self.cache, key) {
                     cache.put(*k, &done.value);
                 }
                 self.metrics.record_success(done.value.usage.prompt_tokens, done.value.usage.output_tokens);
@@ -323,6 +324,138 @@ impl Driver {
                 Outcome::Failure(Box::new(Failure::of(record, error, failed.attempts)))
             }
         }
+    }
+
+    /// Takes one record to its outcome.
+    pub async fn run(&self, record: Record) -> Outcome {
+        let start = Instant::now();
+        let request = self.request_of(&record);
+        let key = self.cache.as_ref().map(|_| cache_key(&self.source, &request, &record.id));
+        if let Some(response) = self.cached(key.as_ref()) {
+            return self.hit(record, response, start);
+        }
+        // One request at a time per deterministic key: the others then find its answer cached.
+        let _single = match (&key, is_deterministic(&request.params)) {
+            (Some(k), true) => {
+                let m = self.inflight.lock().unwrap_or_else(|e| e.into_inner()).entry(*k).or_default().clone();
+                Some(m.lock_owned().await)
+            }
+            _ => None,
+        };
+        if _single.is_some() {
+            if let Some(response) = self.cached(key.as_ref()) {
+                return self.hit(record, response, start);
+            }
+        }
+        let weight = self.weight_of(&request);
+        let result = self.executor.run(weight, &self.rules.cancel, || self.handler.generate(&request)).await;
+        if let Some(k) = &key {
+            let mut m = self.inflight.lock().unwrap_or_else(|e| e.into_inner());
+            if m.get(k).is_some_and(|a| Arc::strong_count(a) <= 2) {
+                m.remove(k);
+            }
+        }
+        self.settle(record, result, key.as_ref(), start)
+    }
+
+    /// Takes records to one outcome each, sending them together in as few calls as the endpoint
+    /// allows ([`ModelHandler::max_batch`] requests and [`ModelHandler::max_batch_bytes`] per
+    /// call). Cached answers are not sent; deterministic requests repeated within the batch are
+    /// sent once and the answer shared. Outcomes come back in the order of `records`.
+    pub async fn run_batch(&self, records: Vec<Record>) -> Vec<Outcome> {
+        let start = Instant::now();
+        let requests: Vec<ModelRequest> = records.iter().map(|r| self.request_of(r)).collect();
+        let keys: Vec<Option<CacheKey>> = records
+            .iter()
+            .zip(&requests)
+            .map(|(r, q)| self.cache.as_ref().map(|_| cache_key(&self.source, q, &r.id)))
+            .collect();
+        let mut outcomes: Vec<Option<Outcome>> = (0..records.len()).map(|_| None).collect();
+        // What must be sent: each index that the cache cannot answer, once per deterministic
+        // request (`copies` maps a repeat to the index whose answer it takes).
+        let mut send: Vec<usize> = Vec::new();
+        let mut copies: Vec<(usize, usize)> = Vec::new();
+        let mut first_of: HashMap<CacheKey, usize> = HashMap::new();
+        for (i, record) in records.iter().enumerate() {
+            if let Some(response) = self.cached(keys[i].as_ref()) {
+                outcomes[i] = Some(self.hit(record.clone(), response, start));
+                continue;
+            }
+            let shared = is_deterministic(&requests[i].params).then(|| {
+                // Deterministic keys do not depend on the record, so equal keys mean equal
+                // requests; without a cache, the request itself is compared.
+                keys[i].unwrap_or_else(|| cache_key(&self.source, &requests[i], &record.id))
+            });
+            match shared.and_then(|k| first_of.get(&k).copied().map(|f| (k, f))) {
+                Some((_, first)) => copies.push((i, first)),
+                None => {
+                    if let Some(k) = shared {
+                        first_of.insert(k, i);
+                    }
+                    send.push(i);
+                }
+            }
+        }
+        // Calls: at most max_batch requests and max_batch_bytes each.
+        let (max_items, max_bytes) = (self.max_batch(), self.handler.max_batch_bytes().unwrap_or(usize::MAX));
+        let mut calls: Vec<Vec<usize>> = Vec::new();
+        let mut bytes = 0usize;
+        for i in send {
+            let b = self.handler.request_bytes(&requests[i]);
+            match calls.last_mut() {
+                Some(c) if c.len() < max_items && bytes.saturating_add(b) <= max_bytes => {
+                    c.push(i);
+                    bytes += b;
+                }
+                _ => {
+                    calls.push(vec![i]);
+                    bytes = b;
+                }
+            }
+        }
+        let results = futures::future::join_all(calls.iter().map(|call| {
+            let requests = &requests;
+            self.executor.run_batch(
+                call.len(),
+                |items: &[usize]| Weight {
+                    tokens: items.iter().map(|&j| self.weight_of(&requests[call[j]]).tokens).sum(),
+                },
+                &self.rules.cancel,
+                move |items: Vec<usize>| {
+                    let chunk: Vec<ModelRequest> = items.iter().map(|&j| requests[call[j]].clone()).collect();
+                    async move { self.handler.generate_batch(&chunk).await }
+                },
+            )
+        }))
+        .await;
+        let mut answers: HashMap<usize, Result<Done<crate::outcome::ModelResponse>, Failed>> = HashMap::new();
+        for (call, result) in calls.iter().zip(results) {
+            for (&i, r) in call.iter().zip(result) {
+                answers.insert(i, r);
+            }
+        }
+        for &(copy, first) in &copies {
+            if let Some(a) = answers.get(&first) {
+                answers.insert(copy, a.clone());
+            }
+        }
+        let mut out = Vec::with_capacity(records.len());
+        for (i, record) in records.into_iter().enumerate() {
+            match outcomes[i].take() {
+                Some(o) => out.push(o),
+                None => {
+                    let result = answers.remove(&i).unwrap_or_else(|| {
+                        Err(Failed {
+                            error: ModelError::new(ErrorKind::Aborted, "the batch ended without an answer for it"),
+                            attempts: 0,
+                            cancelled: true,
+                        })
+                    });
+                    out.push(self.settle(record, result, keys[i].as_ref(), start));
+                }
+            }
+        }
+        out
     }
 }
 
@@ -465,6 +598,88 @@ mod tests {
         }
         assert_eq!(h.calls.load(Relaxed), 3, "no call after the stop");
         assert_eq!(d.stop_reason().unwrap().kind, ErrorKind::Auth);
+    }
+
+    /// A handler that takes up to four requests per call, answers each with its prompt, and
+    /// fails the prompts named "flaky" once.
+    struct Batched {
+        calls: Mutex<Vec<Vec<String>>>,
+        flaked: AtomicBool,
+    }
+
+    #[async_trait::async_trait]
+    impl ModelHandler for Batched {
+        async fn generate(&self, r: &ModelRequest) -> Result<ModelResponse, ModelError> {
+            self.generate_batch(std::slice::from_ref(r)).await?.pop().unwrap()
+        }
+        fn model_id(&self) -> &str {
+            "test/batched"
+        }
+        fn max_batch(&self) -> usize {
+            4
+        }
+        async fn generate_batch(&self, requests: &[ModelRequest]) -> crate::handler::BatchAnswer {
+            self.calls.lock().unwrap().push(requests.iter().map(|r| r.prompt.clone()).collect());
+            Ok(requests
+                .iter()
+                .map(|r| {
+                    if r.prompt == "flaky" && !self.flaked.swap(true, Relaxed) {
+                        Err(ModelError::new(ErrorKind::Server, "once"))
+                    } else {
+                        Ok(ModelResponse { text: format!("re: {}", r.prompt), ..ModelResponse::default() })
+                    }
+                })
+                .collect())
+        }
+    }
+
+    #[derive(Default)]
+    struct MapCache(Mutex<HashMap<CacheKey, ModelResponse>>);
+
+    impl ResponseCache for MapCache {
+        fn get(&self, key: &CacheKey) -> Option<ModelResponse> {
+            self.0.lock().unwrap().get(key).cloned()
+        }
+        fn put(&self, key: CacheKey, response: &ModelResponse) {
+            self.0.lock().unwrap().insert(key, response.clone());
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_batch_is_split_by_the_endpoints_limit_and_answers_each_record_in_order() {
+        let h = Arc::new(Batched { calls: Mutex::new(Vec::new()), flaked: AtomicBool::new(false) });
+        let throttle = Arc::new(Throttle::new(&ThrottleSettings::default()));
+        let settings = DriverSettings {
+            params: Arc::new(GenParams { temperature: Some(0.0), ..GenParams::default() }),
+            ..DriverSettings::default()
+        };
+        let cache = Arc::new(MapCache::default());
+        let d = Driver::new(h.clone(), throttle, settings, Arc::new(RunMetrics::default())).with_cache(cache);
+        let mk = |i: usize, p: &str| {
+            Record::new(RecordId::from(format!("r{i}").as_str()), i as u64, p.into(), Default::default())
+        };
+        // Nine records, two of them the same deterministic prompt, one failing once.
+        let prompts = ["a", "b", "same", "c", "flaky", "same", "d", "e", "f"];
+        let records: Vec<Record> = prompts.iter().enumerate().map(|(i, p)| mk(i, p)).collect();
+        let out = d.run_batch(records).await;
+        let texts: Vec<String> = out
+            .iter()
+            .map(|o| match o {
+                Outcome::Success(s) => s.response.text.clone(),
+                Outcome::Failure(f) => panic!("{:?}", f.error),
+            })
+            .collect();
+        assert_eq!(texts, prompts.iter().map(|p| format!("re: {p}")).collect::<Vec<_>>());
+        let calls = h.calls.lock().unwrap().clone();
+        // Eight distinct prompts: two calls of four, then the flaky one alone again.
+        assert_eq!(calls.len(), 3, "{calls:?}");
+        assert!(calls[..2].iter().all(|c| c.len() == 4));
+        assert_eq!(calls[2], vec!["flaky".to_string()]);
+        assert_eq!(calls.iter().flatten().filter(|p| *p == "same").count(), 1, "a repeated prompt was paid once");
+        // Everything is cached now: the same batch again makes no call.
+        let again = d.run_batch(prompts.iter().enumerate().map(|(i, p)| mk(i, p)).collect()).await;
+        assert!(again.iter().all(|o| matches!(o, Outcome::Success(s) if s.attempts == 0)));
+        assert_eq!(h.calls.lock().unwrap().len(), 3);
     }
 
     #[tokio::test(start_paused = true)]

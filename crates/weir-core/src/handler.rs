@@ -64,6 +64,17 @@ pub trait ModelHandler: Send + Sync {
         1
     }
 
+    /// The most bytes one batched call's body may have (Vertex `:predict` takes 1.5 MB), if the
+    /// endpoint sets a limit; batches are split to stay under it.
+    fn max_batch_bytes(&self) -> Option<usize> {
+        None
+    }
+
+    /// About how many bytes `request` adds to a batched call's body.
+    fn request_bytes(&self, request: &ModelRequest) -> usize {
+        request.prompt.len() + request.system.as_deref().map_or(0, str::len) + 64
+    }
+
     /// Makes one call carrying every request in `requests` (at most [`max_batch`](Self::max_batch)).
     /// Endpoints that take one request per call answer a batch of one.
     async fn generate_batch(&self, requests: &[ModelRequest]) -> BatchAnswer {

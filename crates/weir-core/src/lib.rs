@@ -6,6 +6,7 @@
 
 #![warn(missing_docs)]
 
+pub mod batch;
 pub mod cache;
 pub mod driver;
 pub mod error;
@@ -20,6 +21,7 @@ pub mod record;
 pub mod retry;
 pub mod throttle;
 
+pub use batch::{batches, BatchSettings, Bucketing};
 pub use cache::{cache_key, is_deterministic, CacheKey, ResponseCache};
 pub use driver::{Driver, DriverSettings, StopReason};
 pub use error::{ErrorKind, ModelError, QuotaScope, RetryHint};

@@ -8,8 +8,8 @@ use weir_core::{
 
 use crate::google_auth::TokenSource;
 use crate::http::{
-    clip, cut_stream, deltas, post_json, post_sse, proto_duration, put_sampling, redact, status_error, Auth, Opened,
-    SamplingNames, Secret, StreamParser,
+    clip, cut_stream, deltas, proto_duration, put_sampling, redact, status_error, Credential, Opened, SamplingNames,
+    Secret, StreamParser,
 };
 
 /// A client of one Gemini model.
@@ -21,17 +21,6 @@ pub struct GeminiHandler {
     endpoint: String,
     model_id: String,
     credential: Credential,
-}
-
-/// How a Gemini request is authorised.
-#[derive(Debug)]
-enum Credential {
-    /// None (a local server).
-    None,
-    /// A Gemini API key, in `x-goog-api-key`.
-    ApiKey(Secret),
-    /// Google access tokens, as `Authorization: Bearer` (Vertex AI).
-    Tokens(std::sync::Arc<TokenSource>),
 }
 
 /// Finish reasons that mean the answer was withheld.
@@ -56,7 +45,7 @@ impl GeminiHandler {
         model_id: String,
     ) -> Self {
         let root = format!("{}/v1beta/models/{model}", base.as_str().trim_end_matches('/'));
-        let credential = key.map_or(Credential::None, Credential::ApiKey);
+        let credential = key.map_or(Credential::None, |k| Credential::Key(k, Some("x-goog-api-key")));
         Self::with_root(client, root, credential, model_id)
     }
 
@@ -83,35 +72,6 @@ impl GeminiHandler {
     pub fn named(mut self, name: &str) -> Self {
         self.endpoint = name.to_string();
         self
-    }
-
-    /// The credential to send now (an access token is fetched or taken from the cache).
-    async fn secret(&self) -> Result<Option<Secret>, ModelError> {
-        match &self.credential {
-            Credential::None => Ok(None),
-            Credential::ApiKey(k) => Ok(Some(k.clone())),
-            Credential::Tokens(t) => t.token().await.map(Some),
-        }
-    }
-
-    fn auth<'a>(&self, secret: Option<&'a Secret>) -> Auth<'a> {
-        match (&self.credential, secret) {
-            (Credential::Tokens(_), Some(t)) => Auth::Bearer(t),
-            (_, Some(k)) => Auth::Header("x-goog-api-key", k),
-            (_, None) => Auth::None,
-        }
-    }
-
-    /// After a 401: true when the rejected access token was dropped and one more try with a
-    /// fresh one is worth it (an expired or revoked token); an API key is simply wrong.
-    async fn renew(&self, status: u16, secret: Option<&Secret>, tried: bool) -> bool {
-        match (&self.credential, secret) {
-            (Credential::Tokens(t), Some(s)) if status == 401 && !tried => {
-                t.reject(s).await;
-                true
-            }
-            _ => false,
-        }
     }
 
     /// The request body for `request`.
@@ -326,34 +286,19 @@ impl StreamParser for ChunkParser {
 #[async_trait::async_trait]
 impl ModelHandler for GeminiHandler {
     async fn generate(&self, request: &ModelRequest) -> Result<ModelResponse, ModelError> {
-        let body = Self::body(request);
-        let mut tried = false;
-        loop {
-            let secret = self.secret().await?;
-            let reply = post_json(&self.client, &self.url, &body, self.auth(secret.as_ref())).await?;
-            if reply.status == 200 {
-                return parse_response(&reply.body);
-            }
-            if !self.renew(reply.status, secret.as_ref(), tried).await {
-                return Err(redact(classify_error(reply.status, &reply.headers, &reply.body), secret.as_ref()));
-            }
-            tried = true;
+        let (reply, secret) = self.credential.post(&self.client, &self.url, &Self::body(request)).await?;
+        if reply.status != 200 {
+            return Err(redact(classify_error(reply.status, &reply.headers, &reply.body), secret.as_ref()));
         }
+        parse_response(&reply.body)
     }
 
     async fn generate_stream(&self, request: &ModelRequest) -> Result<DeltaStream, ModelError> {
-        let body = Self::body(request);
-        let mut tried = false;
-        loop {
-            let secret = self.secret().await?;
-            match post_sse(&self.client, &self.stream_url, &body, self.auth(secret.as_ref())).await? {
-                Opened::Events(events) => return Ok(deltas(events, ChunkParser::default())),
-                Opened::Error(reply) => {
-                    if !self.renew(reply.status, secret.as_ref(), tried).await {
-                        return Err(redact(classify_error(reply.status, &reply.headers, &reply.body), secret.as_ref()));
-                    }
-                    tried = true;
-                }
+        let (opened, secret) = self.credential.post_sse(&self.client, &self.stream_url, &Self::body(request)).await?;
+        match opened {
+            Opened::Events(events) => Ok(deltas(events, ChunkParser::default())),
+            Opened::Error(reply) => {
+                Err(redact(classify_error(reply.status, &reply.headers, &reply.body), secret.as_ref()))
             }
         }
     }

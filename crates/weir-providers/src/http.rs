@@ -29,6 +29,85 @@ impl std::fmt::Debug for Secret {
     }
 }
 
+/// How a provider's requests are authorised.
+#[derive(Debug, Clone)]
+pub enum Credential {
+    /// None (a local server).
+    None,
+    /// A fixed key: in the named header, or as `Authorization: Bearer` when there is none.
+    Key(Secret, Option<&'static str>),
+    /// Google access tokens, as `Authorization: Bearer` (Vertex AI), renewed as they expire.
+    Tokens(std::sync::Arc<crate::google_auth::TokenSource>),
+}
+
+impl Credential {
+    /// The credential to send now (an access token is fetched or taken from the cache).
+    async fn secret(&self) -> Result<Option<Secret>, ModelError> {
+        match self {
+            Credential::None => Ok(None),
+            Credential::Key(k, _) => Ok(Some(k.clone())),
+            Credential::Tokens(t) => t.token().await.map(Some),
+        }
+    }
+
+    fn auth<'a>(&self, secret: Option<&'a Secret>) -> Auth<'a> {
+        match (self, secret) {
+            (Credential::Key(_, Some(header)), Some(k)) => Auth::Header(header, k),
+            (_, Some(k)) => Auth::Bearer(k),
+            (_, None) => Auth::None,
+        }
+    }
+
+    /// After a 401: true when the rejected access token was dropped and one more try with a
+    /// fresh one is worth it (an expired or revoked token); a key is simply wrong.
+    async fn renew(&self, status: u16, secret: Option<&Secret>, tried: bool) -> bool {
+        match (self, secret) {
+            (Credential::Tokens(t), Some(s)) if status == 401 && !tried => {
+                t.reject(s).await;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// POSTs `body` with this credential and reads the whole answer; a 401 with an access token
+    /// is tried once more with a fresh token. Returns the answer and the secret it was sent
+    /// with (to redact from an error message).
+    pub async fn post(
+        &self,
+        client: &reqwest::Client,
+        url: &str,
+        body: &serde_json::Value,
+    ) -> Result<(Reply, Option<Secret>), ModelError> {
+        let mut tried = false;
+        loop {
+            let secret = self.secret().await?;
+            let reply = post_json(client, url, body, self.auth(secret.as_ref())).await?;
+            if reply.status == 200 || !self.renew(reply.status, secret.as_ref(), tried).await {
+                return Ok((reply, secret));
+            }
+            tried = true;
+        }
+    }
+
+    /// As [`post`](Self::post), asking for a streamed answer.
+    pub async fn post_sse(
+        &self,
+        client: &reqwest::Client,
+        url: &str,
+        body: &serde_json::Value,
+    ) -> Result<(Opened, Option<Secret>), ModelError> {
+        let mut tried = false;
+        loop {
+            let secret = self.secret().await?;
+            match post_sse(client, url, body, self.auth(secret.as_ref())).await? {
+                Opened::Error(reply) if self.renew(reply.status, secret.as_ref(), tried).await => tried = true,
+                opened => return Ok((opened, secret)),
+            }
+        }
+    }
+}
+
 /// The HTTP client of a run: one connection pool shared by every call.
 pub fn client() -> Result<reqwest::Client, ProviderError> {
     reqwest::Client::builder()

@@ -8,6 +8,10 @@
 //! - `vertex_ai/<model>`: Gemini on Vertex AI, with Google credentials found as Google's SDKs
 //!   find them (see [`google_auth`]); project and location from the options or
 //!   `GOOGLE_CLOUD_PROJECT` / `GOOGLE_CLOUD_LOCATION` (default `us-central1`);
+//! - `vertex_endpoint/<endpoint-id>`: a model deployed to a Vertex AI endpoint (Gemma, Llama,
+//!   any Model Garden or custom container), same credentials, project and location; called
+//!   through `:predict` with many records per request (see [`vertex_endpoint`]), or through the
+//!   endpoint's OpenAI-compatible route or `:rawPredict` ([`EndpointFormat`]);
 //! - `sim/<name>`: a simulator started in-process on loopback; no key, no network.
 //!
 //! Each client classifies its provider's errors once, into `weir_core::ModelError`s with a kind
@@ -19,6 +23,7 @@ pub mod gemini;
 pub mod google_auth;
 pub mod http;
 pub mod openai;
+pub mod vertex_endpoint;
 
 use std::str::FromStr;
 use std::sync::Arc;
@@ -28,6 +33,21 @@ use weir_sim::{SimConfig, SimServer};
 pub use gemini::GeminiHandler;
 pub use http::Secret;
 pub use openai::OpenAiHandler;
+
+/// Every environment variable a provider may read (captured once by a front end that connects
+/// models lazily, e.g. per record).
+pub const ENV_VARS: &[&str] = &[
+    "GEMINI_API_KEY",
+    "GOOGLE_API_KEY",
+    "OPENAI_API_KEY",
+    "OPENAI_BASE_URL",
+    "GOOGLE_CLOUD_PROJECT",
+    "GOOGLE_CLOUD_LOCATION",
+    "GOOGLE_APPLICATION_CREDENTIALS",
+    "CLOUDSDK_CONFIG",
+    "HOME",
+    "GCE_METADATA_HOST",
+];
 
 /// A provider that cannot be set up as asked; the message says what to fix.
 #[derive(Debug, thiserror::Error)]
@@ -49,6 +69,8 @@ pub enum Provider {
     Gemini,
     /// Gemini on Vertex AI.
     Vertex,
+    /// A model deployed to a Vertex AI endpoint.
+    VertexEndpoint,
     /// The in-process simulator.
     Sim,
 }
@@ -79,13 +101,20 @@ impl FromStr for ModelSpec {
             "openai" => Provider::OpenAi,
             "gemini" => Provider::Gemini,
             "vertex_ai" => Provider::Vertex,
+            "vertex_endpoint" => Provider::VertexEndpoint,
             "sim" => Provider::Sim,
             other => {
                 return Err(ProviderError::Config(format!(
-                    "--model {s}: unknown provider '{other}'; known providers: openai, gemini, vertex_ai, sim"
+                    "--model {s}: unknown provider '{other}'; known providers: openai, gemini, vertex_ai, vertex_endpoint, sim"
                 )))
             }
         };
+        if provider == Provider::VertexEndpoint && model.contains('/') {
+            return Err(ProviderError::Config(format!(
+                "--model {s}: name the endpoint by its id alone (the number in …/endpoints/ID), e.g. \
+                 vertex_endpoint/1234567890; the project and location come from --project and --location"
+            )));
+        }
         if provider == Provider::Sim && model.contains('/') {
             return Err(ProviderError::Config(format!(
                 "--model {s}: a simulator model is one name without '/', e.g. sim/demo"
@@ -101,6 +130,7 @@ impl std::fmt::Display for ModelSpec {
             Provider::OpenAi => "openai",
             Provider::Gemini => "gemini",
             Provider::Vertex => "vertex_ai",
+            Provider::VertexEndpoint => "vertex_endpoint",
             Provider::Sim => "sim",
         };
         write!(f, "{p}/{}", self.model)
@@ -118,6 +148,47 @@ pub struct ProviderOptions {
     pub project: Option<String>,
     /// Google Cloud location (`vertex_ai/…`); default `GOOGLE_CLOUD_LOCATION`, else `us-central1`.
     pub location: Option<String>,
+    /// How `vertex_endpoint/…` models are called.
+    pub endpoint_format: EndpointFormat,
+    /// Records per call at most, for endpoints that take many (`vertex_endpoint/…` raw
+    /// `:predict`); default [`DEFAULT_PREDICT_BATCH`].
+    pub max_batch: Option<usize>,
+}
+
+/// Instances per `:predict` call by default: large enough that a requests-per-minute quota
+/// goes far, small enough that one slow instance does not hold many others.
+pub const DEFAULT_PREDICT_BATCH: usize = 16;
+
+/// How a `vertex_endpoint/…` model is called.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum EndpointFormat {
+    /// `:predict` with Model Garden vLLM's raw prompt instances, many per call.
+    #[default]
+    Raw,
+    /// `:predict` with one `@requestFormat: chatCompletions` instance per call.
+    Chat,
+    /// The endpoint's OpenAI-compatible route, `…/endpoints/ID/chat/completions` (v1beta1).
+    OpenAi,
+    /// `:rawPredict` with an OpenAI chat-completions body, for containers that take one.
+    RawPredict,
+}
+
+impl FromStr for EndpointFormat {
+    type Err = ProviderError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(match s {
+            "raw" => EndpointFormat::Raw,
+            "chat" => EndpointFormat::Chat,
+            "openai" => EndpointFormat::OpenAi,
+            "rawpredict" => EndpointFormat::RawPredict,
+            other => {
+                return Err(ProviderError::Config(format!(
+                    "--endpoint-format {other}: expected raw, chat, openai or rawpredict"
+                )))
+            }
+        })
+    }
 }
 
 /// A project or location name: letters, digits, `-`, `_` and `.`, as Google's are.
@@ -129,6 +200,51 @@ fn check_name(what: &str, v: &str) -> Result<String, ProviderError> {
         )));
     }
     Ok(v.to_string())
+}
+
+/// Where Vertex AI calls go: the project and location, the host, and the credentials.
+struct VertexSite {
+    project: String,
+    location: String,
+    base: reqwest::Url,
+    tokens: Arc<google_auth::TokenSource>,
+}
+
+impl VertexSite {
+    /// Project and location from the options or the environment (as google-genai finds them),
+    /// the regional host (or `--base-url`, which replaces scheme and host for every route), and
+    /// Application Default Credentials.
+    fn find(options: &ProviderOptions, env: &dyn Fn(&str) -> Option<String>) -> Result<Self, ProviderError> {
+        let nonempty = |k: &str| env(k).filter(|v| !v.trim().is_empty());
+        let project = options.project.clone().or_else(|| nonempty("GOOGLE_CLOUD_PROJECT")).ok_or_else(|| {
+            ProviderError::Config(
+                "Vertex AI: set --project or GOOGLE_CLOUD_PROJECT to your Google Cloud project".into(),
+            )
+        })?;
+        let project = check_name("project", &project)?;
+        let location = options.location.clone().or_else(|| nonempty("GOOGLE_CLOUD_LOCATION"));
+        let location = check_name("location", location.as_deref().unwrap_or("us-central1"))?;
+        // `global` has no regional host.
+        let host = match location.as_str() {
+            "global" => "https://aiplatform.googleapis.com".to_string(),
+            l => format!("https://{l}-aiplatform.googleapis.com"),
+        };
+        let base = http::check_base_url(options.base_url.as_deref().unwrap_or(&host))?;
+        let (credentials, origin) = google_auth::Credentials::discover(env)?;
+        tracing::debug!("Google credentials from {origin}");
+        let tokens = Arc::new(google_auth::TokenSource::new(credentials, http::client()?));
+        Ok(Self { project, location, base, tokens })
+    }
+
+    /// `{base}/{version}/projects/{project}/locations/{location}`.
+    fn root(&self, version: &str) -> String {
+        format!(
+            "{}/{version}/projects/{}/locations/{}",
+            self.base.as_str().trim_end_matches('/'),
+            self.project,
+            self.location
+        )
+    }
 }
 
 /// A connected provider: the handler, and the simulator it runs, if any.
@@ -176,29 +292,38 @@ pub async fn connect(
             Ok(Endpoint { handler: Arc::new(handler), sim: None })
         }
         Provider::Vertex => {
-            let project = options.project.clone().or_else(|| nonempty("GOOGLE_CLOUD_PROJECT")).ok_or_else(|| {
-                ProviderError::Config(
-                    "vertex_ai: set --project or GOOGLE_CLOUD_PROJECT to your Google Cloud project".into(),
-                )
-            })?;
-            let project = check_name("project", &project)?;
-            let location = options.location.clone().or_else(|| nonempty("GOOGLE_CLOUD_LOCATION"));
-            let location = check_name("location", location.as_deref().unwrap_or("us-central1"))?;
-            // `global` has no regional host.
-            let host = match location.as_str() {
-                "global" => "https://aiplatform.googleapis.com".to_string(),
-                l => format!("https://{l}-aiplatform.googleapis.com"),
+            let site = VertexSite::find(options, env)?;
+            let root = format!("{}/publishers/google/models/{}", site.root("v1"), spec.model);
+            let handler = GeminiHandler::vertex(client, root, site.tokens, spec.to_string());
+            Ok(Endpoint { handler: Arc::new(handler), sim: None })
+        }
+        Provider::VertexEndpoint => {
+            let site = VertexSite::find(options, env)?;
+            let id = check_name("endpoint id", &spec.model)?;
+            let credential = http::Credential::Tokens(site.tokens.clone());
+            let handler: Arc<dyn ModelHandler> = match options.endpoint_format {
+                f @ (EndpointFormat::Raw | EndpointFormat::Chat) => {
+                    let format = match f {
+                        EndpointFormat::Chat => vertex_endpoint::InstanceFormat::Chat,
+                        _ => vertex_endpoint::InstanceFormat::Raw,
+                    };
+                    let url = format!("{}/endpoints/{id}:predict", site.root("v1"));
+                    let max = options.max_batch.unwrap_or(DEFAULT_PREDICT_BATCH);
+                    let model_id = spec.to_string();
+                    Arc::new(vertex_endpoint::PredictHandler::new(client, url, model_id, credential, format, max))
+                }
+                // Google's guidance for the OpenAI-compatible route: the token as the key and
+                // an empty model name (the endpoint serves one).
+                EndpointFormat::OpenAi => {
+                    let url = format!("{}/endpoints/{id}/chat/completions", site.root("v1beta1"));
+                    Arc::new(OpenAiHandler::at(client, url, String::new(), spec.to_string(), credential))
+                }
+                EndpointFormat::RawPredict => {
+                    let url = format!("{}/endpoints/{id}:rawPredict", site.root("v1"));
+                    Arc::new(OpenAiHandler::at(client, url, String::new(), spec.to_string(), credential))
+                }
             };
-            let base = http::check_base_url(options.base_url.as_deref().unwrap_or(&host))?;
-            let (credentials, origin) = google_auth::Credentials::discover(env)?;
-            tracing::debug!("Google credentials from {origin}");
-            let tokens = Arc::new(google_auth::TokenSource::new(credentials, client.clone()));
-            let root = format!(
-                "{}/v1/projects/{project}/locations/{location}/publishers/google/models/{}",
-                base.as_str().trim_end_matches('/'),
-                spec.model
-            );
-            Ok(Endpoint { handler: Arc::new(GeminiHandler::vertex(client, root, tokens, spec.to_string())), sim: None })
+            Ok(Endpoint { handler, sim: None })
         }
         Provider::Sim => {
             if options.base_url.is_some() {

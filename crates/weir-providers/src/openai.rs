@@ -8,8 +8,8 @@ use weir_core::{
 };
 
 use crate::http::{
-    clip, cut_stream, deltas, post_json, post_sse, put_sampling, redact, status_error, Auth, Opened, SamplingNames,
-    Secret, StreamParser,
+    clip, cut_stream, deltas, put_sampling, redact, status_error, Credential, Opened, SamplingNames, Secret,
+    StreamParser,
 };
 
 /// A client of one OpenAI-compatible endpoint and model.
@@ -20,15 +20,22 @@ pub struct OpenAiHandler {
     endpoint: String,
     model: String,
     model_id: String,
-    key: Option<Secret>,
+    credential: Credential,
 }
 
 impl OpenAiHandler {
     /// `base` is the API root (for example `https://api.openai.com/v1`); `model` is sent as is.
     pub fn new(client: reqwest::Client, base: &reqwest::Url, model: &str, key: Option<Secret>) -> Self {
         let url = format!("{}/chat/completions", base.as_str().trim_end_matches('/'));
+        let credential = key.map_or(Credential::None, |k| Credential::Key(k, None));
+        Self::at(client, url, model.to_string(), format!("openai/{model}"), credential)
+    }
+
+    /// A chat-completions client posting to `url` itself (Vertex AI endpoints' OpenAI-compatible
+    /// route, or `:rawPredict`), sending `model` in the body and naming itself `model_id`.
+    pub fn at(client: reqwest::Client, url: String, model: String, model_id: String, credential: Credential) -> Self {
         let endpoint = url.clone();
-        Self { client, url, endpoint, model: model.to_string(), model_id: format!("openai/{model}"), key }
+        Self { client, url, endpoint, model, model_id, credential }
     }
 
     /// The request body for `request`.
@@ -47,7 +54,7 @@ impl OpenAiHandler {
 }
 
 /// OpenAI's names for the sampling parameters (vLLM and llama.cpp also take `top_k`).
-const NAMES: SamplingNames = SamplingNames {
+pub(crate) const NAMES: SamplingNames = SamplingNames {
     temperature: "temperature",
     top_p: "top_p",
     top_k: "top_k",
@@ -246,10 +253,9 @@ pub fn parse_response(body: &[u8]) -> Result<ModelResponse, ModelError> {
 #[async_trait::async_trait]
 impl ModelHandler for OpenAiHandler {
     async fn generate(&self, request: &ModelRequest) -> Result<ModelResponse, ModelError> {
-        let auth = self.key.as_ref().map_or(Auth::None, Auth::Bearer);
-        let reply = post_json(&self.client, &self.url, &self.body(request), auth).await?;
+        let (reply, secret) = self.credential.post(&self.client, &self.url, &self.body(request)).await?;
         if reply.status != 200 {
-            return Err(redact(classify_error(reply.status, &reply.headers, &reply.body), self.key.as_ref()));
+            return Err(redact(classify_error(reply.status, &reply.headers, &reply.body), secret.as_ref()));
         }
         let mut r = parse_response(&reply.body)?;
         r.limits = limit_headers(&reply.headers);
@@ -257,14 +263,13 @@ impl ModelHandler for OpenAiHandler {
     }
 
     async fn generate_stream(&self, request: &ModelRequest) -> Result<DeltaStream, ModelError> {
-        let auth = self.key.as_ref().map_or(Auth::None, Auth::Bearer);
         let mut body = self.body(request);
         body["stream"] = json!(true);
         body["stream_options"] = json!({"include_usage": true});
-        match post_sse(&self.client, &self.url, &body, auth).await? {
-            Opened::Events(events) => Ok(deltas(events, ChunkParser::default())),
-            Opened::Error(reply) => {
-                Err(redact(classify_error(reply.status, &reply.headers, &reply.body), self.key.as_ref()))
+        match self.credential.post_sse(&self.client, &self.url, &body).await? {
+            (Opened::Events(events), _) => Ok(deltas(events, ChunkParser::default())),
+            (Opened::Error(reply), secret) => {
+                Err(redact(classify_error(reply.status, &reply.headers, &reply.body), secret.as_ref()))
             }
         }
     }

@@ -28,6 +28,33 @@ pub struct SimConfig {
     pub api_keys: Vec<String>,
     /// The simulated Google token endpoints (`/token`, the metadata route).
     pub auth: AuthConfig,
+    /// Vertex AI endpoints' `:predict`: its limits and its batched compute.
+    pub predict: PredictConfig,
+}
+
+/// How a Vertex AI endpoint's `:predict` behaves. The instances of one request are computed
+/// together, so its latency is set by its longest instance: `latency.fixed_ms +
+/// prompt_token_ms × the longest prompt + latency.per_token_ms × the longest output`, the way
+/// a padded batch costs on an accelerator.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct PredictConfig {
+    /// Instances per request at most (0 = no limit); more is a 400.
+    pub max_instances: u64,
+    /// Request bodies larger than this are a 400, as Vertex AI refuses bodies over 1.5 MB.
+    pub max_request_bytes: u64,
+    /// Per prompt token of the longest instance, in milliseconds (prefill of a padded batch).
+    pub prompt_token_ms: f64,
+    /// Probability that an answer's `predictions` leaves out the last instance (a server that
+    /// answers short). An instance whose prompt contains `[sim:short]` always cuts the
+    /// `predictions` before it.
+    pub short_rate: f64,
+}
+
+impl Default for PredictConfig {
+    fn default() -> Self {
+        Self { max_instances: 0, max_request_bytes: 1_572_864, prompt_token_ms: 0.0, short_rate: 0.0 }
+    }
 }
 
 /// What the simulated Google token endpoints hand out.
@@ -268,6 +295,7 @@ impl SimConfig {
             ("latency.per_token_ms", self.latency.per_token_ms),
             ("latency.jitter_ms", self.latency.jitter_ms),
             ("faults.hang_secs", f.hang_secs),
+            ("predict.prompt_token_ms", self.predict.prompt_token_ms),
         ] {
             if !(v.is_finite() && v >= 0.0) {
                 return bad(format!("{name} = {v}: must be a finite number ≥ 0"));
@@ -283,6 +311,9 @@ impl SimConfig {
                 "output.min_tokens = {} and output.max_tokens = {}: need 1 ≤ min ≤ max",
                 self.output.min_tokens, self.output.max_tokens
             ));
+        }
+        if !(0.0..=1.0).contains(&self.predict.short_rate) {
+            return bad(format!("predict.short_rate = {}: a rate must be between 0 and 1", self.predict.short_rate));
         }
         if self.output.stream_chunk_tokens == 0 {
             return bad("output.stream_chunk_tokens must be at least 1".into());

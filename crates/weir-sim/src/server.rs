@@ -233,6 +233,12 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Bo
         return Ok(json_reply(e.status, &e.headers, &e.body));
     }
     let bytes = body.collect().await.map_err(io::Error::other)?.to_bytes();
+    let limits = &state.config.predict;
+    if route.api == Api::Predict && bytes.len() as u64 > limits.max_request_bytes {
+        state.stats.predict_refused();
+        let msg = format!("Request payload size exceeds the limit: {} bytes.", limits.max_request_bytes);
+        return Ok(error_reply(&state, proto::error(route.api, 400, &msg)));
+    }
     let parsed: Value = match serde_json::from_slice(&bytes) {
         Ok(v) => v,
         Err(e) => {
@@ -249,6 +255,12 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Bo
         Ok(r) => r,
         Err(proto::BadRequest(msg)) => return Ok(error_reply(&state, proto::error(route.api, 400, &msg))),
     };
+    let max = state.config.predict.max_instances;
+    if max > 0 && request.instances.len() as u64 > max {
+        state.stats.predict_refused();
+        let msg = format!("{} instances in one request; this endpoint takes at most {max}.", request.instances.len());
+        return Ok(error_reply(&state, proto::error(route.api, 400, &msg)));
+    }
     serve_model(state, request, key.unwrap_or_default(), guard).await
 }
 
@@ -278,13 +290,16 @@ fn route(path: &str, query: Option<&str>) -> Option<Route> {
         } else {
             StreamFraming::JsonArray
         }),
-        "predict" => {
+        "predict" | "rawPredict" => {
+            // `:rawPredict` passes the body to the model server as it is: here, an OpenAI
+            // chat completion, which is what vLLM and most serving containers take.
+            let api = if method == "predict" { Api::Predict } else { Api::OpenAi };
             return match segs.as_slice() {
                 ["v1" | "v1beta1", "projects", _, "locations", _, "endpoints", id] => {
-                    Some(Route { api: Api::Predict, model: id.to_string(), stream: None })
+                    Some(Route { api, model: id.to_string(), stream: None })
                 }
                 _ => None,
-            }
+            };
         }
         _ => return None,
     };
@@ -322,6 +337,27 @@ const FAULTS: [Fault; 8] = [
 ];
 
 impl State {
+    /// How many of a `:predict` request's instances its answer covers: all, unless an instance
+    /// asks for `[sim:short]` (the answer stops before it) or the short rate draws one short.
+    fn short_predictions(&self, req: &SimRequest, n: u64) -> usize {
+        let all = req.instances.len();
+        if req.chat_predict {
+            // One instance, answered as an object: nothing to leave out.
+            return all;
+        }
+        if let Some(i) = req.instances.iter().position(|i| i.prompt.contains("[sim:short]")) {
+            return i;
+        }
+        let rate = self.config.predict.short_rate;
+        if rate > 0.0 && all > 0 {
+            let mut rng = SmallRng::seed_from_u64(self.config.seed ^ n.wrapping_mul(0xd1b5_4a32_d192_ed03));
+            if rng.gen::<f64>() < rate {
+                return all - 1;
+            }
+        }
+        all
+    }
+
     /// A fault forced by a `[sim:KIND]` directive in the prompt, else one drawn at the
     /// configured rates. `truncate` only applies to streams.
     fn pick_fault(&self, req: &SimRequest, n: u64) -> Option<Fault> {
@@ -516,12 +552,28 @@ async fn serve_model(
     }
 
     let emitted = if ending == Ending::Normal { out_tokens } else { 0 };
-    sleep_ms(fixed + per_token * emitted as f64).await;
+    if req.api == Api::Predict {
+        // The instances are computed together, padded to the longest one.
+        let longest_prompt = req.instances.iter().map(|i| count_tokens(&i.prompt)).max().unwrap_or(0);
+        let longest_out = gens.iter().map(|g| g.tokens.len()).max().unwrap_or(0);
+        let prefill = cfg.predict.prompt_token_ms * slow * longest_prompt as f64;
+        let decode = if ending == Ending::Normal { per_token * longest_out as f64 } else { 0.0 };
+        state.stats.predict_batch(req.instances.len() as u64);
+        sleep_ms(fixed + prefill + decode).await;
+    } else {
+        sleep_ms(fixed + per_token * emitted as f64).await;
+    }
     let created = unix_now();
     let body = match req.api {
         Api::Gemini | Api::Vertex => proto::gemini_response(&req.model, &id, first, prompt_tokens, ending),
         Api::OpenAi => proto::openai_response(&req.model, &id, created, first, prompt_tokens, ending),
-        Api::Predict => proto::predict_response(&req, &gens, created, &id),
+        Api::Predict => {
+            let answered = state.short_predictions(&req, n);
+            if answered < req.instances.len() {
+                state.stats.predict_short();
+            }
+            proto::predict_response(&req, &gens[..answered], created, &id)
+        }
     };
     state.stats.success(prompt_tokens, emitted);
     drop(guard);

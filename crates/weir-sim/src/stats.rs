@@ -27,6 +27,10 @@ pub struct Stats {
     tokens_out: AtomicU64,
     streams: AtomicU64,
     tokens_issued: AtomicU64,
+    predict_batches: AtomicU64,
+    predict_instances: AtomicU64,
+    predict_refused: AtomicU64,
+    predict_short: AtomicU64,
     timeline: Mutex<Timeline>,
 }
 
@@ -74,6 +78,18 @@ pub struct StatsSnapshot {
     /// Access tokens issued by `/token` and the metadata route.
     #[serde(default)]
     pub tokens_issued: u64,
+    /// `:predict` requests answered (successfully or with a fault after admission).
+    #[serde(default)]
+    pub predict_batches: u64,
+    /// Instances those `:predict` requests carried.
+    #[serde(default)]
+    pub predict_instances: u64,
+    /// `:predict` requests refused for too many instances or too large a body.
+    #[serde(default)]
+    pub predict_refused: u64,
+    /// `:predict` answers whose `predictions` left instances out.
+    #[serde(default)]
+    pub predict_short: u64,
     /// Seconds since start or the last reset.
     pub elapsed_secs: f64,
     /// Successes per second between the first and the last success.
@@ -101,6 +117,10 @@ impl Default for Stats {
             tokens_out: AtomicU64::new(0),
             streams: AtomicU64::new(0),
             tokens_issued: AtomicU64::new(0),
+            predict_batches: AtomicU64::new(0),
+            predict_instances: AtomicU64::new(0),
+            predict_refused: AtomicU64::new(0),
+            predict_short: AtomicU64::new(0),
             timeline: Mutex::new(Timeline {
                 start: Instant::now(),
                 first_success: None,
@@ -186,6 +206,22 @@ impl Stats {
         self.tokens_issued.fetch_add(1, Relaxed);
     }
 
+    /// Counts a `:predict` request computed, with its instances.
+    pub fn predict_batch(&self, instances: u64) {
+        self.predict_batches.fetch_add(1, Relaxed);
+        self.predict_instances.fetch_add(instances, Relaxed);
+    }
+
+    /// Counts a `:predict` request refused by the instance or size limit.
+    pub fn predict_refused(&self) {
+        self.predict_refused.fetch_add(1, Relaxed);
+    }
+
+    /// Counts a `:predict` answer that left instances out.
+    pub fn predict_short(&self) {
+        self.predict_short.fetch_add(1, Relaxed);
+    }
+
     /// Counts a streaming request.
     pub fn stream(&self) {
         self.streams.fetch_add(1, Relaxed);
@@ -214,6 +250,10 @@ impl Stats {
             tokens_out: self.tokens_out.load(Relaxed),
             streams: self.streams.load(Relaxed),
             tokens_issued: self.tokens_issued.load(Relaxed),
+            predict_batches: self.predict_batches.load(Relaxed),
+            predict_instances: self.predict_instances.load(Relaxed),
+            predict_refused: self.predict_refused.load(Relaxed),
+            predict_short: self.predict_short.load(Relaxed),
             elapsed_secs: t.start.elapsed().as_secs_f64(),
             successes_per_sec,
             successes_per_second: t.per_second.clone(),
@@ -235,6 +275,10 @@ impl Stats {
             &self.tokens_out,
             &self.streams,
             &self.tokens_issued,
+            &self.predict_batches,
+            &self.predict_instances,
+            &self.predict_refused,
+            &self.predict_short,
         ] {
             c.store(0, Relaxed);
         }

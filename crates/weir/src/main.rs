@@ -18,10 +18,10 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Run a model over every record of a JSONL dataset; one result or error row per record.
-    Run(run_cmd::RunArgs),
+    Run(Box<run_cmd::RunArgs>),
     /// Serve a simulated LLM endpoint (Gemini, Vertex AI, OpenAI wire formats) with quotas,
     /// latency and injected faults.
-    Sim(sim_cmd::SimArgs),
+    Sim(Box<sim_cmd::SimArgs>),
 }
 
 /// Exit statuses: 0 success, 1 some records failed, 2 usage or configuration error, 3 fatal.
@@ -60,8 +60,8 @@ fn main() -> ExitCode {
     };
     let result = runtime.block_on(async {
         match cli.command {
-            Command::Run(args) => run_cmd::run(args).await,
-            Command::Sim(args) => sim_cmd::run(args).await,
+            Command::Run(args) => run_cmd::run(*args).await,
+            Command::Sim(args) => sim_cmd::run(*args).await,
         }
     });
     match result {

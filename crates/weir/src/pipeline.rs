@@ -53,6 +53,9 @@ pub struct RunSettings {
     pub records: RecordSpec,
     /// Timeout, retries, system text and parameters.
     pub driver: DriverSettings,
+    /// How records are gathered into calls, for endpoints that take many per call (the item
+    /// limit comes from each endpoint).
+    pub batch: weir_core::BatchSettings,
     /// Calls in flight at most.
     pub max_concurrency: usize,
     /// Show a progress bar on stderr.
@@ -113,9 +116,6 @@ impl Drop for Created {
         }
     }
 }
-
-/// Environment variables a provider may read, captured once for connecting lazily.
-const ENV_VARS: [&str; 4] = ["GEMINI_API_KEY", "GOOGLE_API_KEY", "OPENAI_API_KEY", "OPENAI_BASE_URL"];
 
 /// Routes each record to the driver (and so the throttle) of its model: the run's `--model`, or
 /// the model its `--model-field` names, connected the first time a record asks for it.
@@ -188,6 +188,13 @@ impl Endpoints {
 
 enum Work {
     Call(Record),
+    Done(Box<Failure>),
+    ReadError(std::io::Error),
+}
+
+/// A [`Work`] item with its endpoint's driver found.
+enum Routed {
+    Call(Arc<Driver>, Record),
     Done(Box<Failure>),
     ReadError(std::io::Error),
 }
@@ -419,7 +426,7 @@ pub async fn run(
         default: driver.clone(),
         field: settings.model_field.clone(),
         provider: settings.provider.clone(),
-        env: ENV_VARS.iter().filter_map(|k| env(k).map(|v| (k.to_string(), v))).collect(),
+        env: weir_providers::ENV_VARS.iter().filter_map(|k| env(k).map(|v| (k.to_string(), v))).collect(),
         make: Box::new(make_driver),
         others: tokio::sync::Mutex::new(HashMap::new()),
         sims: std::sync::Mutex::new(Vec::new()),
@@ -480,26 +487,70 @@ pub async fn run(
         };
         futures::future::ready(item)
     });
-    let width = settings.max_concurrency.max(1) * 4;
-    let outcomes = work
-        .map(|w| {
-            let (driver, endpoints) = (driver.clone(), endpoints.clone());
+    // Each record is routed to its endpoint's driver, then gathered into batches for endpoints
+    // that take many records per call; everything else passes through alone.
+    let routed = work.then({
+        let endpoints = endpoints.clone();
+        move |w| {
+            let endpoints = endpoints.clone();
             async move {
                 match w {
-                    Work::Call(record) => Ok(match endpoints.driver_for(&record).await {
-                        Ok(d) => d.run(record).await,
-                        Err(msg) => driver.reject(Box::new(Failure::of(
+                    Work::Call(record) => match endpoints.driver_for(&record).await {
+                        Ok(d) => Routed::Call(d, record),
+                        Err(msg) => Routed::Done(Box::new(Failure::of(
                             record,
                             ModelError::new(ErrorKind::InvalidInput, msg),
                             0,
                         ))),
-                    }),
-                    Work::Done(failure) => Ok(driver.reject(failure)),
-                    Work::ReadError(e) => Err(e),
+                    },
+                    Work::Done(failure) => Routed::Done(failure),
+                    Work::ReadError(e) => Routed::ReadError(e),
                 }
             }
+        }
+    });
+    let mut batch_settings = settings.batch.clone();
+    batch_settings.max_items = driver.max_batch();
+    let batched = weir_core::batches(
+        Box::pin(routed),
+        batch_settings,
+        |r: &Routed| match r {
+            Routed::Call(d, record) => d.estimate(record),
+            _ => 0,
+        },
+        |r: &Routed| match r {
+            // One batch per endpoint; an endpoint that takes one record per call is not batched.
+            Routed::Call(d, _) if d.max_batch() > 1 => Some(Arc::as_ptr(d) as usize),
+            _ => None,
+        },
+    );
+    let width = settings.max_concurrency.max(1) * 4;
+    let outcomes = batched
+        .map(|mut batch| {
+            let driver = driver.clone();
+            async move {
+                if batch.len() == 1 {
+                    return match batch.pop() {
+                        Some(Routed::Call(d, record)) => vec![Ok(d.run(record).await)],
+                        Some(Routed::Done(failure)) => vec![Ok(driver.reject(failure))],
+                        Some(Routed::ReadError(e)) => vec![Err(e)],
+                        None => Vec::new(),
+                    };
+                }
+                let Some(Routed::Call(d, _)) = batch.first() else { return Vec::new() };
+                let d = d.clone();
+                let records = batch
+                    .into_iter()
+                    .filter_map(|r| match r {
+                        Routed::Call(_, record) => Some(record),
+                        _ => None,
+                    })
+                    .collect();
+                d.run_batch(records).await.into_iter().map(Ok).collect()
+            }
         })
-        .buffer_unordered(width);
+        .buffer_unordered(width)
+        .flat_map(futures::stream::iter);
     tokio::pin!(outcomes);
 
     let mut fatal = None;

@@ -37,7 +37,9 @@ pub enum ConcurrencyMode {
 #[derive(Debug, Args)]
 #[command(
     after_help = "Models: sim/<name> (built-in simulator, no key), openai/<model> (any OpenAI-compatible server; \
---base-url or OPENAI_BASE_URL, key from OPENAI_API_KEY), gemini/<model> (key from GEMINI_API_KEY or GOOGLE_API_KEY).\n\n\
+--base-url or OPENAI_BASE_URL, key from OPENAI_API_KEY), gemini/<model> (key from GEMINI_API_KEY or GOOGLE_API_KEY), \
+vertex_ai/<model> (Gemini on Vertex AI) and vertex_endpoint/<endpoint-id> (a model deployed to a Vertex AI endpoint), both \
+with Google Application Default Credentials and --project/--location.\n\n\
 Exit status: 0 all records succeeded; 1 some records are in the errors file; 2 usage or configuration error; \
 3 fatal error (e.g. credentials rejected, daily quota spent)."
 )]
@@ -95,6 +97,22 @@ pub struct RunArgs {
     /// [default: GOOGLE_CLOUD_LOCATION, else us-central1].
     #[arg(long, value_name = "LOCATION")]
     location: Option<String>,
+    /// How vertex_endpoint/ models are called: `raw` (:predict with Model Garden vLLM prompt
+    /// instances, many records per call), `chat` (:predict with one chatCompletions instance per
+    /// call), `openai` (the endpoint's OpenAI-compatible chat/completions route), `rawpredict`
+    /// (:rawPredict with an OpenAI chat body).
+    #[arg(long, value_name = "FORMAT", default_value = "raw")]
+    endpoint_format: String,
+    /// Records per call at most, for endpoints that take many (vertex_endpoint/ raw :predict)
+    /// [default: 16].
+    #[arg(long, value_name = "N")]
+    batch_size: Option<usize>,
+    /// Estimated tokens per batched call at most (a record heavier than this goes alone).
+    #[arg(long, value_name = "N")]
+    batch_tokens: Option<u64>,
+    /// The longest a record waits for others to fill its batch, in milliseconds.
+    #[arg(long, value_name = "MS", default_value_t = 20)]
+    batch_linger_ms: u64,
     /// Most calls in flight at once.
     #[arg(long, value_name = "N", default_value_t = 64)]
     max_concurrency: usize,
@@ -210,6 +228,27 @@ impl RunArgs {
         if !(self.timeout.is_finite() && self.timeout > 0.0) {
             return Err(UsageError(format!("--timeout {}: must be a number of seconds > 0", self.timeout)));
         }
+        let endpoint_format: weir_providers::EndpointFormat =
+            self.endpoint_format.parse().map_err(|e: weir_providers::ProviderError| UsageError(e.to_string()))?;
+        if self.endpoint_format != "raw" && model.provider != weir_providers::Provider::VertexEndpoint {
+            return Err(UsageError("--endpoint-format only applies to vertex_endpoint/ models".into()));
+        }
+        let batchable = model.provider == weir_providers::Provider::VertexEndpoint
+            && endpoint_format == weir_providers::EndpointFormat::Raw;
+        if let Some(n) = self.batch_size {
+            if n == 0 {
+                return Err(UsageError("--batch-size must be at least 1".into()));
+            }
+            if n > 1 && !batchable && self.model_field.is_none() {
+                return Err(UsageError(format!(
+                    "--batch-size {n}: {model} takes one record per call; batching applies to vertex_endpoint/ models \
+                     called through :predict (--endpoint-format raw)"
+                )));
+            }
+        }
+        if self.batch_tokens == Some(0) {
+            return Err(UsageError("--batch-tokens must be at least 1".into()));
+        }
         let sim_config = match &self.sim_config {
             Some(path) => {
                 if !self.model.starts_with("sim/") {
@@ -285,6 +324,14 @@ impl RunArgs {
                 sim_config,
                 project: self.project.clone(),
                 location: self.location.clone(),
+                endpoint_format,
+                max_batch: self.batch_size,
+            },
+            batch: weir_core::BatchSettings {
+                max_items: 1,
+                max_weight: self.batch_tokens.unwrap_or(u64::MAX),
+                linger: Duration::from_millis(self.batch_linger_ms),
+                bucketing: weir_core::Bucketing::Off,
             },
             input,
             output,

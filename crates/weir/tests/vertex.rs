@@ -33,12 +33,23 @@ async fn vertex_run(
     records: usize,
     extra: &[&str],
 ) -> (std::process::Output, std::path::PathBuf, Vec<String>) {
+    model_run("vertex_ai/gemini-2.5-flash", server, dir, &prompts(records), extra).await
+}
+
+/// A run of the prompts `data` against `server` as `model`, with a service account whose
+/// `token_uri` is the simulator's: the output, the result path and the ids.
+async fn model_run(
+    model: &str,
+    server: &SimServer,
+    dir: &Dir,
+    (data, ids): &(Vec<u8>, Vec<String>),
+    extra: &[&str],
+) -> (std::process::Output, std::path::PathBuf, Vec<String>) {
     let sa = service_account(dir, &format!("{}/token", server.url()));
-    let (data, ids) = prompts(records);
-    let input = dir.write("in.jsonl", &data);
+    let input = dir.write("in.jsonl", data);
     let out = dir.path("out.jsonl");
     let o = weir()
-        .args(["run", "--model", "vertex_ai/gemini-2.5-flash", "--base-url", &server.url(), "--id-field", "key"])
+        .args(["run", "--model", model, "--base-url", &server.url(), "--id-field", "key"])
         .args(["--input", input.to_str().unwrap(), "--output", out.to_str().unwrap()])
         .args(extra)
         .env("GOOGLE_APPLICATION_CREDENTIALS", &sa)
@@ -46,7 +57,7 @@ async fn vertex_run(
         .output()
         .await
         .unwrap();
-    (o, out, ids)
+    (o, out, ids.clone())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -153,4 +164,131 @@ async fn a_revoked_token_stops_the_run_with_exit_3() {
     // Every 401 was followed by one fresh token before giving up on that call.
     assert!(stats.tokens_issued >= 2, "{}", stats.tokens_issued);
     server.shutdown().await;
+}
+
+/// A Vertex AI endpoint's `:predict` carries many records per call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vertex_endpoint_takes_many_records_per_predict_call() {
+    let server = sim(|c| c.latency.fixed_ms = 5.0).await;
+    let dir = Dir::new("vertex-endpoint");
+    // A long linger, so that every batch is full and the count of calls is exact.
+    let args = ["--project", "p", "--batch-size", "8", "--batch-linger-ms", "5000"];
+    let (o, out, ids) = model_run("vertex_endpoint/1234", &server, &dir, &prompts(1000), &args).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let results = rows(&out);
+    assert_each_id_once(&ids, &results, &[]);
+    assert_eq!(results[0]["model"], "vertex_endpoint/1234");
+    assert!(results.iter().all(|r| r["response"].as_str().is_some_and(|t| !t.is_empty())));
+    let stats = server.stats();
+    assert_eq!(stats.predict_instances, 1000);
+    assert!(stats.predict_batches <= 1000 / 8, "{} calls for 1,000 records", stats.predict_batches);
+    assert_eq!(stats.requests, stats.predict_batches, "every call was a :predict");
+    server.shutdown().await;
+}
+
+/// An answer with fewer predictions than instances: the ones left out are errors (and retried
+/// alone), never dropped and never matched to the wrong record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_short_predict_answer_fails_only_the_instances_left_out() {
+    let server = sim(|c| c.predict.short_rate = 0.3).await;
+    let dir = Dir::new("vertex-endpoint-short");
+    let data = prompts(400);
+    // No retries: each instance left out must become exactly one error row.
+    let args = ["--project", "p", "--batch-size", "8", "--max-retries", "0"];
+    let (o, out, ids) = model_run("vertex_endpoint/77", &server, &dir, &data, &args).await;
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let results = rows(&out);
+    let errors = rows(&dir.path("out.errors.jsonl"));
+    assert_each_id_once(&ids, &results, &errors);
+    let short = server.stats().predict_short;
+    assert!(short > 0, "the simulator answered short");
+    assert_eq!(errors.len() as u64, short, "one instance left out per short answer");
+    assert!(errors.iter().all(|e| e["kind"] == "malformed_response"), "{:?}", errors[0]);
+    assert!(errors[0]["message"].as_str().unwrap().contains("instances; instance"), "{:?}", errors[0]);
+    // The records answered are answered with their own text: the same prompts through a server
+    // that never answers short give the same responses.
+    let full = sim(|_| {}).await;
+    let dir2 = Dir::new("vertex-endpoint-full");
+    let (o2, out2, _) = model_run("vertex_endpoint/77", &full, &dir2, &data, &["--project", "p"]).await;
+    assert_eq!(o2.status.code(), Some(0), "{}", stderr(&o2));
+    let by_id: std::collections::HashMap<String, String> = rows(&out2)
+        .into_iter()
+        .map(|r| (r["id"].as_str().unwrap().to_string(), r["response"].as_str().unwrap().to_string()))
+        .collect();
+    for r in &results {
+        assert_eq!(by_id[r["id"].as_str().unwrap()], r["response"].as_str().unwrap(), "{r}");
+    }
+    // With retries, the instances left out are sent again and every record succeeds.
+    let dir3 = Dir::new("vertex-endpoint-short-retried");
+    let (o3, out3, _) = model_run("vertex_endpoint/77", &server, &dir3, &data, &["--project", "p"]).await;
+    assert_eq!(o3.status.code(), Some(0), "{}", stderr(&o3));
+    assert_each_id_once(&ids, &rows(&out3), &[]);
+    server.shutdown().await;
+    full.shutdown().await;
+}
+
+/// Requests are split to stay under Vertex AI's 1.5 MB body limit, which the simulator enforces.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn predict_calls_stay_under_the_request_size_limit() {
+    let server = sim(|_| {}).await;
+    let dir = Dir::new("vertex-endpoint-size");
+    let big = "x".repeat(300_000);
+    let mut data = Vec::new();
+    let mut ids = Vec::new();
+    for i in 0..24 {
+        data.extend(
+            serde_json::to_vec(&serde_json::json!({"key": format!("k{i}"), "prompt": format!("{i} {big}")})).unwrap(),
+        );
+        data.push(b'\n');
+        ids.push(format!("k{i}"));
+    }
+    let args = ["--project", "p", "--batch-size", "16", "--batch-linger-ms", "5000"];
+    let (o, out, _) = model_run("vertex_endpoint/9", &server, &dir, &(data, ids.clone()), &args).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_each_id_once(&ids, &rows(&out), &[]);
+    let stats = server.stats();
+    assert_eq!(stats.predict_refused, 0, "no call was over the limit");
+    // 300 KB instances: four fit under 1.5 MB, so 24 records need at least six calls.
+    assert!(stats.predict_batches >= 6 && stats.predict_batches <= 8, "{} calls", stats.predict_batches);
+    server.shutdown().await;
+}
+
+/// The one-record-per-call ways to reach an endpoint: a chatCompletions instance, the
+/// OpenAI-compatible route and :rawPredict.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vertex_endpoint_through_chat_instances_the_openai_route_and_raw_predict() {
+    for format in ["chat", "openai", "rawpredict"] {
+        let server = sim(|_| {}).await;
+        let dir = Dir::new(&format!("vertex-endpoint-{format}"));
+        let args = ["--project", "p", "--endpoint-format", format, "--system", "be brief"];
+        let (o, out, ids) = model_run("vertex_endpoint/5", &server, &dir, &prompts(30), &args).await;
+        assert_eq!(o.status.code(), Some(0), "{format}: {}", stderr(&o));
+        let results = rows(&out);
+        assert_each_id_once(&ids, &results, &[]);
+        assert!(results.iter().all(|r| r["usage"]["total_tokens"].as_u64().unwrap_or(0) > 0), "{format}: usage");
+        let stats = server.stats();
+        assert_eq!(stats.requests, 30, "{format}: one call per record");
+        assert_eq!(stats.predict_batches, if format == "chat" { 30 } else { 0 }, "{format}");
+        server.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batching_flags_that_cannot_apply_exit_2() {
+    let dir = Dir::new("vertex-endpoint-flags");
+    let input = dir.write("in.jsonl", b"{\"prompt\":\"hi\"}\n");
+    let out = dir.path("out.jsonl");
+    let io = ["--input", input.to_str().unwrap(), "--output", out.to_str().unwrap()];
+    for (args, says) in [
+        (vec!["--model", "sim/demo", "--batch-size", "8"], "takes one record per call"),
+        (vec!["--model", "sim/demo", "--endpoint-format", "chat"], "only applies to vertex_endpoint/"),
+        (vec!["--model", "vertex_endpoint/1", "--endpoint-format", "grpc"], "expected raw, chat, openai or rawpredict"),
+        (vec!["--model", "vertex_endpoint/projects/p/endpoints/1"], "by its id alone"),
+        (vec!["--model", "vertex_endpoint/1", "--batch-size", "0"], "at least 1"),
+    ] {
+        let o = weir().arg("run").args(&args).args(io).output().await.unwrap();
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", stderr(&o));
+        assert!(stderr(&o).contains(says), "{args:?}: {}", stderr(&o));
+        assert!(!out.exists(), "{args:?} wrote the output");
+    }
 }
