@@ -79,7 +79,8 @@ impl GeminiHandler {
         let mut body = Map::new();
         body.insert("contents".into(), json!([{"role": "user", "parts": [{"text": request.prompt}]}]));
         if let Some(system) = &request.system {
-            body.insert("systemInstruction".into(), json!({"parts": [{"text": &**system}]}));
+            // The role is what Google's own SDK sends with system text.
+            body.insert("systemInstruction".into(), json!({"role": "user", "parts": [{"text": &**system}]}));
         }
         let config = generation_config(&request.params);
         if !config.is_empty() {

@@ -2,7 +2,10 @@
 //! exchanged at its `token_uri`, an `authorized_user` refresh, and the metadata server at
 //! `GCE_METADATA_HOST`; tokens cached, shared, and fetched again after a rejection.
 //!
-//! `fixtures/test-service-account-key.pem` is an RSA key made for these tests only.
+//! The service account's RSA key is made by the test (see `support/keys.rs`).
+
+#[path = "support/keys.rs"]
+mod keys;
 
 use weir_providers::google_auth::{Credentials, Origin, TokenSource};
 use weir_sim::{SimConfig, SimServer};
@@ -15,7 +18,7 @@ async fn sim() -> SimServer {
 #[tokio::test]
 async fn a_service_account_signs_and_exchanges_at_its_token_uri() {
     let server = sim().await;
-    let key = include_str!("fixtures/test-service-account-key.pem");
+    let key = keys::throwaway_rsa_key();
     let file = serde_json::json!({
         "type": "service_account", "project_id": "p", "private_key_id": "k1", "private_key": key,
         "client_email": "weir@p.iam.gserviceaccount.com", "token_uri": format!("{}/token", server.url()),

@@ -30,6 +30,9 @@ pub struct SimConfig {
     pub auth: AuthConfig,
     /// Vertex AI endpoints' `:predict`: its limits and its batched compute.
     pub predict: PredictConfig,
+    /// Keep the last this many model requests (path, query without keys, body) for `GET
+    /// /requests`, to compare what clients send; 0 keeps none.
+    pub capture_requests: usize,
 }
 
 /// How a Vertex AI endpoint's `:predict` behaves. The instances of one request are computed

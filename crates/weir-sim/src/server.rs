@@ -37,6 +37,19 @@ struct State {
     quotas: Mutex<Quotas>,
     counter: AtomicU64,
     any_fault: bool,
+    /// The last `config.capture_requests` model requests, oldest first.
+    captured: Mutex<std::collections::VecDeque<Captured>>,
+}
+
+/// A model request as it arrived, for comparing what clients send (`GET /requests`).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, PartialEq)]
+pub struct Captured {
+    /// The request path.
+    pub path: String,
+    /// The query string, without any `key=` (credentials are never kept).
+    pub query: String,
+    /// The body, parsed.
+    pub body: Value,
 }
 
 /// A running simulator. Dropping it does not stop it; call [`SimServer::shutdown`].
@@ -76,6 +89,7 @@ impl SimServer {
             stats: Arc::new(Stats::default()),
             counter: AtomicU64::new(0),
             any_fault,
+            captured: Mutex::new(std::collections::VecDeque::new()),
         });
         let (shutdown, rx) = watch::channel(false);
         let task = tokio::spawn(accept_loop(listener, state.clone(), rx));
@@ -90,6 +104,11 @@ impl SimServer {
     /// `http://ADDR`, a base URL for clients.
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+
+    /// The model requests kept by `capture_requests`, oldest first.
+    pub fn captured(&self) -> Vec<Captured> {
+        self.state.captured.lock().unwrap_or_else(|e| e.into_inner()).iter().cloned().collect()
     }
 
     /// What the server has seen so far.
@@ -166,6 +185,10 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Bo
             return Ok(json_reply(200, &[], &json!({"reset": true})));
         }
         (&Method::GET, "/healthz") => return Ok(full(200, &[], "text/plain", "ok")),
+        (&Method::GET, "/requests") => {
+            let c: Vec<Captured> = state.captured.lock().unwrap_or_else(|e| e.into_inner()).iter().cloned().collect();
+            return Ok(json_reply(200, &[], &serde_json::to_value(c).unwrap_or_default()));
+        }
         // Google's OAuth token endpoint (a service account's `token_uri`, or the refresh of an
         // `authorized_user` file) and the GCE metadata server's token route, so that Google
         // credentials can be tested offline.
@@ -246,6 +269,22 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Bo
             return Ok(error_reply(&state, proto::error(route.api, 400, &msg)));
         }
     };
+    let keep = state.config.capture_requests;
+    if keep > 0 {
+        let query = parts
+            .uri
+            .query()
+            .unwrap_or("")
+            .split('&')
+            .filter(|kv| !kv.is_empty() && !kv.starts_with("key="))
+            .collect::<Vec<_>>()
+            .join("&");
+        let mut c = state.captured.lock().unwrap_or_else(|e| e.into_inner());
+        c.push_back(Captured { path: path.to_string(), query, body: parsed.clone() });
+        while c.len() > keep {
+            c.pop_front();
+        }
+    }
     let request = match route.api {
         Api::Gemini | Api::Vertex => proto::parse_gemini(route.api, &route.model, &parsed, route.stream),
         Api::OpenAi => proto::parse_openai(&parsed),

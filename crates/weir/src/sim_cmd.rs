@@ -23,8 +23,8 @@ pub struct SimArgs {
     /// Address to listen on; port 0 picks a free port (printed on stdout).
     #[arg(long, default_value = "127.0.0.1:8080")]
     listen: SocketAddr,
-    /// A TOML scenario file (sections: latency, quota, concurrency, faults, output, auth; and
-    /// api_keys).
+    /// A TOML scenario file (sections: latency, quota, concurrency, faults, output, auth,
+    /// predict; and api_keys, capture_requests).
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
     /// Seed for generated text, latency spread and fault decisions.

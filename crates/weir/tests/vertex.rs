@@ -1,6 +1,8 @@
 //! `vertex_ai/` models: Gemini on Vertex AI with Google credentials, against `weir sim` serving
 //! both the Vertex model route and the token endpoint.
 
+#[path = "../../weir-providers/tests/support/keys.rs"]
+mod keys;
 mod util;
 
 use util::*;
@@ -17,7 +19,7 @@ async fn sim(shape: impl FnOnce(&mut SimConfig)) -> SimServer {
 }
 
 fn service_account(dir: &Dir, token_uri: &str) -> std::path::PathBuf {
-    let key = include_str!("../../weir-providers/tests/fixtures/test-service-account-key.pem");
+    let key = keys::throwaway_rsa_key();
     let file = serde_json::json!({
         "type": "service_account", "project_id": "p", "private_key_id": "k1", "private_key": key,
         "client_email": "weir@p.iam.gserviceaccount.com", "token_uri": token_uri,
@@ -290,5 +292,101 @@ async fn batching_flags_that_cannot_apply_exit_2() {
         assert_eq!(o.status.code(), Some(2), "{args:?}: {}", stderr(&o));
         assert!(stderr(&o).contains(says), "{args:?}: {}", stderr(&o));
         assert!(!out.exists(), "{args:?} wrote the output");
+    }
+}
+
+/// Google's own client (google-genai in Vertex AI mode) and weir send the same request for the
+/// same prompt, system text and parameters: the same path (apart from the API version: the SDK
+/// calls v1beta1, weir the GA v1) and the same body, for a call and for a streamed call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn google_genai_in_vertex_mode_and_weir_send_the_same_requests() {
+    let Some(python) = peer("WEIR_PYTHON") else { return };
+    let server = sim(|c| c.capture_requests = 10).await;
+    let script = r#"
+import sys
+from google import genai
+from google.genai import types
+from google.oauth2.credentials import Credentials
+c = genai.Client(vertexai=True, project="p", location="us-central1", credentials=Credentials(token=sys.argv[2]),
+                 http_options=types.HttpOptions(base_url=sys.argv[1]))
+config = types.GenerateContentConfig(
+    system_instruction="be brief", temperature=0.5, max_output_tokens=30, top_p=0.9, top_k=20, seed=7,
+    stop_sequences=["END"], presence_penalty=0.1, frequency_penalty=0.2,
+    response_mime_type="application/json", response_json_schema={"type": "object"})
+assert c.models.generate_content(model="gemini-2.5-flash", contents="hello there", config=config).text
+assert "".join(ch.text or "" for ch in c.models.generate_content_stream(model="gemini-2.5-flash", contents="hello there", config=config))
+"#;
+    let o = tokio::process::Command::new(python)
+        .args(["-c", script, &server.url(), TOKEN])
+        .kill_on_drop(true)
+        .output()
+        .await
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let sdk = server.captured();
+    assert_eq!(sdk.len(), 2, "{sdk:?}");
+
+    // weir's requests for the same settings, a call and a streamed call, through the same
+    // provider code `weir run` uses.
+    let dir = Dir::new("vertex-wire");
+    let sa = service_account(&dir, &format!("{}/token", server.url()));
+    let env = move |k: &str| match k {
+        "GOOGLE_APPLICATION_CREDENTIALS" => Some(sa.display().to_string()),
+        "GOOGLE_CLOUD_PROJECT" => Some("p".into()),
+        _ => None,
+    };
+    let options = weir_providers::ProviderOptions { base_url: Some(server.url()), ..Default::default() };
+    let spec: weir_providers::ModelSpec = "vertex_ai/gemini-2.5-flash".parse().unwrap();
+    let endpoint = weir_providers::connect(&spec, &options, &env).await.unwrap();
+    let params = weir_core::GenParams::from_specs([
+        "temperature=0.5",
+        "max_tokens=30",
+        "top_p=0.9",
+        "top_k=20",
+        "seed=7",
+        "stop=END",
+        "presence_penalty=0.1",
+        "frequency_penalty=0.2",
+        r#"response_schema={"type":"object"}"#,
+    ])
+    .unwrap();
+    let request = weir_core::ModelRequest {
+        prompt: "hello there".into(),
+        system: Some("be brief".into()),
+        params: std::sync::Arc::new(params),
+    };
+    endpoint.handler.generate(&request).await.unwrap();
+    use futures::StreamExt;
+    let mut deltas = endpoint.handler.generate_stream(&request).await.unwrap();
+    while let Some(d) = deltas.next().await {
+        d.unwrap();
+    }
+    let ours = &server.captured()[2..];
+    assert_eq!(ours.len(), 2);
+    for (theirs, ours) in sdk.iter().zip(ours) {
+        assert_eq!(theirs.path.replacen("/v1beta1/", "/v1/", 1), ours.path);
+        assert_eq!(theirs.query, ours.query, "{}", ours.path);
+        assert!(
+            same_json(&theirs.body, &ours.body),
+            "{}:\n  google-genai: {}\n  weir:         {}",
+            ours.path,
+            theirs.body,
+            ours.body
+        );
+    }
+    assert!(ours[1].path.ends_with(":streamGenerateContent") && ours[1].query == "alt=sse", "{:?}", ours[1]);
+    server.shutdown().await;
+}
+
+/// Equal JSON, numbers compared by value (the SDK sends `topK` as 20.0, weir as 20).
+fn same_json(a: &serde_json::Value, b: &serde_json::Value) -> bool {
+    use serde_json::Value;
+    match (a, b) {
+        (Value::Number(x), Value::Number(y)) => x.as_f64() == y.as_f64(),
+        (Value::Array(x), Value::Array(y)) => x.len() == y.len() && x.iter().zip(y).all(|(a, b)| same_json(a, b)),
+        (Value::Object(x), Value::Object(y)) => {
+            x.len() == y.len() && x.iter().all(|(k, v)| y.get(k).is_some_and(|w| same_json(v, w)))
+        }
+        _ => a == b,
     }
 }
