@@ -413,6 +413,10 @@ impl Driver {
                 }
             }
         }
+        for call in &calls {
+            let tokens: Vec<u64> = call.iter().map(|&i| self.weight_of(&requests[i]).tokens).collect();
+            self.metrics.record_batch(&tokens);
+        }
         let results = futures::future::join_all(calls.iter().map(|call| {
             let requests = &requests;
             self.executor.run_batch(

@@ -35,8 +35,23 @@ pub struct RunMetrics {
     /// Time calls spent held by a server-advised pause, in microseconds (summed over calls;
     /// Beam's name for it is `cumulativeThrottlingSeconds`).
     pub throttled_micros: AtomicU64,
+    /// Batched calls sent (first attempts; a call of one record to an endpoint that takes
+    /// batches counts too).
+    pub batches: AtomicU64,
+    /// Records those batched calls carried.
+    pub batch_items: AtomicU64,
+    /// Estimated tokens of the records in batched calls.
+    pub batch_tokens: AtomicU64,
+    /// The same, as if every record were as long as the longest of its call (what a padded
+    /// batch computes).
+    pub batch_padded_tokens: AtomicU64,
+    /// Records by how long they waited for their batch: counts per [`WAIT_BOUNDS_MS`] bucket.
+    batch_waits: [AtomicU64; WAIT_BOUNDS_MS.len() + 1],
     failures_by_kind: Mutex<BTreeMap<ErrorKind, u64>>,
 }
+
+/// Upper bounds (milliseconds) of the buckets batch waits are counted in.
+pub const WAIT_BOUNDS_MS: [u64; 12] = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000];
 
 impl RunMetrics {
     /// Counts a record's failure.
@@ -97,6 +112,46 @@ impl RunMetrics {
         metrics::counter!("weir_throttled_microseconds_total").increment(d.as_micros() as u64);
     }
 
+    /// Counts a batched call of records with these estimated token counts.
+    pub fn record_batch(&self, tokens: &[u64]) {
+        let real: u64 = tokens.iter().sum();
+        let padded = tokens.iter().max().copied().unwrap_or(0) * tokens.len() as u64;
+        self.batches.fetch_add(1, Relaxed);
+        self.batch_items.fetch_add(tokens.len() as u64, Relaxed);
+        self.batch_tokens.fetch_add(real, Relaxed);
+        self.batch_padded_tokens.fetch_add(padded, Relaxed);
+        metrics::counter!("weir_batches_total").increment(1);
+        metrics::counter!("weir_batch_items_total").increment(tokens.len() as u64);
+        metrics::counter!("weir_batch_tokens_total", "kind" => "real").increment(real);
+        metrics::counter!("weir_batch_tokens_total", "kind" => "padded").increment(padded);
+    }
+
+    /// Records how long a record waited in the batching stage for its batch.
+    pub fn record_batch_wait(&self, d: Duration) {
+        let ms = d.as_millis() as u64;
+        let i = WAIT_BOUNDS_MS.iter().position(|b| ms < *b).unwrap_or(WAIT_BOUNDS_MS.len());
+        self.batch_waits[i].fetch_add(1, Relaxed);
+        metrics::histogram!("weir_batch_wait_seconds").record(d.as_secs_f64());
+    }
+
+    /// The upper bound of the bucket holding the 95th percentile of batch waits, in
+    /// milliseconds (`None`: nothing waited, or the last bucket, above 5 s).
+    pub fn batch_wait_p95_ms(&self) -> Option<Option<u64>> {
+        let counts: Vec<u64> = self.batch_waits.iter().map(|c| c.load(Relaxed)).collect();
+        let total: u64 = counts.iter().sum();
+        if total == 0 {
+            return None;
+        }
+        let mut seen = 0;
+        for (i, c) in counts.iter().enumerate() {
+            seen += c;
+            if seen * 100 >= total * 95 {
+                return Some(WAIT_BOUNDS_MS.get(i).copied());
+            }
+        }
+        Some(None)
+    }
+
     /// Describes the exported metrics and makes every counter visible from the start (a
     /// counter a scraper never saw cannot be told from one that is zero).
     pub fn describe() {
@@ -118,6 +173,17 @@ impl RunMetrics {
             metrics::Unit::Seconds,
             "Time from sending a streamed call to its first text."
         );
+        metrics::describe_counter!("weir_batches_total", "Batched calls sent (first attempts).");
+        metrics::describe_counter!("weir_batch_items_total", "Records carried by batched calls.");
+        metrics::describe_counter!(
+            "weir_batch_tokens_total",
+            "Estimated tokens of batched records: real, and padded to the longest of each call."
+        );
+        metrics::describe_histogram!(
+            "weir_batch_wait_seconds",
+            metrics::Unit::Seconds,
+            "Time a record waited in the batching stage for its batch."
+        );
         metrics::describe_gauge!("weir_concurrency_limit", "Calls allowed in flight now.");
         metrics::describe_gauge!("weir_requests_per_second_limit", "Request rate allowed now.");
         metrics::describe_gauge!("weir_tokens_per_second_limit", "Token rate allowed now.");
@@ -133,6 +199,8 @@ impl RunMetrics {
             "weir_rate_limited_total",
             "weir_cache_hits_total",
             "weir_throttled_microseconds_total",
+            "weir_batches_total",
+            "weir_batch_items_total",
         ] {
             metrics::counter!(name).increment(0);
         }

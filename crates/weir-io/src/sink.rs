@@ -163,6 +163,9 @@ pub struct ResultRow<'a> {
     /// The embedding vector, for an embedding model.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub embedding: Option<&'a [f32]>,
+    /// The embedding's length.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dimensions: Option<usize>,
     /// Why generation stopped.
     pub finish_reason: &'a str,
     /// Token usage.
@@ -187,6 +190,7 @@ impl<'a> ResultRow<'a> {
             input: &s.record.input,
             response: s.response.embedding.is_none().then_some(s.response.text.as_str()),
             embedding: s.response.embedding.as_deref(),
+            dimensions: s.response.embedding.as_ref().map(Vec::len),
             finish_reason: &s.response.finish_reason,
             usage: &s.response.usage,
             model: &s.model,

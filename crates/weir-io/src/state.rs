@@ -69,6 +69,9 @@ pub struct RunIdentity {
     pub system: Option<String>,
     /// Generation parameters, as JSON.
     pub params: Value,
+    /// How the model is called, when not the default: `task=embed`, `endpoint_format=chat`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub call: Option<String>,
 }
 
 impl RunIdentity {
@@ -89,6 +92,7 @@ impl RunIdentity {
         cmp("id field", opt(&stored.id_field), opt(&self.id_field));
         cmp("system text", opt(&stored.system), opt(&self.system));
         cmp("parameters", stored.params.to_string(), self.params.to_string());
+        cmp("call", opt(&stored.call), opt(&self.call));
         d
     }
 }
@@ -458,6 +462,7 @@ mod tests {
             id_field: None,
             system: None,
             params: serde_json::json!({"temperature": 0.5}),
+            call: None,
         }
     }
 

@@ -108,6 +108,26 @@ impl Credential {
     }
 }
 
+/// One result per item of a batched call that sent `sent` items and got `got` back in order.
+/// Items the answer left out fail alone with a retryable error (so they are sent again, never
+/// dropped); more answers than items cannot be matched to them and fail the call.
+pub fn one_per_item(mut got: Vec<Result<weir_core::ModelResponse, ModelError>>, sent: usize) -> weir_core::BatchAnswer {
+    let answered = got.len();
+    if answered > sent {
+        return Err(ModelError::new(
+            ErrorKind::MalformedResponse,
+            format!("{answered} answers for {sent} items cannot be matched to them"),
+        ));
+    }
+    got.extend((answered..sent).map(|i| {
+        Err(ModelError::new(
+            ErrorKind::MalformedResponse,
+            format!("the endpoint answered {answered} items of {sent}; item {} had no answer", i + 1),
+        ))
+    }));
+    Ok(got)
+}
+
 /// The HTTP client of a run: one connection pool shared by every call.
 pub fn client() -> Result<reqwest::Client, ProviderError> {
     reqwest::Client::builder()

@@ -19,6 +19,7 @@
 
 #![warn(missing_docs)]
 
+pub mod embed;
 pub mod gemini;
 pub mod google_auth;
 pub mod http;
@@ -150,9 +151,21 @@ pub struct ProviderOptions {
     pub location: Option<String>,
     /// How `vertex_endpoint/…` models are called.
     pub endpoint_format: EndpointFormat,
+    /// What the model is asked for: text, or an embedding of each prompt.
+    pub task: Task,
     /// Records per call at most, for endpoints that take many (`vertex_endpoint/…` raw
     /// `:predict`); default [`DEFAULT_PREDICT_BATCH`].
     pub max_batch: Option<usize>,
+}
+
+/// What a model is asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Task {
+    /// Text generated from the prompt.
+    #[default]
+    Generate,
+    /// A vector for each prompt, from an embedding model (many prompts per call).
+    Embed,
 }
 
 /// Instances per `:predict` call by default: large enough that a requests-per-minute quota
@@ -255,6 +268,99 @@ pub struct Endpoint {
     pub sim: Option<SimServer>,
 }
 
+/// The key of the Gemini API (or `None` on loopback), as the generation client finds it.
+fn gemini_key(base: &reqwest::Url, env: &dyn Fn(&str) -> Option<String>) -> Result<Option<Secret>, ProviderError> {
+    let nonempty = |k: &str| env(k).filter(|v| !v.trim().is_empty());
+    let key = nonempty("GEMINI_API_KEY").or_else(|| nonempty("GOOGLE_API_KEY")).map(Secret::new);
+    if key.is_none() && !http::is_loopback(base) {
+        return Err(ProviderError::Config(
+            "gemini: set GEMINI_API_KEY (or GOOGLE_API_KEY) to your Gemini API key".into(),
+        ));
+    }
+    Ok(key)
+}
+
+/// The base URL and key of an OpenAI-compatible server, as the generation client finds them.
+fn openai_site(
+    options: &ProviderOptions,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<(reqwest::Url, Option<Secret>), ProviderError> {
+    let nonempty = |k: &str| env(k).filter(|v| !v.trim().is_empty());
+    let base = options
+        .base_url
+        .clone()
+        .or_else(|| nonempty("OPENAI_BASE_URL"))
+        .unwrap_or_else(|| "https://api.openai.com/v1".into());
+    let base = http::check_base_url(&base)?;
+    let key = nonempty("OPENAI_API_KEY").map(Secret::new);
+    if key.is_none() && base.host_str() == Some("api.openai.com") {
+        return Err(ProviderError::Config(
+            "openai: set OPENAI_API_KEY, or point --base-url at your OpenAI-compatible server".into(),
+        ));
+    }
+    Ok((base, key))
+}
+
+/// Sets up an embedding client for `spec` (`--task embed`).
+async fn connect_embed(
+    spec: &ModelSpec,
+    options: &ProviderOptions,
+    env: &dyn Fn(&str) -> Option<String>,
+    client: reqwest::Client,
+) -> Result<Endpoint, ProviderError> {
+    use embed::{default_batch, EmbedApi, EmbedHandler};
+    let make = |api, url: String, credential| {
+        let batch = options.max_batch.unwrap_or_else(|| default_batch(api));
+        EmbedHandler::new(client.clone(), api, url, spec.model.clone(), spec.to_string(), credential, batch)
+    };
+    let trim = |u: &reqwest::Url| u.as_str().trim_end_matches('/').to_string();
+    let (handler, sim) = match spec.provider {
+        Provider::OpenAi => {
+            let (base, key) = openai_site(options, env)?;
+            let credential = key.map_or(http::Credential::None, |k| http::Credential::Key(k, None));
+            (make(EmbedApi::OpenAi, format!("{}/embeddings", trim(&base)), credential), None)
+        }
+        Provider::Gemini => {
+            let base = options.base_url.clone().unwrap_or_else(|| "https://generativelanguage.googleapis.com".into());
+            let base = http::check_base_url(&base)?;
+            let credential = gemini_key(&base, env)?
+                .map_or(http::Credential::None, |k| http::Credential::Key(k, Some("x-goog-api-key")));
+            let url = format!("{}/v1beta/models/{}:batchEmbedContents", trim(&base), spec.model);
+            (make(EmbedApi::Gemini, url, credential), None)
+        }
+        Provider::Vertex => {
+            let site = VertexSite::find(options, env)?;
+            let url = format!("{}/publishers/google/models/{}:predict", site.root("v1"), spec.model);
+            (make(EmbedApi::Vertex, url, http::Credential::Tokens(site.tokens.clone())), None)
+        }
+        Provider::VertexEndpoint => {
+            return Err(ProviderError::Config(format!(
+                "--task embed: {spec} is a deployed endpoint; for Vertex AI's embedding models use \
+                 vertex_ai/<model> (e.g. vertex_ai/text-embedding-005)"
+            )))
+        }
+        Provider::Sim => {
+            let (base, sim) = start_sim(options).await?;
+            let url = format!("{}/v1beta/models/{}:batchEmbedContents", trim(&base), spec.model);
+            let credential = http::Credential::Key(Secret::new("sim".into()), Some("x-goog-api-key"));
+            (make(EmbedApi::Gemini, url, credential).named("the in-process simulator"), Some(sim))
+        }
+    };
+    Ok(Endpoint { handler: Arc::new(handler), sim })
+}
+
+/// Starts the in-process simulator for a `sim/…` model: its base URL and the server.
+async fn start_sim(options: &ProviderOptions) -> Result<(reqwest::Url, SimServer), ProviderError> {
+    if options.base_url.is_some() {
+        return Err(ProviderError::Config("--base-url does not apply to sim/ models; to use a running `weir sim`, use gemini/<model> or openai/<model> with --base-url".into()));
+    }
+    let config = options.sim_config.clone().unwrap_or_default();
+    let sim =
+        SimServer::start(config, ([127, 0, 0, 1], 0).into()).await.map_err(|e| ProviderError::Start(e.to_string()))?;
+    let base = reqwest::Url::parse(&sim.url()).map_err(|e| ProviderError::Start(e.to_string()))?;
+    Ok((base, sim))
+}
+
 /// Sets up the client for `spec`. `env` reads environment variables (injected for tests).
 pub async fn connect(
     spec: &ModelSpec,
@@ -262,32 +368,18 @@ pub async fn connect(
     env: &dyn Fn(&str) -> Option<String>,
 ) -> Result<Endpoint, ProviderError> {
     let client = http::client()?;
-    let nonempty = |k: &str| env(k).filter(|v| !v.trim().is_empty());
+    if options.task == Task::Embed {
+        return connect_embed(spec, options, env, client).await;
+    }
     match spec.provider {
         Provider::OpenAi => {
-            let base = options
-                .base_url
-                .clone()
-                .or_else(|| nonempty("OPENAI_BASE_URL"))
-                .unwrap_or_else(|| "https://api.openai.com/v1".into());
-            let base = http::check_base_url(&base)?;
-            let key = nonempty("OPENAI_API_KEY").map(Secret::new);
-            if key.is_none() && base.host_str() == Some("api.openai.com") {
-                return Err(ProviderError::Config(
-                    "openai: set OPENAI_API_KEY, or point --base-url at your OpenAI-compatible server".into(),
-                ));
-            }
+            let (base, key) = openai_site(options, env)?;
             Ok(Endpoint { handler: Arc::new(OpenAiHandler::new(client, &base, &spec.model, key)), sim: None })
         }
         Provider::Gemini => {
             let base = options.base_url.clone().unwrap_or_else(|| "https://generativelanguage.googleapis.com".into());
             let base = http::check_base_url(&base)?;
-            let key = nonempty("GEMINI_API_KEY").or_else(|| nonempty("GOOGLE_API_KEY")).map(Secret::new);
-            if key.is_none() && !http::is_loopback(&base) {
-                return Err(ProviderError::Config(
-                    "gemini: set GEMINI_API_KEY (or GOOGLE_API_KEY) to your Gemini API key".into(),
-                ));
-            }
+            let key = gemini_key(&base, env)?;
             let handler = GeminiHandler::new(client, &base, &spec.model, key, spec.to_string());
             Ok(Endpoint { handler: Arc::new(handler), sim: None })
         }
@@ -326,14 +418,7 @@ pub async fn connect(
             Ok(Endpoint { handler, sim: None })
         }
         Provider::Sim => {
-            if options.base_url.is_some() {
-                return Err(ProviderError::Config("--base-url does not apply to sim/ models; to use a running `weir sim`, use gemini/<model> or openai/<model> with --base-url".into()));
-            }
-            let config = options.sim_config.clone().unwrap_or_default();
-            let sim = SimServer::start(config, ([127, 0, 0, 1], 0).into())
-                .await
-                .map_err(|e| ProviderError::Start(e.to_string()))?;
-            let base = reqwest::Url::parse(&sim.url()).map_err(|e| ProviderError::Start(e.to_string()))?;
+            let (base, sim) = start_sim(options).await?;
             let handler =
                 GeminiHandler::new(client, &base, &spec.model, Some(Secret::new("sim".into())), spec.to_string())
                     .named("the in-process simulator");

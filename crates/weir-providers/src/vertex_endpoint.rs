@@ -137,21 +137,7 @@ pub fn parse_predictions(body: &[u8], sent: usize, format: InstanceFormat) -> Ba
     let Value::Array(preds) = preds else {
         return Err(ModelError::new(ErrorKind::MalformedResponse, "predictions is not a list"));
     };
-    if preds.len() > sent {
-        return Err(ModelError::new(
-            ErrorKind::MalformedResponse,
-            format!("{} predictions for {sent} instances cannot be matched to them", preds.len()),
-        ));
-    }
-    let answered = preds.len();
-    let mut out: Vec<Result<ModelResponse, ModelError>> = preds.iter().map(raw_prediction).collect();
-    out.extend((answered..sent).map(|i| {
-        Err(ModelError::new(
-            ErrorKind::MalformedResponse,
-            format!("the endpoint answered {answered} predictions for {sent} instances; instance {} had none", i + 1),
-        ))
-    }));
-    Ok(out)
+    crate::http::one_per_item(preds.iter().map(raw_prediction).collect(), sent)
 }
 
 #[async_trait::async_trait]
@@ -233,7 +219,7 @@ mod tests {
         for a in &answers[2..] {
             let e = a.as_ref().unwrap_err();
             assert_eq!(e.kind, ErrorKind::MalformedResponse);
-            assert!(e.message.contains("2 predictions for 4 instances"), "{}", e.message);
+            assert!(e.message.contains("answered 2 items of 4"), "{}", e.message);
         }
         assert!(parse_predictions(br#"{"predictions":["a","b","c"]}"#, 2, InstanceFormat::Raw).is_err());
         assert!(parse_predictions(br#"{"deployedModelId":"1"}"#, 2, InstanceFormat::Raw).is_err());

@@ -30,6 +30,9 @@ pub struct SimConfig {
     pub auth: AuthConfig,
     /// Vertex AI endpoints' `:predict`: its limits and its batched compute.
     pub predict: PredictConfig,
+    /// Embedding requests (OpenAI `/v1/embeddings`, Gemini `batchEmbedContents`, Vertex AI
+    /// text-embedding `:predict`).
+    pub embedding: EmbeddingConfig,
     /// Keep the last this many model requests (path, query without keys, body) for `GET
     /// /requests`, to compare what clients send; 0 keeps none.
     pub capture_requests: usize,
@@ -52,6 +55,25 @@ pub struct PredictConfig {
     /// answers short). An instance whose prompt contains `[sim:short]` always cuts the
     /// `predictions` before it.
     pub short_rate: f64,
+}
+
+/// How embedding requests behave. A request's inputs are computed as one padded batch, so its
+/// latency is `latency.fixed_ms + token_ms × (tokens of the longest input)`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct EmbeddingConfig {
+    /// Length of the vectors.
+    pub dimensions: u32,
+    /// Inputs per request at most (0 = no limit); more is a 400.
+    pub max_inputs: u64,
+    /// Per token of the longest input, in milliseconds.
+    pub token_ms: f64,
+}
+
+impl Default for EmbeddingConfig {
+    fn default() -> Self {
+        Self { dimensions: 256, max_inputs: 0, token_ms: 0.0 }
+    }
 }
 
 impl Default for PredictConfig {
@@ -299,6 +321,7 @@ impl SimConfig {
             ("latency.jitter_ms", self.latency.jitter_ms),
             ("faults.hang_secs", f.hang_secs),
             ("predict.prompt_token_ms", self.predict.prompt_token_ms),
+            ("embedding.token_ms", self.embedding.token_ms),
         ] {
             if !(v.is_finite() && v >= 0.0) {
                 return bad(format!("{name} = {v}: must be a finite number ≥ 0"));
@@ -314,6 +337,9 @@ impl SimConfig {
                 "output.min_tokens = {} and output.max_tokens = {}: need 1 ≤ min ≤ max",
                 self.output.min_tokens, self.output.max_tokens
             ));
+        }
+        if self.embedding.dimensions == 0 || self.embedding.dimensions > 8192 {
+            return bad(format!("embedding.dimensions = {}: must be between 1 and 8192", self.embedding.dimensions));
         }
         if !(0.0..=1.0).contains(&self.predict.short_rate) {
             return bad(format!("predict.short_rate = {}: a rate must be between 0 and 1", self.predict.short_rate));

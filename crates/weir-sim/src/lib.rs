@@ -19,6 +19,6 @@ pub mod quota;
 mod server;
 pub mod stats;
 
-pub use config::{AuthConfig, ConfigError, OverloadMode, PredictConfig, SimConfig};
+pub use config::{AuthConfig, ConfigError, EmbeddingConfig, OverloadMode, PredictConfig, SimConfig};
 pub use server::{Captured, SimServer, StartError};
 pub use stats::StatsSnapshot;

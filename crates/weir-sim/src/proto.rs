@@ -61,6 +61,21 @@ pub struct SimRequest {
     pub instances: Vec<PredictInstance>,
     /// True for the `@requestFormat: chatCompletions` form of `:predict`.
     pub chat_predict: bool,
+    /// For an embedding request, its form; the texts are in `instances`.
+    pub embed: Option<EmbedForm>,
+}
+
+/// The wire form of an embedding request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EmbedForm {
+    /// OpenAI `/v1/embeddings`, `input` a string or a list.
+    OpenAi,
+    /// Gemini `:batchEmbedContents`.
+    GeminiBatch,
+    /// Gemini `:embedContent`.
+    GeminiOne,
+    /// Vertex AI text-embedding `:predict` (`instances[].content`).
+    Vertex,
 }
 
 /// A request body that does not fit its API.
@@ -155,6 +170,7 @@ pub fn parse_gemini(
         settings: config.map(Value::to_string).unwrap_or_default(),
         instances: Vec::new(),
         chat_predict: false,
+        embed: None,
     })
 }
 
@@ -191,6 +207,7 @@ pub fn parse_openai(body: &Value) -> Result<SimRequest, BadRequest> {
         settings: Value::Object(settings).to_string(),
         instances: Vec::new(),
         chat_predict: false,
+        embed: None,
     })
 }
 
@@ -241,7 +258,120 @@ pub fn parse_predict(endpoint: &str, body: &Value) -> Result<SimRequest, BadRequ
         settings: params.map(Value::to_string).unwrap_or_default(),
         instances: out,
         chat_predict: chat,
+        embed: None,
     })
+}
+
+/// Parses an embedding request of any form: one instance per text.
+pub fn parse_embed(api: Api, form: EmbedForm, model: &str, body: &Value) -> Result<SimRequest, BadRequest> {
+    let texts: Vec<String> = match form {
+        EmbedForm::OpenAi => match body.get("input") {
+            Some(Value::String(s)) => vec![s.clone()],
+            Some(Value::Array(items)) if !items.is_empty() => items
+                .iter()
+                .map(|i| i.as_str().map(str::to_string))
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| BadRequest("'input' must be a string or a list of strings".into()))?,
+            _ => return Err(BadRequest("'input' must be a non-empty string or list of strings".into())),
+        },
+        EmbedForm::GeminiOne => {
+            let mut t = String::new();
+            text_of_parts(body.pointer("/content/parts"), &mut t);
+            vec![t]
+        }
+        EmbedForm::GeminiBatch => {
+            let Some(Value::Array(requests)) = body.get("requests") else {
+                return Err(BadRequest("* BatchEmbedContentsRequest.requests: requests is not specified".into()));
+            };
+            if requests.is_empty() {
+                return Err(BadRequest("* BatchEmbedContentsRequest.requests: requests is not specified".into()));
+            }
+            requests
+                .iter()
+                .map(|r| {
+                    let mut t = String::new();
+                    text_of_parts(r.pointer("/content/parts"), &mut t);
+                    t
+                })
+                .collect()
+        }
+        EmbedForm::Vertex => {
+            let Some(Value::Array(instances)) = body.get("instances") else {
+                return Err(BadRequest("'instances' must be a non-empty list".into()));
+            };
+            if instances.is_empty() {
+                return Err(BadRequest("'instances' must be a non-empty list".into()));
+            }
+            instances
+                .iter()
+                .map(|i| {
+                    i.get("content")
+                        .and_then(Value::as_str)
+                        .map(str::to_string)
+                        .ok_or_else(|| BadRequest("each instance needs a 'content' string".into()))
+                })
+                .collect::<Result<_, _>>()?
+        }
+    };
+    let model = match form {
+        EmbedForm::OpenAi => body
+            .get("model")
+            .and_then(Value::as_str)
+            .ok_or_else(|| BadRequest("you must provide a model parameter".into()))?
+            .to_string(),
+        _ => model.to_string(),
+    };
+    Ok(SimRequest {
+        api,
+        model,
+        prompt: texts.join("\n"),
+        max_tokens: None,
+        stream: None,
+        include_usage: false,
+        settings: String::new(),
+        instances: texts
+            .into_iter()
+            .map(|prompt| PredictInstance { prompt, max_tokens: None, raw_response: true })
+            .collect(),
+        chat_predict: false,
+        embed: Some(form),
+    })
+}
+
+/// The embedding of `text`: a unit vector of `dims` values, a pure function of the text, the
+/// model and the seed (equal texts, equal vectors).
+pub fn embedding_of(seed: u64, model: &str, text: &str, dims: u32) -> Vec<f32> {
+    use rand::{Rng, SeedableRng};
+    let h = crate::gen::stable_hash(&[&seed.to_le_bytes(), model.as_bytes(), text.as_bytes()]);
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(h);
+    let mut v: Vec<f32> = (0..dims).map(|_| rng.gen::<f32>() * 2.0 - 1.0).collect();
+    let norm = v.iter().map(|x| x * x).sum::<f32>().sqrt().max(f32::MIN_POSITIVE);
+    v.iter_mut().for_each(|x| *x /= norm);
+    v
+}
+
+/// The answer to an embedding request, in its form.
+pub fn embed_response(req: &SimRequest, vectors: &[Vec<f32>]) -> Value {
+    let tokens: Vec<u64> = req.instances.iter().map(|i| crate::gen::count_tokens(&i.prompt)).collect();
+    match req.embed {
+        Some(EmbedForm::OpenAi) => {
+            let total: u64 = tokens.iter().sum();
+            json!({
+                "object": "list",
+                "data": vectors.iter().enumerate().map(|(i, v)| json!({"object": "embedding", "index": i, "embedding": v})).collect::<Vec<_>>(),
+                "model": req.model,
+                "usage": {"prompt_tokens": total, "total_tokens": total},
+            })
+        }
+        Some(EmbedForm::GeminiOne) => json!({"embedding": {"values": vectors.first()}}),
+        Some(EmbedForm::Vertex) => json!({
+            "predictions": vectors.iter().zip(&tokens).map(|(v, t)| json!({
+                "embeddings": {"values": v, "statistics": {"token_count": t, "truncated": false}}
+            })).collect::<Vec<_>>(),
+            "metadata": {"billableCharacterCount": req.instances.iter().map(|i| i.prompt.chars().count()).sum::<usize>()},
+        }),
+        _ => json!({"embeddings": vectors.iter().map(|v| json!({"values": v})).collect::<Vec<_>>()}),
+    }
 }
 
 /// How the answer of a successful request ends.

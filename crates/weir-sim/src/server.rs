@@ -285,16 +285,23 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Bo
             c.pop_front();
         }
     }
-    let request = match route.api {
-        Api::Gemini | Api::Vertex => proto::parse_gemini(route.api, &route.model, &parsed, route.stream),
-        Api::OpenAi => proto::parse_openai(&parsed),
-        Api::Predict => proto::parse_predict(&route.model, &parsed),
+    let request = match (route.embed, route.api) {
+        (Some(form), api) => proto::parse_embed(api, form, &route.model, &parsed),
+        (None, Api::Gemini | Api::Vertex) => proto::parse_gemini(route.api, &route.model, &parsed, route.stream),
+        (None, Api::OpenAi) => proto::parse_openai(&parsed),
+        (None, Api::Predict) => proto::parse_predict(&route.model, &parsed),
     };
     let request = match request {
         Ok(r) => r,
         Err(proto::BadRequest(msg)) => return Ok(error_reply(&state, proto::error(route.api, 400, &msg))),
     };
-    let max = state.config.predict.max_instances;
+    let max = if request.embed.is_some() {
+        state.config.embedding.max_inputs
+    } else if request.api == Api::Predict {
+        state.config.predict.max_instances
+    } else {
+        0
+    };
     if max > 0 && request.instances.len() as u64 > max {
         state.stats.predict_refused();
         let msg = format!("{} instances in one request; this endpoint takes at most {max}.", request.instances.len());
@@ -307,6 +314,7 @@ struct Route {
     api: Api,
     model: String,
     stream: Option<StreamFraming>,
+    embed: Option<proto::EmbedForm>,
 }
 
 fn query_param(query: Option<&str>, name: &str) -> Option<String> {
@@ -318,7 +326,11 @@ fn query_param(query: Option<&str>, name: &str) -> Option<String> {
 
 fn route(path: &str, query: Option<&str>) -> Option<Route> {
     if path.ends_with("/chat/completions") {
-        return Some(Route { api: Api::OpenAi, model: String::new(), stream: None });
+        return Some(Route { api: Api::OpenAi, model: String::new(), stream: None, embed: None });
+    }
+    if path == "/v1/embeddings" || path == "/embeddings" {
+        let embed = Some(proto::EmbedForm::OpenAi);
+        return Some(Route { api: Api::OpenAi, model: String::new(), stream: None, embed });
     }
     let (prefix, method) = path.rsplit_once(':')?;
     let segs: Vec<&str> = prefix.trim_start_matches('/').split('/').collect();
@@ -335,7 +347,24 @@ fn route(path: &str, query: Option<&str>) -> Option<Route> {
             let api = if method == "predict" { Api::Predict } else { Api::OpenAi };
             return match segs.as_slice() {
                 ["v1" | "v1beta1", "projects", _, "locations", _, "endpoints", id] => {
-                    Some(Route { api, model: id.to_string(), stream: None })
+                    Some(Route { api, model: id.to_string(), stream: None, embed: None })
+                }
+                // A publisher model's `:predict`: Vertex AI's text embeddings.
+                ["v1" | "v1beta1", "projects", _, "locations", _, "publishers", "google", "models", model]
+                    if method == "predict" =>
+                {
+                    let embed = Some(proto::EmbedForm::Vertex);
+                    Some(Route { api: Api::Vertex, model: model.to_string(), stream: None, embed })
+                }
+                _ => None,
+            };
+        }
+        "batchEmbedContents" | "embedContent" => {
+            let form =
+                if method == "embedContent" { proto::EmbedForm::GeminiOne } else { proto::EmbedForm::GeminiBatch };
+            return match segs.as_slice() {
+                ["v1beta" | "v1", "models", model] => {
+                    Some(Route { api: Api::Gemini, model: model.to_string(), stream: None, embed: Some(form) })
                 }
                 _ => None,
             };
@@ -343,9 +372,11 @@ fn route(path: &str, query: Option<&str>) -> Option<Route> {
         _ => return None,
     };
     match segs.as_slice() {
-        ["v1beta" | "v1", "models", model] => Some(Route { api: Api::Gemini, model: model.to_string(), stream }),
+        ["v1beta" | "v1", "models", model] => {
+            Some(Route { api: Api::Gemini, model: model.to_string(), stream, embed: None })
+        }
         ["v1" | "v1beta1", "projects", _, "locations", _, "publishers", "google", "models", model] => {
-            Some(Route { api: Api::Vertex, model: model.to_string(), stream })
+            Some(Route { api: Api::Vertex, model: model.to_string(), stream, embed: None })
         }
         _ => None,
     }
@@ -489,7 +520,8 @@ async fn serve_model(
             .collect()
     };
     let prompt_tokens = count_tokens(&req.prompt);
-    let out_tokens: u64 = gens.iter().map(|g| g.tokens.len() as u64).sum();
+    // An embedding generates nothing; only its input is counted.
+    let out_tokens: u64 = if req.embed.is_some() { 0 } else { gens.iter().map(|g| g.tokens.len() as u64).sum() };
 
     // Quotas.
     let usage = {
@@ -569,6 +601,19 @@ async fn serve_model(
         },
         Some(Fault::BlockCandidate) => ending = Ending::BlockCandidate,
         Some(Fault::Truncate) | None => {}
+    }
+
+    if req.embed.is_some() {
+        // The inputs are computed as one padded batch: the longest sets the time.
+        let longest = req.instances.iter().map(|i| count_tokens(&i.prompt)).max().unwrap_or(0);
+        sleep_ms(fixed + cfg.embedding.token_ms * slow * longest as f64).await;
+        let dims = cfg.embedding.dimensions;
+        let vectors: Vec<Vec<f32>> =
+            req.instances.iter().map(|i| proto::embedding_of(cfg.seed, &req.model, &i.prompt, dims)).collect();
+        state.stats.embed_batch(req.instances.len() as u64);
+        state.stats.success(prompt_tokens, 0);
+        drop(guard);
+        return Ok(json_reply(200, &limit_headers, &proto::embed_response(&req, &vectors)));
     }
 
     if let Some(framing) = req.stream {

@@ -31,6 +31,8 @@ pub struct Stats {
     predict_instances: AtomicU64,
     predict_refused: AtomicU64,
     predict_short: AtomicU64,
+    embed_batches: AtomicU64,
+    embed_inputs: AtomicU64,
     timeline: Mutex<Timeline>,
 }
 
@@ -90,6 +92,12 @@ pub struct StatsSnapshot {
     /// `:predict` answers whose `predictions` left instances out.
     #[serde(default)]
     pub predict_short: u64,
+    /// Embedding requests answered.
+    #[serde(default)]
+    pub embed_batches: u64,
+    /// Texts those embedding requests carried.
+    #[serde(default)]
+    pub embed_inputs: u64,
     /// Seconds since start or the last reset.
     pub elapsed_secs: f64,
     /// Successes per second between the first and the last success.
@@ -121,6 +129,8 @@ impl Default for Stats {
             predict_instances: AtomicU64::new(0),
             predict_refused: AtomicU64::new(0),
             predict_short: AtomicU64::new(0),
+            embed_batches: AtomicU64::new(0),
+            embed_inputs: AtomicU64::new(0),
             timeline: Mutex::new(Timeline {
                 start: Instant::now(),
                 first_success: None,
@@ -222,6 +232,12 @@ impl Stats {
         self.predict_short.fetch_add(1, Relaxed);
     }
 
+    /// Counts an embedding request computed, with its inputs.
+    pub fn embed_batch(&self, inputs: u64) {
+        self.embed_batches.fetch_add(1, Relaxed);
+        self.embed_inputs.fetch_add(inputs, Relaxed);
+    }
+
     /// Counts a streaming request.
     pub fn stream(&self) {
         self.streams.fetch_add(1, Relaxed);
@@ -254,6 +270,8 @@ impl Stats {
             predict_instances: self.predict_instances.load(Relaxed),
             predict_refused: self.predict_refused.load(Relaxed),
             predict_short: self.predict_short.load(Relaxed),
+            embed_batches: self.embed_batches.load(Relaxed),
+            embed_inputs: self.embed_inputs.load(Relaxed),
             elapsed_secs: t.start.elapsed().as_secs_f64(),
             successes_per_sec,
             successes_per_second: t.per_second.clone(),
@@ -279,6 +297,8 @@ impl Stats {
             &self.predict_instances,
             &self.predict_refused,
             &self.predict_short,
+            &self.embed_batches,
+            &self.embed_inputs,
         ] {
             c.store(0, Relaxed);
         }

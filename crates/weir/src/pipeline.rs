@@ -192,9 +192,9 @@ enum Work {
     ReadError(std::io::Error),
 }
 
-/// A [`Work`] item with its endpoint's driver found.
+/// A [`Work`] item with its endpoint's driver found (and when, to time its wait for a batch).
 enum Routed {
-    Call(Arc<Driver>, Record),
+    Call(Arc<Driver>, Record, Instant),
     Done(Box<Failure>),
     ReadError(std::io::Error),
 }
@@ -239,6 +239,16 @@ fn identity(settings: &RunSettings, input_file: Option<&std::path::Path>) -> Res
         id_field: settings.records.id_field.clone(),
         system: settings.driver.system.as_deref().map(str::to_string),
         params: serde_json::to_value(&*settings.driver.params).unwrap_or_default(),
+        call: {
+            let mut call = Vec::new();
+            if settings.provider.task == weir_providers::Task::Embed {
+                call.push("task=embed".to_string());
+            }
+            if settings.provider.endpoint_format != weir_providers::EndpointFormat::default() {
+                call.push(format!("endpoint_format={:?}", settings.provider.endpoint_format).to_lowercase());
+            }
+            (!call.is_empty()).then(|| call.join(" "))
+        },
     })
 }
 
@@ -496,7 +506,7 @@ pub async fn run(
             async move {
                 match w {
                     Work::Call(record) => match endpoints.driver_for(&record).await {
-                        Ok(d) => Routed::Call(d, record),
+                        Ok(d) => Routed::Call(d, record, Instant::now()),
                         Err(msg) => Routed::Done(Box::new(Failure::of(
                             record,
                             ModelError::new(ErrorKind::InvalidInput, msg),
@@ -515,12 +525,12 @@ pub async fn run(
         Box::pin(routed),
         batch_settings,
         |r: &Routed| match r {
-            Routed::Call(d, record) => d.estimate(record),
+            Routed::Call(d, record, _) => d.estimate(record),
             _ => 0,
         },
         |r: &Routed| match r {
             // One batch per endpoint; an endpoint that takes one record per call is not batched.
-            Routed::Call(d, _) if d.max_batch() > 1 => Some(Arc::as_ptr(d) as usize),
+            Routed::Call(d, _, _) if d.max_batch() > 1 => Some(Arc::as_ptr(d) as usize),
             _ => None,
         },
     );
@@ -528,21 +538,32 @@ pub async fn run(
     let outcomes = batched
         .map(|mut batch| {
             let driver = driver.clone();
+            // Sent now: how long each record waited for its batch.
+            for r in &batch {
+                if let Routed::Call(d, _, arrived) = r {
+                    if d.max_batch() > 1 {
+                        d.metrics().record_batch_wait(arrived.elapsed());
+                    }
+                }
+            }
             async move {
                 if batch.len() == 1 {
                     return match batch.pop() {
-                        Some(Routed::Call(d, record)) => vec![Ok(d.run(record).await)],
+                        Some(Routed::Call(d, record, _)) if d.max_batch() > 1 => {
+                            d.run_batch(vec![record]).await.into_iter().map(Ok).collect()
+                        }
+                        Some(Routed::Call(d, record, _)) => vec![Ok(d.run(record).await)],
                         Some(Routed::Done(failure)) => vec![Ok(driver.reject(failure))],
                         Some(Routed::ReadError(e)) => vec![Err(e)],
                         None => Vec::new(),
                     };
                 }
-                let Some(Routed::Call(d, _)) = batch.first() else { return Vec::new() };
+                let Some(Routed::Call(d, _, _)) = batch.first() else { return Vec::new() };
                 let d = d.clone();
                 let records = batch
                     .into_iter()
                     .filter_map(|r| match r {
-                        Routed::Call(_, record) => Some(record),
+                        Routed::Call(_, record, _) => Some(record),
                         _ => None,
                     })
                     .collect();

@@ -54,6 +54,22 @@ pub struct RunReport {
     pub concurrency: usize,
     /// The rate limits in force at the end.
     pub rates: Option<RateSnapshot>,
+    /// Batching, when the endpoint takes many records per call.
+    pub batching: Option<BatchReport>,
+}
+
+/// How records were gathered into calls.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BatchReport {
+    /// Batched calls sent (first attempts).
+    pub calls: u64,
+    /// Records per call, on average.
+    pub mean_fill: f64,
+    /// Estimated tokens a padded batch computes ÷ the records' own tokens (1.0: no padding).
+    pub padding: f64,
+    /// 95th percentile of the time records waited for their batch: the bound of its bucket in
+    /// milliseconds (`None`: above the last bucket).
+    pub wait_p95_ms: Option<u64>,
 }
 
 impl RunReport {
@@ -95,6 +111,16 @@ impl RunReport {
             state,
             concurrency,
             rates,
+            batching: m.batch_wait_p95_ms().map(|wait_p95_ms| {
+                let calls = m.batches.load(Relaxed).max(1);
+                let real = m.batch_tokens.load(Relaxed).max(1);
+                BatchReport {
+                    calls: m.batches.load(Relaxed),
+                    mean_fill: m.batch_items.load(Relaxed) as f64 / calls as f64,
+                    padding: m.batch_padded_tokens.load(Relaxed) as f64 / real as f64,
+                    wait_p95_ms,
+                }
+            }),
         }
     }
 
@@ -158,6 +184,15 @@ impl RunReport {
             limits.join(", "),
             thousands((self.succeeded as f64 / self.elapsed.as_secs_f64()).round() as u64)
         ));
+        if let Some(b) = &self.batching {
+            s.push_str(&format!(
+                "  batches: {} calls, {:.1} records per call, padding {:.2}× (padded ÷ real tokens), wait p95 {}\n",
+                thousands(b.calls),
+                b.mean_fill,
+                b.padding,
+                b.wait_p95_ms.map_or("over 5 s".to_string(), |ms| format!("under {ms} ms")),
+            ));
+        }
         s.push_str(&format!("  results: {}\n", self.output));
         if self.failed > 0 {
             let kinds: Vec<String> = self.failures.iter().map(|(k, n)| format!("{k} {}", thousands(*n))).collect();

@@ -33,6 +33,15 @@ pub enum ConcurrencyMode {
     Fixed,
 }
 
+/// What to ask the model for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum TaskArg {
+    /// Text.
+    Generate,
+    /// An embedding vector.
+    Embed,
+}
+
 /// Options of `weir run`.
 #[derive(Debug, Args)]
 #[command(
@@ -44,6 +53,10 @@ Exit status: 0 all records succeeded; 1 some records are in the errors file; 2 u
 3 fatal error (e.g. credentials rejected, daily quota spent)."
 )]
 pub struct RunArgs {
+    /// What to ask the model for: `generate` (text) or `embed` (a vector per prompt, from an
+    /// embedding model; many prompts per call).
+    #[arg(long, value_enum, default_value_t = TaskArg::Generate)]
+    task: TaskArg,
     /// The model, as provider/model: sim/demo, openai/gpt-4o-mini, gemini/gemini-2.5-flash.
     #[arg(long, value_name = "MODEL")]
     model: String,
@@ -113,6 +126,15 @@ pub struct RunArgs {
     /// The longest a record waits for others to fill its batch, in milliseconds.
     #[arg(long, value_name = "MS", default_value_t = 20)]
     batch_linger_ms: u64,
+    /// Group records of like length before cutting batches, so a batch computed together
+    /// wastes little on padding: `auto` (4 buckets at quantiles of the lengths seen so far;
+    /// `auto:N` for N); upper bounds in estimated tokens, e.g. 16,32,64,128,256,512; or `off`
+    /// (arrival order). Applies only where records are batched.
+    #[arg(long, value_name = "SPEC", default_value = "auto")]
+    buckets: String,
+    /// Instead of buckets: collect N records, sort them by length, then cut batches.
+    #[arg(long, value_name = "N")]
+    sort_window: Option<usize>,
     /// Most calls in flight at once.
     #[arg(long, value_name = "N", default_value_t = 64)]
     max_concurrency: usize,
@@ -233,19 +255,40 @@ impl RunArgs {
         if self.endpoint_format != "raw" && model.provider != weir_providers::Provider::VertexEndpoint {
             return Err(UsageError("--endpoint-format only applies to vertex_endpoint/ models".into()));
         }
-        let batchable = model.provider == weir_providers::Provider::VertexEndpoint
-            && endpoint_format == weir_providers::EndpointFormat::Raw;
+        let embed = self.task == TaskArg::Embed;
+        let batchable = embed
+            || (model.provider == weir_providers::Provider::VertexEndpoint
+                && endpoint_format == weir_providers::EndpointFormat::Raw);
+        if embed {
+            for (flag, given) in [
+                ("--param", !self.params.is_empty()),
+                ("--system", self.system.is_some()),
+                ("--system-field", self.system_field.is_some()),
+                ("--params-field", self.params_field.is_some()),
+            ] {
+                if given {
+                    return Err(UsageError(format!(
+                        "{flag} does not apply to --task embed (an embedding takes the prompt text only)"
+                    )));
+                }
+            }
+        }
         if let Some(n) = self.batch_size {
             if n == 0 {
                 return Err(UsageError("--batch-size must be at least 1".into()));
             }
             if n > 1 && !batchable && self.model_field.is_none() {
                 return Err(UsageError(format!(
-                    "--batch-size {n}: {model} takes one record per call; batching applies to vertex_endpoint/ models \
-                     called through :predict (--endpoint-format raw)"
+                    "--batch-size {n}: {model} takes one record per call; batching applies to --task embed and to \
+                     vertex_endpoint/ models called through :predict (--endpoint-format raw)"
                 )));
             }
         }
+        let bucketing = match (self.sort_window, parse_buckets(&self.buckets)?) {
+            (Some(0), _) => return Err(UsageError("--sort-window must be at least 1".into())),
+            (Some(n), _) => weir_core::Bucketing::SortWindow(n),
+            (None, b) => b,
+        };
         if self.batch_tokens == Some(0) {
             return Err(UsageError("--batch-tokens must be at least 1".into()));
         }
@@ -326,12 +369,13 @@ impl RunArgs {
                 location: self.location.clone(),
                 endpoint_format,
                 max_batch: self.batch_size,
+                task: if embed { weir_providers::Task::Embed } else { weir_providers::Task::Generate },
             },
             batch: weir_core::BatchSettings {
                 max_items: 1,
                 max_weight: self.batch_tokens.unwrap_or(u64::MAX),
                 linger: Duration::from_millis(self.batch_linger_ms),
-                bucketing: weir_core::Bucketing::Off,
+                bucketing,
             },
             input,
             output,
@@ -368,6 +412,32 @@ impl RunArgs {
             metrics_listen: self.metrics_listen,
         })
     }
+}
+
+/// `--buckets`: `off`, `auto`, `auto:N`, or ascending upper bounds in tokens.
+fn parse_buckets(spec: &str) -> Result<weir_core::Bucketing, UsageError> {
+    let bad = |why: &str| {
+        UsageError(format!("--buckets {spec}: {why}; expected off, auto, auto:N or bounds in tokens like 16,64,256"))
+    };
+    Ok(match spec.trim() {
+        "off" => weir_core::Bucketing::Off,
+        "auto" => weir_core::Bucketing::Auto(4),
+        s if s.starts_with("auto:") => match s[5..].parse::<usize>() {
+            Ok(n) if (2..=64).contains(&n) => weir_core::Bucketing::Auto(n),
+            _ => return Err(bad("N must be a number from 2 to 64")),
+        },
+        s => {
+            let bounds: Vec<u64> = s
+                .split(',')
+                .map(|b| b.trim().parse::<u64>())
+                .collect::<Result<_, _>>()
+                .map_err(|_| bad("not a list of numbers"))?;
+            if bounds.is_empty() || bounds.contains(&0) || bounds.windows(2).any(|w| w[0] >= w[1]) {
+                return Err(bad("bounds must be ascending numbers ≥ 1"));
+            }
+            weir_core::Bucketing::Fixed(bounds)
+        }
+    })
 }
 
 /// Refuses, before anything is opened for writing, a command in which two of the input, the
