@@ -96,7 +96,9 @@ where
                 self.recent.pop_front();
             }
             self.since_bounds += 1;
-            if self.bounds.is_empty() || self.since_bounds >= AUTO_EVERY {
+            // Early on, when few lengths are known, the boundaries are re-taken each time the
+            // sample doubles; then every AUTO_EVERY records.
+            if self.since_bounds >= AUTO_EVERY.min(self.recent.len().div_ceil(2).max(1)) {
                 self.since_bounds = 0;
                 self.bounds = quantile_bounds(self.recent.iter().copied().collect(), n);
             }

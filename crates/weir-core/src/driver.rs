@@ -266,8 +266,13 @@ impl Driver {
 
     /// The throttle's weight of one request.
     fn weight_of(&self, request: &ModelRequest) -> Weight {
+        let max_output = request.params.max_output_tokens;
+        if let Some(tokens) = self.handler.count_tokens(&request.prompt) {
+            let system = request.system.as_deref().and_then(|s| self.handler.count_tokens(s)).unwrap_or(0);
+            return self.throttle().estimate_counted(tokens + system, max_output);
+        }
         let chars = request.prompt.chars().count() + request.system.as_deref().map_or(0, |s| s.chars().count());
-        self.throttle().estimate(chars, request.params.max_output_tokens)
+        self.throttle().estimate(chars, max_output)
     }
 
     /// Estimated tokens of a record's call, for cutting batches by weight.

@@ -59,6 +59,12 @@ pub trait ModelHandler: Send + Sync {
         self.model_id()
     }
 
+    /// How many tokens the model reads for `text`, when the handler knows the model's tokenizer
+    /// (weights and batches are then exact); `None`: estimated from its length.
+    fn count_tokens(&self, _text: &str) -> Option<u64> {
+        None
+    }
+
     /// The most requests one call may carry; 1 when the endpoint takes one at a time.
     fn max_batch(&self) -> usize {
         1

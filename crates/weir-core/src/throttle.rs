@@ -107,6 +107,12 @@ impl Throttle {
         Weight { tokens: self.rate.estimate(prompt_chars, max_output) }
     }
 
+    /// The tokens of a call whose input is known to be `prompt_tokens` (counted by the model's
+    /// tokenizer), plus its expected output.
+    pub fn estimate_counted(&self, prompt_tokens: u64, max_output: Option<u32>) -> Weight {
+        Weight { tokens: prompt_tokens + self.rate.estimate(0, max_output) }
+    }
+
     /// Waits until a call of `weight` may start; `None` if `cancel` fires first.
     pub async fn admit(&self, weight: Weight, cancel: &CancellationToken) -> Option<Admitted<'_>> {
         tokio::select! {

@@ -48,6 +48,7 @@ pub const ENV_VARS: &[&str] = &[
     "CLOUDSDK_CONFIG",
     "HOME",
     "GCE_METADATA_HOST",
+    "WEIR_MODELS",
 ];
 
 /// A provider that cannot be set up as asked; the message says what to fix.
@@ -74,6 +75,8 @@ pub enum Provider {
     VertexEndpoint,
     /// The in-process simulator.
     Sim,
+    /// A model run inside weir's process (the `local` feature of the `weir` binary).
+    Local,
 }
 
 /// A parsed `provider/model`.
@@ -104,9 +107,10 @@ impl FromStr for ModelSpec {
             "vertex_ai" => Provider::Vertex,
             "vertex_endpoint" => Provider::VertexEndpoint,
             "sim" => Provider::Sim,
+            "local" => Provider::Local,
             other => {
                 return Err(ProviderError::Config(format!(
-                    "--model {s}: unknown provider '{other}'; known providers: openai, gemini, vertex_ai, vertex_endpoint, sim"
+                    "--model {s}: unknown provider '{other}'; known providers: openai, gemini, vertex_ai, vertex_endpoint, sim, local"
                 )))
             }
         };
@@ -133,6 +137,7 @@ impl std::fmt::Display for ModelSpec {
             Provider::Vertex => "vertex_ai",
             Provider::VertexEndpoint => "vertex_endpoint",
             Provider::Sim => "sim",
+            Provider::Local => "local",
         };
         write!(f, "{p}/{}", self.model)
     }
@@ -301,6 +306,14 @@ fn openai_site(
     Ok((base, key))
 }
 
+/// Why a `local/…` model cannot be served by this library: they run in the `weir` binary.
+fn local_elsewhere(spec: &ModelSpec) -> ProviderError {
+    ProviderError::Config(format!(
+        "{spec}: local models run inside the weir binary built with its `local` feature \
+         (cargo build --release -p weir --features local)"
+    ))
+}
+
 /// Sets up an embedding client for `spec` (`--task embed`).
 async fn connect_embed(
     spec: &ModelSpec,
@@ -339,6 +352,7 @@ async fn connect_embed(
                  vertex_ai/<model> (e.g. vertex_ai/text-embedding-005)"
             )))
         }
+        Provider::Local => return Err(local_elsewhere(spec)),
         Provider::Sim => {
             let (base, sim) = start_sim(options).await?;
             let url = format!("{}/v1beta/models/{}:batchEmbedContents", trim(&base), spec.model);
@@ -417,6 +431,7 @@ pub async fn connect(
             };
             Ok(Endpoint { handler, sim: None })
         }
+        Provider::Local => Err(local_elsewhere(spec)),
         Provider::Sim => {
             let (base, sim) = start_sim(options).await?;
             let handler =

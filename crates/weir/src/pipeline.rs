@@ -104,6 +104,27 @@ impl From<ProviderError> for RunError {
     }
 }
 
+/// Sets up the client for `spec`: `local/…` models in this process (with the `local`
+/// feature), every other provider through `weir_providers`.
+async fn connect_model(
+    spec: &ModelSpec,
+    options: &ProviderOptions,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<weir_providers::Endpoint, ProviderError> {
+    #[cfg(feature = "local")]
+    if spec.provider == weir_providers::Provider::Local {
+        if options.task != weir_providers::Task::Embed {
+            return Err(ProviderError::Config(format!(
+                "{spec} is a sentence-embedding model: run it with --task embed"
+            )));
+        }
+        let handler = weir_local::connect(&spec.model, options.max_batch, env)
+            .map_err(|e| ProviderError::Config(e.to_string()))?;
+        return Ok(weir_providers::Endpoint { handler, sim: None });
+    }
+    weir_providers::connect(spec, options, env).await
+}
+
 /// Output files a run created, removed on drop unless the run started (then it clears them).
 struct Created(Vec<PathBuf>);
 
@@ -149,7 +170,7 @@ impl Endpoints {
             return Ok(d.clone());
         }
         let env = |k: &str| self.env.get(k).cloned();
-        let endpoint = weir_providers::connect(&spec, &self.provider, &env)
+        let endpoint = connect_model(&spec, &self.provider, &env)
             .await
             .map_err(|e| format!("line {}: model field '{field}': {e}", record.line))?;
         let driver = (self.make)(endpoint.handler);
@@ -282,7 +303,7 @@ pub async fn run(
         None => Ok(None),
     };
     let mut total = if settings.progress { count()? } else { None };
-    let endpoint = weir_providers::connect(&settings.model, &settings.provider, env).await?;
+    let endpoint = connect_model(&settings.model, &settings.provider, env).await?;
 
     // The output files, opened (never truncated yet) and locked against other weir processes.
     let claim = |p: &OutputPath, flag: &str| match p {

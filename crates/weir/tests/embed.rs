@@ -146,3 +146,58 @@ async fn buckets_cut_padding_and_the_summary_reports_it() {
         assert!(stderr(&o).contains("--buckets"), "{}", stderr(&o));
     }
 }
+
+/// The local model: `local/all-minilm-l6-v2` in-process, 384-dimensional vectors, batches padded
+/// to their longest member (its own tokenizer's counts), so buckets cut real compute.
+#[cfg(feature = "local")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_local_model_embeds_in_process_and_buckets_cut_its_padding() {
+    let Some(models) = peer("WEIR_MODELS") else { return };
+    // Plain words (one token each), 2 to 128 of them: the model's compute is real, so the
+    // lengths stay modest.
+    let vocab = ["river", "stone", "light", "green", "house", "music", "paper", "storm"];
+    let mut data = Vec::new();
+    let mut ids = Vec::new();
+    for i in 0..300usize {
+        let n = [2, 4, 8, 16, 32, 64, 128][(i * 7919) % 7];
+        let text: Vec<&str> = (0..n).map(|w| vocab[(i + w * 3) % vocab.len()]).collect();
+        data.extend(
+            serde_json::to_vec(&serde_json::json!({"id": i, "prompt": format!("{i} {}", text.join(" "))})).unwrap(),
+        );
+        data.push(b'\n');
+        ids.push(i.to_string());
+    }
+    let mut padding = Vec::new();
+    for buckets in ["off", "auto"] {
+        let dir = Dir::new(&format!("embed-local-{buckets}"));
+        let input = dir.write("in.jsonl", &data);
+        let out = dir.path("out.jsonl");
+        let o = weir()
+            .args(["run", "--task", "embed", "--model", "local/all-minilm-l6-v2", "--id-field", "id"])
+            .args(["--input", input.to_str().unwrap(), "--output", out.to_str().unwrap(), "--buckets", buckets])
+            .env("WEIR_MODELS", &models)
+            .output()
+            .await
+            .unwrap();
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        let results = rows(&out);
+        assert_each_id_once(&ids, &results, &[]);
+        assert!(results.iter().all(|r| r["dimensions"] == 384 && r["usage"]["prompt_tokens"].as_u64() > Some(0)));
+        let err = stderr(&o);
+        let line = err.lines().find(|l| l.contains("batches:")).unwrap_or_else(|| panic!("{err}")).to_string();
+        padding.push(line.split("padding ").nth(1).and_then(|s| s.split('×').next()).unwrap().parse::<f64>().unwrap());
+    }
+    assert!(padding[1] * 2.0 < padding[0], "padding off vs auto: {padding:?}");
+    // Generation is refused with a message that says why.
+    let dir = Dir::new("embed-local-generate");
+    let input = dir.write("in.jsonl", &data);
+    let o = weir()
+        .args(["run", "--model", "local/all-minilm-l6-v2", "--input", input.to_str().unwrap()])
+        .args(["--output", dir.path("out.jsonl").to_str().unwrap()])
+        .env("WEIR_MODELS", &models)
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("--task embed"), "{}", stderr(&o));
+}
