@@ -125,7 +125,7 @@ impl Observer for StopRules {
                 self.stop(StopReason {
                     kind: ErrorKind::Auth,
                     message: format!(
-                        "credentials were rejected by the first {n} calls and none succeeded: {}",
+                        "the credentials failed on the first {n} calls and none succeeded: {}",
                         error.message
                     ),
                 });
@@ -418,11 +418,10 @@ impl Driver {
                 }
             }
         }
-        for call in &calls {
-            let tokens: Vec<u64> = call.iter().map(|&i| self.weight_of(&requests[i]).tokens).collect();
-            self.metrics.record_batch(&tokens);
-        }
-        let results = futures::future::join_all(calls.iter().map(|call| {
+        // A call is counted when first sent (one the run's stop cancels before it goes is not).
+        let unsent: Vec<std::sync::atomic::AtomicBool> =
+            calls.iter().map(|_| std::sync::atomic::AtomicBool::new(true)).collect();
+        let results = futures::future::join_all(calls.iter().zip(&unsent).map(|(call, unsent)| {
             let requests = &requests;
             self.executor.run_batch(
                 call.len(),
@@ -432,7 +431,13 @@ impl Driver {
                 &self.rules.cancel,
                 move |items: Vec<usize>| {
                     let chunk: Vec<ModelRequest> = items.iter().map(|&j| requests[call[j]].clone()).collect();
-                    async move { self.handler.generate_batch(&chunk).await }
+                    async move {
+                        if unsent.swap(false, Relaxed) {
+                            let tokens: Vec<u64> = call.iter().map(|&i| self.weight_of(&requests[i]).tokens).collect();
+                            self.metrics.record_batch(&tokens);
+                        }
+                        self.handler.generate_batch(&chunk).await
+                    }
                 },
             )
         }))

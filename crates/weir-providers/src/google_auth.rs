@@ -133,9 +133,14 @@ impl Credentials {
         match field("type") {
             Some("service_account") => Ok(Credentials::ServiceAccount {
                 client_email: need("client_email")?.to_string(),
-                key: Secret::new(pem_body(need("private_key")?).ok_or_else(|| {
-                    config_error(origin, "\"private_key\" is not a PEM private key (-----BEGIN PRIVATE KEY-----)")
-                })?),
+                key: {
+                    let key = Secret::new(pem_body(need("private_key")?).ok_or_else(|| {
+                        config_error(origin, "\"private_key\" is not a PEM private key (-----BEGIN PRIVATE KEY-----)")
+                    })?);
+                    // Checked now, so an unusable key is a usage error before any record is read.
+                    key_pair(&key).map_err(|e| config_error(origin, &format!("\"private_key\": {}", e.message)))?;
+                    key
+                },
                 key_id: field("private_key_id").map(str::to_string),
                 token_uri: token_uri(None)?,
             }),
@@ -167,15 +172,51 @@ fn b64url(bytes: &[u8]) -> String {
     base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes)
 }
 
-/// A signed JWT asserting `client_email` for `SCOPE` to `token_uri`, valid for an hour.
-fn assertion(client_email: &str, key: &Secret, key_id: Option<&str>, token_uri: &str) -> Result<String, ModelError> {
+/// The RSA key pair of a service account's key.
+fn key_pair(key: &Secret) -> Result<ring::signature::RsaKeyPair, ModelError> {
     use base64::Engine;
     let bad = |what: &str| {
         ModelError::new(ErrorKind::Auth, format!("the service account's private key {what}"))
             .with_hint(RetryHint::Never)
     };
     let der = base64::engine::general_purpose::STANDARD.decode(key.expose()).map_err(|_| bad("is not base64"))?;
-    let pair = ring::signature::RsaKeyPair::from_pkcs8(&der).map_err(|_| bad("is not an RSA PKCS #8 key"))?;
+    ring::signature::RsaKeyPair::from_pkcs8(&der).map_err(|_| bad("is not an RSA PKCS #8 key"))
+}
+
+/// Removes from `message` every secret that was sent (and anything shaped like a JWT), so a
+/// token endpoint that echoes its request cannot put a credential into a log or a row.
+fn scrub(message: &str, sent: &[&str]) -> String {
+    let mut m = message.to_string();
+    for s in sent.iter().filter(|s| s.len() >= 8) {
+        m = m.replace(s, "***");
+    }
+    // A JWT: `eyJ` (base64 of `{"`) and its base64url and dot characters.
+    let mut out = String::with_capacity(m.len());
+    let mut rest = m.as_str();
+    while let Some(i) = rest.find("eyJ") {
+        out.push_str(&rest[..i]);
+        let tail = &rest[i..];
+        let end = tail
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.' || c == '%'))
+            .unwrap_or(tail.len());
+        out.push_str("***");
+        rest = &tail[end..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// How long a failed token fetch is reported to every caller before it is tried again, so
+/// that callers waiting together do not each ask the token endpoint.
+const FAILED_FETCH_HOLD: Duration = Duration::from_secs(2);
+
+/// A signed JWT asserting `client_email` for `SCOPE` to `token_uri`, valid for an hour.
+fn assertion(client_email: &str, key: &Secret, key_id: Option<&str>, token_uri: &str) -> Result<String, ModelError> {
+    let bad = |what: &str| {
+        ModelError::new(ErrorKind::Auth, format!("the service account's private key {what}"))
+            .with_hint(RetryHint::Never)
+    };
+    let pair = key_pair(key)?;
     let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_secs();
     let mut header = serde_json::json!({"alg": "RS256", "typ": "JWT"});
     if let Some(kid) = key_id {
@@ -195,7 +236,14 @@ fn assertion(client_email: &str, key: &Secret, key_id: Option<&str>, token_uri: 
 pub struct TokenSource {
     credentials: Credentials,
     client: reqwest::Client,
-    cached: Mutex<Option<(Secret, Instant)>>,
+    cached: Mutex<Cached>,
+}
+
+/// The token in hand, or the last failure to get one (shared for a moment).
+#[derive(Default)]
+struct Cached {
+    token: Option<(Secret, Instant)>,
+    failed: Option<(ModelError, Instant)>,
 }
 
 impl std::fmt::Debug for TokenSource {
@@ -205,24 +253,46 @@ impl std::fmt::Debug for TokenSource {
 }
 
 impl TokenSource {
+    /// Where tokens come from, for messages.
+    fn token_uri(&self) -> String {
+        match &self.credentials {
+            Credentials::ServiceAccount { token_uri, .. } | Credentials::AuthorizedUser { token_uri, .. } => {
+                token_uri.to_string()
+            }
+            Credentials::Metadata { root } => format!("the metadata server at {root}"),
+        }
+    }
+
     /// Tokens from `credentials`, fetched with `client`.
     pub fn new(credentials: Credentials, client: reqwest::Client) -> Self {
-        Self { credentials, client, cached: Mutex::new(None) }
+        Self { credentials, client, cached: Mutex::new(Cached::default()) }
     }
 
     /// A token valid for at least five more minutes (a quarter of its lifetime, when that is
     /// shorter); fetched when there is none. Callers waiting at the same time share one fetch.
     pub async fn token(&self) -> Result<Secret, ModelError> {
         let mut cached = self.cached.lock().await;
-        if let Some((token, renew_at)) = cached.as_ref() {
+        if let Some((token, renew_at)) = cached.token.as_ref() {
             if Instant::now() < *renew_at {
                 return Ok(token.clone());
             }
         }
-        let (token, lifetime) = self.fetch().await?;
+        if let Some((e, at)) = cached.failed.as_ref() {
+            if at.elapsed() < FAILED_FETCH_HOLD {
+                return Err(e.clone());
+            }
+        }
+        let (token, lifetime) = match self.fetch().await {
+            Ok(t) => t,
+            Err(e) => {
+                cached.failed = Some((e.clone(), Instant::now()));
+                return Err(e);
+            }
+        };
+        cached.failed = None;
         // Renewed five minutes before it expires (a quarter of its life, for short-lived ones).
         let renew_at = Instant::now() + lifetime - EARLY.min(lifetime / 4);
-        *cached = Some((token.clone(), renew_at));
+        cached.token = Some((token.clone(), renew_at));
         Ok(token)
     }
 
@@ -230,15 +300,35 @@ impl TokenSource {
     /// the next call fetches a new one.
     pub async fn reject(&self, rejected: &Secret) {
         let mut cached = self.cached.lock().await;
-        if cached.as_ref().is_some_and(|(t, _)| t.expose() == rejected.expose()) {
-            *cached = None;
+        if cached.token.as_ref().is_some_and(|(t, _)| t.expose() == rejected.expose()) {
+            cached.token = None;
         }
     }
 
+    /// Gets a new token. Every failure is an `auth` error (no record can be sent without a
+    /// token, so the run's rule for credential failures stops it), retryable when the token
+    /// endpoint may recover (unreachable, 5xx, 429), with no secret in its message.
     async fn fetch(&self) -> Result<(Secret, Duration), ModelError> {
+        let mut jwt = String::new();
+        let sent: Vec<String> = match &self.credentials {
+            Credentials::AuthorizedUser { client_secret, refresh_token, .. } => {
+                vec![client_secret.expose().to_string(), refresh_token.expose().to_string()]
+            }
+            _ => Vec::new(),
+        };
+        let fail = |transient: bool, what: &str, jwt: &str| {
+            let mut secrets: Vec<&str> = sent.iter().map(String::as_str).collect();
+            secrets.push(jwt);
+            let e = ModelError::new(ErrorKind::Auth, clip(&scrub(what, &secrets)));
+            if transient {
+                e.with_hint(RetryHint::Backoff)
+            } else {
+                e.with_hint(RetryHint::Never)
+            }
+        };
         let request = match &self.credentials {
             Credentials::ServiceAccount { client_email, key, key_id, token_uri } => {
-                let jwt = assertion(client_email, key, key_id.as_deref(), token_uri.as_str())?;
+                jwt = assertion(client_email, key, key_id.as_deref(), token_uri.as_str())?;
                 self.client
                     .post(token_uri.as_str())
                     .form(&[("grant_type", "urn:ietf:params:oauth:grant-type:jwt-bearer"), ("assertion", jwt.as_str())])
@@ -266,10 +356,20 @@ impl TokenSource {
                 }
                 _ => "",
             };
-            ModelError { message: format!("cannot get a Google access token: {}{hint}", e.message), ..e }
+            fail(
+                true,
+                &format!("cannot get a Google access token from {}: {}{hint}", self.token_uri(), e.message),
+                &jwt,
+            )
         })?;
         let status = resp.status().as_u16();
-        let body = resp.bytes().await.map_err(|e| transport_error(&e))?;
+        let body = resp.bytes().await.map_err(|e| {
+            fail(
+                true,
+                &format!("cannot read the Google token endpoint's answer: {}", transport_error(&e).message),
+                &jwt,
+            )
+        })?;
         let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
         if status != 200 {
             // The token endpoint's own words (`invalid_grant`, …) say what to fix; they never
@@ -279,13 +379,20 @@ impl TokenSource {
                 .or_else(|| v.get("error"))
                 .map(|x| x.as_str().map_or_else(|| x.to_string(), str::to_string))
                 .unwrap_or_else(|| String::from_utf8_lossy(&body).into_owned());
-            let kind = if status >= 500 || status == 429 { ErrorKind::Server } else { ErrorKind::Auth };
-            let e = ModelError::new(kind, clip(&format!("the Google token endpoint refused (HTTP {status}): {what}")));
-            return Err(if kind == ErrorKind::Auth { e.with_hint(RetryHint::Never) } else { e });
+            let transient = status >= 500 || status == 429;
+            return Err(fail(transient, &format!("the Google token endpoint refused (HTTP {status}): {what}"), &jwt));
         }
         let token = v.get("access_token").and_then(Value::as_str).filter(|t| !t.is_empty()).ok_or_else(|| {
-            ModelError::new(ErrorKind::MalformedResponse, "the Google token endpoint's answer has no access_token")
+            fail(
+                false,
+                &format!("the Google token endpoint ({}) answered without an access_token", self.token_uri()),
+                &jwt,
+            )
         })?;
+        // It goes into a header: visible ASCII only.
+        if !token.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(fail(false, "the Google token endpoint's access_token is not a valid header value", &jwt));
+        }
         let lifetime = v.get("expires_in").and_then(Value::as_u64).unwrap_or(3600);
         Ok((Secret::new(token.to_string()), Duration::from_secs(lifetime)))
     }
@@ -294,6 +401,12 @@ impl TokenSource {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn scrub_removes_what_was_sent_and_anything_like_a_jwt() {
+        let m = scrub("refused: assertion=eyJhbGc.eyJpc3M.c2ln&grant=x secret=hunter2hunter2 ok", &["hunter2hunter2"]);
+        assert_eq!(m, "refused: assertion=***&grant=x secret=*** ok");
+    }
 
     fn env<'a>(pairs: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
         move |k| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())

@@ -272,7 +272,7 @@ async fn rejected_credentials_stop_early_with_exit_3_then_resume() {
         util::weir().args(args).arg("--no-state").env("GEMINI_API_KEY", "wrong-secret-value").output().await.unwrap();
     assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
     let err = stderr(&o);
-    assert!(err.contains("credentials were rejected"), "{err}");
+    assert!(err.contains("the credentials failed on the first"), "{err}");
     assert!(!err.contains("wrong-secret-value"), "the key must not be printed");
     let errors = rows(&dir.path("out.errors.jsonl"));
     assert_each_id_once(&ids, &[], &errors);

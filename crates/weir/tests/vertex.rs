@@ -407,3 +407,92 @@ async fn embeddings_on_vertex_ai() {
     assert_eq!((stats.embed_inputs, stats.embed_batches), (300, 5), "calls of 64");
     server.shutdown().await;
 }
+
+/// A token endpoint that echoes what it was sent (the signed JWT grant) in its refusal: the
+/// grant appears in no message or row, and the run stops (exit 3) instead of burning its input.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_endpoint_that_echoes_the_grant_leaks_nothing_and_stops_the_run() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let echo = tokio::spawn(async move {
+        loop {
+            let Ok((mut sock, _)) = listener.accept().await else { return };
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 65536];
+                let mut got = Vec::new();
+                // Headers and a short form body arrive together in practice; read what comes.
+                while let Ok(Ok(n)) =
+                    tokio::time::timeout(std::time::Duration::from_millis(200), sock.read(&mut buf)).await
+                {
+                    if n == 0 {
+                        break;
+                    }
+                    got.extend_from_slice(&buf[..n]);
+                }
+                let request = String::from_utf8_lossy(&got).replace('"', "'");
+                let body = format!(
+                    "{{\"error\":\"invalid_grant\",\"error_description\":\"bad request: {}\"}}",
+                    request.replace("\r\n", " ")
+                );
+                let reply = format!(
+                    "HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = sock.write_all(reply.as_bytes()).await;
+            });
+        }
+    });
+    let server = sim(|_| {}).await;
+    let dir = Dir::new("vertex-echo");
+    let sa = service_account(&dir, &format!("http://{addr}/token"));
+    let (data, _) = prompts(2000);
+    let input = dir.write("in.jsonl", &data);
+    let out = dir.path("out.jsonl");
+    let o = weir()
+        .args(["run", "--model", "vertex_endpoint/1", "--base-url", &server.url(), "--project", "p"])
+        .args(["--input", input.to_str().unwrap(), "--output", out.to_str().unwrap()])
+        .env("GOOGLE_APPLICATION_CREDENTIALS", &sa)
+        .env("HOME", dir.path("home"))
+        .env("RUST_LOG", "debug")
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(err.contains("refused (HTTP 400): bad request"), "the endpoint's words are kept: {err}");
+    assert!(!err.contains("eyJ"), "the grant leaked: {err}");
+    for f in walk(&dir.path("")) {
+        if f != sa {
+            let text = String::from_utf8_lossy(&std::fs::read(&f).unwrap_or_default()).into_owned();
+            assert!(!text.contains("eyJ"), "{f:?} holds the grant");
+        }
+    }
+    let errors = rows(&dir.path("out.errors.jsonl"));
+    assert!(errors.len() < 500, "stopped early: {} error rows of 2,000", errors.len());
+    echo.abort();
+    server.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unusable_private_key_is_a_usage_error_naming_the_file() {
+    let dir = Dir::new("vertex-badkey");
+    let file = serde_json::json!({
+        "type": "service_account", "project_id": "p", "private_key_id": "k1",
+        "private_key": "-----BEGIN PRIVATE KEY-----\nMIIBVQIBADANBgkqhkiG9w0BAQEFAASCAT8wggE7AgEAAkEA\n-----END PRIVATE KEY-----\n",
+        "client_email": "weir@p.iam.gserviceaccount.com", "token_uri": "http://127.0.0.1:9/token",
+    });
+    let sa = dir.write("broken-sa.json", file.to_string().as_bytes());
+    let input = dir.write("in.jsonl", b"{\"prompt\":\"hi\"}\n");
+    let out = dir.path("out.jsonl");
+    let o = weir()
+        .args(["run", "--model", "vertex_ai/gemini-2.5-flash", "--project", "p"])
+        .args(["--input", input.to_str().unwrap(), "--output", out.to_str().unwrap()])
+        .env("GOOGLE_APPLICATION_CREDENTIALS", &sa)
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("broken-sa.json") && stderr(&o).contains("private_key"), "{}", stderr(&o));
+    assert!(!out.exists());
+}
