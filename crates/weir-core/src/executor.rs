@@ -27,7 +27,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::error::{ErrorKind, ModelError};
+use crate::error::{ErrorKind, ModelError, RetryHint};
 use crate::handler::{Delta, DeltaStream};
 use crate::metrics::RunMetrics;
 use crate::outcome::{LimitInfo, ModelResponse, Usage};
@@ -244,19 +244,52 @@ impl Executor {
         let mut rng = self.rng();
         let mut out: Vec<Option<Result<Done<T>, Failed>>> = (0..items).map(|_| None).collect();
         let mut attempts = vec![0u32; items];
-        let mut pending: Vec<usize> = (0..items).collect();
         let mut last: Vec<Option<ModelError>> = vec![None; items];
-        while !pending.is_empty() {
+        // Groups of items to send, each as one call; items to send again after a backoff.
+        let mut queue: std::collections::VecDeque<Vec<usize>> =
+            std::collections::VecDeque::from([(0..items).collect()]);
+        let mut again: Vec<usize> = Vec::new();
+        let mut delay = Duration::ZERO;
+        loop {
+            let group = match queue.pop_front() {
+                Some(g) => g,
+                None if again.is_empty() => break,
+                None => {
+                    if !Self::backoff(std::mem::take(&mut delay), cancel).await {
+                        break;
+                    }
+                    queue.push_back(std::mem::take(&mut again));
+                    continue;
+                }
+            };
             if cancel.is_cancelled() {
+                queue.push_front(group);
                 break;
             }
-            let batch = Batch(pending.clone());
+            let batch = Batch(group);
             let w = weight(&batch.0);
             let n = batch.0.len();
             let result = self.attempt(w, cancel, attempts[batch.0[0]], Batch::call(&batch, &mut call)).await;
-            let Some(result) = result else { break };
+            let Some(result) = result else {
+                queue.push_front(batch.0);
+                break;
+            };
             for &i in &batch.0 {
                 attempts[i] += 1;
+            }
+            // A refusal of the whole call that no retry can change may be the fault of one item
+            // (a blocked prompt, an item the endpoint cannot take, too many items): the call is
+            // split in halves and each sent alone, so only the culprit fails.
+            if let Err(e) = &result {
+                let one_items_fault =
+                    matches!(e.kind, ErrorKind::BadRequest | ErrorKind::InvalidInput | ErrorKind::Blocked)
+                        && e.hint == RetryHint::Never;
+                if n > 1 && one_items_fault {
+                    let (a, b) = batch.0.split_at(n / 2);
+                    queue.push_front(b.to_vec());
+                    queue.push_front(a.to_vec());
+                    continue;
+                }
             }
             // Item-level outcomes; a whole-call failure applies to every item of the call.
             let per_item: Vec<Result<T, ModelError>> = match result {
@@ -267,8 +300,6 @@ impl Executor {
                 }
                 Err(e) => (0..n).map(|_| Err(e.clone())).collect(),
             };
-            let mut retry = Vec::new();
-            let mut delay = Duration::ZERO;
             for (i, r) in batch.0.iter().copied().zip(per_item) {
                 match r {
                     Ok(value) => out[i] = Some(Ok(Done { value, attempts: attempts[i], latency: start.elapsed() })),
@@ -279,14 +310,10 @@ impl Executor {
                         Decision::Retry(d) => {
                             delay = delay.max(d);
                             last[i] = Some(error);
-                            retry.push(i);
+                            again.push(i);
                         }
                     },
                 }
-            }
-            pending = retry;
-            if !pending.is_empty() && !Self::backoff(delay, cancel).await {
-                break;
             }
         }
         out.into_iter()
@@ -537,6 +564,42 @@ mod tests {
         assert_eq!(out[1].as_ref().unwrap().attempts, 3);
         assert_eq!(out[3].as_ref().unwrap_err().error.kind, ErrorKind::BadRequest);
         assert_eq!(ex.metrics().calls.load(Relaxed), 3, "three requests for five items");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_call_refused_for_one_items_fault_is_split_until_only_that_item_fails() {
+        let ex = executor(5);
+        let cancel = CancellationToken::new();
+        let sent: Mutex<Vec<Vec<usize>>> = Mutex::new(Vec::new());
+        let out = ex
+            .run_batch(
+                8,
+                |items| Weight { tokens: items.len() as u64 },
+                &cancel,
+                |items: Vec<usize>| {
+                    sent.lock().unwrap().push(items.clone());
+                    async move {
+                        // The endpoint refuses any call that carries item 5 (a blocked prompt).
+                        if items.contains(&5) {
+                            Err(ModelError::new(ErrorKind::BadRequest, "item 5 is refused"))
+                        } else {
+                            Ok(items.iter().map(|&i| Ok(answer(&format!("a{i}")))).collect())
+                        }
+                    }
+                },
+            )
+            .await;
+        for (i, o) in out.iter().enumerate() {
+            match (i, o) {
+                (5, Err(f)) => assert_eq!(f.error.kind, ErrorKind::BadRequest),
+                (5, Ok(_)) => panic!("item 5 answered"),
+                (i, o) => assert_eq!(o.as_ref().unwrap().value.text, format!("a{i}")),
+            }
+        }
+        let sent = sent.into_inner().unwrap();
+        // Halves: [0..8] refused, [0..4] ok, [4..8] refused, [4,5] refused, [4] ok, [5] refused, [6,7] ok.
+        assert_eq!(sent.len(), 7, "{sent:?}");
+        assert_eq!(sent[5], vec![5]);
     }
 
     #[tokio::test(start_paused = true)]

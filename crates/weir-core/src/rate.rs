@@ -71,6 +71,8 @@ pub struct Budget {
     last_probe: Option<Instant>,
     probe: f64,
     refusals: u64,
+    /// The window assumed when a refusal does not say when to come back.
+    default_window: Duration,
 }
 
 /// True for advice in whole seconds (`retry-after: 2`, `retryDelay: "13s"`): rounded up, so the
@@ -105,7 +107,15 @@ impl Budget {
             last_probe: None,
             probe: 1.0,
             refusals: 0,
+            default_window: DEFAULT_WINDOW,
         }
+    }
+
+    /// Assumes `window` when a refusal does not say when to come back (a provider whose 429s
+    /// advise nothing, such as Vertex AI; `--limit-window` says how long its quota window is).
+    pub fn with_default_window(mut self, window: Duration) -> Self {
+        self.default_window = window;
+        self
     }
 
     /// The mode.
@@ -297,7 +307,7 @@ impl Budget {
                     (Some(d), Some(at)) => {
                         (now + d).duration_since(at).clamp(Duration::from_millis(500), Duration::from_secs(3600))
                     }
-                    _ => DEFAULT_WINDOW,
+                    _ => self.default_window,
                 });
                 self.mode = Mode::Learned;
                 self.credits = 0.0;

@@ -281,8 +281,9 @@ pub struct RateSnapshot {
 impl RateLimiter {
     /// A limiter with the given static limits.
     pub fn new(settings: RateSettings) -> Self {
-        let req = settings.requests.map_or_else(Budget::unlimited, |r| Budget::fixed(r as f64, settings.window));
-        let tok = settings.tokens.map_or_else(Budget::unlimited, |t| Budget::fixed(t as f64, settings.window));
+        let unlimited = || Budget::unlimited().with_default_window(settings.window);
+        let req = settings.requests.map_or_else(unlimited, |r| Budget::fixed(r as f64, settings.window));
+        let tok = settings.tokens.map_or_else(unlimited, |t| Budget::fixed(t as f64, settings.window));
         Self {
             state: Mutex::new((req, tok)),
             settings,

@@ -158,6 +158,17 @@ pub fn classify_error(status: u16, headers: &reqwest::header::HeaderMap, body: &
             _ => {}
         }
     }
+    // Vertex AI's 429 names no quota and advises no delay, only `rateLimitExceeded`: its quotas
+    // are per minute, so it is taken as a refusal by a requests quota, whose window the rate
+    // budget then learns (a minute, unless a later answer advises otherwise), rather than as
+    // push-back the concurrency limit could not stop at zero latency.
+    let rate_limit_exceeded = err
+        .get("errors")
+        .and_then(Value::as_array)
+        .is_some_and(|es| es.iter().any(|x| x.get("reason").and_then(Value::as_str) == Some("rateLimitExceeded")));
+    if status == 429 && e.quota.is_none() && rate_limit_exceeded {
+        e.quota = Some(QuotaScope::Requests);
+    }
     if status == 429 && per_day {
         e.kind = ErrorKind::QuotaExhausted;
         e.hint = RetryHint::StopRun;
@@ -376,6 +387,7 @@ mod tests {
         let vertex = br#"{"error":{"code":429,"message":"Resource exhausted. Please try again later.","status":"RESOURCE_EXHAUSTED","errors":[{"domain":"global","reason":"rateLimitExceeded","message":"Resource exhausted."}]}}"#;
         let e = classify_error(429, &h, vertex);
         assert_eq!((e.kind, e.hint), (ErrorKind::RateLimited, RetryHint::Later(None)));
+        assert_eq!(e.quota, Some(QuotaScope::Requests), "a quota refusal, for the rate budget to learn");
         assert!(e.message.contains("RESOURCE_EXHAUSTED"), "{}", e.message);
     }
 }

@@ -416,7 +416,15 @@ pub fn proto_duration(s: &str) -> Option<Duration> {
 pub fn status_error(status: u16, headers: &HeaderMap, message: String) -> ModelError {
     let advised = retry_after(headers);
     let e = match status {
-        400 | 404 | 405 | 413 | 422 => ModelError::new(ErrorKind::BadRequest, message),
+        // No such model or route: no other record can fare better.
+        404 | 405 => ModelError::new(
+            ErrorKind::BadRequest,
+            format!(
+                "{message} (the model or its route was not found: check --model, --base-url, --project and --location)"
+            ),
+        )
+        .with_hint(RetryHint::StopRun),
+        400 | 413 | 422 => ModelError::new(ErrorKind::BadRequest, message),
         401 | 403 => ModelError::new(ErrorKind::Auth, message),
         408 => ModelError::new(ErrorKind::Timeout, message),
         429 => ModelError::new(ErrorKind::RateLimited, message).with_hint(RetryHint::Later(advised)),

@@ -98,6 +98,7 @@ impl FromStr for ModelSpec {
             ))
         };
         let (provider, model) = s.split_once('/').ok_or_else(usage)?;
+        let (provider, model) = (provider.trim(), model.trim());
         if model.trim().is_empty() {
             return Err(usage());
         }
@@ -212,9 +213,13 @@ impl FromStr for EndpointFormat {
 /// A project or location name: letters, digits, `-`, `_` and `.`, as Google's are.
 fn check_name(what: &str, v: &str) -> Result<String, ProviderError> {
     let v = v.trim();
-    if v.is_empty() || !v.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) {
+    // Dots alone would change the URL's path (`..`), not name anything.
+    if v.is_empty()
+        || v.chars().all(|c| c == '.')
+        || !v.chars().all(|c| c.is_ascii_alphanumeric() || "-_.@".contains(c))
+    {
         return Err(ProviderError::Config(format!(
-            "{what} '{v}': expected a Google Cloud {what} name (letters, digits, '-', '_', '.')"
+            "{what} '{v}': expected a Google Cloud {what} name (letters, digits, '-', '_', '.', '@')"
         )));
     }
     Ok(v.to_string())
@@ -343,6 +348,7 @@ async fn connect_embed(
         }
         Provider::Vertex => {
             let site = VertexSite::find(options, env)?;
+            check_name("model", &spec.model)?;
             let url = format!("{}/publishers/google/models/{}:predict", site.root("v1"), spec.model);
             (make(EmbedApi::Vertex, url, http::Credential::Tokens(site.tokens.clone())), None)
         }
@@ -399,6 +405,7 @@ pub async fn connect(
         }
         Provider::Vertex => {
             let site = VertexSite::find(options, env)?;
+            check_name("model", &spec.model)?;
             let root = format!("{}/publishers/google/models/{}", site.root("v1"), spec.model);
             let handler = GeminiHandler::vertex(client, root, site.tokens, spec.to_string());
             Ok(Endpoint { handler: Arc::new(handler), sim: None })

@@ -124,8 +124,9 @@ pub struct RunArgs {
     #[arg(long, value_name = "N")]
     batch_tokens: Option<u64>,
     /// The longest a record waits for others to fill its batch, in milliseconds.
-    #[arg(long, value_name = "MS", default_value_t = 20)]
-    batch_linger_ms: u64,
+    /// [default: 20]
+    #[arg(long, value_name = "MS")]
+    batch_linger_ms: Option<u64>,
     /// Group records of like length before cutting batches, so a batch computed together
     /// wastes little on padding: `auto` (4 buckets at quantiles of the lengths seen so far;
     /// `auto:N` for N); upper bounds in estimated tokens, e.g. 16,32,64,128,256,512; or `off`
@@ -148,7 +149,8 @@ pub struct RunArgs {
     /// Tokens (prompt + output) allowed per --limit-window.
     #[arg(long, value_name = "N")]
     tpm: Option<u64>,
-    /// The window --rpm and --tpm are counted over, in seconds (60 for per-minute quotas).
+    /// The window --rpm and --tpm are counted over, in seconds (60 for per-minute quotas); also
+    /// the window assumed for a quota learned from 429s that advise no delay (Vertex AI's).
     #[arg(long, value_name = "SECS", default_value_t = 60.0, allow_negative_numbers = true)]
     limit_window: f64,
     /// Do not learn limits from 429s and rate-limit headers.
@@ -289,6 +291,30 @@ impl RunArgs {
             (Some(n), _) => weir_core::Bucketing::SortWindow(n),
             (None, b) => b,
         };
+        if !batchable && self.model_field.is_none() {
+            for (flag, given) in [
+                ("--batch-tokens", self.batch_tokens.is_some()),
+                ("--batch-linger-ms", self.batch_linger_ms.is_some()),
+                ("--sort-window", self.sort_window.is_some()),
+            ] {
+                if given {
+                    return Err(UsageError(format!(
+                        "{flag}: {model} takes one record per call; batching applies to --task embed and to \
+                         vertex_endpoint/ models called through :predict (--endpoint-format raw)"
+                    )));
+                }
+            }
+        }
+        if model.provider == weir_providers::Provider::VertexEndpoint
+            && matches!(endpoint_format, weir_providers::EndpointFormat::Raw | weir_providers::EndpointFormat::Chat)
+            && (params.response_schema.is_some() || params.response_mime_type.is_some())
+        {
+            return Err(UsageError(
+                "--param response_schema / response_mime_type cannot be sent in a :predict instance; leave them out \
+                 or call the endpoint's OpenAI-compatible route (--endpoint-format openai)"
+                    .into(),
+            ));
+        }
         if self.batch_tokens == Some(0) {
             return Err(UsageError("--batch-tokens must be at least 1".into()));
         }
@@ -374,7 +400,7 @@ impl RunArgs {
             batch: weir_core::BatchSettings {
                 max_items: 1,
                 max_weight: self.batch_tokens.unwrap_or(u64::MAX),
-                linger: Duration::from_millis(self.batch_linger_ms),
+                linger: Duration::from_millis(self.batch_linger_ms.unwrap_or(20)),
                 bucketing,
             },
             input,

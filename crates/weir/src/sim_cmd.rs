@@ -15,8 +15,13 @@ use crate::UsageError;
 #[command(
     after_help = "Routes: POST /v1beta/models/{m}:generateContent and :streamGenerateContent[?alt=sse] (also under /v1/); \
 POST /v1[beta1]/projects/{p}/locations/{l}/publishers/google/models/{m}:generateContent (Vertex AI); \
-POST /v1/chat/completions (OpenAI, stream included); GET /v1/models; \
-POST /v1/projects/{p}/locations/{l}/endpoints/{id}:predict; GET /stats; POST /stats/reset.\n\n\
+POST /v1/chat/completions (OpenAI, stream included; any path ending in /chat/completions, e.g. a Vertex \
+endpoint's OpenAI-compatible route); POST /v1/embeddings; GET /v1/models; \
+POST /v1beta/models/{m}:batchEmbedContents and :embedContent; \
+POST /v1[beta1]/projects/{p}/locations/{l}/endpoints/{id}:predict and :rawPredict; \
+POST /v1/projects/{p}/locations/{l}/publishers/google/models/{m}:predict (text embeddings); \
+POST /token and GET /computeMetadata/v1/instance/service-accounts/default/token (Google tokens); \
+GET /stats; POST /stats/reset; GET /requests (with capture_requests).\n\n\
 A prompt containing [sim:KIND] always gets that fault, e.g. [sim:error_503]."
 )]
 pub struct SimArgs {
@@ -24,7 +29,7 @@ pub struct SimArgs {
     #[arg(long, default_value = "127.0.0.1:8080")]
     listen: SocketAddr,
     /// A TOML scenario file (sections: latency, quota, concurrency, faults, output, auth,
-    /// predict; and api_keys, capture_requests).
+    /// predict, embedding; and api_keys, capture_requests).
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
     /// Seed for generated text, latency spread and fault decisions.

@@ -576,3 +576,27 @@ async fn the_cache_does_not_answer_for_another_endpoint() {
     a.shutdown().await;
     b.shutdown().await;
 }
+
+/// A model or route that does not exist (404) stops the run at once, exit 3, instead of writing
+/// an error row for every record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_that_is_not_there_stops_the_run() {
+    let server = sim(SimConfig::default()).await;
+    let dir = util::Dir::new("run-404");
+    let (data, _) = util::prompts(3000);
+    let input = dir.write("in.jsonl", &data);
+    let out = dir.path("out.jsonl");
+    // The simulator serves no route under /nothing.
+    let base = format!("{}/nothing", server.url());
+    let o = util::weir()
+        .args(["run", "--model", "gemini/m", "--base-url", &base, "--id-field", "key"])
+        .args(["--input", input.to_str().unwrap(), "--output", out.to_str().unwrap()])
+        .env("GEMINI_API_KEY", "k")
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    assert!(stderr(&o).contains("not found"), "{}", stderr(&o));
+    assert!(server.stats().requests <= 200, "stopped early: {} calls", server.stats().requests);
+    server.shutdown().await;
+}

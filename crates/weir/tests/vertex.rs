@@ -168,6 +168,25 @@ async fn a_revoked_token_stops_the_run_with_exit_3() {
     server.shutdown().await;
 }
 
+/// A call refused for one record's sake (a blocked prompt; more instances than the endpoint
+/// takes) is split until only that record fails: the others in its batch are answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_refused_for_one_records_sake_fails_only_that_record() {
+    let server = sim(|c| c.predict.max_instances = 4).await;
+    let dir = Dir::new("vertex-endpoint-poison");
+    let (mut data, ids) = prompts(64);
+    let text = String::from_utf8(data.clone()).unwrap().replacen("item 5\"", "item 5 [sim:block_prompt]\"", 1);
+    data = text.into_bytes();
+    let args = ["--project", "p", "--batch-size", "16", "--buckets", "off"];
+    let (o, out, _) = model_run("vertex_endpoint/1234", &server, &dir, &(data, ids.clone()), &args).await;
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let errors = rows(&dir.path("out.errors.jsonl"));
+    assert_each_id_once(&ids, &rows(&out), &errors);
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert_eq!(errors[0]["id"], "r5");
+    server.shutdown().await;
+}
+
 /// A Vertex AI endpoint's `:predict` carries many records per call.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_vertex_endpoint_takes_many_records_per_predict_call() {
@@ -287,6 +306,17 @@ async fn batching_flags_that_cannot_apply_exit_2() {
         (vec!["--model", "vertex_endpoint/1", "--endpoint-format", "grpc"], "expected raw, chat, openai or rawpredict"),
         (vec!["--model", "vertex_endpoint/projects/p/endpoints/1"], "by its id alone"),
         (vec!["--model", "vertex_endpoint/1", "--batch-size", "0"], "at least 1"),
+        (
+            vec!["--model", "vertex_endpoint/1", "--endpoint-format", "chat", "--batch-linger-ms", "5"],
+            "one record per call",
+        ),
+        (vec!["--model", "vertex_ai/g", "--batch-tokens", "500"], "one record per call"),
+        (
+            vec!["--model", "vertex_endpoint/1", "--param", "response_mime_type=application/json"],
+            "cannot be sent in a :predict",
+        ),
+        (vec!["--model", "vertex_endpoint/..", "--project", "p"], "endpoint id"),
+        (vec!["--model", "vertex_ai/gemini", "--project", ".."], "project '..'"),
     ] {
         let o = weir().arg("run").args(&args).args(io).output().await.unwrap();
         assert_eq!(o.status.code(), Some(2), "{args:?}: {}", stderr(&o));
