@@ -45,6 +45,8 @@ pub struct EmbedHandler {
     model_id: String,
     credential: Credential,
     max_batch: usize,
+    /// OpenAI's tokenizer, for OpenAI's embedding models.
+    bpe: Option<crate::openai::Tokenizer>,
 }
 
 impl EmbedHandler {
@@ -59,7 +61,8 @@ impl EmbedHandler {
         max_batch: usize,
     ) -> Self {
         let endpoint = url.clone();
-        Self { client, api, url, endpoint, model, model_id, credential, max_batch: max_batch.max(1) }
+        let bpe = if api == EmbedApi::OpenAi { crate::openai::tokenizer_for(&model) } else { None };
+        Self { client, api, url, endpoint, model, model_id, credential, max_batch: max_batch.max(1), bpe }
     }
 
     /// Names the endpoint `name` instead of its URL (the in-process simulator).
@@ -163,6 +166,10 @@ impl ModelHandler for EmbedHandler {
 
     fn max_batch(&self) -> usize {
         self.max_batch
+    }
+
+    fn count_tokens(&self, text: &str) -> Option<u64> {
+        self.bpe.map(|b| b.count(text))
     }
 
     fn max_batch_bytes(&self) -> Option<usize> {

@@ -21,6 +21,31 @@ pub struct OpenAiHandler {
     model: String,
     model_id: String,
     credential: Credential,
+    /// OpenAI's tokenizer for this model, when it is one of OpenAI's (exact token weights).
+    bpe: Option<Tokenizer>,
+}
+
+/// One of OpenAI's tokenizers (tiktoken's, built in).
+#[derive(Clone, Copy)]
+pub struct Tokenizer(&'static tiktoken_rs::CoreBPE);
+
+impl Tokenizer {
+    /// The tokens of `text`.
+    pub fn count(&self, text: &str) -> u64 {
+        self.0.encode_ordinary(text).len() as u64
+    }
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Tokenizer")
+    }
+}
+
+/// OpenAI's tokenizer for `model` (`gpt-4o-mini`, `text-embedding-3-small`, …), known offline;
+/// `None` for other servers' models, whose tokens are then estimated from their length.
+pub fn tokenizer_for(model: &str) -> Option<Tokenizer> {
+    tiktoken_rs::bpe_for_model(model).ok().map(Tokenizer)
 }
 
 impl OpenAiHandler {
@@ -35,7 +60,8 @@ impl OpenAiHandler {
     /// route, or `:rawPredict`), sending `model` in the body and naming itself `model_id`.
     pub fn at(client: reqwest::Client, url: String, model: String, model_id: String, credential: Credential) -> Self {
         let endpoint = url.clone();
-        Self { client, url, endpoint, model, model_id, credential }
+        let bpe = tokenizer_for(&model);
+        Self { client, url, endpoint, model, model_id, credential, bpe }
     }
 
     /// The request body for `request`.
@@ -278,6 +304,10 @@ impl ModelHandler for OpenAiHandler {
         &self.model_id
     }
 
+    fn count_tokens(&self, text: &str) -> Option<u64> {
+        self.bpe.map(|b| b.count(text))
+    }
+
     fn endpoint(&self) -> &str {
         &self.endpoint
     }
@@ -287,6 +317,14 @@ impl ModelHandler for OpenAiHandler {
 mod tests {
     use super::*;
     use reqwest::header::HeaderMap;
+
+    #[test]
+    fn openai_models_are_counted_with_their_own_tokenizer() {
+        let bpe = tokenizer_for("gpt-4o-mini").expect("o200k for gpt-4o");
+        assert_eq!(bpe.count("Hello, world!"), 4);
+        assert!(tokenizer_for("text-embedding-3-small").is_some());
+        assert!(tokenizer_for("meta-llama/Llama-3.1-8B-Instruct").is_none(), "other servers' models are estimated");
+    }
 
     #[test]
     fn parses_answers_and_filters() {

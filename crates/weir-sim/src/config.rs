@@ -47,7 +47,8 @@ pub struct SimConfig {
 pub struct PredictConfig {
     /// Instances per request at most (0 = no limit); more is a 400.
     pub max_instances: u64,
-    /// Request bodies larger than this are a 400, as Vertex AI refuses bodies over 1.5 MB.
+    /// `:predict` and embedding request bodies larger than this are a 400, as Vertex AI refuses
+    /// bodies over 1.5 MB.
     pub max_request_bytes: u64,
     /// Per prompt token of the longest instance, in milliseconds (prefill of a padded batch).
     pub prompt_token_ms: f64,

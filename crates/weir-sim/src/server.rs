@@ -257,7 +257,8 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Bo
     }
     let bytes = body.collect().await.map_err(io::Error::other)?.to_bytes();
     let limits = &state.config.predict;
-    if route.api == Api::Predict && bytes.len() as u64 > limits.max_request_bytes {
+    // `:predict` and embedding requests are bounded in size, as Vertex AI bounds them.
+    if (route.api == Api::Predict || route.embed.is_some()) && bytes.len() as u64 > limits.max_request_bytes {
         state.stats.predict_refused();
         let msg = format!("Request payload size exceeds the limit: {} bytes.", limits.max_request_bytes);
         return Ok(error_reply(&state, proto::error(route.api, 400, &msg)));

@@ -102,6 +102,10 @@ async fn embeddings_from_the_built_in_simulator_resume_and_refuse_generation_fla
     let again = embed_run("sim/embed", None, &dir, &data, &[]).await;
     assert_eq!(again.status.code(), Some(0), "{}", stderr(&again));
     assert!(stderr(&again).contains("Resuming: 300"), "{}", stderr(&again));
+    // Started over, every vector comes from the response cache: no call is paid twice.
+    let fresh = embed_run("sim/embed", None, &dir, &data, &["--fresh"]).await;
+    assert_eq!(fresh.status.code(), Some(0), "{}", stderr(&fresh));
+    assert!(stderr(&fresh).contains("calls 0 ") && stderr(&fresh).contains("300 from cache"), "{}", stderr(&fresh));
     let input = dir.path("in.jsonl");
     let out = dir.path("out.jsonl");
     let gen = weir()
