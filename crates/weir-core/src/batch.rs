@@ -117,26 +117,14 @@ where
         };
         let weight = (self.weigh)(&item);
         let key = (group, self.bucket_of(weight));
-        let s = &self.settings;
-        if let Bucketing::SortWindow(window) = s.bucketing {
-            let linger = s.linger;
-            let b = self.buffers.entry(key.clone()).or_insert_with(|| Buffer {
-                items: Vec::new(),
-                weight: 0,
-                deadline: Instant::now() + linger,
-            });
-            b.items.push(item);
-            b.weight = b.weight.saturating_add(weight);
-            if b.items.len() >= window.max(1) {
-                self.flush(&key);
-            }
-            return;
-        }
+        let (max_items, max_weight) = match self.settings.bucketing {
+            // A sorted window collects `window` records; its batches are cut when it is flushed.
+            Bucketing::SortWindow(window) => (window.max(1), u64::MAX),
+            _ => (self.settings.max_items.max(1), self.settings.max_weight),
+        };
         // A record that would take its batch past the weight limit sends the batch first.
-        let over = self
-            .buffers
-            .get(&key)
-            .is_some_and(|b| !b.items.is_empty() && b.weight.saturating_add(weight) > s.max_weight);
+        let over =
+            self.buffers.get(&key).is_some_and(|b| !b.items.is_empty() && b.weight.saturating_add(weight) > max_weight);
         if over {
             self.flush(&key);
         }
@@ -148,7 +136,7 @@ where
         });
         b.items.push(item);
         b.weight = b.weight.saturating_add(weight);
-        if b.items.len() >= self.settings.max_items.max(1) || b.weight >= self.settings.max_weight {
+        if b.items.len() >= max_items || b.weight >= max_weight {
             self.flush(&key);
         }
     }

@@ -42,6 +42,16 @@ pub type DeltaStream = BoxStream<'static, Result<Delta, ModelError>>;
 /// of the whole call (a 429 or 503 retries the call); an inner error failed that item alone.
 pub type BatchAnswer = Result<Vec<Result<ModelResponse, ModelError>>, ModelError>;
 
+/// One request's answer from a handler whose calls are batches: a batch of one. (For handlers
+/// that implement [`ModelHandler::generate_batch`] natively, as their `generate`.)
+pub async fn answer_one<H: ModelHandler + ?Sized>(
+    handler: &H,
+    request: &ModelRequest,
+) -> Result<ModelResponse, ModelError> {
+    let mut answers = handler.generate_batch(std::slice::from_ref(request)).await?;
+    answers.pop().unwrap_or_else(|| Err(ModelError::new(ErrorKind::MalformedResponse, "the batch answer is empty")))
+}
+
 /// Something that turns requests into answers: a provider client. Each method makes exactly one
 /// call per invocation. Errors are classified here, where the provider's answer is understood.
 #[async_trait::async_trait]

@@ -146,8 +146,7 @@ impl LocalEmbedder {
 #[async_trait::async_trait]
 impl ModelHandler for LocalEmbedder {
     async fn generate(&self, request: &ModelRequest) -> Result<ModelResponse, ModelError> {
-        let mut answers = self.generate_batch(std::slice::from_ref(request)).await?;
-        answers.pop().unwrap_or_else(|| Err(ModelError::new(ErrorKind::Server, "local model: no vector")))
+        weir_core::handler::answer_one(self, request).await
     }
 
     fn model_id(&self) -> &str {

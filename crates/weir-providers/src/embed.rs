@@ -152,8 +152,7 @@ pub fn parse(api: EmbedApi, body: &[u8], texts: &[&str]) -> BatchAnswer {
 #[async_trait::async_trait]
 impl ModelHandler for EmbedHandler {
     async fn generate(&self, request: &ModelRequest) -> Result<ModelResponse, ModelError> {
-        let mut answers = self.generate_batch(std::slice::from_ref(request)).await?;
-        answers.pop().unwrap_or_else(|| Err(malformed("is empty")))
+        weir_core::handler::answer_one(self, request).await
     }
 
     fn model_id(&self) -> &str {

@@ -143,8 +143,7 @@ pub fn parse_predictions(body: &[u8], sent: usize, format: InstanceFormat) -> Ba
 #[async_trait::async_trait]
 impl ModelHandler for PredictHandler {
     async fn generate(&self, request: &ModelRequest) -> Result<ModelResponse, ModelError> {
-        let mut answers = self.generate_batch(std::slice::from_ref(request)).await?;
-        answers.pop().unwrap_or_else(|| Err(ModelError::new(ErrorKind::MalformedResponse, "no prediction")))
+        weir_core::handler::answer_one(self, request).await
     }
 
     fn model_id(&self) -> &str {

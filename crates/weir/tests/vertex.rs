@@ -449,16 +449,26 @@ async fn a_token_endpoint_that_echoes_the_grant_leaks_nothing_and_stops_the_run(
         loop {
             let Ok((mut sock, _)) = listener.accept().await else { return };
             tokio::spawn(async move {
+                // The whole request: headers, then content-length bytes of body.
                 let mut buf = vec![0u8; 65536];
                 let mut got = Vec::new();
-                // Headers and a short form body arrive together in practice; read what comes.
-                while let Ok(Ok(n)) =
-                    tokio::time::timeout(std::time::Duration::from_millis(200), sock.read(&mut buf)).await
-                {
-                    if n == 0 {
-                        break;
+                let whole = |got: &[u8]| {
+                    let text = String::from_utf8_lossy(got);
+                    let Some(end) = text.find("\r\n\r\n") else { return false };
+                    let len = text[..end]
+                        .lines()
+                        .find_map(|l| {
+                            l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().to_string())
+                        })
+                        .and_then(|v| v.parse::<usize>().ok())
+                        .unwrap_or(0);
+                    got.len() >= end + 4 + len
+                };
+                while !whole(&got) {
+                    match tokio::time::timeout(std::time::Duration::from_secs(10), sock.read(&mut buf)).await {
+                        Ok(Ok(n)) if n > 0 => got.extend_from_slice(&buf[..n]),
+                        _ => break,
                     }
-                    got.extend_from_slice(&buf[..n]);
                 }
                 let request = String::from_utf8_lossy(&got).replace('"', "'");
                 let body = format!(
