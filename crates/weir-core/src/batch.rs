@@ -30,8 +30,12 @@ pub enum Bucketing {
     /// Upper bounds of the buckets, ascending, in the same unit as the weights (estimated
     /// tokens); records heavier than the last bound share one more bucket.
     Fixed(Vec<u64>),
+    /// Buckets that double: up to 8, 9–16, 17–32, … tokens, so that within a bucket the longest
+    /// record is at most twice the shortest (padding at most 2×) whatever the distribution.
+    Doubling,
     /// `n` buckets whose boundaries are quantiles of the weights seen so far (re-taken as the
-    /// input goes on, so they follow the data without a setting to tune).
+    /// input goes on). Equal counts per bucket: with a skewed distribution the top bucket can
+    /// still mix short and very long records.
     Auto(usize),
     /// Collect this many records, sort them by weight, then cut batches.
     SortWindow(usize),
@@ -105,6 +109,8 @@ where
         }
         match self.settings.bucketing {
             Bucketing::Fixed(_) | Bucketing::Auto(_) => self.bounds.partition_point(|&b| b < weight),
+            // ⌈log2 w⌉, all records of up to 8 tokens together.
+            Bucketing::Doubling => (u64::BITS - weight.saturating_sub(1).leading_zeros()).saturating_sub(3) as usize,
             Bucketing::Off | Bucketing::SortWindow(_) => 0,
         }
     }
@@ -315,6 +321,7 @@ mod tests {
         prop_oneof![
             Just(Bucketing::Off),
             Just(Bucketing::Fixed(vec![16, 64, 256])),
+            Just(Bucketing::Doubling),
             (1usize..6).prop_map(Bucketing::Auto),
             (1usize..40).prop_map(Bucketing::SortWindow),
         ]
@@ -334,6 +341,24 @@ mod tests {
         ) {
             let settings = BatchSettings { max_items, max_weight, linger: Duration::from_millis(linger), bucketing };
             check(gaps, weights, settings, groups);
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn doubling_buckets_keep_the_longest_at_most_twice_the_shortest() {
+        let weights: Vec<u64> = (1..=600).collect();
+        let settings = BatchSettings {
+            max_items: 1000,
+            max_weight: u64::MAX,
+            linger: Duration::from_secs(1),
+            bucketing: Bucketing::Doubling,
+        };
+        let out: Vec<Vec<u64>> =
+            batches(futures::stream::iter(weights), settings, |w| *w, |_| Some(())).collect().await;
+        assert_eq!(out.len(), 8, "≤8, 9–16, …, 513–1024");
+        for b in &out {
+            let (lo, hi) = (b.iter().min().unwrap(), b.iter().max().unwrap());
+            assert!(*hi <= 8 || *hi <= 2 * lo, "{lo}..{hi}");
         }
     }
 

@@ -418,10 +418,7 @@ impl Driver {
                 }
             }
         }
-        // A call is counted when first sent (one the run's stop cancels before it goes is not).
-        let unsent: Vec<std::sync::atomic::AtomicBool> =
-            calls.iter().map(|_| std::sync::atomic::AtomicBool::new(true)).collect();
-        let results = futures::future::join_all(calls.iter().zip(&unsent).map(|(call, unsent)| {
+        let results = futures::future::join_all(calls.iter().map(|call| {
             let requests = &requests;
             self.executor.run_batch(
                 call.len(),
@@ -432,10 +429,9 @@ impl Driver {
                 move |items: Vec<usize>| {
                     let chunk: Vec<ModelRequest> = items.iter().map(|&j| requests[call[j]].clone()).collect();
                     async move {
-                        if unsent.swap(false, Relaxed) {
-                            let tokens: Vec<u64> = call.iter().map(|&i| self.weight_of(&requests[i]).tokens).collect();
-                            self.metrics.record_batch(&tokens);
-                        }
+                        // Counted as sent (retries and the halves of a split call included).
+                        let tokens: Vec<u64> = chunk.iter().map(|r| self.weight_of(r).tokens).collect();
+                        self.metrics.record_batch(&tokens);
                         self.handler.generate_batch(&chunk).await
                     }
                 },

@@ -285,6 +285,10 @@ impl Executor {
                     matches!(e.kind, ErrorKind::BadRequest | ErrorKind::InvalidInput | ErrorKind::Blocked)
                         && e.hint == RetryHint::Never;
                 if n > 1 && one_items_fault {
+                    // Not a failure of these items (yet): the split does not use up their retries.
+                    for &i in &batch.0 {
+                        attempts[i] -= 1;
+                    }
                     let (a, b) = batch.0.split_at(n / 2);
                     queue.push_front(b.to_vec());
                     queue.push_front(a.to_vec());
@@ -600,6 +604,11 @@ mod tests {
         // Halves: [0..8] refused, [0..4] ok, [4..8] refused, [4,5] refused, [4] ok, [5] refused, [6,7] ok.
         assert_eq!(sent.len(), 7, "{sent:?}");
         assert_eq!(sent[5], vec![5]);
+        // A split is not a retry: every item was tried once.
+        assert!(out.iter().all(|o| match o {
+            Ok(d) => d.attempts == 1,
+            Err(f) => f.attempts == 1,
+        }));
     }
 
     #[tokio::test(start_paused = true)]

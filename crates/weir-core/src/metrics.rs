@@ -35,8 +35,8 @@ pub struct RunMetrics {
     /// Time calls spent held by a server-advised pause, in microseconds (summed over calls;
     /// Beam's name for it is `cumulativeThrottlingSeconds`).
     pub throttled_micros: AtomicU64,
-    /// Batched calls sent (first attempts; a call of one record to an endpoint that takes
-    /// batches counts too).
+    /// Batched calls sent (every attempt, and each half of a split call; a call of one record to
+    /// an endpoint that takes batches counts too).
     pub batches: AtomicU64,
     /// Records those batched calls carried.
     pub batch_items: AtomicU64,
@@ -173,7 +173,7 @@ impl RunMetrics {
             metrics::Unit::Seconds,
             "Time from sending a streamed call to its first text."
         );
-        metrics::describe_counter!("weir_batches_total", "Batched calls sent (first attempts).");
+        metrics::describe_counter!("weir_batches_total", "Batched calls sent (retries and split halves included).");
         metrics::describe_counter!("weir_batch_items_total", "Records carried by batched calls.");
         metrics::describe_counter!(
             "weir_batch_tokens_total",

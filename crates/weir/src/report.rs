@@ -61,7 +61,7 @@ pub struct RunReport {
 /// How records were gathered into calls.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BatchReport {
-    /// Batched calls sent (first attempts).
+    /// Batched calls sent (retries and the halves of split calls included).
     pub calls: u64,
     /// Records per call, on average.
     pub mean_fill: f64,
@@ -186,7 +186,7 @@ impl RunReport {
         ));
         if let Some(b) = &self.batching {
             s.push_str(&format!(
-                "  batches: {} calls, {:.1} records per call, padding {:.2}× (padded ÷ real tokens), wait p95 {}\n",
+                "  batches: {} calls, {:.1} records per call, padding {:.2}× (padded ÷ real tokens), read-to-sent p95 {}\n",
                 thousands(b.calls),
                 b.mean_fill,
                 b.padding,

@@ -70,7 +70,7 @@ pub struct RunArgs {
     /// Where result rows go (JSONL); - writes stdout.
     #[arg(long, value_name = "PATH")]
     output: String,
-    /// Where error rows go [default: <output>.errors.jsonl].
+    /// Where error rows go [default: beside the output, results.jsonl → results.errors.jsonl].
     #[arg(long, value_name = "PATH")]
     errors: Option<String>,
     /// The field holding each record's id [default: the line number].
@@ -116,8 +116,8 @@ pub struct RunArgs {
     /// (:rawPredict with an OpenAI chat body).
     #[arg(long, value_name = "FORMAT", default_value = "raw")]
     endpoint_format: String,
-    /// Records per call at most, for endpoints that take many (vertex_endpoint/ raw :predict)
-    /// [default: 16].
+    /// Records per call at most, for endpoints that take many: --task embed (default: OpenAI
+    /// 128, Gemini 100, Vertex AI 64, local 32) and vertex_endpoint/ raw :predict (default 16).
     #[arg(long, value_name = "N")]
     batch_size: Option<usize>,
     /// Estimated tokens per batched call at most (a record heavier than this goes alone).
@@ -128,13 +128,15 @@ pub struct RunArgs {
     #[arg(long, value_name = "MS")]
     batch_linger_ms: Option<u64>,
     /// Group records of like length before cutting batches, so a batch computed together
-    /// wastes little on padding: `auto` (4 buckets at quantiles of the lengths seen so far;
-    /// `auto:N` for N); upper bounds in estimated tokens, e.g. 16,32,64,128,256,512; or `off`
-    /// (arrival order). Applies only where records are batched.
-    #[arg(long, value_name = "SPEC", default_value = "auto")]
-    buckets: String,
-    /// Instead of buckets: collect N records, sort them by length, then cut batches.
-    #[arg(long, value_name = "N")]
+    /// wastes little on padding: `auto` (buckets that double, ≤8, 9–16, 17–32, … tokens: the
+    /// longest of a bucket at most twice its shortest); `auto:N` (N buckets at quantiles of the
+    /// lengths seen so far); upper bounds in estimated tokens, e.g. 16,32,64,128,256,512; or
+    /// `off` (arrival order). Applies only where records are batched [default: auto].
+    #[arg(long, value_name = "SPEC")]
+    buckets: Option<String>,
+    /// Instead of buckets: collect N records (many times --batch-size), sort them by length,
+    /// then cut batches.
+    #[arg(long, value_name = "N", conflicts_with = "buckets")]
     sort_window: Option<usize>,
     /// Most calls in flight at once.
     #[arg(long, value_name = "N", default_value_t = 64)]
@@ -286,7 +288,7 @@ impl RunArgs {
                 )));
             }
         }
-        let bucketing = match (self.sort_window, parse_buckets(&self.buckets)?) {
+        let bucketing = match (self.sort_window, parse_buckets(self.buckets.as_deref().unwrap_or("auto"))?) {
             (Some(0), _) => return Err(UsageError("--sort-window must be at least 1".into())),
             (Some(n), _) => weir_core::Bucketing::SortWindow(n),
             (None, b) => b,
@@ -447,7 +449,7 @@ fn parse_buckets(spec: &str) -> Result<weir_core::Bucketing, UsageError> {
     };
     Ok(match spec.trim() {
         "off" => weir_core::Bucketing::Off,
-        "auto" => weir_core::Bucketing::Auto(4),
+        "auto" => weir_core::Bucketing::Doubling,
         s if s.starts_with("auto:") => match s[5..].parse::<usize>() {
             Ok(n) if (2..=64).contains(&n) => weir_core::Bucketing::Auto(n),
             _ => return Err(bad("N must be a number from 2 to 64")),
