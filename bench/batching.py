@@ -128,9 +128,9 @@ def case2():
     if "WEIR_MODELS" not in os.environ:
         env["WEIR_MODELS"] = os.path.expanduser("~/.cache/weir/models")
     lengths = [2, 4, 8, 16, 32, 64, 128, 250]
-    modes = ["arrival order", "buckets auto", "sorted window 512"]
-    flags = {"arrival order": ["--buckets", "off"], "buckets auto": ["--buckets", "auto"],
-             "sorted window 512": ["--sort-window", "512"]}
+    modes = ["arrival order", "buckets auto (doubling)", "buckets auto:4 (quantiles)", "sorted window 512"]
+    flags = {"arrival order": ["--buckets", "off"], "buckets auto (doubling)": ["--buckets", "auto"],
+             "buckets auto:4 (quantiles)": ["--buckets", "auto:4"], "sorted window 512": ["--sort-window", "512"]}
     compare("local", "2. Local model local/all-minilm-l6-v2 (CPU, in-process), batches of 32, 1,000 records",
             modes, lambda m: ["--task", "embed", "--model", "local/all-minilm-l6-v2", "--batch-size", "32", *flags[m]],
             1000, lengths, env)
@@ -151,7 +151,8 @@ def case3():
                    "client_email": "bench@p.iam.gserviceaccount.com", "token_uri": url + "/token"}, f)
     env = {"GOOGLE_APPLICATION_CREDENTIALS": sa, "HOME": WORK}
     lengths = [5, 10, 25, 50, 100, 250, 500]
-    flags = {"arrival order": ["--buckets", "off"], "buckets auto": ["--buckets", "auto"]}
+    flags = {"arrival order": ["--buckets", "off"], "buckets auto (doubling)": ["--buckets", "auto"],
+             "buckets auto:4 (quantiles)": ["--buckets", "auto:4"]}
     try:
         compare("predict", "3. Vertex :predict on weir sim, latency set by the longest instance; batches of 16, 4 calls in flight, 2,000 records",
                 list(flags), lambda m: ["--model", "vertex_endpoint/1", "--project", "p", "--base-url", url,
