@@ -391,8 +391,8 @@ impl Driver {
                 // requests; without a cache, the request itself is compared.
                 keys[i].unwrap_or_else(|| cache_key(&self.source, &requests[i], &record.id))
             });
-            match shared.and_then(|k| first_of.get(&k).copied().map(|f| (k, f))) {
-                Some((_, first)) => copies.push((i, first)),
+            match shared.and_then(|k| first_of.get(&k).copied()) {
+                Some(first) => copies.push((i, first)),
                 None => {
                     if let Some(k) = shared {
                         first_of.insert(k, i);
@@ -418,19 +418,19 @@ impl Driver {
                 }
             }
         }
+        // Each request's weight, once (a tokenizer may be behind it), for every attempt of its call.
+        let weights: Vec<u64> = requests.iter().map(|r| self.weight_of(r).tokens).collect();
         let results = futures::future::join_all(calls.iter().map(|call| {
-            let requests = &requests;
+            let (requests, weights) = (&requests, &weights);
             self.executor.run_batch(
                 call.len(),
-                |items: &[usize]| Weight {
-                    tokens: items.iter().map(|&j| self.weight_of(&requests[call[j]]).tokens).sum(),
-                },
+                |items: &[usize]| Weight { tokens: items.iter().map(|&j| weights[call[j]]).sum() },
                 &self.rules.cancel,
                 move |items: Vec<usize>| {
                     let chunk: Vec<ModelRequest> = items.iter().map(|&j| requests[call[j]].clone()).collect();
+                    let tokens: Vec<u64> = items.iter().map(|&j| weights[call[j]]).collect();
                     async move {
                         // Counted as sent (retries and the halves of a split call included).
-                        let tokens: Vec<u64> = chunk.iter().map(|r| self.weight_of(r).tokens).collect();
                         self.metrics.record_batch(&tokens);
                         self.handler.generate_batch(&chunk).await
                     }

@@ -568,27 +568,27 @@ pub async fn run(
                 }
             }
             async move {
-                if batch.len() == 1 {
-                    return match batch.pop() {
-                        Some(Routed::Call(d, record, _)) if d.max_batch() > 1 => {
-                            d.run_batch(vec![record]).await.into_iter().map(Ok).collect()
-                        }
+                match batch.first() {
+                    // A batch for an endpoint that takes many records per call (perhaps of one).
+                    Some(Routed::Call(d, _, _)) if d.max_batch() > 1 => {
+                        let d = d.clone();
+                        let records = batch
+                            .into_iter()
+                            .filter_map(|r| match r {
+                                Routed::Call(_, record, _) => Some(record),
+                                _ => None,
+                            })
+                            .collect();
+                        d.run_batch(records).await.into_iter().map(Ok).collect()
+                    }
+                    // Anything else comes alone.
+                    _ => match batch.pop() {
                         Some(Routed::Call(d, record, _)) => vec![Ok(d.run(record).await)],
                         Some(Routed::Done(failure)) => vec![Ok(driver.reject(failure))],
                         Some(Routed::ReadError(e)) => vec![Err(e)],
                         None => Vec::new(),
-                    };
+                    },
                 }
-                let Some(Routed::Call(d, _, _)) = batch.first() else { return Vec::new() };
-                let d = d.clone();
-                let records = batch
-                    .into_iter()
-                    .filter_map(|r| match r {
-                        Routed::Call(_, record, _) => Some(record),
-                        _ => None,
-                    })
-                    .collect();
-                d.run_batch(records).await.into_iter().map(Ok).collect()
             }
         })
         .buffer_unordered(width)

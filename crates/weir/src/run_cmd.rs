@@ -277,16 +277,8 @@ impl RunArgs {
                 }
             }
         }
-        if let Some(n) = self.batch_size {
-            if n == 0 {
-                return Err(UsageError("--batch-size must be at least 1".into()));
-            }
-            if n > 1 && !batchable && self.model_field.is_none() {
-                return Err(UsageError(format!(
-                    "--batch-size {n}: {model} takes one record per call; batching applies to --task embed and to \
-                     vertex_endpoint/ models called through :predict (--endpoint-format raw)"
-                )));
-            }
+        if self.batch_size == Some(0) {
+            return Err(UsageError("--batch-size must be at least 1".into()));
         }
         let bucketing = match (self.sort_window, parse_buckets(self.buckets.as_deref().unwrap_or("auto"))?) {
             (Some(0), _) => return Err(UsageError("--sort-window must be at least 1".into())),
@@ -295,6 +287,7 @@ impl RunArgs {
         };
         if !batchable && self.model_field.is_none() {
             for (flag, given) in [
+                ("--batch-size", self.batch_size.is_some_and(|n| n > 1)),
                 ("--batch-tokens", self.batch_tokens.is_some()),
                 ("--batch-linger-ms", self.batch_linger_ms.is_some()),
                 ("--sort-window", self.sort_window.is_some()),
