@@ -3,13 +3,15 @@
 #![warn(missing_docs)]
 
 pub mod cache;
+pub mod keyset;
 pub mod paths;
 pub mod sink;
 pub mod source;
 pub mod state;
 pub mod writer;
 
-pub use cache::RedbCache;
+pub use cache::DiskCache;
+pub use keyset::KeySet;
 pub use sink::{default_errors_path, ErrorRow, JsonlWriter, OutputPath, ResultRow};
 pub use source::{count_records, InputPath, RawLine};
 pub use writer::{RowWriter, WriterSettings};

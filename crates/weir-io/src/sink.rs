@@ -59,7 +59,6 @@ pub struct JsonlWriter {
     out: BufWriter<Box<dyn Write + Send>>,
     file: Option<std::fs::File>,
     rows: u64,
-    flush_each_row: bool,
 }
 
 /// Opens an output file for one run and locks it: created if missing, never truncated here,
@@ -93,7 +92,7 @@ impl JsonlWriter {
     }
 
     fn new(out: Box<dyn Write + Send>, file: Option<std::fs::File>) -> Self {
-        Self { out: BufWriter::with_capacity(256 * 1024, out), file, rows: 0, flush_each_row: false }
+        Self { out: BufWriter::with_capacity(256 * 1024, out), file, rows: 0 }
     }
 
     /// Flushes and asks the kernel to put the rows on disk (`fdatasync`).
@@ -105,12 +104,10 @@ impl JsonlWriter {
         Ok(())
     }
 
-    /// Hands each row to the kernel with its own `write` as soon as it is written, so that a
-    /// killed process loses no row it wrote (what the resume journal relies on); otherwise rows
-    /// go out in large buffered blocks.
-    pub fn flushing_each_row(mut self, yes: bool) -> Self {
-        self.flush_each_row = yes;
-        self
+    /// A second handle on the file, so another thread can make written rows durable while
+    /// this one keeps writing (`None` for stdout or a stream).
+    pub fn sync_handle(&self) -> io::Result<Option<std::fs::File>> {
+        self.file.as_ref().map(std::fs::File::try_clone).transpose()
     }
 
     /// Writes one row and its newline.
@@ -118,9 +115,6 @@ impl JsonlWriter {
         serde_json::to_writer(&mut self.out, row).map_err(io::Error::other)?;
         self.out.write_all(b"\n")?;
         self.rows += 1;
-        if self.flush_each_row {
-            self.out.flush()?;
-        }
         Ok(())
     }
 

@@ -40,7 +40,6 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
-use std::collections::HashSet;
 use std::fs::{File, OpenOptions};
 use std::io::{self, BufRead, BufReader, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
@@ -219,7 +218,7 @@ pub fn id_key(id: &RecordId) -> Key {
 #[derive(Debug, Default)]
 pub struct Recovered {
     /// Finished records, by [`finished_key`].
-    pub finished: HashSet<Key>,
+    pub finished: crate::KeySet,
     /// Result rows kept.
     pub results: u64,
     /// Error rows kept.

@@ -6,6 +6,12 @@
 //! files. The channel's bound is the back-pressure: a disk that cannot keep up slows the reading
 //! of input, never the calls already made.
 //!
+//! The once-a-second `fdatasync` (and the response cache's durable commit after it) runs on a
+//! third thread with its own handles on the files: a sync can take hundreds of milliseconds,
+//! and the writer waiting for it would fill the channel and stall the whole run once a second.
+//! Each row is already in the kernel when it is written (so a killed process loses none); the
+//! sync only guards against losing the machine, and covers every row written before it began.
+//!
 //! The first write error stops writing for good (what follows would not be resumable in order);
 //! the thread keeps draining the channel so that senders never block on a dead writer, and the
 //! error is reported to the sender at its next send and at the end.
@@ -24,7 +30,7 @@ pub struct WriterSettings {
     /// Make rows durable about once a second (`fdatasync`), for a resumable run.
     pub journal: bool,
     /// Called after each durable sync (e.g. to make the response cache durable too).
-    pub on_sync: Option<Box<dyn Fn() + Send>>,
+    pub on_sync: Option<Box<dyn Fn() + Send + Sync>>,
 }
 
 enum Row {
@@ -45,6 +51,56 @@ pub struct RowWriter {
 /// Rows waiting to be written at most. Small: a killed process loses the queued rows (their
 /// records are requested again on resume), so the queue only smooths out a slow write.
 const QUEUE: usize = 256;
+/// Rows written at most before they are handed to the kernel, however busy the queue.
+const FLUSH_EVERY: usize = 256;
+
+/// What the thread that makes rows durable runs after each sync.
+type OnSync = Arc<Box<dyn Fn() + Send + Sync>>;
+
+/// The thread that `fdatasync`s the output files when asked, while the writer goes on writing.
+struct Syncer {
+    wake: std::sync::mpsc::SyncSender<()>,
+    thread: JoinHandle<io::Result<()>>,
+}
+
+impl Syncer {
+    fn spawn(
+        results: &JsonlWriter,
+        errors: &JsonlWriter,
+        on_sync: Option<OnSync>,
+        failed: Arc<Mutex<Option<String>>>,
+    ) -> io::Result<Self> {
+        let files: Vec<std::fs::File> = [results.sync_handle()?, errors.sync_handle()?].into_iter().flatten().collect();
+        // One request waiting at most: a sync covers every row written before it starts, so
+        // requests made while one runs are served by the next.
+        let (wake, asked) = std::sync::mpsc::sync_channel::<()>(1);
+        let thread = std::thread::Builder::new().name("weir-sync".into()).spawn(move || {
+            while asked.recv().is_ok() {
+                let synced = files.iter().try_for_each(std::fs::File::sync_data);
+                if let Err(e) = synced {
+                    *failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
+                    return Err(e);
+                }
+                if let Some(f) = &on_sync {
+                    f();
+                }
+            }
+            Ok(())
+        })?;
+        Ok(Self { wake, thread })
+    }
+
+    /// Asks for a sync; does nothing when one is already asked for.
+    fn request(&self) {
+        let _ = self.wake.try_send(());
+    }
+
+    /// Waits for the sync under way, and returns the first error.
+    fn finish(self) -> io::Result<()> {
+        drop(self.wake);
+        self.thread.join().unwrap_or_else(|_| Err(io::Error::other("the sync thread panicked")))
+    }
+}
 
 impl RowWriter {
     /// Starts the thread that owns `results` and `errors`.
@@ -54,12 +110,26 @@ impl RowWriter {
         let failed_in = failed.clone();
         let thread = std::thread::Builder::new().name("weir-writer".into()).spawn(move || {
             let mut last_sync = Instant::now();
+            let mut unflushed = 0usize;
             let mut error: Option<io::Error> = None;
+            let on_sync = settings.on_sync.map(Arc::new);
+            let background = if settings.journal {
+                match Syncer::spawn(&results, &errors, on_sync.clone(), failed_in.clone()) {
+                    Ok(s) => Some(s),
+                    Err(e) => {
+                        *failed_in.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
+                        error = Some(e);
+                        None
+                    }
+                }
+            } else {
+                None
+            };
             let sync = |results: &mut JsonlWriter, errors: &mut JsonlWriter| -> io::Result<()> {
                 if settings.journal {
                     results.sync()?;
                     errors.sync()?;
-                    if let Some(f) = &settings.on_sync {
+                    if let Some(f) = &on_sync {
                         f();
                     }
                 } else {
@@ -72,20 +142,32 @@ impl RowWriter {
                 if error.is_some() {
                     continue;
                 }
-                let written = match &row {
+                let mut written = match &row {
                     Row::Success(s) => results.write(&ResultRow::of(s)),
                     Row::Failure(f) => errors.write(&ErrorRow::of(f)),
                 };
-                let synced = match written {
-                    Ok(()) if settings.journal && last_sync.elapsed() >= Duration::from_secs(1) => {
-                        last_sync = Instant::now();
-                        sync(&mut results, &mut errors)
+                // With a journal, rows reach the kernel (where a killed process cannot lose
+                // them) as soon as no other row is waiting: one `write` for a burst of rows, not
+                // one per row. A row still buffered is as unfinished as one still queued.
+                unflushed += 1;
+                if settings.journal && written.is_ok() && (rx.is_empty() || unflushed >= FLUSH_EVERY) {
+                    unflushed = 0;
+                    written = results.flush().and_then(|()| errors.flush());
+                }
+                if written.is_ok() && last_sync.elapsed() >= Duration::from_secs(1) {
+                    last_sync = Instant::now();
+                    if let Some(s) = &background {
+                        s.request();
                     }
-                    other => other,
-                };
-                if let Err(e) = synced {
+                }
+                if let Err(e) = written {
                     *failed_in.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
                     error = Some(e);
+                }
+            }
+            if let Some(s) = background {
+                if let Err(e) = s.finish() {
+                    error.get_or_insert(e);
                 }
             }
             let end = match error {

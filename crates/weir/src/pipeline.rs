@@ -9,7 +9,7 @@
 //! with the input. The state directory (see `weir_io::state`) makes a run resumable.
 
 use futures::StreamExt;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -20,7 +20,7 @@ use weir_core::{
     RunMetrics, StopReason, Throttle, ThrottleSettings,
 };
 use weir_io::state::{self, finished_key, id_key, RunIdentity};
-use weir_io::{InputPath, JsonlWriter, OutputPath, RedbCache};
+use weir_io::{DiskCache, InputPath, JsonlWriter, OutputPath};
 use weir_providers::{ModelSpec, ProviderError, ProviderOptions};
 
 use crate::report::{Progress, RunReport};
@@ -403,7 +403,7 @@ pub async fn run(
                 ));
             }
             if settings.cache {
-                let c = RedbCache::open(&dir.join("cache.redb"))
+                let c = DiskCache::open(&dir.join("cache"))
                     .map_err(|e| RunError::Usage(format!("{e}; or run with --no-cache")))?;
                 cache = Some(Arc::new(c));
             }
@@ -422,13 +422,12 @@ pub async fn run(
             let truncated = if resuming || !regular { Ok(()) } else { f.set_len(0) };
             truncated
                 .and_then(|_| JsonlWriter::to_file(f))
-                .map(|w| w.flushing_each_row(journal))
                 .map_err(|e| RunError::Usage(format!("cannot write {}: {e}", path.display())))
         }
     };
     let results = open(&mut out_file)?;
     let errors = open(&mut err_file)?;
-    let on_sync: Option<Box<dyn Fn() + Send>> = cache.clone().map(|c| Box::new(move || c.checkpoint()) as _);
+    let on_sync: Option<Box<dyn Fn() + Send + Sync>> = cache.clone().map(|c| Box::new(move || c.checkpoint()) as _);
     created.0.clear();
     let writer = weir_io::RowWriter::spawn(results, errors, weir_io::WriterSettings { journal, on_sync })
         .map_err(|e| RunError::Fatal(format!("cannot start the writer thread: {e}")))?;
@@ -481,7 +480,7 @@ pub async fn run(
     // Ids are registered in input order, finished lines included, so "an earlier line has it"
     // is true of the input whatever order the rows were written in (a first occurrence that an
     // interruption left unfinished is still the first).
-    let mut seen: HashSet<state::Key> = HashSet::new();
+    let mut seen = weir_io::KeySet::new();
     let mut first_interrupt = interrupts.clone();
     // With a journal, an interrupted run stops reading: what it did not read, the next run does.
     // Without one, it reads on, and every record left gets an `aborted` row, so none is dropped.
