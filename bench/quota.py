@@ -175,13 +175,20 @@ def coarse_case():
                                     "--output", p + ".out", "--id-field", "id", "--no-state", "--progress", "never",
                                     "--max-retries", "50"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                   for p in paths]
+            done = [None] * len(ps)
+            while None in done:
+                for i, p in enumerate(ps):
+                    if done[i] is None and p.poll() is not None:
+                        done[i] = time.monotonic() - t0
+                time.sleep(0.05)
             errs = [p.communicate()[1] for p in ps]
-            secs = time.monotonic() - t0
+            secs = max(done)
             if any(p.returncode != 0 for p in ps):
                 sys.exit(f"weir run failed: {errs}")
             s = stats(url)
             print(f"   {procs} process{'es' if procs > 1 else ''}: {secs:5.1f} s against {ideal:.1f} s ideal "
-                  f"({ideal / secs:.1%}); 429s {s['rate_limited']} of {s['requests']} ({s['rate_limited'] / s['requests']:.2%})")
+                  f"({ideal / secs:.1%}); 429s {s['rate_limited']} of {s['requests']} ({s['rate_limited'] / s['requests']:.2%})"
+                  + (f"; each ended at {', '.join(f'{d:.1f}' for d in done)} s" if procs > 1 else ""))
     finally:
         sim.terminate()
 

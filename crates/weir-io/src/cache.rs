@@ -22,8 +22,10 @@ use std::time::Duration;
 use weir_core::{CacheKey, ModelResponse, ResponseCache};
 
 const BATCH: usize = 256;
-/// Memory for cached blocks of the files on disk.
-const CACHE_BYTES: u64 = 8 * 1024 * 1024;
+/// Memory for cached blocks of the files on disk. Small: lookups of requests never seen are
+/// answered by the Bloom filters without reading blocks, and a hit reads one block, which the
+/// operating system usually has in its page cache.
+const CACHE_BYTES: u64 = 2 * 1024 * 1024;
 /// Answers held in memory before they are written out as a sorted file (fjall's default is
 /// 64 MiB, which would be most of weir's memory).
 const MEMTABLE_BYTES: u64 = 8 * 1024 * 1024;
@@ -39,7 +41,8 @@ struct Shared {
     db: Database,
     table: Keyspace,
     /// Answers not yet committed; `get` looks here first.
-    pending: Mutex<HashMap<CacheKey, Vec<u8>>>,
+    /// Shared slices, so the committing thread holds the lock only to copy pointers.
+    pending: Mutex<HashMap<CacheKey, Arc<[u8]>>>,
 }
 
 enum Msg {
@@ -65,14 +68,14 @@ impl Shared {
     /// Commits what is pending; the entries leave `pending` only once committed, so a lookup
     /// never misses an answer that is on its way to disk.
     fn commit(&self, durable: bool) -> Result<(), fjall::Error> {
-        let batch: Vec<(CacheKey, Vec<u8>)> = {
+        let batch: Vec<(CacheKey, Arc<[u8]>)> = {
             let p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
             p.iter().map(|(k, v)| (*k, v.clone())).collect()
         };
         if !batch.is_empty() {
             let mut b = self.db.batch();
             for (k, v) in &batch {
-                b.insert(&self.table, k.to_vec(), v.clone());
+                b.insert(&self.table, &k[..], &v[..]);
             }
             b.commit()?;
         }
@@ -149,8 +152,9 @@ impl DiskCache {
 
 impl ResponseCache for DiskCache {
     fn get(&self, key: &CacheKey) -> Option<ModelResponse> {
-        if let Some(v) = self.shared.pending.lock().unwrap_or_else(|e| e.into_inner()).get(key) {
-            return serde_json::from_slice(v).ok();
+        let pending = self.shared.pending.lock().unwrap_or_else(|e| e.into_inner()).get(key).cloned();
+        if let Some(v) = pending {
+            return serde_json::from_slice(&v).ok();
         }
         let value = self.shared.table.get(&key[..]).ok()??;
         serde_json::from_slice(&value).ok()
@@ -160,7 +164,7 @@ impl ResponseCache for DiskCache {
         let Ok(bytes) = serde_json::to_vec(response) else { return };
         let full = {
             let mut p = self.shared.pending.lock().unwrap_or_else(|e| e.into_inner());
-            p.insert(key, bytes);
+            p.insert(key, bytes.into());
             p.len() == BATCH
         };
         if full {
