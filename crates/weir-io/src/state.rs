@@ -3,8 +3,8 @@
 //! # The journal is the output
 //!
 //! A finished record is one complete line in the results file or the errors file, and nothing
-//! else. weir writes each row with its own `write` call as soon as its outcome is known, so the
-//! row *is* the journal entry: there is no second record that could disagree with it, and a crash
+//! else. weir hands each row to the kernel as soon as no other row is waiting to be written (a
+//! burst of rows in one `write`; see [`crate::writer`]), so the row *is* the journal entry: there is no second record that could disagree with it, and a crash
 //! between "writing the row" and "recording it" cannot happen because they are the same act.
 //!
 //! On resume, each file is scanned: every complete line that parses as a row is a finished
