@@ -8,9 +8,10 @@
 //! settings below (the tables' filters and indexes add a few bytes per answer). One background
 //! worker: with two, fjall's idle worker re-queues compaction requests the busy one holds, and
 //! spins (a tenth of a core at 10^6 answers); compaction starts after 16 flushed tables, not 4,
-//! because random keys make every compaction rewrite the whole next level. Writes are batched and off the async workers:
-//! answers collect in memory and a thread of their own commits them (every 256 answers or
-//! 200 ms, without an fsync; durably about once a second and at the end). The cache is an
+//! because random keys make every compaction rewrite the whole next level. Writes are batched
+//! and off the async workers: answers collect in memory and a thread of their own commits them
+//! (every 256 answers or 200 ms, without an fsync; durably about once a second and at the end).
+//! The cache is an
 //! optimisation, never the record of what is finished (the output files are, see
 //! [`crate::state`]); losing its last second to a crash costs at most those calls again.
 

@@ -4,8 +4,9 @@
 //!
 //! A finished record is one complete line in the results file or the errors file, and nothing
 //! else. weir hands each row to the kernel as soon as no other row is waiting to be written (a
-//! burst of rows in one `write`; see [`crate::writer`]), so the row *is* the journal entry: there is no second record that could disagree with it, and a crash
-//! between "writing the row" and "recording it" cannot happen because they are the same act.
+//! burst of rows in one `write`; see [`crate::writer`]), so the row *is* the journal entry:
+//! there is no second record that could disagree with it, and a crash between "writing the row"
+//! and "recording it" cannot happen because they are the same act.
 //!
 //! On resume, each file is scanned: every complete line that parses as a row is a finished
 //! record; an unfinished last line (no newline), or zeros to the end (what a power loss can

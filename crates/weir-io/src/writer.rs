@@ -9,8 +9,9 @@
 //! The once-a-second `fdatasync` (and the response cache's durable commit after it) runs on a
 //! third thread with its own handles on the files: a sync can take hundreds of milliseconds,
 //! and the writer waiting for it would fill the channel and stall the whole run once a second.
-//! Each row is already in the kernel when it is written (so a killed process loses none); the
-//! sync only guards against losing the machine, and covers every row written before it began.
+//! With a journal, the writer hands rows to the kernel as soon as no other row is waiting (so a
+//! killed process loses only rows still queued or buffered, which resume asks for again); the
+//! sync only guards against losing the machine, and covers every row handed over before it began.
 //!
 //! The first write error stops writing for good (what follows would not be resumable in order);
 //! the thread keeps draining the channel so that senders never block on a dead writer, and the
@@ -54,6 +55,11 @@ const QUEUE: usize = 256;
 /// Rows written at most before they are handed to the kernel, however busy the queue.
 const FLUSH_EVERY: usize = 256;
 
+/// Tells senders that writing has failed (they see it at their next send).
+fn report(failed: &Mutex<Option<String>>, e: &io::Error) {
+    *failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
+}
+
 /// What the thread that makes rows durable runs after each sync.
 type OnSync = Arc<Box<dyn Fn() + Send + Sync>>;
 
@@ -78,7 +84,7 @@ impl Syncer {
             while asked.recv().is_ok() {
                 let synced = files.iter().try_for_each(std::fs::File::sync_data);
                 if let Err(e) = synced {
-                    *failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
+                    report(&failed, &e);
                     return Err(e);
                 }
                 if let Some(f) = &on_sync {
@@ -117,7 +123,7 @@ impl RowWriter {
                 match Syncer::spawn(&results, &errors, on_sync.clone(), failed_in.clone()) {
                     Ok(s) => Some(s),
                     Err(e) => {
-                        *failed_in.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
+                        report(&failed_in, &e);
                         error = Some(e);
                         None
                     }
@@ -161,7 +167,7 @@ impl RowWriter {
                     }
                 }
                 if let Err(e) = written {
-                    *failed_in.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
+                    report(&failed_in, &e);
                     error = Some(e);
                 }
             }
