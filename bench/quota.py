@@ -167,6 +167,8 @@ def coarse_case():
     print(f"== 6. advice in whole seconds: quota {R} requests per {W} s, latency 50±10 ms, {N} records, nothing told")
     try:
         for procs in [int(p) for p in os.environ.get("PROCS", "1 2").split()]:
+            # The ideal starts from an empty window: let the last run's sends leave it.
+            time.sleep(W + 1)
             reset(url)
             share = N // procs
             paths = [dataset(f"c{procs}-{i}.jsonl", share) for i in range(procs)]

@@ -213,7 +213,7 @@ impl Admitted<'_> {
         if let Err(e) = result {
             // A server-advised pause holds every call.
             if let RetryHint::Later(Some(advised)) = e.hint {
-                t.gate.hold(advised);
+                t.gate.hold(t.rate.pause_for(e, advised));
             }
         }
     }
@@ -436,6 +436,23 @@ impl RateLimiter {
             }
         }
         self.changed.notify_waiters();
+    }
+
+    /// How long a refusal advising `advised` holds every call. When the quota that refused is
+    /// learned, its credits already keep sends back until slots free, so advice in whole seconds
+    /// holds calls only for the part that is sure (a second less): holding them the whole
+    /// rounded-up delay would leave up to a second of every window unused.
+    pub fn pause_for(&self, e: &ModelError, advised: Duration) -> Duration {
+        let s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let refusing = match e.quota {
+            Some(QuotaScope::Tokens) => &s.1,
+            _ => &s.0,
+        };
+        if e.kind == ErrorKind::RateLimited && refusing.mode() == Mode::Learned {
+            crate::rate::surely_busy(advised)
+        } else {
+            advised
+        }
     }
 
     /// The limits in force.
