@@ -306,18 +306,37 @@ impl Budget {
                 // The earliest of: a credit coming back, a probe falling due, a lone send. Only
                 // moments still ahead count (one already past did not let this send through, and
                 // waking for it again would spin); with none, a completing send wakes it.
-                let quiet_since = self.last_refusal.max(self.last_probe).unwrap_or(now);
-                let probe_at = match self.plan {
-                    Some(p) => p.at,
-                    None if self.uncertain() && now < quiet_since + w => quiet_since + w,
-                    None if self.uncertain() => quiet_since + w * (PROBE_AFTER_WINDOWS + 1),
-                    None => quiet_since + w * PROBE_AFTER_WINDOWS,
+                let (quiet_at, capacity_at) = self.probes_due(now);
+                // While the window is uncertain and no window probe is planned, one is planned
+                // after a quiet window.
+                // (A planned one is the only probe until it goes.)
+                let (plan_at, capacity_at) = match self.plan {
+                    Some(p) => (Some(p.at), None),
+                    None => (self.uncertain().then_some(quiet_at), Some(capacity_at)),
                 };
-                let next_credit = self.log.iter().find(|e| e.state == State::Ok).map(|e| e.at + span);
-                [Some(probe_at), next_credit, self.lone_send_at(now)].into_iter().flatten().filter(|&at| at > now).min()
+                [plan_at, capacity_at, self.next_credit_at(), self.lone_send_at(now)]
+                    .into_iter()
+                    .flatten()
+                    .filter(|&at| at > now)
+                    .min()
             }
             Mode::Unlimited => None,
         })
+    }
+
+    /// When the oldest admitted send in the log hands back its credit.
+    fn next_credit_at(&self) -> Option<Instant> {
+        let w = self.window.unwrap_or(DEFAULT_WINDOW);
+        self.log.iter().find(|e| e.state == State::Ok).map(|e| e.at + w + Self::margin(w))
+    }
+
+    /// When probes fall due, counted from the last refusal or probe: the end of a quiet window
+    /// (window probes, while the window is uncertain, go no earlier), and when a capacity probe
+    /// is minted (a window later while the window is uncertain, to leave room for window probes).
+    fn probes_due(&self, now: Instant) -> (Instant, Instant) {
+        let w = self.window.unwrap_or(DEFAULT_WINDOW);
+        let quiet_since = self.last_refusal.max(self.last_probe).unwrap_or(now);
+        (quiet_since + w, quiet_since + w * (PROBE_AFTER_WINDOWS + u32::from(self.uncertain())))
     }
 
     /// When a send may go with no credit, if nothing is out to bring one back.
@@ -350,15 +369,14 @@ impl Budget {
             return;
         }
         let w = self.window.unwrap_or(DEFAULT_WINDOW);
-        let quiet_since = self.last_refusal.max(self.last_probe).unwrap_or(now);
         // Not just before credits come back: the server freed their slots a little earlier
         // (the margin), and a probe there would take a slot our own sends are about to need.
-        let span = w + Self::margin(w);
-        if self.log.iter().find(|e| e.state == State::Ok).is_some_and(|e| e.at + span <= now + Self::margin(w) * 2) {
+        if self.next_credit_at().is_some_and(|at| at <= now + Self::margin(w) * 2) {
             return;
         }
+        let (quiet_at, capacity_at) = self.probes_due(now);
         if self.uncertain() {
-            if now < quiet_since + w {
+            if now < quiet_at {
                 return;
             }
             let lo = self.lower.unwrap_or(w);
@@ -385,14 +403,12 @@ impl Budget {
                     }
                 }
                 Some(_) => {}
-                // No moment to plan a window probe for (our oldest send leaves the window too soon):
-                // after a second quiet window, probe for capacity instead.
-                None if now >= quiet_since + w * (PROBE_AFTER_WINDOWS + 1) => {
-                    self.mint(now, self.probe, Probe::Capacity { epoch: self.epoch })
-                }
+                // No moment to plan a window probe for (our oldest send leaves the window too
+                // soon): once a capacity probe is due, probe for capacity instead.
+                None if now >= capacity_at => self.mint(now, self.probe, Probe::Capacity { epoch: self.epoch }),
                 None => {}
             }
-        } else if now >= quiet_since + w * PROBE_AFTER_WINDOWS {
+        } else if now >= capacity_at {
             self.mint(now, self.probe, Probe::Capacity { epoch: self.epoch });
         }
     }
