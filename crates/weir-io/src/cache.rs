@@ -10,10 +10,12 @@
 //! spins (a tenth of a core at 10^6 answers); compaction starts after 16 flushed tables, not 4,
 //! because random keys make every compaction rewrite the whole next level. Writes are batched
 //! and off the async workers: answers collect in memory and a thread of their own commits them
-//! (every 256 answers or 200 ms, without an fsync; durably about once a second and at the end).
+//! (every 256 answers or 200 ms, handed to the kernel but not synced, so a killed process keeps
+//! them; on the disk about once a second and at the end).
 //! The cache is an
 //! optimisation, never the record of what is finished (the output files are, see
-//! [`crate::state`]); losing its last second to a crash costs at most those calls again.
+//! [`crate::state`]); a killed process loses at most its last 200 ms of answers, a lost machine
+//! its last second, and that costs at most those calls again.
 
 use fjall::{Database, Keyspace, KeyspaceCreateOptions, PersistMode};
 use std::collections::HashMap;
@@ -80,9 +82,9 @@ impl Shared {
             }
             b.commit()?;
         }
-        if durable {
-            self.db.persist(PersistMode::SyncData)?;
-        }
+        // Handed to the kernel at every commit (one `write`), so a killed process keeps its
+        // answers; on the disk (`fdatasync`) about once a second, against losing the machine.
+        self.db.persist(if durable { PersistMode::SyncData } else { PersistMode::Buffer })?;
         let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
         for (k, _) in &batch {
             p.remove(k);

@@ -14,4 +14,4 @@ pub use cache::DiskCache;
 pub use keyset::KeySet;
 pub use sink::{default_errors_path, ErrorRow, JsonlWriter, OutputPath, ResultRow};
 pub use source::{count_records, InputPath, RawLine};
-pub use writer::{RowWriter, WriterSettings};
+pub use writer::{Row, RowWriter, WriterSettings, WriterThread};

@@ -32,6 +32,10 @@ pub struct RawLine {
     pub line: u64,
     /// The bytes of the line (not yet checked to be UTF-8).
     pub bytes: Vec<u8>,
+    /// Why the record could not be read, when it could not (a CSV line with the wrong number of
+    /// fields, an unreadable Parquet row group): it becomes an error row with this message,
+    /// keeping `bytes` as its raw text.
+    pub malformed: Option<String>,
 }
 
 const BUFFER: usize = 256 * 1024;
@@ -72,7 +76,7 @@ pub fn lines(reader: Box<dyn AsyncRead + Send + Unpin>) -> impl Stream<Item = io
                     if bytes.iter().all(u8::is_ascii_whitespace) {
                         continue;
                     }
-                    return Some((Ok(RawLine { line: n, bytes }), (reader, n, false)));
+                    return Some((Ok(RawLine { line: n, bytes, malformed: None }), (reader, n, false)));
                 }
                 Err(e) => return Some((Err(e), (reader, n, true))),
             }

@@ -34,19 +34,32 @@ pub struct WriterSettings {
     pub on_sync: Option<Box<dyn Fn() + Send + Sync>>,
 }
 
-enum Row {
+/// An outcome on its way to a writer thread.
+pub enum Row {
+    /// A result row.
     Success(Box<Success>),
+    /// An error row.
     Failure(Box<Failure>),
 }
 
 /// Rows written in all: (results, errors).
 pub type Counts = (u64, u64);
 
-/// The handle of the writing thread.
+/// The handle of a thread that writes rows (JSONL files here, tables in `weir-tables`): it
+/// sends rows over a bounded channel and learns of the thread's first write error at its next
+/// send.
 pub struct RowWriter {
     tx: Option<mpsc::Sender<Row>>,
     failed: Arc<Mutex<Option<String>>>,
     thread: Option<JoinHandle<(Counts, io::Result<()>)>>,
+}
+
+/// What a writer thread is given: its end of the channel, and where to report its first error.
+pub struct WriterThread {
+    /// Rows to write, until every sender is gone.
+    pub rows: mpsc::Receiver<Row>,
+    /// Set it (with [`report`]) when writing fails; senders see it at their next send.
+    pub failed: Arc<Mutex<Option<String>>>,
 }
 
 /// Rows waiting to be written at most. Small: a killed process loses the queued rows (their
@@ -56,7 +69,7 @@ const QUEUE: usize = 256;
 const FLUSH_EVERY: usize = 256;
 
 /// Tells senders that writing has failed (they see it at their next send).
-fn report(failed: &Mutex<Option<String>>, e: &io::Error) {
+pub fn report(failed: &Mutex<Option<String>>, e: &io::Error) {
     *failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
 }
 
@@ -109,12 +122,23 @@ impl Syncer {
 }
 
 impl RowWriter {
-    /// Starts the thread that owns `results` and `errors`.
-    pub fn spawn(mut results: JsonlWriter, mut errors: JsonlWriter, settings: WriterSettings) -> io::Result<Self> {
-        let (tx, mut rx) = mpsc::channel::<Row>(QUEUE);
+    /// Starts a writer thread named `name` running `write` with a channel of `queue` rows; the
+    /// thread returns the rows it wrote and its first error.
+    pub fn start(
+        name: &str,
+        queue: usize,
+        write: impl FnOnce(WriterThread) -> (Counts, io::Result<()>) + Send + 'static,
+    ) -> io::Result<Self> {
+        let (tx, rows) = mpsc::channel::<Row>(queue);
         let failed = Arc::new(Mutex::new(None));
-        let failed_in = failed.clone();
-        let thread = std::thread::Builder::new().name("weir-writer".into()).spawn(move || {
+        let given = WriterThread { rows, failed: failed.clone() };
+        let thread = std::thread::Builder::new().name(name.into()).spawn(move || write(given))?;
+        Ok(Self { tx: Some(tx), failed, thread: Some(thread) })
+    }
+
+    /// Starts the thread that owns the JSONL files `results` and `errors`.
+    pub fn spawn(mut results: JsonlWriter, mut errors: JsonlWriter, settings: WriterSettings) -> io::Result<Self> {
+        Self::start("weir-writer", QUEUE, move |WriterThread { rows: mut rx, failed: failed_in }| {
             let mut last_sync = Instant::now();
             let mut unflushed = 0usize;
             let mut error: Option<io::Error> = None;
@@ -181,8 +205,7 @@ impl RowWriter {
                 None => sync(&mut results, &mut errors),
             };
             ((results.rows(), errors.rows()), end)
-        })?;
-        Ok(Self { tx: Some(tx), failed, thread: Some(thread) })
+        })
     }
 
     fn check(&self) -> Result<(), String> {

@@ -13,6 +13,7 @@
 
 pub mod auth;
 pub mod config;
+pub mod gcs;
 pub mod gen;
 pub mod proto;
 pub mod quota;
@@ -20,5 +21,6 @@ mod server;
 pub mod stats;
 
 pub use config::{AuthConfig, ConfigError, EmbeddingConfig, OverloadMode, PredictConfig, SimConfig};
+pub use gcs::GcsServer;
 pub use server::{Captured, SimServer, StartError};
 pub use stats::StatsSnapshot;

@@ -29,7 +29,7 @@ use crate::proto::{self, Api, Ending, ErrorReply, SimRequest, StreamFraming};
 use crate::quota::Quotas;
 use crate::stats::{Stats, StatsSnapshot, FAULT_KINDS};
 
-type Body = BoxBody<Bytes, io::Error>;
+pub(crate) type Body = BoxBody<Bytes, io::Error>;
 
 struct State {
     config: SimConfig,
@@ -92,7 +92,7 @@ impl SimServer {
             captured: Mutex::new(std::collections::VecDeque::new()),
         });
         let (shutdown, rx) = watch::channel(false);
-        let task = tokio::spawn(accept_loop(listener, state.clone(), rx));
+        let task = tokio::spawn(accept_loop(listener, state.clone(), handle, rx));
         Ok(Self { addr, state, shutdown, task })
     }
 
@@ -124,7 +124,19 @@ impl SimServer {
     }
 }
 
-async fn accept_loop(listener: TcpListener, state: Arc<State>, mut shutdown: watch::Receiver<bool>) {
+/// Serves `handle` on every connection `listener` accepts until `shutdown` changes; then
+/// closes every connection, hung requests included. Shared by the model simulator and the
+/// in-memory GCS.
+pub(crate) async fn accept_loop<S, F, Fut>(
+    listener: TcpListener,
+    state: Arc<S>,
+    handle: F,
+    mut shutdown: watch::Receiver<bool>,
+) where
+    S: Send + Sync + 'static,
+    F: Fn(Arc<S>, Request<Incoming>) -> Fut + Copy + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Result<Response<Body>, io::Error>> + Send + 'static,
+{
     loop {
         tokio::select! {
             accepted = listener.accept() => {

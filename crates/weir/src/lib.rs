@@ -7,5 +7,5 @@ pub mod metrics_server;
 pub mod pipeline;
 pub mod report;
 
-pub use pipeline::{run, RunError, RunSettings, StateMode};
+pub use pipeline::{run, RunError, RunSettings, StateMode, TableIn, TableOut};
 pub use report::RunReport;

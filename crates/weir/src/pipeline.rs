@@ -34,6 +34,33 @@ pub enum StateMode {
     Dir(PathBuf),
 }
 
+/// A table to read: anything but a local JSONL file or stdin (CSV, Parquet, a directory or
+/// glob of files, an object in s3:// or gs://).
+#[derive(Debug, Clone)]
+pub struct TableIn {
+    /// As the user wrote it.
+    pub spec: String,
+    /// The format, when given (else from the names).
+    pub format: Option<weir_tables::Format>,
+}
+
+/// Tables to write results and errors to, as parts committed with a journal.
+#[derive(Debug, Clone)]
+pub struct TableOut {
+    /// The results directory or prefix.
+    pub results: weir_tables::Location,
+    /// Its format.
+    pub results_format: weir_tables::Format,
+    /// The errors directory or prefix.
+    pub errors: weir_tables::Location,
+    /// Its format.
+    pub errors_format: weir_tables::Format,
+    /// A part is completed once it holds about this many bytes.
+    pub part_bytes: u64,
+    /// Parts are completed and recorded at least this often.
+    pub checkpoint: Duration,
+}
+
 /// Everything `weir run` needs, validated.
 #[derive(Debug, Clone)]
 pub struct RunSettings {
@@ -82,6 +109,12 @@ pub struct RunSettings {
     pub sre_k: Option<f64>,
     /// Serve Prometheus metrics on this address during the run.
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// The input, when it is a table (then `input` only names it).
+    pub table_input: Option<TableIn>,
+    /// The outputs, when they are tables (then `output` and `errors` only name them).
+    pub table_output: Option<TableOut>,
+    /// Input columns to carry to the output (all when `None`).
+    pub keep_columns: Option<Vec<String>>,
 }
 
 /// Why a run could not start or had to stop.
@@ -240,8 +273,13 @@ fn check_not_foreign(files: &[&Option<(PathBuf, std::fs::File)>], allowed: bool)
     Ok(())
 }
 
-fn identity(settings: &RunSettings, input_file: Option<&std::path::Path>) -> Result<RunIdentity, RunError> {
+fn identity(
+    settings: &RunSettings,
+    input_file: Option<&std::path::Path>,
+    table: Option<&weir_tables::TableInput>,
+) -> Result<RunIdentity, RunError> {
     let input = match (input_file, &settings.input) {
+        _ if table.is_some() => table.map(|t| t.identity()).transpose().map_err(table_error)?.unwrap_or_default(),
         (Some(p), _) => state::input_identity(p)
             .map_err(|e| RunError::Usage(format!("cannot read --input {}: {e}", p.display())))?,
         (None, InputPath::Stdin) => "stdin (a stream)".to_string(),
@@ -287,26 +325,53 @@ pub async fn run(
     };
     // A stream (stdin, a FIFO, `<(cmd)`, /dev/stdin) can be read only once: it is never read to
     // be identified or counted, and an earlier run's state is not resumed from it silently.
+    // A table (CSV, Parquet, many files, an object store) is read through weir-tables; a local
+    // JSONL file or stdin directly.
+    let table_input = match &settings.table_input {
+        Some(t) => {
+            let mut input = weir_tables::TableInput::open(&t.spec, t.format, env).await.map_err(table_error)?;
+            // A directory or glob may hold this run's own outputs and state (`--input data/
+            // --output data/results.jsonl`): they are never read as input, or a resumed run
+            // would read its own results.
+            let own = own_paths(&settings);
+            input.retain(|url| !own.iter().any(|o| std::path::Path::new(url).starts_with(o))).map_err(table_error)?;
+            Some(input)
+        }
+        None => None,
+    };
     let input_file = match &settings.input {
-        InputPath::File(p) if !weir_io::paths::is_stream(p) => Some(p.clone()),
+        InputPath::File(p) if table_input.is_none() && !weir_io::paths::is_stream(p) => Some(p.clone()),
         _ => None,
     };
-    let reader = weir_io::source::open(&settings.input)
-        .await
-        .map_err(|e| RunError::Usage(format!("cannot read --input {input_name}: {e}")))?;
+    let source = match &table_input {
+        Some(t) => t.lines(),
+        None => weir_io::source::lines(
+            weir_io::source::open(&settings.input)
+                .await
+                .map_err(|e| RunError::Usage(format!("cannot read --input {input_name}: {e}")))?,
+        )
+        .boxed(),
+    };
     // The number of records is an extra pass over the input: made only when something shows it
-    // (the progress bar, the resume message, an interrupted run's summary).
+    // (the progress bar, the resume message, an interrupted run's summary). A table's is
+    // counted once, here, if anything may show it (Parquet footers say it at once).
+    let table_count = match &table_input {
+        Some(t) if settings.progress || settings.state != StateMode::Off => t.count().await,
+        _ => None,
+    };
     let count = || match &input_file {
         Some(p) => weir_io::count_records(p)
             .map(Some)
             .map_err(|e| RunError::Usage(format!("cannot read --input {}: {e}", p.display()))),
-        None => Ok(None),
+        None => Ok(table_count),
     };
     let mut total = if settings.progress { count()? } else { None };
     let endpoint = connect_model(&settings.model, &settings.provider, env).await?;
 
     // The output files, opened (never truncated yet) and locked against other weir processes.
+    let tables_out = settings.table_output.clone();
     let claim = |p: &OutputPath, flag: &str| match p {
+        _ if tables_out.is_some() => Ok(None),
         OutputPath::Stdout => Ok(None),
         OutputPath::File(path) => weir_io::sink::claim(path)
             .map(|f| Some((path.clone(), f)))
@@ -324,6 +389,7 @@ pub async fn run(
         [&settings.output, &settings.errors]
             .into_iter()
             .filter_map(|p| match p {
+                _ if tables_out.is_some() => None,
                 // Nothing at all there, not even a symlink: a refused run may remove it again.
                 OutputPath::File(path) if std::fs::symlink_metadata(path).is_err() => Some(path.clone()),
                 _ => None,
@@ -338,7 +404,57 @@ pub async fn run(
     let mut recovered = state::Recovered::default();
     let mut cache = None;
     let mut resuming = false;
+    let mut table_journal = None;
+    let mut next_part = 0;
     let journal = match (&settings.state, &settings.output, &settings.errors) {
+        (state_mode, _, _) if tables_out.is_some() => {
+            let t = tables_out.as_ref().expect("a table output");
+            let mut committed = weir_tables::Committed::default();
+            let journaled = if let StateMode::Dir(dir) = state_mode {
+                let name = table_state_name(&t.results);
+                let id = identity(&settings, None, table_input.as_ref())?;
+                let (sd, resume) =
+                    state::open(dir, &name, &id, settings.fresh).map_err(|e| RunError::Usage(e.to_string()))?;
+                resuming = resume;
+                let path = dir.join("runs").join(format!("{name}.journal"));
+                let (j, c) = weir_tables::Journal::open(&path, !resuming)
+                    .map_err(|e| RunError::Fatal(format!("the journal {}: {e}", path.display())))?;
+                committed = c;
+                table_journal = Some(j);
+                state_dir = Some(sd);
+                true
+            } else {
+                false
+            };
+            let replace = settings.overwrite || settings.fresh;
+            for (location, table) in
+                [(&t.results, weir_tables::journal::Table::Results), (&t.errors, weir_tables::journal::Table::Errors)]
+            {
+                weir_tables::prepare(location, table, &committed, resuming, replace, env).await.map_err(table_error)?;
+            }
+            if journaled {
+                if !resuming {
+                    let id = identity(&settings, None, table_input.as_ref())?;
+                    if let Some(sd) = &state_dir {
+                        sd.record(&id).map_err(|e| RunError::Usage(e.to_string()))?;
+                    }
+                }
+                next_part = committed.next_part();
+                recovered.results = committed.rows(weir_tables::journal::Table::Results);
+                recovered.errors = committed.rows(weir_tables::journal::Table::Errors);
+                recovered.finished = committed.finished;
+                if resuming {
+                    if total.is_none() {
+                        total = count()?;
+                    }
+                    announce_resume(&recovered, total);
+                }
+                if let (true, StateMode::Dir(dir)) = (settings.cache, state_mode) {
+                    cache = Some(open_cache(dir)?);
+                }
+            }
+            journaled
+        }
         (StateMode::Dir(dir), OutputPath::File(out), OutputPath::File(errs)) => {
             let base = out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "output".into());
             // In the default `.weir/` beside the output, the file name is unique. A state
@@ -347,11 +463,11 @@ pub async fn run(
             let beside = state::default_dir(out);
             let shared = weir_io::paths::file_id(&beside).ok() != weir_io::paths::file_id(dir).ok();
             let name = if shared { state::shared_name(out, &base) } else { base };
-            let id = identity(&settings, input_file.as_deref())?;
+            let id = identity(&settings, input_file.as_deref(), table_input.as_ref())?;
             let (sd, resume) =
                 state::open(dir, &name, &id, settings.fresh).map_err(|e| RunError::Usage(e.to_string()))?;
             resuming = resume;
-            if resuming && input_file.is_none() && !settings.resume_stream {
+            if resuming && input_file.is_none() && table_input.is_none() && !settings.resume_stream {
                 return Err(RunError::Usage(format!(
                     "{} holds an earlier run of this command, but the input {input_name} is a stream, which weir \
                      cannot check is the same data. Pass --resume-stream to resume anyway (records whose id and \
@@ -380,32 +496,14 @@ pub async fn run(
                 if total.is_none() {
                     total = count()?;
                 }
-                let of = total.map(|t| format!(" of {}", crate::report::thousands(t))).unwrap_or_default();
-                eprintln!(
-                    "Resuming: {}{of} finished ({} results, {} errors){}{}",
-                    crate::report::thousands(recovered.finished_count()),
-                    crate::report::thousands(recovered.results),
-                    crate::report::thousands(recovered.errors),
-                    if recovered.requeued > 0 {
-                        format!("; {} error rows to run again", recovered.requeued)
-                    } else {
-                        String::new()
-                    },
-                    if recovered.torn_bytes > 0 {
-                        format!("; cut a torn tail of {} bytes", recovered.torn_bytes)
-                    } else {
-                        String::new()
-                    },
-                );
+                announce_resume(&recovered, total);
             } else if settings.retry_errors {
                 return Err(RunError::Usage(
                     "--retry-errors needs the state of an earlier run of the same command (none found)".into(),
                 ));
             }
             if settings.cache {
-                let c = DiskCache::open(&dir.join("cache"))
-                    .map_err(|e| RunError::Usage(format!("{e}; or run with --no-cache")))?;
-                cache = Some(Arc::new(c));
+                cache = Some(open_cache(dir)?);
             }
             state_dir = Some(sd);
             true
@@ -425,12 +523,41 @@ pub async fn run(
                 .map_err(|e| RunError::Usage(format!("cannot write {}: {e}", path.display())))
         }
     };
-    let results = open(&mut out_file)?;
-    let errors = open(&mut err_file)?;
     let on_sync: Option<Box<dyn Fn() + Send + Sync>> = cache.clone().map(|c| Box::new(move || c.checkpoint()) as _);
-    created.0.clear();
-    let writer = weir_io::RowWriter::spawn(results, errors, weir_io::WriterSettings { journal, on_sync })
-        .map_err(|e| RunError::Fatal(format!("cannot start the writer thread: {e}")))?;
+    let writer = match &tables_out {
+        None => {
+            let results = open(&mut out_file)?;
+            let errors = open(&mut err_file)?;
+            created.0.clear();
+            weir_io::RowWriter::spawn(results, errors, weir_io::WriterSettings { journal, on_sync })
+                .map_err(|e| RunError::Fatal(format!("cannot start the writer thread: {e}")))?
+        }
+        Some(t) => {
+            let input_schema = table_columns(&settings, t, table_input.as_ref(), input_file.as_deref(), env).await?;
+            let table_settings = weir_tables::TableSettings {
+                results: t.results.clone(),
+                results_format: t.results_format,
+                errors: t.errors.clone(),
+                errors_format: t.errors_format,
+                input_schema,
+                keep: settings.keep_columns.clone(),
+                task: if settings.provider.task == weir_providers::Task::Embed {
+                    weir_tables::Task::Embed
+                } else {
+                    weir_tables::Task::Generate
+                },
+                part_bytes: t.part_bytes,
+                checkpoint: t.checkpoint,
+                env: weir_tables::location::ENV_VARS
+                    .iter()
+                    .filter_map(|k| env(k).map(|v| (k.to_string(), v)))
+                    .collect(),
+                on_tick: on_sync,
+            };
+            weir_tables::spawn(table_settings, table_journal.take(), next_part)
+                .map_err(|e| RunError::Fatal(format!("cannot start the table writer: {e}")))?
+        }
+    };
 
     let metrics = Arc::new(RunMetrics::default());
     let throttle_settings = ThrottleSettings {
@@ -491,9 +618,21 @@ pub async fn run(
             std::future::pending::<()>().await;
         }
     };
-    let work = weir_io::source::lines(reader).take_until(input_stop).filter_map(move |line| {
+    let work = source.take_until(input_stop).filter_map(move |line| {
         let item = match line {
             Err(e) => Some(Work::ReadError(e)),
+            // A record that could not be read (a CSV line of the wrong width, an unreadable
+            // Parquet row group) is an error row naming where it was.
+            Ok(raw) if raw.malformed.is_some() => (!finished.contains(&finished_key(None, raw.line))).then(|| {
+                Work::Done(Box::new(Failure {
+                    id: None,
+                    line: raw.line,
+                    input: None,
+                    raw: (!raw.bytes.is_empty()).then(|| String::from_utf8_lossy(&raw.bytes).into_owned()),
+                    error: ModelError::new(ErrorKind::InvalidInput, raw.malformed.unwrap_or_default()),
+                    attempts: 0,
+                }))
+            }),
             Ok(raw) => match spec.parse(raw.line, &raw.bytes) {
                 Err(failure) => (!finished.contains(&finished_key(failure.id.as_ref(), failure.line)))
                     .then_some(Work::Done(failure)),
@@ -626,14 +765,30 @@ pub async fn run(
         };
         // Rows are written (and made durable) by the writer thread, off this task.
         let written = match outcome {
-            Ok(Outcome::Success(s)) => writer.success(s).await,
+            Ok(Outcome::Success(mut s)) => {
+                if let Some(keep) = &settings.keep_columns {
+                    s.record.input.retain(|k, _| keep.contains(k));
+                }
+                writer.success(s).await
+            }
             // With a journal, a record the run never tried is simply not finished: the next run
-            // does it. Without one, it gets an error row so that nothing is silently dropped.
-            Ok(Outcome::Failure(f)) if journal && f.error.kind == ErrorKind::Aborted => {
+            // does it. Without one, it gets an error row so that nothing is silently dropped. A
+            // table's parts cannot be rewritten on resume, so there the other errors that are
+            // about the run (a spent quota, rejected credentials) are not written either.
+            Ok(Outcome::Failure(f))
+                if journal
+                    && (f.error.kind == ErrorKind::Aborted
+                        || (tables_out.is_some() && f.error.kind.is_about_the_run())) =>
+            {
                 not_written += 1;
                 Ok(())
             }
-            Ok(Outcome::Failure(f)) => writer.failure(f).await,
+            Ok(Outcome::Failure(mut f)) => {
+                if let (Some(keep), Some(input)) = (&settings.keep_columns, f.input.as_mut()) {
+                    input.retain(|k, _| keep.contains(k));
+                }
+                writer.failure(f).await
+            }
             Err(e) => {
                 fatal = Some(format!("reading the input failed: {e}"));
                 break;
@@ -688,4 +843,103 @@ pub async fn run(
         driver.concurrency(),
         driver.rate_snapshot(),
     ))
+}
+
+fn table_error(e: weir_tables::TableError) -> RunError {
+    match e {
+        weir_tables::TableError::Usage(m) => RunError::Usage(m),
+    }
+}
+
+/// Opens the response cache in the state directory.
+fn open_cache(dir: &std::path::Path) -> Result<Arc<DiskCache>, RunError> {
+    DiskCache::open(&dir.join("cache"))
+        .map(Arc::new)
+        .map_err(|e| RunError::Usage(format!("{e}; or run with --no-cache")))
+}
+
+/// Says what an earlier run finished, on stderr.
+fn announce_resume(recovered: &state::Recovered, total: Option<u64>) {
+    let of = total.map(|t| format!(" of {}", crate::report::thousands(t))).unwrap_or_default();
+    eprintln!(
+        "Resuming: {}{of} finished ({} results, {} errors){}{}",
+        crate::report::thousands(recovered.finished_count()),
+        crate::report::thousands(recovered.results),
+        crate::report::thousands(recovered.errors),
+        if recovered.requeued > 0 {
+            format!("; {} error rows to run again", recovered.requeued)
+        } else {
+            String::new()
+        },
+        if recovered.torn_bytes > 0 {
+            format!("; cut a torn tail of {} bytes", recovered.torn_bytes)
+        } else {
+            String::new()
+        },
+    );
+}
+
+/// The name of a table output's state: its last path component and a digest of where it is
+/// (the store, the bucket and the absolute path, however the command spelled it).
+fn table_state_name(results: &weir_tables::Location) -> String {
+    use sha2::{Digest, Sha256};
+    let base = results.path.filename().unwrap_or("output").to_string();
+    let digest = Sha256::digest(format!("{:?}\n{}\n{}", results.scheme, results.bucket, results.path).as_bytes());
+    let hex: String = digest.iter().take(6).map(|b| format!("{b:02x}")).collect();
+    format!("{base}-{hex}")
+}
+
+/// The input columns a table output carries: known from a table input or a local JSONL file
+/// before the first row (and checked against --keep-columns now, so a wrong name is a usage
+/// error); `None` for a stream, whose columns are inferred from its first rows.
+async fn table_columns(
+    settings: &RunSettings,
+    out: &TableOut,
+    table: Option<&weir_tables::TableInput>,
+    input_file: Option<&std::path::Path>,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<Option<weir_tables::SchemaRef>, RunError> {
+    use weir_tables::Format;
+    if out.results_format == Format::Jsonl && out.errors_format == Format::Jsonl {
+        return Ok(None);
+    }
+    let schema = match (table, input_file) {
+        (Some(t), _) => t.schema().await.map_err(table_error)?,
+        (None, Some(p)) => weir_tables::TableInput::open(&p.to_string_lossy(), Some(Format::Jsonl), env)
+            .await
+            .map_err(table_error)?
+            .schema()
+            .await
+            .map_err(table_error)?,
+        (None, None) => return Ok(None),
+    };
+    let task = if settings.provider.task == weir_providers::Task::Embed {
+        weir_tables::Task::Embed
+    } else {
+        weir_tables::Task::Generate
+    };
+    weir_tables::OutputColumns::new(&schema, settings.keep_columns.as_deref(), task, out.results_format == Format::Csv)
+        .map_err(RunError::Usage)?;
+    Ok(Some(schema))
+}
+
+/// The local paths a run writes (outputs, errors, state), made absolute, to keep them out of a
+/// directory input.
+fn own_paths(settings: &RunSettings) -> Vec<PathBuf> {
+    let local =
+        |p: &std::path::Path| weir_tables::Location::parse(&p.to_string_lossy()).ok().and_then(|l| l.local_path());
+    let mut own: Vec<PathBuf> = match &settings.table_output {
+        Some(t) => [&t.results, &t.errors].iter().filter_map(|l| l.local_path()).collect(),
+        None => [&settings.output, &settings.errors]
+            .iter()
+            .filter_map(|o| match o {
+                OutputPath::File(p) => local(p),
+                _ => None,
+            })
+            .collect(),
+    };
+    if let StateMode::Dir(d) = &settings.state {
+        own.extend(local(d));
+    }
+    own
 }

@@ -5,11 +5,12 @@ use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
-use weir::{RunError, RunSettings, StateMode};
+use weir::{RunError, RunSettings, StateMode, TableIn, TableOut};
 use weir_core::{DriverSettings, GenParams, PromptSource, RateSettings, RecordSpec, RetryPolicy, Template};
 use weir_io::{default_errors_path, InputPath, OutputPath};
 use weir_providers::{ModelSpec, ProviderOptions};
 use weir_sim::SimConfig;
+use weir_tables::{Format, Location};
 
 use crate::UsageError;
 
@@ -64,15 +65,35 @@ pub struct RunArgs {
     /// run); records without it use --model. Each model gets a throttle of its own.
     #[arg(long, value_name = "FIELD")]
     model_field: Option<String>,
-    /// Input JSONL, one object per line; - reads stdin.
+    /// The input: a JSONL, CSV or Parquet file, a glob or a directory of them, local or
+    /// s3://BUCKET/… or gs://BUCKET/…; - reads JSONL from stdin.
     #[arg(long, value_name = "PATH")]
     input: String,
-    /// Where result rows go (JSONL); - writes stdout.
+    /// The input's format when its name does not say (jsonl, csv, parquet).
+    #[arg(long, value_name = "FORMAT")]
+    input_format: Option<String>,
+    /// Where result rows go: a JSONL file (- writes stdout), or a table — a name ending in
+    /// .parquet or .csv, a directory, or s3://… or gs://… — written as a directory of parts.
     #[arg(long, value_name = "PATH")]
     output: String,
-    /// Where error rows go [default: beside the output, results.jsonl → results.errors.jsonl].
+    /// The output's format when its name does not say (jsonl, csv, parquet).
+    #[arg(long, value_name = "FORMAT")]
+    output_format: Option<String>,
+    /// Where error rows go [default: beside the output, results.jsonl → results.errors.jsonl,
+    /// s3://b/out.parquet → s3://b/out.errors.parquet].
     #[arg(long, value_name = "PATH")]
     errors: Option<String>,
+    /// Input columns carried to the output, comma-separated [default: all of them]. The id
+    /// field is always kept.
+    #[arg(long, value_name = "A,B", value_delimiter = ',')]
+    keep_columns: Option<Vec<String>>,
+    /// Table outputs: a part is completed once it holds about this many MiB.
+    #[arg(long, value_name = "MIB", default_value_t = 128)]
+    part_mib: u64,
+    /// Table outputs: completed parts are recorded (and a killed run resumes from them) at
+    /// least this often, in seconds.
+    #[arg(long, value_name = "SECS", default_value_t = 30.0)]
+    checkpoint_secs: f64,
     /// The field holding each record's id [default: the line number].
     #[arg(long, value_name = "FIELD")]
     id_field: Option<String>,
@@ -234,12 +255,6 @@ impl RunArgs {
             std::net::TcpListener::bind(addr)
                 .map_err(|e| UsageError(format!("--metrics-listen {addr}: cannot listen there ({e})")))?;
         }
-        if self.input != "-" && std::path::Path::new(&self.input).is_dir() {
-            return Err(UsageError(format!(
-                "--input {}: is a directory; give a JSONL file, or - for stdin",
-                self.input
-            )));
-        }
         if !(self.limit_window.is_finite() && self.limit_window > 0.0) {
             return Err(UsageError(format!("--limit-window {}: must be a number of seconds > 0", self.limit_window)));
         }
@@ -322,6 +337,11 @@ impl RunArgs {
             }
             None => None,
         };
+        let tables = self.tables()?;
+        if tables.1.is_some() {
+            let parts = self.table_parts(tables)?;
+            return Ok(self.assemble(parts, model, params, prompt, sim_config, endpoint_format, embed, bucketing));
+        }
         let output = OutputPath::parse(&self.output);
         let errors = match &self.errors {
             Some(e) => OutputPath::parse(e),
@@ -332,11 +352,7 @@ impl RunArgs {
         }
         let input = InputPath::parse(&self.input);
         check_distinct_files(&input, &output, &errors, self.errors.is_some())?;
-        let progress = match self.progress {
-            ProgressMode::Always => true,
-            ProgressMode::Never => false,
-            ProgressMode::Auto => std::io::stderr().is_terminal(),
-        };
+        let progress = self.progress();
         let state = if self.no_state {
             StateMode::Off
         } else {
@@ -380,7 +396,43 @@ impl RunArgs {
         if state != StateMode::Off && !errors.is_file() {
             return Err(UsageError("a resumable run needs --errors to be a regular file (or use --no-state)".into()));
         }
-        Ok(RunSettings {
+        let parts = Parts { input, output, errors, state, tables, progress };
+        Ok(self.assemble(parts, model, params, prompt, sim_config, endpoint_format, embed, bucketing))
+    }
+
+    /// Whether to draw a progress bar.
+    fn progress(&self) -> bool {
+        match self.progress {
+            ProgressMode::Always => true,
+            ProgressMode::Never => false,
+            ProgressMode::Auto => std::io::stderr().is_terminal(),
+        }
+    }
+
+    /// The settings, once the input, outputs and state are decided.
+    #[allow(clippy::too_many_arguments)]
+    fn assemble(
+        &self,
+        parts: Parts,
+        model: ModelSpec,
+        params: GenParams,
+        prompt: PromptSource,
+        sim_config: Option<SimConfig>,
+        endpoint_format: weir_providers::EndpointFormat,
+        embed: bool,
+        bucketing: weir_core::Bucketing,
+    ) -> RunSettings {
+        let Parts { input, output, errors, state, tables: (table_input, table_output), progress } = parts;
+        let keep_columns = self.keep_columns.as_ref().map(|cols| {
+            let mut cols: Vec<String> = cols.iter().map(|c| c.trim().to_string()).filter(|c| !c.is_empty()).collect();
+            if let Some(id) = &self.id_field {
+                if !cols.contains(id) {
+                    cols.push(id.clone());
+                }
+            }
+            cols
+        });
+        RunSettings {
             model,
             model_field: self.model_field.clone(),
             provider: ProviderOptions {
@@ -431,7 +483,159 @@ impl RunArgs {
             adaptive: self.concurrency == ConcurrencyMode::Adaptive,
             sre_k: self.sre_throttle,
             metrics_listen: self.metrics_listen,
+            table_input,
+            table_output,
+            keep_columns,
+        }
+    }
+
+    /// Which of the input and the output are tables (anything but a local JSONL file or a
+    /// stream), from their names and the format flags.
+    fn tables(&self) -> Result<(Option<TableIn>, Option<TableOut>), UsageError> {
+        let parse = |flag: &str, f: &Option<String>| {
+            f.as_deref().map(|f| f.parse::<Format>().map_err(|e| UsageError(format!("{flag}: {e}")))).transpose()
+        };
+        let input_format = parse("--input-format", &self.input_format)?;
+        let output_format = parse("--output-format", &self.output_format)?;
+        let remote = |s: &str| s.starts_with("s3://") || s.starts_with("gs://");
+        let globbed = |s: &str| s.contains(['*', '?', '[']) && !std::path::Path::new(s).exists();
+        let table_in = if self.input == "-" {
+            if input_format.is_some_and(|f| f != Format::Jsonl) {
+                return Err(UsageError("--input - reads JSONL; CSV and Parquet must be read from a file".into()));
+            }
+            None
+        } else if remote(&self.input)
+            || input_format.is_some_and(|f| f != Format::Jsonl)
+            || matches!(Format::from_name(&self.input), Some(Format::Csv | Format::Parquet))
+            || std::path::Path::new(&self.input).is_dir()
+            || globbed(&self.input)
+        {
+            Some(TableIn { spec: self.input.clone(), format: input_format })
+        } else {
+            None
+        };
+        let named = Format::from_name(&self.output);
+        let table_out = self.output != "-"
+            && (remote(&self.output)
+                || output_format.is_some_and(|f| f != Format::Jsonl)
+                || matches!(named, Some(Format::Csv | Format::Parquet))
+                || std::path::Path::new(&self.output).is_dir()
+                || self.output.ends_with('/'));
+        if !table_out {
+            if output_format.is_some_and(|f| f != Format::Jsonl) {
+                return Err(UsageError("--output - writes JSONL; write CSV or Parquet to a path".into()));
+            }
+            return Ok((table_in, None));
+        }
+        let results_format = output_format.or(named).ok_or_else(|| {
+            UsageError(format!(
+                "--output {}: cannot tell the format from the name; pass --output-format jsonl|csv|parquet",
+                self.output
+            ))
+        })?;
+        let results = Location::parse(&self.output).map_err(|e| UsageError(format!("--output {e}")))?;
+        let (errors, errors_format) = match &self.errors {
+            Some(e) if e == "-" => {
+                return Err(UsageError("--errors -: a table output's errors are a table too; give a path".into()))
+            }
+            Some(e) => (
+                Location::parse(e).map_err(|err| UsageError(format!("--errors {err}")))?,
+                Format::from_name(e).unwrap_or(results_format),
+            ),
+            None => (
+                Location::parse(&errors_beside(&self.output, results_format))
+                    .map_err(|e| UsageError(format!("--errors {e}")))?,
+                results_format,
+            ),
+        };
+        if errors.scheme == results.scheme && errors.bucket == results.bucket && errors.path == results.path {
+            return Err(UsageError("--errors and --output are the same location; choose another".into()));
+        }
+        if self.retry_errors {
+            return Err(UsageError(
+                "--retry-errors works with a JSONL output file; with a table output, run the error rows again as \
+                 the input of a new run"
+                    .into(),
+            ));
+        }
+        if self.part_mib == 0 {
+            return Err(UsageError("--part-mib must be at least 1".into()));
+        }
+        if !(self.checkpoint_secs.is_finite() && self.checkpoint_secs > 0.0) {
+            return Err(UsageError(format!(
+                "--checkpoint-secs {}: must be a number of seconds > 0",
+                self.checkpoint_secs
+            )));
+        }
+        Ok((
+            table_in,
+            Some(TableOut {
+                results,
+                results_format,
+                errors,
+                errors_format,
+                part_bytes: self.part_mib * 1024 * 1024,
+                checkpoint: Duration::from_secs_f64(self.checkpoint_secs),
+            }),
+        ))
+    }
+
+    /// The outputs and state of a run whose output is a table.
+    fn table_parts(&self, tables: (Option<TableIn>, Option<TableOut>)) -> Result<Parts, UsageError> {
+        let out = tables.1.as_ref().expect("a table output");
+        let state = match (&self.state, self.no_state) {
+            (_, true) => StateMode::Off,
+            (Some(dir), _) => StateMode::Dir(dir.clone()),
+            // Beside a local output; in the working directory for an object store's.
+            (None, _) => match out.results.local_path() {
+                Some(p) => StateMode::Dir(weir_io::state::default_dir(&p)),
+                None => StateMode::Dir(PathBuf::from(".weir")),
+            },
+        };
+        if let StateMode::Dir(dir) = &state {
+            let d = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.clone());
+            for (flag, l) in [("--output", &out.results), ("--errors", &out.errors)] {
+                if l.local_path().is_some_and(|p| p.starts_with(&d)) {
+                    return Err(UsageError(format!(
+                        "{flag} {}: is inside the state directory {}; choose a path outside it",
+                        l.display,
+                        dir.display()
+                    )));
+                }
+            }
+        }
+        Ok(Parts {
+            input: InputPath::parse(&self.input),
+            output: OutputPath::File(PathBuf::from(&out.results.display)),
+            errors: OutputPath::File(PathBuf::from(&out.errors.display)),
+            state,
+            tables,
+            progress: self.progress(),
         })
+    }
+}
+
+/// What [`RunArgs::assemble`] puts together.
+struct Parts {
+    input: InputPath,
+    output: OutputPath,
+    errors: OutputPath,
+    state: StateMode,
+    tables: (Option<TableIn>, Option<TableOut>),
+    progress: bool,
+}
+
+/// The errors table beside a results table: `out.parquet` → `out.errors.parquet`,
+/// `s3://b/results/` → `s3://b/results.errors`.
+fn errors_beside(output: &str, format: Format) -> String {
+    let trimmed = output.trim_end_matches('/');
+    match Format::from_name(trimmed) {
+        Some(f) if f == format => {
+            let cut = trimmed.len() - f.extension().len() - 1;
+            let ext = &trimmed[cut..];
+            format!("{}.errors{ext}", &trimmed[..cut])
+        }
+        _ => format!("{trimmed}.errors"),
     }
 }
 

@@ -690,8 +690,9 @@ async fn more_commands_that_cannot_work_exit_2_and_write_nothing() {
     dir.write("in.jsonl", &data);
     std::fs::create_dir_all(dir.path(".weir/runs")).unwrap();
     dir.write(".weir/runs/keep.json", b"{}");
+    std::fs::create_dir_all(dir.path("empty")).unwrap();
     for (args, says) in [
-        (vec!["--input", ".", "--output", "o.jsonl"], "is a directory"),
+        (vec!["--input", "empty", "--output", "o.jsonl"], "no jsonl, csv or parquet files under it"),
         (vec!["--input", "in.jsonl", "--output", "o.jsonl", "--id-field", ""], "needs a field name"),
         (vec!["--input", "in.jsonl", "--output", "o.jsonl", "--prompt-field", " "], "needs a field name"),
         (

@@ -1,0 +1,323 @@
+//! Where tables live: local paths, `s3://bucket/key` and `gs://bucket/key`, one object store
+//! each, with credentials found the way each cloud's own tools find them.
+//!
+//! - S3: `AWS_ACCESS_KEY_ID` / `AWS_SECRET_ACCESS_KEY` / `AWS_SESSION_TOKEN`, else the profile
+//!   `AWS_PROFILE` (or `default`) of `~/.aws/credentials` (`AWS_SHARED_CREDENTIALS_FILE`), else
+//!   the instance's role; region from `AWS_REGION`, `AWS_DEFAULT_REGION` or the profile in
+//!   `~/.aws/config`; `AWS_ENDPOINT_URL` (or `AWS_ENDPOINT_URL_S3`) for S3-compatible stores.
+//! - GCS: `GOOGLE_APPLICATION_CREDENTIALS` (a service account or an authorized-user file), else
+//!   gcloud's application-default credentials, else the metadata server: the same Application
+//!   Default Credentials as Vertex AI. `STORAGE_EMULATOR_HOST` points at an emulator (no auth).
+//!
+//! Plain `http://` endpoints are accepted only on loopback: anything else must use TLS.
+
+use object_store::aws::AmazonS3Builder;
+use object_store::gcp::GoogleCloudStorageBuilder;
+use object_store::local::LocalFileSystem;
+use object_store::path::Path as ObjectPath;
+use object_store::{ClientOptions, ObjectStore};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::TableError;
+
+/// The environment variables the stores' credentials and endpoints come from.
+pub const ENV_VARS: &[&str] = &[
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_PROFILE",
+    "AWS_SHARED_CREDENTIALS_FILE",
+    "AWS_CONFIG_FILE",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "STORAGE_EMULATOR_HOST",
+    "GOOGLE_APPLICATION_CREDENTIALS",
+    "HOME",
+];
+
+/// Reads an environment variable (the caller's view of the environment, so tests can pass one).
+pub type Env<'a> = &'a dyn Fn(&str) -> Option<String>;
+
+/// Which kind of store a location is in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scheme {
+    /// The local file system.
+    Local,
+    /// Amazon S3 or an S3-compatible store.
+    S3,
+    /// Google Cloud Storage.
+    Gcs,
+}
+
+/// A place in a store: a file or object, or a directory or prefix.
+#[derive(Debug, Clone)]
+pub struct Location {
+    /// The kind of store.
+    pub scheme: Scheme,
+    /// The bucket (empty for local paths).
+    pub bucket: String,
+    /// The path inside the store: for local paths, the absolute path without its leading `/`.
+    pub path: ObjectPath,
+    /// How the user wrote it, for messages.
+    pub display: String,
+}
+
+impl Location {
+    /// Parses `s3://bucket/key`, `gs://bucket/key` or a local path (made absolute).
+    pub fn parse(s: &str) -> Result<Self, TableError> {
+        let remote = |scheme, rest: &str| -> Result<Self, TableError> {
+            let (bucket, key) = rest.split_once('/').unwrap_or((rest, ""));
+            if bucket.is_empty() {
+                return Err(TableError::Usage(format!("{s}: no bucket name (write it as s3://BUCKET/path)")));
+            }
+            let path = ObjectPath::parse(key.trim_end_matches('/'))
+                .map_err(|e| TableError::Usage(format!("{s}: not a valid object path: {e}")))?;
+            Ok(Self { scheme, bucket: bucket.to_string(), path, display: s.to_string() })
+        };
+        if let Some(rest) = s.strip_prefix("s3://") {
+            return remote(Scheme::S3, rest);
+        }
+        if let Some(rest) = s.strip_prefix("gs://") {
+            return remote(Scheme::Gcs, rest);
+        }
+        if let Some((scheme, _)) = s.split_once("://") {
+            return Err(TableError::Usage(format!(
+                "{s}: weir reads and writes local paths, s3:// and gs://, not {scheme}://"
+            )));
+        }
+        let abs = absolute(Path::new(s))?;
+        let path = ObjectPath::from_filesystem_path(&abs)
+            .or_else(|_| ObjectPath::parse(abs.to_string_lossy().trim_start_matches('/')))
+            .map_err(|e| TableError::Usage(format!("{s}: {e}")))?;
+        Ok(Self { scheme: Scheme::Local, bucket: String::new(), path, display: s.to_string() })
+    }
+
+    /// True for `s3://` and `gs://` locations.
+    pub fn is_remote(&self) -> bool {
+        self.scheme != Scheme::Local
+    }
+
+    /// The local file system path of a local location.
+    pub fn local_path(&self) -> Option<PathBuf> {
+        (self.scheme == Scheme::Local).then(|| PathBuf::from(format!("/{}", self.path)))
+    }
+
+    /// The same store, another path in it.
+    pub fn with_path(&self, path: ObjectPath) -> Self {
+        let display = match self.scheme {
+            Scheme::Local => format!("/{path}"),
+            Scheme::S3 => format!("s3://{}/{path}", self.bucket),
+            Scheme::Gcs => format!("gs://{}/{path}", self.bucket),
+        };
+        Self { scheme: self.scheme, bucket: self.bucket.clone(), path, display }
+    }
+
+    /// The full name of an object in this location's store, for messages and identities.
+    pub fn url_of(&self, path: &ObjectPath) -> String {
+        self.with_path(path.clone()).display
+    }
+
+    /// Connects to the store this location is in.
+    pub fn store(&self, env: Env) -> Result<Arc<dyn ObjectStore>, TableError> {
+        match self.scheme {
+            Scheme::Local => Ok(Arc::new(LocalFileSystem::new())),
+            Scheme::S3 => s3(&self.bucket, env),
+            Scheme::Gcs => gcs(&self.bucket, env),
+        }
+    }
+}
+
+fn absolute(p: &Path) -> Result<PathBuf, TableError> {
+    let abs = if p.is_absolute() {
+        p.to_path_buf()
+    } else {
+        std::env::current_dir().map_err(|e| TableError::Usage(format!("the working directory: {e}")))?.join(p)
+    };
+    // Resolve `.` and `..` lexically, after the longest existing prefix is made canonical
+    // (so `./a` and `a` and a symlinked directory name one place).
+    let mut out = PathBuf::new();
+    for c in abs.components() {
+        match c {
+            std::path::Component::ParentDir => {
+                out.pop();
+            }
+            std::path::Component::CurDir => {}
+            other => out.push(other.as_os_str()),
+        }
+    }
+    let mut existing = out.clone();
+    let mut rest = Vec::new();
+    while !existing.exists() {
+        match (existing.file_name().map(|n| n.to_os_string()), existing.parent()) {
+            (Some(name), Some(parent)) => {
+                rest.push(name);
+                existing = parent.to_path_buf();
+            }
+            _ => return Ok(out),
+        }
+    }
+    let mut canonical = std::fs::canonicalize(&existing).unwrap_or(existing);
+    for name in rest.into_iter().rev() {
+        canonical.push(name);
+    }
+    Ok(canonical)
+}
+
+/// An endpoint override: `https://` anywhere, `http://` only on loopback.
+fn endpoint(var: &str, value: &str) -> Result<(String, bool), TableError> {
+    let value = value.trim().trim_end_matches('/');
+    let with_scheme = if value.contains("://") { value.to_string() } else { format!("http://{value}") };
+    let Some(rest) = with_scheme.strip_prefix("http://") else {
+        return Ok((with_scheme, false));
+    };
+    let host = rest.split(['/', '?']).next().unwrap_or_default();
+    let host = host.rsplit_once(':').map(|(h, _)| h).unwrap_or(host);
+    let loopback = matches!(host, "localhost" | "127.0.0.1" | "[::1]" | "::1") || host.starts_with("127.");
+    if !loopback {
+        return Err(TableError::Usage(format!(
+            "{var}={value}: plain http is allowed only on loopback (an emulator on this machine); use https"
+        )));
+    }
+    Ok((with_scheme, true))
+}
+
+fn s3(bucket: &str, env: Env) -> Result<Arc<dyn ObjectStore>, TableError> {
+    let mut b = AmazonS3Builder::new().with_bucket_name(bucket);
+    let key = env("AWS_ACCESS_KEY_ID").filter(|v| !v.is_empty());
+    let secret = env("AWS_SECRET_ACCESS_KEY").filter(|v| !v.is_empty());
+    let profile_name = env("AWS_PROFILE").filter(|v| !v.is_empty()).unwrap_or_else(|| "default".into());
+    let home = env("HOME").map(PathBuf::from);
+    match (key, secret) {
+        (Some(k), Some(s)) => {
+            b = b.with_access_key_id(k).with_secret_access_key(s);
+            if let Some(t) = env("AWS_SESSION_TOKEN").filter(|v| !v.is_empty()) {
+                b = b.with_token(t);
+            }
+        }
+        (Some(_), None) | (None, Some(_)) => {
+            return Err(TableError::Usage(
+                "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY must be set together (or neither, to use a profile)"
+                    .into(),
+            ))
+        }
+        (None, None) => {
+            let file = env("AWS_SHARED_CREDENTIALS_FILE")
+                .map(PathBuf::from)
+                .or_else(|| home.as_ref().map(|h| h.join(".aws/credentials")));
+            if let Some(section) = file.and_then(|f| ini_section(&f, &profile_name)) {
+                let get = |k: &str| section.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+                if let (Some(k), Some(s)) = (get("aws_access_key_id"), get("aws_secret_access_key")) {
+                    b = b.with_access_key_id(k).with_secret_access_key(s);
+                    if let Some(t) = get("aws_session_token") {
+                        b = b.with_token(t);
+                    }
+                }
+            }
+            // Else the instance's or container's role, which object_store finds itself.
+        }
+    }
+    let region = env("AWS_REGION").or_else(|| env("AWS_DEFAULT_REGION")).filter(|v| !v.is_empty()).or_else(|| {
+        let file = env("AWS_CONFIG_FILE").map(PathBuf::from).or_else(|| home.as_ref().map(|h| h.join(".aws/config")));
+        let section = if profile_name == "default" { "default".to_string() } else { format!("profile {profile_name}") };
+        file.and_then(|f| ini_section(&f, &section))
+            .and_then(|s| s.into_iter().find(|(n, _)| n == "region").map(|(_, v)| v))
+    });
+    b = b.with_region(region.unwrap_or_else(|| "us-east-1".into()));
+    for var in ["AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"] {
+        if let Some(v) = env(var).filter(|v| !v.is_empty()) {
+            let (url, http) = endpoint(var, &v)?;
+            b = b.with_endpoint(url).with_allow_http(http).with_virtual_hosted_style_request(false);
+            break;
+        }
+    }
+    b.build().map(|s| Arc::new(s) as _).map_err(|e| TableError::Usage(format!("s3://{bucket}: {e}")))
+}
+
+/// The `name = value` pairs of one `[section]` of an INI file (AWS's credentials and config).
+fn ini_section(file: &Path, section: &str) -> Option<Vec<(String, String)>> {
+    let text = std::fs::read_to_string(file).ok()?;
+    let mut inside = false;
+    let mut found = None;
+    for line in text.lines() {
+        let line = line.trim();
+        if line.starts_with('#') || line.starts_with(';') || line.is_empty() {
+            continue;
+        }
+        if let Some(name) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
+            inside = name.trim() == section;
+            if inside {
+                found.get_or_insert_with(Vec::new);
+            }
+            continue;
+        }
+        if inside {
+            if let Some((k, v)) = line.split_once('=') {
+                found.get_or_insert_with(Vec::new).push((k.trim().to_string(), v.trim().to_string()));
+            }
+        }
+    }
+    found
+}
+
+fn gcs(bucket: &str, env: Env) -> Result<Arc<dyn ObjectStore>, TableError> {
+    let mut b = GoogleCloudStorageBuilder::new().with_bucket_name(bucket);
+    if let Some(host) = env("STORAGE_EMULATOR_HOST").filter(|v| !v.is_empty()) {
+        let (url, http) = endpoint("STORAGE_EMULATOR_HOST", &host)?;
+        // An emulator takes no credentials: a key that says so, and the emulator's address.
+        b = b
+            .with_base_url(&url)
+            .with_service_account_key(
+                r#"{"private_key":"","private_key_id":"","client_email":"","disable_oauth":true}"#,
+            )
+            .with_client_options(ClientOptions::new().with_allow_http(http));
+    } else if let Some(path) = env("GOOGLE_APPLICATION_CREDENTIALS").filter(|v| !v.is_empty()) {
+        b = b.with_application_credentials(path);
+    } else if let Some(home) = env("HOME") {
+        // gcloud's application-default credentials, where `gcloud auth application-default
+        // login` writes them (object_store would look there itself; said here so tests can
+        // point HOME elsewhere).
+        let adc = Path::new(&home).join(".config/gcloud/application_default_credentials.json");
+        if adc.exists() {
+            b = b.with_application_credentials(adc.to_string_lossy());
+        }
+    }
+    b.build().map(|s| Arc::new(s) as _).map_err(|e| TableError::Usage(format!("gs://{bucket}: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_the_three_kinds() {
+        let l = Location::parse("s3://b/dir/x.parquet").unwrap();
+        assert_eq!((l.scheme, l.bucket.as_str(), l.path.as_ref()), (Scheme::S3, "b", "dir/x.parquet"));
+        let l = Location::parse("gs://b/out/").unwrap();
+        assert_eq!((l.scheme, l.path.as_ref()), (Scheme::Gcs, "out"));
+        assert!(Location::parse("s3:///x").is_err());
+        assert!(Location::parse("http://x/y").is_err());
+        let l = Location::parse("/tmp/../tmp/./x.csv").unwrap();
+        assert!(l.local_path().unwrap().ends_with("tmp/x.csv"), "{:?}", l.local_path());
+    }
+
+    #[test]
+    fn plain_http_only_on_loopback() {
+        assert!(endpoint("X", "http://127.0.0.1:9000").unwrap().1);
+        assert!(endpoint("X", "localhost:4443").unwrap().1);
+        assert!(!endpoint("X", "https://s3.example.com").unwrap().1);
+        assert!(endpoint("X", "http://s3.example.com").is_err());
+    }
+
+    #[test]
+    fn reads_an_ini_section() {
+        let f = std::env::temp_dir().join(format!("weir-ini-{}", std::process::id()));
+        std::fs::write(&f, "[default]\naws_access_key_id = A\n\n[profile p]\nregion=eu-west-1\n").unwrap();
+        assert_eq!(ini_section(&f, "default").unwrap(), vec![("aws_access_key_id".into(), "A".into())]);
+        assert_eq!(ini_section(&f, "profile p").unwrap()[0].1, "eu-west-1");
+        assert!(ini_section(&f, "other").is_none());
+        std::fs::remove_file(&f).unwrap();
+    }
+}

@@ -1,0 +1,624 @@
+//! Reading a table — one file, a glob, or a directory (prefix) of files, local or in an
+//! object store — as a stream of JSON-object lines, in constant memory.
+//!
+//! Every format becomes what weir's pipeline already reads: one JSON object per record, with a
+//! 1-based position. JSONL lines pass through as they are (a line that is not JSON becomes an
+//! error row there, as for a local file); a CSV record becomes an object of its header's names,
+//! its values typed as the whole input's columns are (integers, floats, booleans, else text); a
+//! Parquet row becomes the object `arrow-json` writes for it (lists and structs nested). Files
+//! are read one after another in name order, and positions continue from one to the next, so a
+//! record's position is the same in every run over the same input (it is the record's id when
+//! there is no `--id-field`). In a CSV file, positions are line numbers (the header is line 1);
+//! in a Parquet file, row numbers from 1.
+//!
+//! What cannot be read becomes error rows, not a crash: a CSV line with the wrong number of
+//! fields, or each row of a Parquet row group that cannot be decoded, naming the file and where
+//! in it.
+
+use arrow_array::RecordBatch;
+use arrow_schema::{DataType, Schema, SchemaRef};
+use futures::stream::{BoxStream, StreamExt, TryStreamExt};
+use futures::FutureExt;
+use object_store::path::Path as ObjectPath;
+use object_store::{ObjectMeta, ObjectStore, ObjectStoreExt};
+use parquet::arrow::arrow_reader::{ArrowReaderMetadata, ArrowReaderOptions};
+use parquet::arrow::async_reader::{AsyncFileReader, ParquetRecordBatchStream, ParquetRecordBatchStreamBuilder};
+use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use weir_io::RawLine;
+
+use crate::location::{Env, Location};
+use crate::{Format, TableError};
+
+/// One input file.
+#[derive(Debug, Clone)]
+pub struct InputFile {
+    /// Where it is.
+    pub path: ObjectPath,
+    /// Its size in bytes.
+    pub size: u64,
+    /// Its ETag or version, when the store reports one.
+    pub version: Option<String>,
+}
+
+/// A table to read: its files, their format and the store they are in.
+pub struct TableInput {
+    /// Where the user said it is.
+    pub location: Location,
+    /// The files, in the order they are read.
+    pub files: Vec<InputFile>,
+    /// Their format.
+    pub format: Format,
+    store: Arc<dyn ObjectStore>,
+    /// CSV inputs: the columns' types, inferred from every file.
+    csv_schema: Option<SchemaRef>,
+}
+
+fn has_glob(s: &str) -> bool {
+    s.contains(['*', '?', '['])
+}
+
+fn read_err(what: &str, e: impl std::fmt::Display) -> TableError {
+    TableError::Usage(format!("cannot read --input {what}: {e}"))
+}
+
+impl TableInput {
+    /// Finds the files `spec` names: one file, a glob (`s3://b/in/*.parquet`), or a directory or
+    /// prefix (every file in it with a table extension, or of `format` when given, recursively;
+    /// names starting with `.` or `_` are skipped, as Spark's `_SUCCESS` files are).
+    pub async fn open(spec: &str, format: Option<Format>, env: Env<'_>) -> Result<Self, TableError> {
+        let location = Location::parse(spec)?;
+        let store = location.store(env)?;
+        let mut files = Vec::new();
+        // Hidden names (`.weir/`, `.git`) and Spark's `_SUCCESS` and `_temporary/`, anywhere
+        // below what the user named, are not data.
+        let base = location.path.clone();
+        let wanted = |p: &ObjectPath| {
+            let name = p.filename().unwrap_or_default();
+            let hidden = p
+                .prefix_match(&base)
+                .map(|mut parts| parts.any(|c| c.as_ref().starts_with('.') || c.as_ref().starts_with('_')))
+                .unwrap_or(false);
+            !hidden
+                && match format {
+                    Some(f) => Format::from_name(name).is_none_or(|g| g == f),
+                    None => Format::from_name(name).is_some(),
+                }
+        };
+        let as_file = |m: ObjectMeta| InputFile { path: m.location, size: m.size, version: m.e_tag.or(m.version) };
+        if has_glob(spec) {
+            let full = location.path.as_ref().to_string();
+            let pattern =
+                glob::Pattern::new(&full).map_err(|e| TableError::Usage(format!("--input {spec}: bad glob: {e}")))?;
+            let fixed: Vec<&str> = full.split('/').take_while(|part| !has_glob(part)).collect();
+            let prefix = ObjectPath::from_iter(fixed.iter().copied());
+            let mut listing = store.list(Some(&prefix));
+            while let Some(m) = listing.next().await {
+                let m = m.map_err(|e| read_err(spec, e))?;
+                if pattern.matches(m.location.as_ref()) && wanted(&m.location) {
+                    files.push(as_file(m));
+                }
+            }
+        } else {
+            match store.head(&location.path).await {
+                Ok(m) => files.push(as_file(m)),
+                Err(_) => {
+                    let mut listing = store.list(Some(&location.path));
+                    while let Some(m) = listing.next().await {
+                        let m = m.map_err(|e| read_err(spec, e))?;
+                        if wanted(&m.location) {
+                            files.push(as_file(m));
+                        }
+                    }
+                }
+            }
+        }
+        files.sort_by(|a, b| a.path.as_ref().cmp(b.path.as_ref()));
+        if files.is_empty() {
+            return Err(TableError::Usage(format!(
+                "--input {spec}: no such file, and no {} files under it",
+                format.map(|f| f.to_string()).unwrap_or_else(|| "jsonl, csv or parquet".into())
+            )));
+        }
+        let format = match format {
+            Some(f) => f,
+            None => {
+                let first = Format::from_name(files[0].path.as_ref()).ok_or_else(|| {
+                    TableError::Usage(format!(
+                        "--input {spec}: cannot tell the format from the name; pass --input-format jsonl|csv|parquet"
+                    ))
+                })?;
+                if let Some(other) = files.iter().find(|f| Format::from_name(f.path.as_ref()) != Some(first)) {
+                    return Err(TableError::Usage(format!(
+                        "--input {spec}: holds files of more than one format ({} and {}); pass --input-format or a glob",
+                        location.url_of(&files[0].path),
+                        location.url_of(&other.path)
+                    )));
+                }
+                first
+            }
+        };
+        let mut input = Self { location, files, format, store, csv_schema: None };
+        if format == Format::Csv {
+            input.csv_schema = Some(input.infer_csv().await?);
+        }
+        Ok(input)
+    }
+
+    /// Leaves out files for which `keep` is false (given each file's full name): a run's own
+    /// outputs and state when they are inside the input directory.
+    pub fn retain(&mut self, keep: impl Fn(&str) -> bool) -> Result<(), TableError> {
+        let location = self.location.clone();
+        self.files.retain(|f| keep(&location.url_of(&f.path)));
+        if self.files.is_empty() {
+            return Err(TableError::Usage(format!(
+                "--input {}: holds nothing but this run's own outputs and state",
+                self.location.display
+            )));
+        }
+        Ok(())
+    }
+
+    /// What identifies this input for resume: every file's name, size and ETag (object
+    /// stores) or content digest (local files).
+    pub fn identity(&self) -> Result<String, TableError> {
+        let mut parts = Vec::new();
+        for f in &self.files {
+            let url = self.location.url_of(&f.path);
+            let part = match self.location.local_path() {
+                Some(_) => weir_io::state::input_identity(std::path::Path::new(&format!("/{}", f.path)))
+                    .map_err(|e| read_err(&url, e))?,
+                None => format!("{url} ({} bytes, {})", f.size, f.version.as_deref().unwrap_or("no etag")),
+            };
+            parts.push(part);
+        }
+        if parts.len() <= 3 {
+            return Ok(parts.join("; "));
+        }
+        use sha2::{Digest, Sha256};
+        let digest = Sha256::digest(parts.join("\n").as_bytes());
+        let hex: String = digest.iter().take(8).map(|b| format!("{b:02x}")).collect();
+        Ok(format!("{} ({} files, {hex})", self.location.display, parts.len()))
+    }
+
+    /// The number of records, when it is cheap to know: Parquet row counts from the footers, and
+    /// the lines of local JSONL and CSV files.
+    pub async fn count(&self) -> Option<u64> {
+        let mut total = 0u64;
+        for f in &self.files {
+            total += match self.format {
+                Format::Parquet => self.parquet_builder(f).await.ok()?.metadata().file_metadata().num_rows() as u64,
+                Format::Jsonl | Format::Csv => {
+                    self.location.local_path()?;
+                    let n = weir_io::count_records(std::path::Path::new(&format!("/{}", f.path))).ok()?;
+                    if self.format == Format::Csv {
+                        n.saturating_sub(1)
+                    } else {
+                        n
+                    }
+                }
+            };
+        }
+        Some(total)
+    }
+
+    /// The columns of the input as Arrow sees them, for a table output that carries them
+    /// through: from the Parquet footer, the CSV inference, or inferred over every JSONL line.
+    pub async fn schema(&self) -> Result<SchemaRef, TableError> {
+        match self.format {
+            Format::Parquet => {
+                let mut schemas = Vec::new();
+                for f in &self.files {
+                    let b = self.parquet_builder(f).await.map_err(|e| read_err(&self.location.url_of(&f.path), e))?;
+                    schemas.push(b.schema().as_ref().clone());
+                }
+                merge(schemas, &self.location.display)
+            }
+            Format::Csv => Ok(self.csv_schema.clone().expect("inferred when opened")),
+            Format::Jsonl => {
+                let mut values = crate::schema::Inference::default();
+                let mut lines = self.lines();
+                while let Some(line) = lines.next().await {
+                    let line = line.map_err(|e| read_err(&self.location.display, e))?;
+                    if let Ok(serde_json::Value::Object(m)) = serde_json::from_slice::<serde_json::Value>(&line.bytes) {
+                        values.add(&m);
+                    }
+                }
+                values.schema().map_err(|e| read_err(&self.location.display, e))
+            }
+        }
+    }
+
+    async fn parquet_builder(
+        &self,
+        f: &InputFile,
+    ) -> Result<ParquetRecordBatchStreamBuilder<ObjectReader>, parquet::errors::ParquetError> {
+        let reader = ObjectReader::new(self.store.clone(), f.path.clone()).with_file_size(f.size);
+        ParquetRecordBatchStreamBuilder::new(reader).await
+    }
+
+    async fn infer_csv(&self) -> Result<SchemaRef, TableError> {
+        let mut schemas = Vec::new();
+        for f in &self.files {
+            let url = self.location.url_of(&f.path);
+            let reader = self.sync_reader(f).await.map_err(|e| read_err(&url, e))?;
+            let schema = tokio::task::spawn_blocking(move || {
+                arrow_csv::reader::Format::default()
+                    .with_header(true)
+                    .with_truncated_rows(true)
+                    .infer_schema(reader, None)
+            })
+            .await
+            .map_err(|e| read_err(&url, e))?
+            .map_err(|e| read_err(&url, e))?
+            .0;
+            schemas.push(schema);
+        }
+        merge(schemas, &self.location.display)
+    }
+
+    /// A blocking reader over a file's bytes (for the CSV parser), to be used off the runtime.
+    async fn sync_reader(&self, f: &InputFile) -> io::Result<Box<dyn io::Read + Send>> {
+        let stream = self.store.get(&f.path).await.map_err(io::Error::other)?.into_stream().map_err(io::Error::other);
+        let reader = tokio_util::io::StreamReader::new(stream);
+        Ok(Box::new(tokio_util::io::SyncIoBridge::new(reader)))
+    }
+
+    /// The records of every file, in order, as JSON-object lines.
+    pub fn lines(&self) -> BoxStream<'static, io::Result<RawLine>> {
+        let last = Arc::new(AtomicU64::new(0));
+        let store = self.store.clone();
+        let location = self.location.clone();
+        let format = self.format;
+        let csv_schema = self.csv_schema.clone();
+        futures::stream::iter(self.files.clone())
+            .then(move |f| {
+                let (store, location, last, csv_schema) =
+                    (store.clone(), location.clone(), last.clone(), csv_schema.clone());
+                async move {
+                    let base = last.load(Ordering::Relaxed);
+                    let url = location.url_of(&f.path);
+                    let lines: BoxStream<'static, io::Result<RawLine>> = match format {
+                        Format::Jsonl => jsonl_lines(store, f).await,
+                        Format::Csv => csv_lines(store, f, url, csv_schema.expect("inferred when opened")).await,
+                        Format::Parquet => parquet_lines(store, f, url).await,
+                    };
+                    lines
+                        .map(move |l| {
+                            l.map(|mut l| {
+                                l.line += base;
+                                last.fetch_max(l.line, Ordering::Relaxed);
+                                l
+                            })
+                        })
+                        .boxed()
+                }
+            })
+            .flatten()
+            .boxed()
+    }
+}
+
+/// Reads a Parquet file's byte ranges from its store (its size is known, so the footer is one
+/// ranged read).
+#[derive(Clone)]
+struct ObjectReader {
+    store: Arc<dyn ObjectStore>,
+    path: ObjectPath,
+    size: u64,
+}
+
+impl ObjectReader {
+    fn new(store: Arc<dyn ObjectStore>, path: ObjectPath) -> Self {
+        Self { store, path, size: 0 }
+    }
+
+    fn with_file_size(self, size: u64) -> Self {
+        Self { size, ..self }
+    }
+}
+
+fn parquet_err(e: object_store::Error) -> parquet::errors::ParquetError {
+    parquet::errors::ParquetError::External(Box::new(e))
+}
+
+impl AsyncFileReader for ObjectReader {
+    fn get_bytes(
+        &mut self,
+        range: std::ops::Range<u64>,
+    ) -> futures::future::BoxFuture<'_, parquet::errors::Result<bytes::Bytes>> {
+        async move { self.store.get_range(&self.path, range).await.map_err(parquet_err) }.boxed()
+    }
+
+    fn get_byte_ranges(
+        &mut self,
+        ranges: Vec<std::ops::Range<u64>>,
+    ) -> futures::future::BoxFuture<'_, parquet::errors::Result<Vec<bytes::Bytes>>> {
+        async move { self.store.get_ranges(&self.path, &ranges).await.map_err(parquet_err) }.boxed()
+    }
+
+    fn get_metadata<'a>(
+        &'a mut self,
+        options: Option<&'a ArrowReaderOptions>,
+    ) -> futures::future::BoxFuture<'a, parquet::errors::Result<Arc<parquet::file::metadata::ParquetMetaData>>> {
+        async move {
+            let size = self.size;
+            let meta = parquet::file::metadata::ParquetMetaDataReader::new()
+                .with_arrow_reader_options(options)
+                .load_and_finish(self, size)
+                .await?;
+            Ok(Arc::new(meta))
+        }
+        .boxed()
+    }
+}
+
+/// One schema for several files: equal columns, or the error that says which differ.
+fn merge(schemas: Vec<Schema>, what: &str) -> Result<SchemaRef, TableError> {
+    Schema::try_merge(schemas)
+        .map(Arc::new)
+        .map_err(|e| TableError::Usage(format!("--input {what}: its files' columns do not agree: {e}")))
+}
+
+fn one_error(e: io::Error) -> BoxStream<'static, io::Result<RawLine>> {
+    futures::stream::iter([Err(e)]).boxed()
+}
+
+async fn jsonl_lines(store: Arc<dyn ObjectStore>, f: InputFile) -> BoxStream<'static, io::Result<RawLine>> {
+    match store.get(&f.path).await {
+        Ok(got) => {
+            let reader = tokio_util::io::StreamReader::new(got.into_stream().map_err(io::Error::other));
+            weir_io::source::lines(Box::new(reader)).boxed()
+        }
+        Err(e) => one_error(io::Error::other(e)),
+    }
+}
+
+/// Rows handed from the CSV thread at a time.
+const CSV_CHUNK: usize = 512;
+
+async fn csv_lines(
+    store: Arc<dyn ObjectStore>,
+    f: InputFile,
+    url: String,
+    schema: SchemaRef,
+) -> BoxStream<'static, io::Result<RawLine>> {
+    let got = match store.get(&f.path).await {
+        Ok(g) => g,
+        Err(e) => return one_error(io::Error::other(e)),
+    };
+    let reader = tokio_util::io::SyncIoBridge::new(tokio_util::io::StreamReader::new(
+        got.into_stream().map_err(io::Error::other),
+    ));
+    let (tx, rx) = tokio::sync::mpsc::channel::<io::Result<Vec<RawLine>>>(4);
+    tokio::task::spawn_blocking(move || {
+        let mut csv = csv::ReaderBuilder::new().has_headers(true).flexible(true).from_reader(reader);
+        let headers = match csv.headers() {
+            Ok(h) => h.clone(),
+            Err(e) => {
+                let _ = tx.blocking_send(Err(io::Error::other(format!("{url}: {e}"))));
+                return;
+            }
+        };
+        let mut chunk = Vec::with_capacity(CSV_CHUNK);
+        let mut record = csv::StringRecord::new();
+        loop {
+            let item = match csv.read_record(&mut record) {
+                Ok(false) => break,
+                Ok(true) => {
+                    let line = record.position().map(|p| p.line()).unwrap_or(0);
+                    csv_row(&headers, &record, &schema, line, &url)
+                }
+                Err(e) => {
+                    let line = e.position().map(|p| p.line()).unwrap_or(0);
+                    match e.kind() {
+                        // Bad UTF-8 in one record: that record is an error row, the rest go on.
+                        csv::ErrorKind::Utf8 { .. } => RawLine {
+                            line,
+                            bytes: Vec::new(),
+                            malformed: Some(format!("{url} line {line}: not valid UTF-8 ({e})")),
+                        },
+                        _ => {
+                            let _ = tx.blocking_send(Err(io::Error::other(format!("{url}: {e}"))));
+                            return;
+                        }
+                    }
+                }
+            };
+            chunk.push(item);
+            if chunk.len() == CSV_CHUNK && tx.blocking_send(Ok(std::mem::take(&mut chunk))).is_err() {
+                return;
+            }
+        }
+        if !chunk.is_empty() {
+            let _ = tx.blocking_send(Ok(chunk));
+        }
+    });
+    tokio_stream_of(rx)
+}
+
+fn tokio_stream_of(
+    rx: tokio::sync::mpsc::Receiver<io::Result<Vec<RawLine>>>,
+) -> BoxStream<'static, io::Result<RawLine>> {
+    futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|chunk| (chunk, rx)) })
+        .flat_map(|chunk| match chunk {
+            Ok(lines) => futures::stream::iter(lines.into_iter().map(Ok).collect::<Vec<_>>()),
+            Err(e) => futures::stream::iter(vec![Err(e)]),
+        })
+        .boxed()
+}
+
+/// One CSV record as a JSON object line, its values typed by the column's inferred type; a
+/// record with the wrong number of fields is an error row that keeps its text.
+fn csv_row(headers: &csv::StringRecord, record: &csv::StringRecord, schema: &Schema, line: u64, url: &str) -> RawLine {
+    if record.len() != headers.len() {
+        let text = record.iter().collect::<Vec<_>>().join(",");
+        return RawLine {
+            line,
+            bytes: text.into_bytes(),
+            malformed: Some(format!(
+                "{url} line {line}: {} fields where the header has {}",
+                record.len(),
+                headers.len()
+            )),
+        };
+    }
+    let mut obj = serde_json::Map::with_capacity(headers.len());
+    for (i, (name, text)) in headers.iter().zip(record.iter()).enumerate() {
+        let ty = schema.fields().get(i).map(|f| f.data_type().clone()).unwrap_or(DataType::Utf8);
+        obj.insert(name.to_string(), csv_value(text, &ty));
+    }
+    RawLine { line, bytes: serde_json::to_vec(&obj).unwrap_or_default(), malformed: None }
+}
+
+/// A CSV field as the JSON value of its column's type: empty is null except in a text column
+/// (as pyarrow reads CSV); text that does not parse as the type stays text.
+fn csv_value(text: &str, ty: &DataType) -> serde_json::Value {
+    use serde_json::Value;
+    if text.is_empty() {
+        return if matches!(ty, DataType::Utf8 | DataType::LargeUtf8) {
+            Value::String(String::new())
+        } else {
+            Value::Null
+        };
+    }
+    let parsed = match ty {
+        DataType::Int64 | DataType::Int32 => text.parse::<i64>().ok().map(Value::from),
+        DataType::Float64 | DataType::Float32 => {
+            text.parse::<f64>().ok().and_then(serde_json::Number::from_f64).map(Value::Number)
+        }
+        DataType::Boolean => match text.to_ascii_lowercase().as_str() {
+            "true" => Some(Value::Bool(true)),
+            "false" => Some(Value::Bool(false)),
+            _ => None,
+        },
+        DataType::Null => Some(Value::Null),
+        _ => None,
+    };
+    parsed.unwrap_or_else(|| Value::String(text.to_string()))
+}
+
+/// Rows decoded at a time from a Parquet row group.
+const PARQUET_BATCH: usize = 1024;
+
+async fn parquet_lines(
+    store: Arc<dyn ObjectStore>,
+    f: InputFile,
+    url: String,
+) -> BoxStream<'static, io::Result<RawLine>> {
+    let mut reader = ObjectReader::new(store.clone(), f.path.clone()).with_file_size(f.size);
+    let meta = match ArrowReaderMetadata::load_async(&mut reader, ArrowReaderOptions::default()).await {
+        Ok(m) => m,
+        Err(e) => return one_error(io::Error::other(format!("{url}: not a readable Parquet file: {e}"))),
+    };
+    let groups: Vec<u64> = meta.metadata().row_groups().iter().map(|g| g.num_rows().max(0) as u64).collect();
+    let mut first = 0u64;
+    let mut spans = Vec::with_capacity(groups.len());
+    for (i, rows) in groups.into_iter().enumerate() {
+        spans.push((i, first, rows));
+        first += rows;
+    }
+    futures::stream::iter(spans)
+        .flat_map(move |(group, first, rows)| {
+            let open = GroupOpen { store: store.clone(), path: f.path.clone(), size: f.size, meta: meta.clone() };
+            row_group_lines(open, group, first, rows, url.clone())
+        })
+        .boxed()
+}
+
+/// What it takes to open one row group of a file whose footer has been read.
+struct GroupOpen {
+    store: Arc<dyn ObjectStore>,
+    path: ObjectPath,
+    size: u64,
+    meta: ArrowReaderMetadata,
+}
+
+/// Where reading one row group is.
+enum Group {
+    Start(GroupOpen),
+    Reading(ParquetRecordBatchStream<ObjectReader>),
+    /// Rows from `next` on could not be read: each becomes an error row.
+    Failing(String),
+    Done,
+}
+
+/// The rows of one row group as lines; if the group cannot be decoded, an error row for each of
+/// its rows not yet read, naming the file and the group.
+fn row_group_lines(
+    open: GroupOpen,
+    group: usize,
+    first: u64,
+    rows: u64,
+    url: String,
+) -> BoxStream<'static, io::Result<RawLine>> {
+    let end = first + rows;
+    futures::stream::unfold((Group::Start(open), first), move |(state, next)| {
+        let url = url.clone();
+        async move {
+            let fail = |e: &dyn std::fmt::Display| {
+                Group::Failing(format!("{url}: row group {group} (rows {}-{end}) could not be read: {e}", first + 1))
+            };
+            let mut state = state;
+            loop {
+                state = match state {
+                    Group::Start(o) => {
+                        let reader = ObjectReader::new(o.store, o.path).with_file_size(o.size);
+                        match ParquetRecordBatchStreamBuilder::new_with_metadata(reader, o.meta)
+                            .with_row_groups(vec![group])
+                            .with_batch_size(PARQUET_BATCH)
+                            .build()
+                        {
+                            Ok(s) => Group::Reading(s),
+                            Err(e) => fail(&e),
+                        }
+                    }
+                    Group::Reading(mut s) => match s.next().await {
+                        None => Group::Done,
+                        Some(Ok(batch)) => match batch_lines(&batch, next) {
+                            Ok(lines) => {
+                                let n = lines.len() as u64;
+                                return Some((
+                                    lines.into_iter().map(Ok).collect::<Vec<_>>(),
+                                    (Group::Reading(s), next + n),
+                                ));
+                            }
+                            Err(e) => fail(&e),
+                        },
+                        Some(Err(e)) => fail(&e),
+                    },
+                    Group::Failing(msg) => {
+                        if next >= end {
+                            return None;
+                        }
+                        let upto = (next + PARQUET_BATCH as u64).min(end);
+                        let lines = (next..upto)
+                            .map(|i| Ok(RawLine { line: i + 1, bytes: Vec::new(), malformed: Some(msg.clone()) }))
+                            .collect::<Vec<_>>();
+                        return Some((lines, (Group::Failing(msg), upto)));
+                    }
+                    Group::Done => return None,
+                };
+            }
+        }
+    })
+    .flat_map(futures::stream::iter)
+    .boxed()
+}
+
+/// A batch of rows as JSON-object lines numbered from `first + 1`.
+pub(crate) fn batch_lines(batch: &RecordBatch, first: u64) -> Result<Vec<RawLine>, arrow_schema::ArrowError> {
+    let mut w = arrow_json::WriterBuilder::new()
+        .with_explicit_nulls(true)
+        .build::<_, arrow_json::writer::LineDelimited>(Vec::new());
+    w.write(batch)?;
+    w.finish()?;
+    let bytes = w.into_inner();
+    Ok(bytes
+        .split(|b| *b == b'\n')
+        .filter(|l| !l.is_empty())
+        .enumerate()
+        .map(|(i, l)| RawLine { line: first + i as u64 + 1, bytes: l.to_vec(), malformed: None })
+        .collect())
+}

@@ -1,0 +1,310 @@
+//! The columns of JSON records, inferred in one pass without keeping the records, and the
+//! output tables' columns.
+//!
+//! A JSONL input has no schema, but a Parquet or CSV output needs one. The inference keeps
+//! columns in the order they first appear; a column whose values disagree (a number here, text
+//! there) becomes text, and values that are not text are written as their JSON.
+
+use arrow_schema::{DataType, Field, Fields, Schema, SchemaRef};
+use serde_json::{Map, Value};
+use std::sync::Arc;
+
+/// What a column's values have been so far.
+#[derive(Debug, Clone, PartialEq)]
+enum Kind {
+    Null,
+    Bool,
+    Int,
+    Float,
+    Text,
+    List(Box<Kind>),
+    Object(Vec<(String, Kind)>),
+    /// Values of kinds that do not merge: written as text.
+    Mixed,
+}
+
+impl Kind {
+    fn of(v: &Value) -> Self {
+        match v {
+            Value::Null => Self::Null,
+            Value::Bool(_) => Self::Bool,
+            Value::Number(n) if n.is_i64() || n.is_u64() => Self::Int,
+            Value::Number(_) => Self::Float,
+            Value::String(_) => Self::Text,
+            Value::Array(items) => Self::List(Box::new(items.iter().fold(Self::Null, |k, v| k.merge(Self::of(v))))),
+            Value::Object(m) => Self::Object(m.iter().map(|(k, v)| (k.clone(), Self::of(v))).collect()),
+        }
+    }
+
+    fn merge(self, other: Self) -> Self {
+        use Kind::*;
+        match (self, other) {
+            (Null, k) | (k, Null) => k,
+            (Int, Float) | (Float, Int) => Float,
+            (List(a), List(b)) => List(Box::new(a.merge(*b))),
+            (Object(mut a), Object(b)) => {
+                for (name, kind) in b {
+                    match a.iter_mut().find(|(n, _)| *n == name) {
+                        Some((_, k)) => *k = std::mem::replace(k, Null).merge(kind),
+                        None => a.push((name, kind)),
+                    }
+                }
+                Object(a)
+            }
+            (a, b) if a == b => a,
+            _ => Mixed,
+        }
+    }
+
+    fn data_type(&self) -> DataType {
+        match self {
+            Kind::Null => DataType::Null,
+            Kind::Bool => DataType::Boolean,
+            Kind::Int => DataType::Int64,
+            Kind::Float => DataType::Float64,
+            Kind::Text | Kind::Mixed => DataType::Utf8,
+            Kind::List(k) => DataType::List(Arc::new(Field::new("item", k.data_type(), true))),
+            Kind::Object(fields) => DataType::Struct(
+                fields.iter().map(|(n, k)| Field::new(n, k.data_type(), true)).collect::<Vec<_>>().into(),
+            ),
+        }
+    }
+}
+
+/// Columns inferred from JSON objects, added one at a time.
+#[derive(Debug, Default)]
+pub struct Inference {
+    columns: Vec<(String, Kind)>,
+    index: std::collections::HashMap<String, usize>,
+}
+
+impl Inference {
+    /// Takes one record into account.
+    pub fn add(&mut self, record: &Map<String, Value>) {
+        for (name, v) in record {
+            let kind = Kind::of(v);
+            match self.index.get(name) {
+                Some(&i) => {
+                    let slot = &mut self.columns[i].1;
+                    *slot = std::mem::replace(slot, Kind::Null).merge(kind);
+                }
+                None => {
+                    self.index.insert(name.clone(), self.columns.len());
+                    self.columns.push((name.clone(), kind));
+                }
+            }
+        }
+    }
+
+    /// The schema of the records seen, columns in order of first appearance.
+    pub fn schema(&self) -> Result<SchemaRef, String> {
+        Ok(Arc::new(Schema::new(
+            self.columns.iter().map(|(n, k)| Field::new(n, k.data_type(), true)).collect::<Vec<_>>(),
+        )))
+    }
+}
+
+/// True for types a CSV file cannot hold as they are (written there as JSON text).
+pub fn is_nested(t: &DataType) -> bool {
+    matches!(
+        t,
+        DataType::List(_)
+            | DataType::LargeList(_)
+            | DataType::FixedSizeList(..)
+            | DataType::Struct(_)
+            | DataType::Map(..)
+            | DataType::Union(..)
+    )
+}
+
+/// What a run computes for each record, which decides the result columns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Task {
+    /// Generated text: a `response` column.
+    Generate,
+    /// Embedding vectors: `embedding` and `dimensions` columns.
+    Embed,
+}
+
+/// The columns of the results and errors tables: the input columns carried through, then
+/// weir's own. weir's column names never take an input column's place: a name an input column
+/// already has gets the prefix `weir_` (`model` → `weir_model`).
+#[derive(Debug, Clone)]
+pub struct OutputColumns {
+    /// Input columns carried through, with their types as written.
+    pub kept: Vec<Field>,
+    /// The results table.
+    pub results: SchemaRef,
+    /// The errors table.
+    pub errors: SchemaRef,
+    /// weir's column names after any renaming, by their plain names.
+    pub names: std::collections::HashMap<&'static str, String>,
+}
+
+const RESULT_COLUMNS: &[&str] = &[
+    "line",
+    "response",
+    "embedding",
+    "dimensions",
+    "finish_reason",
+    "prompt_tokens",
+    "output_tokens",
+    "total_tokens",
+    "model",
+    "model_version",
+    "attempts",
+    "latency_ms",
+];
+const ERROR_COLUMNS: &[&str] = &["line", "kind", "message", "status", "attempts", "retryable", "raw"];
+
+impl OutputColumns {
+    /// The output columns for input columns `input` (all of them, or those in `keep`), for
+    /// `task`; `text_only` when the output cannot hold nested values (CSV).
+    pub fn new(input: &Schema, keep: Option<&[String]>, task: Task, text_only: bool) -> Result<Self, String> {
+        let mut kept = Vec::new();
+        match keep {
+            None => kept.extend(input.fields().iter().map(|f| f.as_ref().clone())),
+            Some(names) => {
+                for n in names {
+                    match input.field_with_name(n) {
+                        Ok(f) => kept.push(f.clone()),
+                        Err(_) => {
+                            let have: Vec<&str> = input.fields().iter().map(|f| f.name().as_str()).collect();
+                            return Err(format!(
+                                "--keep-columns: the input has no column '{n}' (it has: {})",
+                                have.join(", ")
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+        for f in &mut kept {
+            *f = f.clone().with_nullable(true);
+            if text_only && is_nested(f.data_type()) {
+                *f = Field::new(f.name(), DataType::Utf8, true);
+            }
+        }
+        let taken: std::collections::HashSet<&str> = kept.iter().map(|f| f.name().as_str()).collect();
+        let mut names = std::collections::HashMap::new();
+        for c in RESULT_COLUMNS.iter().chain(ERROR_COLUMNS) {
+            let name = if taken.contains(c) { format!("weir_{c}") } else { c.to_string() };
+            names.insert(*c, name);
+        }
+        let n = |c: &str| names[c].clone();
+        let mut results: Vec<Field> = kept.clone();
+        results.push(Field::new(n("line"), DataType::UInt64, false));
+        match task {
+            Task::Generate => results.push(Field::new(n("response"), DataType::Utf8, true)),
+            Task::Embed => {
+                let vector = if text_only {
+                    DataType::Utf8
+                } else {
+                    DataType::List(Arc::new(Field::new("item", DataType::Float32, true)))
+                };
+                results.push(Field::new(n("embedding"), vector, true));
+                results.push(Field::new(n("dimensions"), DataType::UInt32, true));
+            }
+        }
+        for (c, t, nullable) in [
+            ("finish_reason", DataType::Utf8, true),
+            ("prompt_tokens", DataType::UInt64, false),
+            ("output_tokens", DataType::UInt64, false),
+            ("total_tokens", DataType::UInt64, false),
+            ("model", DataType::Utf8, false),
+            ("model_version", DataType::Utf8, true),
+            ("attempts", DataType::UInt32, false),
+            ("latency_ms", DataType::UInt64, false),
+        ] {
+            results.push(Field::new(n(c), t, nullable));
+        }
+        let mut errors: Vec<Field> = kept.clone();
+        for (c, t, nullable) in [
+            ("line", DataType::UInt64, false),
+            ("kind", DataType::Utf8, false),
+            ("message", DataType::Utf8, false),
+            ("status", DataType::UInt16, true),
+            ("attempts", DataType::UInt32, false),
+            ("retryable", DataType::Boolean, false),
+            ("raw", DataType::Utf8, true),
+        ] {
+            errors.push(Field::new(n(c), t, nullable));
+        }
+        Ok(Self { kept, results: Arc::new(Schema::new(results)), errors: Arc::new(Schema::new(errors)), names })
+    }
+
+    /// The name weir's column `plain` has in these tables.
+    pub fn name<'a>(&'a self, plain: &'a str) -> &'a str {
+        self.names.get(plain).map(String::as_str).unwrap_or(plain)
+    }
+
+    /// Puts the kept input columns of `input` into `row`, each as its column's type can take
+    /// it: a value a text column cannot take as it is (a number, an object) as its JSON text.
+    pub fn carry(&self, input: Option<&Map<String, Value>>, row: &mut Map<String, Value>) {
+        let Some(input) = input else { return };
+        for f in &self.kept {
+            let v = match input.get(f.name()) {
+                None | Some(Value::Null) => continue,
+                Some(v) => v,
+            };
+            let v = match (f.data_type(), v) {
+                (DataType::Utf8 | DataType::LargeUtf8, Value::String(_)) => v.clone(),
+                (DataType::Utf8 | DataType::LargeUtf8, other) => Value::String(other.to_string()),
+                _ => v.clone(),
+            };
+            row.insert(f.name().clone(), v);
+        }
+    }
+
+    /// The fields of the results table, for checks.
+    pub fn result_fields(&self) -> &Fields {
+        self.results.fields()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn infers_in_order_and_merges() {
+        let mut inf = Inference::default();
+        for v in [
+            json!({"id": 1, "x": 1, "tags": ["a"], "m": {"k": 1}}),
+            json!({"id": 2, "x": 2.5, "tags": [], "m": {"j": "t"}, "late": null}),
+            json!({"id": "three", "x": null}),
+        ] {
+            inf.add(v.as_object().unwrap());
+        }
+        let s = inf.schema().unwrap();
+        let names: Vec<&str> = s.fields().iter().map(|f| f.name().as_str()).collect();
+        assert_eq!(names, ["id", "x", "tags", "m", "late"]);
+        assert_eq!(s.field(0).data_type(), &DataType::Utf8, "int and text are mixed: text");
+        assert_eq!(s.field(1).data_type(), &DataType::Float64);
+        assert!(matches!(s.field(2).data_type(), DataType::List(f) if f.data_type() == &DataType::Utf8));
+        assert!(matches!(s.field(3).data_type(), DataType::Struct(f) if f.len() == 2));
+        assert_eq!(s.field(4).data_type(), &DataType::Null);
+    }
+
+    #[test]
+    fn weir_columns_step_aside_for_input_columns() {
+        let input = Schema::new(vec![
+            Field::new("id", DataType::Utf8, false),
+            Field::new("model", DataType::Utf8, true),
+            Field::new("tags", DataType::List(Arc::new(Field::new("item", DataType::Utf8, true))), true),
+        ]);
+        let c = OutputColumns::new(&input, None, Task::Generate, false).unwrap();
+        assert_eq!(c.name("model"), "weir_model");
+        assert_eq!(c.name("response"), "response");
+        assert!(c.results.field_with_name("weir_model").is_ok() && c.results.field_with_name("model").is_ok());
+        let csv = OutputColumns::new(&input, Some(&["tags".into()]), Task::Embed, true).unwrap();
+        assert_eq!(csv.kept.len(), 1);
+        assert_eq!(csv.kept[0].data_type(), &DataType::Utf8, "nested columns are text in CSV");
+        assert_eq!(csv.name("model"), "model");
+        assert!(OutputColumns::new(&input, Some(&["nope".into()]), Task::Generate, false).is_err());
+        let mut row = Map::new();
+        c.carry(Some(json!({"id": 7, "model": null, "tags": ["a"]}).as_object().unwrap()), &mut row);
+        assert_eq!(Value::Object(row), json!({"id": "7", "tags": ["a"]}));
+    }
+}

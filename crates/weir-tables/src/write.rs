@@ -1,0 +1,590 @@
+//! Writing results and errors as tables: parts of a bounded size in a directory or prefix,
+//! local or in an object store, committed with the journal at checkpoints.
+//!
+//! Rows are written on a thread of their own (with its own small runtime for the uploads), fed
+//! by a bounded channel, so encoding Parquet and uploading never hold up calls in flight. Each
+//! part is written as it fills — by multipart upload in an object store, to a temporary file
+//! locally — and appears under its name only when completed. A checkpoint (every
+//! `checkpoint` interval, when a part reaches `part_bytes`, and at the end) completes the open
+//! parts and then records them and their records' keys in the journal; see [`crate::journal`].
+
+use arrow_array::RecordBatch;
+use arrow_schema::SchemaRef;
+use object_store::buffered::BufWriter;
+use object_store::path::Path as ObjectPath;
+use object_store::{ObjectStore, ObjectStoreExt};
+use parquet::arrow::async_writer::AsyncArrowWriter;
+use parquet::basic::Compression;
+use parquet::file::properties::WriterProperties;
+use serde_json::{Map, Value};
+use std::collections::HashMap;
+use std::io;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::AsyncWriteExt;
+use weir_core::{Failure, Success};
+use weir_io::state::{finished_key, Key};
+use weir_io::writer::report;
+use weir_io::{ErrorRow, ResultRow, Row, RowWriter, WriterThread};
+
+use crate::journal::{self, Journal, Part, Table};
+use crate::location::Location;
+use crate::schema::{Inference, OutputColumns, Task};
+use crate::{Format, TableError};
+
+/// Where and how the tables are written.
+pub struct TableSettings {
+    /// The results directory or prefix.
+    pub results: Location,
+    /// Its format.
+    pub results_format: Format,
+    /// The errors directory or prefix.
+    pub errors: Location,
+    /// Its format.
+    pub errors_format: Format,
+    /// The input's columns, when known before the first row (else inferred from the first rows).
+    pub input_schema: Option<SchemaRef>,
+    /// Input columns to carry through (all when `None`).
+    pub keep: Option<Vec<String>>,
+    /// What the run computes.
+    pub task: Task,
+    /// A part is completed once it holds about this many bytes.
+    pub part_bytes: u64,
+    /// Parts are completed and recorded at least this often.
+    pub checkpoint: Duration,
+    /// Environment variables for the stores' credentials.
+    pub env: HashMap<String, String>,
+    /// Called about once a second (to make the response cache durable).
+    pub on_tick: Option<Box<dyn Fn() + Send + Sync>>,
+}
+
+/// Rows written in all: (results, errors).
+pub type Counts = (u64, u64);
+
+/// Rows waiting to be written at most.
+const QUEUE: usize = 1024;
+/// Rows encoded into one Arrow batch.
+const CHUNK_ROWS: usize = 4096;
+/// Rows of a stream input seen before its columns are inferred.
+const INFER_ROWS: usize = 1000;
+/// Rows per Parquet row group: small enough that a writer's buffers stay small.
+const ROW_GROUP: usize = 16 * 1024;
+
+/// Checks an output location before a run writes there, and clears what it must: parts an
+/// earlier run completed but never recorded (their records run again). A new run refuses a
+/// location that holds files (unless `overwrite`, which deletes weir's parts there); a resumed
+/// run requires every recorded part to be there still.
+pub async fn prepare(
+    location: &Location,
+    table: Table,
+    committed: &journal::Committed,
+    resuming: bool,
+    overwrite: bool,
+    env: crate::location::Env<'_>,
+) -> Result<(), TableError> {
+    use futures::StreamExt;
+    if let Some(p) = location.local_path() {
+        if p.is_file() {
+            return Err(TableError::Usage(format!(
+                "{}: is a file; weir writes a table as a directory of parts (part-00000…) there. Choose another path",
+                location.display
+            )));
+        }
+    }
+    let store = location.store(env)?;
+    let mine: Vec<&str> = committed.parts.iter().filter(|p| p.table == table).map(|p| p.name.as_str()).collect();
+    let mut seen = Vec::new();
+    let mut foreign = Vec::new();
+    let mut stale = Vec::new();
+    let mut listing = store.list(Some(&location.path));
+    while let Some(m) = listing.next().await {
+        let m = m.map_err(|e| TableError::Usage(format!("cannot list {}: {e}", location.display)))?;
+        let rel = m
+            .location
+            .prefix_match(&location.path)
+            .map(|parts| parts.map(|p| p.as_ref().to_string()).collect::<Vec<_>>());
+        let name = match rel.as_deref() {
+            Some([one]) => one.clone(),
+            _ => {
+                foreign.push(m.location);
+                continue;
+            }
+        };
+        if resuming && mine.contains(&name.as_str()) {
+            seen.push(name);
+        } else if journal::part_number(&name).is_some() && (resuming || overwrite) {
+            stale.push(m.location);
+        } else if !name.starts_with('.') {
+            foreign.push(m.location);
+        }
+    }
+    if let Some(missing) = mine.iter().find(|n| !seen.iter().any(|s| s == *n)) {
+        return Err(TableError::Usage(format!(
+            "{}: the earlier run's part {missing} is gone, so the records it held would be lost; start over with --fresh",
+            location.display
+        )));
+    }
+    if !foreign.is_empty() && !overwrite {
+        return Err(TableError::Usage(format!(
+            "{} already holds files no earlier run of this command wrote (such as {}); weir will not mix its parts \
+             with them. Choose an empty location, or pass --overwrite to replace weir's parts there (other files \
+             are left alone)",
+            location.display,
+            location.url_of(&foreign[0])
+        )));
+    }
+    for p in stale {
+        store.delete(&p).await.map_err(|e| TableError::Usage(format!("cannot delete {}: {e}", location.url_of(&p))))?;
+    }
+    Ok(())
+}
+
+/// Starts the thread that writes tables, with its own small runtime for the uploads; parts are
+/// numbered from `next_part` and recorded in `journal` (none for a run without state: its parts
+/// are completed but nothing can resume from them). Rows go through the returned handle.
+pub fn spawn(settings: TableSettings, journal: Option<Journal>, next_part: u32) -> io::Result<RowWriter> {
+    RowWriter::start("weir-tables", QUEUE, move |given| {
+        let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+            Ok(rt) => rt,
+            Err(e) => return ((0, 0), Err(e)),
+        };
+        rt.block_on(write_loop(settings, journal, next_part, given))
+    })
+}
+
+/// One part being written.
+enum Encoder {
+    Parquet(Box<AsyncArrowWriter<BufWriter>>),
+    Text { out: Box<BufWriter>, header_done: bool },
+}
+
+struct OpenPart {
+    name: String,
+    enc: Encoder,
+    rows: u64,
+    bytes: u64,
+}
+
+/// The results or the errors table.
+struct Sink {
+    table: Table,
+    store: Arc<dyn ObjectStore>,
+    dir: ObjectPath,
+    format: Format,
+    /// Rows encoded as JSON lines, waiting to become a batch.
+    chunk: Vec<u8>,
+    chunk_rows: usize,
+    open: Option<OpenPart>,
+    written: u64,
+    /// Rows whose input columns did not fit their types (written without them).
+    misfits: u64,
+}
+
+fn io_other(e: impl std::fmt::Display) -> io::Error {
+    io::Error::other(e.to_string())
+}
+
+impl Sink {
+    fn schema<'a>(&self, columns: &'a OutputColumns) -> &'a SchemaRef {
+        match self.table {
+            Table::Results => &columns.results,
+            Table::Errors => &columns.errors,
+        }
+    }
+
+    fn push_line(&mut self, line: &[u8]) {
+        self.chunk.extend_from_slice(line);
+        self.chunk.push(b'\n');
+        self.chunk_rows += 1;
+    }
+
+    async fn open_part(&mut self, number: u32, columns: Option<&OutputColumns>) -> io::Result<()> {
+        if self.open.is_some() {
+            return Ok(());
+        }
+        let name = journal::part_name(number, self.format.extension());
+        let path = self.dir.clone().join(name.as_str());
+        let enc = match (self.format, columns) {
+            (Format::Parquet, Some(c)) => {
+                let props = WriterProperties::builder()
+                    .set_compression(Compression::SNAPPY)
+                    .set_max_row_group_row_count(Some(ROW_GROUP))
+                    .build();
+                let w = AsyncArrowWriter::try_new(
+                    BufWriter::new(self.store.clone(), path),
+                    self.schema(c).clone(),
+                    Some(props),
+                )
+                .map_err(io_other)?;
+                Encoder::Parquet(Box::new(w))
+            }
+            _ => Encoder::Text { out: Box::new(BufWriter::new(self.store.clone(), path)), header_done: false },
+        };
+        self.open = Some(OpenPart { name, enc, rows: 0, bytes: 0 });
+        Ok(())
+    }
+
+    /// Encodes the waiting rows into the open part (opening one as part `number`).
+    async fn flush_chunk(&mut self, number: u32, columns: Option<&OutputColumns>) -> io::Result<()> {
+        if self.chunk_rows == 0 {
+            return Ok(());
+        }
+        self.open_part(number, columns).await?;
+        let rows = std::mem::take(&mut self.chunk_rows) as u64;
+        let chunk = std::mem::take(&mut self.chunk);
+        let schema = columns.map(|c| self.schema(c).clone());
+        let part = self.open.as_mut().expect("opened above");
+        match (&mut part.enc, self.format) {
+            (Encoder::Text { out, .. }, Format::Jsonl) => {
+                out.write_all(&chunk).await?;
+                part.bytes += chunk.len() as u64;
+            }
+            (Encoder::Text { out, header_done }, _) => {
+                let schema = schema.ok_or_else(|| io_other("no columns for a CSV part"))?;
+                let (batch, misfits) = decode(&chunk, &schema, columns.expect("with the schema"))?;
+                self.misfits += misfits;
+                let mut bytes = Vec::new();
+                let mut w = arrow_csv::WriterBuilder::new().with_header(!*header_done).build(&mut bytes);
+                w.write(&batch).map_err(io_other)?;
+                drop(w);
+                *header_done = true;
+                out.write_all(&bytes).await?;
+                part.bytes += bytes.len() as u64;
+            }
+            (Encoder::Parquet(w), _) => {
+                let schema = schema.ok_or_else(|| io_other("no columns for a Parquet part"))?;
+                let (batch, misfits) = decode(&chunk, &schema, columns.expect("with the schema"))?;
+                self.misfits += misfits;
+                w.write(&batch).await.map_err(io_other)?;
+                part.bytes = (w.bytes_written() + w.in_progress_size()) as u64;
+            }
+        }
+        part.rows += rows;
+        Ok(())
+    }
+
+    /// Completes the open part, if any: after this it exists under its name.
+    async fn complete(&mut self) -> io::Result<Option<Part>> {
+        let Some(part) = self.open.take() else { return Ok(None) };
+        match part.enc {
+            Encoder::Parquet(w) => {
+                w.close().await.map_err(io_other)?;
+            }
+            Encoder::Text { mut out, .. } => out.shutdown().await?,
+        }
+        self.written += part.rows;
+        Ok(Some(Part { table: self.table, name: part.name, rows: part.rows }))
+    }
+}
+
+/// Decodes JSON lines into one batch of `schema`. Rows whose input columns do not fit their
+/// types are decoded again without those columns, so their results are never lost; returns
+/// how many rows that was.
+fn decode(lines: &[u8], schema: &SchemaRef, columns: &OutputColumns) -> io::Result<(RecordBatch, u64)> {
+    let build = || {
+        arrow_json::ReaderBuilder::new(schema.clone())
+            .with_coerce_primitive(true)
+            .with_batch_size(CHUNK_ROWS + 1)
+            .build_decoder()
+            .map_err(io_other)
+    };
+    let mut decoder = build()?;
+    let whole = decoder.decode(lines).and_then(|_| decoder.flush());
+    if let Ok(Some(batch)) = whole {
+        return Ok((batch, 0));
+    }
+    // Row by row: find the rows that do not fit.
+    let mut fixed = Vec::with_capacity(lines.len());
+    let mut misfits = 0;
+    for line in lines.split(|b| *b == b'\n').filter(|l| !l.is_empty()) {
+        let mut one = build()?;
+        let fits = one.decode(line).and_then(|_| one.flush()).is_ok();
+        if fits {
+            fixed.extend_from_slice(line);
+        } else {
+            misfits += 1;
+            let mut row: Map<String, Value> = serde_json::from_slice(line).map_err(io_other)?;
+            for f in &columns.kept {
+                row.remove(f.name());
+            }
+            serde_json::to_writer(&mut fixed, &row).map_err(io_other)?;
+        }
+        fixed.push(b'\n');
+    }
+    let mut decoder = build()?;
+    decoder.decode(&fixed).map_err(io_other)?;
+    let batch = decoder.flush().map_err(io_other)?.ok_or_else(|| io_other("no rows decoded"))?;
+    Ok((batch, misfits))
+}
+
+/// A result row for a table: the kept input columns, then weir's.
+fn result_row(s: &Success, c: &OutputColumns, text_only: bool) -> Map<String, Value> {
+    let mut row = Map::new();
+    c.carry(Some(&s.record.input), &mut row);
+    let mut put = |name: &str, v: Value| {
+        row.insert(c.name(name).to_string(), v);
+    };
+    put("line", s.record.line.into());
+    match &s.response.embedding {
+        Some(v) => {
+            let vector: Value = v.iter().map(|x| Value::from(*x as f64)).collect::<Vec<_>>().into();
+            put("embedding", if text_only { Value::String(vector.to_string()) } else { vector });
+            put("dimensions", (v.len() as u64).into());
+        }
+        None => put("response", s.response.text.clone().into()),
+    }
+    put("finish_reason", s.response.finish_reason.clone().into());
+    put("prompt_tokens", s.response.usage.prompt_tokens.into());
+    put("output_tokens", s.response.usage.output_tokens.into());
+    put("total_tokens", s.response.usage.total_tokens.into());
+    put("model", s.model.to_string().into());
+    put("model_version", s.response.model_version.clone().map_or(Value::Null, Value::String));
+    put("attempts", s.attempts.into());
+    put("latency_ms", (s.latency.as_millis() as u64).into());
+    row
+}
+
+/// An error row for a table.
+fn error_row(f: &Failure, c: &OutputColumns) -> Map<String, Value> {
+    let mut row = Map::new();
+    c.carry(f.input.as_ref(), &mut row);
+    let e = ErrorRow::of(f);
+    let mut put = |name: &str, v: Value| {
+        row.insert(c.name(name).to_string(), v);
+    };
+    put("line", e.line.into());
+    put("kind", serde_json::to_value(e.kind).unwrap_or(Value::Null));
+    put("message", e.message.into());
+    put("status", e.status.map_or(Value::Null, Value::from));
+    put("attempts", e.attempts.into());
+    put("retryable", e.retryable.into());
+    put("raw", e.raw.map_or(Value::Null, |r| Value::String(r.to_string())));
+    row
+}
+
+fn key_of(row: &Row) -> Key {
+    match row {
+        Row::Success(s) => finished_key(Some(&s.record.id), s.record.line),
+        Row::Failure(f) => finished_key(f.id.as_ref(), f.line),
+    }
+}
+
+struct State {
+    results: Sink,
+    errors: Sink,
+    columns: Option<OutputColumns>,
+    journal: Option<Journal>,
+    next_part: u32,
+    keys: Vec<Key>,
+    settings_task: Task,
+    keep: Option<Vec<String>>,
+    /// Rows held back until a stream input's columns are known.
+    early: Vec<Row>,
+}
+
+impl State {
+    fn needs_columns(&self) -> bool {
+        self.results.format != Format::Jsonl || self.errors.format != Format::Jsonl
+    }
+
+    /// Infers the columns from the rows held back (a stream input).
+    fn infer(&mut self) -> io::Result<()> {
+        let mut inf = Inference::default();
+        for r in &self.early {
+            match r {
+                Row::Success(s) => inf.add(&s.record.input),
+                Row::Failure(f) => {
+                    if let Some(i) = &f.input {
+                        inf.add(i)
+                    }
+                }
+            }
+        }
+        let schema = inf.schema().map_err(io_other)?;
+        self.set_columns(&schema)
+    }
+
+    fn set_columns(&mut self, schema: &SchemaRef) -> io::Result<()> {
+        let text_only = self.results.format == Format::Csv;
+        let c = OutputColumns::new(schema, self.keep.as_deref(), self.settings_task, text_only).map_err(io_other)?;
+        self.columns = Some(c);
+        Ok(())
+    }
+
+    async fn add(&mut self, row: Row) -> io::Result<()> {
+        if self.columns.is_none() && self.needs_columns() {
+            self.early.push(row);
+            if self.early.len() >= INFER_ROWS {
+                self.release().await?;
+            }
+            return Ok(());
+        }
+        if self.journal.is_some() {
+            self.keys.push(key_of(&row));
+        }
+        let c = self.columns.as_ref();
+        match &row {
+            Row::Success(s) => {
+                let line = match (self.results.format, c) {
+                    (Format::Jsonl, _) | (_, None) => serde_json::to_vec(&ResultRow::of(s)),
+                    (f, Some(c)) => serde_json::to_vec(&result_row(s, c, f == Format::Csv)),
+                }
+                .map_err(io_other)?;
+                self.results.push_line(&line);
+                if self.results.chunk_rows >= CHUNK_ROWS {
+                    self.results.flush_chunk(self.next_part, self.columns.as_ref()).await?;
+                }
+            }
+            Row::Failure(f) => {
+                let line = match (self.errors.format, c) {
+                    (Format::Jsonl, _) | (_, None) => serde_json::to_vec(&ErrorRow::of(f)),
+                    (_, Some(c)) => serde_json::to_vec(&error_row(f, c)),
+                }
+                .map_err(io_other)?;
+                self.errors.push_line(&line);
+                if self.errors.chunk_rows >= CHUNK_ROWS {
+                    self.errors.flush_chunk(self.next_part, self.columns.as_ref()).await?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Infers the columns from the rows held back and writes them.
+    async fn release(&mut self) -> io::Result<()> {
+        if self.columns.is_some() || self.early.is_empty() {
+            return Ok(());
+        }
+        self.infer()?;
+        for row in std::mem::take(&mut self.early) {
+            Box::pin(self.add(row)).await?;
+        }
+        Ok(())
+    }
+
+    fn part_full(&self, limit: u64) -> bool {
+        [&self.results, &self.errors].iter().any(|s| s.open.as_ref().is_some_and(|p| p.bytes >= limit))
+    }
+
+    fn pending(&self) -> bool {
+        !self.early.is_empty() || [&self.results, &self.errors].iter().any(|s| s.chunk_rows > 0 || s.open.is_some())
+    }
+
+    /// Completes the open parts and records them and their records in the journal.
+    async fn checkpoint(&mut self) -> io::Result<()> {
+        self.release().await?;
+        let columns = self.columns.as_ref();
+        self.results.flush_chunk(self.next_part, columns).await?;
+        self.errors.flush_chunk(self.next_part, columns).await?;
+        let mut parts = Vec::new();
+        parts.extend(self.results.complete().await?);
+        parts.extend(self.errors.complete().await?);
+        if parts.is_empty() && self.keys.is_empty() {
+            return Ok(());
+        }
+        if let Some(j) = &mut self.journal {
+            j.commit(&self.keys, &parts)?;
+        }
+        self.keys.clear();
+        if !parts.is_empty() {
+            self.next_part += 1;
+        }
+        Ok(())
+    }
+}
+
+async fn write_loop(
+    settings: TableSettings,
+    journal: Option<Journal>,
+    next_part: u32,
+    given: WriterThread,
+) -> (Counts, io::Result<()>) {
+    let WriterThread { rows: mut rx, failed } = given;
+    let env = settings.env.clone();
+    let store = |l: &Location| l.store(&|k: &str| env.get(k).cloned()).map_err(io_other);
+    let (rs, es) = match (store(&settings.results), store(&settings.errors)) {
+        (Ok(r), Ok(e)) => (r, e),
+        (Err(e), _) | (_, Err(e)) => {
+            report(&failed, &e);
+            while rx.recv().await.is_some() {}
+            return ((0, 0), Err(e));
+        }
+    };
+    let sink = |table, store, dir: &Location, format| Sink {
+        table,
+        store,
+        dir: dir.path.clone(),
+        format,
+        chunk: Vec::new(),
+        chunk_rows: 0,
+        open: None,
+        written: 0,
+        misfits: 0,
+    };
+    let mut state = State {
+        results: sink(Table::Results, rs, &settings.results, settings.results_format),
+        errors: sink(Table::Errors, es, &settings.errors, settings.errors_format),
+        columns: None,
+        journal,
+        next_part,
+        keys: Vec::new(),
+        settings_task: settings.task,
+        keep: settings.keep.clone(),
+        early: Vec::new(),
+    };
+    let mut error: Option<io::Error> = None;
+    if let Some(schema) = &settings.input_schema {
+        if let Err(e) = state.set_columns(schema) {
+            report(&failed, &e);
+            error = Some(e);
+        }
+    }
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last_checkpoint = tokio::time::Instant::now();
+    loop {
+        tokio::select! {
+            row = rx.recv() => {
+                let Some(row) = row else { break };
+                if error.is_some() {
+                    continue;
+                }
+                let mut done = state.add(row).await;
+                if done.is_ok() && state.part_full(settings.part_bytes) {
+                    done = state.checkpoint().await;
+                    last_checkpoint = tokio::time::Instant::now();
+                }
+                if let Err(e) = done {
+                    report(&failed, &e);
+                    error = Some(e);
+                }
+            }
+            _ = tick.tick() => {
+                if let Some(f) = &settings.on_tick {
+                    f();
+                }
+                if error.is_none() && state.pending() && last_checkpoint.elapsed() >= settings.checkpoint {
+                    last_checkpoint = tokio::time::Instant::now();
+                    if let Err(e) = state.checkpoint().await {
+                        report(&failed, &e);
+                        error = Some(e);
+                    }
+                }
+            }
+        }
+    }
+    let end = match error {
+        Some(e) => Err(e),
+        None => state.checkpoint().await,
+    };
+    if let Some(f) = &settings.on_tick {
+        f();
+    }
+    let misfits = state.results.misfits + state.errors.misfits;
+    if misfits > 0 {
+        tracing::warn!(
+            "{misfits} rows were written without their input columns, whose values did not fit the columns' types"
+        );
+    }
+    ((state.results.written, state.errors.written), end)
+}
