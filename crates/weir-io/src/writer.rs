@@ -169,6 +169,13 @@ impl RowWriter {
                 Ok(())
             };
             while let Some(row) = rx.blocking_recv() {
+                if error.is_none() {
+                    // A failed `fdatasync` on the sync thread stops writing here too: rows after
+                    // it could not be made durable, and the run must not report them as written.
+                    if let Some(msg) = &*failed_in.lock().unwrap_or_else(|p| p.into_inner()) {
+                        error = Some(io::Error::other(msg.clone()));
+                    }
+                }
                 if error.is_some() {
                     continue;
                 }

@@ -71,8 +71,11 @@ async fn ten_thousand_records_with_faults_each_id_exactly_once() {
     }
     assert!(results.iter().any(|r| r["attempts"].as_u64().unwrap() > 1));
     assert_eq!(stats.successes - blocks, results.len() as u64, "one successful call per result");
-    let r = results.iter().find(|r| r["id"] == "r7").unwrap();
-    assert_eq!(r["input"]["n"], 7);
+    // Which records are blocked depends on the order calls reach the server: check one that
+    // was not.
+    let r = &results[results.len() / 2];
+    let n: u64 = r["id"].as_str().unwrap()[1..].parse().unwrap();
+    assert_eq!(r["input"]["n"], n);
     assert_eq!(r["model"], "gemini/gemini-2.5-flash");
     assert!(r["response"].as_str().unwrap().len() > 3);
     assert!(r["usage"]["prompt_tokens"].as_u64().unwrap() > 0);
