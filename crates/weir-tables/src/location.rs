@@ -166,22 +166,33 @@ fn absolute(p: &Path) -> Result<PathBuf, TableError> {
     Ok(canonical)
 }
 
-/// An endpoint override: `https://` anywhere, `http://` only on loopback.
+/// An endpoint override: `https://` anywhere, `http://` only on loopback (the host parsed as
+/// a URL, so `http://127.0.0.1@elsewhere` is elsewhere). Credentials never go in it, and the
+/// value is not repeated in errors in case it holds some.
 fn endpoint(var: &str, value: &str) -> Result<(String, bool), TableError> {
     let value = value.trim().trim_end_matches('/');
     let with_scheme = if value.contains("://") { value.to_string() } else { format!("http://{value}") };
-    let Some(rest) = with_scheme.strip_prefix("http://") else {
-        return Ok((with_scheme, false));
-    };
-    let host = rest.split(['/', '?']).next().unwrap_or_default();
-    let host = host.rsplit_once(':').map(|(h, _)| h).unwrap_or(host);
-    let loopback = matches!(host, "localhost" | "127.0.0.1" | "[::1]" | "::1") || host.starts_with("127.");
-    if !loopback {
-        return Err(TableError::Usage(format!(
-            "{var}={value}: plain http is allowed only on loopback (an emulator on this machine); use https"
-        )));
+    let bad = |why: &str| TableError::Usage(format!("{var}: {why}"));
+    let url = url::Url::parse(&with_scheme).map_err(|e| bad(&format!("not a URL ({e})")))?;
+    if !url.username().is_empty() || url.password().is_some() {
+        return Err(bad("holds a user name or password; give credentials in AWS_ACCESS_KEY_ID and the like"));
     }
-    Ok((with_scheme, true))
+    match url.scheme() {
+        "https" => Ok((with_scheme, false)),
+        "http" => {
+            let loopback = match url.host() {
+                Some(url::Host::Domain(d)) => d == "localhost",
+                Some(url::Host::Ipv4(ip)) => ip.is_loopback(),
+                Some(url::Host::Ipv6(ip)) => ip.is_loopback(),
+                None => false,
+            };
+            if !loopback {
+                return Err(bad("plain http is allowed only on loopback (an emulator on this machine); use https"));
+            }
+            Ok((with_scheme, true))
+        }
+        other => Err(bad(&format!("{other}:// is not http or https"))),
+    }
 }
 
 fn s3(bucket: &str, env: Env) -> Result<Arc<dyn ObjectStore>, TableError> {
@@ -309,6 +320,10 @@ mod tests {
         assert!(endpoint("X", "localhost:4443").unwrap().1);
         assert!(!endpoint("X", "https://s3.example.com").unwrap().1);
         assert!(endpoint("X", "http://s3.example.com").is_err());
+        assert!(endpoint("X", "http://127.0.0.1@example.invalid").is_err());
+        assert!(endpoint("X", "http://127.0.0.1.nip.invalid:9000").is_err());
+        let e = endpoint("X", "https://user:hunter2@s3.example.com").unwrap_err().to_string();
+        assert!(!e.contains("hunter2"), "{e}");
     }
 
     #[test]

@@ -67,7 +67,9 @@ impl TableInput {
     /// Finds the files `spec` names: one file, a glob (`s3://b/in/*.parquet`), or a directory or
     /// prefix (every file in it with a table extension, or of `format` when given, recursively;
     /// names starting with `.` or `_` are skipped, as Spark's `_SUCCESS` files are).
-    pub async fn open(spec: &str, format: Option<Format>, env: Env<'_>) -> Result<Self, TableError> {
+    /// `text` names columns a CSV input keeps as text whatever they look like (the id field:
+    /// `007` and `7` are different ids).
+    pub async fn open(spec: &str, format: Option<Format>, text: &[String], env: Env<'_>) -> Result<Self, TableError> {
         let location = Location::parse(spec)?;
         let store = location.store(env)?;
         let mut files = Vec::new();
@@ -87,7 +89,8 @@ impl TableInput {
                 }
         };
         let as_file = |m: ObjectMeta| InputFile { path: m.location, size: m.size, version: m.e_tag.or(m.version) };
-        if has_glob(spec) {
+        let exists = location.local_path().is_some_and(|p| p.exists());
+        if has_glob(spec) && !exists {
             let full = location.path.as_ref().to_string();
             let pattern =
                 glob::Pattern::new(&full).map_err(|e| TableError::Usage(format!("--input {spec}: bad glob: {e}")))?;
@@ -96,7 +99,8 @@ impl TableInput {
             let mut listing = store.list(Some(&prefix));
             while let Some(m) = listing.next().await {
                 let m = m.map_err(|e| read_err(spec, e))?;
-                if pattern.matches(m.location.as_ref()) && wanted(&m.location) {
+                let whole_names = glob::MatchOptions { require_literal_separator: true, ..Default::default() };
+                if pattern.matches_with(m.location.as_ref(), whole_names) && wanted(&m.location) {
                     files.push(as_file(m));
                 }
             }
@@ -141,7 +145,7 @@ impl TableInput {
         };
         let mut input = Self { location, files, format, store, csv_schema: None };
         if format == Format::Csv {
-            input.csv_schema = Some(input.infer_csv().await?);
+            input.csv_schema = Some(input.infer_csv(text).await?);
         }
         Ok(input)
     }
@@ -238,7 +242,7 @@ impl TableInput {
         ParquetRecordBatchStreamBuilder::new(reader).await
     }
 
-    async fn infer_csv(&self) -> Result<SchemaRef, TableError> {
+    async fn infer_csv(&self, text: &[String]) -> Result<SchemaRef, TableError> {
         let mut schemas = Vec::new();
         for f in &self.files {
             let url = self.location.url_of(&f.path);
@@ -253,9 +257,34 @@ impl TableInput {
             .map_err(|e| read_err(&url, e))?
             .map_err(|e| read_err(&url, e))?
             .0;
+            let mut names = std::collections::HashSet::new();
+            if let Some(dup) = schema.fields().iter().find(|f| !names.insert(f.name().clone())) {
+                return Err(TableError::Usage(format!(
+                    "--input {url}: the header names the column '{}' twice; rename one",
+                    dup.name()
+                )));
+            }
             schemas.push(schema);
         }
-        merge(schemas, &self.location.display)
+        // Columns by name over every file; a column whose type differs between files, or that
+        // must stay text, is text.
+        let mut fields: Vec<arrow_schema::Field> = Vec::new();
+        for schema in schemas {
+            for f in schema.fields() {
+                match fields.iter_mut().find(|g| g.name() == f.name()) {
+                    Some(g) if g.data_type() == f.data_type() || f.data_type() == &DataType::Null => {}
+                    Some(g) if g.data_type() == &DataType::Null => *g = f.as_ref().clone(),
+                    Some(g) => *g = arrow_schema::Field::new(g.name(), DataType::Utf8, true),
+                    None => fields.push(f.as_ref().clone()),
+                }
+            }
+        }
+        for f in &mut fields {
+            if text.contains(f.name()) {
+                *f = arrow_schema::Field::new(f.name(), DataType::Utf8, true);
+            }
+        }
+        Ok(Arc::new(Schema::new(fields)))
     }
 
     /// A blocking reader over a file's bytes (for the CSV parser), to be used off the runtime.
@@ -465,8 +494,8 @@ fn csv_row(headers: &csv::StringRecord, record: &csv::StringRecord, schema: &Sch
         };
     }
     let mut obj = serde_json::Map::with_capacity(headers.len());
-    for (i, (name, text)) in headers.iter().zip(record.iter()).enumerate() {
-        let ty = schema.fields().get(i).map(|f| f.data_type().clone()).unwrap_or(DataType::Utf8);
+    for (name, text) in headers.iter().zip(record.iter()) {
+        let ty = schema.field_with_name(name).map(|f| f.data_type().clone()).unwrap_or(DataType::Utf8);
         obj.insert(name.to_string(), csv_value(text, &ty));
     }
     RawLine { line, bytes: serde_json::to_vec(&obj).unwrap_or_default(), malformed: None }

@@ -64,6 +64,8 @@ impl Kind {
             Kind::Float => DataType::Float64,
             Kind::Text | Kind::Mixed => DataType::Utf8,
             Kind::List(k) => DataType::List(Arc::new(Field::new("item", k.data_type(), true))),
+            // Parquet cannot hold a struct without fields: an object that is always empty is text.
+            Kind::Object(fields) if fields.is_empty() => DataType::Utf8,
             Kind::Object(fields) => DataType::Struct(
                 fields.iter().map(|(n, k)| Field::new(n, k.data_type(), true)).collect::<Vec<_>>().into(),
             ),
@@ -161,12 +163,13 @@ impl OutputColumns {
     /// The output columns for input columns `input` (all of them, or those in `keep`), for
     /// `task`; `text_only` when the output cannot hold nested values (CSV).
     pub fn new(input: &Schema, keep: Option<&[String]>, task: Task, text_only: bool) -> Result<Self, String> {
-        let mut kept = Vec::new();
+        let mut kept: Vec<Field> = Vec::new();
         match keep {
             None => kept.extend(input.fields().iter().map(|f| f.as_ref().clone())),
             Some(names) => {
                 for n in names {
                     match input.field_with_name(n) {
+                        Ok(_) if kept.iter().any(|k| k.name() == n) => {}
                         Ok(f) => kept.push(f.clone()),
                         Err(_) => {
                             let have: Vec<&str> = input.fields().iter().map(|f| f.name().as_str()).collect();
@@ -188,7 +191,10 @@ impl OutputColumns {
         let taken: std::collections::HashSet<&str> = kept.iter().map(|f| f.name().as_str()).collect();
         let mut names = std::collections::HashMap::new();
         for c in RESULT_COLUMNS.iter().chain(ERROR_COLUMNS) {
-            let name = if taken.contains(c) { format!("weir_{c}") } else { c.to_string() };
+            let mut name = c.to_string();
+            while taken.contains(name.as_str()) {
+                name = format!("weir_{name}");
+            }
             names.insert(*c, name);
         }
         let n = |c: &str| names[c].clone();

@@ -48,6 +48,9 @@ pub struct TableSettings {
     pub keep: Option<Vec<String>>,
     /// What the run computes.
     pub task: Task,
+    /// The id field: written as text when the columns are inferred from a stream's first rows
+    /// (an id that is a number there may be text later, and must never be left out).
+    pub id_field: Option<String>,
     /// A part is completed once it holds about this many bytes.
     pub part_bytes: u64,
     /// Parts are completed and recorded at least this often.
@@ -302,10 +305,19 @@ fn decode(lines: &[u8], schema: &SchemaRef, columns: &OutputColumns) -> io::Resu
         if fits {
             fixed.extend_from_slice(line);
         } else {
+            // Leave out only the input columns that do not fit, one by one; weir's own always do.
             misfits += 1;
             let mut row: Map<String, Value> = serde_json::from_slice(line).map_err(io_other)?;
-            for f in &columns.kept {
-                row.remove(f.name());
+            let kept: Map<String, Value> =
+                columns.kept.iter().filter_map(|f| row.remove_entry(f.name().as_str())).collect();
+            for (name, value) in kept {
+                let mut trial = row.clone();
+                trial.insert(name.clone(), value.clone());
+                let bytes = serde_json::to_vec(&trial).map_err(io_other)?;
+                let mut one = build()?;
+                if one.decode(&bytes).and_then(|_| one.flush()).is_ok() {
+                    row.insert(name, value);
+                }
             }
             serde_json::to_writer(&mut fixed, &row).map_err(io_other)?;
         }
@@ -378,6 +390,7 @@ struct State {
     keys: Vec<Key>,
     settings_task: Task,
     keep: Option<Vec<String>>,
+    id_field: Option<String>,
     /// Rows held back until a stream input's columns are known.
     early: Vec<Row>,
 }
@@ -400,7 +413,21 @@ impl State {
                 }
             }
         }
-        let schema = inf.schema().map_err(io_other)?;
+        let mut schema = inf.schema().map_err(io_other)?;
+        if let Some(id) = &self.id_field {
+            let fields = schema
+                .fields()
+                .iter()
+                .map(|f| {
+                    if f.name() == id {
+                        Arc::new(f.as_ref().clone().with_data_type(arrow_schema::DataType::Utf8))
+                    } else {
+                        f.clone()
+                    }
+                })
+                .collect::<Vec<_>>();
+            schema = Arc::new(arrow_schema::Schema::new(fields));
+        }
         self.set_columns(&schema)
     }
 
@@ -530,6 +557,7 @@ async fn write_loop(
         keys: Vec::new(),
         settings_task: settings.task,
         keep: settings.keep.clone(),
+        id_field: settings.id_field.clone(),
         early: Vec::new(),
     };
     let mut error: Option<io::Error> = None;

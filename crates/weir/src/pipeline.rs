@@ -329,12 +329,15 @@ pub async fn run(
     // JSONL file or stdin directly.
     let table_input = match &settings.table_input {
         Some(t) => {
-            let mut input = weir_tables::TableInput::open(&t.spec, t.format, env).await.map_err(table_error)?;
+            let mut input = weir_tables::TableInput::open(&t.spec, t.format, &text_columns(&settings), env)
+                .await
+                .map_err(table_error)?;
             // A directory or glob may hold this run's own outputs and state (`--input data/
             // --output data/results.jsonl`): they are never read as input, or a resumed run
             // would read its own results.
             let own = own_paths(&settings);
-            input.retain(|url| !own.iter().any(|o| std::path::Path::new(url).starts_with(o))).map_err(table_error)?;
+            let inside = |url: &str, o: &String| url == o || url.starts_with(&format!("{}/", o.trim_end_matches('/')));
+            input.retain(|url| !own.iter().any(|o| inside(url, o))).map_err(table_error)?;
             Some(input)
         }
         None => None,
@@ -405,10 +408,12 @@ pub async fn run(
     let mut cache = None;
     let mut resuming = false;
     let mut table_journal = None;
+    let mut table_lock = None;
     let mut next_part = 0;
     let journal = match (&settings.state, &settings.output, &settings.errors) {
         (state_mode, _, _) if tables_out.is_some() => {
             let t = tables_out.as_ref().expect("a table output");
+            table_lock = TableLock::take(&t.results)?;
             let mut committed = weir_tables::Committed::default();
             let journaled = if let StateMode::Dir(dir) = state_mode {
                 let name = table_state_name(&t.results);
@@ -416,6 +421,9 @@ pub async fn run(
                 let (sd, resume) =
                     state::open(dir, &name, &id, settings.fresh).map_err(|e| RunError::Usage(e.to_string()))?;
                 resuming = resume;
+                if resuming && input_file.is_none() && table_input.is_none() && !settings.resume_stream {
+                    return Err(stream_resume_refused(&t.results.display, &input_name));
+                }
                 let path = dir.join("runs").join(format!("{name}.journal"));
                 let (j, c) = weir_tables::Journal::open(&path, !resuming)
                     .map_err(|e| RunError::Fatal(format!("the journal {}: {e}", path.display())))?;
@@ -468,12 +476,7 @@ pub async fn run(
                 state::open(dir, &name, &id, settings.fresh).map_err(|e| RunError::Usage(e.to_string()))?;
             resuming = resume;
             if resuming && input_file.is_none() && table_input.is_none() && !settings.resume_stream {
-                return Err(RunError::Usage(format!(
-                    "{} holds an earlier run of this command, but the input {input_name} is a stream, which weir \
-                     cannot check is the same data. Pass --resume-stream to resume anyway (records whose id and \
-                     line are finished are skipped), or --fresh to start over",
-                    out.display()
-                )));
+                return Err(stream_resume_refused(&out.display().to_string(), &input_name));
             }
             check_not_foreign(&[&out_file, &err_file], resuming || settings.fresh || settings.overwrite)?;
             if !resuming {
@@ -524,6 +527,9 @@ pub async fn run(
         }
     };
     let on_sync: Option<Box<dyn Fn() + Send + Sync>> = cache.clone().map(|c| Box::new(move || c.checkpoint()) as _);
+    if let Some(l) = table_lock.as_mut() {
+        l.started = true;
+    }
     let writer = match &tables_out {
         None => {
             let results = open(&mut out_file)?;
@@ -541,6 +547,7 @@ pub async fn run(
                 errors_format: t.errors_format,
                 input_schema,
                 keep: settings.keep_columns.clone(),
+                id_field: settings.records.id_field.clone(),
                 task: if settings.provider.task == weir_providers::Task::Embed {
                     weir_tables::Task::Embed
                 } else {
@@ -845,6 +852,68 @@ pub async fn run(
     ))
 }
 
+/// A lock on a local table output (`.weir.lock` in its directory, which readers skip as a
+/// hidden file), held for the whole run, so two weir processes never write one table whatever
+/// their state directories. A run refused before it starts removes what it created. (An
+/// object store has no such lock: see the README.)
+struct TableLock {
+    _file: std::fs::File,
+    path: PathBuf,
+    created: Option<PathBuf>,
+    started: bool,
+}
+
+impl TableLock {
+    fn take(results: &weir_tables::Location) -> Result<Option<Self>, RunError> {
+        let Some(dir) = results.local_path() else { return Ok(None) };
+        let created = (!dir.exists()).then(|| dir.clone());
+        let usage = |e: std::io::Error| RunError::Usage(format!("--output {}: {e}", results.display));
+        if dir.is_file() {
+            return Err(RunError::Usage(format!(
+                "{}: is a file; weir writes a table as a directory of parts (part-00000…) there. Choose another path",
+                results.display
+            )));
+        }
+        std::fs::create_dir_all(&dir).map_err(usage)?;
+        let path = dir.join(".weir.lock");
+        let file = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&path).map_err(usage)?;
+        let lock = TableLock { _file: file, path, created, started: false };
+        match lock._file.try_lock() {
+            Ok(()) => Ok(Some(lock)),
+            Err(std::fs::TryLockError::WouldBlock) => Err(RunError::Usage(format!(
+                "another weir run is writing {}; wait for it to finish or choose another path",
+                results.display
+            ))),
+            Err(std::fs::TryLockError::Error(e)) => Err(usage(e)),
+        }
+    }
+}
+
+impl Drop for TableLock {
+    fn drop(&mut self) {
+        if !self.started {
+            if let Some(dir) = &self.created {
+                let _ = std::fs::remove_file(&self.path);
+                let _ = std::fs::remove_dir(dir);
+            }
+        }
+    }
+}
+
+/// Columns a CSV input keeps as text: the id field (`007` and `7` are different ids).
+fn text_columns(settings: &RunSettings) -> Vec<String> {
+    settings.records.id_field.iter().cloned().collect()
+}
+
+/// Why a run over a stream does not resume an earlier run's output on its own.
+fn stream_resume_refused(output: &str, input: &str) -> RunError {
+    RunError::Usage(format!(
+        "{output} holds an earlier run of this command, but the input {input} is a stream, which weir cannot \
+         check is the same data. Pass --resume-stream to resume anyway (records whose id and line are finished \
+         are skipped), or --fresh to start over"
+    ))
+}
+
 fn table_error(e: weir_tables::TableError) -> RunError {
     match e {
         weir_tables::TableError::Usage(m) => RunError::Usage(m),
@@ -905,7 +974,7 @@ async fn table_columns(
     }
     let schema = match (table, input_file) {
         (Some(t), _) => t.schema().await.map_err(table_error)?,
-        (None, Some(p)) => weir_tables::TableInput::open(&p.to_string_lossy(), Some(Format::Jsonl), env)
+        (None, Some(p)) => weir_tables::TableInput::open(&p.to_string_lossy(), Some(Format::Jsonl), &[], env)
             .await
             .map_err(table_error)?
             .schema()
@@ -923,23 +992,23 @@ async fn table_columns(
     Ok(Some(schema))
 }
 
-/// The local paths a run writes (outputs, errors, state), made absolute, to keep them out of a
-/// directory input.
-fn own_paths(settings: &RunSettings) -> Vec<PathBuf> {
-    let local =
-        |p: &std::path::Path| weir_tables::Location::parse(&p.to_string_lossy()).ok().and_then(|l| l.local_path());
-    let mut own: Vec<PathBuf> = match &settings.table_output {
-        Some(t) => [&t.results, &t.errors].iter().filter_map(|l| l.local_path()).collect(),
+/// Where a run writes (outputs, errors, and a local state directory), as the full names a
+/// table input lists its files by (`/abs/path`, `s3://bucket/key`), to keep them out of a
+/// directory or prefix input.
+fn own_paths(settings: &RunSettings) -> Vec<String> {
+    let full = |p: &str| weir_tables::Location::parse(p).ok().map(|l| l.with_path(l.path.clone()).display);
+    let mut own: Vec<String> = match &settings.table_output {
+        Some(t) => [&t.results, &t.errors].iter().map(|l| l.with_path(l.path.clone()).display).collect(),
         None => [&settings.output, &settings.errors]
             .iter()
             .filter_map(|o| match o {
-                OutputPath::File(p) => local(p),
+                OutputPath::File(p) => full(&p.to_string_lossy()),
                 _ => None,
             })
             .collect(),
     };
     if let StateMode::Dir(d) = &settings.state {
-        own.extend(local(d));
+        own.extend(full(&d.to_string_lossy()));
     }
     own
 }

@@ -548,8 +548,22 @@ impl RunArgs {
                 results_format,
             ),
         };
-        if errors.scheme == results.scheme && errors.bucket == results.bucket && errors.path == results.path {
-            return Err(UsageError("--errors and --output are the same location; choose another".into()));
+        if results.is_remote() && results.path.as_ref().is_empty() {
+            return Err(UsageError(format!(
+                "--output {}: a table is written under a path in the bucket, not at its root (e.g. {}/results.parquet)",
+                self.output,
+                self.output.trim_end_matches('/')
+            )));
+        }
+        let within = |a: &Location, b: &Location| {
+            a.scheme == b.scheme && a.bucket == b.bucket && a.path.prefix_match(&b.path).is_some()
+        };
+        if within(&errors, &results) || within(&results, &errors) {
+            return Err(UsageError(
+                "--errors and --output are one location, or one is inside the other (readers of one would read \
+                 the other's rows); choose separate locations"
+                    .into(),
+            ));
         }
         if self.retry_errors {
             return Err(UsageError(
@@ -629,11 +643,12 @@ struct Parts {
 /// `s3://b/results/` → `s3://b/results.errors`.
 fn errors_beside(output: &str, format: Format) -> String {
     let trimmed = output.trim_end_matches('/');
-    match Format::from_name(trimmed) {
-        Some(f) if f == format => {
-            let cut = trimmed.len() - f.extension().len() - 1;
-            let ext = &trimmed[cut..];
-            format!("{}.errors{ext}", &trimmed[..cut])
+    match trimmed.rsplit_once('.') {
+        // The name's own extension, however it is spelled (`.pq`, `.ndjson`, `.PARQUET`).
+        Some((stem, ext))
+            if Format::from_name(trimmed) == Some(format) && !stem.ends_with('/') && !ext.contains('/') =>
+        {
+            format!("{stem}.errors.{ext}")
         }
         _ => format!("{trimmed}.errors"),
     }
@@ -748,4 +763,19 @@ pub async fn run(args: RunArgs) -> anyhow::Result<u8> {
     } else {
         0
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_sit_beside_the_results_whatever_the_extension() {
+        assert_eq!(errors_beside("out.parquet", Format::Parquet), "out.errors.parquet");
+        assert_eq!(errors_beside("out.pq", Format::Parquet), "out.errors.pq");
+        assert_eq!(errors_beside("results.pq/", Format::Parquet), "results.errors.pq");
+        assert_eq!(errors_beside("s3://b/x.ndjson", Format::Jsonl), "s3://b/x.errors.ndjson");
+        assert_eq!(errors_beside("s3://b/results/", Format::Parquet), "s3://b/results.errors");
+        assert_eq!(errors_beside("dir.v2/results", Format::Csv), "dir.v2/results.errors");
+    }
 }

@@ -603,3 +603,134 @@ async fn reads_from_fake_gcs_server() {
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     assert_eq!(rows(&out).len(), 25);
 }
+
+/// Found by a hostile try: stdin into a table resumed whatever was piped; a second run wrote
+/// the same table at once; ids that turned from numbers to text after the first 1,000 lines of
+/// stdin were dropped; input columns `model` and `weir_model`, or an always-empty object,
+/// failed the run after its calls; an errors table inside the results table, `.pq` names.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_table_edges() {
+    let dir = Dir::new("hostile-tables");
+    let piped = |n: usize, text_after: usize| {
+        let mut data = Vec::new();
+        for i in 0..n {
+            let id = if i < text_after { json!(i) } else { json!(format!("x{i}")) };
+            let row = json!({"id": id, "prompt": format!("p {i}"), "model": "m", "weir_model": "w", "empty": {}});
+            data.extend_from_slice(format!("{row}\n").as_bytes());
+        }
+        data
+    };
+    let out = dir.path("s.parquet");
+    let o = out.to_str().unwrap();
+    let stdin_run = |data: Vec<u8>, extra: Vec<&'static str>| {
+        let o = o.to_string();
+        async move {
+            use tokio::io::AsyncWriteExt;
+            let mut c = weir();
+            c.args(["run", "--model", "sim/demo", "--input", "-", "--output", &o, "--id-field", "id"])
+                .args(["--progress", "never"])
+                .args(extra)
+                .stdin(std::process::Stdio::piped())
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped());
+            let mut child = c.spawn().unwrap();
+            let mut stdin = child.stdin.take().unwrap();
+            tokio::spawn(async move {
+                let _ = stdin.write_all(&data).await;
+            });
+            child.wait_with_output().await.unwrap()
+        }
+    };
+    let first = stdin_run(piped(1500, 1200), vec![]).await;
+    assert_eq!(first.status.code(), Some(0), "{}", stderr(&first));
+    assert!(!stderr(&first).contains("WARN"), "{}", stderr(&first));
+    // Every id is in the table, text and number alike.
+    if peer("WEIR_PYTHON").is_some() {
+        let got = python(
+            r#"
+import sys, pyarrow.parquet as pq
+t = pq.read_table(sys.argv[1])
+ids = t.column("id").to_pylist()
+assert None not in ids and len(set(ids)) == 1500, (ids.count(None), len(set(ids)))
+print(t.schema.field("weir_weir_model").type, t.schema.field("empty").type)
+"#,
+            &[o],
+        );
+        assert!(got.contains("string"), "{got}");
+    }
+    // Different data through the pipe is not silently resumed.
+    let again = stdin_run(piped(10, 10), vec![]).await;
+    assert_eq!(again.status.code(), Some(2), "{}", stderr(&again));
+    assert!(stderr(&again).contains("--resume-stream"), "{}", stderr(&again));
+
+    // Two runs at once on one local table: the second is refused.
+    let (data, _) = records(3000);
+    let input = dir.write("in.jsonl", &data);
+    let two = dir.path("two.parquet");
+    let args = |state: &str| {
+        vec![
+            "run".to_string(),
+            "--model".into(),
+            "sim/demo".into(),
+            "--input".into(),
+            input.to_str().unwrap().into(),
+            "--output".into(),
+            two.to_str().unwrap().into(),
+            "--id-field".into(),
+            "id".into(),
+            "--progress".into(),
+            "never".into(),
+            "--max-concurrency".into(),
+            "1".into(),
+            "--state".into(),
+            dir.path(state).to_str().unwrap().into(),
+        ]
+    };
+    let mut slow = weir();
+    slow.args(args("s1")).stderr(std::process::Stdio::null());
+    let mut child = slow.spawn().unwrap();
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let second = weir().args(args("s2")).output().await.unwrap();
+    assert_eq!(second.status.code(), Some(2), "{}", stderr(&second));
+    assert!(stderr(&second).contains("another weir run is writing"), "{}", stderr(&second));
+    child.start_kill().unwrap();
+    let _ = child.wait().await;
+
+    // Errors inside the results, and odd extensions.
+    let i = input.to_str().unwrap();
+    let inside = dir.path("r.parquet");
+    let errs = inside.join("errs.parquet");
+    let o = run(&[
+        "run",
+        "--model",
+        "sim/demo",
+        "--input",
+        i,
+        "--output",
+        inside.to_str().unwrap(),
+        "--errors",
+        errs.to_str().unwrap(),
+    ])
+    .await;
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("inside the other"), "{}", stderr(&o));
+    let pq = dir.path("out.pq");
+    let o = run(&["run", "--model", "sim/demo", "--input", i, "--output", pq.to_str().unwrap(), "--progress", "never"])
+        .await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(pq.join("part-00000.pq").exists() || pq.join("part-00000.parquet").exists());
+    let o = run(&[
+        "run",
+        "--model",
+        "sim/demo",
+        "--input",
+        i,
+        "--output",
+        "s3://bucket-root",
+        "--output-format",
+        "parquet",
+    ])
+    .await;
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("not at its root"), "{}", stderr(&o));
+}
