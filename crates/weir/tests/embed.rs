@@ -83,9 +83,18 @@ async fn a_records_vector_does_not_depend_on_its_batch() {
     let o = embed_run("gemini/e", Some(&server.url()), &one, &data, &["--batch-size", "1"]).await;
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let many = Dir::new("embed-many");
-    let o = embed_run("gemini/e", Some(&server.url()), &many, &data, &["--batch-size", "50", "--buckets", "off"]).await;
+    let o = embed_run(
+        "gemini/e",
+        Some(&server.url()),
+        &many,
+        &data,
+        &["--batch-size", "50", "--buckets", "off", "--batch-linger-ms", "5000"],
+    )
+    .await;
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     assert_eq!(vectors(&one), vectors(&many));
+    // A long linger: on a loaded machine 20 ms can pass between two records, and a batch would
+    // leave short.
     assert_eq!(server.stats().embed_batches as usize, 200 + 200usize.div_ceil(50));
     server.shutdown().await;
 }
