@@ -28,4 +28,18 @@ pub enum TableError {
     /// The command must change (no such file, bad location, bad credentials setting): exit 2.
     #[error("{0}")]
     Usage(String),
+    /// The store could not be reached or failed (not the command's fault): exit 3.
+    #[error("{0}")]
+    Unavailable(String),
+}
+
+impl TableError {
+    /// A failed listing: a missing bucket or path is the command's to fix, anything else (an
+    /// unreachable endpoint, a server error) is not.
+    pub fn listing(what: &str, e: object_store::Error) -> Self {
+        match e {
+            object_store::Error::NotFound { .. } => TableError::Usage(format!("{what}: {e}")),
+            e => TableError::Unavailable(format!("{what}: {e}")),
+        }
+    }
 }

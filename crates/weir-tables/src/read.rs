@@ -98,7 +98,7 @@ impl TableInput {
             let prefix = ObjectPath::from_iter(fixed.iter().copied());
             let mut listing = store.list(Some(&prefix));
             while let Some(m) = listing.next().await {
-                let m = m.map_err(|e| read_err(spec, e))?;
+                let m = m.map_err(|e| TableError::listing(&format!("cannot read --input {spec}"), e))?;
                 let whole_names = glob::MatchOptions { require_literal_separator: true, ..Default::default() };
                 if pattern.matches_with(m.location.as_ref(), whole_names) && wanted(&m.location) {
                     files.push(as_file(m));
@@ -110,7 +110,7 @@ impl TableInput {
                 Err(_) => {
                     let mut listing = store.list(Some(&location.path));
                     while let Some(m) = listing.next().await {
-                        let m = m.map_err(|e| read_err(spec, e))?;
+                        let m = m.map_err(|e| TableError::listing(&format!("cannot read --input {spec}"), e))?;
                         if wanted(&m.location) {
                             files.push(as_file(m));
                         }

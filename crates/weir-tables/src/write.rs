@@ -101,7 +101,7 @@ pub async fn prepare(
     let mut stale = Vec::new();
     let mut listing = store.list(Some(&location.path));
     while let Some(m) = listing.next().await {
-        let m = m.map_err(|e| TableError::Usage(format!("cannot list {}: {e}", location.display)))?;
+        let m = m.map_err(|e| TableError::listing(&format!("cannot list {}", location.display), e))?;
         let rel = m
             .location
             .prefix_match(&location.path)

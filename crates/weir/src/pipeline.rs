@@ -917,6 +917,7 @@ fn stream_resume_refused(output: &str, input: &str) -> RunError {
 fn table_error(e: weir_tables::TableError) -> RunError {
     match e {
         weir_tables::TableError::Usage(m) => RunError::Usage(m),
+        weir_tables::TableError::Unavailable(m) => RunError::Fatal(m),
     }
 }
 

@@ -733,4 +733,13 @@ print(t.schema.field("weir_weir_model").type, t.schema.field("empty").type)
     .await;
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("not at its root"), "{}", stderr(&o));
+    // An endpoint nobody answers is not the command's fault: exit 3, nothing written.
+    let dead = format!("http://127.0.0.1:{}", free_port());
+    let none = dir.path("none.jsonl");
+    let mut c = weir();
+    c.args(["run", "--model", "sim/demo", "--input", "s3://bkt/in/", "--output", none.to_str().unwrap()]);
+    s3_env(&mut c, &dead);
+    let o = c.output().await.unwrap();
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    assert!(!none.exists());
 }
