@@ -415,6 +415,7 @@ pub async fn run(
             let t = tables_out.as_ref().expect("a table output");
             table_lock = TableLock::take(&t.results)?;
             let mut committed = weir_tables::Committed::default();
+            let mut run_id = None;
             let journaled = if let StateMode::Dir(dir) = state_mode {
                 let name = table_state_name(&t.results);
                 let id = identity(&settings, None, table_input.as_ref())?;
@@ -430,6 +431,7 @@ pub async fn run(
                 committed = c;
                 table_journal = Some(j);
                 state_dir = Some(sd);
+                run_id = Some(id);
                 true
             } else {
                 false
@@ -441,11 +443,8 @@ pub async fn run(
                 weir_tables::prepare(location, table, &committed, resuming, replace, env).await.map_err(table_error)?;
             }
             if journaled {
-                if !resuming {
-                    let id = identity(&settings, None, table_input.as_ref())?;
-                    if let Some(sd) = &state_dir {
-                        sd.record(&id).map_err(|e| RunError::Usage(e.to_string()))?;
-                    }
+                if let (false, Some(sd), Some(id)) = (resuming, &state_dir, &run_id) {
+                    sd.record(id).map_err(|e| RunError::Usage(e.to_string()))?;
                 }
                 next_part = committed.next_part();
                 recovered.results = committed.rows(weir_tables::journal::Table::Results);
@@ -548,11 +547,7 @@ pub async fn run(
                 input_schema,
                 keep: settings.keep_columns.clone(),
                 id_field: settings.records.id_field.clone(),
-                task: if settings.provider.task == weir_providers::Task::Embed {
-                    weir_tables::Task::Embed
-                } else {
-                    weir_tables::Task::Generate
-                },
+                task: table_task(&settings),
                 part_bytes: t.part_bytes,
                 checkpoint: t.checkpoint,
                 env: weir_tables::location::ENV_VARS
@@ -869,10 +864,8 @@ impl TableLock {
         let created = (!dir.exists()).then(|| dir.clone());
         let usage = |e: std::io::Error| RunError::Usage(format!("--output {}: {e}", results.display));
         if dir.is_file() {
-            return Err(RunError::Usage(format!(
-                "{}: is a file; weir writes a table as a directory of parts (part-00000…) there. Choose another path",
-                results.display
-            )));
+            // Refused by `weir_tables::prepare`, which says why for results and errors alike.
+            return Ok(None);
         }
         std::fs::create_dir_all(&dir).map_err(usage)?;
         let path = dir.join(".weir.lock");
@@ -897,6 +890,15 @@ impl Drop for TableLock {
                 let _ = std::fs::remove_dir(dir);
             }
         }
+    }
+}
+
+/// What a table output's result columns hold: text or vectors.
+fn table_task(settings: &RunSettings) -> weir_tables::Task {
+    if settings.provider.task == weir_providers::Task::Embed {
+        weir_tables::Task::Embed
+    } else {
+        weir_tables::Task::Generate
     }
 }
 
@@ -983,13 +985,13 @@ async fn table_columns(
             .map_err(table_error)?,
         (None, None) => return Ok(None),
     };
-    let task = if settings.provider.task == weir_providers::Task::Embed {
-        weir_tables::Task::Embed
-    } else {
-        weir_tables::Task::Generate
-    };
-    weir_tables::OutputColumns::new(&schema, settings.keep_columns.as_deref(), task, out.results_format == Format::Csv)
-        .map_err(RunError::Usage)?;
+    weir_tables::OutputColumns::new(
+        &schema,
+        settings.keep_columns.as_deref(),
+        table_task(settings),
+        out.results_format == Format::Csv,
+    )
+    .map_err(RunError::Usage)?;
     Ok(Some(schema))
 }
 
