@@ -21,7 +21,7 @@ use crate::error::{ErrorKind, ModelError, RetryHint};
 use crate::executor::{Done, Executor, Failed, Observer};
 use crate::handler::{ModelHandler, ModelRequest};
 use crate::metrics::RunMetrics;
-use crate::outcome::{Failure, Outcome, Success};
+use crate::outcome::{Failure, ModelResponse, Outcome, Success};
 use crate::params::GenParams;
 use crate::record::Record;
 use crate::retry::RetryPolicy;
@@ -247,7 +247,7 @@ impl Driver {
     /// The cached answer for `key`, counted as a hit.
     fn cached(&self, key: Option<&CacheKey>) -> Option<crate::outcome::ModelResponse> {
         let response = self.cache.as_ref()?.get(key?)?;
-        self.metrics.record_cache_hit();
+        self.metrics.record_cache_hit(response.usage.prompt_tokens, response.usage.output_tokens);
         self.metrics.record_success(response.usage.prompt_tokens, response.usage.output_tokens);
         Some(response)
     }
@@ -329,6 +329,30 @@ impl Driver {
                 Outcome::Failure(Box::new(Failure::of(record, error, failed.attempts)))
             }
         }
+    }
+
+    /// The request `record` makes: its own system text and parameters over the run's (what a
+    /// batch job is sent, so that it asks exactly what an online call would).
+    pub fn request_for(&self, record: &Record) -> ModelRequest {
+        self.request_of(record)
+    }
+
+    /// The record's answer from the response cache, as its outcome, if the cache has one.
+    pub fn answer_from_cache(&self, record: &Record) -> Option<Outcome> {
+        let start = Instant::now();
+        let key = self.cache.as_ref().map(|_| cache_key(&self.source, &self.request_of(record), &record.id));
+        self.cached(key.as_ref()).map(|response| self.hit(record.clone(), response, start))
+    }
+
+    /// The outcome of a record answered elsewhere (a provider batch job), stored in the cache
+    /// and counted as the driver's own answers are.
+    pub fn settle_answer(&self, record: Record, result: Result<ModelResponse, ModelError>, since: Instant) -> Outcome {
+        let key = self.cache.as_ref().map(|_| cache_key(&self.source, &self.request_of(&record), &record.id));
+        let result = match result {
+            Ok(value) => Ok(Done { value, attempts: 1, latency: since.elapsed() }),
+            Err(error) => Err(Failed { error, attempts: 1, cancelled: false }),
+        };
+        self.settle(record, result, key.as_ref(), since)
     }
 
     /// Takes one record to its outcome.

@@ -26,6 +26,9 @@ pub struct RunMetrics {
     pub retries: AtomicU64,
     /// Records answered from the response cache, without a call.
     pub cache_hits: AtomicU64,
+    /// Prompt and output tokens of those cached answers (in `tokens_in`/`tokens_out` too, but
+    /// not paid for by this run).
+    cache_tokens: [AtomicU64; 2],
     /// Calls answered with a rate-limit error.
     pub rate_limited: AtomicU64,
     /// Prompt tokens reported by successful calls.
@@ -91,9 +94,21 @@ impl RunMetrics {
     }
 
     /// Counts a record answered from the response cache.
-    pub fn record_cache_hit(&self) {
+    pub fn record_cache_hit(&self, prompt_tokens: u64, output_tokens: u64) {
+        self.cache_tokens[0].fetch_add(prompt_tokens, Relaxed);
+        self.cache_tokens[1].fetch_add(output_tokens, Relaxed);
         self.cache_hits.fetch_add(1, Relaxed);
         metrics::counter!("weir_cache_hits_total").increment(1);
+    }
+
+    /// Prompt tokens of answers from the cache.
+    pub fn cache_tokens_in(&self) -> u64 {
+        self.cache_tokens[0].load(Relaxed)
+    }
+
+    /// Output tokens of answers from the cache.
+    pub fn cache_tokens_out(&self) -> u64 {
+        self.cache_tokens[1].load(Relaxed)
     }
 
     /// Records how long one call took, answered or not (a histogram when exported).

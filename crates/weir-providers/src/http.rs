@@ -90,6 +90,28 @@ impl Credential {
         }
     }
 
+    /// Sends the request `build` makes (any method, any body) with this credential and reads
+    /// the whole answer, as [`post`](Self::post) does; for the batch-job APIs' files and jobs.
+    pub async fn send(
+        &self,
+        build: impl Fn() -> reqwest::RequestBuilder,
+    ) -> Result<(Reply, Option<Secret>), ModelError> {
+        let mut tried = false;
+        loop {
+            let secret = self.secret().await?;
+            let req = match self.auth(secret.as_ref()) {
+                Auth::None => build(),
+                Auth::Bearer(key) => build().bearer_auth(key.expose()),
+                Auth::Header(name, key) => build().header(name, key.expose()),
+            };
+            let reply = read_reply(req.send().await.map_err(|e| transport_error(&e))?).await?;
+            if reply.status == 200 || !self.renew(reply.status, secret.as_ref(), tried).await {
+                return Ok((reply, secret));
+            }
+            tried = true;
+        }
+    }
+
     /// As [`post`](Self::post), asking for a streamed answer.
     pub async fn post_sse(
         &self,

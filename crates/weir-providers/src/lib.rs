@@ -23,6 +23,7 @@ pub mod embed;
 pub mod gemini;
 pub mod google_auth;
 pub mod http;
+pub mod jobs;
 pub mod openai;
 pub mod vertex_endpoint;
 
@@ -379,6 +380,48 @@ async fn start_sim(options: &ProviderOptions) -> Result<(reqwest::Url, SimServer
         SimServer::start(config, ([127, 0, 0, 1], 0).into()).await.map_err(|e| ProviderError::Start(e.to_string()))?;
     let base = reqwest::Url::parse(&sim.url()).map_err(|e| ProviderError::Start(e.to_string()))?;
     Ok((base, sim))
+}
+
+/// Sets up the batch-job client for `spec` (`weir run --mode batch`), with the base URL and
+/// key found as for online calls. `max_requests` makes jobs smaller than the provider allows.
+pub fn connect_jobs(
+    spec: &ModelSpec,
+    options: &ProviderOptions,
+    env: &dyn Fn(&str) -> Option<String>,
+    max_requests: Option<usize>,
+) -> Result<Arc<dyn weir_core::JobApi>, ProviderError> {
+    let client = http::client()?;
+    let limit = |mut l: weir_core::JobLimits| {
+        if let Some(n) = max_requests {
+            l.max_lines = n.max(1);
+        }
+        l
+    };
+    if options.task == Task::Embed {
+        return Err(ProviderError::Config(
+            "--mode batch: batch jobs generate text; embeddings run online (drop --mode batch)".into(),
+        ));
+    }
+    match spec.provider {
+        Provider::OpenAi => {
+            let (base, key) = openai_site(options, env)?;
+            Ok(Arc::new(jobs::OpenAiJobs::new(client, &base, &spec.model, key).with_limits(limit(jobs::OPENAI_LIMITS))))
+        }
+        Provider::Gemini => {
+            let base = options.base_url.clone().unwrap_or_else(|| "https://generativelanguage.googleapis.com".into());
+            let base = http::check_base_url(&base)?;
+            let key = gemini_key(&base, env)?;
+            Ok(Arc::new(jobs::GeminiJobs::new(client, &base, &spec.model, key).with_limits(limit(jobs::GEMINI_LIMITS))))
+        }
+        Provider::Sim => Err(ProviderError::Config(
+            "--mode batch: the built-in sim/ model answers online only; start `weir sim` and run gemini/<model> or \
+             openai/<model> with --base-url http://127.0.0.1:PORT (its batch APIs are served there)"
+                .into(),
+        )),
+        Provider::Vertex | Provider::VertexEndpoint | Provider::Local => Err(ProviderError::Config(format!(
+            "--mode batch: {spec}: batch jobs are supported for openai/ and gemini/ models so far"
+        ))),
+    }
 }
 
 /// Sets up the client for `spec`. `env` reads environment variables (injected for tests).

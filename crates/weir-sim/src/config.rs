@@ -33,6 +33,8 @@ pub struct SimConfig {
     /// Embedding requests (OpenAI `/v1/embeddings`, Gemini `batchEmbedContents`, Vertex AI
     /// text-embedding `:predict`).
     pub embedding: EmbeddingConfig,
+    /// Batch-prediction jobs (OpenAI Batch API, Gemini API batch mode).
+    pub batch: BatchJobConfig,
     /// Keep the last this many model requests (path, query without keys, body) for `GET
     /// /requests`, to compare what clients send; 0 keeps none.
     pub capture_requests: usize,
@@ -69,6 +71,28 @@ pub struct EmbeddingConfig {
     pub max_inputs: u64,
     /// Per token of the longest input, in milliseconds.
     pub token_ms: f64,
+}
+
+/// How batch-prediction jobs behave.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct BatchJobConfig {
+    /// Seconds from a job's creation to its end (a fifth pending, the rest running).
+    pub run_secs: f64,
+    /// Every job expires at its end with only the first half of its requests answered.
+    pub expire: bool,
+    /// Share of a job's requests that fail alone with a 500.
+    pub item_error_rate: f64,
+    /// Requests per OpenAI batch at most (OpenAI: 50,000).
+    pub max_requests: u64,
+    /// Bytes of a Gemini batch's inline requests at most (the Gemini API: 20 MB).
+    pub max_inline_bytes: u64,
+}
+
+impl Default for BatchJobConfig {
+    fn default() -> Self {
+        Self { run_secs: 2.0, expire: false, item_error_rate: 0.0, max_requests: 50_000, max_inline_bytes: 20_000_000 }
+    }
 }
 
 impl Default for EmbeddingConfig {

@@ -15,12 +15,13 @@ pub mod auth;
 pub mod config;
 pub mod gcs;
 pub mod gen;
+pub mod jobs;
 pub mod proto;
 pub mod quota;
 mod server;
 pub mod stats;
 
-pub use config::{AuthConfig, ConfigError, EmbeddingConfig, OverloadMode, PredictConfig, SimConfig};
+pub use config::{AuthConfig, BatchJobConfig, ConfigError, EmbeddingConfig, OverloadMode, PredictConfig, SimConfig};
 pub use gcs::GcsServer;
 pub use server::{Captured, SimServer, StartError};
 pub use stats::StatsSnapshot;

@@ -39,6 +39,8 @@ struct State {
     any_fault: bool,
     /// The last `config.capture_requests` model requests, oldest first.
     captured: Mutex<std::collections::VecDeque<Captured>>,
+    /// Batch-prediction files and jobs.
+    jobs: crate::jobs::Jobs,
 }
 
 /// A model request as it arrived, for comparing what clients send (`GET /requests`).
@@ -90,6 +92,7 @@ impl SimServer {
             counter: AtomicU64::new(0),
             any_fault,
             captured: Mutex::new(std::collections::VecDeque::new()),
+            jobs: Default::default(),
         });
         let (shutdown, rx) = watch::channel(false);
         let task = tokio::spawn(accept_loop(listener, state.clone(), handle, rx));
@@ -113,7 +116,7 @@ impl SimServer {
 
     /// What the server has seen so far.
     pub fn stats(&self) -> StatsSnapshot {
-        self.state.stats.snapshot()
+        self.state.snapshot()
     }
 
     /// Stops accepting, closes every connection (hung requests included) and waits for the
@@ -189,7 +192,7 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Bo
     let path = parts.uri.path();
     match (&parts.method, path) {
         (&Method::GET, "/stats") => {
-            let v = serde_json::to_value(state.stats.snapshot()).unwrap_or_default();
+            let v = serde_json::to_value(state.snapshot()).unwrap_or_default();
             return Ok(json_reply(200, &[], &v));
         }
         (&Method::POST, "/stats/reset") => {
@@ -239,6 +242,20 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Bo
             ));
         }
         _ => {}
+    }
+    if path.contains("/batches") || path.starts_with("/v1/files") || path.ends_with(":batchGenerateContent") {
+        let bytes = body.collect().await.map_err(io::Error::other)?.to_bytes();
+        let content_type = parts.headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
+        let reply =
+            state.jobs.handle(&state.config, parts.method.as_str(), path, parts.uri.query(), content_type, &bytes);
+        return Ok(match reply {
+            Some(crate::jobs::Reply::Json(status, v)) => json_reply(status, &[], &v),
+            Some(crate::jobs::Reply::Bytes(b)) => full(200, &[], "application/jsonl", b),
+            None => {
+                let api = if path.starts_with("/v1/") { Api::OpenAi } else { Api::Gemini };
+                error_reply(&state, proto::error(api, 404, &format!("no route for {} {path}", parts.method)))
+            }
+        });
     }
     let Some(route) = route(path, parts.uri.query()) else {
         let api = if path.contains("chat/completions") { Api::OpenAi } else { Api::Gemini };
@@ -420,6 +437,14 @@ const FAULTS: [Fault; 8] = [
 ];
 
 impl State {
+    /// The counters, the batch jobs' included.
+    fn snapshot(&self) -> StatsSnapshot {
+        let mut snap = self.stats.snapshot();
+        snap.batch_jobs = self.jobs.submitted();
+        snap.batch_answered = self.jobs.answered();
+        snap
+    }
+
     /// How many of a `:predict` request's instances its answer covers: all, unless an instance
     /// asks for `[sim:short]` (the answer stops before it) or the short rate draws one short.
     fn short_predictions(&self, req: &SimRequest, n: u64) -> usize {

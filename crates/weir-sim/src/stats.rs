@@ -73,6 +73,12 @@ pub struct StatsSnapshot {
     pub peak_in_flight: u64,
     /// Prompt tokens of successful requests.
     pub tokens_in: u64,
+    /// Batch-prediction jobs submitted (OpenAI batches and Gemini batches).
+    #[serde(default)]
+    pub batch_jobs: u64,
+    /// Requests answered (or failed alone) by batch jobs.
+    #[serde(default)]
+    pub batch_answered: u64,
     /// Generated tokens of successful requests.
     pub tokens_out: u64,
     /// Streaming requests started.
@@ -263,6 +269,8 @@ impl Stats {
             in_flight: self.in_flight.load(Relaxed),
             peak_in_flight: self.peak_in_flight.load(Relaxed),
             tokens_in: self.tokens_in.load(Relaxed),
+            batch_jobs: 0,
+            batch_answered: 0,
             tokens_out: self.tokens_out.load(Relaxed),
             streams: self.streams.load(Relaxed),
             tokens_issued: self.tokens_issued.load(Relaxed),

@@ -3,6 +3,8 @@
 
 #![warn(missing_docs)]
 
+pub mod batch_front;
+pub mod cost;
 pub mod metrics_server;
 pub mod pipeline;
 pub mod report;

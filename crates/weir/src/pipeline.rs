@@ -115,6 +115,8 @@ pub struct RunSettings {
     pub table_output: Option<TableOut>,
     /// Input columns to carry to the output (all when `None`).
     pub keep_columns: Option<Vec<String>>,
+    /// Answer the records through the provider's batch jobs instead of online calls.
+    pub batch_mode: Option<crate::batch_front::BatchMode>,
 }
 
 /// Why a run could not start or had to stop.
@@ -240,7 +242,7 @@ impl Endpoints {
     }
 }
 
-enum Work {
+pub(crate) enum Work {
     Call(Record),
     Done(Box<Failure>),
     ReadError(std::io::Error),
@@ -370,6 +372,22 @@ pub async fn run(
     };
     let mut total = if settings.progress { count()? } else { None };
     let endpoint = connect_model(&settings.model, &settings.provider, env).await?;
+    let jobs_api = match &settings.batch_mode {
+        Some(b) => {
+            if settings.model_field.is_some() {
+                return Err(RunError::Usage("--mode batch runs one model; drop --model-field".into()));
+            }
+            if settings.state == StateMode::Off {
+                return Err(RunError::Usage(
+                    "--mode batch records its jobs in the state directory, so that a stopped run re-attaches to them \
+                     instead of paying twice; drop --no-state"
+                        .into(),
+                ));
+            }
+            Some(weir_providers::connect_jobs(&settings.model, &settings.provider, env, b.max_requests)?)
+        }
+        None => None,
+    };
 
     // The output files, opened (never truncated yet) and locked against other weir processes.
     let tables_out = settings.table_output.clone();
@@ -410,6 +428,7 @@ pub async fn run(
     let mut table_journal = None;
     let mut table_lock = None;
     let mut next_part = 0;
+    let mut jobs_ledger: Option<PathBuf> = None;
     let journal = match (&settings.state, &settings.output, &settings.errors) {
         (state_mode, _, _) if tables_out.is_some() => {
             let t = tables_out.as_ref().expect("a table output");
@@ -425,6 +444,7 @@ pub async fn run(
                 if resuming && input_file.is_none() && table_input.is_none() && !settings.resume_stream {
                     return Err(stream_resume_refused(&t.results.display, &input_name));
                 }
+                jobs_ledger = Some(dir.join("runs").join(format!("{name}.jobs.jsonl")));
                 let path = dir.join("runs").join(format!("{name}.journal"));
                 let (j, c) = weir_tables::Journal::open(&path, !resuming)
                     .map_err(|e| RunError::Fatal(format!("the journal {}: {e}", path.display())))?;
@@ -474,6 +494,7 @@ pub async fn run(
             let (sd, resume) =
                 state::open(dir, &name, &id, settings.fresh).map_err(|e| RunError::Usage(e.to_string()))?;
             resuming = resume;
+            jobs_ledger = Some(dir.join("runs").join(format!("{name}.jobs.jsonl")));
             if resuming && input_file.is_none() && table_input.is_none() && !settings.resume_stream {
                 return Err(stream_resume_refused(&out.display().to_string(), &input_name));
             }
@@ -660,81 +681,107 @@ pub async fn run(
     });
     // Each record is routed to its endpoint's driver, then gathered into batches for endpoints
     // that take many records per call; everything else passes through alone.
-    let routed = work.then({
-        let endpoints = endpoints.clone();
-        move |w| {
-            let endpoints = endpoints.clone();
-            async move {
-                match w {
-                    Work::Call(record) => match endpoints.driver_for(&record).await {
-                        Ok(d) => Routed::Call(d, record, Instant::now()),
-                        Err(msg) => Routed::Done(Box::new(Failure::of(
-                            record,
-                            ModelError::new(ErrorKind::InvalidInput, msg),
-                            0,
-                        ))),
-                    },
-                    Work::Done(failure) => Routed::Done(failure),
-                    Work::ReadError(e) => Routed::ReadError(e),
-                }
-            }
-        }
-    });
-    let mut batch_settings = settings.batch.clone();
-    batch_settings.max_items = driver.max_batch();
-    let batched = weir_core::batches(
-        Box::pin(routed),
-        batch_settings,
-        |r: &Routed| match r {
-            Routed::Call(d, record, _) => d.estimate(record),
-            _ => 0,
-        },
-        |r: &Routed| match r {
-            // One batch per endpoint; an endpoint that takes one record per call is not batched.
-            Routed::Call(d, _, _) if d.max_batch() > 1 => Some(Arc::as_ptr(d) as usize),
-            _ => None,
-        },
-    );
-    let width = settings.max_concurrency.max(1) * 4;
-    let outcomes = batched
-        .map(|mut batch| {
-            let driver = driver.clone();
-            // Sent now: how long each record waited for its batch.
-            for r in &batch {
-                if let Routed::Call(d, _, arrived) = r {
-                    if d.max_batch() > 1 {
-                        d.metrics().record_batch_wait(arrived.elapsed());
-                    }
-                }
-            }
-            async move {
-                match batch.first() {
-                    // A batch for an endpoint that takes many records per call (perhaps of one).
-                    Some(Routed::Call(d, _, _)) if d.max_batch() > 1 => {
-                        let d = d.clone();
-                        let records = batch
-                            .into_iter()
-                            .filter_map(|r| match r {
-                                Routed::Call(_, record, _) => Some(record),
-                                _ => None,
-                            })
-                            .collect();
-                        on_a_worker(async move { d.run_batch(records).await }).await.into_iter().map(Ok).collect()
-                    }
-                    // Anything else comes alone.
-                    _ => match batch.pop() {
-                        Some(Routed::Call(d, record, _)) => {
-                            vec![Ok(on_a_worker(async move { d.run(record).await }).await)]
+    let tally = Arc::new(std::sync::Mutex::new(crate::batch_front::JobsTally::default()));
+    let outcomes: futures::stream::LocalBoxStream<'_, Result<Outcome, std::io::Error>> =
+        match (jobs_api, &settings.batch_mode, jobs_ledger.clone()) {
+            (Some(api), Some(mode), Some(ledger)) => crate::batch_front::outcomes(
+                work,
+                crate::batch_front::JobsRun {
+                    driver: driver.clone(),
+                    api,
+                    ledger,
+                    fresh: !resuming,
+                    mode: mode.clone(),
+                    interrupts: interrupts.clone(),
+                    progress: settings.progress,
+                    max_concurrency: settings.max_concurrency,
+                    tally: tally.clone(),
+                },
+            )
+            .boxed_local(),
+            _ => {
+                let routed = work.then({
+                    let endpoints = endpoints.clone();
+                    move |w| {
+                        let endpoints = endpoints.clone();
+                        async move {
+                            match w {
+                                Work::Call(record) => match endpoints.driver_for(&record).await {
+                                    Ok(d) => Routed::Call(d, record, Instant::now()),
+                                    Err(msg) => Routed::Done(Box::new(Failure::of(
+                                        record,
+                                        ModelError::new(ErrorKind::InvalidInput, msg),
+                                        0,
+                                    ))),
+                                },
+                                Work::Done(failure) => Routed::Done(failure),
+                                Work::ReadError(e) => Routed::ReadError(e),
+                            }
                         }
-                        Some(Routed::Done(failure)) => vec![Ok(driver.reject(failure))],
-                        Some(Routed::ReadError(e)) => vec![Err(e)],
-                        None => Vec::new(),
+                    }
+                });
+                let mut batch_settings = settings.batch.clone();
+                batch_settings.max_items = driver.max_batch();
+                let batched = weir_core::batches(
+                    Box::pin(routed),
+                    batch_settings,
+                    |r: &Routed| match r {
+                        Routed::Call(d, record, _) => d.estimate(record),
+                        _ => 0,
                     },
-                }
+                    |r: &Routed| match r {
+                        // One batch per endpoint; an endpoint that takes one record per call is not batched.
+                        Routed::Call(d, _, _) if d.max_batch() > 1 => Some(Arc::as_ptr(d) as usize),
+                        _ => None,
+                    },
+                );
+                let width = settings.max_concurrency.max(1) * 4;
+                batched
+                    .map(|mut batch| {
+                        let driver = driver.clone();
+                        // Sent now: how long each record waited for its batch.
+                        for r in &batch {
+                            if let Routed::Call(d, _, arrived) = r {
+                                if d.max_batch() > 1 {
+                                    d.metrics().record_batch_wait(arrived.elapsed());
+                                }
+                            }
+                        }
+                        async move {
+                            match batch.first() {
+                                // A batch for an endpoint that takes many records per call (perhaps of one).
+                                Some(Routed::Call(d, _, _)) if d.max_batch() > 1 => {
+                                    let d = d.clone();
+                                    let records = batch
+                                        .into_iter()
+                                        .filter_map(|r| match r {
+                                            Routed::Call(_, record, _) => Some(record),
+                                            _ => None,
+                                        })
+                                        .collect();
+                                    on_a_worker(async move { d.run_batch(records).await })
+                                        .await
+                                        .into_iter()
+                                        .map(Ok)
+                                        .collect()
+                                }
+                                // Anything else comes alone.
+                                _ => match batch.pop() {
+                                    Some(Routed::Call(d, record, _)) => {
+                                        vec![Ok(on_a_worker(async move { d.run(record).await }).await)]
+                                    }
+                                    Some(Routed::Done(failure)) => vec![Ok(driver.reject(failure))],
+                                    Some(Routed::ReadError(e)) => vec![Err(e)],
+                                    None => Vec::new(),
+                                },
+                            }
+                        }
+                    })
+                    .buffer_unordered(width)
+                    .flat_map(futures::stream::iter)
+                    .boxed_local()
             }
-        })
-        .buffer_unordered(width)
-        .flat_map(futures::stream::iter);
+        };
     tokio::pin!(outcomes);
 
     let mut fatal = None;
@@ -835,7 +882,7 @@ pub async fn run(
     } else {
         Some(not_written)
     };
-    Ok(RunReport::new(
+    let mut report = RunReport::new(
         &metrics,
         started.elapsed().max(Duration::from_micros(1)),
         endpoints.stop_reason(),
@@ -846,7 +893,18 @@ pub async fn run(
         state_path,
         driver.concurrency(),
         driver.rate_snapshot(),
-    ))
+    );
+    let jobs = settings.batch_mode.as_ref().map(|_| tally.lock().unwrap_or_else(|e| e.into_inner()).clone());
+    let batch_tokens = jobs.as_ref().map_or((0, 0), |j| j.tokens);
+    // Tokens paid for by this run: not those of answers from the cache.
+    let paid = (
+        metrics.tokens_in.load(std::sync::atomic::Ordering::Relaxed).saturating_sub(metrics.cache_tokens_in()),
+        metrics.tokens_out.load(std::sync::atomic::Ordering::Relaxed).saturating_sub(metrics.cache_tokens_out()),
+    );
+    let online = (paid.0.saturating_sub(batch_tokens.0), paid.1.saturating_sub(batch_tokens.1));
+    report.cost = crate::cost::Cost::estimate(&settings.model.to_string(), online, batch_tokens);
+    report.jobs = jobs;
+    Ok(report)
 }
 
 /// A lock on a local table output (`.weir.lock` in its directory, which readers skip as a

@@ -56,6 +56,10 @@ pub struct RunReport {
     pub rates: Option<RateSnapshot>,
     /// Batching, when the endpoint takes many records per call.
     pub batching: Option<BatchReport>,
+    /// What provider batch jobs did (`--mode batch`).
+    pub jobs: Option<crate::batch_front::JobsTally>,
+    /// Estimated cost of the tokens this run paid for, when the model has a price.
+    pub cost: Option<crate::cost::Cost>,
 }
 
 /// How records were gathered into calls.
@@ -121,6 +125,8 @@ impl RunReport {
                     wait_p95_ms,
                 }
             }),
+            jobs: None,
+            cost: None,
         }
     }
 
@@ -192,6 +198,22 @@ impl RunReport {
                 b.padding,
                 b.wait_p95_ms.map_or("over 5 s".to_string(), |ms| format!("under {ms} ms")),
             ));
+        }
+        if let Some(j) = &self.jobs {
+            s.push_str(&format!(
+                "  batch jobs: {} ({} submitted by this run); {} records settled by them{}\n",
+                thousands(j.jobs),
+                thousands(j.submitted_now),
+                thousands(j.settled),
+                if j.online > 0 {
+                    format!(", {} sent online (--fallback online)", thousands(j.online))
+                } else {
+                    String::new()
+                },
+            ));
+        }
+        if let Some(c) = &self.cost {
+            s.push_str(&c.line());
         }
         s.push_str(&format!("  results: {}\n", self.output));
         if self.failed > 0 {

@@ -25,6 +25,24 @@ pub enum ProgressMode {
     Never,
 }
 
+/// How records are answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ModeArg {
+    /// One call per record (or per batch of records), answered in seconds.
+    Online,
+    /// The provider's batch-prediction jobs: about half the price, answered within hours.
+    Batch,
+}
+
+/// What happens to records no batch job answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum FallbackArg {
+    /// Error rows (retryable ones may be run again later).
+    None,
+    /// Online calls, at the online price.
+    Online,
+}
+
 /// How concurrency is limited.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum ConcurrencyMode {
@@ -223,6 +241,23 @@ pub struct RunArgs {
     /// Scenario (TOML, as for `weir sim --config`) of the built-in simulator behind sim/ models.
     #[arg(long, value_name = "FILE")]
     sim_config: Option<PathBuf>,
+    /// `batch`: answer through the provider's batch jobs (openai/ and gemini/ models) at about
+    /// half the price; a stopped run re-attaches to its jobs.
+    #[arg(long, value_enum, default_value_t = ModeArg::Online)]
+    mode: ModeArg,
+    /// With --mode batch: what to do with records no job answered after every round.
+    #[arg(long, value_enum, default_value_t = FallbackArg::None)]
+    fallback: FallbackArg,
+    /// With --mode batch: jobs per record at most (the first and its follow-ups).
+    #[arg(long, value_name = "N", default_value_t = 3)]
+    job_rounds: u32,
+    /// With --mode batch: requests per job at most [default: the provider's limit, 50,000].
+    #[arg(long, value_name = "N")]
+    job_max_requests: Option<usize>,
+    /// With --mode batch: seconds before the first poll of a job; the interval doubles up to
+    /// 60 s.
+    #[arg(long, value_name = "SECS", default_value_t = 5.0)]
+    poll_secs: f64,
 }
 
 impl RunArgs {
@@ -236,6 +271,22 @@ impl RunArgs {
             Some(t) => PromptSource::Template(Template::parse(t).map_err(|e| UsageError(e.to_string()))?),
             None => PromptSource::Field(self.prompt_field.clone()),
         };
+        if self.mode == ModeArg::Online
+            && (self.fallback != FallbackArg::None || self.job_max_requests.is_some() || self.job_rounds != 3)
+        {
+            return Err(UsageError(
+                "--fallback, --job-rounds and --job-max-requests apply to --mode batch; add --mode batch".into(),
+            ));
+        }
+        if self.job_rounds == 0 || self.job_max_requests == Some(0) {
+            return Err(UsageError("--job-rounds and --job-max-requests must be at least 1".into()));
+        }
+        if !(self.poll_secs.is_finite() && self.poll_secs > 0.0 && self.poll_secs <= 3600.0) {
+            return Err(UsageError(format!(
+                "--poll-secs {}: must be a number of seconds from 0 to 3600",
+                self.poll_secs
+            )));
+        }
         if self.max_concurrency == 0 {
             return Err(UsageError("--max-concurrency must be at least 1".into()));
         }
@@ -486,6 +537,17 @@ impl RunArgs {
             table_input,
             table_output,
             keep_columns,
+            batch_mode: (self.mode == ModeArg::Batch).then(|| weir::batch_front::BatchMode {
+                fallback_online: self.fallback == FallbackArg::Online,
+                jobs: weir_batch::BatchSettings {
+                    rounds: self.job_rounds,
+                    poll_first: Duration::from_secs_f64(self.poll_secs),
+                    poll_max: Duration::from_secs_f64(self.poll_secs.max(60.0)),
+                    name_prefix: job_prefix(&self.output),
+                    ..weir_batch::BatchSettings::default()
+                },
+                max_requests: self.job_max_requests,
+            }),
         }
     }
 
@@ -637,6 +699,21 @@ struct Parts {
     state: StateMode,
     tables: (Option<TableIn>, Option<TableOut>),
     progress: bool,
+}
+
+/// The prefix of a batch run's job names: weir, the output's name and the time the run
+/// started, so that jobs of different runs on one account never share a name.
+fn job_prefix(output: &str) -> String {
+    let name: String = output
+        .rsplit('/')
+        .find(|s| !s.is_empty())
+        .unwrap_or("out")
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '-' })
+        .take(40)
+        .collect();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    format!("weir-{name}-{now}")
 }
 
 /// The errors table beside a results table: `out.parquet` → `out.errors.parquet`,

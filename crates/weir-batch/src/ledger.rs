@@ -1,0 +1,196 @@
+//! The ledger of a run's jobs (`jobs.jsonl` in the run's state), written before anything is
+//! waited on: a chunk's keys and name before it is submitted, the provider's job id as soon as
+//! the provider gives it. A resumed run reads it back and re-attaches to its jobs; a chunk
+//! recorded without an id is looked up at the provider by its name before anything is
+//! submitted again, so a run killed at any moment never pays twice for a request.
+
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap};
+use std::fs::{File, OpenOptions};
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use weir_core::JobRef;
+
+/// One line of the ledger.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(untagged)]
+enum Entry {
+    /// A chunk's requests, before it is submitted.
+    Planned { chunk: u32, round: u32, name: String, keys: Vec<String> },
+    /// The job the provider made of a chunk.
+    Submitted { chunk: u32, job: JobRef },
+}
+
+/// A chunk of requests sent (or about to be sent) as one job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Chunk {
+    /// Its number in the run.
+    pub number: u32,
+    /// 0 for the first attempt at its records, 1 for their first follow-up job, …
+    pub round: u32,
+    /// The name it is submitted under (unique to the run and the chunk).
+    pub name: String,
+    /// The keys of its requests.
+    pub keys: Vec<String>,
+    /// The provider's job, once submitted.
+    pub job: Option<JobRef>,
+}
+
+/// Why the ledger cannot be read or written.
+#[derive(Debug, thiserror::Error)]
+#[error("batch job ledger {path}: {message}")]
+pub struct LedgerError {
+    /// The file.
+    pub path: String,
+    /// What failed.
+    pub message: String,
+}
+
+/// The run's chunks and jobs, in memory and on disk.
+#[derive(Debug)]
+pub struct Ledger {
+    path: PathBuf,
+    file: File,
+    chunks: BTreeMap<u32, Chunk>,
+    /// Each key's latest chunk.
+    latest: HashMap<String, u32>,
+}
+
+impl Ledger {
+    /// Opens (or creates) the ledger at `path`, cutting a torn last line; `fresh` empties it
+    /// first (a new run, whose keys may name other requests than an earlier run's).
+    pub fn open(path: &Path, fresh: bool) -> Result<Self, LedgerError> {
+        let err = |e: &dyn std::fmt::Display| LedgerError { path: path.display().to_string(), message: e.to_string() };
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(|e| err(&e))?;
+        }
+        if fresh {
+            match std::fs::remove_file(path) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(err(&e)),
+                _ => {}
+            }
+        }
+        let mut chunks = BTreeMap::new();
+        let mut latest = HashMap::new();
+        let mut good_len = 0u64;
+        if let Ok(f) = File::open(path) {
+            let mut reader = BufReader::new(f);
+            let mut line = String::new();
+            loop {
+                line.clear();
+                let n = reader.read_line(&mut line).map_err(|e| err(&e))?;
+                if n == 0 || !line.ends_with('\n') {
+                    break;
+                }
+                let Ok(entry) = serde_json::from_str::<Entry>(&line) else { break };
+                good_len += n as u64;
+                match entry {
+                    Entry::Planned { chunk, round, name, keys } => {
+                        for k in &keys {
+                            latest.insert(k.clone(), chunk);
+                        }
+                        chunks.insert(chunk, Chunk { number: chunk, round, name, keys, job: None });
+                    }
+                    Entry::Submitted { chunk, job } => {
+                        if let Some(c) = chunks.get_mut(&chunk) {
+                            c.job = Some(job);
+                        }
+                    }
+                }
+            }
+        }
+        let file = OpenOptions::new().create(true).append(true).open(path).map_err(|e| err(&e))?;
+        file.set_len(good_len).map_err(|e| err(&e))?;
+        Ok(Self { path: path.to_path_buf(), file, chunks, latest })
+    }
+
+    fn append(&mut self, entry: &Entry) -> Result<(), LedgerError> {
+        let err =
+            |e: &dyn std::fmt::Display| LedgerError { path: self.path.display().to_string(), message: e.to_string() };
+        let mut line = serde_json::to_vec(entry).map_err(|e| err(&e))?;
+        line.push(b'\n');
+        self.file.write_all(&line).map_err(|e| err(&e))?;
+        // On the disk before the provider is asked anything that costs money.
+        self.file.sync_data().map_err(|e| err(&e))
+    }
+
+    /// The number the next chunk planned will have.
+    pub fn next_number(&self) -> u32 {
+        self.chunks.keys().next_back().map_or(0, |n| n + 1)
+    }
+
+    /// Records a chunk before it is submitted.
+    pub fn plan(&mut self, round: u32, name: String, keys: Vec<String>) -> Result<Chunk, LedgerError> {
+        let number = self.next_number();
+        self.append(&Entry::Planned { chunk: number, round, name: name.clone(), keys: keys.clone() })?;
+        for k in &keys {
+            self.latest.insert(k.clone(), number);
+        }
+        let chunk = Chunk { number, round, name, keys, job: None };
+        self.chunks.insert(number, chunk.clone());
+        Ok(chunk)
+    }
+
+    /// Records the job the provider made of chunk `number`.
+    pub fn submitted(&mut self, number: u32, job: JobRef) -> Result<(), LedgerError> {
+        self.append(&Entry::Submitted { chunk: number, job: job.clone() })?;
+        if let Some(c) = self.chunks.get_mut(&number) {
+            c.job = Some(job);
+        }
+        Ok(())
+    }
+
+    /// Every chunk, in order.
+    pub fn chunks(&self) -> impl Iterator<Item = &Chunk> {
+        self.chunks.values()
+    }
+
+    /// Chunk `number`.
+    pub fn chunk(&self, number: u32) -> Option<&Chunk> {
+        self.chunks.get(&number)
+    }
+
+    /// The latest chunk that holds `key`.
+    pub fn latest_chunk(&self, key: &str) -> Option<&Chunk> {
+        self.latest.get(key).and_then(|n| self.chunks.get(n))
+    }
+
+    /// Where the ledger is.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_and_jobs_survive_reopening_and_a_torn_line_is_cut() {
+        let dir = std::env::temp_dir().join(format!("weir-ledger-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let path = dir.join("jobs.jsonl");
+        {
+            let mut l = Ledger::open(&path, true).unwrap();
+            let c = l.plan(0, "run-c0".into(), vec!["a".into(), "b".into()]).unwrap();
+            l.submitted(c.number, JobRef { id: "batch_1".into(), file: Some("file-1".into()) }).unwrap();
+            l.plan(0, "run-c1".into(), vec!["c".into()]).unwrap();
+            let c2 = l.plan(1, "run-c2".into(), vec!["b".into()]).unwrap();
+            assert_eq!(c2.number, 2);
+        }
+        // A torn line at the end (killed while appending).
+        std::fs::OpenOptions::new().append(true).open(&path).unwrap().write_all(b"{\"chunk\":3,\"ro").unwrap();
+        let l = Ledger::open(&path, false).unwrap();
+        let chunks: Vec<&Chunk> = l.chunks().collect();
+        assert_eq!(chunks.len(), 3);
+        assert_eq!(chunks[0].job.as_ref().unwrap().id, "batch_1");
+        assert_eq!(chunks[1].job, None);
+        assert_eq!(l.latest_chunk("b").unwrap().number, 2);
+        assert_eq!(l.latest_chunk("a").unwrap().number, 0);
+        assert!(l.latest_chunk("z").is_none());
+        drop(l);
+        assert!(std::fs::read_to_string(&path).unwrap().ends_with("}\n"));
+        assert_eq!(Ledger::open(&path, true).unwrap().chunks().count(), 0);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

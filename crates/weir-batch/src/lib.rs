@@ -1,0 +1,328 @@
+//! weir-batch: runs records through a provider's batch-prediction jobs.
+//!
+//! The requests are split into chunks within the provider's limits ([`JobLimits`]); each
+//! chunk is recorded in the [`Ledger`] before it is submitted and its job id as soon as the
+//! provider gives it; the jobs are polled with a growing interval; a terminal job's results
+//! are matched to their records by key (never by order) and handed to the caller. Requests a
+//! job left unanswered (an expired, failed or cancelled job, a retryable error of one request)
+//! go into a follow-up job, up to [`BatchSettings::rounds`]; what is left after that goes back
+//! to the caller, who writes it as errors or sends it online. A resumed run re-attaches to the
+//! jobs of its ledger and submits only what no job holds.
+
+#![warn(missing_docs)]
+
+pub mod ledger;
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+use weir_core::{ErrorKind, JobApi, JobRef, JobState, JobStatus, ModelError, ModelRequest, ModelResponse};
+
+pub use ledger::{Chunk, Ledger, LedgerError};
+
+/// How jobs are run.
+#[derive(Debug, Clone)]
+pub struct BatchSettings {
+    /// Jobs made of one record at most: the first and the follow-ups (at least 1).
+    pub rounds: u32,
+    /// The first wait between two polls of a job; it doubles up to `poll_max`.
+    pub poll_first: Duration,
+    /// The longest wait between two polls.
+    pub poll_max: Duration,
+    /// Jobs are named `{prefix}-c{chunk}` (the run's identity, so names are unique to it).
+    pub name_prefix: String,
+    /// Tries of a job API call that failed in a way that may pass (a 429, a 503, a reset).
+    pub api_tries: u32,
+}
+
+impl Default for BatchSettings {
+    fn default() -> Self {
+        Self {
+            rounds: 3,
+            poll_first: Duration::from_secs(5),
+            poll_max: Duration::from_secs(60),
+            name_prefix: "weir".into(),
+            api_tries: 5,
+        }
+    }
+}
+
+/// One request to run, keyed (the key comes back with its result).
+#[derive(Debug, Clone)]
+pub struct Item {
+    /// Unique within the run.
+    pub key: String,
+    /// What to ask.
+    pub request: ModelRequest,
+}
+
+/// Where the jobs stand, for a progress display.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Progress {
+    /// Jobs submitted or re-attached, by state.
+    pub jobs: BTreeMap<&'static str, u32>,
+    /// Requests the provider reports answered in the jobs not yet collected.
+    pub completed: u64,
+    /// Requests in the jobs not yet collected.
+    pub total: u64,
+    /// Records whose outcome is known.
+    pub settled: u64,
+}
+
+/// Why the jobs cannot go on (the records not settled stay unfinished; a resumed run picks
+/// them up from the ledger).
+#[derive(Debug, thiserror::Error)]
+pub enum BatchError {
+    /// The ledger cannot be written: nothing is submitted without it.
+    #[error(transparent)]
+    Ledger(#[from] LedgerError),
+    /// The provider refused a job API call in a way that will not pass by waiting.
+    #[error("batch job API: {0}")]
+    Api(ModelError),
+    /// The caller cancelled (an interrupt); the jobs go on at the provider.
+    #[error("interrupted; the jobs go on at the provider, and a resumed run re-attaches to them")]
+    Cancelled,
+}
+
+/// What became of the records: those settled were handed to `deliver`; these were not
+/// answered after every round, each with its last error.
+pub type Leftovers = Vec<(Item, ModelError)>;
+
+/// The end of [`run`].
+#[derive(Debug)]
+pub struct Finished {
+    /// Records no job answered, with their last error.
+    pub leftovers: Leftovers,
+    /// Jobs this call submitted.
+    pub submitted: u64,
+    /// Jobs of an earlier run this call re-attached to (found by name included).
+    pub reattached: u64,
+}
+
+/// A job being waited on.
+struct Active {
+    chunk: u32,
+    job: JobRef,
+    keys: Vec<String>,
+    round: u32,
+    status: Option<JobStatus>,
+}
+
+/// Calls `f` until it succeeds, fails in a way waiting cannot help, or `tries` are spent.
+async fn with_tries<T, F, Fut>(tries: u32, cancel: &CancellationToken, mut f: F) -> Result<T, BatchError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, ModelError>>,
+{
+    let mut wait = Duration::from_secs(1);
+    let mut n = 0;
+    loop {
+        n += 1;
+        match f().await {
+            Ok(v) => return Ok(v),
+            Err(e) if e.kind.is_retryable() && n < tries.max(1) => {
+                tracing::warn!("batch job API call failed ({e}); trying again in {} s", wait.as_secs());
+                tokio::select! {
+                    _ = tokio::time::sleep(wait) => {}
+                    _ = cancel.cancelled() => return Err(BatchError::Cancelled),
+                }
+                wait = (wait * 2).min(Duration::from_secs(60));
+            }
+            Err(e) => return Err(BatchError::Api(e)),
+        }
+    }
+}
+
+/// Runs `items` through `api`'s jobs. Each settled record (an answer, or an error that another
+/// try would not change) goes to `deliver` once; `progress` is called after every poll.
+pub async fn run(
+    api: &dyn JobApi,
+    ledger: &mut Ledger,
+    items: Vec<Item>,
+    settings: &BatchSettings,
+    cancel: &CancellationToken,
+    progress: &mut (dyn FnMut(&Progress) + Send),
+    deliver: &mut (dyn FnMut(Item, Result<ModelResponse, ModelError>) + Send),
+) -> Result<Finished, BatchError> {
+    let mut pending: HashMap<String, Item> = items.into_iter().map(|i| (i.key.clone(), i)).collect();
+    let mut settled = 0u64;
+    let mut leftovers: Leftovers = Vec::new();
+    let (mut submitted, mut reattached) = (0u64, 0u64);
+    // Re-attach: each pending key to the latest chunk that holds it.
+    let mut attached: BTreeMap<u32, Vec<String>> = BTreeMap::new();
+    let mut fresh: Vec<String> = Vec::new();
+    for key in pending.keys() {
+        match ledger.latest_chunk(key) {
+            Some(c) => attached.entry(c.number).or_default().push(key.clone()),
+            None => fresh.push(key.clone()),
+        }
+    }
+    let mut active: Vec<Active> = Vec::new();
+    let mut next_round: BTreeMap<u32, Vec<String>> = BTreeMap::new();
+    if !fresh.is_empty() {
+        next_round.insert(0, fresh);
+    }
+    for (number, keys) in attached {
+        let chunk = ledger.chunk(number).cloned().expect("a chunk the ledger named");
+        let job = match chunk.job.clone() {
+            Some(job) => Some(job),
+            // Recorded, but the run stopped before the id was: the provider may have it.
+            None => match with_tries(settings.api_tries, cancel, || api.find(&chunk.name)).await? {
+                Some(job) => {
+                    ledger.submitted(number, job.clone())?;
+                    Some(job)
+                }
+                None => None,
+            },
+        };
+        match job {
+            Some(job) => {
+                tracing::info!("re-attached to job {} ({} records still open)", job.id, keys.len());
+                reattached += 1;
+                active.push(Active { chunk: number, job, keys, round: chunk.round, status: None });
+            }
+            None => next_round.entry(chunk.round).or_default().extend(keys),
+        }
+    }
+    let mut report = |active: &[Active], settled: u64| {
+        let mut p = Progress { settled, ..Default::default() };
+        for a in active {
+            let state = a.status.as_ref().map_or(JobState::Pending, |s| s.state);
+            *p.jobs.entry(state.as_str()).or_default() += 1;
+            if let Some(s) = &a.status {
+                p.completed += s.completed + s.failed;
+                p.total += s.total.max(a.keys.len() as u64);
+            } else {
+                p.total += a.keys.len() as u64;
+            }
+        }
+        progress(&p);
+    };
+    loop {
+        // Submit what waits for a job, in chunks within the provider's limits.
+        for (round, keys) in std::mem::take(&mut next_round) {
+            if round >= settings.rounds.max(1) {
+                for k in keys {
+                    if let Some(item) = pending.remove(&k) {
+                        let e = ModelError::new(ErrorKind::Server, "no answer after every batch job round");
+                        leftovers.push((item, e));
+                    }
+                }
+                continue;
+            }
+            for chunk_keys in split(api, &pending, keys)? {
+                let (keys, lines): (Vec<String>, Vec<Vec<u8>>) = chunk_keys.into_iter().unzip();
+                let count = keys.len();
+                let name = format!("{}-c{}", settings.name_prefix, ledger.next_number());
+                let chunk = ledger.plan(round, name.clone(), keys.clone())?;
+                let body = lines.concat();
+                let job = with_tries(settings.api_tries, cancel, || api.submit(&name, body.clone(), count)).await?;
+                ledger.submitted(chunk.number, job.clone())?;
+                submitted += 1;
+                tracing::info!("submitted job {} ({count} records, round {round})", job.id);
+                active.push(Active { chunk: chunk.number, job, keys, round, status: None });
+            }
+        }
+        if active.is_empty() {
+            return Ok(Finished { leftovers, submitted, reattached });
+        }
+        // Wait for every job to end, polling with a growing interval.
+        let mut wait = settings.poll_first;
+        while !active.is_empty() {
+            for a in active.iter_mut() {
+                a.status = Some(with_tries(settings.api_tries, cancel, || api.status(&a.job)).await?);
+            }
+            let mut i = 0;
+            while i < active.len() {
+                let done = active[i].status.as_ref().is_some_and(|s| s.state.is_terminal());
+                if !done {
+                    i += 1;
+                    continue;
+                }
+                let a = active.swap_remove(i);
+                let status = a.status.clone().expect("polled");
+                let results = with_tries(settings.api_tries, cancel, || api.results(&a.job)).await?;
+                let mut answered: HashMap<String, Result<ModelResponse, ModelError>> = results.into_iter().collect();
+                for key in a.keys {
+                    // A record finished by a later job, or not open in this run, is left alone.
+                    if ledger.latest_chunk(&key).map(|c| c.number) != Some(a.chunk) || !pending.contains_key(&key) {
+                        continue;
+                    }
+                    match answered.remove(&key) {
+                        Some(r)
+                            if r.as_ref()
+                                .map_or_else(|e| !e.kind.is_retryable() && e.kind != ErrorKind::Aborted, |_| true) =>
+                        {
+                            let item = pending.remove(&key).expect("pending");
+                            settled += 1;
+                            deliver(item, r);
+                        }
+                        other => {
+                            if a.round + 1 >= settings.rounds.max(1) {
+                                let e = match other {
+                                    Some(Err(e)) => e,
+                                    _ => ModelError::new(
+                                        ErrorKind::Server,
+                                        format!(
+                                            "the batch job ended {} without an answer for this record{}",
+                                            status.state.as_str(),
+                                            status.message.as_deref().map(|m| format!(" ({m})")).unwrap_or_default()
+                                        ),
+                                    ),
+                                };
+                                if let Some(item) = pending.remove(&key) {
+                                    leftovers.push((item, e));
+                                }
+                            } else {
+                                next_round.entry(a.round + 1).or_default().push(key);
+                            }
+                        }
+                    }
+                }
+                api.clean_up(&a.job).await;
+                tracing::info!("job {} ended {}", a.job.id, status.state.as_str());
+            }
+            report(&active, settled);
+            if !next_round.is_empty() {
+                // Follow-ups go out while the other jobs run.
+                break;
+            }
+            if active.is_empty() {
+                break;
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(wait) => {}
+                _ = cancel.cancelled() => return Err(BatchError::Cancelled),
+            }
+            wait = (wait * 2).min(settings.poll_max);
+        }
+    }
+}
+
+/// `keys` as chunks of (key, line) within the provider's limits, in key order.
+#[allow(clippy::type_complexity)]
+fn split(
+    api: &dyn JobApi,
+    pending: &HashMap<String, Item>,
+    mut keys: Vec<String>,
+) -> Result<Vec<Vec<(String, Vec<u8>)>>, BatchError> {
+    keys.sort();
+    let limits = api.limits();
+    let mut chunks: Vec<Vec<(String, Vec<u8>)>> = Vec::new();
+    let mut bytes = 0usize;
+    for key in keys {
+        let Some(item) = pending.get(&key) else { continue };
+        let line = api.line(&key, &item.request).map_err(BatchError::Api)?;
+        match chunks.last_mut() {
+            Some(c) if c.len() < limits.max_lines && bytes + line.len() <= limits.max_bytes => {
+                bytes += line.len();
+                c.push((key, line));
+            }
+            _ => {
+                bytes = line.len();
+                chunks.push(vec![(key, line)]);
+            }
+        }
+    }
+    Ok(chunks)
+}

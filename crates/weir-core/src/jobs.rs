@@ -1,0 +1,130 @@
+//! The seam of provider batch-prediction jobs (the OpenAI Batch API, Gemini API batch mode,
+//! Vertex AI `batchPredictionJobs`): many requests submitted at once, answered hours later at
+//! about half the online price.
+//!
+//! A provider implements [`JobApi`]: it writes one request as a line of its job input, submits
+//! lines as a job under a name weir chooses (so that a run that died between submitting and
+//! recording the job's id can find it again instead of paying twice), reports the job's state,
+//! and reads back one result per key. Waiting, splitting, resuming and falling back belong to
+//! the caller (`weir-batch`), as retrying belongs to the executor for online calls.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::ModelError;
+use crate::handler::ModelRequest;
+use crate::outcome::ModelResponse;
+
+/// Where a job stands, in weir's words (each provider has its own names).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JobState {
+    /// Accepted, not started (queued, validating).
+    Pending,
+    /// Answering (in progress, finalizing, cancelling).
+    Running,
+    /// Every request was tried; some may have failed alone.
+    Succeeded,
+    /// Ended with some requests answered and others not (Vertex `PARTIALLY_SUCCEEDED`).
+    PartiallySucceeded,
+    /// The job failed as a whole (its input was refused, say); it may hold no results.
+    Failed,
+    /// Cancelled; results finished before the cancel may be kept.
+    Cancelled,
+    /// Not done within the provider's window (24 h for OpenAI, 48 h for Gemini); results
+    /// finished before may be kept.
+    Expired,
+}
+
+impl JobState {
+    /// The job will not change any more: its results can be read.
+    pub fn is_terminal(self) -> bool {
+        !matches!(self, JobState::Pending | JobState::Running)
+    }
+
+    /// The name shown in progress and status lines.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobState::Pending => "pending",
+            JobState::Running => "running",
+            JobState::Succeeded => "succeeded",
+            JobState::PartiallySucceeded => "partially_succeeded",
+            JobState::Failed => "failed",
+            JobState::Cancelled => "cancelled",
+            JobState::Expired => "expired",
+        }
+    }
+}
+
+/// A job's state and counts, as the provider reports them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobStatus {
+    /// Where it stands.
+    pub state: JobState,
+    /// Requests in the job (0 when the provider has not counted them yet).
+    pub total: u64,
+    /// Requests answered so far.
+    pub completed: u64,
+    /// Requests that failed so far.
+    pub failed: u64,
+    /// The provider's own words about a failed, cancelled or expired job.
+    pub message: Option<String>,
+}
+
+/// How much one job may carry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct JobLimits {
+    /// Requests per job.
+    pub max_lines: usize,
+    /// Bytes of the job's input (the file, or the inline request body).
+    pub max_bytes: usize,
+}
+
+/// A submitted job: the provider's ids, which weir records before it waits on them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobRef {
+    /// The job's id or resource name.
+    pub id: String,
+    /// The id of its uploaded input file, when it has one (removed after the results are in).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub file: Option<String>,
+}
+
+/// One request's result from a job: its key and its answer or error.
+pub type JobResult = (String, Result<ModelResponse, ModelError>);
+
+/// A provider's batch-prediction jobs. Each method makes the calls it needs once; errors are
+/// classified as for online calls (a retryable kind may be tried again by the caller).
+#[async_trait::async_trait]
+pub trait JobApi: Send + Sync {
+    /// `provider/model`, as written in the output rows.
+    fn model_id(&self) -> &str;
+
+    /// How much one job may carry.
+    fn limits(&self) -> JobLimits;
+
+    /// One request as a line of the job's input, keyed by `key` (the provider echoes the key
+    /// with its result: results come back in no particular order).
+    fn line(&self, key: &str, request: &ModelRequest) -> Result<Vec<u8>, ModelError>;
+
+    /// Submits `lines` (each from [`line`](Self::line), newline-terminated) as one job named
+    /// `name`.
+    async fn submit(&self, name: &str, lines: Vec<u8>, count: usize) -> Result<JobRef, ModelError>;
+
+    /// The job submitted under `name`, if the provider has one (a run that stopped between
+    /// submitting and recording the id finds it here instead of submitting again).
+    async fn find(&self, name: &str) -> Result<Option<JobRef>, ModelError>;
+
+    /// The job's state and counts.
+    async fn status(&self, job: &JobRef) -> Result<JobStatus, ModelError>;
+
+    /// The results a terminal job holds, one per key it answered or failed; keys it left out
+    /// have no result.
+    async fn results(&self, job: &JobRef) -> Result<Vec<JobResult>, ModelError>;
+
+    /// Asks the provider to cancel the job.
+    async fn cancel(&self, job: &JobRef) -> Result<(), ModelError>;
+
+    /// Frees what the job left behind at the provider (its input file), once its results are
+    /// read. Failing to do so is not an error of the run.
+    async fn clean_up(&self, _job: &JobRef) {}
+}

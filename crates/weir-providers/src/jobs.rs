@@ -1,0 +1,471 @@
+//! Batch-prediction job clients: the OpenAI Batch API (`/files` + `/batches`, also what vLLM's
+//! batch runner reads) and the Gemini API's batch mode (`:batchGenerateContent` with the
+//! requests inline). Requests are built by the online clients' own code, so a job asks exactly
+//! what an online call would; results are parsed and classified by it too.
+
+use serde_json::{json, Value};
+use weir_core::{ErrorKind, JobApi, JobLimits, JobRef, JobResult, JobState, JobStatus, ModelError, ModelRequest};
+
+use crate::http::{clip, redact, Credential, Reply, Secret};
+use crate::{gemini, openai, GeminiHandler, OpenAiHandler};
+
+/// The OpenAI Batch API's limits per input file: 50,000 requests and 200 MB.
+pub const OPENAI_LIMITS: JobLimits = JobLimits { max_lines: 50_000, max_bytes: 200 * 1000 * 1000 };
+
+/// The Gemini API's limit for requests sent inline: under 20 MB per job. (Lines: no documented
+/// limit; 50,000 keeps a job's answer, which comes back inline too, of a sane size.)
+pub const GEMINI_LIMITS: JobLimits = JobLimits { max_lines: 50_000, max_bytes: 19 * 1000 * 1000 };
+
+/// An error reading a job API's answer.
+fn malformed(what: &str) -> ModelError {
+    ModelError::new(ErrorKind::MalformedResponse, format!("batch job API: {what}"))
+}
+
+/// A non-200 answer of a job API call, classified as the online client would.
+fn refused(
+    reply: &Reply,
+    secret: Option<&Secret>,
+    classify: fn(u16, &reqwest::header::HeaderMap, &[u8]) -> ModelError,
+) -> ModelError {
+    redact(classify(reply.status, &reply.headers, &reply.body), secret)
+}
+
+fn json_post(client: &reqwest::Client, url: &str, body: &bytes::Bytes) -> reqwest::RequestBuilder {
+    client.post(url).header(reqwest::header::CONTENT_TYPE, "application/json").body(body.clone())
+}
+
+fn json_of(reply: &Reply) -> Result<Value, ModelError> {
+    serde_json::from_slice(&reply.body).map_err(|e| malformed(&format!("the answer is not JSON: {e}")))
+}
+
+/// A `multipart/form-data` body with a `purpose` field and one file, and its content type.
+/// The boundary is chosen so that it does not occur in the file.
+fn multipart(purpose: &str, filename: &str, file: &[u8]) -> (Vec<u8>, String) {
+    let mut n = 0u64;
+    let boundary = loop {
+        let b = format!("weir-batch-{:016x}-{n}", file.len() as u64 ^ 0x9e37_79b9_7f4a_7c15);
+        if !file.windows(b.len()).any(|w| w == b.as_bytes()) {
+            break b;
+        }
+        n += 1;
+    };
+    let mut body = Vec::with_capacity(file.len() + 512);
+    body.extend_from_slice(
+        format!(
+            "--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\n{purpose}\r\n\
+             --{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{filename}\"\r\n\
+             Content-Type: application/jsonl\r\n\r\n"
+        )
+        .as_bytes(),
+    );
+    body.extend_from_slice(file);
+    body.extend_from_slice(format!("\r\n--{boundary}--\r\n").as_bytes());
+    (body, format!("multipart/form-data; boundary={boundary}"))
+}
+
+/// Jobs of an OpenAI-compatible server's Batch API.
+pub struct OpenAiJobs {
+    client: reqwest::Client,
+    base: String,
+    online: OpenAiHandler,
+    model_id: String,
+    credential: Credential,
+    limits: JobLimits,
+}
+
+impl OpenAiJobs {
+    /// Jobs at `base` (the API root, as for online calls) for `model`.
+    pub fn new(client: reqwest::Client, base: &reqwest::Url, model: &str, key: Option<Secret>) -> Self {
+        let online = OpenAiHandler::new(client.clone(), base, model, key.clone());
+        let credential = key.map_or(Credential::None, |k| Credential::Key(k, None));
+        let base = base.as_str().trim_end_matches('/').to_string();
+        Self { client, base, online, model_id: format!("openai/{model}"), credential, limits: OPENAI_LIMITS }
+    }
+
+    /// Smaller jobs than the provider allows (tests, or to spread a run over several jobs).
+    pub fn with_limits(mut self, limits: JobLimits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    async fn get(&self, path: &str) -> Result<Value, ModelError> {
+        let url = format!("{}{path}", self.base);
+        let (reply, secret) = self.credential.send(|| self.client.get(&url)).await?;
+        if reply.status != 200 {
+            return Err(refused(&reply, secret.as_ref(), openai::classify_error));
+        }
+        json_of(&reply)
+    }
+
+    async fn post(&self, path: &str, body: Value) -> Result<Value, ModelError> {
+        let url = format!("{}{path}", self.base);
+        let bytes = bytes::Bytes::from(serde_json::to_vec(&body).unwrap_or_default());
+        let (reply, secret) = self.credential.send(|| json_post(&self.client, &url, &bytes)).await?;
+        if reply.status != 200 {
+            return Err(refused(&reply, secret.as_ref(), openai::classify_error));
+        }
+        json_of(&reply)
+    }
+
+    /// A file's content (results and errors are files).
+    async fn file(&self, id: &str) -> Result<bytes::Bytes, ModelError> {
+        let url = format!("{}/files/{id}/content", self.base);
+        let (reply, secret) = self.credential.send(|| self.client.get(&url)).await?;
+        if reply.status != 200 {
+            return Err(refused(&reply, secret.as_ref(), openai::classify_error));
+        }
+        Ok(reply.body)
+    }
+
+    fn job_ref(v: &Value) -> Result<JobRef, ModelError> {
+        let id = v.get("id").and_then(Value::as_str).ok_or_else(|| malformed("a batch without an id"))?;
+        Ok(JobRef { id: id.to_string(), file: v.get("input_file_id").and_then(Value::as_str).map(str::to_string) })
+    }
+}
+
+/// One line of an OpenAI batch's output or error file.
+fn openai_result(line: &[u8]) -> Option<JobResult> {
+    let v: Value = serde_json::from_slice(line).ok()?;
+    let key = v.get("custom_id")?.as_str()?.to_string();
+    if let Some(err) = v.get("error").filter(|e| !e.is_null()) {
+        let code = err.get("code").and_then(Value::as_str).unwrap_or("error");
+        let message = err.get("message").and_then(Value::as_str).unwrap_or("");
+        // `batch_expired`, `batch_cancelled`: not tried, so it may be tried again.
+        let kind = if code.starts_with("batch_") { ErrorKind::Aborted } else { ErrorKind::Server };
+        return Some((key, Err(ModelError::new(kind, clip(&format!("{code}: {message}"))))));
+    }
+    let response = v.get("response")?;
+    let status = response.get("status_code").and_then(Value::as_u64).unwrap_or(0) as u16;
+    let body = serde_json::to_vec(response.get("body").unwrap_or(&Value::Null)).unwrap_or_default();
+    let result = if status == 200 {
+        openai::parse_response(&body)
+    } else {
+        Err(openai::classify_error(status, &reqwest::header::HeaderMap::new(), &body))
+    };
+    Some((key, result))
+}
+
+fn openai_state(status: &str) -> JobState {
+    match status {
+        "validating" => JobState::Pending,
+        "in_progress" | "finalizing" | "cancelling" => JobState::Running,
+        "completed" => JobState::Succeeded,
+        "failed" => JobState::Failed,
+        "expired" => JobState::Expired,
+        "cancelled" => JobState::Cancelled,
+        _ => JobState::Running,
+    }
+}
+
+#[async_trait::async_trait]
+impl JobApi for OpenAiJobs {
+    fn model_id(&self) -> &str {
+        &self.model_id
+    }
+
+    fn limits(&self) -> JobLimits {
+        self.limits
+    }
+
+    fn line(&self, key: &str, request: &ModelRequest) -> Result<Vec<u8>, ModelError> {
+        let line = json!({"custom_id": key, "method": "POST", "url": "/v1/chat/completions", "body": self.online.body(request)});
+        let mut bytes =
+            serde_json::to_vec(&line).map_err(|e| ModelError::new(ErrorKind::InvalidInput, e.to_string()))?;
+        bytes.push(b'\n');
+        Ok(bytes)
+    }
+
+    async fn submit(&self, name: &str, lines: Vec<u8>, _count: usize) -> Result<JobRef, ModelError> {
+        let (body, content_type) = multipart("batch", &format!("{name}.jsonl"), &lines);
+        let body = bytes::Bytes::from(body);
+        let url = format!("{}/files", self.base);
+        let (reply, secret) = self
+            .credential
+            .send(|| self.client.post(&url).header(reqwest::header::CONTENT_TYPE, &content_type).body(body.clone()))
+            .await?;
+        if reply.status != 200 {
+            return Err(refused(&reply, secret.as_ref(), openai::classify_error));
+        }
+        let file = json_of(&reply)?;
+        let file_id =
+            file.get("id").and_then(Value::as_str).ok_or_else(|| malformed("an uploaded file without an id"))?;
+        let batch = self
+            .post(
+                "/batches",
+                json!({"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h",
+                       "metadata": {"weir_job": name}}),
+            )
+            .await?;
+        Self::job_ref(&batch)
+    }
+
+    async fn find(&self, name: &str) -> Result<Option<JobRef>, ModelError> {
+        let mut after: Option<String> = None;
+        loop {
+            let path = match &after {
+                Some(a) => format!("/batches?limit=100&after={a}"),
+                None => "/batches?limit=100".to_string(),
+            };
+            let page = self.get(&path).await?;
+            let data = page.get("data").and_then(Value::as_array).cloned().unwrap_or_default();
+            for b in &data {
+                if b.pointer("/metadata/weir_job").and_then(Value::as_str) == Some(name) {
+                    return Self::job_ref(b).map(Some);
+                }
+            }
+            let more = page.get("has_more").and_then(Value::as_bool).unwrap_or(false);
+            match data.last().and_then(|b| b.get("id")).and_then(Value::as_str) {
+                Some(last) if more => after = Some(last.to_string()),
+                _ => return Ok(None),
+            }
+        }
+    }
+
+    async fn status(&self, job: &JobRef) -> Result<JobStatus, ModelError> {
+        let b = self.get(&format!("/batches/{}", job.id)).await?;
+        let count = |k: &str| b.pointer(&format!("/request_counts/{k}")).and_then(Value::as_u64).unwrap_or(0);
+        let state = openai_state(b.get("status").and_then(Value::as_str).unwrap_or(""));
+        let message = b
+            .pointer("/errors/data")
+            .and_then(Value::as_array)
+            .map(|errs| {
+                errs.iter().filter_map(|e| e.get("message").and_then(Value::as_str)).collect::<Vec<_>>().join("; ")
+            })
+            .filter(|m| !m.is_empty());
+        Ok(JobStatus { state, total: count("total"), completed: count("completed"), failed: count("failed"), message })
+    }
+
+    async fn results(&self, job: &JobRef) -> Result<Vec<JobResult>, ModelError> {
+        let b = self.get(&format!("/batches/{}", job.id)).await?;
+        let mut out = Vec::new();
+        for field in ["output_file_id", "error_file_id"] {
+            if let Some(id) = b.get(field).and_then(Value::as_str) {
+                let content = self.file(id).await?;
+                for line in content.split(|c| *c == b'\n').filter(|l| !l.iter().all(u8::is_ascii_whitespace)) {
+                    // A line that cannot be read names no key; its record is then missing and
+                    // is tried again.
+                    out.extend(openai_result(line));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    async fn cancel(&self, job: &JobRef) -> Result<(), ModelError> {
+        self.post(&format!("/batches/{}/cancel", job.id), json!({})).await.map(|_| ())
+    }
+
+    async fn clean_up(&self, job: &JobRef) {
+        if let Some(file) = &job.file {
+            let url = format!("{}/files/{file}", self.base);
+            if let Err(e) = self.credential.send(|| self.client.delete(&url)).await {
+                tracing::debug!("could not delete batch input file {file}: {e}");
+            }
+        }
+    }
+}
+
+/// Jobs of the Gemini API's batch mode, with the requests inline.
+pub struct GeminiJobs {
+    client: reqwest::Client,
+    root: String,
+    model: String,
+    model_id: String,
+    credential: Credential,
+    limits: JobLimits,
+}
+
+impl GeminiJobs {
+    /// Jobs at `base` (`https://generativelanguage.googleapis.com`, or a simulator) for `model`.
+    pub fn new(client: reqwest::Client, base: &reqwest::Url, model: &str, key: Option<Secret>) -> Self {
+        let credential = key.map_or(Credential::None, |k| Credential::Key(k, Some("x-goog-api-key")));
+        let root = format!("{}/v1beta", base.as_str().trim_end_matches('/'));
+        Self {
+            client,
+            root,
+            model: model.to_string(),
+            model_id: format!("gemini/{model}"),
+            credential,
+            limits: GEMINI_LIMITS,
+        }
+    }
+
+    /// Smaller jobs than the provider allows.
+    pub fn with_limits(mut self, limits: JobLimits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    async fn call(&self, post: Option<&Value>, path: &str) -> Result<Value, ModelError> {
+        let url = format!("{}/{path}", self.root);
+        let bytes = post.map(|b| bytes::Bytes::from(serde_json::to_vec(b).unwrap_or_default()));
+        let (reply, secret) = self
+            .credential
+            .send(|| match &bytes {
+                Some(body) => json_post(&self.client, &url, body),
+                None => self.client.get(&url),
+            })
+            .await?;
+        if reply.status != 200 {
+            return Err(refused(&reply, secret.as_ref(), gemini::classify_error));
+        }
+        json_of(&reply)
+    }
+
+    /// The batch's own fields: an operation carries them in `metadata`.
+    fn batch_of(v: &Value) -> &Value {
+        v.get("metadata").filter(|m| m.get("state").is_some()).unwrap_or(v)
+    }
+
+    fn job_ref(v: &Value) -> Result<JobRef, ModelError> {
+        let b = Self::batch_of(v);
+        let name = b.get("name").or_else(|| v.get("name")).and_then(Value::as_str);
+        let name = name.ok_or_else(|| malformed("a batch without a name"))?;
+        Ok(JobRef { id: name.to_string(), file: None })
+    }
+}
+
+fn gemini_state(state: &str) -> JobState {
+    match state {
+        "BATCH_STATE_PENDING" | "JOB_STATE_PENDING" | "JOB_STATE_QUEUED" => JobState::Pending,
+        "BATCH_STATE_RUNNING" | "JOB_STATE_RUNNING" => JobState::Running,
+        "BATCH_STATE_SUCCEEDED" | "JOB_STATE_SUCCEEDED" => JobState::Succeeded,
+        "BATCH_STATE_FAILED" | "JOB_STATE_FAILED" => JobState::Failed,
+        "BATCH_STATE_CANCELLED" | "JOB_STATE_CANCELLED" => JobState::Cancelled,
+        "BATCH_STATE_EXPIRED" | "JOB_STATE_EXPIRED" => JobState::Expired,
+        _ => JobState::Running,
+    }
+}
+
+/// A Gemini `google.rpc.Status` of one failed request, classified by its HTTP-like code.
+fn gemini_item_error(err: &Value) -> ModelError {
+    let code = err.get("code").and_then(Value::as_u64).unwrap_or(500) as u16;
+    let body = serde_json::to_vec(&json!({"error": err})).unwrap_or_default();
+    gemini::classify_error(code, &reqwest::header::HeaderMap::new(), &body)
+}
+
+#[async_trait::async_trait]
+impl JobApi for GeminiJobs {
+    fn model_id(&self) -> &str {
+        &self.model_id
+    }
+
+    fn limits(&self) -> JobLimits {
+        self.limits
+    }
+
+    fn line(&self, key: &str, request: &ModelRequest) -> Result<Vec<u8>, ModelError> {
+        let line = json!({"request": GeminiHandler::body(request), "metadata": {"key": key}});
+        let mut bytes =
+            serde_json::to_vec(&line).map_err(|e| ModelError::new(ErrorKind::InvalidInput, e.to_string()))?;
+        bytes.push(b'\n');
+        Ok(bytes)
+    }
+
+    async fn submit(&self, name: &str, lines: Vec<u8>, count: usize) -> Result<JobRef, ModelError> {
+        let mut requests = Vec::with_capacity(count);
+        for line in lines.split(|c| *c == b'\n').filter(|l| !l.is_empty()) {
+            requests.push(serde_json::from_slice::<Value>(line).map_err(|e| malformed(&e.to_string()))?);
+        }
+        let body = json!({"batch": {"displayName": name, "inputConfig": {"requests": {"requests": requests}}}});
+        let op = self.call(Some(&body), &format!("models/{}:batchGenerateContent", self.model)).await?;
+        Self::job_ref(&op)
+    }
+
+    async fn find(&self, name: &str) -> Result<Option<JobRef>, ModelError> {
+        let mut token: Option<String> = None;
+        loop {
+            let path = match &token {
+                Some(t) => format!("batches?pageSize=100&pageToken={t}"),
+                None => "batches?pageSize=100".to_string(),
+            };
+            let page = self.call(None, &path).await?;
+            let ops = page.get("operations").or_else(|| page.get("batches")).and_then(Value::as_array);
+            for op in ops.into_iter().flatten() {
+                if Self::batch_of(op).get("displayName").and_then(Value::as_str) == Some(name) {
+                    return Self::job_ref(op).map(Some);
+                }
+            }
+            match page.get("nextPageToken").and_then(Value::as_str).filter(|t| !t.is_empty()) {
+                Some(t) => token = Some(t.to_string()),
+                None => return Ok(None),
+            }
+        }
+    }
+
+    async fn status(&self, job: &JobRef) -> Result<JobStatus, ModelError> {
+        let op = self.call(None, &job.id).await?;
+        let b = Self::batch_of(&op);
+        let count = |k: &str| {
+            b.pointer(&format!("/batchStats/{k}"))
+                .and_then(|v| v.as_u64().or_else(|| v.as_str().and_then(|s| s.parse().ok())))
+                .unwrap_or(0)
+        };
+        let state = gemini_state(b.get("state").and_then(Value::as_str).unwrap_or(""));
+        let message = op.pointer("/error/message").and_then(Value::as_str).map(str::to_string);
+        Ok(JobStatus {
+            state,
+            total: count("requestCount"),
+            completed: count("successfulRequestCount"),
+            failed: count("failedRequestCount"),
+            message,
+        })
+    }
+
+    async fn results(&self, job: &JobRef) -> Result<Vec<JobResult>, ModelError> {
+        let op = self.call(None, &job.id).await?;
+        let inlined = op
+            .pointer("/response/inlinedResponses/inlinedResponses")
+            .or_else(|| op.pointer("/metadata/output/inlinedResponses/inlinedResponses"))
+            .and_then(Value::as_array);
+        let mut out = Vec::new();
+        for item in inlined.into_iter().flatten() {
+            let Some(key) = item.pointer("/metadata/key").and_then(Value::as_str) else { continue };
+            let result = match (item.get("response"), item.get("error")) {
+                (_, Some(err)) if !err.is_null() => Err(gemini_item_error(err)),
+                (Some(resp), _) => gemini::parse_response(&serde_json::to_vec(resp).unwrap_or_default()),
+                _ => Err(malformed("a result with neither response nor error")),
+            };
+            out.push((key.to_string(), result));
+        }
+        Ok(out)
+    }
+
+    async fn cancel(&self, job: &JobRef) -> Result<(), ModelError> {
+        self.call(Some(&json!({})), &format!("{}:cancel", job.id)).await.map(|_| ())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn multipart_boundary_avoids_the_content() {
+        let (body, ct) = multipart("batch", "a.jsonl", b"{\"x\":1}\n");
+        let boundary = ct.split("boundary=").nth(1).unwrap();
+        let text = String::from_utf8(body).unwrap();
+        assert!(text.starts_with(&format!("--{boundary}\r\n")));
+        assert!(text.ends_with(&format!("\r\n--{boundary}--\r\n")));
+        assert!(text.contains("name=\"purpose\"\r\n\r\nbatch\r\n"));
+        // A file that contains the first boundary gets another.
+        let first = format!("weir-batch-{:016x}-0", 40u64 ^ 0x9e37_79b9_7f4a_7c15);
+        let file = format!("{first}{}", "x".repeat(40 - first.len()));
+        assert_eq!(file.len(), 40);
+        let (_, ct) = multipart("batch", "a.jsonl", file.as_bytes());
+        assert!(!ct.ends_with(&first));
+    }
+
+    #[test]
+    fn openai_result_lines() {
+        let ok = br#"{"id":"r1","custom_id":"k1","response":{"status_code":200,"body":{"choices":[{"message":{"content":"hi"},"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}},"error":null}"#;
+        let (k, r) = openai_result(ok).unwrap();
+        assert_eq!((k.as_str(), r.unwrap().text.as_str()), ("k1", "hi"));
+        let limited = br#"{"custom_id":"k2","response":{"status_code":429,"body":{"error":{"message":"slow down","type":"requests"}}},"error":null}"#;
+        assert_eq!(openai_result(limited).unwrap().1.unwrap_err().kind, ErrorKind::RateLimited);
+        let expired =
+            br#"{"custom_id":"k3","response":null,"error":{"code":"batch_expired","message":"not done in time"}}"#;
+        assert_eq!(openai_result(expired).unwrap().1.unwrap_err().kind, ErrorKind::Aborted);
+        assert!(openai_result(b"{not json").is_none());
+    }
+}

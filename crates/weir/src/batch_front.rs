@@ -1,0 +1,236 @@
+//! `weir run --mode batch`: the same records, outputs, journal and cache as an online run, but
+//! answered by the provider's batch-prediction jobs (about half the price, hours of latency).
+//!
+//! The input is read whole first (records the cache can answer are answered at once), then
+//! [`weir_batch::run`] splits, submits, records, waits and collects; each settled record
+//! becomes the same outcome an online call would give, written by the same writer. What no
+//! job answered goes online with `--fallback online`, or is written as an error row.
+
+use futures::stream::BoxStream;
+use futures::StreamExt;
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use weir_batch::{BatchError, Item, Ledger};
+use weir_core::{Driver, ErrorKind, Failure, JobApi, ModelError, Outcome, Record, StopReason};
+
+use crate::pipeline::Work;
+use crate::report::thousands;
+
+/// How a batch run goes.
+#[derive(Debug, Clone)]
+pub struct BatchMode {
+    /// Records no job answered are sent online instead of written as errors.
+    pub fallback_online: bool,
+    /// Rounds, polling, names.
+    pub jobs: weir_batch::BatchSettings,
+    /// Requests per job at most (the provider's limit when `None`).
+    pub max_requests: Option<usize>,
+}
+
+/// What the jobs did, for the summary.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct JobsTally {
+    /// Jobs that answered this run's records (an earlier, stopped run's it re-attached to
+    /// included).
+    pub jobs: u64,
+    /// Of them, submitted by this process.
+    pub submitted_now: u64,
+    /// Records answered (or failed for good) by jobs.
+    pub settled: u64,
+    /// Prompt and output tokens of the answers jobs gave.
+    pub tokens: (u64, u64),
+    /// Records sent online after the jobs (`--fallback online`).
+    pub online: u64,
+}
+
+/// The key a record's request carries through a job: its id when that is short and plain, else
+/// `~` and a digest of it (`~` is not in the plain alphabet, so the two never meet).
+/// A number id is `#` and its digits (the text id "7" and the number 7 are two records).
+pub fn job_key(record: &Record) -> String {
+    let id = record.id.as_str();
+    let plain = |c: char| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | ':');
+    if !id.is_empty() && id.len() <= 64 && id.chars().all(plain) {
+        return match record.id {
+            weir_core::RecordId::Number(_) => format!("#{id}"),
+            weir_core::RecordId::Text(_) => id.to_string(),
+        };
+    }
+    use sha2::Digest;
+    let digest = sha2::Sha256::digest(record.id.key_bytes());
+    let hex: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
+    format!("~{hex}")
+}
+
+/// Everything the jobs need besides the records.
+pub(crate) struct JobsRun {
+    pub driver: Arc<Driver>,
+    pub api: Arc<dyn JobApi>,
+    pub ledger: PathBuf,
+    pub fresh: bool,
+    pub mode: BatchMode,
+    pub interrupts: watch::Receiver<u32>,
+    pub progress: bool,
+    pub max_concurrency: usize,
+    pub tally: Arc<Mutex<JobsTally>>,
+}
+
+/// The outcomes of `work`'s records, answered by batch jobs.
+pub(crate) fn outcomes(
+    work: impl futures::Stream<Item = Work> + Send + 'static,
+    run: JobsRun,
+) -> BoxStream<'static, Result<Outcome, std::io::Error>> {
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    tokio::spawn(drive(work, run, tx));
+    futures::stream::poll_fn(move |cx| rx.poll_recv(cx)).boxed()
+}
+
+type Tx = mpsc::UnboundedSender<Result<Outcome, std::io::Error>>;
+
+async fn drive(work: impl futures::Stream<Item = Work> + Send + 'static, run: JobsRun, tx: Tx) {
+    let JobsRun { driver, api, ledger, fresh, mode, interrupts, progress, max_concurrency, tally } = run;
+    let cancel = CancellationToken::new();
+    {
+        let (cancel, mut interrupts) = (cancel.clone(), interrupts);
+        tokio::spawn(async move {
+            if interrupts.wait_for(|n| *n >= 1).await.is_ok() {
+                cancel.cancel();
+            }
+        });
+    }
+    // The whole input first: jobs are cut from all of it.
+    let mut records: HashMap<String, Record> = HashMap::new();
+    let mut items = Vec::new();
+    futures::pin_mut!(work);
+    while let Some(w) = work.next().await {
+        match w {
+            Work::Done(f) => {
+                let _ = tx.send(Ok(driver.reject(f)));
+            }
+            Work::ReadError(e) => {
+                let _ = tx.send(Err(e));
+                return;
+            }
+            Work::Call(record) => match driver.answer_from_cache(&record) {
+                Some(outcome) => {
+                    let _ = tx.send(Ok(outcome));
+                }
+                None => {
+                    let key = job_key(&record);
+                    items.push(Item { key: key.clone(), request: driver.request_for(&record) });
+                    records.insert(key, record);
+                }
+            },
+        }
+    }
+    if items.is_empty() {
+        return;
+    }
+    let stop = |records: &mut HashMap<String, Record>, kind: ErrorKind, message: String| {
+        driver.stop(StopReason { kind, message: message.clone() });
+        for (_, record) in records.drain() {
+            let e = ModelError::new(ErrorKind::Aborted, format!("not finished: {message}"));
+            let _ = tx.send(Ok(Outcome::Failure(Box::new(Failure::of(record, e, 0)))));
+        }
+    };
+    let mut ledger = match Ledger::open(&ledger, fresh) {
+        Ok(l) => l,
+        Err(e) => return stop(&mut records, ErrorKind::Server, e.to_string()),
+    };
+    let since = Instant::now();
+    let result = {
+        let mut last = (String::new(), Instant::now() - Duration::from_secs(3600));
+        let mut on_progress = |p: &weir_batch::Progress| {
+            if !progress {
+                return;
+            }
+            let states: Vec<String> = p.jobs.iter().map(|(s, n)| format!("{n} {s}")).collect();
+            let line = format!(
+                "weir: batch jobs: {}; {} of {} requests answered so far; {} records settled",
+                if states.is_empty() { "none waiting".to_string() } else { states.join(", ") },
+                thousands(p.completed),
+                thousands(p.total),
+                thousands(p.settled)
+            );
+            if line != last.0 && last.1.elapsed() >= Duration::from_secs(2) {
+                eprintln!("{line}");
+                last = (line, Instant::now());
+            }
+        };
+        let mut deliver = |item: Item, result: Result<weir_core::ModelResponse, ModelError>| {
+            if let Some(record) = records.remove(&item.key) {
+                let mut t = tally.lock().unwrap_or_else(|e| e.into_inner());
+                t.settled += 1;
+                if let Ok(r) = &result {
+                    t.tokens.0 += r.usage.prompt_tokens;
+                    t.tokens.1 += r.usage.output_tokens;
+                }
+                drop(t);
+                let _ = tx.send(Ok(driver.settle_answer(record, result, since)));
+            }
+        };
+        weir_batch::run(&*api, &mut ledger, items, &mode.jobs, &cancel, &mut on_progress, &mut deliver).await
+    };
+    let result = result.map(|f| {
+        let mut t = tally.lock().unwrap_or_else(|e| e.into_inner());
+        t.jobs = f.submitted + f.reattached;
+        t.submitted_now = f.submitted;
+        f.leftovers
+    });
+    match result {
+        Ok(leftovers) if mode.fallback_online && !leftovers.is_empty() => {
+            if progress {
+                eprintln!(
+                    "weir: {} records had no answer from the batch jobs; sending them online (--fallback online)",
+                    thousands(leftovers.len() as u64)
+                );
+            }
+            let left: Vec<Record> = leftovers.into_iter().filter_map(|(item, _)| records.remove(&item.key)).collect();
+            tally.lock().unwrap_or_else(|e| e.into_inner()).online = left.len() as u64;
+            let mut online = futures::stream::iter(left)
+                .map(|r| {
+                    let d = driver.clone();
+                    async move { d.run(r).await }
+                })
+                .buffer_unordered(max_concurrency.max(1));
+            while let Some(o) = online.next().await {
+                let _ = tx.send(Ok(o));
+            }
+        }
+        Ok(leftovers) => {
+            for (item, e) in leftovers {
+                if let Some(record) = records.remove(&item.key) {
+                    let _ = tx.send(Ok(driver.settle_answer(record, Err(e), since)));
+                }
+            }
+        }
+        Err(BatchError::Cancelled) => stop(&mut records, ErrorKind::Aborted, "interrupted".into()),
+        Err(BatchError::Api(e)) => stop(&mut records, e.kind, format!("batch jobs: {}", e.message)),
+        Err(e @ BatchError::Ledger(_)) => stop(&mut records, ErrorKind::Server, e.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use weir_core::RecordId;
+
+    #[test]
+    fn keys_are_plain_ids_or_digests() {
+        let rec = |id: &str| {
+            Record::new(RecordId::from_value(&serde_json::json!(id)).unwrap(), 1, "p".into(), Default::default())
+        };
+        assert_eq!(job_key(&rec("r-17")), "r-17");
+        let long = "x".repeat(65);
+        assert!(job_key(&rec(&long)).starts_with('~'));
+        assert_ne!(job_key(&rec("a b")), job_key(&rec("a  b")));
+        assert!(job_key(&rec("a b")).starts_with('~'));
+        let seven =
+            Record::new(RecordId::from_value(&serde_json::json!(7)).unwrap(), 1, "p".into(), Default::default());
+        assert_ne!(job_key(&seven), job_key(&rec("7")));
+    }
+}

@@ -1,0 +1,238 @@
+//! `weir run --mode batch` against the simulator's batch APIs (OpenAI `/v1/files` +
+//! `/v1/batches`, Gemini `:batchGenerateContent`): every id exactly once, inputs split to the
+//! job limit, follow-up jobs for requests that failed alone, expired jobs falling back online,
+//! a killed run re-attaching to its jobs without submitting again (the simulator's job count),
+//! and the cost line checked against the price table.
+
+mod util;
+
+use std::time::Duration;
+use util::*;
+use weir_sim::{SimConfig, SimServer};
+
+async fn sim(run_secs: f64, f: impl FnOnce(&mut SimConfig)) -> SimServer {
+    let mut cfg = SimConfig::default();
+    cfg.batch.run_secs = run_secs;
+    f(&mut cfg);
+    SimServer::start(cfg, ([127, 0, 0, 1], 0).into()).await.unwrap()
+}
+
+/// The arguments of a batch run of `model` against `sim`, writing `out.jsonl` in `dir`.
+fn batch_args(sim: &SimServer, model: &str, dir: &Dir, input: &std::path::Path, extra: &[&str]) -> Vec<String> {
+    let base = if model.starts_with("openai/") { format!("{}/v1", sim.url()) } else { sim.url() };
+    let out = dir.path("out.jsonl");
+    let mut args: Vec<String> = [
+        "run",
+        "--model",
+        model,
+        "--base-url",
+        &base,
+        "--input",
+        input.to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+        "--id-field",
+        "key",
+        "--mode",
+        "batch",
+        "--poll-secs",
+        "0.1",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
+
+/// Runs weir in batch mode; returns the process output.
+async fn batch_run(
+    sim: &SimServer,
+    model: &str,
+    dir: &Dir,
+    input: &std::path::Path,
+    extra: &[&str],
+) -> std::process::Output {
+    weir().args(batch_args(sim, model, dir, input, extra)).output().await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn openai_batch_of_10000_is_split_and_every_id_comes_once() {
+    let sim = sim(0.5, |_| {}).await;
+    let dir = Dir::new("batch-openai-10k");
+    let (data, ids) = prompts(10_000);
+    let input = dir.write("in.jsonl", &data);
+    let o = batch_run(&sim, "openai/gpt-4o-mini", &dir, &input, &["--job-max-requests", "4000"]).await;
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert_each_id_once(&ids, &rows(&dir.path("out.jsonl")), &rows(&dir.path("out.errors.jsonl")));
+    let stats = sim.stats();
+    assert_eq!(stats.batch_jobs, 3, "10,000 requests at 4,000 per job: {err}");
+    assert_eq!(stats.batch_answered, 10_000);
+    assert_eq!(stats.requests, 0, "no online call");
+    assert!(err.contains("batch jobs: 3 (3 submitted by this run); 10,000 records settled by them"), "{err}");
+    // Run again: everything is finished, nothing is submitted.
+    let again = batch_run(&sim, "openai/gpt-4o-mini", &dir, &input, &[]).await;
+    assert_eq!(again.status.code(), Some(0), "{}", stderr(&again));
+    assert_eq!(sim.stats().batch_jobs, 3);
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn gemini_requests_that_fail_alone_go_into_follow_up_jobs() {
+    let sim = sim(0.3, |c| c.batch.item_error_rate = 0.2).await;
+    let dir = Dir::new("batch-gemini-rounds");
+    let (data, ids) = prompts(500);
+    let input = dir.write("in.jsonl", &data);
+    let o = batch_run(&sim, "gemini/gemini-2.5-flash", &dir, &input, &["--job-rounds", "6"]).await;
+    let err = stderr(&o);
+    let results = rows(&dir.path("out.jsonl"));
+    let errors = rows(&dir.path("out.errors.jsonl"));
+    assert_each_id_once(&ids, &results, &errors);
+    let jobs = sim.stats().batch_jobs;
+    // 20 % fail per job: about 100, 20, 4, 1 are left after each round.
+    assert!((3..=6).contains(&jobs), "{jobs} jobs: {err}");
+    assert!(results.len() >= 495, "{} results after {jobs} rounds: {err}", results.len());
+    assert!(
+        results
+            .iter()
+            .all(|r| r["model"] == "gemini/gemini-2.5-flash" && r["response"].as_str().is_some_and(|t| !t.is_empty())),
+        "{}",
+        results[0]
+    );
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn expired_jobs_keep_their_answers_and_the_rest_go_online() {
+    let sim = sim(0.3, |c| c.batch.expire = true).await;
+    let dir = Dir::new("batch-expired");
+    let (data, ids) = prompts(400);
+    let input = dir.write("in.jsonl", &data);
+    let o = batch_run(&sim, "openai/gpt-4o-mini", &dir, &input, &["--job-rounds", "1", "--fallback", "online"]).await;
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert_each_id_once(&ids, &rows(&dir.path("out.jsonl")), &rows(&dir.path("out.errors.jsonl")));
+    let stats = sim.stats();
+    assert_eq!(stats.batch_jobs, 1);
+    assert_eq!(stats.successes, 200, "the half the expired job did not answer went online: {err}");
+    assert!(err.contains("200 records settled by them, 200 sent online (--fallback online)"), "{err}");
+
+    // Without the fallback, the unanswered half are error rows that may succeed later.
+    let dir = Dir::new("batch-expired-nofallback");
+    let (data, ids) = prompts(100);
+    let input = dir.write("in.jsonl", &data);
+    let o = batch_run(&sim, "gemini/gemini-2.5-flash", &dir, &input, &["--job-rounds", "2"]).await;
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let (results, errors) = (rows(&dir.path("out.jsonl")), rows(&dir.path("out.errors.jsonl")));
+    assert_each_id_once(&ids, &results, &errors);
+    // Two rounds, each answering half of what it got: 50 + 25.
+    assert_eq!(results.len(), 75);
+    assert!(errors.iter().all(|e| e["retryable"] == true), "{}", errors[0]);
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_killed_run_re_attaches_to_its_jobs_and_submits_nothing_twice() {
+    let sim = sim(4.0, |_| {}).await;
+    let dir = Dir::new("batch-killed");
+    let (data, ids) = prompts(3_000);
+    let input = dir.write("in.jsonl", &data);
+    let out = dir.path("out.jsonl");
+    let args = batch_args(&sim, "openai/gpt-4o-mini", &dir, &input, &["--job-max-requests", "1000"]);
+    let mut child = weir().args(&args).stderr(std::process::Stdio::null()).spawn().unwrap();
+    // Killed once its three jobs are submitted, long before they end.
+    for _ in 0..200 {
+        if sim.stats().batch_jobs == 3 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(sim.stats().batch_jobs, 3);
+    child.start_kill().unwrap();
+    let _ = child.wait().await;
+    assert!(rows(&out).is_empty(), "no job had ended");
+    let o = weir().args(&args).output().await.unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert_each_id_once(&ids, &rows(&out), &rows(&dir.path("out.errors.jsonl")));
+    assert_eq!(sim.stats().batch_jobs, 3, "re-attached, not submitted again: {err}");
+    assert!(err.contains("batch jobs: 3 (0 submitted by this run)"), "{err}");
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_cost_line_follows_the_price_table() {
+    let sim = sim(0.2, |_| {}).await;
+    let dir = Dir::new("batch-cost");
+    let (data, _) = prompts(50);
+    let input = dir.write("in.jsonl", &data);
+    let o = batch_run(&sim, "gemini/gemini-2.5-flash", &dir, &input, &[]).await;
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    let stats = sim.stats();
+    let table: toml::Value = toml::from_str(include_str!("../src/prices.toml")).unwrap();
+    let price = &table["models"]["gemini-2.5-flash"];
+    let (pin, pout, share) =
+        (price["input"].as_float().unwrap(), price["output"].as_float().unwrap(), price["batch"].as_float().unwrap());
+    // The run's tokens, as the simulator counted them in the answers it gave.
+    let line = err.lines().find(|l| l.contains("tokens")).unwrap();
+    let num = |after: &str| -> f64 {
+        let rest = &line[line.find(after).unwrap() + after.len()..];
+        rest.split(|c: char| !c.is_ascii_digit() && c != ',')
+            .find(|s| !s.is_empty())
+            .unwrap()
+            .replace(',', "")
+            .parse()
+            .unwrap()
+    };
+    let (tin, tout) = (num("tokens "), num(" in, "));
+    assert!(tin > 0.0 && tout > 0.0 && stats.batch_answered == 50, "{line}");
+    let online = (tin * pin + tout * pout) / 1e6;
+    let cost = err.lines().find(|l| l.contains("cost: about $")).unwrap_or_else(|| panic!("no cost line: {err}"));
+    let shown: f64 = cost["  cost: about $".len()..].split(' ').next().unwrap().parse().unwrap();
+    assert!((shown - online * share).abs() <= 1e-6, "{cost}: expected {}", online * share);
+    let shown_online: f64 = cost.split("would cost $").nth(1).unwrap().split(';').next().unwrap().parse().unwrap();
+    assert!((shown_online - online).abs() <= 1e-6, "{cost}");
+
+    // A model the table does not list gets no cost line.
+    let o = run(&[
+        "run",
+        "--model",
+        "sim/demo",
+        "--input",
+        input.to_str().unwrap(),
+        "--output",
+        dir.path("sim.jsonl").to_str().unwrap(),
+    ])
+    .await;
+    assert!(!stderr(&o).contains("cost:"), "{}", stderr(&o));
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn batch_mode_refusals_are_usage_errors() {
+    let dir = Dir::new("batch-refusals");
+    let (data, _) = prompts(3);
+    let input = dir.write("in.jsonl", &data);
+    let out = dir.path("out.jsonl");
+    let (i, o) = (input.to_str().unwrap(), out.to_str().unwrap());
+    for (args, says) in [
+        (vec!["--model", "sim/demo", "--mode", "batch"], "start `weir sim`"),
+        (
+            vec!["--model", "gemini/x", "--base-url", "http://127.0.0.1:9", "--mode", "batch", "--no-state"],
+            "drop --no-state",
+        ),
+        (vec!["--model", "sim/demo", "--fallback", "online"], "add --mode batch"),
+        (
+            vec!["--model", "gemini/x", "--base-url", "http://127.0.0.1:9", "--mode", "batch", "--poll-secs", "0"],
+            "--poll-secs",
+        ),
+    ] {
+        let mut full = vec!["run", "--input", i, "--output", o];
+        full.extend(args.iter().copied());
+        let r = run(&full).await;
+        assert_eq!(r.status.code(), Some(2), "{args:?}: {}", stderr(&r));
+        assert!(stderr(&r).contains(says), "{args:?}: {}", stderr(&r));
+    }
+}
