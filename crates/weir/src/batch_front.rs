@@ -30,6 +30,9 @@ pub struct BatchMode {
     pub jobs: weir_batch::BatchSettings,
     /// Requests per job at most (the provider's limit when `None`).
     pub max_requests: Option<usize>,
+    /// `--mode auto`: jobs only for an input of at least this many records (counted before the
+    /// run), of a provider that has them; online otherwise.
+    pub auto_min_records: Option<u64>,
 }
 
 /// What the jobs did, for the summary.
@@ -145,7 +148,7 @@ async fn drive(work: impl futures::Stream<Item = Work> + Send + 'static, run: Jo
     let result = {
         let mut last = (String::new(), Instant::now() - Duration::from_secs(3600));
         let mut on_progress = |p: &weir_batch::Progress| {
-            if !progress {
+            if !progress || p.jobs.is_empty() {
                 return;
             }
             let states: Vec<String> = p.jobs.iter().map(|(s, n)| format!("{n} {s}")).collect();

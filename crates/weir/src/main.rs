@@ -1,6 +1,7 @@
 //! The `weir` binary: parses the command line, wires the library crates together and maps the
 //! outcome to an exit status. Everything that does work lives in the library crates.
 
+mod batch_cmd;
 mod run_cmd;
 mod sim_cmd;
 
@@ -22,6 +23,8 @@ enum Command {
     /// Serve a simulated LLM endpoint (Gemini, Vertex AI, OpenAI wire formats) with quotas,
     /// latency and injected faults.
     Sim(Box<sim_cmd::SimArgs>),
+    /// The provider batch jobs of `weir run --mode batch` runs: status, cancel, fetch.
+    Batch(Box<batch_cmd::BatchArgs>),
 }
 
 /// Exit statuses: 0 success, 1 some records failed, 2 usage or configuration error, 3 fatal.
@@ -62,6 +65,7 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Run(args) => run_cmd::run(*args).await,
             Command::Sim(args) => sim_cmd::run(*args).await,
+            Command::Batch(args) => batch_cmd::run(*args).await,
         }
     });
     match result {

@@ -373,6 +373,12 @@ pub async fn run(
     let mut total = if settings.progress { count()? } else { None };
     let endpoint = connect_model(&settings.model, &settings.provider, env).await?;
     let jobs_api = match &settings.batch_mode {
+        // --mode auto runs online what cannot go to jobs.
+        Some(b)
+            if b.auto_min_records.is_some() && (settings.model_field.is_some() || settings.state == StateMode::Off) =>
+        {
+            None
+        }
         Some(b) => {
             if settings.model_field.is_some() {
                 return Err(RunError::Usage("--mode batch runs one model; drop --model-field".into()));
@@ -384,7 +390,12 @@ pub async fn run(
                         .into(),
                 ));
             }
-            Some(weir_providers::connect_jobs(&settings.model, &settings.provider, env, b.max_requests)?)
+            match weir_providers::connect_jobs(&settings.model, &settings.provider, env, b.max_requests) {
+                Ok(api) => Some(api),
+                // --mode auto: a provider without jobs runs online.
+                Err(_) if b.auto_min_records.is_some() => None,
+                Err(e) => return Err(e.into()),
+            }
         }
         None => None,
     };
@@ -682,6 +693,27 @@ pub async fn run(
     // Each record is routed to its endpoint's driver, then gathered into batches for endpoints
     // that take many records per call; everything else passes through alone.
     let tally = Arc::new(std::sync::Mutex::new(crate::batch_front::JobsTally::default()));
+    // --mode auto: jobs for a large input (or to re-attach to an earlier run's jobs), else online.
+    let jobs_api = match (&settings.batch_mode, jobs_api) {
+        (Some(b), Some(api)) if b.auto_min_records.is_some() => {
+            let min = b.auto_min_records.unwrap_or(0);
+            let known = if total.is_none() { count()? } else { total };
+            let earlier_jobs =
+                resuming && jobs_ledger.as_ref().is_some_and(|p| std::fs::metadata(p).is_ok_and(|m| m.len() > 0));
+            let large = known.is_some_and(|n| n >= min);
+            if settings.progress || large || earlier_jobs {
+                let how = if large || earlier_jobs { "batch jobs" } else { "online calls" };
+                let n = known.map_or("a stream of".to_string(), crate::report::thousands);
+                eprintln!(
+                    "weir: --mode auto: {n} records → {how} (batch jobs from {} records)",
+                    crate::report::thousands(min)
+                );
+            }
+            (large || earlier_jobs).then_some(api)
+        }
+        (_, api) => api,
+    };
+    let used_jobs = jobs_api.is_some();
     let outcomes: futures::stream::LocalBoxStream<'_, Result<Outcome, std::io::Error>> =
         match (jobs_api, &settings.batch_mode, jobs_ledger.clone()) {
             (Some(api), Some(mode), Some(ledger)) => crate::batch_front::outcomes(
@@ -894,7 +926,7 @@ pub async fn run(
         driver.concurrency(),
         driver.rate_snapshot(),
     );
-    let jobs = settings.batch_mode.as_ref().map(|_| tally.lock().unwrap_or_else(|e| e.into_inner()).clone());
+    let jobs = used_jobs.then(|| tally.lock().unwrap_or_else(|e| e.into_inner()).clone());
     let batch_tokens = jobs.as_ref().map_or((0, 0), |j| j.tokens);
     // Tokens paid for by this run: not those of answers from the cache.
     let paid = (

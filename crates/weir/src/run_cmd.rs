@@ -32,6 +32,9 @@ pub enum ModeArg {
     Online,
     /// The provider's batch-prediction jobs: about half the price, answered within hours.
     Batch,
+    /// Batch jobs when the input has at least --auto-min-records records and the provider has
+    /// them (you accept the delay), online otherwise.
+    Auto,
 }
 
 /// What happens to records no batch job answered.
@@ -245,6 +248,9 @@ pub struct RunArgs {
     /// half the price; a stopped run re-attaches to its jobs.
     #[arg(long, value_enum, default_value_t = ModeArg::Online)]
     mode: ModeArg,
+    /// With --mode auto: the fewest records that go to batch jobs.
+    #[arg(long, value_name = "N", default_value_t = 1000)]
+    auto_min_records: u64,
     /// With --mode batch: what to do with records no job answered after every round.
     #[arg(long, value_enum, default_value_t = FallbackArg::None)]
     fallback: FallbackArg,
@@ -537,7 +543,7 @@ impl RunArgs {
             table_input,
             table_output,
             keep_columns,
-            batch_mode: (self.mode == ModeArg::Batch).then(|| weir::batch_front::BatchMode {
+            batch_mode: (self.mode != ModeArg::Online).then(|| weir::batch_front::BatchMode {
                 fallback_online: self.fallback == FallbackArg::Online,
                 jobs: weir_batch::BatchSettings {
                     rounds: self.job_rounds,
@@ -547,6 +553,7 @@ impl RunArgs {
                     ..weir_batch::BatchSettings::default()
                 },
                 max_requests: self.job_max_requests,
+                auto_min_records: (self.mode == ModeArg::Auto).then_some(self.auto_min_records),
             }),
         }
     }

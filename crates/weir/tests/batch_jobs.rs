@@ -236,3 +236,61 @@ async fn batch_mode_refusals_are_usage_errors() {
         assert!(stderr(&r).contains(says), "{args:?}: {}", stderr(&r));
     }
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn auto_mode_status_cancel_and_fetch() {
+    let sim = sim(3.0, |_| {}).await;
+    let dir = Dir::new("batch-auto");
+    let (data, ids) = prompts(1_200);
+    let input = dir.write("in.jsonl", &data);
+    let args = batch_args(&sim, "openai/gpt-4o-mini", &dir, &input, &["--job-max-requests", "500"]);
+    let args: Vec<String> = args.into_iter().map(|a| if a == "batch" { "auto".to_string() } else { a }).collect();
+    let child = weir().args(&args).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    for _ in 0..200 {
+        if sim.stats().batch_jobs == 3 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let base = format!("{}/v1", sim.url());
+    let out = dir.path("out.jsonl");
+    let target = ["--model", "openai/gpt-4o-mini", "--base-url", &base, "--output", out.to_str().unwrap()];
+    let status = run(&[&["batch", "status"][..], &target[..]].concat()).await;
+    let text = String::from_utf8_lossy(&status.stdout).into_owned();
+    assert_eq!(status.status.code(), Some(0), "{}", stderr(&status));
+    assert_eq!(text.lines().filter(|l| l.contains(": pending") || l.contains(": running")).count(), 3, "{text}");
+    // Cancel all three while the run waits: it sends what they did not answer in follow-up jobs.
+    let cancel = run(&[&["batch", "cancel"][..], &target[..]].concat()).await;
+    let text = String::from_utf8_lossy(&cancel.stdout).into_owned();
+    assert_eq!(text.matches("cancel requested").count(), 3, "{text}");
+    let o = child.wait_with_output().await.unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert!(err.contains("--mode auto: 1,200 records → batch jobs"), "{err}");
+    assert_each_id_once(&ids, &rows(&out), &rows(&dir.path("out.errors.jsonl")));
+    assert!(sim.stats().batch_jobs > 3, "follow-up jobs for what the cancelled ones left: {err}");
+    // One job's results, as JSONL.
+    let fetch =
+        run(&["batch", "fetch", "--model", "openai/gpt-4o-mini", "--base-url", &base, "--job", "batch_2"]).await;
+    assert_eq!(fetch.status.code(), Some(0), "{}", stderr(&fetch));
+    let lines: Vec<serde_json::Value> =
+        String::from_utf8_lossy(&fetch.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), 500, "a cancelled job lists every request: answered, or not run");
+    assert!(lines.iter().any(|l| l["error"]["message"].as_str().is_some_and(|m| m.contains("batch_cancelled"))));
+
+    // A small input runs online.
+    let small = Dir::new("batch-auto-small");
+    let (data, ids) = prompts(20);
+    let input = small.write("in.jsonl", &data);
+    let args: Vec<String> = batch_args(&sim, "openai/gpt-4o-mini", &small, &input, &[])
+        .into_iter()
+        .map(|a| if a == "batch" { "auto".to_string() } else { a })
+        .collect();
+    let jobs_before = sim.stats().batch_jobs;
+    let o = weir().args(&args).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_each_id_once(&ids, &rows(&small.path("out.jsonl")), &[]);
+    assert_eq!(sim.stats().batch_jobs, jobs_before);
+    assert!(!stderr(&o).contains("batch jobs:"), "{}", stderr(&o));
+    sim.shutdown().await;
+}

@@ -1,0 +1,175 @@
+//! `weir batch status|cancel|fetch`: the jobs of `weir run --mode batch` runs, as their
+//! ledgers in the state directory record them, or one job by its id.
+
+use anyhow::Context;
+use clap::{Args, Subcommand};
+use std::path::PathBuf;
+use weir_core::{JobApi, JobRef};
+use weir_providers::{ModelSpec, ProviderOptions};
+
+use crate::UsageError;
+
+/// Jobs in flight: where they stand, cancel them, read one's results.
+#[derive(Debug, Args)]
+pub struct BatchArgs {
+    #[command(subcommand)]
+    action: Action,
+}
+
+#[derive(Debug, Subcommand)]
+enum Action {
+    /// Where each job of a batch run stands (asks the provider).
+    Status(Target),
+    /// Cancels the jobs of a batch run that have not ended; records they did not answer stay
+    /// unfinished (a resumed run sends them again).
+    Cancel(Target),
+    /// Prints one job's results as JSONL on stdout: {"key", "text", "usage"} or {"key", "error"}.
+    Fetch(FetchArgs),
+}
+
+/// Which provider and which run.
+#[derive(Debug, Args)]
+struct Target {
+    /// The model of the run, as given to `weir run` (openai/…, gemini/…).
+    #[arg(long, value_name = "MODEL")]
+    model: String,
+    /// The base URL given to `weir run`, if any.
+    #[arg(long, value_name = "URL")]
+    base_url: Option<String>,
+    /// The run's --output; its jobs are in the state directory beside it.
+    #[arg(long, value_name = "PATH", required_unless_present = "state")]
+    output: Option<String>,
+    /// The run's state directory, if `weir run` was given --state (every run in it when
+    /// --output is not given).
+    #[arg(long, value_name = "DIR")]
+    state: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+struct FetchArgs {
+    /// The model of the run, as given to `weir run`.
+    #[arg(long, value_name = "MODEL")]
+    model: String,
+    /// The base URL given to `weir run`, if any.
+    #[arg(long, value_name = "URL")]
+    base_url: Option<String>,
+    /// The job's id, as `weir batch status` shows it.
+    #[arg(long, value_name = "ID")]
+    job: String,
+}
+
+fn connect(model: &str, base_url: &Option<String>) -> anyhow::Result<std::sync::Arc<dyn JobApi>> {
+    let spec: ModelSpec = model.parse().map_err(|e: weir_providers::ProviderError| UsageError(e.to_string()))?;
+    let options = ProviderOptions { base_url: base_url.clone(), ..Default::default() };
+    let env = |k: &str| std::env::var(k).ok();
+    weir_providers::connect_jobs(&spec, &options, &env, None).map_err(|e| UsageError(e.to_string()).into())
+}
+
+/// The ledgers of the runs `t` names.
+fn ledgers(t: &Target) -> anyhow::Result<Vec<PathBuf>> {
+    let dir = match (&t.state, &t.output) {
+        (Some(d), _) => d.clone(),
+        (None, Some(o)) if o.contains("://") => PathBuf::from(".weir"),
+        (None, Some(o)) => weir_io::state::default_dir(std::path::Path::new(o.trim_end_matches('/'))),
+        (None, None) => unreachable!("clap requires one"),
+    };
+    let runs = dir.join("runs");
+    let name = t.output.as_deref().map(|o| o.trim_end_matches('/').rsplit('/').next().unwrap_or(o).to_string());
+    let mut found: Vec<PathBuf> = std::fs::read_dir(&runs)
+        .with_context(|| format!("no batch runs in {} (is it the run's state directory?)", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            let f = p.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
+            f.ends_with(".jobs.jsonl") && name.as_ref().is_none_or(|n| f.starts_with(n.as_str()))
+        })
+        .collect();
+    found.sort();
+    if found.is_empty() {
+        return Err(UsageError(format!(
+            "no batch jobs recorded in {} for {}; was the run made with --mode batch?",
+            runs.display(),
+            t.output.as_deref().unwrap_or("any output")
+        ))
+        .into());
+    }
+    Ok(found)
+}
+
+/// Runs the subcommand.
+pub async fn run(args: BatchArgs) -> anyhow::Result<u8> {
+    match args.action {
+        Action::Status(t) => each_job(&t, false).await,
+        Action::Cancel(t) => each_job(&t, true).await,
+        Action::Fetch(f) => {
+            let api = connect(&f.model, &f.base_url)?;
+            let job = JobRef { id: f.job.clone(), file: None };
+            let status = api.status(&job).await.map_err(|e| anyhow::anyhow!("job {}: {e}", f.job))?;
+            if !status.state.is_terminal() {
+                eprintln!("weir: job {} is {}; it has no results yet", f.job, status.state.as_str());
+                return Ok(1);
+            }
+            let mut out = std::io::stdout().lock();
+            for (key, result) in api.results(&job).await.map_err(|e| anyhow::anyhow!("job {}: {e}", f.job))? {
+                let line = match result {
+                    Ok(r) => serde_json::json!({"key": key, "text": r.text, "finish_reason": r.finish_reason,
+                        "usage": {"prompt_tokens": r.usage.prompt_tokens, "output_tokens": r.usage.output_tokens}}),
+                    Err(e) => serde_json::json!({"key": key, "error": {"kind": e.kind.as_str(), "message": e.message}}),
+                };
+                use std::io::Write;
+                match writeln!(out, "{line}") {
+                    // `| head`: the reader has what it wanted.
+                    Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => return Ok(0),
+                    r => r?,
+                }
+            }
+            Ok(0)
+        }
+    }
+}
+
+async fn each_job(t: &Target, cancel: bool) -> anyhow::Result<u8> {
+    let api = connect(&t.model, &t.base_url)?;
+    for path in ledgers(t)? {
+        let ledger = weir_batch::Ledger::open(&path, false).map_err(|e| anyhow::anyhow!(e))?;
+        println!("{}:", path.display());
+        for chunk in ledger.chunks() {
+            let Some(job) = &chunk.job else {
+                println!(
+                    "  chunk {}: {} records, not recorded as submitted (name {})",
+                    chunk.number,
+                    chunk.keys.len(),
+                    chunk.name
+                );
+                continue;
+            };
+            let status = match api.status(job).await {
+                Ok(s) => s,
+                Err(e) => {
+                    println!("  {}: cannot ask the provider: {e}", job.id);
+                    continue;
+                }
+            };
+            let mut line = format!(
+                "  {}: {} — {} of {} answered, {} failed ({} records, round {})",
+                job.id,
+                status.state.as_str(),
+                status.completed,
+                status.total,
+                status.failed,
+                chunk.keys.len(),
+                chunk.round + 1
+            );
+            if let Some(m) = &status.message {
+                line.push_str(&format!(": {m}"));
+            }
+            if cancel && !status.state.is_terminal() {
+                match api.cancel(job).await {
+                    Ok(()) => line.push_str(" — cancel requested"),
+                    Err(e) => line.push_str(&format!(" — cancel failed: {e}")),
+                }
+            }
+            println!("{line}");
+        }
+    }
+    Ok(0)
+}
