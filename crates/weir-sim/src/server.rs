@@ -244,6 +244,10 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Bo
         _ => {}
     }
     if path.contains("/batches") || path.starts_with("/v1/files") || path.ends_with(":batchGenerateContent") {
+        let api = if path.starts_with("/v1/") { Api::OpenAi } else { Api::Gemini };
+        if let Some(refused) = refuse_key(&state, api, key_of(api, &parts).as_deref()) {
+            return Ok(refused);
+        }
         let bytes = body.collect().await.map_err(io::Error::other)?.to_bytes();
         let content_type = parts.headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
         let reply =
@@ -264,25 +268,10 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Bo
     if parts.method != Method::POST {
         return Ok(error_reply(&state, proto::error(route.api, 404, &format!("{path} takes POST"))));
     }
-    let key = match route.api {
-        Api::Gemini => parts
-            .headers
-            .get("x-goog-api-key")
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_string)
-            .or_else(|| query_param(parts.uri.query(), "key")),
-        _ => parts
-            .headers
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
-            .map(str::to_string),
-    };
+    let key = key_of(route.api, &parts);
     let guard = state.stats.start_request();
-    if !state.config.api_keys.is_empty() && !key.as_ref().is_some_and(|k| state.config.api_keys.contains(k)) {
-        let e = proto::auth_error(route.api, key.is_some());
-        state.stats.auth_failure();
-        return Ok(json_reply(e.status, &e.headers, &e.body));
+    if let Some(refused) = refuse_key(&state, route.api, key.as_deref()) {
+        return Ok(refused);
     }
     let bytes = body.collect().await.map_err(io::Error::other)?.to_bytes();
     let limits = &state.config.predict;
@@ -345,6 +334,34 @@ struct Route {
     model: String,
     stream: Option<StreamFraming>,
     embed: Option<proto::EmbedForm>,
+}
+
+/// The API key a request carries, where its API carries it.
+fn key_of(api: Api, parts: &hyper::http::request::Parts) -> Option<String> {
+    match api {
+        Api::Gemini => parts
+            .headers
+            .get("x-goog-api-key")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+            .or_else(|| query_param(parts.uri.query(), "key")),
+        _ => parts
+            .headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
+            .map(str::to_string),
+    }
+}
+
+/// The provider's refusal when keys are configured and `key` is not one of them.
+fn refuse_key(state: &State, api: Api, key: Option<&str>) -> Option<Response<Body>> {
+    if state.config.api_keys.is_empty() || key.is_some_and(|k| state.config.api_keys.iter().any(|a| a == k)) {
+        return None;
+    }
+    let e = proto::auth_error(api, key.is_some());
+    state.stats.auth_failure();
+    Some(json_reply(e.status, &e.headers, &e.body))
 }
 
 fn query_param(query: Option<&str>, name: &str) -> Option<String> {

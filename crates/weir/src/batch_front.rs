@@ -47,7 +47,8 @@ pub struct JobsTally {
     pub settled: u64,
     /// Prompt and output tokens of the answers jobs gave.
     pub tokens: (u64, u64),
-    /// Records sent online after the jobs (`--fallback online`).
+    /// Records sent online: the first of a new run (checking the request before any job), and
+    /// those no job answered with `--fallback online`.
     pub online: u64,
 }
 
@@ -144,6 +145,30 @@ async fn drive(work: impl futures::Stream<Item = Work> + Send + 'static, run: Jo
         Ok(l) => l,
         Err(e) => return stop(&mut records, ErrorKind::Server, e.to_string()),
     };
+    // A new run sends its first record online before any job: a job is checked by the provider
+    // hours later, and a request it refuses (an unknown model, a bad parameter, a rejected key)
+    // would fail every record then. Its answer is that record's, so nothing is paid twice.
+    if ledger.chunks().next().is_none() {
+        if let Some(first) = items.first().cloned() {
+            let record = records.remove(&first.key).expect("every item has its record");
+            match driver.run(record).await {
+                Outcome::Failure(f) if matches!(f.error.kind, ErrorKind::BadRequest | ErrorKind::Auth) => {
+                    let message = format!(
+                        "the endpoint refused the first request online, so no job was submitted: {}",
+                        f.error.message
+                    );
+                    driver.stop(StopReason { kind: f.error.kind, message: message.clone() });
+                    let _ = tx.send(Ok(Outcome::Failure(f)));
+                    return stop(&mut records, ErrorKind::Aborted, message);
+                }
+                outcome => {
+                    items.remove(0);
+                    tally.lock().unwrap_or_else(|e| e.into_inner()).online += 1;
+                    let _ = tx.send(Ok(outcome));
+                }
+            }
+        }
+    }
     let since = Instant::now();
     let result = {
         let mut last = (String::new(), Instant::now() - Duration::from_secs(3600));
@@ -193,7 +218,7 @@ async fn drive(work: impl futures::Stream<Item = Work> + Send + 'static, run: Jo
                 );
             }
             let left: Vec<Record> = leftovers.into_iter().filter_map(|(item, _)| records.remove(&item.key)).collect();
-            tally.lock().unwrap_or_else(|e| e.into_inner()).online = left.len() as u64;
+            tally.lock().unwrap_or_else(|e| e.into_inner()).online += left.len() as u64;
             let mut online = futures::stream::iter(left)
                 .map(|r| {
                     let d = driver.clone();

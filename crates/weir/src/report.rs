@@ -205,11 +205,7 @@ impl RunReport {
                 thousands(j.jobs),
                 thousands(j.submitted_now),
                 thousands(j.settled),
-                if j.online > 0 {
-                    format!(", {} sent online (--fallback online)", thousands(j.online))
-                } else {
-                    String::new()
-                },
+                if j.online > 0 { format!(", {} online", thousands(j.online)) } else { String::new() },
             ));
         }
         if let Some(c) = &self.cost {
