@@ -90,7 +90,9 @@ impl Cost {
 
 /// Dollars with as many decimals as a small amount needs.
 fn dollars(usd: f64) -> String {
-    if usd >= 1.0 {
+    if usd == 0.0 {
+        "0".into()
+    } else if usd >= 1.0 {
         format!("{usd:.2}")
     } else if usd >= 0.01 {
         format!("{usd:.4}")

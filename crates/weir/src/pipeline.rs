@@ -926,7 +926,10 @@ pub async fn run(
         driver.concurrency(),
         driver.rate_snapshot(),
     );
-    let jobs = used_jobs.then(|| tally.lock().unwrap_or_else(|e| e.into_inner()).clone());
+    // Shown when records went to jobs (not when the cache answered them all).
+    let jobs = used_jobs
+        .then(|| tally.lock().unwrap_or_else(|e| e.into_inner()).clone())
+        .filter(|t| *t != crate::batch_front::JobsTally::default());
     let batch_tokens = jobs.as_ref().map_or((0, 0), |j| j.tokens);
     // Tokens paid for by this run: not those of answers from the cache.
     let paid = (
