@@ -56,13 +56,14 @@ async fn batch_run(
     weir().args(batch_args(sim, model, dir, input, extra)).output().await.unwrap()
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn openai_batch_of_10000_is_split_and_every_id_comes_once() {
+/// 10,000 records through jobs of at most 4,000: three jobs, every id once, no second
+/// submission when the finished run is run again.
+async fn ten_thousand(model: &str, name: &str) {
     let sim = sim(0.5, |_| {}).await;
-    let dir = Dir::new("batch-openai-10k");
+    let dir = Dir::new(name);
     let (data, ids) = prompts(10_000);
     let input = dir.write("in.jsonl", &data);
-    let o = batch_run(&sim, "openai/gpt-4o-mini", &dir, &input, &["--job-max-requests", "4000"]).await;
+    let o = batch_run(&sim, model, &dir, &input, &["--job-max-requests", "4000"]).await;
     let err = stderr(&o);
     assert_eq!(o.status.code(), Some(0), "{err}");
     assert_each_id_once(&ids, &rows(&dir.path("out.jsonl")), &rows(&dir.path("out.errors.jsonl")));
@@ -72,9 +73,41 @@ async fn openai_batch_of_10000_is_split_and_every_id_comes_once() {
     assert_eq!(stats.requests, 1, "one online call, the first record, checks the request: {err}");
     assert!(err.contains("batch jobs: 3 (3 submitted by this run); 9,999 records settled by them, 1 online"), "{err}");
     // Run again: everything is finished, nothing is submitted.
-    let again = batch_run(&sim, "openai/gpt-4o-mini", &dir, &input, &[]).await;
+    let again = batch_run(&sim, model, &dir, &input, &[]).await;
     assert_eq!(again.status.code(), Some(0), "{}", stderr(&again));
     assert_eq!(sim.stats().batch_jobs, 3);
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn openai_batch_of_10000_is_split_and_every_id_comes_once() {
+    ten_thousand("openai/gpt-4o-mini", "batch-openai-10k").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn gemini_batch_of_10000_is_split_and_every_id_comes_once() {
+    ten_thousand("gemini/gemini-2.5-flash", "batch-gemini-10k").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn gemini_inline_requests_over_20_mb_are_split_by_size() {
+    // The simulator refuses inline requests over 20 MB, as the Gemini API does.
+    let sim = sim(0.3, |_| {}).await;
+    let dir = Dir::new("batch-gemini-bytes");
+    let filler = "lorem ipsum dolor sit amet ".repeat(80);
+    let mut data = Vec::new();
+    let mut ids = Vec::new();
+    for i in 0..11_000 {
+        data.extend_from_slice(format!("{{\"key\":\"g{i}\",\"prompt\":\"{i} {filler}\"}}\n").as_bytes());
+        ids.push(format!("g{i}"));
+    }
+    assert!(data.len() > 22_000_000);
+    let input = dir.write("in.jsonl", &data);
+    let o = batch_run(&sim, "gemini/gemini-2.5-flash", &dir, &input, &[]).await;
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert_each_id_once(&ids, &rows(&dir.path("out.jsonl")), &rows(&dir.path("out.errors.jsonl")));
+    assert_eq!(sim.stats().batch_jobs, 2, "split under the 20 MB inline limit: {err}");
     sim.shutdown().await;
 }
 
@@ -133,14 +166,14 @@ async fn expired_jobs_keep_their_answers_and_the_rest_go_online() {
     sim.shutdown().await;
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn a_killed_run_re_attaches_to_its_jobs_and_submits_nothing_twice() {
+/// A run killed once its three jobs are submitted re-attaches to them.
+async fn killed_and_resumed(model: &str, name: &str) {
     let sim = sim(10.0, |_| {}).await;
-    let dir = Dir::new("batch-killed");
+    let dir = Dir::new(name);
     let (data, ids) = prompts(3_000);
     let input = dir.write("in.jsonl", &data);
     let out = dir.path("out.jsonl");
-    let args = batch_args(&sim, "openai/gpt-4o-mini", &dir, &input, &["--job-max-requests", "1000"]);
+    let args = batch_args(&sim, model, &dir, &input, &["--job-max-requests", "1000"]);
     let mut child = weir().args(&args).stderr(std::process::Stdio::null()).spawn().unwrap();
     // Killed once its three jobs are submitted, long before they end.
     for _ in 0..1000 {
@@ -160,6 +193,16 @@ async fn a_killed_run_re_attaches_to_its_jobs_and_submits_nothing_twice() {
     assert_eq!(sim.stats().batch_jobs, 3, "re-attached, not submitted again: {err}");
     assert!(err.contains("batch jobs: 3 (0 submitted by this run)"), "{err}");
     sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_killed_openai_run_re_attaches_to_its_jobs_and_submits_nothing_twice() {
+    killed_and_resumed("openai/gpt-4o-mini", "batch-killed-openai").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_killed_gemini_run_re_attaches_to_its_jobs_and_submits_nothing_twice() {
+    killed_and_resumed("gemini/gemini-2.5-flash", "batch-killed-gemini").await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
