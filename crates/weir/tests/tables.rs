@@ -12,10 +12,13 @@ use std::time::Duration;
 use util::*;
 use weir_sim::{SimConfig, SimServer};
 
-/// Runs a Python script with the peers' Python (pyarrow, boto3) and returns its stdout.
+/// Runs a Python script with the peers' Python (pyarrow, boto3) and returns its stdout. The
+/// script ends with `os._exit(0)`: pyarrow can abort at interpreter exit ("terminate called
+/// without an active exception") after the script has done its work.
 fn python(script: &str, args: &[&str]) -> String {
     let py = peer("WEIR_PYTHON").expect("checked by the caller");
-    let o = std::process::Command::new(py).arg("-c").arg(script).args(args).output().unwrap();
+    let script = format!("{script}\nimport os as _os, sys as _sys\n_sys.stdout.flush()\n_os._exit(0)\n");
+    let o = std::process::Command::new(py).arg("-c").arg(&script).args(args).output().unwrap();
     assert!(o.status.success(), "python failed: {}\n{}", String::from_utf8_lossy(&o.stderr), script);
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
