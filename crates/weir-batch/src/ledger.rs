@@ -57,6 +57,52 @@ pub struct Ledger {
 }
 
 impl Ledger {
+    /// Reads the ledger at `path` without writing to it (another process may be appending): its
+    /// chunks, in order; none when there is no ledger.
+    pub fn read(path: &Path) -> Result<Vec<Chunk>, LedgerError> {
+        let err = |e: &dyn std::fmt::Display| LedgerError { path: path.display().to_string(), message: e.to_string() };
+        let f = match File::open(path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(err(&e)),
+        };
+        let (chunks, _, _) = Self::parse(BufReader::new(f)).map_err(|e| err(&e))?;
+        Ok(chunks.into_values().collect())
+    }
+
+    /// The chunks of a ledger's whole lines, each key's latest chunk, and the length of those
+    /// lines (a torn last line is left out).
+    #[allow(clippy::type_complexity)]
+    fn parse(mut reader: impl BufRead) -> std::io::Result<(BTreeMap<u32, Chunk>, HashMap<String, u32>, u64)> {
+        let mut chunks = BTreeMap::new();
+        let mut latest = HashMap::new();
+        let mut good_len = 0u64;
+        let mut line = String::new();
+        loop {
+            line.clear();
+            let n = reader.read_line(&mut line)?;
+            if n == 0 || !line.ends_with('\n') {
+                break;
+            }
+            let Ok(entry) = serde_json::from_str::<Entry>(&line) else { break };
+            good_len += n as u64;
+            match entry {
+                Entry::Planned { chunk, round, name, keys } => {
+                    for k in &keys {
+                        latest.insert(k.clone(), chunk);
+                    }
+                    chunks.insert(chunk, Chunk { number: chunk, round, name, keys, job: None });
+                }
+                Entry::Submitted { chunk, job } => {
+                    if let Some(c) = chunks.get_mut(&chunk) {
+                        c.job = Some(job);
+                    }
+                }
+            }
+        }
+        Ok((chunks, latest, good_len))
+    }
+
     /// Opens (or creates) the ledger at `path`, cutting a torn last line; `fresh` empties it
     /// first (a new run, whose keys may name other requests than an earlier run's).
     pub fn open(path: &Path, fresh: bool) -> Result<Self, LedgerError> {
@@ -70,35 +116,11 @@ impl Ledger {
                 _ => {}
             }
         }
-        let mut chunks = BTreeMap::new();
-        let mut latest = HashMap::new();
-        let mut good_len = 0u64;
-        if let Ok(f) = File::open(path) {
-            let mut reader = BufReader::new(f);
-            let mut line = String::new();
-            loop {
-                line.clear();
-                let n = reader.read_line(&mut line).map_err(|e| err(&e))?;
-                if n == 0 || !line.ends_with('\n') {
-                    break;
-                }
-                let Ok(entry) = serde_json::from_str::<Entry>(&line) else { break };
-                good_len += n as u64;
-                match entry {
-                    Entry::Planned { chunk, round, name, keys } => {
-                        for k in &keys {
-                            latest.insert(k.clone(), chunk);
-                        }
-                        chunks.insert(chunk, Chunk { number: chunk, round, name, keys, job: None });
-                    }
-                    Entry::Submitted { chunk, job } => {
-                        if let Some(c) = chunks.get_mut(&chunk) {
-                            c.job = Some(job);
-                        }
-                    }
-                }
-            }
-        }
+        let (chunks, latest, good_len) = match File::open(path) {
+            Ok(f) => Self::parse(BufReader::new(f)).map_err(|e| err(&e))?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Default::default(),
+            Err(e) => return Err(err(&e)),
+        };
         let file = OpenOptions::new().create(true).append(true).open(path).map_err(|e| err(&e))?;
         file.set_len(good_len).map_err(|e| err(&e))?;
         Ok(Self { path: path.to_path_buf(), file, chunks, latest })
@@ -180,6 +202,7 @@ mod tests {
         }
         // A torn line at the end (killed while appending).
         std::fs::OpenOptions::new().append(true).open(&path).unwrap().write_all(b"{\"chunk\":3,\"ro").unwrap();
+        assert_eq!(Ledger::read(&path).unwrap().len(), 3);
         let l = Ledger::open(&path, false).unwrap();
         let chunks: Vec<&Chunk> = l.chunks().collect();
         assert_eq!(chunks.len(), 3);

@@ -176,12 +176,14 @@ pub async fn run(
             },
         };
         match job {
+            // Rounds count from this call: records an earlier job left unanswered (or that
+            // `--retry-errors` brings back) get follow-up jobs again.
             Some(job) => {
                 tracing::info!("re-attached to job {} ({} records still open)", job.id, keys.len());
                 reattached += 1;
-                active.push(Active { chunk: number, job, keys, round: chunk.round, status: None });
+                active.push(Active { chunk: number, job, keys, round: 0, status: None });
             }
-            None => next_round.entry(chunk.round).or_default().extend(keys),
+            None => next_round.entry(0).or_default().extend(keys),
         }
     }
     let mut report = |active: &[Active], settled: u64| {
@@ -213,6 +215,10 @@ pub async fn run(
             for chunk_keys in split(api, &pending, keys)? {
                 let (keys, lines): (Vec<String>, Vec<Vec<u8>>) = chunk_keys.into_iter().unzip();
                 let count = keys.len();
+                // Nothing more is submitted once the caller has stopped (a first Ctrl-C).
+                if cancel.is_cancelled() {
+                    return Err(BatchError::Cancelled);
+                }
                 let name = format!("{}-c{}", settings.name_prefix, ledger.next_number());
                 let chunk = ledger.plan(round, name.clone(), keys.clone())?;
                 let body = lines.concat();
@@ -230,7 +236,21 @@ pub async fn run(
         let mut wait = settings.poll_first;
         while !active.is_empty() {
             for a in active.iter_mut() {
-                a.status = Some(with_tries(settings.api_tries, cancel, || api.status(&a.job)).await?);
+                a.status = match with_tries(settings.api_tries, cancel, || api.status(&a.job)).await {
+                    // A job the provider does not know (any more): gone, with nothing answered;
+                    // its records go to a follow-up job.
+                    Err(BatchError::Api(e)) if e.kind == ErrorKind::BadRequest => {
+                        tracing::warn!("job {} is unknown to the provider ({e}); its records are sent again", a.job.id);
+                        Some(JobStatus {
+                            state: JobState::Failed,
+                            total: 0,
+                            completed: 0,
+                            failed: 0,
+                            message: Some(e.message),
+                        })
+                    }
+                    other => Some(other?),
+                };
             }
             let mut i = 0;
             while i < active.len() {
@@ -241,7 +261,11 @@ pub async fn run(
                 }
                 let a = active.swap_remove(i);
                 let status = a.status.clone().expect("polled");
-                let results = with_tries(settings.api_tries, cancel, || api.results(&a.job)).await?;
+                let results = if status.total == 0 && status.state == JobState::Failed {
+                    Vec::new()
+                } else {
+                    with_tries(settings.api_tries, cancel, || api.results(&a.job)).await?
+                };
                 let mut answered: HashMap<String, Result<ModelResponse, ModelError>> = results.into_iter().collect();
                 for key in a.keys {
                     // A record finished by a later job, or not open in this run, is left alone.

@@ -222,7 +222,8 @@ fn usage(v: &Value) -> Usage {
     let n = |k: &str| u.and_then(|u| u.get(k)).and_then(Value::as_u64).unwrap_or(0);
     Usage {
         prompt_tokens: n("promptTokenCount"),
-        output_tokens: n("candidatesTokenCount"),
+        // Thinking models (gemini-2.5-*) bill their thoughts as output tokens.
+        output_tokens: n("candidatesTokenCount") + n("thoughtsTokenCount"),
         total_tokens: n("totalTokenCount"),
     }
 }

@@ -130,9 +130,10 @@ fn openai_result(line: &[u8]) -> Option<JobResult> {
     if let Some(err) = v.get("error").filter(|e| !e.is_null()) {
         let code = err.get("code").and_then(Value::as_str).unwrap_or("error");
         let message = err.get("message").and_then(Value::as_str).unwrap_or("");
-        // `batch_expired`, `batch_cancelled`: not tried, so it may be tried again.
-        let kind = if code.starts_with("batch_") { ErrorKind::Aborted } else { ErrorKind::Server };
-        return Some((key, Err(ModelError::new(kind, clip(&format!("{code}: {message}"))))));
+        // `batch_expired`, `batch_cancelled`: not tried. A retryable kind, so that it goes to a
+        // follow-up job, and if none is left, to an error row that a later run tries again
+        // (never `aborted`, whose rows a resumable run does not write).
+        return Some((key, Err(ModelError::new(ErrorKind::Server, clip(&format!("not run: {code}: {message}"))))));
     }
     let response = v.get("response")?;
     let status = response.get("status_code").and_then(Value::as_u64).unwrap_or(0) as u16;
@@ -465,7 +466,7 @@ mod tests {
         assert_eq!(openai_result(limited).unwrap().1.unwrap_err().kind, ErrorKind::RateLimited);
         let expired =
             br#"{"custom_id":"k3","response":null,"error":{"code":"batch_expired","message":"not done in time"}}"#;
-        assert_eq!(openai_result(expired).unwrap().1.unwrap_err().kind, ErrorKind::Aborted);
+        assert_eq!(openai_result(expired).unwrap().1.unwrap_err().kind, ErrorKind::Server);
         assert!(openai_result(b"{not json").is_none());
     }
 }

@@ -392,8 +392,9 @@ pub fn connect_jobs(
 ) -> Result<Arc<dyn weir_core::JobApi>, ProviderError> {
     let client = http::client()?;
     let limit = |mut l: weir_core::JobLimits| {
+        // Only ever lower than the provider's own limit.
         if let Some(n) = max_requests {
-            l.max_lines = n.max(1);
+            l.max_lines = n.clamp(1, l.max_lines);
         }
         l
     };

@@ -358,6 +358,13 @@ impl Jobs {
         self.lock().answered
     }
 
+    /// Zeroes the counts (`POST /stats/reset`); jobs and files stay.
+    pub fn reset_counts(&self) {
+        let mut g = self.lock();
+        g.submitted = 0;
+        g.answered = 0;
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }

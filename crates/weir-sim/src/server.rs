@@ -197,6 +197,7 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Bo
         }
         (&Method::POST, "/stats/reset") => {
             state.stats.reset();
+            state.jobs.reset_counts();
             return Ok(json_reply(200, &[], &json!({"reset": true})));
         }
         (&Method::GET, "/healthz") => return Ok(full(200, &[], "text/plain", "ok")),

@@ -65,7 +65,8 @@ fn connect(model: &str, base_url: &Option<String>) -> anyhow::Result<std::sync::
     weir_providers::connect_jobs(&spec, &options, &env, None).map_err(|e| UsageError(e.to_string()).into())
 }
 
-/// The ledgers of the runs `t` names.
+/// The ledgers of the runs `t` names: the one of its `--output` (named as `weir run` names it,
+/// for a file or a table output), or every one in the state directory.
 fn ledgers(t: &Target) -> anyhow::Result<Vec<PathBuf>> {
     let dir = match (&t.state, &t.output) {
         (Some(d), _) => d.clone(),
@@ -74,16 +75,35 @@ fn ledgers(t: &Target) -> anyhow::Result<Vec<PathBuf>> {
         (None, None) => unreachable!("clap requires one"),
     };
     let runs = dir.join("runs");
-    let name = t.output.as_deref().map(|o| o.trim_end_matches('/').rsplit('/').next().unwrap_or(o).to_string());
-    let mut found: Vec<PathBuf> = std::fs::read_dir(&runs)
-        .with_context(|| format!("no batch runs in {} (is it the run's state directory?)", dir.display()))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| {
-            let f = p.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
-            f.ends_with(".jobs.jsonl") && name.as_ref().is_none_or(|n| f.starts_with(n.as_str()))
-        })
-        .collect();
-    found.sort();
+    if !runs.is_dir() {
+        return Err(UsageError(format!(
+            "no batch runs in {} (give the run's --output, and --state if the run had one)",
+            dir.display()
+        ))
+        .into());
+    }
+    let found: Vec<PathBuf> = match &t.output {
+        Some(o) => {
+            let path = std::path::Path::new(o.trim_end_matches('/'));
+            let base = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+            let beside = weir_io::state::default_dir(path);
+            let shared = weir_io::paths::file_id(&beside).ok() != weir_io::paths::file_id(&dir).ok();
+            let mut names = vec![if shared { weir_io::state::shared_name(path, &base) } else { base }];
+            if let Ok(location) = weir_tables::Location::parse(o) {
+                names.push(weir::pipeline::table_state_name(&location));
+            }
+            names.iter().map(|n| runs.join(format!("{n}.jobs.jsonl"))).filter(|p| p.is_file()).collect()
+        }
+        None => {
+            let mut all: Vec<PathBuf> = std::fs::read_dir(&runs)
+                .with_context(|| format!("cannot read {}", runs.display()))?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.to_string_lossy().ends_with(".jobs.jsonl"))
+                .collect();
+            all.sort();
+            all
+        }
+    };
     if found.is_empty() {
         return Err(UsageError(format!(
             "no batch jobs recorded in {} for {}; was the run made with --mode batch?",
@@ -101,6 +121,14 @@ pub async fn run(args: BatchArgs) -> anyhow::Result<u8> {
         Action::Status(t) => each_job(&t, false).await,
         Action::Cancel(t) => each_job(&t, true).await,
         Action::Fetch(f) => {
+            let plain = |c: char| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | '/' | ':');
+            if f.job.is_empty() || f.job.contains("..") || !f.job.chars().all(plain) {
+                return Err(UsageError(format!(
+                    "--job '{}': not a job id (as `weir batch status` shows them: batch_…, batches/…)",
+                    f.job
+                ))
+                .into());
+            }
             let api = connect(&f.model, &f.base_url)?;
             let job = JobRef { id: f.job.clone(), file: None };
             let status = api.status(&job).await.map_err(|e| anyhow::anyhow!("job {}: {e}", f.job))?;
@@ -127,12 +155,15 @@ pub async fn run(args: BatchArgs) -> anyhow::Result<u8> {
     }
 }
 
+/// Status (and cancel) of each job; exit 1 when the provider could not be asked about one.
 async fn each_job(t: &Target, cancel: bool) -> anyhow::Result<u8> {
     let api = connect(&t.model, &t.base_url)?;
+    let mut failed = false;
     for path in ledgers(t)? {
-        let ledger = weir_batch::Ledger::open(&path, false).map_err(|e| anyhow::anyhow!(e))?;
+        // Read only: the run may be appending to it.
+        let chunks = weir_batch::Ledger::read(&path).map_err(|e| anyhow::anyhow!(e))?;
         println!("{}:", path.display());
-        for chunk in ledger.chunks() {
+        for chunk in &chunks {
             let Some(job) = &chunk.job else {
                 println!(
                     "  chunk {}: {} records, not recorded as submitted (name {})",
@@ -146,6 +177,7 @@ async fn each_job(t: &Target, cancel: bool) -> anyhow::Result<u8> {
                 Ok(s) => s,
                 Err(e) => {
                     println!("  {}: cannot ask the provider: {e}", job.id);
+                    failed = true;
                     continue;
                 }
             };
@@ -165,11 +197,14 @@ async fn each_job(t: &Target, cancel: bool) -> anyhow::Result<u8> {
             if cancel && !status.state.is_terminal() {
                 match api.cancel(job).await {
                     Ok(()) => line.push_str(" — cancel requested"),
-                    Err(e) => line.push_str(&format!(" — cancel failed: {e}")),
+                    Err(e) => {
+                        failed = true;
+                        line.push_str(&format!(" — cancel failed: {e}"))
+                    }
                 }
             }
             println!("{line}");
         }
     }
-    Ok(0)
+    Ok(u8::from(failed))
 }

@@ -161,6 +161,14 @@ async fn drive(work: impl futures::Stream<Item = Work> + Send + 'static, run: Jo
                     let _ = tx.send(Ok(Outcome::Failure(f)));
                     return stop(&mut records, ErrorKind::Aborted, message);
                 }
+                // Nothing can be reached, or the driver stopped the run for another reason.
+                outcome if driver.is_stopped() => {
+                    let reason = driver.stop_reason();
+                    let kind = reason.as_ref().map_or(ErrorKind::Aborted, |r| r.kind);
+                    let message = reason.map(|r| r.message).unwrap_or_default();
+                    let _ = tx.send(Ok(outcome));
+                    return stop(&mut records, kind, format!("no job was submitted: {message}"));
+                }
                 outcome => {
                     items.remove(0);
                     tally.lock().unwrap_or_else(|e| e.into_inner()).online += 1;
@@ -236,7 +244,17 @@ async fn drive(work: impl futures::Stream<Item = Work> + Send + 'static, run: Jo
                 }
             }
         }
-        Err(BatchError::Cancelled) => stop(&mut records, ErrorKind::Aborted, "interrupted".into()),
+        Err(BatchError::Cancelled) => {
+            let running = ledger.chunks().filter(|c| c.job.is_some()).count() as u64;
+            tally.lock().unwrap_or_else(|e| e.into_inner()).jobs = running;
+            if running > 0 {
+                eprintln!(
+                    "weir: interrupted; the batch jobs go on at the provider (and are charged): run the same command \
+                     again to collect them, or `weir batch cancel` them"
+                );
+            }
+            stop(&mut records, ErrorKind::Aborted, "interrupted".into())
+        }
         Err(BatchError::Api(e)) => stop(&mut records, e.kind, format!("batch jobs: {}", e.message)),
         Err(e @ BatchError::Ledger(_)) => stop(&mut records, ErrorKind::Server, e.to_string()),
     }

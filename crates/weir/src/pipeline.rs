@@ -386,7 +386,7 @@ pub async fn run(
             if settings.state == StateMode::Off {
                 return Err(RunError::Usage(
                     "--mode batch records its jobs in the state directory, so that a stopped run re-attaches to them \
-                     instead of paying twice; drop --no-state"
+                     instead of paying twice: it needs --output to a file (not -) and no --no-state"
                         .into(),
                 ));
             }
@@ -698,9 +698,16 @@ pub async fn run(
         (Some(b), Some(api)) if b.auto_min_records.is_some() => {
             let min = b.auto_min_records.unwrap_or(0);
             let known = if total.is_none() { count()? } else { total };
-            let earlier_jobs =
-                resuming && jobs_ledger.as_ref().is_some_and(|p| std::fs::metadata(p).is_ok_and(|m| m.len() > 0));
-            let large = known.is_some_and(|n| n >= min);
+            let earlier_jobs = resuming && jobs_ledger.as_deref().is_some_and(has_jobs);
+            // A server without the Batch API (vLLM's OpenAI server, say) answers its routes 404.
+            let available = match api.find("weir-probe").await {
+                Err(e) if e.kind == ErrorKind::BadRequest => {
+                    tracing::info!("--mode auto: no batch jobs at this endpoint ({e})");
+                    false
+                }
+                _ => true,
+            };
+            let large = available && known.is_some_and(|n| n >= min);
             if settings.progress || large || earlier_jobs {
                 let how = if large || earlier_jobs { "batch jobs" } else { "online calls" };
                 let n = known.map_or("a stream of".to_string(), crate::report::thousands);
@@ -710,6 +717,14 @@ pub async fn run(
                 );
             }
             (large || earlier_jobs).then_some(api)
+        }
+        (None, _) if resuming && jobs_ledger.as_deref().is_some_and(has_jobs) => {
+            return Err(RunError::Usage(
+                "an earlier run of this command submitted batch jobs, which hold its records: resume with \
+                 --mode batch (it re-attaches to them), or start over with --fresh (and `weir batch cancel` the \
+                 old jobs)"
+                    .into(),
+            ))
         }
         (_, api) => api,
     };
@@ -1048,7 +1063,7 @@ fn announce_resume(recovered: &state::Recovered, total: Option<u64>) {
 
 /// The name of a table output's state: its last path component and a digest of where it is
 /// (the store, the bucket and the absolute path, however the command spelled it).
-fn table_state_name(results: &weir_tables::Location) -> String {
+pub fn table_state_name(results: &weir_tables::Location) -> String {
     use sha2::{Digest, Sha256};
     let base = results.path.filename().unwrap_or("output").to_string();
     let digest = Sha256::digest(format!("{:?}\n{}\n{}", results.scheme, results.bucket, results.path).as_bytes());
@@ -1123,4 +1138,9 @@ async fn on_a_worker<T: Send + 'static>(call: impl std::future::Future<Output = 
         // Only this handle can cancel the task, and it is being awaited.
         Err(e) => unreachable!("a call's task was cancelled while awaited: {e}"),
     }
+}
+
+/// Whether the job ledger at `path` records a submitted job.
+fn has_jobs(path: &std::path::Path) -> bool {
+    weir_batch::Ledger::read(path).is_ok_and(|chunks| chunks.iter().any(|c| c.job.is_some()))
 }

@@ -152,17 +152,48 @@ async fn expired_jobs_keep_their_answers_and_the_rest_go_online() {
     assert_eq!(stats.successes, 201, "{err}");
     assert!(err.contains("199 records settled by them, 201 online"), "{err}");
 
-    // Without the fallback, the unanswered half are error rows that may succeed later.
-    let dir = Dir::new("batch-expired-nofallback");
-    let (data, ids) = prompts(100);
-    let input = dir.write("in.jsonl", &data);
-    let o = batch_run(&sim, "gemini/gemini-2.5-flash", &dir, &input, &["--job-rounds", "2"]).await;
-    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
-    let (results, errors) = (rows(&dir.path("out.jsonl")), rows(&dir.path("out.errors.jsonl")));
-    assert_each_id_once(&ids, &results, &errors);
-    // The first online, then two rounds, each answering half of what it got: 1 + 49 + 25.
-    assert_eq!(results.len(), 75);
-    assert!(errors.iter().all(|e| e["retryable"] == true), "{}", errors[0]);
+    // Without the fallback, the unanswered half are error rows that may succeed later (OpenAI
+    // reports them as `batch_expired` results, Gemini leaves them out), and --retry-errors
+    // sends them in new jobs.
+    for model in ["gemini/gemini-2.5-flash", "openai/gpt-4o-mini"] {
+        let dir = Dir::new(&format!("batch-expired-nofallback-{}", &model[..6]));
+        let (data, ids) = prompts(100);
+        let input = dir.write("in.jsonl", &data);
+        let o = batch_run(&sim, model, &dir, &input, &["--job-rounds", "2"]).await;
+        assert_eq!(o.status.code(), Some(1), "{model}: {}", stderr(&o));
+        let (results, errors) = (rows(&dir.path("out.jsonl")), rows(&dir.path("out.errors.jsonl")));
+        assert_each_id_once(&ids, &results, &errors);
+        // The first online, then two rounds, each answering half of what it got: 1 + 49 + 25.
+        assert_eq!(results.len(), 75, "{model}");
+        assert!(errors.iter().all(|e| e["retryable"] == true), "{}", errors[0]);
+        let jobs = sim.stats().batch_jobs;
+        let o = batch_run(&sim, model, &dir, &input, &["--job-rounds", "2", "--retry-errors"]).await;
+        assert_eq!(o.status.code(), Some(1), "{model}: {}", stderr(&o));
+        let (results, errors) = (rows(&dir.path("out.jsonl")), rows(&dir.path("out.errors.jsonl")));
+        assert_each_id_once(&ids, &results, &errors);
+        // Rounds count from this run: the earlier job it re-attaches to, then one new job, which
+        // answers half of the 25.
+        assert_eq!(results.len(), 75 + 12, "{model}: {}", stderr(&o));
+        assert_eq!(sim.stats().batch_jobs, jobs + 1, "{model}");
+        // An online run of a command whose jobs hold records is refused, not paid twice.
+        let o = run(&[
+            "run",
+            "--model",
+            model,
+            "--input",
+            input.to_str().unwrap(),
+            "--output",
+            dir.path("out.jsonl").to_str().unwrap(),
+            "--id-field",
+            "key",
+            "--base-url",
+            &if model.starts_with("openai") { format!("{}/v1", sim.url()) } else { sim.url() },
+            "--retry-errors",
+        ])
+        .await;
+        assert_eq!(o.status.code(), Some(2), "{model}: {}", stderr(&o));
+        assert!(stderr(&o).contains("resume with --mode batch"), "{}", stderr(&o));
+    }
     sim.shutdown().await;
 }
 
@@ -268,15 +299,19 @@ async fn batch_mode_refusals_are_usage_errors() {
         (vec!["--model", "sim/demo", "--mode", "batch"], "start `weir sim`"),
         (
             vec!["--model", "gemini/x", "--base-url", "http://127.0.0.1:9", "--mode", "batch", "--no-state"],
-            "drop --no-state",
+            "and no --no-state",
         ),
+        (vec!["--model", "gemini/x", "--base-url", "http://127.0.0.1:9", "--mode", "batch", "--output", "-"], "not -"),
         (vec!["--model", "sim/demo", "--fallback", "online"], "add --mode batch"),
         (
             vec!["--model", "gemini/x", "--base-url", "http://127.0.0.1:9", "--mode", "batch", "--poll-secs", "0"],
             "--poll-secs",
         ),
     ] {
-        let mut full = vec!["run", "--input", i, "--output", o];
+        let mut full = vec!["run", "--input", i];
+        if !args.contains(&"--output") {
+            full.extend(["--output", o]);
+        }
         full.extend(args.iter().copied());
         let r = run(&full).await;
         assert_eq!(r.status.code(), Some(2), "{args:?}: {}", stderr(&r));
