@@ -178,6 +178,7 @@ async fn drive(work: impl futures::Stream<Item = Work> + Send + 'static, run: Jo
         }
     }
     let since = Instant::now();
+    let first_new = ledger.next_number();
     let result = {
         let mut last = (String::new(), Instant::now() - Duration::from_secs(3600));
         let mut on_progress = |p: &weir_batch::Progress| {
@@ -246,7 +247,12 @@ async fn drive(work: impl futures::Stream<Item = Work> + Send + 'static, run: Jo
         }
         Err(BatchError::Cancelled) => {
             let running = ledger.chunks().filter(|c| c.job.is_some()).count() as u64;
-            tally.lock().unwrap_or_else(|e| e.into_inner()).jobs = running;
+            let now = ledger.chunks().filter(|c| c.job.is_some() && c.number >= first_new).count() as u64;
+            {
+                let mut t = tally.lock().unwrap_or_else(|e| e.into_inner());
+                t.jobs = running;
+                t.submitted_now = now;
+            }
             if running > 0 {
                 eprintln!(
                     "weir: interrupted; the batch jobs go on at the provider (and are charged): run the same command \
