@@ -806,17 +806,11 @@ pub async fn run(
                                             _ => None,
                                         })
                                         .collect();
-                                    on_a_worker(async move { d.run_batch(records).await })
-                                        .await
-                                        .into_iter()
-                                        .map(Ok)
-                                        .collect()
+                                    d.run_batch(records).await.into_iter().map(Ok).collect()
                                 }
                                 // Anything else comes alone.
                                 _ => match batch.pop() {
-                                    Some(Routed::Call(d, record, _)) => {
-                                        vec![Ok(on_a_worker(async move { d.run(record).await }).await)]
-                                    }
+                                    Some(Routed::Call(d, record, _)) => vec![Ok(d.run(record).await)],
                                     Some(Routed::Done(failure)) => vec![Ok(driver.reject(failure))],
                                     Some(Routed::ReadError(e)) => vec![Err(e)],
                                     None => Vec::new(),
@@ -1124,20 +1118,6 @@ fn own_paths(settings: &RunSettings) -> Vec<String> {
         own.extend(full(&d.to_string_lossy()));
     }
     own
-}
-
-/// Runs a call as a task of its own, so that building its request, the cache look-up and
-/// parsing its answer use every worker thread: polled inside the run's one stream, every
-/// call's work ran on the thread that drives the run, which saturated one core while the
-/// others waited (perf, 2*10^5 records at zero latency). The task is aborted if the run stops
-/// waiting for it (a drain deadline), as the call was when it lived inside the stream.
-async fn on_a_worker<T: Send + 'static>(call: impl std::future::Future<Output = T> + Send + 'static) -> T {
-    match tokio_util::task::AbortOnDropHandle::new(tokio::spawn(call)).await {
-        Ok(out) => out,
-        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-        // Only this handle can cancel the task, and it is being awaited.
-        Err(e) => unreachable!("a call's task was cancelled while awaited: {e}"),
-    }
 }
 
 /// Whether the job ledger at `path` records a submitted job.
