@@ -57,6 +57,12 @@ pub struct Ledger {
 }
 
 impl Ledger {
+    /// Where the ledger of the run named `run` (its state's name) is in state directory `dir`:
+    /// `weir run` writes it there and `weir batch` reads it there.
+    pub fn path_in(dir: &Path, run: &str) -> PathBuf {
+        dir.join("runs").join(format!("{run}.jobs.jsonl"))
+    }
+
     /// Reads the ledger at `path` without writing to it (another process may be appending): its
     /// chunks, in order; none when there is no ledger.
     pub fn read(path: &Path) -> Result<Vec<Chunk>, LedgerError> {

@@ -314,6 +314,20 @@ pub fn default_dir(output: &Path) -> PathBuf {
     crate::paths::parent_dir(output).join(".weir")
 }
 
+/// The name of a file output's state in state directory `dir`: its file name in the default
+/// `.weir/` beside it, where that is unique; in a directory shared by outputs of several
+/// directories (`--state`), which must tell `a/r.jsonl` from `b/r.jsonl`, with a digest of the
+/// output's full path ([`shared_name`]).
+pub fn output_state_name(output: &Path, dir: &Path) -> String {
+    let base = output.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "output".into());
+    let beside = default_dir(output);
+    if crate::paths::file_id(&beside).ok() != crate::paths::file_id(dir).ok() {
+        shared_name(output, &base)
+    } else {
+        base
+    }
+}
+
 /// The name of an output's state in a state directory shared by outputs of several
 /// directories: its file name and a digest of its full path (`r.jsonl-3f2a9c1b7d04`).
 pub fn shared_name(output: &Path, base: &str) -> String {

@@ -85,14 +85,11 @@ fn ledgers(t: &Target) -> anyhow::Result<Vec<PathBuf>> {
     let found: Vec<PathBuf> = match &t.output {
         Some(o) => {
             let path = std::path::Path::new(o.trim_end_matches('/'));
-            let base = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-            let beside = weir_io::state::default_dir(path);
-            let shared = weir_io::paths::file_id(&beside).ok() != weir_io::paths::file_id(&dir).ok();
-            let mut names = vec![if shared { weir_io::state::shared_name(path, &base) } else { base }];
+            let mut names = vec![weir_io::state::output_state_name(path, &dir)];
             if let Ok(location) = weir_tables::Location::parse(o) {
                 names.push(weir::pipeline::table_state_name(&location));
             }
-            names.iter().map(|n| runs.join(format!("{n}.jobs.jsonl"))).filter(|p| p.is_file()).collect()
+            names.iter().map(|n| weir_batch::Ledger::path_in(&dir, n)).filter(|p| p.is_file()).collect()
         }
         None => {
             let mut all: Vec<PathBuf> = std::fs::read_dir(&runs)

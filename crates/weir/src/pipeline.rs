@@ -455,7 +455,7 @@ pub async fn run(
                 if resuming && input_file.is_none() && table_input.is_none() && !settings.resume_stream {
                     return Err(stream_resume_refused(&t.results.display, &input_name));
                 }
-                jobs_ledger = Some(dir.join("runs").join(format!("{name}.jobs.jsonl")));
+                jobs_ledger = Some(weir_batch::Ledger::path_in(dir, &name));
                 let path = dir.join("runs").join(format!("{name}.journal"));
                 let (j, c) = weir_tables::Journal::open(&path, !resuming)
                     .map_err(|e| RunError::Fatal(format!("the journal {}: {e}", path.display())))?;
@@ -494,18 +494,12 @@ pub async fn run(
             journaled
         }
         (StateMode::Dir(dir), OutputPath::File(out), OutputPath::File(errs)) => {
-            let base = out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "output".into());
-            // In the default `.weir/` beside the output, the file name is unique. A state
-            // directory shared by outputs in several directories (`--state`) must tell
-            // `a/r.jsonl` from `b/r.jsonl`: the name carries a digest of the output's full path.
-            let beside = state::default_dir(out);
-            let shared = weir_io::paths::file_id(&beside).ok() != weir_io::paths::file_id(dir).ok();
-            let name = if shared { state::shared_name(out, &base) } else { base };
+            let name = state::output_state_name(out, dir);
             let id = identity(&settings, input_file.as_deref(), table_input.as_ref())?;
             let (sd, resume) =
                 state::open(dir, &name, &id, settings.fresh).map_err(|e| RunError::Usage(e.to_string()))?;
             resuming = resume;
-            jobs_ledger = Some(dir.join("runs").join(format!("{name}.jobs.jsonl")));
+            jobs_ledger = Some(weir_batch::Ledger::path_in(dir, &name));
             if resuming && input_file.is_none() && table_input.is_none() && !settings.resume_stream {
                 return Err(stream_resume_refused(&out.display().to_string(), &input_name));
             }
