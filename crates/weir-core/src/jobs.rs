@@ -128,3 +128,23 @@ pub trait JobApi: Send + Sync {
     /// read. Failing to do so is not an error of the run.
     async fn clean_up(&self, _job: &JobRef) {}
 }
+
+/// Object storage where jobs whose provider reads input from a bucket (Vertex AI reads
+/// `gs://`) are staged: weir writes each job's input there and reads the output directory the
+/// provider writes. Kept apart from the providers so that they need no storage client of their
+/// own; `weir-tables` implements it over `object_store`.
+#[async_trait::async_trait]
+pub trait JobStaging: Send + Sync {
+    /// The URL (`gs://bucket/prefix/name`) of `name` under the staging prefix.
+    fn url_of(&self, name: &str) -> String;
+
+    /// Writes `data` as `name` under the staging prefix.
+    async fn put(&self, name: &str, data: Vec<u8>) -> Result<(), ModelError>;
+
+    /// The contents of every object under the directory `url` (which the provider named), in
+    /// name order.
+    async fn read_dir(&self, url: &str) -> Result<Vec<Vec<u8>>, ModelError>;
+
+    /// Deletes the object `url`. Failing to is not an error of the run.
+    async fn delete(&self, url: &str);
+}

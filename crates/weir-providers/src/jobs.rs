@@ -1,10 +1,13 @@
 //! Batch-prediction job clients: the OpenAI Batch API (`/files` + `/batches`, also what vLLM's
-//! batch runner reads) and the Gemini API's batch mode (`:batchGenerateContent` with the
-//! requests inline). Requests are built by the online clients' own code, so a job asks exactly
+//! batch runner reads), the Gemini API's batch mode (`:batchGenerateContent` with the
+//! requests inline) and Vertex AI's `batchPredictionJobs` (JSONL staged in Cloud Storage). Requests are built by the online clients' own code, so a job asks exactly
 //! what an online call would; results are parsed and classified by it too.
 
 use serde_json::{json, Value};
-use weir_core::{ErrorKind, JobApi, JobLimits, JobRef, JobResult, JobState, JobStatus, ModelError, ModelRequest};
+use std::sync::Arc;
+use weir_core::{
+    ErrorKind, JobApi, JobLimits, JobRef, JobResult, JobStaging, JobState, JobStatus, ModelError, ModelRequest,
+};
 
 use crate::http::{clip, redact, Credential, Reply, Secret};
 use crate::{gemini, openai, GeminiHandler, OpenAiHandler};
@@ -15,6 +18,9 @@ pub const OPENAI_LIMITS: JobLimits = JobLimits { max_lines: 50_000, max_bytes: 2
 /// The Gemini API's limit for requests sent inline: under 20 MB per job. (Lines: no documented
 /// limit; 50,000 keeps a job's answer, which comes back inline too, of a sane size.)
 pub const GEMINI_LIMITS: JobLimits = JobLimits { max_lines: 50_000, max_bytes: 19 * 1000 * 1000 };
+
+/// Vertex AI's limits per Gemini batch job: 200,000 requests, and an input file of at most 1 GB.
+pub const VERTEX_LIMITS: JobLimits = JobLimits { max_lines: 200_000, max_bytes: 1000 * 1000 * 1000 };
 
 /// An error reading a job API's answer.
 fn malformed(what: &str) -> ModelError {
@@ -437,6 +443,214 @@ impl JobApi for GeminiJobs {
     }
 }
 
+/// Jobs of Vertex AI's `batchPredictionJobs` for a Gemini model: each job's input is written
+/// to the staging bucket as JSONL, and its output read from the directory Vertex AI writes.
+pub struct VertexJobs {
+    client: reqwest::Client,
+    /// `{base}/v1`: job names (`projects/…/batchPredictionJobs/ID`) follow it.
+    api: String,
+    /// `{base}/v1/projects/P/locations/L`.
+    site: String,
+    model: String,
+    model_id: String,
+    credential: Credential,
+    staging: Arc<dyn JobStaging>,
+    limits: JobLimits,
+}
+
+impl VertexJobs {
+    /// Jobs at `site` (`{base}/v1/projects/P/locations/L`) for the publisher model `model`,
+    /// staged in `staging`.
+    pub fn new(
+        client: reqwest::Client,
+        site: String,
+        model: &str,
+        credential: Credential,
+        staging: Arc<dyn JobStaging>,
+    ) -> Self {
+        let api = site.split("/projects/").next().unwrap_or(&site).to_string();
+        Self {
+            client,
+            api,
+            site,
+            model: model.to_string(),
+            model_id: format!("vertex_ai/{model}"),
+            credential,
+            staging,
+            limits: VERTEX_LIMITS,
+        }
+    }
+
+    /// Smaller jobs than the provider allows.
+    pub fn with_limits(mut self, limits: JobLimits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    async fn call(&self, post: Option<&Value>, url: &str) -> Result<Value, ModelError> {
+        let bytes = post.map(|b| bytes::Bytes::from(serde_json::to_vec(b).unwrap_or_default()));
+        let (reply, secret) = self
+            .credential
+            .send(|| match &bytes {
+                Some(body) => json_post(&self.client, url, body),
+                None => self.client.get(url),
+            })
+            .await?;
+        if reply.status != 200 {
+            return Err(refused(&reply, secret.as_ref(), gemini::classify_error));
+        }
+        json_of(&reply)
+    }
+
+    fn job_ref(v: &Value) -> Result<JobRef, ModelError> {
+        let name = v.get("name").and_then(Value::as_str).ok_or_else(|| malformed("a job without a name"))?;
+        let input = v.pointer("/inputConfig/gcsSource/uris/0").and_then(Value::as_str).map(str::to_string);
+        Ok(JobRef { id: name.to_string(), file: input })
+    }
+
+    /// The directory of a job's input and output in the staging bucket.
+    fn dir(name: &str) -> String {
+        format!("weir-jobs/{name}")
+    }
+}
+
+fn vertex_state(state: &str) -> JobState {
+    match state {
+        "JOB_STATE_QUEUED" | "JOB_STATE_PENDING" => JobState::Pending,
+        "JOB_STATE_SUCCEEDED" => JobState::Succeeded,
+        "JOB_STATE_PARTIALLY_SUCCEEDED" => JobState::PartiallySucceeded,
+        "JOB_STATE_FAILED" => JobState::Failed,
+        "JOB_STATE_CANCELLED" => JobState::Cancelled,
+        "JOB_STATE_EXPIRED" => JobState::Expired,
+        // Running, cancelling, updating, paused (a paused job may resume, so it is waited for).
+        _ => JobState::Running,
+    }
+}
+
+/// The `status` of a Vertex output line that failed (`"Bad Request: {json error}"`),
+/// classified by the HTTP code of the error it quotes; an unknown one may pass if tried again.
+fn vertex_item_error(status: &str) -> ModelError {
+    let quoted = status.find('{').and_then(|i| serde_json::from_str::<Value>(&status[i..]).ok());
+    let err = quoted.map(|v| v.get("error").cloned().unwrap_or(v));
+    match err.as_ref().and_then(|e| e.get("code")).and_then(Value::as_u64) {
+        Some(_) => gemini_item_error(err.as_ref().unwrap_or(&Value::Null)),
+        None => ModelError::new(ErrorKind::Server, format!("batch job: {}", clip(status))),
+    }
+}
+
+/// One line of a Vertex job's output: the echoed `key`, and the answer or the error.
+fn vertex_result(line: &[u8]) -> Option<JobResult> {
+    let v: Value = serde_json::from_slice(line).ok()?;
+    let key = v.get("key")?.as_str()?.to_string();
+    let status = v.get("status").and_then(Value::as_str).unwrap_or("");
+    let result = match v.get("response") {
+        Some(resp) if status.is_empty() && !resp.is_null() => {
+            gemini::parse_response(&serde_json::to_vec(resp).unwrap_or_default())
+        }
+        _ if !status.is_empty() => Err(vertex_item_error(status)),
+        _ => Err(malformed("a result with neither response nor status")),
+    };
+    Some((key, result))
+}
+
+#[async_trait::async_trait]
+impl JobApi for VertexJobs {
+    fn model_id(&self) -> &str {
+        &self.model_id
+    }
+
+    fn limits(&self) -> JobLimits {
+        self.limits
+    }
+
+    fn line(&self, key: &str, request: &ModelRequest) -> Result<Vec<u8>, ModelError> {
+        // Vertex echoes every key of an input line but `request` with its answer.
+        let line = json!({"key": key, "request": GeminiHandler::body(request)});
+        let mut bytes =
+            serde_json::to_vec(&line).map_err(|e| ModelError::new(ErrorKind::InvalidInput, e.to_string()))?;
+        bytes.push(b'\n');
+        Ok(bytes)
+    }
+
+    async fn submit(&self, name: &str, lines: Vec<u8>, _count: usize) -> Result<JobRef, ModelError> {
+        let input = format!("{}/input.jsonl", Self::dir(name));
+        self.staging.put(&input, lines).await?;
+        let body = json!({
+            "displayName": name,
+            "model": format!("publishers/google/models/{}", self.model),
+            "inputConfig": {"instancesFormat": "jsonl", "gcsSource": {"uris": [self.staging.url_of(&input)]}},
+            "outputConfig": {"predictionsFormat": "jsonl",
+                "gcsDestination": {"outputUriPrefix": self.staging.url_of(&format!("{}/output", Self::dir(name)))}},
+        });
+        let job = self.call(Some(&body), &format!("{}/batchPredictionJobs", self.site)).await?;
+        Self::job_ref(&job)
+    }
+
+    async fn find(&self, name: &str) -> Result<Option<JobRef>, ModelError> {
+        let mut token: Option<String> = None;
+        loop {
+            let mut url = format!("{}/batchPredictionJobs?pageSize=100", self.site);
+            if let Some(t) = &token {
+                url.push_str(&format!("&pageToken={t}"));
+            }
+            let page = self.call(None, &url).await?;
+            let jobs = page.get("batchPredictionJobs").and_then(Value::as_array);
+            for job in jobs.into_iter().flatten() {
+                if job.get("displayName").and_then(Value::as_str) == Some(name) {
+                    return Self::job_ref(job).map(Some);
+                }
+            }
+            match page.get("nextPageToken").and_then(Value::as_str).filter(|t| !t.is_empty()) {
+                Some(t) => token = Some(t.to_string()),
+                None => return Ok(None),
+            }
+        }
+    }
+
+    async fn status(&self, job: &JobRef) -> Result<JobStatus, ModelError> {
+        let v = self.call(None, &format!("{}/{}", self.api, job.id)).await?;
+        // int64 counts are JSON strings; an unknown incomplete count is -1.
+        let count = |k: &str| {
+            v.pointer(&format!("/completionStats/{k}"))
+                .and_then(|x| x.as_i64().or_else(|| x.as_str().and_then(|s| s.parse().ok())))
+                .map_or(0, |n| n.max(0) as u64)
+        };
+        let (completed, failed) = (count("successfulCount"), count("failedCount"));
+        Ok(JobStatus {
+            state: vertex_state(v.get("state").and_then(Value::as_str).unwrap_or("")),
+            total: completed + failed + count("incompleteCount"),
+            completed,
+            failed,
+            message: v.pointer("/error/message").and_then(Value::as_str).map(str::to_string),
+        })
+    }
+
+    async fn results(&self, job: &JobRef) -> Result<Vec<JobResult>, ModelError> {
+        let v = self.call(None, &format!("{}/{}", self.api, job.id)).await?;
+        // A job that wrote nothing (failed at once, cancelled early) has no output directory.
+        let Some(dir) = v.pointer("/outputInfo/gcsOutputDirectory").and_then(Value::as_str) else {
+            return Ok(Vec::new());
+        };
+        let mut out = Vec::new();
+        for file in self.staging.read_dir(dir).await? {
+            out.extend(file.split(|c| *c == b'\n').filter(|l| !l.is_empty()).filter_map(vertex_result));
+        }
+        Ok(out)
+    }
+
+    async fn cancel(&self, job: &JobRef) -> Result<(), ModelError> {
+        self.call(Some(&json!({})), &format!("{}/{}:cancel", self.api, job.id)).await.map(|_| ())
+    }
+
+    /// Deletes the staged input; the output directory stays (a run that stops before writing
+    /// its rows reads it again when resumed).
+    async fn clean_up(&self, job: &JobRef) {
+        if let Some(input) = &job.file {
+            self.staging.delete(input).await;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -455,6 +669,22 @@ mod tests {
         assert_eq!(file.len(), 40);
         let (_, ct) = multipart("batch", "a.jsonl", file.as_bytes());
         assert!(!ct.ends_with(&first));
+    }
+
+    #[test]
+    fn vertex_result_lines() {
+        let ok = br#"{"key":"a","status":"","processed_time":"1","request":{},"response":{"candidates":[{"content":{"parts":[{"text":"hi"}]},"finishReason":"STOP"}],"usageMetadata":{"promptTokenCount":3,"candidatesTokenCount":1}}}"#;
+        let (key, r) = vertex_result(ok).unwrap();
+        assert_eq!((key.as_str(), r.unwrap().text.as_str()), ("a", "hi"));
+        let bad = br#"{"key":"b","status":"Bad Request: {\"error\": {\"code\": 400, \"message\": \"no\", \"status\": \"INVALID_ARGUMENT\"}}","request":{}}"#;
+        let e = vertex_result(bad).unwrap().1.unwrap_err();
+        assert!(!e.kind.is_retryable(), "{e:?}");
+        let odd = br#"{"key":"c","status":"something broke","request":{}}"#;
+        let e = vertex_result(odd).unwrap().1.unwrap_err();
+        assert_eq!(e.kind, ErrorKind::Server);
+        assert!(vertex_result(br#"{"status":""}"#).is_none(), "a line without a key is not a result");
+        assert_eq!(vertex_state("JOB_STATE_PARTIALLY_SUCCEEDED"), JobState::PartiallySucceeded);
+        assert_eq!(vertex_state("JOB_STATE_PAUSED"), JobState::Running);
     }
 
     #[test]

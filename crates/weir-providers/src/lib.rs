@@ -389,6 +389,7 @@ pub fn connect_jobs(
     options: &ProviderOptions,
     env: &dyn Fn(&str) -> Option<String>,
     max_requests: Option<usize>,
+    staging: Option<Arc<dyn weir_core::JobStaging>>,
 ) -> Result<Arc<dyn weir_core::JobApi>, ProviderError> {
     let client = http::client()?;
     let limit = |mut l: weir_core::JobLimits| {
@@ -419,8 +420,22 @@ pub fn connect_jobs(
              openai/<model> with --base-url http://127.0.0.1:PORT (its batch APIs are served there)"
                 .into(),
         )),
-        Provider::Vertex | Provider::VertexEndpoint | Provider::Local => Err(ProviderError::Config(format!(
-            "--mode batch: {spec}: batch jobs are supported for openai/ and gemini/ models so far"
+        Provider::Vertex => {
+            let Some(staging) = staging else {
+                return Err(ProviderError::Config(
+                    "--mode batch: Vertex AI reads a job's input from Cloud Storage: give --job-bucket \
+                     gs://BUCKET/PREFIX (weir writes each job's input there, and Vertex AI its output)"
+                        .into(),
+                ));
+            };
+            let site = VertexSite::find(options, env)?;
+            check_name("model", &spec.model)?;
+            let credential = http::Credential::Tokens(site.tokens.clone());
+            let jobs = jobs::VertexJobs::new(client, site.root("v1"), &spec.model, credential, staging);
+            Ok(Arc::new(jobs.with_limits(limit(jobs::VERTEX_LIMITS))))
+        }
+        Provider::VertexEndpoint | Provider::Local => Err(ProviderError::Config(format!(
+            "--mode batch: {spec}: batch jobs are supported for openai/, gemini/ and vertex_ai/ models"
         ))),
     }
 }

@@ -43,11 +43,28 @@ struct Upload {
     parts: BTreeMap<u32, Bytes>,
 }
 
+/// The objects of every bucket. A simulator keeps one, so that its Vertex AI batch jobs read
+/// their input from, and write their output to, the bucket its GCS serves.
 #[derive(Default)]
-struct Store {
+pub(crate) struct Store {
     objects: Mutex<BTreeMap<(String, String), Object>>,
     uploads: Mutex<HashMap<String, Upload>>,
     counter: AtomicU64,
+}
+
+impl Store {
+    /// Writes (or replaces) an object.
+    pub(crate) fn put(&self, bucket: &str, name: &str, data: Bytes) {
+        let generation = self.counter.fetch_add(1, Ordering::Relaxed) + 1;
+        let o = Object { data, generation, updated: now() };
+        self.objects.lock().unwrap_or_else(|e| e.into_inner()).insert((bucket.to_string(), name.to_string()), o);
+    }
+
+    /// An object's content.
+    pub(crate) fn get(&self, bucket: &str, name: &str) -> Option<Bytes> {
+        let objects = self.objects.lock().unwrap_or_else(|e| e.into_inner());
+        objects.get(&(bucket.to_string(), name.to_string())).map(|o| o.data.clone())
+    }
 }
 
 /// A running in-memory GCS.
@@ -60,9 +77,13 @@ pub struct GcsServer {
 impl GcsServer {
     /// Starts one on `addr` (port 0 picks a free port).
     pub async fn start(addr: SocketAddr) -> io::Result<Self> {
+        Self::serve(addr, Arc::new(Store::default())).await
+    }
+
+    /// Serves `store` on `addr`.
+    pub(crate) async fn serve(addr: SocketAddr, store: Arc<Store>) -> io::Result<Self> {
         let listener = TcpListener::bind(addr).await?;
         let addr = listener.local_addr()?;
-        let store = Arc::new(Store::default());
         let (shutdown, rx) = watch::channel(false);
         let task = tokio::spawn(crate::server::accept_loop(listener, store, handle, rx));
         Ok(Self { addr, shutdown, task })
@@ -131,6 +152,11 @@ fn civil(days: i64) -> (i64, u32, u32) {
     let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
     let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
     (yoe + era * 400 + i64::from(m <= 2), m, d)
+}
+
+/// `secs` since the epoch as an RFC 3339 time, as Google's APIs write times.
+pub(crate) fn rfc3339_of(secs: u64) -> String {
+    rfc3339(secs)
 }
 
 fn rfc3339(secs: u64) -> String {

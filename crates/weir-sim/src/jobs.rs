@@ -1,5 +1,7 @@
-//! Batch-prediction jobs, as the OpenAI Batch API (`/v1/files`, `/v1/batches`) and the Gemini
-//! API's batch mode (`:batchGenerateContent` with inline requests, `/v1beta/batches`) run them:
+//! Batch-prediction jobs, as the OpenAI Batch API (`/v1/files`, `/v1/batches`), the Gemini
+//! API's batch mode (`:batchGenerateContent` with inline requests, `/v1beta/batches`) and
+//! Vertex AI (`…/locations/L/batchPredictionJobs`, JSONL read from and written to the
+//! simulator's GCS bucket, see [`crate::gcs`]) run them:
 //! a job is accepted, pending for a fifth of its time, running for the rest, then terminal.
 //! Answers are the same pure function of the request as online ones. Per-request failures
 //! (`batch.item_error_rate`, or a `[sim:error_500]` / `[sim:block_prompt]` in a prompt) come
@@ -12,6 +14,7 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use crate::config::SimConfig;
+use crate::gcs::Store;
 use crate::gen::{count_tokens, generate, stable_hash};
 use crate::proto::{self, Api, Ending};
 
@@ -20,6 +23,25 @@ use crate::proto::{self, Api, Ending};
 enum Kind {
     OpenAi,
     Gemini,
+    Vertex,
+}
+
+/// Where a Vertex AI job reads its input and writes its output.
+#[derive(Debug, Clone)]
+struct VertexIo {
+    /// The job's input lines as sent (Vertex echoes every key but `request` with the answer).
+    lines: Vec<Value>,
+    input_uri: String,
+    /// `gs://bucket/prefix` the output directory goes under.
+    output_prefix: String,
+    /// The directory written when the job ended.
+    output_dir: Option<String>,
+}
+
+/// `gs://bucket/name` → (bucket, name).
+fn gs_parts(uri: &str) -> Option<(&str, &str)> {
+    let rest = uri.strip_prefix("gs://")?;
+    Some(rest.split_once('/').unwrap_or((rest, "")))
 }
 
 /// One request's key and its answer body, or its error status and body.
@@ -41,6 +63,16 @@ struct Job {
     results: Option<Vec<ItemResult>>,
     output_file: Option<String>,
     error_file: Option<String>,
+    vertex: Option<VertexIo>,
+}
+
+/// A request to the job routes.
+pub(crate) struct JobRequest<'a> {
+    pub method: &'a str,
+    pub path: &'a str,
+    pub query: Option<&'a str>,
+    pub content_type: &'a str,
+    pub body: &'a [u8],
 }
 
 /// The simulator's files and jobs.
@@ -128,6 +160,7 @@ impl Job {
             results: None,
             output_file: None,
             error_file: None,
+            vertex: None,
         }
     }
 
@@ -155,6 +188,9 @@ impl Job {
     }
 
     fn state_name(&self, cfg: &SimConfig) -> &'static str {
+        if self.kind == Kind::Vertex {
+            return self.vertex_state(cfg);
+        }
         let openai = self.kind == Kind::OpenAi;
         let run = Self::run_secs(cfg);
         match () {
@@ -196,6 +232,21 @@ impl Job {
         }
     }
 
+    /// Vertex AI's names: a job with failed requests ends partially succeeded.
+    fn vertex_state(&self, cfg: &SimConfig) -> &'static str {
+        match () {
+            _ if self.cancelled_at.is_some() => "JOB_STATE_CANCELLED",
+            _ if self.terminal(cfg) && cfg.batch.expire => "JOB_STATE_EXPIRED",
+            _ if self.terminal(cfg) => match &self.results {
+                Some(r) if r.iter().any(|(_, x)| x.is_err()) => "JOB_STATE_PARTIALLY_SUCCEEDED",
+                _ => "JOB_STATE_SUCCEEDED",
+            },
+            _ if self.elapsed() < Self::run_secs(cfg) * 0.1 => "JOB_STATE_QUEUED",
+            _ if self.elapsed() < Self::run_secs(cfg) * 0.2 => "JOB_STATE_PENDING",
+            _ => "JOB_STATE_RUNNING",
+        }
+    }
+
     /// How many requests the job answers in the end (the first ones).
     fn answered_in_the_end(&self, cfg: &SimConfig) -> usize {
         let n = self.requests.len();
@@ -209,17 +260,48 @@ impl Job {
     }
 
     /// Computes the results once the job is terminal.
-    fn finish(&mut self, cfg: &SimConfig, files: &mut BTreeMap<String, Vec<u8>>, next: &mut u64) -> u64 {
+    fn finish(&mut self, cfg: &SimConfig, files: &mut BTreeMap<String, Vec<u8>>, next: &mut u64, gcs: &Store) -> u64 {
         if self.results.is_some() || !self.terminal(cfg) {
             return 0;
         }
         let answered = self.answered_in_the_end(cfg);
         let api = if self.kind == Kind::OpenAi { Api::OpenAi } else { Api::Gemini };
+        let model = self.model.clone();
         let results: Vec<_> = self.requests[..answered]
             .iter()
             .enumerate()
-            .map(|(i, (key, body))| (key.clone(), answer(cfg, api, &self.model, body, &self.id, i)))
+            .map(|(i, (key, body))| (key.clone(), answer(cfg, api, &model, body, &self.id, i)))
             .collect();
+        if let Some(v) = &mut self.vertex {
+            // One `predictions.jsonl` in a directory of its own under the output prefix, each
+            // line the input line with `response` or a `status` saying why it failed.
+            let mut out = Vec::new();
+            for ((line, _), (_, r)) in v.lines.iter().zip(&self.requests).zip(&results) {
+                let mut o = line.clone();
+                o["processed_time"] = json!(unix_now().to_string());
+                match r {
+                    Ok(body) => {
+                        o["status"] = json!("");
+                        o["response"] = body.clone();
+                    }
+                    Err((status, body)) => {
+                        let reason = if *status == 400 { "Bad Request" } else { "Internal Server Error" };
+                        o["status"] = json!(format!("{reason}: {body}"));
+                    }
+                }
+                out.extend_from_slice(o.to_string().as_bytes());
+                out.push(b'\n');
+            }
+            let dir = format!(
+                "{}/prediction-model-{}",
+                v.output_prefix.trim_end_matches('/'),
+                self.id.rsplit('/').next().unwrap_or("")
+            );
+            if let Some((bucket, name)) = gs_parts(&format!("{dir}/predictions_00001.jsonl")) {
+                gcs.put(bucket, name, out.into());
+            }
+            v.output_dir = Some(dir);
+        }
         if self.kind == Kind::OpenAi {
             let mut out = Vec::new();
             let mut err = Vec::new();
@@ -309,6 +391,59 @@ impl Job {
     }
 }
 
+impl Job {
+    fn vertex_view(&self, cfg: &SimConfig) -> Value {
+        let (total, ok, failed) = self.counts(cfg);
+        let state = self.state_name(cfg);
+        let v = self.vertex.as_ref();
+        let mut view = json!({"name": self.id, "displayName": self.name,
+            "model": format!("publishers/google/models/{}", self.model), "state": state,
+            "inputConfig": {"instancesFormat": "jsonl", "gcsSource": {"uris": [v.map(|v| v.input_uri.clone())]}},
+            "outputConfig": {"predictionsFormat": "jsonl",
+                "gcsDestination": {"outputUriPrefix": v.map(|v| v.output_prefix.clone())}},
+            "createTime": crate::gcs::rfc3339_of(self.created_unix),
+            "completionStats": {"successfulCount": ok.to_string(), "failedCount": failed.to_string(),
+                "incompleteCount": (total - ok - failed).to_string()}});
+        if let Some(dir) = v.and_then(|v| v.output_dir.clone()) {
+            view["outputInfo"] = json!({"gcsOutputDirectory": dir});
+        }
+        if self.cancelled_at.is_some() {
+            view["error"] = json!({"code": 1, "message": "CANCELED"});
+        }
+        view
+    }
+}
+
+impl Inner {
+    /// Counts a submitted job; its number.
+    fn next_job(&mut self) -> u64 {
+        self.next += 1;
+        self.submitted += 1;
+        self.next
+    }
+
+    /// Cancels job `id` if it has not ended, and finishes it (counting what it answered);
+    /// false if there is no such job.
+    fn cancel(&mut self, id: &str, cfg: &SimConfig, gcs: &Store) -> bool {
+        let Some(j) = self.jobs.get_mut(id) else { return false };
+        if !j.terminal(cfg) {
+            j.cancelled_at = Some(j.elapsed());
+        }
+        self.answered += j.finish(cfg, &mut self.files, &mut self.next, gcs);
+        true
+    }
+}
+
+/// The refusal of a job of more than `batch.max_requests` requests.
+fn over_limit(cfg: &SimConfig, n: usize) -> Option<String> {
+    (n > cfg.batch.max_requests as usize)
+        .then(|| format!("a job takes at most {} requests, this one has {n}", cfg.batch.max_requests))
+}
+
+fn vertex_error(status: u16, message: &str) -> Reply {
+    Reply::Json(status, proto::error(Api::Vertex, status, message).body)
+}
+
 /// The answer to one request of a job, as the online route would give it (no latency, no
 /// quota: a job has its own pool).
 fn answer(cfg: &SimConfig, api: Api, model: &str, body: &Value, job: &str, i: usize) -> Result<Value, (u16, Value)> {
@@ -370,21 +505,14 @@ impl Jobs {
     }
 
     /// Handles a request to the job routes, or `None` when the path is not one of them.
-    pub fn handle(
-        &self,
-        cfg: &SimConfig,
-        method: &str,
-        path: &str,
-        query: Option<&str>,
-        content_type: &str,
-        body: &[u8],
-    ) -> Option<Reply> {
+    pub(crate) fn handle(&self, cfg: &SimConfig, req: JobRequest<'_>, gcs: &Store) -> Option<Reply> {
+        let JobRequest { method, path, query, content_type, body } = req;
         let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
         let mut g = self.lock();
         let inner = &mut *g;
         // Bring every job whose time has come to its end.
         for job in inner.jobs.values_mut() {
-            inner.answered += job.finish(cfg, &mut inner.files, &mut inner.next);
+            inner.answered += job.finish(cfg, &mut inner.files, &mut inner.next, gcs);
         }
         let json_body = || serde_json::from_slice::<Value>(body).unwrap_or(Value::Null);
         Some(match (method, segs.as_slice()) {
@@ -433,19 +561,10 @@ impl Jobs {
                     model = body.get("model").and_then(Value::as_str).unwrap_or("").to_string();
                     requests.push((key.to_string(), body.clone()));
                 }
-                if requests.len() > cfg.batch.max_requests as usize {
-                    return Some(openai_error(
-                        400,
-                        &format!(
-                            "a batch takes at most {} requests, this file has {}",
-                            cfg.batch.max_requests,
-                            requests.len()
-                        ),
-                    ));
+                if let Some(m) = over_limit(cfg, requests.len()) {
+                    return Some(openai_error(400, &m));
                 }
-                inner.next += 1;
-                inner.submitted += 1;
-                let id = format!("batch_{}", inner.next);
+                let id = format!("batch_{}", inner.next_job());
                 let name = b.pointer("/metadata/weir_job").and_then(Value::as_str).unwrap_or("").to_string();
                 let job = Job::new(Kind::OpenAi, id.clone(), name, model, Some(file.to_string()), requests);
                 let view = job.openai_view(cfg);
@@ -469,15 +588,9 @@ impl Jobs {
                 Some(j) => Reply::Json(200, j.openai_view(cfg)),
                 None => openai_error(404, &format!("No such Batch object: {id}")),
             },
-            ("POST", ["v1", "batches", id, "cancel"]) => match inner.jobs.get_mut(*id) {
-                Some(j) => {
-                    if !j.terminal(cfg) {
-                        j.cancelled_at = Some(j.elapsed());
-                    }
-                    inner.answered += j.finish(cfg, &mut inner.files, &mut inner.next);
-                    Reply::Json(200, j.openai_view(cfg))
-                }
-                None => openai_error(404, &format!("No such Batch object: {id}")),
+            ("POST", ["v1", "batches", id, "cancel"]) => match inner.cancel(id, cfg, gcs) {
+                true => Reply::Json(200, inner.jobs[*id].openai_view(cfg)),
+                false => openai_error(404, &format!("No such Batch object: {id}")),
             },
             // ---- Gemini
             ("POST", ["v1beta", model_method]) | ("POST", ["v1beta", "models", model_method])
@@ -513,9 +626,7 @@ impl Jobs {
                     };
                     requests.push((key, request.clone()));
                 }
-                inner.next += 1;
-                inner.submitted += 1;
-                let id = format!("batches/sim{}", inner.next);
+                let id = format!("batches/sim{}", inner.next_job());
                 let name = b.pointer("/batch/displayName").and_then(Value::as_str).unwrap_or("").to_string();
                 let job = Job::new(Kind::Gemini, id.clone(), name, model, None, requests);
                 let view = job.gemini_view(cfg);
@@ -533,15 +644,92 @@ impl Jobs {
             },
             ("POST", ["v1beta", "batches", id_method]) if id_method.ends_with(":cancel") => {
                 let id = format!("batches/{}", id_method.trim_end_matches(":cancel"));
-                match inner.jobs.get_mut(&id) {
-                    Some(j) => {
-                        if !j.terminal(cfg) {
-                            j.cancelled_at = Some(j.elapsed());
-                        }
-                        inner.answered += j.finish(cfg, &mut inner.files, &mut inner.next);
-                        Reply::Json(200, json!({}))
-                    }
-                    None => gemini_error(404, &format!("batch {id} not found")),
+                match inner.cancel(&id, cfg, gcs) {
+                    true => Reply::Json(200, json!({})),
+                    false => gemini_error(404, &format!("batch {id} not found")),
+                }
+            }
+            // ---- Vertex AI
+            ("POST", ["v1" | "v1beta1", "projects", p, "locations", l, "batchPredictionJobs"]) => {
+                let b = json_body();
+                let model = b.get("model").and_then(Value::as_str).unwrap_or("");
+                let Some(model) = model.rsplit_once("models/").map(|(_, m)| m.to_string()) else {
+                    return Some(vertex_error(400, "model must be publishers/google/models/MODEL"));
+                };
+                let uri = b.pointer("/inputConfig/gcsSource/uris/0").and_then(Value::as_str).unwrap_or("");
+                let prefix =
+                    b.pointer("/outputConfig/gcsDestination/outputUriPrefix").and_then(Value::as_str).unwrap_or("");
+                if b.pointer("/inputConfig/instancesFormat").and_then(Value::as_str) != Some("jsonl")
+                    || !prefix.starts_with("gs://")
+                {
+                    return Some(vertex_error(
+                        400,
+                        "inputConfig.instancesFormat must be jsonl and outputConfig.gcsDestination.outputUriPrefix a gs:// URI",
+                    ));
+                }
+                let Some(content) = gs_parts(uri).and_then(|(bucket, name)| gcs.get(bucket, name)) else {
+                    return Some(vertex_error(400, &format!("the input {uri} does not exist")));
+                };
+                let mut requests = Vec::new();
+                let mut lines = Vec::new();
+                for (n, line) in content.split(|c| *c == b'\n').filter(|l| !l.is_empty()).enumerate() {
+                    let Ok(v) = serde_json::from_slice::<Value>(line) else {
+                        return Some(vertex_error(400, &format!("{uri} line {}: not JSON", n + 1)));
+                    };
+                    let Some(request) = v.get("request").cloned() else {
+                        return Some(vertex_error(400, &format!("{uri} line {}: no request", n + 1)));
+                    };
+                    let key = v.get("key").and_then(Value::as_str).map_or_else(|| n.to_string(), str::to_string);
+                    requests.push((key, request));
+                    lines.push(v);
+                }
+                if let Some(m) = over_limit(cfg, requests.len()) {
+                    return Some(vertex_error(400, &m));
+                }
+                let id = format!("projects/{p}/locations/{l}/batchPredictionJobs/{}", 7000 + inner.next_job());
+                let name = b.get("displayName").and_then(Value::as_str).unwrap_or("").to_string();
+                let mut job = Job::new(Kind::Vertex, id.clone(), name, model, None, requests);
+                job.vertex = Some(VertexIo {
+                    lines,
+                    input_uri: uri.to_string(),
+                    output_prefix: prefix.to_string(),
+                    output_dir: None,
+                });
+                let view = job.vertex_view(cfg);
+                inner.jobs.insert(id, job);
+                Reply::Json(200, view)
+            }
+            ("GET", ["v1" | "v1beta1", "projects", p, "locations", l, "batchPredictionJobs"]) => {
+                let param = |name: &str| {
+                    query.and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix(name)?.strip_prefix('=')))
+                };
+                let size: usize = param("pageSize").and_then(|s| s.parse().ok()).unwrap_or(100).max(1);
+                let start: usize = param("pageToken").and_then(|s| s.parse().ok()).unwrap_or(0);
+                let prefix = format!("projects/{p}/locations/{l}/");
+                let all: Vec<&Job> =
+                    inner.jobs.values().rev().filter(|j| j.kind == Kind::Vertex && j.id.starts_with(&prefix)).collect();
+                let page: Vec<Value> = all.iter().skip(start).take(size).map(|j| j.vertex_view(cfg)).collect();
+                let mut reply = json!({"batchPredictionJobs": page});
+                if all.len() > start + size {
+                    reply["nextPageToken"] = json!((start + size).to_string());
+                }
+                Reply::Json(200, reply)
+            }
+            ("GET", ["v1" | "v1beta1", "projects", p, "locations", l, "batchPredictionJobs", id]) => {
+                let id = format!("projects/{p}/locations/{l}/batchPredictionJobs/{id}");
+                match inner.jobs.get(&id) {
+                    Some(j) => Reply::Json(200, j.vertex_view(cfg)),
+                    None => vertex_error(404, &format!("The BatchPredictionJob does not exist: {id}")),
+                }
+            }
+            ("POST", ["v1" | "v1beta1", "projects", p, "locations", l, "batchPredictionJobs", id_method])
+                if id_method.ends_with(":cancel") =>
+            {
+                let id =
+                    format!("projects/{p}/locations/{l}/batchPredictionJobs/{}", id_method.trim_end_matches(":cancel"));
+                match inner.cancel(&id, cfg, gcs) {
+                    true => Reply::Json(200, json!({})),
+                    false => vertex_error(404, &format!("The BatchPredictionJob does not exist: {id}")),
                 }
             }
             _ => return None,

@@ -41,6 +41,9 @@ struct State {
     captured: Mutex<std::collections::VecDeque<Captured>>,
     /// Batch-prediction files and jobs.
     jobs: crate::jobs::Jobs,
+    /// The buckets of the GCS that [`SimServer::serve_gcs`] serves, where Vertex AI jobs read
+    /// and write.
+    gcs: Arc<crate::gcs::Store>,
 }
 
 /// A model request as it arrived, for comparing what clients send (`GET /requests`).
@@ -93,6 +96,7 @@ impl SimServer {
             any_fault,
             captured: Mutex::new(std::collections::VecDeque::new()),
             jobs: Default::default(),
+            gcs: Default::default(),
         });
         let (shutdown, rx) = watch::channel(false);
         let task = tokio::spawn(accept_loop(listener, state.clone(), handle, rx));
@@ -107,6 +111,13 @@ impl SimServer {
     /// `http://ADDR`, a base URL for clients.
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+
+    /// Serves the simulator's GCS buckets on `addr` (port 0 picks one): Vertex AI batch jobs
+    /// read their input from there and write their output there, as the real ones do with
+    /// Cloud Storage. Point `STORAGE_EMULATOR_HOST` at its [`GcsServer::url`].
+    pub async fn serve_gcs(&self, addr: SocketAddr) -> io::Result<crate::gcs::GcsServer> {
+        crate::gcs::GcsServer::serve(addr, self.state.gcs.clone()).await
     }
 
     /// The model requests kept by `capture_requests`, oldest first.
@@ -244,22 +255,33 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Bo
         }
         _ => {}
     }
-    if path.contains("/batches") || path.starts_with("/v1/files") || path.ends_with(":batchGenerateContent") {
-        let api = if path.starts_with("/v1/") { Api::OpenAi } else { Api::Gemini };
+    if path.contains("/batches")
+        || path.starts_with("/v1/files")
+        || path.ends_with(":batchGenerateContent")
+        || path.contains("/batchPredictionJobs")
+    {
+        let api = match path {
+            _ if path.contains("/batchPredictionJobs") => Api::Vertex,
+            _ if path.starts_with("/v1/") => Api::OpenAi,
+            _ => Api::Gemini,
+        };
         if let Some(refused) = refuse_key(&state, api, key_of(api, &parts).as_deref()) {
             return Ok(refused);
         }
         let bytes = body.collect().await.map_err(io::Error::other)?.to_bytes();
         let content_type = parts.headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
-        let reply =
-            state.jobs.handle(&state.config, parts.method.as_str(), path, parts.uri.query(), content_type, &bytes);
+        let request = crate::jobs::JobRequest {
+            method: parts.method.as_str(),
+            path,
+            query: parts.uri.query(),
+            content_type,
+            body: &bytes,
+        };
+        let reply = state.jobs.handle(&state.config, request, &state.gcs);
         return Ok(match reply {
             Some(crate::jobs::Reply::Json(status, v)) => json_reply(status, &[], &v),
             Some(crate::jobs::Reply::Bytes(b)) => full(200, &[], "application/jsonl", b),
-            None => {
-                let api = if path.starts_with("/v1/") { Api::OpenAi } else { Api::Gemini };
-                error_reply(&state, proto::error(api, 404, &format!("no route for {} {path}", parts.method)))
-            }
+            None => error_reply(&state, proto::error(api, 404, &format!("no route for {} {path}", parts.method))),
         });
     }
     let Some(route) = route(path, parts.uri.query()) else {

@@ -12,6 +12,7 @@ pub mod journal;
 pub mod location;
 pub mod read;
 pub mod schema;
+pub mod staging;
 pub mod write;
 
 pub use arrow_schema::SchemaRef;
@@ -20,6 +21,7 @@ pub use journal::{Committed, Journal};
 pub use location::{Location, Scheme};
 pub use read::TableInput;
 pub use schema::{OutputColumns, Task};
+pub use staging::BucketStaging;
 pub use write::{prepare, spawn, TableSettings};
 
 /// Why a table cannot be read or written.

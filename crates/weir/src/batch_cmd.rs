@@ -27,15 +27,31 @@ enum Action {
     Fetch(FetchArgs),
 }
 
-/// Which provider and which run.
+/// Which provider: the same flags as the run's.
 #[derive(Debug, Args)]
-struct Target {
-    /// The model of the run, as given to `weir run` (openai/…, gemini/…).
+struct Site {
+    /// The model of the run, as given to `weir run` (openai/…, gemini/…, vertex_ai/…).
     #[arg(long, value_name = "MODEL")]
     model: String,
     /// The base URL given to `weir run`, if any.
     #[arg(long, value_name = "URL")]
     base_url: Option<String>,
+    /// Vertex AI: the project given to `weir run`, if any [default: GOOGLE_CLOUD_PROJECT].
+    #[arg(long, value_name = "ID")]
+    project: Option<String>,
+    /// Vertex AI: the location given to `weir run`, if any [default: GOOGLE_CLOUD_LOCATION].
+    #[arg(long, value_name = "REGION")]
+    location: Option<String>,
+    /// Vertex AI: the --job-bucket given to `weir run` (where the jobs' output is read).
+    #[arg(long, value_name = "URL")]
+    job_bucket: Option<String>,
+}
+
+/// Which provider and which run.
+#[derive(Debug, Args)]
+struct Target {
+    #[command(flatten)]
+    site: Site,
     /// The run's --output; its jobs are in the state directory beside it.
     #[arg(long, value_name = "PATH", required_unless_present = "state")]
     output: Option<String>,
@@ -47,22 +63,25 @@ struct Target {
 
 #[derive(Debug, Args)]
 struct FetchArgs {
-    /// The model of the run, as given to `weir run`.
-    #[arg(long, value_name = "MODEL")]
-    model: String,
-    /// The base URL given to `weir run`, if any.
-    #[arg(long, value_name = "URL")]
-    base_url: Option<String>,
+    #[command(flatten)]
+    site: Site,
     /// The job's id, as `weir batch status` shows it.
     #[arg(long, value_name = "ID")]
     job: String,
 }
 
-fn connect(model: &str, base_url: &Option<String>) -> anyhow::Result<std::sync::Arc<dyn JobApi>> {
-    let spec: ModelSpec = model.parse().map_err(|e: weir_providers::ProviderError| UsageError(e.to_string()))?;
-    let options = ProviderOptions { base_url: base_url.clone(), ..Default::default() };
+fn connect(site: &Site) -> anyhow::Result<std::sync::Arc<dyn JobApi>> {
+    let spec: ModelSpec = site.model.parse().map_err(|e: weir_providers::ProviderError| UsageError(e.to_string()))?;
+    let options = ProviderOptions {
+        base_url: site.base_url.clone(),
+        project: site.project.clone(),
+        location: site.location.clone(),
+        ..Default::default()
+    };
     let env = |k: &str| std::env::var(k).ok();
-    weir_providers::connect_jobs(&spec, &options, &env, None).map_err(|e| UsageError(e.to_string()).into())
+    let staging =
+        weir::pipeline::job_staging(&spec, site.job_bucket.as_deref(), &env).map_err(|e| UsageError(e.to_string()))?;
+    weir_providers::connect_jobs(&spec, &options, &env, None, staging).map_err(|e| UsageError(e.to_string()).into())
 }
 
 /// The ledgers of the runs `t` names: the one of its `--output` (named as `weir run` names it,
@@ -126,7 +145,7 @@ pub async fn run(args: BatchArgs) -> anyhow::Result<u8> {
                 ))
                 .into());
             }
-            let api = connect(&f.model, &f.base_url)?;
+            let api = connect(&f.site)?;
             let job = JobRef { id: f.job.clone(), file: None };
             let status = api.status(&job).await.map_err(|e| anyhow::anyhow!("job {}: {e}", f.job))?;
             if !status.state.is_terminal() {
@@ -154,7 +173,7 @@ pub async fn run(args: BatchArgs) -> anyhow::Result<u8> {
 
 /// Status (and cancel) of each job; exit 1 when the provider could not be asked about one.
 async fn each_job(t: &Target, cancel: bool) -> anyhow::Result<u8> {
-    let api = connect(&t.model, &t.base_url)?;
+    let api = connect(&t.site)?;
     let mut failed = false;
     for path in ledgers(t)? {
         // Read only: the run may be appending to it.

@@ -30,6 +30,8 @@ pub struct BatchMode {
     pub jobs: weir_batch::BatchSettings,
     /// Requests per job at most (the provider's limit when `None`).
     pub max_requests: Option<usize>,
+    /// Where a Vertex AI model's jobs are staged (`gs://BUCKET/PREFIX`).
+    pub job_bucket: Option<String>,
     /// `--mode auto`: jobs only for an input of at least this many records (counted before the
     /// run), of a provider that has them; online otherwise.
     pub auto_min_records: Option<u64>,

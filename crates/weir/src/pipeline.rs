@@ -390,7 +390,8 @@ pub async fn run(
                         .into(),
                 ));
             }
-            match weir_providers::connect_jobs(&settings.model, &settings.provider, env, b.max_requests) {
+            let staging = job_staging(&settings.model, b.job_bucket.as_deref(), env).map_err(RunError::Usage)?;
+            match weir_providers::connect_jobs(&settings.model, &settings.provider, env, b.max_requests, staging) {
                 Ok(api) => Some(api),
                 // --mode auto: a provider without jobs runs online.
                 Err(_) if b.auto_min_records.is_some() => None,
@@ -1019,6 +1020,27 @@ fn table_error(e: weir_tables::TableError) -> RunError {
         weir_tables::TableError::Usage(m) => RunError::Usage(m),
         weir_tables::TableError::Unavailable(m) => RunError::Fatal(m),
     }
+}
+
+/// Where `model`'s batch jobs are staged: the `--job-bucket` of a Vertex AI model (which reads
+/// its jobs' input from Cloud Storage). Other providers take their input in the request or as
+/// an uploaded file, and refuse the flag rather than ignore it.
+pub fn job_staging(
+    model: &ModelSpec,
+    bucket: Option<&str>,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<Option<Arc<dyn weir_core::JobStaging>>, String> {
+    let Some(url) = bucket else { return Ok(None) };
+    if model.provider != weir_providers::Provider::Vertex {
+        return Err(format!(
+            "--job-bucket is where vertex_ai/ batch jobs are staged; {model} takes its jobs' input directly (drop it)"
+        ));
+    }
+    if !url.starts_with("gs://") {
+        return Err(format!("--job-bucket {url}: Vertex AI reads jobs from Cloud Storage; give gs://BUCKET/PREFIX"));
+    }
+    let staging = weir_tables::BucketStaging::open(url, env).map_err(|e| format!("--job-bucket {url}: {e}"))?;
+    Ok(Some(Arc::new(staging)))
 }
 
 /// Opens the response cache in the state directory.

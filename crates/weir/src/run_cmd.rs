@@ -244,8 +244,8 @@ pub struct RunArgs {
     /// Scenario (TOML, as for `weir sim --config`) of the built-in simulator behind sim/ models.
     #[arg(long, value_name = "FILE")]
     sim_config: Option<PathBuf>,
-    /// `batch`: answer through the provider's batch jobs (openai/ and gemini/ models) at about
-    /// half the price; a stopped run re-attaches to its jobs.
+    /// `batch`: answer through the provider's batch jobs (openai/, gemini/ and vertex_ai/
+    /// models) at about half the price; a stopped run re-attaches to its jobs.
     #[arg(long, value_enum, default_value_t = ModeArg::Online)]
     mode: ModeArg,
     /// With --mode auto: the fewest records that go to batch jobs.
@@ -264,6 +264,10 @@ pub struct RunArgs {
     /// 60 s.
     #[arg(long, value_name = "SECS", default_value_t = 5.0)]
     poll_secs: f64,
+    /// With --mode batch and a vertex_ai/ model: the Cloud Storage prefix (gs://BUCKET/PREFIX)
+    /// where each job's input is written and Vertex AI writes its output.
+    #[arg(long, value_name = "URL")]
+    job_bucket: Option<String>,
 }
 
 impl RunArgs {
@@ -278,10 +282,14 @@ impl RunArgs {
             None => PromptSource::Field(self.prompt_field.clone()),
         };
         if self.mode == ModeArg::Online
-            && (self.fallback != FallbackArg::None || self.job_max_requests.is_some() || self.job_rounds != 3)
+            && (self.fallback != FallbackArg::None
+                || self.job_max_requests.is_some()
+                || self.job_rounds != 3
+                || self.job_bucket.is_some())
         {
             return Err(UsageError(
-                "--fallback, --job-rounds and --job-max-requests apply to --mode batch; add --mode batch".into(),
+                "--fallback, --job-rounds, --job-max-requests and --job-bucket apply to --mode batch; add --mode batch"
+                    .into(),
             ));
         }
         if self.job_rounds == 0 || self.job_max_requests == Some(0) {
@@ -553,6 +561,7 @@ impl RunArgs {
                     ..weir_batch::BatchSettings::default()
                 },
                 max_requests: self.job_max_requests,
+                job_bucket: self.job_bucket.clone(),
                 auto_min_records: (self.mode == ModeArg::Auto).then_some(self.auto_min_records),
             }),
         }

@@ -20,6 +20,8 @@ endpoint's OpenAI-compatible route); POST /v1/embeddings; GET /v1/models; \
 POST /v1beta/models/{m}:batchEmbedContents and :embedContent; \
 POST /v1[beta1]/projects/{p}/locations/{l}/endpoints/{id}:predict and :rawPredict; \
 POST /v1/projects/{p}/locations/{l}/publishers/google/models/{m}:predict (text embeddings); \
+batch jobs: /v1/files and /v1/batches (OpenAI), :batchGenerateContent and /v1beta/batches (Gemini API), \
+/v1/projects/{p}/locations/{l}/batchPredictionJobs (Vertex AI; input and output in the buckets of --gcs-listen); \
 POST /token and GET /computeMetadata/v1/instance/service-accounts/default/token (Google tokens); \
 GET /stats; POST /stats/reset; GET /requests (with capture_requests).\n\n\
 A prompt containing [sim:KIND] always gets that fault, e.g. [sim:error_503]."
@@ -28,6 +30,11 @@ pub struct SimArgs {
     /// Address to listen on; port 0 picks a free port (printed on stdout).
     #[arg(long, default_value = "127.0.0.1:8080")]
     listen: SocketAddr,
+    /// Also serve the simulator's Cloud Storage buckets here (XML API, no auth), where its
+    /// Vertex AI batch jobs read their input and write their output: point
+    /// `STORAGE_EMULATOR_HOST` at it for `weir run --mode batch --model vertex_ai/…`.
+    #[arg(long, value_name = "ADDR")]
+    gcs_listen: Option<SocketAddr>,
     /// A TOML scenario file (sections: latency, quota, concurrency, faults, output, auth,
     /// predict, embedding; and api_keys, capture_requests).
     #[arg(long, value_name = "FILE")]
@@ -166,7 +173,20 @@ pub async fn run(args: SimArgs) -> anyhow::Result<u8> {
         writeln!(out, "weir sim listening on {}", server.url())?;
         out.flush()?;
     }
+    let gcs = match args.gcs_listen {
+        Some(addr) => {
+            let gcs = server.serve_gcs(addr).await.with_context(|| format!("--gcs-listen {addr}"))?;
+            let mut out = std::io::stdout().lock();
+            writeln!(out, "weir sim GCS on {} (STORAGE_EMULATOR_HOST={})", gcs.url(), gcs.url())?;
+            out.flush()?;
+            Some(gcs)
+        }
+        None => None,
+    };
     shutdown_signal().await?;
+    if let Some(gcs) = gcs {
+        gcs.shutdown().await;
+    }
     let stats = server.stats();
     server.shutdown().await;
     eprintln!(

@@ -90,19 +90,6 @@ async fn gemini_on_vertex_with_a_service_account() {
     server.shutdown().await;
 }
 
-fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
-    let mut out = Vec::new();
-    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-        let p = e.path();
-        if p.is_dir() {
-            out.extend(walk(&p));
-        } else {
-            out.push(p);
-        }
-    }
-    out
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vertex_settings_that_cannot_work_exit_2_saying_what_to_fix() {
     let dir = Dir::new("vertex-bad");

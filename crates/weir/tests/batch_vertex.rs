@@ -1,0 +1,223 @@
+//! `weir run --mode batch` with `vertex_ai/` models against the simulator's Vertex AI
+//! `batchPredictionJobs`, which read each job's input from and write its output to the
+//! simulator's Cloud Storage (`--job-bucket gs://…`, `STORAGE_EMULATOR_HOST`), with Google
+//! credentials from a service account whose token endpoint is the simulator's: every id exactly
+//! once, split to the job limit, partially succeeded and expired jobs accounted for, a killed run
+//! re-attaching without a second submission, `weir batch status`, and the refusals.
+
+#[path = "../../weir-providers/tests/support/keys.rs"]
+mod keys;
+mod util;
+
+use std::time::Duration;
+use util::*;
+use weir_sim::{GcsServer, SimConfig, SimServer};
+
+const TOKEN: &str = "ya29.vertex-batch-token";
+const MODEL: &str = "vertex_ai/gemini-2.5-flash";
+
+/// A simulator that accepts only `TOKEN` (which its token endpoint hands out), and its GCS.
+async fn start(run_secs: f64, f: impl FnOnce(&mut SimConfig)) -> (SimServer, GcsServer) {
+    let mut cfg = SimConfig { api_keys: vec![TOKEN.into()], ..SimConfig::default() };
+    cfg.batch.run_secs = run_secs;
+    f(&mut cfg);
+    let sim = SimServer::start(cfg, ([127, 0, 0, 1], 0).into()).await.unwrap();
+    let gcs = sim.serve_gcs(([127, 0, 0, 1], 0).into()).await.unwrap();
+    (sim, gcs)
+}
+
+/// `weir` with a service account for the simulator and its GCS as the storage emulator.
+fn weir_for(sim: &SimServer, gcs: &GcsServer, dir: &Dir) -> tokio::process::Command {
+    let sa = keys::throwaway_rsa_key();
+    let file = serde_json::json!({
+        "type": "service_account", "project_id": "p", "private_key_id": "k1", "private_key": sa,
+        "client_email": "weir@p.iam.gserviceaccount.com", "token_uri": format!("{}/token", sim.url()),
+    });
+    let sa = dir.write("sa.json", file.to_string().as_bytes());
+    let mut c = weir();
+    c.env("GOOGLE_APPLICATION_CREDENTIALS", sa).env("STORAGE_EMULATOR_HOST", gcs.url()).env("HOME", dir.path("home"));
+    c
+}
+
+/// The arguments of a Vertex batch run, writing `out.jsonl` in `dir`.
+fn args(sim: &SimServer, dir: &Dir, input: &std::path::Path, extra: &[&str]) -> Vec<String> {
+    let out = dir.path("out.jsonl");
+    let mut a: Vec<String> = [
+        "run",
+        "--model",
+        MODEL,
+        "--base-url",
+        &sim.url(),
+        "--project",
+        "my-project",
+        "--location",
+        "us-central1",
+        "--job-bucket",
+        "gs://weir-stage/jobs",
+        "--input",
+        input.to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+        "--id-field",
+        "key",
+        "--mode",
+        "batch",
+        "--poll-secs",
+        "0.1",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    a.extend(extra.iter().map(|s| s.to_string()));
+    a
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn vertex_batch_of_10000_is_split_staged_in_gcs_and_every_id_comes_once() {
+    let (sim, gcs) = start(0.5, |_| {}).await;
+    let dir = Dir::new("vertex-batch-10k");
+    let (data, ids) = prompts(10_000);
+    let input = dir.write("in.jsonl", &data);
+    let o = weir_for(&sim, &gcs, &dir).args(args(&sim, &dir, &input, &["--job-max-requests", "4000"])).output().await;
+    let o = o.unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    let results = rows(&dir.path("out.jsonl"));
+    assert_each_id_once(&ids, &results, &rows(&dir.path("out.errors.jsonl")));
+    assert!(results.iter().all(|r| r["model"] == MODEL && r["response"].as_str().is_some_and(|t| !t.is_empty())));
+    let stats = sim.stats();
+    assert_eq!(stats.batch_jobs, 3, "9,999 requests at 4,000 per job: {err}");
+    assert_eq!(stats.batch_answered, 9_999);
+    assert_eq!(stats.requests, 1, "one online call, the first record, checks the request: {err}");
+    assert_eq!(stats.auth_failures, 0);
+    assert!(err.contains("batch jobs: 3 (3 submitted by this run); 9,999 records settled by them, 1 online"), "{err}");
+    // The token is written nowhere.
+    for entry in walk(&dir.path("")) {
+        let text = String::from_utf8_lossy(&std::fs::read(&entry).unwrap_or_default()).into_owned();
+        assert!(!text.contains(TOKEN), "{} holds the access token", entry.display());
+    }
+    // The staged inputs are deleted once answered; the outputs stay. Run again: nothing is
+    // submitted.
+    let again = weir_for(&sim, &gcs, &dir).args(args(&sim, &dir, &input, &[])).output().await.unwrap();
+    assert_eq!(again.status.code(), Some(0), "{}", stderr(&again));
+    assert_eq!(sim.stats().batch_jobs, 3);
+    gcs.shutdown().await;
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn partially_succeeded_and_expired_vertex_jobs_account_for_every_record() {
+    // A fifth of the requests fail alone: the job ends partially succeeded, and what failed goes
+    // online with --fallback online after the one round.
+    let (sim, gcs) = start(0.3, |c| c.batch.item_error_rate = 0.2).await;
+    let dir = Dir::new("vertex-batch-partial");
+    let (data, ids) = prompts(500);
+    let input = dir.write("in.jsonl", &data);
+    let extra = ["--job-rounds", "1", "--fallback", "online"];
+    let o = weir_for(&sim, &gcs, &dir).args(args(&sim, &dir, &input, &extra)).output().await.unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    let results = rows(&dir.path("out.jsonl"));
+    assert_each_id_once(&ids, &results, &rows(&dir.path("out.errors.jsonl")));
+    assert_eq!(results.len(), 500, "{err}");
+    let online = sim.stats().successes;
+    assert!((60..=150).contains(&online), "about a fifth of 499 failed in the job and went online: {online}: {err}");
+    assert_eq!(sim.stats().batch_jobs, 1);
+    gcs.shutdown().await;
+    sim.shutdown().await;
+
+    // An expired job keeps the half it answered; follow-up rounds send the rest.
+    let (sim, gcs) = start(0.3, |c| c.batch.expire = true).await;
+    let dir = Dir::new("vertex-batch-expired");
+    let (data, ids) = prompts(200);
+    let input = dir.write("in.jsonl", &data);
+    let o = weir_for(&sim, &gcs, &dir).args(args(&sim, &dir, &input, &["--job-rounds", "2"])).output().await.unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "unanswered records are error rows: {err}");
+    let (results, errors) = (rows(&dir.path("out.jsonl")), rows(&dir.path("out.errors.jsonl")));
+    assert_each_id_once(&ids, &results, &errors);
+    // The first online, then two rounds each answering half of what they got: 1 + 99 + 50.
+    assert_eq!(results.len(), 150, "{err}");
+    assert!(
+        errors.iter().all(|e| e["retryable"] == true && e["message"].as_str().is_some_and(|m| m.contains("expired"))),
+        "{}",
+        errors[0]
+    );
+    assert_eq!(sim.stats().batch_jobs, 2);
+    gcs.shutdown().await;
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_killed_vertex_run_re_attaches_to_its_jobs_and_submits_nothing_twice() {
+    let (sim, gcs) = start(10.0, |_| {}).await;
+    let dir = Dir::new("vertex-batch-killed");
+    let (data, ids) = prompts(3_000);
+    let input = dir.write("in.jsonl", &data);
+    let out = dir.path("out.jsonl");
+    let a = args(&sim, &dir, &input, &["--job-max-requests", "1000"]);
+    let mut child = weir_for(&sim, &gcs, &dir).args(&a).stderr(std::process::Stdio::null()).spawn().unwrap();
+    for _ in 0..1000 {
+        if sim.stats().batch_jobs == 3 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(sim.stats().batch_jobs, 3);
+    child.start_kill().unwrap();
+    let _ = child.wait().await;
+    assert_eq!(rows(&out).len(), 1, "only the first record, sent online; no job had ended");
+
+    // Where the jobs stand, from the run's ledger.
+    let site = [
+        "--model",
+        MODEL,
+        "--base-url",
+        &sim.url(),
+        "--project",
+        "my-project",
+        "--location",
+        "us-central1",
+        "--job-bucket",
+        "gs://weir-stage/jobs",
+        "--output",
+        out.to_str().unwrap(),
+    ];
+    let status = weir_for(&sim, &gcs, &dir).args(["batch", "status"]).args(site).output().await.unwrap();
+    let text = String::from_utf8_lossy(&status.stdout).into_owned();
+    assert_eq!(status.status.code(), Some(0), "{}", stderr(&status));
+    // The kill may fall between the third submission and its record in the ledger (the resumed
+    // run finds that job by its name).
+    let listed = text.lines().filter(|l| l.contains(": pending") || l.contains(": running")).count();
+    let unrecorded = text.lines().filter(|l| l.contains("not recorded as submitted")).count();
+    assert_eq!((listed + unrecorded, listed >= 2), (3, true), "{text}");
+
+    let o = weir_for(&sim, &gcs, &dir).args(&a).output().await.unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert_each_id_once(&ids, &rows(&out), &rows(&dir.path("out.errors.jsonl")));
+    assert_eq!(sim.stats().batch_jobs, 3, "re-attached, not submitted again: {err}");
+    assert!(err.contains("batch jobs: 3 (0 submitted by this run)"), "{err}");
+    gcs.shutdown().await;
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn vertex_batch_refusals_are_usage_errors() {
+    let dir = Dir::new("vertex-batch-refusals");
+    let (data, _) = prompts(3);
+    let input = dir.write("in.jsonl", &data);
+    let out = dir.path("out.jsonl");
+    let (i, o) = (input.to_str().unwrap(), out.to_str().unwrap());
+    let base = ["run", "--input", i, "--output", o, "--base-url", "http://127.0.0.1:9", "--project", "p"];
+    for (args, says) in [
+        (vec!["--model", MODEL, "--mode", "batch"], "give --job-bucket gs://BUCKET/PREFIX"),
+        (vec!["--model", MODEL, "--mode", "batch", "--job-bucket", "s3://b/x"], "give gs://BUCKET/PREFIX"),
+        (vec!["--model", "gemini/x", "--mode", "batch", "--job-bucket", "gs://b/x"], "drop it"),
+        (vec!["--model", MODEL, "--job-bucket", "gs://b/x"], "add --mode batch"),
+    ] {
+        let r = weir().args(base).args(&args).env("GOOGLE_API_KEY", "k").output().await.unwrap();
+        assert_eq!(r.status.code(), Some(2), "{args:?}: {}", stderr(&r));
+        assert!(stderr(&r).contains(says), "{args:?}: {}", stderr(&r));
+    }
+}
