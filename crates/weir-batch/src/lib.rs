@@ -247,6 +247,7 @@ pub async fn run(
                             completed: 0,
                             failed: 0,
                             message: Some(e.message),
+                            described: None,
                         })
                     }
                     other => Some(other?),
@@ -264,7 +265,7 @@ pub async fn run(
                 let results = if status.total == 0 && status.state == JobState::Failed {
                     Vec::new()
                 } else {
-                    with_tries(settings.api_tries, cancel, || api.results(&a.job)).await?
+                    with_tries(settings.api_tries, cancel, || api.results(&a.job, &status)).await?
                 };
                 let mut answered: HashMap<String, Result<ModelResponse, ModelError>> = results.into_iter().collect();
                 for key in a.keys {

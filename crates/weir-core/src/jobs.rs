@@ -9,6 +9,7 @@
 //! the caller (`weir-batch`), as retrying belongs to the executor for online calls.
 
 use serde::{Deserialize, Serialize};
+use std::sync::Arc;
 
 use crate::error::ModelError;
 use crate::handler::ModelRequest;
@@ -68,6 +69,9 @@ pub struct JobStatus {
     pub failed: u64,
     /// The provider's own words about a failed, cancelled or expired job.
     pub message: Option<String>,
+    /// The job as the provider described it when asked, for [`JobApi::results`] to read
+    /// instead of asking again (a Gemini job's description holds its answers: up to ~20 MB).
+    pub described: Option<Arc<serde_json::Value>>,
 }
 
 /// How much one job may carry.
@@ -118,8 +122,8 @@ pub trait JobApi: Send + Sync {
     async fn status(&self, job: &JobRef) -> Result<JobStatus, ModelError>;
 
     /// The results a terminal job holds, one per key it answered or failed; keys it left out
-    /// have no result.
-    async fn results(&self, job: &JobRef) -> Result<Vec<JobResult>, ModelError>;
+    /// have no result. `status` is what [`status`](Self::status) last said of the job.
+    async fn results(&self, job: &JobRef, status: &JobStatus) -> Result<Vec<JobResult>, ModelError>;
 
     /// Asks the provider to cancel the job.
     async fn cancel(&self, job: &JobRef) -> Result<(), ModelError>;

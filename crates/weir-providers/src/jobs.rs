@@ -239,11 +239,21 @@ impl JobApi for OpenAiJobs {
                 errs.iter().filter_map(|e| e.get("message").and_then(Value::as_str)).collect::<Vec<_>>().join("; ")
             })
             .filter(|m| !m.is_empty());
-        Ok(JobStatus { state, total: count("total"), completed: count("completed"), failed: count("failed"), message })
+        Ok(JobStatus {
+            state,
+            total: count("total"),
+            completed: count("completed"),
+            failed: count("failed"),
+            message,
+            described: Some(Arc::new(b)),
+        })
     }
 
-    async fn results(&self, job: &JobRef) -> Result<Vec<JobResult>, ModelError> {
-        let b = self.get(&format!("/batches/{}", job.id)).await?;
+    async fn results(&self, job: &JobRef, status: &JobStatus) -> Result<Vec<JobResult>, ModelError> {
+        let b = match &status.described {
+            Some(b) => b.clone(),
+            None => Arc::new(self.get(&format!("/batches/{}", job.id)).await?),
+        };
         let mut out = Vec::new();
         for field in ["output_file_id", "error_file_id"] {
             if let Some(id) = b.get(field).and_then(Value::as_str) {
@@ -416,11 +426,15 @@ impl JobApi for GeminiJobs {
             completed: count("successfulRequestCount"),
             failed: count("failedRequestCount"),
             message,
+            described: Some(Arc::new(op)),
         })
     }
 
-    async fn results(&self, job: &JobRef) -> Result<Vec<JobResult>, ModelError> {
-        let op = self.call(None, &job.id).await?;
+    async fn results(&self, job: &JobRef, status: &JobStatus) -> Result<Vec<JobResult>, ModelError> {
+        let op = match &status.described {
+            Some(op) => op.clone(),
+            None => Arc::new(self.call(None, &job.id).await?),
+        };
         let inlined = op
             .pointer("/response/inlinedResponses/inlinedResponses")
             .or_else(|| op.pointer("/metadata/output/inlinedResponses/inlinedResponses"))
@@ -622,11 +636,15 @@ impl JobApi for VertexJobs {
             completed,
             failed,
             message: v.pointer("/error/message").and_then(Value::as_str).map(str::to_string),
+            described: Some(Arc::new(v)),
         })
     }
 
-    async fn results(&self, job: &JobRef) -> Result<Vec<JobResult>, ModelError> {
-        let v = self.call(None, &format!("{}/{}", self.api, job.id)).await?;
+    async fn results(&self, job: &JobRef, status: &JobStatus) -> Result<Vec<JobResult>, ModelError> {
+        let v = match &status.described {
+            Some(v) => v.clone(),
+            None => Arc::new(self.call(None, &format!("{}/{}", self.api, job.id)).await?),
+        };
         // A job that wrote nothing (failed at once, cancelled early) has no output directory.
         let Some(dir) = v.pointer("/outputInfo/gcsOutputDirectory").and_then(Value::as_str) else {
             return Ok(Vec::new());

@@ -153,7 +153,7 @@ pub async fn run(args: BatchArgs) -> anyhow::Result<u8> {
                 return Ok(1);
             }
             let mut out = std::io::stdout().lock();
-            for (key, result) in api.results(&job).await.map_err(|e| anyhow::anyhow!("job {}: {e}", f.job))? {
+            for (key, result) in api.results(&job, &status).await.map_err(|e| anyhow::anyhow!("job {}: {e}", f.job))? {
                 let line = match result {
                     Ok(r) => serde_json::json!({"key": key, "text": r.text, "finish_reason": r.finish_reason,
                         "usage": {"prompt_tokens": r.usage.prompt_tokens, "output_tokens": r.usage.output_tokens}}),
