@@ -212,7 +212,10 @@ pub async fn run(
                 }
                 continue;
             }
-            for chunk_keys in split(api, &pending, keys)? {
+            // One chunk's lines at a time: a job's input is up to 1 GB (Vertex AI), and a run
+            // may need many jobs.
+            let mut chunks = Chunker::new(keys);
+            while let Some(chunk_keys) = chunks.next(api, &pending)? {
                 let (keys, lines): (Vec<String>, Vec<Vec<u8>>) = chunk_keys.into_iter().unzip();
                 let count = keys.len();
                 // Nothing more is submitted once the caller has stopped (a first Ctrl-C).
@@ -324,30 +327,105 @@ pub async fn run(
     }
 }
 
-/// `keys` as chunks of (key, line) within the provider's limits, in key order.
-#[allow(clippy::type_complexity)]
-fn split(
-    api: &dyn JobApi,
-    pending: &HashMap<String, Item>,
-    mut keys: Vec<String>,
-) -> Result<Vec<Vec<(String, Vec<u8>)>>, BatchError> {
-    keys.sort();
-    let limits = api.limits();
-    let mut chunks: Vec<Vec<(String, Vec<u8>)>> = Vec::new();
-    let mut bytes = 0usize;
-    for key in keys {
-        let Some(item) = pending.get(&key) else { continue };
-        let line = api.line(&key, &item.request).map_err(BatchError::Api)?;
-        match chunks.last_mut() {
-            Some(c) if c.len() < limits.max_lines && bytes + line.len() <= limits.max_bytes => {
-                bytes += line.len();
-                c.push((key, line));
+/// `keys` as chunks of (key, line) within the provider's limits, in key order, one chunk at
+/// a time (the lines of later chunks are not built until they are asked for).
+struct Chunker {
+    keys: std::vec::IntoIter<String>,
+    /// The line that did not fit the last chunk: the first of the next.
+    carry: Option<(String, Vec<u8>)>,
+}
+
+impl Chunker {
+    fn new(mut keys: Vec<String>) -> Self {
+        keys.sort();
+        Self { keys: keys.into_iter(), carry: None }
+    }
+
+    /// The next chunk; `None` when every key is in one. Keys no longer pending are skipped.
+    #[allow(clippy::type_complexity)]
+    fn next(
+        &mut self,
+        api: &dyn JobApi,
+        pending: &HashMap<String, Item>,
+    ) -> Result<Option<Vec<(String, Vec<u8>)>>, BatchError> {
+        let limits = api.limits();
+        let mut chunk: Vec<(String, Vec<u8>)> = self.carry.take().into_iter().collect();
+        let mut bytes: usize = chunk.iter().map(|(_, l)| l.len()).sum();
+        for key in self.keys.by_ref() {
+            let Some(item) = pending.get(&key) else { continue };
+            let line = api.line(&key, &item.request).map_err(BatchError::Api)?;
+            // A line over the byte limit alone still goes, in a job of its own (the provider
+            // says what is wrong with it).
+            if !chunk.is_empty() && (chunk.len() >= limits.max_lines || bytes + line.len() > limits.max_bytes) {
+                self.carry = Some((key, line));
+                break;
             }
-            _ => {
-                bytes = line.len();
-                chunks.push(vec![(key, line)]);
-            }
+            bytes += line.len();
+            chunk.push((key, line));
+        }
+        Ok((!chunk.is_empty()).then_some(chunk))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use weir_core::{JobLimits, JobResult};
+
+    /// A provider whose lines are the key and a newline, with small limits.
+    struct Small;
+
+    #[async_trait::async_trait]
+    impl JobApi for Small {
+        fn model_id(&self) -> &str {
+            "test/small"
+        }
+        fn limits(&self) -> JobLimits {
+            JobLimits { max_lines: 3, max_bytes: 12 }
+        }
+        fn line(&self, key: &str, _: &ModelRequest) -> Result<Vec<u8>, ModelError> {
+            Ok(format!("{key}\n").into_bytes())
+        }
+        async fn submit(&self, _: &str, _: Vec<u8>, _: usize) -> Result<JobRef, ModelError> {
+            unreachable!("not submitted in this test")
+        }
+        async fn find(&self, _: &str) -> Result<Option<JobRef>, ModelError> {
+            unreachable!()
+        }
+        async fn status(&self, _: &JobRef) -> Result<JobStatus, ModelError> {
+            unreachable!()
+        }
+        async fn results(&self, _: &JobRef, _: &JobStatus) -> Result<Vec<JobResult>, ModelError> {
+            unreachable!()
+        }
+        async fn cancel(&self, _: &JobRef) -> Result<(), ModelError> {
+            unreachable!()
         }
     }
-    Ok(chunks)
+
+    #[test]
+    fn chunks_keep_to_both_limits_and_take_every_pending_key_once() {
+        let keys = ["a", "b", "c", "d", "eeeeeeeeeeeeeeee", "f", "ggg", "hhh", "iii", "gone"];
+        let mut pending: HashMap<String, Item> = keys
+            .iter()
+            .map(|k| {
+                (
+                    k.to_string(),
+                    Item {
+                        key: k.to_string(),
+                        request: ModelRequest { prompt: String::new(), system: None, params: Default::default() },
+                    },
+                )
+            })
+            .collect();
+        pending.remove("gone");
+        let mut chunker = Chunker::new(keys.iter().rev().map(|k| k.to_string()).collect());
+        let mut chunks = Vec::new();
+        while let Some(c) = chunker.next(&Small, &pending).unwrap() {
+            chunks.push(c.into_iter().map(|(k, _)| k).collect::<Vec<_>>().join(","));
+        }
+        // Three lines at most, twelve bytes at most unless one line alone is longer; in key
+        // order; the key no longer pending left out.
+        assert_eq!(chunks, ["a,b,c", "d", "eeeeeeeeeeeeeeee", "f,ggg,hhh", "iii"]);
+    }
 }
