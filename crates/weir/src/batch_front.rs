@@ -263,6 +263,17 @@ async fn drive(work: impl futures::Stream<Item = Work> + Send + 'static, run: Jo
             }
             stop(&mut records, ErrorKind::Aborted, "interrupted".into())
         }
+        // The first record went online, so the model is there: a 404 now is a job route the
+        // endpoint lacks (vLLM's and llama.cpp's OpenAI-compatible servers have none).
+        Err(BatchError::Api(e)) if matches!(e.status, Some(404 | 405)) => stop(
+            &mut records,
+            e.kind,
+            format!(
+                "batch jobs: this endpoint has no batch-job API, it seems ({}); run online (drop --mode batch), \
+                 or use --mode auto, which runs online where there are no jobs",
+                e.message
+            ),
+        ),
         Err(BatchError::Api(e)) => stop(&mut records, e.kind, format!("batch jobs: {}", e.message)),
         Err(e @ BatchError::Ledger(_)) => stop(&mut records, ErrorKind::Server, e.to_string()),
     }

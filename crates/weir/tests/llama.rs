@@ -92,4 +92,39 @@ async fn weir_run_against_llama_server() {
         assert!(n > 0 && n <= 24, "max_tokens reached the server: {r}");
         assert!(["stop", "length"].contains(&r["finish_reason"].as_str().unwrap()), "{r}");
     }
+
+    // llama-server has no Batch API: --mode auto sees that and runs online, even for an input
+    // it would otherwise send to jobs; --mode batch says the endpoint has none.
+    let auto_out = dir.path("auto.jsonl");
+    let mut args: Vec<String> = [
+        "run",
+        "--model",
+        "openai/smollm2",
+        "--base-url",
+        &format!("{base}/v1"),
+        "--input",
+        input.to_str().unwrap(),
+        "--id-field",
+        "id",
+        "--template",
+        "Write one short sentence about {topic}.",
+        "--param",
+        "max_tokens=8",
+        "--progress",
+        "always",
+        "--output",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let mut auto = args.clone();
+    auto.extend([auto_out.to_str().unwrap(), "--mode", "auto", "--auto-min-records", "1"].map(String::from));
+    let o = run(&auto.iter().map(String::as_str).collect::<Vec<_>>()).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stderr(&o).contains("8 records → online calls"), "{}", stderr(&o));
+    assert_each_id_once(&ids, &rows(&auto_out), &[]);
+    args.extend([dir.path("batch.jsonl").to_str().unwrap(), "--mode", "batch", "--no-cache"].map(String::from));
+    let o = run(&args.iter().map(String::as_str).collect::<Vec<_>>()).await;
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    assert!(stderr(&o).contains("this endpoint has no batch-job API"), "{}", stderr(&o));
 }
