@@ -48,7 +48,7 @@ pub enum LoadError {
 
 /// Where the files of model `name` are: `$WEIR_MODELS/<name>`, else
 /// `~/.cache/weir/models/<name>`.
-pub fn model_dir(name: &str, env: &dyn Fn(&str) -> Option<String>) -> PathBuf {
+pub fn model_dir(name: &str, env: &(dyn Fn(&str) -> Option<String> + Sync)) -> PathBuf {
     let root = env("WEIR_MODELS").filter(|v| !v.is_empty()).map(PathBuf::from).unwrap_or_else(|| {
         PathBuf::from(env("HOME").unwrap_or_else(|| ".".into())).join(".cache").join("weir").join("models")
     });
@@ -189,7 +189,7 @@ impl ModelHandler for LocalEmbedder {
 pub fn connect(
     name: &str,
     max_batch: Option<usize>,
-    env: &dyn Fn(&str) -> Option<String>,
+    env: &(dyn Fn(&str) -> Option<String> + Sync),
 ) -> Result<Arc<dyn ModelHandler>, LoadError> {
     let dir = model_dir(name, env);
     Ok(Arc::new(LocalEmbedder::load(name, &dir, max_batch.unwrap_or(32))?))

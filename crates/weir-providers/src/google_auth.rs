@@ -94,7 +94,7 @@ impl Credentials {
     /// Finds credentials as Application Default Credentials do. `env` reads environment
     /// variables (injected for tests). A named file that is missing or unreadable is an error,
     /// never a silent fall-through to the next source.
-    pub fn discover(env: &dyn Fn(&str) -> Option<String>) -> Result<(Self, Origin), ProviderError> {
+    pub fn discover(env: &(dyn Fn(&str) -> Option<String> + Sync)) -> Result<(Self, Origin), ProviderError> {
         let nonempty = |k: &str| env(k).filter(|v| !v.trim().is_empty());
         if let Some(path) = nonempty("GOOGLE_APPLICATION_CREDENTIALS") {
             let origin = Origin::EnvFile(PathBuf::from(&path));

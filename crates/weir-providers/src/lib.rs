@@ -238,7 +238,7 @@ impl VertexSite {
     /// Project and location from the options or the environment (as google-genai finds them),
     /// the regional host (or `--base-url`, which replaces scheme and host for every route), and
     /// Application Default Credentials.
-    fn find(options: &ProviderOptions, env: &dyn Fn(&str) -> Option<String>) -> Result<Self, ProviderError> {
+    fn find(options: &ProviderOptions, env: &(dyn Fn(&str) -> Option<String> + Sync)) -> Result<Self, ProviderError> {
         let nonempty = |k: &str| env(k).filter(|v| !v.trim().is_empty());
         let project = options.project.clone().or_else(|| nonempty("GOOGLE_CLOUD_PROJECT")).ok_or_else(|| {
             ProviderError::Config(
@@ -280,7 +280,10 @@ pub struct Endpoint {
 }
 
 /// The key of the Gemini API (or `None` on loopback), as the generation client finds it.
-fn gemini_key(base: &reqwest::Url, env: &dyn Fn(&str) -> Option<String>) -> Result<Option<Secret>, ProviderError> {
+fn gemini_key(
+    base: &reqwest::Url,
+    env: &(dyn Fn(&str) -> Option<String> + Sync),
+) -> Result<Option<Secret>, ProviderError> {
     let nonempty = |k: &str| env(k).filter(|v| !v.trim().is_empty());
     let key = nonempty("GEMINI_API_KEY").or_else(|| nonempty("GOOGLE_API_KEY")).map(Secret::new);
     if key.is_none() && !http::is_loopback(base) {
@@ -294,7 +297,7 @@ fn gemini_key(base: &reqwest::Url, env: &dyn Fn(&str) -> Option<String>) -> Resu
 /// The base URL and key of an OpenAI-compatible server, as the generation client finds them.
 fn openai_site(
     options: &ProviderOptions,
-    env: &dyn Fn(&str) -> Option<String>,
+    env: &(dyn Fn(&str) -> Option<String> + Sync),
 ) -> Result<(reqwest::Url, Option<Secret>), ProviderError> {
     let nonempty = |k: &str| env(k).filter(|v| !v.trim().is_empty());
     let base = options
@@ -324,7 +327,7 @@ fn local_elsewhere(spec: &ModelSpec) -> ProviderError {
 async fn connect_embed(
     spec: &ModelSpec,
     options: &ProviderOptions,
-    env: &dyn Fn(&str) -> Option<String>,
+    env: &(dyn Fn(&str) -> Option<String> + Sync),
     client: reqwest::Client,
 ) -> Result<Endpoint, ProviderError> {
     use embed::{default_batch, EmbedApi, EmbedHandler};
@@ -387,7 +390,7 @@ async fn start_sim(options: &ProviderOptions) -> Result<(reqwest::Url, SimServer
 pub fn connect_jobs(
     spec: &ModelSpec,
     options: &ProviderOptions,
-    env: &dyn Fn(&str) -> Option<String>,
+    env: &(dyn Fn(&str) -> Option<String> + Sync),
     max_requests: Option<usize>,
     staging: Option<Arc<dyn weir_core::JobStaging>>,
 ) -> Result<Arc<dyn weir_core::JobApi>, ProviderError> {
@@ -444,7 +447,7 @@ pub fn connect_jobs(
 pub async fn connect(
     spec: &ModelSpec,
     options: &ProviderOptions,
-    env: &dyn Fn(&str) -> Option<String>,
+    env: &(dyn Fn(&str) -> Option<String> + Sync),
 ) -> Result<Endpoint, ProviderError> {
     let client = http::client()?;
     if options.task == Task::Embed {

@@ -2,8 +2,13 @@
 //! outcome to an exit status. Everything that does work lives in the library crates.
 
 mod batch_cmd;
+#[cfg(feature = "cluster")]
+mod cluster_cmd;
+mod endpoint_args;
 mod run_cmd;
 mod sim_cmd;
+#[cfg(feature = "sql")]
+mod sql_cmd;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -25,6 +30,19 @@ enum Command {
     Sim(Box<sim_cmd::SimArgs>),
     /// The provider batch jobs of `weir run --mode batch` runs: status, cancel, fetch.
     Batch(Box<batch_cmd::BatchArgs>),
+    /// SQL over tables with llm_generate and llm_embed (Apache DataFusion).
+    #[cfg(feature = "sql")]
+    Sql(Box<sql_cmd::SqlArgs>),
+    /// A Ballista cluster's scheduler and executors with weir's SQL functions.
+    #[cfg(feature = "cluster")]
+    Cluster(Box<cluster_cmd::ClusterArgs>),
+    /// SQL over tables (this build has no SQL: build weir with --features sql).
+    #[cfg(not(feature = "sql"))]
+    #[command(disable_help_flag = true)]
+    Sql {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, hide = true)]
+        args: Vec<String>,
+    },
 }
 
 /// Exit statuses: 0 success, 1 some records failed, 2 usage or configuration error, 3 fatal.
@@ -66,6 +84,15 @@ fn main() -> ExitCode {
             Command::Run(args) => run_cmd::run(*args).await,
             Command::Sim(args) => sim_cmd::run(*args).await,
             Command::Batch(args) => batch_cmd::run(*args).await,
+            #[cfg(feature = "sql")]
+            Command::Sql(args) => sql_cmd::run(*args).await,
+            #[cfg(feature = "cluster")]
+            Command::Cluster(args) => cluster_cmd::run(*args).await,
+            #[cfg(not(feature = "sql"))]
+            Command::Sql { .. } => Err(UsageError(
+                "this weir was built without SQL; build it with: cargo build --release -p weir --features sql".into(),
+            )
+            .into()),
         }
     });
     match result {

@@ -16,6 +16,19 @@ use weir_core::{Driver, RunMetrics};
 /// Installs the exporter on `addr` and starts the task that updates the gauges from `driver`
 /// (abort it when the run ends).
 pub fn serve(addr: SocketAddr, driver: Arc<Driver>) -> Result<tokio::task::JoinHandle<()>, String> {
+    install(addr)?;
+    let started = Instant::now();
+    Ok(tokio::spawn(async move {
+        loop {
+            update_gauges(&driver, started);
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    }))
+}
+
+/// Installs the exporter on `addr`: the counters and histograms, without the gauges of one
+/// driver (a process that serves many runs, such as a cluster executor).
+pub fn install(addr: SocketAddr) -> Result<(), String> {
     metrics_exporter_prometheus::PrometheusBuilder::new()
         .with_http_listener(addr)
         .set_buckets_for_metric(
@@ -25,13 +38,7 @@ pub fn serve(addr: SocketAddr, driver: Arc<Driver>) -> Result<tokio::task::JoinH
         .and_then(|b| b.install())
         .map_err(|e| e.to_string())?;
     RunMetrics::describe();
-    let started = Instant::now();
-    Ok(tokio::spawn(async move {
-        loop {
-            update_gauges(&driver, started);
-            tokio::time::sleep(Duration::from_secs(1)).await;
-        }
-    }))
+    Ok(())
 }
 
 fn update_gauges(driver: &Driver, started: Instant) {

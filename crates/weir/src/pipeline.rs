@@ -144,7 +144,7 @@ impl From<ProviderError> for RunError {
 async fn connect_model(
     spec: &ModelSpec,
     options: &ProviderOptions,
-    env: &dyn Fn(&str) -> Option<String>,
+    env: &(dyn Fn(&str) -> Option<String> + Sync),
 ) -> Result<weir_providers::Endpoint, ProviderError> {
     #[cfg(feature = "local")]
     if spec.provider == weir_providers::Provider::Local {
@@ -317,7 +317,7 @@ fn identity(
 /// `interrupts` counts Ctrl-C presses (the first one drains and stops).
 pub async fn run(
     settings: RunSettings,
-    env: &dyn Fn(&str) -> Option<String>,
+    env: &(dyn Fn(&str) -> Option<String> + Sync),
     interrupts: watch::Receiver<u32>,
 ) -> Result<RunReport, RunError> {
     // Everything that can be wrong with the command is checked before any file is written.
@@ -1028,7 +1028,7 @@ fn table_error(e: weir_tables::TableError) -> RunError {
 pub fn job_staging(
     model: &ModelSpec,
     bucket: Option<&str>,
-    env: &dyn Fn(&str) -> Option<String>,
+    env: &(dyn Fn(&str) -> Option<String> + Sync),
 ) -> Result<Option<Arc<dyn weir_core::JobStaging>>, String> {
     let Some(url) = bucket else { return Ok(None) };
     if model.provider != weir_providers::Provider::Vertex {
@@ -1089,7 +1089,7 @@ async fn table_columns(
     out: &TableOut,
     table: Option<&weir_tables::TableInput>,
     input_file: Option<&std::path::Path>,
-    env: &dyn Fn(&str) -> Option<String>,
+    env: &(dyn Fn(&str) -> Option<String> + Sync),
 ) -> Result<Option<weir_tables::SchemaRef>, RunError> {
     use weir_tables::Format;
     if out.results_format == Format::Jsonl && out.errors_format == Format::Jsonl {

@@ -6,12 +6,13 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 use weir::{RunError, RunSettings, StateMode, TableIn, TableOut};
-use weir_core::{DriverSettings, GenParams, PromptSource, RateSettings, RecordSpec, RetryPolicy, Template};
+use weir_core::{DriverSettings, GenParams, PromptSource, RecordSpec, Template};
 use weir_io::{default_errors_path, InputPath, OutputPath};
 use weir_providers::{ModelSpec, ProviderOptions};
 use weir_sim::SimConfig;
 use weir_tables::{Format, Location};
 
+use crate::endpoint_args::{ConcurrencyMode, EndpointArgs};
 use crate::UsageError;
 
 /// When to draw a progress bar.
@@ -44,15 +45,6 @@ pub enum FallbackArg {
     None,
     /// Online calls, at the online price.
     Online,
-}
-
-/// How concurrency is limited.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum ConcurrencyMode {
-    /// Found from push-back and latency.
-    Adaptive,
-    /// Always --max-concurrency.
-    Fixed,
 }
 
 /// What to ask the model for.
@@ -140,18 +132,8 @@ pub struct RunArgs {
     /// over the --param values where the field is set.
     #[arg(long, value_name = "FIELD")]
     params_field: Option<String>,
-    /// The provider's base URL (OpenAI-compatible: the API root, e.g. http://127.0.0.1:8000/v1;
-    /// Gemini: replaces https://generativelanguage.googleapis.com; Vertex AI: replaces
-    /// https://LOCATION-aiplatform.googleapis.com). Plain http only to loopback.
-    #[arg(long, value_name = "URL")]
-    base_url: Option<String>,
-    /// Google Cloud project for vertex_ai/ models [default: GOOGLE_CLOUD_PROJECT].
-    #[arg(long, value_name = "PROJECT")]
-    project: Option<String>,
-    /// Google Cloud location for vertex_ai/ models, e.g. us-central1 or global
-    /// [default: GOOGLE_CLOUD_LOCATION, else us-central1].
-    #[arg(long, value_name = "LOCATION")]
-    location: Option<String>,
+    #[command(flatten)]
+    pub(crate) endpoint: EndpointArgs,
     /// How vertex_endpoint/ models are called: `raw` (:predict with Model Garden vLLM prompt
     /// instances, many records per call), `chat` (:predict with one chatCompletions instance per
     /// call), `openai` (the endpoint's OpenAI-compatible chat/completions route), `rawpredict`
@@ -180,36 +162,6 @@ pub struct RunArgs {
     /// then cut batches.
     #[arg(long, value_name = "N", conflicts_with = "buckets")]
     sort_window: Option<usize>,
-    /// Most calls in flight at once.
-    #[arg(long, value_name = "N", default_value_t = 64)]
-    max_concurrency: usize,
-    /// How many calls may be in flight: `adaptive` finds the endpoint's capacity from
-    /// push-back and latency (up to --max-concurrency); `fixed` always allows --max-concurrency.
-    #[arg(long, value_enum, default_value_t = ConcurrencyMode::Adaptive)]
-    concurrency: ConcurrencyMode,
-    /// Requests allowed per --limit-window (the endpoint's quota, when you know it).
-    #[arg(long, value_name = "N")]
-    rpm: Option<u64>,
-    /// Tokens (prompt + output) allowed per --limit-window.
-    #[arg(long, value_name = "N")]
-    tpm: Option<u64>,
-    /// The window --rpm and --tpm are counted over, in seconds (60 for per-minute quotas); also
-    /// the window assumed for a quota learned from 429s that advise no delay (Vertex AI's).
-    #[arg(long, value_name = "SECS", default_value_t = 60.0, allow_negative_numbers = true)]
-    limit_window: f64,
-    /// Do not learn limits from 429s and rate-limit headers.
-    #[arg(long)]
-    no_learn_limits: bool,
-    /// Beam's client-side throttler: reject locally when requests exceed K × accepted requests
-    /// over --limit-window (Beam's overload_ratio; 2 is its default). Off unless given.
-    #[arg(long, value_name = "K", allow_negative_numbers = true)]
-    sre_throttle: Option<f64>,
-    /// Seconds a call may take before it is cancelled and retried.
-    #[arg(long, value_name = "SECS", default_value_t = 120.0, allow_negative_numbers = true)]
-    timeout: f64,
-    /// Retries per record after its first call (retryable errors only).
-    #[arg(long, value_name = "N", default_value_t = 8)]
-    max_retries: u32,
     /// Progress bar on stderr.
     #[arg(long, value_enum, default_value_t = ProgressMode::Auto)]
     progress: ProgressMode,
@@ -295,14 +247,12 @@ impl RunArgs {
         if self.job_rounds == 0 || self.job_max_requests == Some(0) {
             return Err(UsageError("--job-rounds and --job-max-requests must be at least 1".into()));
         }
+        self.endpoint.check()?;
         if !(self.poll_secs.is_finite() && self.poll_secs > 0.0 && self.poll_secs <= 3600.0) {
             return Err(UsageError(format!(
                 "--poll-secs {}: must be a number of seconds from 0 to 3600",
                 self.poll_secs
             )));
-        }
-        if self.max_concurrency == 0 {
-            return Err(UsageError("--max-concurrency must be at least 1".into()));
         }
         for (flag, field) in [
             ("--id-field", self.id_field.as_ref()),
@@ -319,20 +269,6 @@ impl RunArgs {
             // Found out before any file is created (the exporter binds it again later).
             std::net::TcpListener::bind(addr)
                 .map_err(|e| UsageError(format!("--metrics-listen {addr}: cannot listen there ({e})")))?;
-        }
-        if !(self.limit_window.is_finite() && self.limit_window > 0.0) {
-            return Err(UsageError(format!("--limit-window {}: must be a number of seconds > 0", self.limit_window)));
-        }
-        if self.rpm == Some(0) || self.tpm == Some(0) {
-            return Err(UsageError("--rpm and --tpm must be at least 1".into()));
-        }
-        if let Some(k) = self.sre_throttle {
-            if !(k.is_finite() && k >= 1.0) {
-                return Err(UsageError(format!("--sre-throttle {k}: K must be a number ≥ 1 (Beam's default is 2)")));
-            }
-        }
-        if !(self.timeout.is_finite() && self.timeout > 0.0) {
-            return Err(UsageError(format!("--timeout {}: must be a number of seconds > 0", self.timeout)));
         }
         let endpoint_format: weir_providers::EndpointFormat =
             self.endpoint_format.parse().map_err(|e: weir_providers::ProviderError| UsageError(e.to_string()))?;
@@ -501,13 +437,11 @@ impl RunArgs {
             model,
             model_field: self.model_field.clone(),
             provider: ProviderOptions {
-                base_url: self.base_url.clone(),
                 sim_config,
-                project: self.project.clone(),
-                location: self.location.clone(),
                 endpoint_format,
                 max_batch: self.batch_size,
                 task: if embed { weir_providers::Task::Embed } else { weir_providers::Task::Generate },
+                ..self.endpoint.provider()
             },
             batch: weir_core::BatchSettings {
                 max_items: 1,
@@ -524,13 +458,11 @@ impl RunArgs {
                 ..RecordSpec::new(self.id_field.clone(), prompt)
             },
             driver: DriverSettings {
-                timeout: Duration::from_secs_f64(self.timeout),
-                retry: RetryPolicy { max_retries: self.max_retries, ..RetryPolicy::default() },
                 system: self.system.as_deref().map(Arc::from),
                 params: Arc::new(params),
-                ..DriverSettings::default()
+                ..self.endpoint.driver()
             },
-            max_concurrency: self.max_concurrency,
+            max_concurrency: self.endpoint.max_concurrency,
             progress,
             state,
             fresh: self.fresh,
@@ -538,15 +470,10 @@ impl RunArgs {
             resume_stream: self.resume_stream,
             cache: !self.no_cache,
             retry_errors: self.retry_errors,
-            drain: Duration::from_secs_f64(self.timeout.min(30.0)),
-            rate: RateSettings {
-                requests: self.rpm,
-                tokens: self.tpm,
-                window: Duration::from_secs_f64(self.limit_window),
-                learn: !self.no_learn_limits,
-            },
-            adaptive: self.concurrency == ConcurrencyMode::Adaptive,
-            sre_k: self.sre_throttle,
+            drain: Duration::from_secs_f64(self.endpoint.timeout.min(30.0)),
+            rate: self.endpoint.rate(),
+            adaptive: self.endpoint.concurrency == ConcurrencyMode::Adaptive,
+            sre_k: self.endpoint.sre_throttle,
             metrics_listen: self.metrics_listen,
             table_input,
             table_output,

@@ -1,0 +1,218 @@
+//! The engine behind the SQL functions: one connection and one throttle per endpoint for the
+//! whole process, and a driver per call of a function (a batch of rows), so a stop — a dead
+//! endpoint, failing credentials, a spent daily quota — ends that batch's rows without leaving
+//! the process unable to answer later queries.
+
+use futures::future::BoxFuture;
+use futures::{FutureExt, StreamExt};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use weir_core::{
+    Driver, DriverSettings, ModelHandler, Outcome, Record, RecordId, RunMetrics, StopReason, Throttle, ThrottleSettings,
+};
+use weir_providers::{Endpoint, ModelSpec, ProviderError, ProviderOptions, Task};
+
+use crate::options::CallOptions;
+
+/// How the functions reach their endpoints, validated by the front end (`weir sql`, an
+/// executor): the same settings as `weir run`'s.
+#[derive(Debug, Clone, Default)]
+pub struct SqlSettings {
+    /// Base URL, project, location, simulator scenario (the task is set per function).
+    pub provider: ProviderOptions,
+    /// Concurrency and rate limits, per endpoint.
+    pub throttle: ThrottleSettings,
+    /// Timeout, retries, and when to stop trying (system text and parameters come per row).
+    pub driver: DriverSettings,
+}
+
+/// Sets up the client of a model. The default connects through `weir_providers`; the `weir`
+/// binary passes its own so that `local/` models work where it is built with them.
+pub type Connector =
+    Arc<dyn Fn(ModelSpec, ProviderOptions) -> BoxFuture<'static, Result<Endpoint, ProviderError>> + Send + Sync>;
+
+/// One endpoint's client, throttle and counters.
+struct Site {
+    handler: Arc<dyn ModelHandler>,
+    throttle: Arc<Throttle>,
+    metrics: Arc<RunMetrics>,
+}
+
+/// Rows that go through one driver: a model and the options they share.
+type Group = (String, Arc<CallOptions>);
+
+/// What became of one row.
+#[derive(Debug)]
+pub(crate) enum RowResult {
+    /// A NULL model or prompt: no call, a NULL result.
+    Null,
+    /// The row's outcome.
+    Done(Box<Outcome>, Arc<str>),
+}
+
+/// The process's endpoints, shared by every partition and query that uses weir's functions.
+pub struct LlmFunctions {
+    settings: SqlSettings,
+    connector: Connector,
+    sites: tokio::sync::Mutex<HashMap<(bool, String), Arc<Site>>>,
+    /// Every endpoint's counters, by model, for the summary and its cost.
+    by_model: Mutex<BTreeMap<String, Arc<RunMetrics>>>,
+    /// In-process simulators behind `sim/` models, kept alive while the functions are.
+    sims: Mutex<Vec<weir_sim::SimServer>>,
+    /// Why a call of a function stopped early (the most recent reason).
+    stopped: Mutex<Option<StopReason>>,
+}
+
+impl std::fmt::Debug for LlmFunctions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LlmFunctions").field("settings", &self.settings).finish_non_exhaustive()
+    }
+}
+
+/// Connects with `weir_providers`, reading keys from the process's environment.
+fn default_connector() -> Connector {
+    Arc::new(|spec, options| {
+        async move { weir_providers::connect(&spec, &options, &|k| std::env::var(k).ok()).await }.boxed()
+    })
+}
+
+impl LlmFunctions {
+    /// Functions that connect with `weir_providers` and read keys from the environment.
+    pub fn new(settings: SqlSettings) -> Arc<Self> {
+        Self::with_connector(settings, default_connector())
+    }
+
+    /// Functions that connect with `connector`.
+    pub fn with_connector(settings: SqlSettings, connector: Connector) -> Arc<Self> {
+        Arc::new(Self {
+            settings,
+            connector,
+            sites: tokio::sync::Mutex::new(HashMap::new()),
+            by_model: Mutex::new(BTreeMap::new()),
+            sims: Mutex::new(Vec::new()),
+            stopped: Mutex::new(None),
+        })
+    }
+
+    /// Counters of every model called so far, by `provider/model`.
+    pub fn metrics_by_model(&self) -> BTreeMap<String, Arc<RunMetrics>> {
+        self.by_model.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// The most recent reason a function call stopped early (its remaining rows failed).
+    pub fn stop_reason(&self) -> Option<StopReason> {
+        self.stopped.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// The concurrency each endpoint's throttle allows now, by model (for progress displays).
+    pub async fn concurrency(&self) -> BTreeMap<String, usize> {
+        let sites = self.sites.lock().await;
+        sites.iter().map(|((_, m), s)| (m.clone(), s.throttle.concurrency())).collect()
+    }
+
+    /// Stops the in-process simulators (`sim/` models).
+    pub async fn shutdown(&self) {
+        let sims = std::mem::take(&mut *self.sims.lock().unwrap_or_else(|e| e.into_inner()));
+        for s in sims {
+            s.shutdown().await;
+        }
+    }
+
+    /// The endpoint of `model` (connected on first use).
+    async fn site(&self, model: &str, embed: bool) -> Result<Arc<Site>, String> {
+        let spec: ModelSpec =
+            model.trim().parse().map_err(|e: ProviderError| e.to_string().replacen("--model ", "", 1))?;
+        let key = (embed, spec.to_string());
+        let mut sites = self.sites.lock().await;
+        if let Some(s) = sites.get(&key) {
+            return Ok(s.clone());
+        }
+        let mut options = self.settings.provider.clone();
+        options.task = if embed { Task::Embed } else { Task::Generate };
+        let endpoint = (self.connector)(spec.clone(), options).await.map_err(|e| format!("{spec}: {e}"))?;
+        if let Some(sim) = endpoint.sim {
+            self.sims.lock().unwrap_or_else(|e| e.into_inner()).push(sim);
+        }
+        let metrics = self
+            .by_model
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(spec.to_string())
+            .or_insert_with(|| Arc::new(RunMetrics::default()))
+            .clone();
+        let site = Arc::new(Site {
+            handler: endpoint.handler,
+            throttle: Arc::new(Throttle::new(&self.settings.throttle)),
+            metrics,
+        });
+        sites.insert(key, site.clone());
+        Ok(site)
+    }
+
+    /// Answers rows: each is a model, a prompt (`None` for NULL) and its options. Rows of one
+    /// model and options go through one driver, all at once (the throttle admits them); an
+    /// endpoint that takes many records per call gets them in batches. Results come back in
+    /// the order of `rows`. `Err` is a problem with the query itself (an unknown model, a
+    /// missing key), not with a row.
+    pub(crate) async fn answer(
+        &self,
+        rows: Vec<(Option<String>, Option<String>, Arc<CallOptions>)>,
+        embed: bool,
+    ) -> Result<Vec<RowResult>, String> {
+        let mut out: Vec<RowResult> = (0..rows.len()).map(|_| RowResult::Null).collect();
+        // Groups of rows that share a model and options, in the order first seen.
+        let mut groups: Vec<(Group, Vec<(usize, String)>)> = Vec::new();
+        let mut index: HashMap<(String, usize), usize> = HashMap::new();
+        for (i, (model, prompt, options)) in rows.into_iter().enumerate() {
+            let (Some(model), Some(prompt)) = (model, prompt) else { continue };
+            // Options are parsed once per distinct text, so equal options are one allocation.
+            let key = (model.clone(), Arc::as_ptr(&options) as usize);
+            let g = *index.entry(key).or_insert_with(|| {
+                groups.push(((model, options), Vec::new()));
+                groups.len() - 1
+            });
+            groups[g].1.push((i, prompt));
+        }
+        let calls = groups.into_iter().map(|((model, options), members)| async move {
+            let site = self.site(&model, embed).await?;
+            let settings = DriverSettings {
+                system: options.system.clone(),
+                params: options.params.clone(),
+                ..self.settings.driver.clone()
+            };
+            let driver = Driver::new(site.handler.clone(), site.throttle.clone(), settings, site.metrics.clone());
+            let model_id: Arc<str> = Arc::from(driver.model_id());
+            let (slots, records): (Vec<usize>, Vec<Record>) = members
+                .into_iter()
+                .map(|(i, prompt)| {
+                    let line = i as u64 + 1;
+                    (i, Record::new(RecordId::Text(line.to_string()), line, prompt, Default::default()))
+                })
+                .unzip();
+            let outcomes: Vec<Outcome> = if driver.max_batch() > 1 {
+                let max = driver.max_batch();
+                let mut chunks = Vec::new();
+                let mut records = records.into_iter().peekable();
+                while records.peek().is_some() {
+                    chunks.push(records.by_ref().take(max).collect::<Vec<_>>());
+                }
+                futures::future::join_all(chunks.into_iter().map(|c| driver.run_batch(c))).await.concat()
+            } else {
+                // Every row at once: the throttle decides how many are in flight.
+                let n = records.len().max(1);
+                futures::stream::iter(records).map(|r| driver.run(r)).buffered(n).collect().await
+            };
+            if let Some(reason) = driver.stop_reason() {
+                *self.stopped.lock().unwrap_or_else(|e| e.into_inner()) = Some(reason);
+            }
+            Ok::<_, String>((slots, outcomes, model_id))
+        });
+        for group in futures::future::join_all(calls).await {
+            let (slots, outcomes, model_id) = group?;
+            for (slot, outcome) in slots.into_iter().zip(outcomes) {
+                out[slot] = RowResult::Done(Box::new(outcome), model_id.clone());
+            }
+        }
+        Ok(out)
+    }
+}

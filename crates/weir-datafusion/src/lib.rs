@@ -1,0 +1,39 @@
+//! weir's SQL functions for Apache DataFusion: `llm_generate(model, prompt [, options])` and
+//! `llm_embed(model, text [, options])`, with `_result` companions that return a struct per row
+//! (the answer, or the error kind and message, attempts and usage).
+//!
+//! They are async scalar UDFs: DataFusion hands each a batch of rows, and every row's call runs
+//! at once through weir's engine, admitted by one [`weir_core::Throttle`] per endpoint that all
+//! partitions (and all queries) of the process share — so a query with many partitions reaches
+//! the endpoint's quota together instead of each partition guessing its own share.
+//!
+//! A failed row never fails the query unless asked (`{"fail_on_error": true}`): `llm_generate`
+//! gives NULL, `llm_generate_result` says why. A query that cannot work at all — an unknown
+//! model, a missing key, options weir does not know — fails at once with what to fix.
+
+#![warn(missing_docs)]
+
+#[cfg(feature = "cluster")]
+pub mod cluster;
+mod functions;
+mod options;
+pub mod tables;
+mod udf;
+
+pub use functions::{Connector, LlmFunctions, SqlSettings};
+pub use options::{CallOptions, OptionsError};
+pub use udf::{LlmUdf, UdfKind};
+
+pub use datafusion;
+
+use datafusion::prelude::SessionContext;
+use std::sync::Arc;
+
+/// Registers weir's functions (`llm_generate`, `llm_generate_result`, `llm_embed`,
+/// `llm_embed_result`) on `ctx`, all sharing `functions` (its throttles, counters and
+/// settings).
+pub fn register(ctx: &SessionContext, functions: &Arc<LlmFunctions>) {
+    for udf in udf::all(functions) {
+        ctx.register_udf(udf);
+    }
+}

@@ -1,0 +1,166 @@
+//! Tables for `weir sql`: `--table NAME=PATH` registers a JSONL, CSV or Parquet file, glob or
+//! directory, local or in `s3://` and `gs://`, and any `s3://` or `gs://` URL a query names
+//! (`COPY … TO 's3://…'`) reaches its store with the credentials `weir run` would use.
+
+use datafusion::catalog::Session;
+use datafusion::common::{DataFusionError, GetExt, Result};
+use datafusion::datasource::file_format::json::JsonFormatFactory;
+use datafusion::datasource::file_format::options::{CsvReadOptions, JsonReadOptions, ParquetReadOptions};
+use datafusion::datasource::file_format::{FileFormat, FileFormatFactory};
+use datafusion::execution::object_store::{DefaultObjectStoreRegistry, ObjectStoreRegistry};
+use datafusion::prelude::SessionContext;
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+use weir_tables::{Format, Location};
+
+/// Object stores found on demand: a URL's bucket is connected the first time a query reads or
+/// writes it, as `weir run` connects its tables (credentials and emulator endpoints from the
+/// environment).
+#[derive(Debug, Default)]
+pub struct Stores {
+    known: DefaultObjectStoreRegistry,
+}
+
+impl Stores {
+    /// A registry that knows the local file system and finds `s3://` and `gs://` buckets.
+    pub fn new() -> Self {
+        Self::default()
+    }
+}
+
+impl ObjectStoreRegistry for Stores {
+    fn register_store(
+        &self,
+        url: &url::Url,
+        store: Arc<dyn object_store::ObjectStore>,
+    ) -> Option<Arc<dyn object_store::ObjectStore>> {
+        self.known.register_store(url, store)
+    }
+
+    fn deregister_store(&self, url: &url::Url) -> Result<Arc<dyn object_store::ObjectStore>> {
+        self.known.deregister_store(url)
+    }
+
+    fn get_store(&self, url: &url::Url) -> Result<Arc<dyn object_store::ObjectStore>> {
+        if let Ok(store) = self.known.get_store(url) {
+            return Ok(store);
+        }
+        if !matches!(url.scheme(), "s3" | "gs") {
+            return Err(DataFusionError::Configuration(format!(
+                "{url}: weir reads and writes local paths, s3:// and gs://, not {}://",
+                url.scheme()
+            )));
+        }
+        let bucket = url.host_str().unwrap_or_default();
+        let location = Location::parse(&format!("{}://{bucket}", url.scheme()))
+            .map_err(|e| DataFusionError::Configuration(e.to_string()))?;
+        let store =
+            location.store(&|k| std::env::var(k).ok()).map_err(|e| DataFusionError::Configuration(e.to_string()))?;
+        self.known.register_store(url, store.clone());
+        Ok(store)
+    }
+}
+
+/// DataFusion's JSON-lines format under another extension (it knows `.json` only).
+#[derive(Debug, Default)]
+struct JsonLines(JsonFormatFactory, &'static str);
+
+impl GetExt for JsonLines {
+    fn get_ext(&self) -> String {
+        self.1.to_string()
+    }
+}
+
+impl FileFormatFactory for JsonLines {
+    fn create(&self, state: &dyn Session, options: &HashMap<String, String>) -> Result<Arc<dyn FileFormat>> {
+        self.0.create(state, options)
+    }
+
+    fn default(&self) -> Arc<dyn FileFormat> {
+        self.0.default()
+    }
+}
+
+/// Lets queries name `.jsonl` and `.ndjson` files as they name `.json` ones: `SELECT * FROM
+/// 'in.jsonl'`, `COPY … TO 'out.jsonl'` (weir's own results are `.jsonl`).
+pub fn register_formats(ctx: &SessionContext) -> Result<()> {
+    let state = ctx.state_ref();
+    let mut state = state.write();
+    for ext in ["jsonl", "ndjson"] {
+        state.register_file_format(Arc::new(JsonLines(JsonFormatFactory::new(), ext)), true)?;
+    }
+    Ok(())
+}
+
+/// Splits `NAME=PATH`, checking the name is a plain SQL identifier.
+pub fn parse_table_arg(arg: &str) -> std::result::Result<(String, String), String> {
+    let (name, path) = arg
+        .split_once('=')
+        .ok_or_else(|| format!("--table {arg}: expected NAME=PATH, e.g. reviews=data/reviews.parquet"))?;
+    let name = name.trim();
+    let plain = name.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+    if !plain {
+        return Err(format!(
+            "--table {arg}: the name '{name}' must be letters, digits and '_', not starting with a digit"
+        ));
+    }
+    if path.trim().is_empty() {
+        return Err(format!("--table {arg}: no path after '='"));
+    }
+    Ok((name.to_string(), path.trim().to_string()))
+}
+
+/// The format of a table's files, from the extension of its path (a file or a glob such as
+/// `dir/*.parquet`), or of the files in a local directory.
+fn format_of(path: &str) -> std::result::Result<(Format, String), String> {
+    let by_name = |name: &str| {
+        let ext = name.rsplit_once('.').map(|(_, e)| e.to_ascii_lowercase())?;
+        let format = Format::from_name(name)?;
+        Some((format, format!(".{ext}")))
+    };
+    if let Some(found) = by_name(path.trim_end_matches('/')) {
+        return Ok(found);
+    }
+    if !path.contains("://") && Path::new(path).is_dir() {
+        let mut found: Vec<(Format, String)> = std::fs::read_dir(path)
+            .map_err(|e| format!("{path}: {e}"))?
+            .filter_map(|e| e.ok())
+            .filter_map(|e| by_name(&e.file_name().to_string_lossy()))
+            .collect();
+        found.sort_by(|a, b| a.1.cmp(&b.1));
+        found.dedup_by(|a, b| a.1 == b.1);
+        return match found.len() {
+            1 => Ok(found.remove(0)),
+            0 => Err(format!("{path}: no .jsonl, .csv or .parquet files in this directory")),
+            _ => Err(format!(
+                "{path}: files of several formats ({}); name one, e.g. {path}/*{}",
+                found.iter().map(|f| f.1.as_str()).collect::<Vec<_>>().join(", "),
+                found[0].1
+            )),
+        };
+    }
+    Err(format!(
+        "{path}: cannot tell the format; name the files with their extension, e.g. {}/*.parquet",
+        path.trim_end_matches('/')
+    ))
+}
+
+/// Registers the table at `path` as `name`.
+pub async fn register_table(ctx: &SessionContext, name: &str, path: &str) -> std::result::Result<(), String> {
+    let (format, ext) = format_of(path)?;
+    let table_path = if !path.contains("://") && Path::new(path).is_dir() {
+        format!("{}/", path.trim_end_matches('/'))
+    } else {
+        path.to_string()
+    };
+    let result = match format {
+        Format::Parquet => {
+            ctx.register_parquet(name, &table_path, ParquetReadOptions::default().file_extension(&ext)).await
+        }
+        Format::Csv => ctx.register_csv(name, &table_path, CsvReadOptions::new().file_extension(&ext)).await,
+        Format::Jsonl => ctx.register_json(name, &table_path, JsonReadOptions::default().file_extension(&ext)).await,
+    };
+    result.map_err(|e| format!("--table {name}={path}: {e}"))
+}

@@ -1,0 +1,310 @@
+//! The four functions as DataFusion async scalar UDFs.
+
+use async_trait::async_trait;
+use datafusion::arrow::array::{
+    Array, ArrayRef, AsArray, Float32Builder, ListBuilder, StringBuilder, StructArray, UInt32Builder, UInt64Builder,
+};
+use datafusion::arrow::buffer::NullBuffer;
+use datafusion::arrow::compute::cast;
+use datafusion::arrow::datatypes::{DataType, Field, Fields};
+use datafusion::common::{exec_err, internal_err, DataFusionError, Result};
+use datafusion::logical_expr::async_udf::{AsyncScalarUDF, AsyncScalarUDFImpl};
+use datafusion::logical_expr::{
+    ColumnarValue, ScalarFunctionArgs, ScalarUDF, ScalarUDFImpl, Signature, TypeSignature, Volatility,
+};
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+use std::sync::Arc;
+use weir_core::Outcome;
+
+use crate::functions::{LlmFunctions, RowResult};
+use crate::options::CallOptions;
+
+/// Which of the four functions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum UdfKind {
+    /// `llm_generate`: the text, NULL on failure.
+    Generate,
+    /// `llm_generate_result`: a struct with the text or the error, attempts and usage.
+    GenerateResult,
+    /// `llm_embed`: the vector, NULL on failure.
+    Embed,
+    /// `llm_embed_result`: a struct with the vector or the error, attempts and usage.
+    EmbedResult,
+}
+
+impl UdfKind {
+    /// Every function.
+    pub const ALL: [UdfKind; 4] = [UdfKind::Generate, UdfKind::GenerateResult, UdfKind::Embed, UdfKind::EmbedResult];
+
+    /// The SQL name.
+    pub fn name(self) -> &'static str {
+        match self {
+            UdfKind::Generate => "llm_generate",
+            UdfKind::GenerateResult => "llm_generate_result",
+            UdfKind::Embed => "llm_embed",
+            UdfKind::EmbedResult => "llm_embed_result",
+        }
+    }
+
+    fn embed(self) -> bool {
+        matches!(self, UdfKind::Embed | UdfKind::EmbedResult)
+    }
+}
+
+/// An embedding: a list of 32-bit floats.
+fn vector_type() -> DataType {
+    DataType::List(Arc::new(Field::new("item", DataType::Float32, true)))
+}
+
+/// The fields of a `_result` struct: the answer (`response` text or `embedding`), then what
+/// happened.
+fn result_fields(embed: bool) -> Fields {
+    let answer = if embed {
+        vec![Field::new("embedding", vector_type(), true)]
+    } else {
+        vec![Field::new("response", DataType::Utf8, true), Field::new("finish_reason", DataType::Utf8, true)]
+    };
+    let rest = [
+        Field::new("error_kind", DataType::Utf8, true),
+        Field::new("error_message", DataType::Utf8, true),
+        Field::new("attempts", DataType::UInt32, false),
+        Field::new("prompt_tokens", DataType::UInt64, true),
+        Field::new("output_tokens", DataType::UInt64, true),
+        Field::new("model", DataType::Utf8, true),
+    ];
+    Fields::from_iter(answer.into_iter().chain(rest))
+}
+
+/// One of weir's functions over the process's [`LlmFunctions`].
+#[derive(Debug)]
+pub struct LlmUdf {
+    kind: UdfKind,
+    functions: Arc<LlmFunctions>,
+    signature: Signature,
+}
+
+impl PartialEq for LlmUdf {
+    fn eq(&self, other: &Self) -> bool {
+        self.kind == other.kind && Arc::ptr_eq(&self.functions, &other.functions)
+    }
+}
+
+impl Eq for LlmUdf {}
+
+impl Hash for LlmUdf {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.kind.hash(state);
+    }
+}
+
+impl LlmUdf {
+    /// The function `kind` over `functions`.
+    pub fn new(kind: UdfKind, functions: Arc<LlmFunctions>) -> Self {
+        // Volatile: two calls of the same prompt may answer differently, and a call must never
+        // be folded into a constant at planning time (nor made at all then).
+        let signature =
+            Signature::one_of(vec![TypeSignature::String(2), TypeSignature::String(3)], Volatility::Volatile);
+        Self { kind, functions, signature }
+    }
+
+    /// As a DataFusion scalar function.
+    pub fn into_udf(self) -> ScalarUDF {
+        AsyncScalarUDF::new(Arc::new(self)).into_scalar_udf()
+    }
+}
+
+/// All four functions over `functions`.
+pub(crate) fn all(functions: &Arc<LlmFunctions>) -> Vec<ScalarUDF> {
+    UdfKind::ALL.into_iter().map(|k| LlmUdf::new(k, functions.clone()).into_udf()).collect()
+}
+
+impl ScalarUDFImpl for LlmUdf {
+    fn name(&self) -> &str {
+        self.kind.name()
+    }
+
+    fn signature(&self) -> &Signature {
+        &self.signature
+    }
+
+    fn return_type(&self, _arg_types: &[DataType]) -> Result<DataType> {
+        Ok(match self.kind {
+            UdfKind::Generate => DataType::Utf8,
+            UdfKind::Embed => vector_type(),
+            UdfKind::GenerateResult | UdfKind::EmbedResult => DataType::Struct(result_fields(self.kind.embed())),
+        })
+    }
+
+    fn invoke_with_args(&self, _args: ScalarFunctionArgs) -> Result<ColumnarValue> {
+        internal_err!("{} is asynchronous and is called through its async form", self.name())
+    }
+}
+
+/// Argument `i` as UTF-8 strings, one per row.
+fn strings(args: &ScalarFunctionArgs, i: usize) -> Result<ArrayRef> {
+    let array = args.args[i].to_array(args.number_rows)?;
+    Ok(cast(&array, &DataType::Utf8)?)
+}
+
+#[async_trait]
+impl AsyncScalarUDFImpl for LlmUdf {
+    async fn invoke_async_with_args(&self, args: ScalarFunctionArgs) -> Result<ColumnarValue> {
+        let name = self.name();
+        let models = strings(&args, 0)?;
+        let prompts = strings(&args, 1)?;
+        let options = if args.args.len() > 2 { Some(strings(&args, 2)?) } else { None };
+        let (models, prompts) = (models.as_string::<i32>(), prompts.as_string::<i32>());
+        // Options are parsed once per distinct text.
+        let mut parsed: HashMap<&str, Arc<CallOptions>> = HashMap::new();
+        let default = Arc::new(CallOptions::default());
+        let mut rows = Vec::with_capacity(args.number_rows);
+        for i in 0..args.number_rows {
+            let opts = match options.as_ref().map(|o| o.as_string::<i32>()).filter(|o| o.is_valid(i)) {
+                Some(o) => {
+                    let text = o.value(i);
+                    match parsed.get(text) {
+                        Some(p) => p.clone(),
+                        None => {
+                            let p = CallOptions::parse(name, text, self.kind.embed())
+                                .map_err(|e| DataFusionError::Plan(e.to_string()))?;
+                            let p = Arc::new(p);
+                            parsed.insert(text, p.clone());
+                            p
+                        }
+                    }
+                }
+                None => default.clone(),
+            };
+            let model = models.is_valid(i).then(|| models.value(i).to_string());
+            let prompt = prompts.is_valid(i).then(|| prompts.value(i).to_string());
+            rows.push((model, prompt, opts));
+        }
+        let fail_on_error: Vec<bool> = rows.iter().map(|r| r.2.fail_on_error).collect();
+        let results = self
+            .functions
+            .answer(rows, self.kind.embed())
+            .await
+            .map_err(|e| DataFusionError::Configuration(format!("{name}: {e}")))?;
+        for (i, r) in results.iter().enumerate() {
+            if let (true, RowResult::Done(o, _)) = (fail_on_error[i], r) {
+                if let Outcome::Failure(f) = o.as_ref() {
+                    return exec_err!(
+                        "{name}: row {} failed after {} attempt(s) ({}: {}); fail_on_error is set",
+                        i + 1,
+                        f.attempts,
+                        f.error.kind,
+                        f.error.message
+                    );
+                }
+            }
+        }
+        let array: ArrayRef = match self.kind {
+            UdfKind::Generate => {
+                let mut b = StringBuilder::new();
+                for r in &results {
+                    match r {
+                        RowResult::Done(o, _) => match o.as_ref() {
+                            Outcome::Success(s) => b.append_value(&s.response.text),
+                            Outcome::Failure(_) => b.append_null(),
+                        },
+                        RowResult::Null => b.append_null(),
+                    }
+                }
+                Arc::new(b.finish())
+            }
+            UdfKind::Embed => {
+                let mut b = ListBuilder::new(Float32Builder::new());
+                for r in &results {
+                    match embedding(r) {
+                        Some(v) => b.append_value(v.iter().map(|x| Some(*x))),
+                        None => b.append_null(),
+                    }
+                }
+                Arc::new(b.finish())
+            }
+            UdfKind::GenerateResult | UdfKind::EmbedResult => Arc::new(result_struct(&results, self.kind.embed())?),
+        };
+        Ok(ColumnarValue::Array(array))
+    }
+}
+
+/// The vector of a successful embedding row.
+fn embedding(r: &RowResult) -> Option<&[f32]> {
+    match r {
+        RowResult::Done(o, _) => match o.as_ref() {
+            Outcome::Success(s) => s.response.embedding.as_deref(),
+            Outcome::Failure(_) => None,
+        },
+        RowResult::Null => None,
+    }
+}
+
+/// The `_result` structs of `results` (NULL where the input was NULL).
+fn result_struct(results: &[RowResult], embed: bool) -> Result<StructArray> {
+    let mut response = StringBuilder::new();
+    let mut finish = StringBuilder::new();
+    let mut vectors = ListBuilder::new(Float32Builder::new());
+    let (mut kind, mut message, mut model) = (StringBuilder::new(), StringBuilder::new(), StringBuilder::new());
+    let mut attempts = UInt32Builder::new();
+    let (mut prompt_tokens, mut output_tokens) = (UInt64Builder::new(), UInt64Builder::new());
+    let mut valid = Vec::with_capacity(results.len());
+    for r in results {
+        valid.push(!matches!(r, RowResult::Null));
+        match r {
+            RowResult::Null => {
+                response.append_null();
+                finish.append_null();
+                vectors.append_null();
+                kind.append_null();
+                message.append_null();
+                attempts.append_value(0);
+                prompt_tokens.append_null();
+                output_tokens.append_null();
+                model.append_null();
+            }
+            RowResult::Done(o, id) => match o.as_ref() {
+                Outcome::Success(s) => {
+                    response.append_value(&s.response.text);
+                    finish.append_value(&s.response.finish_reason);
+                    match &s.response.embedding {
+                        Some(v) => vectors.append_value(v.iter().map(|x| Some(*x))),
+                        None => vectors.append_null(),
+                    }
+                    kind.append_null();
+                    message.append_null();
+                    attempts.append_value(s.attempts);
+                    prompt_tokens.append_value(s.response.usage.prompt_tokens);
+                    output_tokens.append_value(s.response.usage.output_tokens);
+                    model.append_value(&*s.model);
+                }
+                Outcome::Failure(f) => {
+                    response.append_null();
+                    finish.append_null();
+                    vectors.append_null();
+                    kind.append_value(f.error.kind.as_str());
+                    message.append_value(&f.error.message);
+                    attempts.append_value(f.attempts);
+                    prompt_tokens.append_null();
+                    output_tokens.append_null();
+                    model.append_value(&**id);
+                }
+            },
+        }
+    }
+    let answer: Vec<ArrayRef> = if embed {
+        vec![Arc::new(vectors.finish())]
+    } else {
+        vec![Arc::new(response.finish()), Arc::new(finish.finish())]
+    };
+    let rest: [ArrayRef; 6] = [
+        Arc::new(kind.finish()),
+        Arc::new(message.finish()),
+        Arc::new(attempts.finish()),
+        Arc::new(prompt_tokens.finish()),
+        Arc::new(output_tokens.finish()),
+        Arc::new(model.finish()),
+    ];
+    let arrays: Vec<ArrayRef> = answer.into_iter().chain(rest).collect();
+    Ok(StructArray::try_new(result_fields(embed), arrays, Some(NullBuffer::from(valid)))?)
+}

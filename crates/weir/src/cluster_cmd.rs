@@ -1,0 +1,120 @@
+//! `weir cluster scheduler|executor`: the processes of a Ballista cluster with weir's SQL
+//! functions in them. `weir sql --cluster df://HOST:PORT` submits queries to the scheduler.
+
+use clap::{Args, Subcommand};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Instant;
+use weir_datafusion::cluster::ExecutorPlace;
+use weir_datafusion::{LlmFunctions, SqlSettings};
+
+use crate::endpoint_args::EndpointArgs;
+use crate::UsageError;
+
+/// Options of `weir cluster`.
+#[derive(Debug, Args)]
+pub struct ClusterArgs {
+    #[command(subcommand)]
+    command: ClusterCommand,
+}
+
+#[derive(Debug, Subcommand)]
+enum ClusterCommand {
+    /// The scheduler: takes queries from `weir sql --cluster df://HOST:PORT` and hands their
+    /// tasks to executors.
+    Scheduler(SchedulerArgs),
+    /// An executor: runs tasks, calling the model endpoints with its own flags and keys (the
+    /// same as weir run's); its tasks share one throttle per endpoint.
+    Executor(Box<ExecutorArgs>),
+}
+
+/// Options of `weir cluster scheduler`.
+#[derive(Debug, Args)]
+struct SchedulerArgs {
+    /// Where to listen for clients and executors.
+    #[arg(long, value_name = "HOST:PORT", default_value = "127.0.0.1:50050")]
+    bind: SocketAddr,
+}
+
+/// Options of `weir cluster executor`.
+#[derive(Debug, Args)]
+struct ExecutorArgs {
+    /// The scheduler's address.
+    #[arg(long, value_name = "HOST:PORT", default_value = "127.0.0.1:50050")]
+    scheduler: SocketAddr,
+    /// The host this executor listens on and is reached at.
+    #[arg(long, value_name = "HOST", default_value = "127.0.0.1")]
+    host: String,
+    /// Its Arrow Flight port (results and shuffles).
+    #[arg(long, value_name = "PORT", default_value_t = 50051)]
+    port: u16,
+    /// Its gRPC port (tasks from the scheduler).
+    #[arg(long, value_name = "PORT", default_value_t = 50052)]
+    grpc_port: u16,
+    /// Tasks run at once [default: the number of cores].
+    #[arg(long, value_name = "N")]
+    slots: Option<usize>,
+    /// Where shuffle files go [default: a temporary directory].
+    #[arg(long, value_name = "DIR")]
+    work_dir: Option<PathBuf>,
+    /// Serve this executor's counters (calls, 429s, tokens, latency) in the Prometheus text
+    /// format at http://ADDR/metrics.
+    #[arg(long, value_name = "ADDR")]
+    metrics_listen: Option<SocketAddr>,
+    #[command(flatten)]
+    endpoint: EndpointArgs,
+    /// Scenario (TOML, as for `weir sim --config`) of the built-in simulator behind sim/ models.
+    #[arg(long, value_name = "FILE")]
+    sim_config: Option<PathBuf>,
+}
+
+/// Runs `weir cluster …`; the exit status.
+pub async fn run(args: ClusterArgs) -> anyhow::Result<u8> {
+    match args.command {
+        ClusterCommand::Scheduler(a) => {
+            // The scheduler plans only: its functions are never called.
+            let functions = LlmFunctions::new(SqlSettings::default());
+            eprintln!("weir: scheduler listening on {} (clients: weir sql --cluster df://{})", a.bind, a.bind);
+            weir_datafusion::cluster::scheduler(a.bind, functions).await.map_err(|e| anyhow::anyhow!(e))?;
+            Ok(0)
+        }
+        ClusterCommand::Executor(a) => executor(*a).await,
+    }
+}
+
+async fn executor(a: ExecutorArgs) -> anyhow::Result<u8> {
+    a.endpoint.check()?;
+    if a.slots == Some(0) {
+        return Err(UsageError("--slots must be at least 1".into()).into());
+    }
+    let mut provider = a.endpoint.provider();
+    if let Some(path) = &a.sim_config {
+        provider.sim_config = Some(weir_sim::SimConfig::from_file(path).map_err(|e| UsageError(e.to_string()))?);
+    }
+    if let Some(addr) = a.metrics_listen {
+        weir::metrics_server::install(addr).map_err(|e| UsageError(format!("--metrics-listen {addr}: {e}")))?;
+    }
+    let settings = SqlSettings { provider, throttle: a.endpoint.throttle(), driver: a.endpoint.driver() };
+    let functions = LlmFunctions::new(settings);
+    let place = ExecutorPlace {
+        scheduler: a.scheduler,
+        host: a.host.clone(),
+        port: a.port,
+        grpc_port: a.grpc_port,
+        slots: a.slots,
+        work_dir: a.work_dir.as_ref().map(|p| p.display().to_string()),
+    };
+    eprintln!("weir: executor on {}:{} serving the scheduler at {}", a.host, a.port, a.scheduler);
+    let started = Instant::now();
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let result = tokio::select! {
+        r = weir_datafusion::cluster::executor(place, functions.clone()) => r,
+        _ = tokio::signal::ctrl_c() => Ok(()),
+        _ = term.recv() => Ok(()),
+    };
+    // What this executor's calls came to, over its whole life.
+    eprint!("{}", crate::sql_cmd::summary(&functions, started.elapsed()));
+    functions.shutdown().await;
+    result.map_err(|e| anyhow::anyhow!(e))?;
+    Ok(0)
+}

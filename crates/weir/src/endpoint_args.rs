@@ -1,0 +1,130 @@
+//! The flags that say how to reach a model's endpoint and how hard to push it: base URL and
+//! Google Cloud site, concurrency, rate limits, timeout and retries. `weir run` and `weir sql`
+//! (and the cluster's executors) take the same ones, validated the same way.
+
+use clap::{Args, ValueEnum};
+use std::time::Duration;
+use weir_core::{DriverSettings, RateSettings, RetryPolicy, ThrottleSettings};
+use weir_providers::ProviderOptions;
+
+use crate::UsageError;
+
+/// How concurrency is limited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ConcurrencyMode {
+    /// Found from push-back and latency.
+    Adaptive,
+    /// Always --max-concurrency.
+    Fixed,
+}
+
+/// Where the endpoint is and how to call it.
+#[derive(Debug, Clone, Args)]
+pub struct EndpointArgs {
+    /// The provider's base URL (OpenAI-compatible: the API root, e.g. http://127.0.0.1:8000/v1;
+    /// Gemini: replaces https://generativelanguage.googleapis.com; Vertex AI: replaces
+    /// https://LOCATION-aiplatform.googleapis.com). Plain http only to loopback.
+    #[arg(long, value_name = "URL")]
+    pub base_url: Option<String>,
+    /// Google Cloud project for vertex_ai/ models [default: GOOGLE_CLOUD_PROJECT].
+    #[arg(long, value_name = "PROJECT")]
+    pub project: Option<String>,
+    /// Google Cloud location for vertex_ai/ models, e.g. us-central1 or global
+    /// [default: GOOGLE_CLOUD_LOCATION, else us-central1].
+    #[arg(long, value_name = "LOCATION")]
+    pub location: Option<String>,
+    /// Most calls in flight at once.
+    #[arg(long, value_name = "N", default_value_t = 64)]
+    pub max_concurrency: usize,
+    /// How many calls may be in flight: `adaptive` finds the endpoint's capacity from
+    /// push-back and latency (up to --max-concurrency); `fixed` always allows --max-concurrency.
+    #[arg(long, value_enum, default_value_t = ConcurrencyMode::Adaptive)]
+    pub concurrency: ConcurrencyMode,
+    /// Requests allowed per --limit-window (the endpoint's quota, when you know it).
+    #[arg(long, value_name = "N")]
+    pub rpm: Option<u64>,
+    /// Tokens (prompt + output) allowed per --limit-window.
+    #[arg(long, value_name = "N")]
+    pub tpm: Option<u64>,
+    /// The window --rpm and --tpm are counted over, in seconds (60 for per-minute quotas); also
+    /// the window assumed for a quota learned from 429s that advise no delay (Vertex AI's).
+    #[arg(long, value_name = "SECS", default_value_t = 60.0, allow_negative_numbers = true)]
+    pub limit_window: f64,
+    /// Do not learn limits from 429s and rate-limit headers.
+    #[arg(long)]
+    pub no_learn_limits: bool,
+    /// Beam's client-side throttler: reject locally when requests exceed K × accepted requests
+    /// over --limit-window (Beam's overload_ratio; 2 is its default). Off unless given.
+    #[arg(long, value_name = "K", allow_negative_numbers = true)]
+    pub sre_throttle: Option<f64>,
+    /// Seconds a call may take before it is cancelled and retried.
+    #[arg(long, value_name = "SECS", default_value_t = 120.0, allow_negative_numbers = true)]
+    pub timeout: f64,
+    /// Retries per record after its first call (retryable errors only).
+    #[arg(long, value_name = "N", default_value_t = 8)]
+    pub max_retries: u32,
+}
+
+impl EndpointArgs {
+    /// Every problem with these flags, as a usage error naming the flag.
+    pub fn check(&self) -> Result<(), UsageError> {
+        if self.max_concurrency == 0 {
+            return Err(UsageError("--max-concurrency must be at least 1".into()));
+        }
+        if !(self.limit_window.is_finite() && self.limit_window > 0.0) {
+            return Err(UsageError(format!("--limit-window {}: must be a number of seconds > 0", self.limit_window)));
+        }
+        if self.rpm == Some(0) || self.tpm == Some(0) {
+            return Err(UsageError("--rpm and --tpm must be at least 1".into()));
+        }
+        if let Some(k) = self.sre_throttle {
+            if !(k.is_finite() && k >= 1.0) {
+                return Err(UsageError(format!("--sre-throttle {k}: K must be a number ≥ 1 (Beam's default is 2)")));
+            }
+        }
+        if !(self.timeout.is_finite() && self.timeout > 0.0) {
+            return Err(UsageError(format!("--timeout {}: must be a number of seconds > 0", self.timeout)));
+        }
+        Ok(())
+    }
+
+    /// The rate budgets: given limits, and whether to learn them.
+    pub fn rate(&self) -> RateSettings {
+        RateSettings {
+            requests: self.rpm,
+            tokens: self.tpm,
+            window: Duration::from_secs_f64(self.limit_window),
+            learn: !self.no_learn_limits,
+        }
+    }
+
+    /// Each endpoint's throttle.
+    #[cfg_attr(not(feature = "sql"), allow(dead_code))]
+    pub fn throttle(&self) -> ThrottleSettings {
+        ThrottleSettings {
+            max_concurrency: self.max_concurrency,
+            adaptive: self.concurrency == ConcurrencyMode::Adaptive,
+            rate: self.rate(),
+            sre_k: self.sre_throttle,
+        }
+    }
+
+    /// Timeout and retries (system text and parameters are the caller's).
+    pub fn driver(&self) -> DriverSettings {
+        DriverSettings {
+            timeout: Duration::from_secs_f64(self.timeout),
+            retry: RetryPolicy { max_retries: self.max_retries, ..RetryPolicy::default() },
+            ..DriverSettings::default()
+        }
+    }
+
+    /// Base URL and Google Cloud site (the caller sets the task and what else it has).
+    pub fn provider(&self) -> ProviderOptions {
+        ProviderOptions {
+            base_url: self.base_url.clone(),
+            project: self.project.clone(),
+            location: self.location.clone(),
+            ..ProviderOptions::default()
+        }
+    }
+}

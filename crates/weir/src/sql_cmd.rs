@@ -1,0 +1,271 @@
+//! `weir sql`: SQL over tables with `llm_generate` and `llm_embed`, in DataFusion on this
+//! machine (or on a Ballista cluster with the `cluster` feature), then the run's summary.
+
+use anyhow::Context;
+use clap::{Args, ValueEnum};
+use futures::StreamExt;
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::Instant;
+use weir::report::thousands;
+use weir_datafusion::datafusion;
+use weir_datafusion::{LlmFunctions, SqlSettings};
+
+use datafusion::common::DataFusionError;
+use datafusion::execution::runtime_env::RuntimeEnvBuilder;
+use datafusion::prelude::{SessionConfig, SessionContext};
+
+use crate::endpoint_args::EndpointArgs;
+use crate::UsageError;
+
+/// How result rows are printed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ResultFormat {
+    /// An aligned text table.
+    Table,
+    /// One JSON object per row.
+    Jsonl,
+    /// Comma-separated values with a header.
+    Csv,
+}
+
+/// Options of `weir sql`.
+#[derive(Debug, Args)]
+#[command(after_help = "Functions: llm_generate(model, prompt [, options]) → text, NULL when the call failed; \
+llm_generate_result(model, prompt [, options]) → struct {response, finish_reason, error_kind, error_message, attempts, \
+prompt_tokens, output_tokens, model}; llm_embed(model, text [, options]) → list of floats; llm_embed_result(…) → \
+the same struct with embedding in place of response and finish_reason. options is a JSON object: the --param keys of \
+weir run, system, and fail_on_error (true fails the query on the first failed row).\n\n\
+Models and keys as for weir run: sim/<name>, openai/<model> (OPENAI_BASE_URL or --base-url, OPENAI_API_KEY), \
+gemini/<model> (GEMINI_API_KEY), vertex_ai/<model> (--project/--location, Application Default Credentials).\n\n\
+Exit status: 0 every call succeeded; 1 some rows' calls failed (their value is NULL); 2 a problem with the query or \
+the flags; 3 the query failed while running.")]
+pub struct SqlArgs {
+    /// The SQL to run (several statements separated by ';'); - reads it from stdin.
+    #[arg(value_name = "SQL")]
+    query: String,
+    /// A table for the query, NAME=PATH (repeatable): a JSONL, CSV or Parquet file, a glob such
+    /// as dir/*.parquet or a directory, local or s3://BUCKET/… or gs://BUCKET/….
+    #[arg(long = "table", value_name = "NAME=PATH")]
+    tables: Vec<String>,
+    /// How result rows are printed on stdout (write files with COPY (SELECT …) TO 'PATH').
+    #[arg(long, value_enum, default_value_t = ResultFormat::Table)]
+    format: ResultFormat,
+    /// Partitions a query runs in [default: the number of cores]; every partition's calls
+    /// share one throttle per endpoint.
+    #[arg(long, value_name = "N")]
+    partitions: Option<usize>,
+    /// Run the query on a Ballista cluster: the scheduler's address, df://HOST:PORT (start it
+    /// and its executors with weir cluster scheduler|executor; the executors call the models
+    /// with their own flags and keys, so the endpoint flags here do not apply).
+    #[arg(long, value_name = "URL")]
+    cluster: Option<String>,
+    #[command(flatten)]
+    endpoint: EndpointArgs,
+    /// Scenario (TOML, as for `weir sim --config`) of the built-in simulator behind sim/ models.
+    #[arg(long, value_name = "FILE")]
+    sim_config: Option<PathBuf>,
+}
+
+impl SqlArgs {
+    /// The functions' settings from the flags.
+    fn settings(&self) -> Result<SqlSettings, UsageError> {
+        self.endpoint.check()?;
+        if self.partitions == Some(0) {
+            return Err(UsageError("--partitions must be at least 1".into()));
+        }
+        let mut provider = self.endpoint.provider();
+        if let Some(path) = &self.sim_config {
+            provider.sim_config = Some(weir_sim::SimConfig::from_file(path).map_err(|e| UsageError(e.to_string()))?);
+        }
+        Ok(SqlSettings { provider, throttle: self.endpoint.throttle(), driver: self.endpoint.driver() })
+    }
+
+    /// The SQL text, from the argument or stdin.
+    fn sql(&self) -> Result<String, UsageError> {
+        let sql = if self.query == "-" {
+            std::io::read_to_string(std::io::stdin()).map_err(|e| UsageError(format!("reading SQL from stdin: {e}")))?
+        } else {
+            self.query.clone()
+        };
+        if sql.trim().trim_matches(';').trim().is_empty() {
+            return Err(UsageError("no SQL given: weir sql \"SELECT …\"".into()));
+        }
+        Ok(sql)
+    }
+}
+
+/// A session on the cluster at `url`.
+#[cfg(feature = "cluster")]
+async fn cluster_session(
+    url: &str,
+    config: SessionConfig,
+    functions: &Arc<LlmFunctions>,
+) -> Result<SessionContext, UsageError> {
+    if !url.starts_with("df://") {
+        return Err(UsageError(format!("--cluster {url}: expected the scheduler as df://HOST:PORT")));
+    }
+    weir_datafusion::cluster::connect(url, config, functions).await.map_err(|e| UsageError(format!("--cluster {e}")))
+}
+
+/// This build has no cluster support.
+#[cfg(not(feature = "cluster"))]
+async fn cluster_session(
+    url: &str,
+    _config: SessionConfig,
+    _functions: &Arc<LlmFunctions>,
+) -> Result<SessionContext, UsageError> {
+    Err(UsageError(format!(
+        "--cluster {url}: this weir was built without the cluster; build it with: cargo build --release -p weir --features cluster"
+    )))
+}
+
+/// True for errors in the query or its inputs (exit status 2), not in running it.
+fn is_usage(e: &DataFusionError) -> bool {
+    matches!(
+        e.find_root(),
+        DataFusionError::SQL(..)
+            | DataFusionError::Plan(_)
+            | DataFusionError::SchemaError(..)
+            | DataFusionError::Configuration(_)
+            | DataFusionError::NotImplemented(_)
+    )
+}
+
+/// Runs `weir sql`; the exit status.
+pub async fn run(args: SqlArgs) -> anyhow::Result<u8> {
+    let settings = args.settings()?;
+    let sql = args.sql()?;
+    let mut config = SessionConfig::new().with_information_schema(true);
+    if let Some(n) = args.partitions {
+        config = config.with_target_partitions(n);
+    }
+    let functions = LlmFunctions::new(settings);
+    let ctx = match &args.cluster {
+        None => {
+            let runtime = RuntimeEnvBuilder::new()
+                .with_object_store_registry(Arc::new(weir_datafusion::tables::Stores::new()))
+                .build_arc()
+                .context("setting up DataFusion")?;
+            let ctx = SessionContext::new_with_config_rt(config, runtime);
+            weir_datafusion::register(&ctx, &functions);
+            ctx
+        }
+        Some(url) => cluster_session(url, config, &functions).await?,
+    };
+    // Files can be queried by name too: SELECT * FROM 'out.parquet'.
+    let ctx = ctx.enable_url_table();
+    weir_datafusion::tables::register_formats(&ctx).context("setting up DataFusion")?;
+    for t in &args.tables {
+        let (name, path) = weir_datafusion::tables::parse_table_arg(t).map_err(UsageError)?;
+        weir_datafusion::tables::register_table(&ctx, &name, &path).await.map_err(UsageError)?;
+    }
+    let started = Instant::now();
+    let result = tokio::select! {
+        r = run_statements(&ctx, &sql, args.format) => r,
+        _ = tokio::signal::ctrl_c() => Err(DataFusionError::Execution("interrupted".into())),
+    };
+    match &args.cluster {
+        None => eprint!("{}", summary(&functions, started.elapsed())),
+        Some(_) => eprintln!(
+            "weir sql: {:.2} s; the model calls ran on the cluster's executors (each prints its summary when \
+             stopped and serves its counters with --metrics-listen)",
+            started.elapsed().as_secs_f64()
+        ),
+    }
+    functions.shutdown().await;
+    match result {
+        Ok(()) => {
+            let failed: u64 = functions.metrics_by_model().values().map(|m| m.failed.load(Relaxed)).sum();
+            Ok(if failed > 0 { 1 } else { 0 })
+        }
+        Err(e) if is_usage(&e) => Err(UsageError(e.to_string()).into()),
+        Err(e) => Err(anyhow::anyhow!("the query failed: {e}")),
+    }
+}
+
+/// Plans and runs each statement of `sql`, printing the rows of those that return some.
+async fn run_statements(ctx: &SessionContext, sql: &str, format: ResultFormat) -> Result<(), DataFusionError> {
+    let statements = datafusion::sql::parser::DFParser::parse_sql(sql)?;
+    for statement in statements {
+        let plan = ctx.state().statement_to_plan(statement).await?;
+        let frame = ctx.execute_logical_plan(plan).await?;
+        print_rows(frame, format).await?;
+    }
+    Ok(())
+}
+
+/// Writes a statement's rows to stdout.
+async fn print_rows(frame: datafusion::dataframe::DataFrame, format: ResultFormat) -> Result<(), DataFusionError> {
+    let out = std::io::stdout();
+    match format {
+        ResultFormat::Table => {
+            let batches = frame.collect().await?;
+            if batches.iter().any(|b| b.num_columns() > 0) {
+                let table = datafusion::arrow::util::pretty::pretty_format_batches(&batches)?;
+                writeln!(out.lock(), "{table}")?;
+            }
+        }
+        ResultFormat::Jsonl => {
+            let mut stream = frame.execute_stream().await?;
+            let mut writer = datafusion::arrow::json::LineDelimitedWriter::new(out.lock());
+            while let Some(batch) = stream.next().await {
+                writer.write(&batch?)?;
+            }
+            writer.finish()?;
+        }
+        ResultFormat::Csv => {
+            let mut stream = frame.execute_stream().await?;
+            let mut writer = datafusion::arrow::csv::Writer::new(out.lock());
+            while let Some(batch) = stream.next().await {
+                writer.write(&batch?)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The summary on stderr: per model, calls, refusals, tokens and cost.
+pub(crate) fn summary(functions: &LlmFunctions, elapsed: std::time::Duration) -> String {
+    let models = functions.metrics_by_model();
+    if models.is_empty() {
+        return String::new();
+    }
+    let get = |f: fn(&weir_core::RunMetrics) -> u64| models.values().map(|m| f(m)).sum::<u64>();
+    let (ok, failed) = (get(|m| m.succeeded.load(Relaxed)), get(|m| m.failed.load(Relaxed)));
+    let mut s = format!(
+        "weir sql: {:.2} s; model calls for {} rows: {} succeeded, {} failed\n",
+        elapsed.as_secs_f64(),
+        thousands(ok + failed),
+        thousands(ok),
+        thousands(failed)
+    );
+    for (model, m) in &models {
+        let (tin, tout) = (m.tokens_in.load(Relaxed), m.tokens_out.load(Relaxed));
+        s.push_str(&format!(
+            "  {model}: calls {} ({} retries, {} rate-limited, {:.1} s throttled); tokens {} in, {} out\n",
+            thousands(m.calls.load(Relaxed)),
+            thousands(m.retries.load(Relaxed)),
+            thousands(m.rate_limited.load(Relaxed)),
+            m.throttled_micros.load(Relaxed) as f64 / 1e6,
+            thousands(tin),
+            thousands(tout),
+        ));
+        if let Some(c) = weir::cost::Cost::estimate(model, (tin, tout), (0, 0)) {
+            s.push_str(&c.line());
+        }
+        let kinds: Vec<String> = m.failures_by_kind().iter().map(|(k, n)| format!("{k} {}", thousands(*n))).collect();
+        if !kinds.is_empty() {
+            s.push_str(&format!(
+                "  failed rows by kind: {} (llm_generate_result says why per row)\n",
+                kinds.join(", ")
+            ));
+        }
+    }
+    if let Some(stop) = functions.stop_reason() {
+        s.push_str(&format!("  stopped early ({}): {}\n", stop.kind, stop.message));
+    }
+    s
+}

@@ -1,0 +1,99 @@
+//! `weir sql` (built with `--features sql`): a Parquet table through `llm_generate` into a
+//! Parquet result against the simulator, the summary and its cost, and the exit statuses.
+#![cfg(feature = "sql")]
+
+mod util;
+
+use serde_json::Value;
+use util::*;
+use weir_sim::{SimConfig, SimServer};
+
+/// Rows of a query's result, as JSON objects (`--format jsonl`).
+async fn query(dir: &Dir, sql: &str) -> Vec<Value> {
+    let out = weir().current_dir(&dir.0).args(["sql", "--format", "jsonl", sql]).output().await.unwrap();
+    assert!(out.status.success(), "{sql}: {}", stderr(&out));
+    String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parquet_table_through_llm_generate_into_parquet() {
+    let dir = Dir::new("sql-parquet");
+    let (data, ids) = prompts(300);
+    dir.write("in.jsonl", &data);
+    // The input as Parquet (DataFusion's own writer; no model involved).
+    let made = query(&dir, "COPY (SELECT * FROM 'in.jsonl') TO 'reviews.parquet'").await;
+    assert_eq!(made[0]["count"], 300);
+    let mut config = SimConfig::default();
+    config.quota.requests_per_window = 120;
+    config.quota.window_secs = 1.0;
+    let sim = SimServer::start(config, "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let out = weir()
+        .current_dir(&dir.0)
+        .args(["sql", "--base-url", &sim.url(), "--table", "reviews=reviews.parquet"])
+        .arg(
+            "COPY (SELECT key, llm_generate('gemini/gemini-2.5-flash', prompt, '{\"max_tokens\": 64}') AS answer \
+             FROM reviews) TO 'answers.parquet'",
+        )
+        .output()
+        .await
+        .unwrap();
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    let rows = query(&dir, "SELECT key, answer FROM 'answers.parquet'").await;
+    let mut seen: Vec<String> = rows.iter().map(|r| r["key"].as_str().unwrap().to_string()).collect();
+    assert!(rows.iter().all(|r| r["answer"].as_str().is_some_and(|a| !a.is_empty())));
+    seen.sort();
+    let mut expected = ids.clone();
+    expected.sort();
+    assert_eq!(seen, expected, "every row answered exactly once");
+    let stats = sim.stats();
+    assert_eq!(stats.requests - stats.rate_limited, 300, "one successful call per row");
+    // The summary: calls, refusals and tokens, and the cost at the price table's rate.
+    assert!(err.contains("model calls for 300 rows: 300 succeeded, 0 failed"), "{err}");
+    assert!(err.contains(&format!("calls {} (", stats.requests)), "{err}");
+    assert!(err.contains("cost: about $") && err.contains("gemini-2.5-flash at $0.3/$2.5"), "{err}");
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_rows_are_null_and_the_exit_status_says_so() {
+    let dir = Dir::new("sql-status");
+    let sql = "SELECT p, llm_generate('sim/demo', p) AS a, llm_generate_result('sim/demo', p)['error_kind'] AS k \
+               FROM (VALUES ('status: fine'), ('status: [sim:block_prompt]')) AS t(p) ORDER BY p";
+    let out = weir().current_dir(&dir.0).args(["sql", "--format", "jsonl", sql]).output().await.unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let rows: Vec<Value> =
+        String::from_utf8(out.stdout.clone()).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(rows.len(), 2);
+    assert_eq!(rows[0]["k"], "blocked");
+    assert!(rows[0].get("a").is_none_or(Value::is_null), "{rows:?}");
+    assert!(rows[1]["a"].as_str().is_some_and(|a| !a.is_empty()) && rows[1].get("k").is_none_or(Value::is_null));
+    assert!(stderr(&out).contains("failed rows by kind: blocked 2"), "{}", stderr(&out));
+}
+
+#[tokio::test]
+async fn problems_with_the_query_or_flags_exit_2_with_what_to_fix() {
+    let dir = Dir::new("sql-usage");
+    dir.write("t.jsonl", b"{\"prompt\": \"x\"}\n");
+    for (args, expect) in [
+        (vec!["sql", "SELECT * FROM nowhere"], "nowhere"),
+        (vec!["sql", "SELEC 1"], "SELEC"),
+        (vec!["sql", "--table", "t", "SELECT 1"], "NAME=PATH"),
+        (vec!["sql", "--table", "1t=t.jsonl", "SELECT 1"], "letters, digits"),
+        (vec!["sql", "--table", "t=t.txt", "SELECT 1"], "cannot tell the format"),
+        (
+            vec!["sql", "--table", "t=t.jsonl", "SELECT llm_generate('openai/gpt-4o-mini', prompt) FROM t"],
+            "OPENAI_API_KEY",
+        ),
+        (
+            vec!["sql", "--table", "t=t.jsonl", "SELECT llm_generate('sim/demo', prompt, '{\"temp\": 1}') FROM t"],
+            "temp",
+        ),
+        (vec!["sql", "--max-concurrency", "0", "SELECT 1"], "--max-concurrency"),
+        (vec!["sql", "  ; "], "no SQL given"),
+    ] {
+        let out = weir().current_dir(&dir.0).args(&args).output().await.unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", stderr(&out));
+        assert!(stderr(&out).contains(expect), "{args:?}: {}", stderr(&out));
+    }
+}
