@@ -12,7 +12,7 @@ use ballista::prelude::SessionContextExt;
 use ballista_core::registry::BallistaFunctionRegistry;
 use ballista_executor::executor_process::{start_executor_process, ExecutorProcessConfig};
 use ballista_scheduler::cluster::BallistaCluster;
-use ballista_scheduler::config::SchedulerConfig;
+use ballista_scheduler::config::{SchedulerConfig, TaskDistributionPolicy};
 use ballista_scheduler::scheduler_process::start_server;
 use datafusion::execution::runtime_env::{RuntimeEnv, RuntimeEnvBuilder};
 use datafusion::execution::SessionStateBuilder;
@@ -44,6 +44,10 @@ pub async fn scheduler(bind: SocketAddr, functions: Arc<LlmFunctions>) -> Result
         bind_host: bind.ip().to_string(),
         bind_port: bind.port(),
         external_host: bind.ip().to_string(),
+        // One task per executor in turn: model calls wait on the network, not the CPU, so a
+        // query's partitions are better spread over every executor (and its throttle) than
+        // packed into the first one's slots.
+        task_distribution: TaskDistributionPolicy::RoundRobin,
         ..SchedulerConfig::default()
     }
     .with_override_session_builder(builder);

@@ -190,11 +190,27 @@ pub async fn run(args: SqlArgs) -> anyhow::Result<u8> {
 async fn run_statements(ctx: &SessionContext, sql: &str, format: ResultFormat) -> Result<(), DataFusionError> {
     let statements = datafusion::sql::parser::DFParser::parse_sql(sql)?;
     for statement in statements {
-        let plan = ctx.state().statement_to_plan(statement).await?;
+        let plan = absolute_copy_target(ctx.state().statement_to_plan(statement).await?)?;
         let frame = ctx.execute_logical_plan(plan).await?;
         print_rows(frame, format).await?;
     }
     Ok(())
+}
+
+/// A `COPY … TO 'relative/path'` made to write where the user is: on a cluster the executors
+/// would otherwise resolve the path from their own working directories.
+fn absolute_copy_target(
+    plan: datafusion::logical_expr::LogicalPlan,
+) -> Result<datafusion::logical_expr::LogicalPlan, DataFusionError> {
+    use datafusion::logical_expr::LogicalPlan;
+    match plan {
+        LogicalPlan::Copy(mut copy) if !copy.output_url.contains("://") && !copy.output_url.starts_with('/') => {
+            let cwd = std::env::current_dir()?;
+            copy.output_url = cwd.join(&copy.output_url).to_string_lossy().into_owned();
+            Ok(LogicalPlan::Copy(copy))
+        }
+        plan => Ok(plan),
+    }
 }
 
 /// Writes a statement's rows to stdout.

@@ -1,0 +1,113 @@
+//! `weir sql --cluster` (built with `--features cluster`): a Ballista scheduler and two weir
+//! executors on 127.0.0.1 answer a query's rows together, each row exactly once.
+#![cfg(feature = "cluster")]
+
+mod util;
+
+use serde_json::Value;
+use std::time::Duration;
+use util::*;
+use weir_sim::{SimConfig, SimServer};
+
+/// Waits until something listens on `port`.
+async fn listening(port: u16) {
+    for _ in 0..200 {
+        if tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_ok() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("nothing listens on {port}");
+}
+
+/// A counter's value in a Prometheus text page.
+fn counter(page: &str, name: &str) -> u64 {
+    page.lines().find_map(|l| l.strip_prefix(name)?.trim().parse::<f64>().ok()).unwrap_or(0.0) as u64
+}
+
+async fn metrics(port: u16) -> String {
+    let url = format!("http://127.0.0.1:{port}/metrics");
+    reqwest::get(&url).await.unwrap().text().await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_executors_answer_every_row_once() {
+    let dir = Dir::new("cluster");
+    let (data, keys) = prompts(800);
+    dir.write("in.jsonl", &data);
+    std::fs::create_dir(dir.path("parts")).unwrap();
+    // Four files, so the scan has partitions to spread.
+    for i in 0..4 {
+        let copy = format!("COPY (SELECT * FROM 'in.jsonl' WHERE n % 4 = {i}) TO 'parts/p{i}.parquet'");
+        let out = weir().current_dir(&dir.0).args(["sql", &copy]).output().await.unwrap();
+        assert!(out.status.success(), "{}", stderr(&out));
+    }
+    let sim = SimServer::start(SimConfig::default(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let scheduler = free_port();
+    let _sched = weir()
+        .args(["cluster", "scheduler", "--bind", &format!("127.0.0.1:{scheduler}")])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    listening(scheduler).await;
+    let mut executors = Vec::new();
+    let mut metric_ports = Vec::new();
+    for _ in 0..2 {
+        let (port, grpc, mport) = (free_port(), free_port(), free_port());
+        let child = weir()
+            .args(["cluster", "executor", "--scheduler", &format!("127.0.0.1:{scheduler}")])
+            .args(["--port", &port.to_string(), "--grpc-port", &grpc.to_string(), "--slots", "2"])
+            .args(["--metrics-listen", &format!("127.0.0.1:{mport}"), "--base-url", &sim.url()])
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        listening(port).await;
+        listening(mport).await;
+        executors.push(child);
+        metric_ports.push(mport);
+    }
+    let out = weir()
+        .current_dir(&dir.0)
+        .args(["sql", "--cluster", &format!("df://127.0.0.1:{scheduler}"), "--partitions", "4"])
+        .args(["--table", "reviews=parts"])
+        .arg(
+            "COPY (SELECT key, llm_generate('gemini/gemini-2.5-flash', prompt) AS answer FROM reviews) \
+             TO 'answers.parquet'",
+        )
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    // Read back on this machine (no model involved).
+    let read = weir()
+        .current_dir(&dir.0)
+        .args(["sql", "--format", "jsonl", "SELECT key, answer FROM 'answers.parquet'"])
+        .output()
+        .await
+        .unwrap();
+    assert!(read.status.success(), "{}", stderr(&read));
+    let rows: Vec<Value> =
+        String::from_utf8(read.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let mut seen: Vec<String> = rows.iter().map(|r| r["key"].as_str().unwrap().to_string()).collect();
+    assert!(rows.iter().all(|r| r["answer"].as_str().is_some_and(|a| !a.is_empty())));
+    seen.sort();
+    let mut expected = keys.clone();
+    expected.sort();
+    assert_eq!(seen, expected, "every row exactly once");
+    // Both executors answered rows, and together they made one call per row.
+    let mut per_executor = Vec::new();
+    for p in &metric_ports {
+        per_executor.push(counter(&metrics(*p).await, "weir_records_total{outcome=\"success\"}"));
+    }
+    assert!(per_executor.iter().all(|n| *n > 0), "rows per executor: {per_executor:?}");
+    assert_eq!(per_executor.iter().sum::<u64>(), 800, "rows per executor: {per_executor:?}");
+    assert_eq!(sim.stats().requests, 800);
+    // Stopped, an executor prints what its calls came to.
+    let child = executors.pop().unwrap();
+    let pid = child.id().unwrap();
+    assert!(std::process::Command::new("kill").arg(pid.to_string()).status().unwrap().success());
+    let out = child.wait_with_output().await.unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("gemini/gemini-2.5-flash: calls"), "{err}");
+    sim.shutdown().await;
+}
