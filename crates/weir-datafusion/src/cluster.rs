@@ -33,8 +33,12 @@ fn runtime() -> datafusion::common::Result<Arc<RuntimeEnv>> {
 pub async fn scheduler(bind: SocketAddr, functions: Arc<LlmFunctions>) -> Result<(), String> {
     let udfs = crate::udf::all(&functions);
     let builder = Arc::new(move |config: SessionConfig| {
-        let mut state =
-            SessionStateBuilder::new().with_config(config).with_runtime_env(runtime()?).with_default_features().build();
+        let mut state = SessionStateBuilder::new()
+            .with_config(config)
+            .with_runtime_env(runtime()?)
+            .with_default_features()
+            .with_optimizer_rule(Arc::new(crate::HoistModelCalls))
+            .build();
         for udf in &udfs {
             datafusion::execution::FunctionRegistry::register_udf(&mut state, Arc::new(udf.clone()))?;
         }

@@ -16,11 +16,13 @@
 #[cfg(feature = "cluster")]
 pub mod cluster;
 mod functions;
+mod hoist;
 mod options;
 pub mod tables;
 mod udf;
 
 pub use functions::{Connector, LlmFunctions, SqlSettings};
+pub use hoist::HoistModelCalls;
 pub use options::{CallOptions, OptionsError};
 pub use udf::{LlmUdf, UdfKind};
 
@@ -36,4 +38,5 @@ pub fn register(ctx: &SessionContext, functions: &Arc<LlmFunctions>) {
     for udf in udf::all(functions) {
         ctx.register_udf(udf);
     }
+    ctx.add_optimizer_rule(Arc::new(HoistModelCalls));
 }

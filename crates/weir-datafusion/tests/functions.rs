@@ -189,3 +189,30 @@ async fn embeddings_come_batched_one_vector_per_row() {
     assert!(calls <= 2 * 6, "{calls} calls for 2 × 250 rows");
     sim.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_inside_aggregates_are_computed_below_them() {
+    let (sim, _f, ctx) = setup(|_| {}, 0).await;
+    ctx.register_table("t", Arc::new(table(40, 2, "aggregates", &[(3, "[sim:block_prompt]")]))).unwrap();
+    let sql = format!(
+        "SELECT count(llm_generate('{MODEL}', prompt)) AS answered, \
+                count(*) FILTER (WHERE llm_generate_result('{MODEL}', prompt)['error_kind'] = 'blocked') AS blocked \
+         FROM t"
+    );
+    let frame = ctx.sql(&sql).await.unwrap();
+    // The calls sit in a projection under the aggregate, not inside it.
+    let plan = frame.clone().into_optimized_plan().unwrap().display_indent().to_string();
+    let (aggregate, projection) = (plan.find("Aggregate:").unwrap(), plan.find("__weir_call_0").unwrap());
+    assert!(projection > aggregate && plan.contains("AS __weir_call_0"), "{plan}");
+    let batches = frame.collect().await.unwrap();
+    let column = |i: usize| batches[0].column(i).as_primitive::<datafusion::arrow::datatypes::Int64Type>().value(0);
+    assert_eq!((column(0), column(1)), (39, 1));
+    // The output columns keep their names.
+    assert_eq!(batches[0].schema().field(0).name(), "answered");
+    let grouped =
+        format!("SELECT llm_generate('{MODEL}', prompt) IS NULL AS failed, count(*) AS n FROM t GROUP BY 1 ORDER BY 1");
+    let batches = ctx.sql(&grouped).await.unwrap().collect().await.unwrap();
+    let n = batches[0].column(1).as_primitive::<datafusion::arrow::datatypes::Int64Type>();
+    assert_eq!((n.value(0), n.value(1)), (39, 1));
+    sim.shutdown().await;
+}

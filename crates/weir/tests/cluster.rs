@@ -102,6 +102,18 @@ async fn two_executors_answer_every_row_once() {
     assert!(per_executor.iter().all(|n| *n > 0), "rows per executor: {per_executor:?}");
     assert_eq!(per_executor.iter().sum::<u64>(), 800, "rows per executor: {per_executor:?}");
     assert_eq!(sim.stats().requests, 800);
+    // A call inside an aggregate, planned on the client and the scheduler, run on the executors.
+    let out = weir()
+        .current_dir(&dir.0)
+        .args(["sql", "--format", "jsonl", "--cluster", &format!("df://127.0.0.1:{scheduler}")])
+        .args(["--table", "reviews=parts"])
+        .arg("SELECT count(llm_generate('gemini/gemini-2.5-flash', prompt)) AS answered FROM reviews")
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), r#"{"answered":800}"#);
+    assert_eq!(sim.stats().requests, 1600);
     // Stopped, an executor prints what its calls came to.
     let child = executors.pop().unwrap();
     let pid = child.id().unwrap();

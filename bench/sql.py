@@ -1,0 +1,141 @@
+#!/usr/bin/env python3
+"""`weir sql` benchmarks, against `weir sim` on loopback (truth read from its /stats).
+
+Cases:
+  1. cluster: a Ballista scheduler and two weir executors answer one query against one
+     simulated quota (R requests per W-second window, advice rounded to whole seconds, latency
+     50±10 ms), nothing told: completion time against the ideal (every window full from the
+     start), the share of 429s, and the rows each executor answered;
+  2. overhead: the same N rows (zero latency) through `weir sql` (COPY … TO a JSONL file) and
+     `weir run --no-state`, side by side, ROUNDS rounds alternating; medians.
+Usage: bench/sql.py [CASE...]   (default: both). Builds weir with --features cluster (release).
+"""
+import json, os, socket, statistics, subprocess, sys, tempfile, time, urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+subprocess.run(["cargo", "build", "--release", "-q", "-p", "weir", "--features", "cluster"], cwd=ROOT, check=True)
+TARGET = os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target"))
+BIN = os.path.join(TARGET, "release", "weir")
+WORK = tempfile.mkdtemp()
+MODEL = "gemini/gemini-2.5-flash"
+
+
+def free_port():
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); p = s.getsockname()[1]; s.close(); return p
+
+
+def wait_port(port):
+    for _ in range(400):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    sys.exit(f"nothing listens on {port}")
+
+
+def start_sim(*args):
+    port = free_port()
+    p = subprocess.Popen([BIN, "sim", "--listen", f"127.0.0.1:{port}", *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    p.stdout.readline()
+    return p, f"http://127.0.0.1:{port}"
+
+
+def get(url):
+    return urllib.request.urlopen(url).read().decode()
+
+
+def sql(*args, cwd=WORK):
+    r = subprocess.run([BIN, "sql", *args], cwd=cwd, capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"weir sql {args}: {r.stderr}")
+    return r
+
+
+def dataset(name, n, parts=1):
+    """n rows of unique prompts (tagged with the time, so no two runs share one) in `parts` Parquet
+    files under WORK/name/, and the same rows as WORK/name.jsonl."""
+    tag = time.time_ns()
+    path = os.path.join(WORK, name + ".jsonl")
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"id": i, "prompt": f"{tag} {i}: write one sentence about a river."}) + "\n")
+    os.makedirs(os.path.join(WORK, name), exist_ok=True)
+    for p in range(parts):
+        sql(f"COPY (SELECT * FROM '{path}' WHERE id % {parts} = {p}) TO '{name}/p{p}.parquet'")
+    return path
+
+
+def cluster_case():
+    R, W, N = 100, 5, 2000
+    sim, url = start_sim("--rpm", str(R), "--window-secs", str(W), "--latency-ms", "50", "--jitter-ms", "20", "--round-advice")
+    procs = [sim]
+    try:
+        sched = free_port()
+        procs.append(subprocess.Popen([BIN, "cluster", "scheduler", "--bind", f"127.0.0.1:{sched}"], stderr=subprocess.DEVNULL))
+        wait_port(sched)
+        metrics = []
+        for _ in range(2):
+            port, grpc, mport = free_port(), free_port(), free_port()
+            procs.append(subprocess.Popen(
+                [BIN, "cluster", "executor", "--scheduler", f"127.0.0.1:{sched}", "--port", str(port), "--grpc-port", str(grpc),
+                 "--slots", "2", "--metrics-listen", f"127.0.0.1:{mport}", "--base-url", url, "--max-retries", "50"],
+                stderr=subprocess.DEVNULL))
+            wait_port(port); wait_port(mport)
+            metrics.append(mport)
+        dataset("cluster", N, parts=4)
+        ideal = ((N - 1) // R) * W + 0.05
+        time.sleep(W + 1)  # the ideal starts from an empty window
+        urllib.request.urlopen(urllib.request.Request(url + "/stats/reset", method="POST"))
+        t0 = time.monotonic()
+        sql("--cluster", f"df://127.0.0.1:{sched}", "--partitions", "4", "--table", "t=cluster",
+            f"COPY (SELECT id, llm_generate('{MODEL}', prompt) AS answer FROM t) TO 'cluster-out.parquet'")
+        secs = time.monotonic() - t0
+        s = json.loads(get(url + "/stats"))
+        rows = []
+        for m in metrics:
+            page = get(f"http://127.0.0.1:{m}/metrics")
+            rows.append(next(int(float(l.split()[-1])) for l in page.splitlines()
+                             if l.startswith('weir_records_total{outcome="success"}')))
+        answered = int(sql("--format", "jsonl", "SELECT count(answer) AS n FROM 'cluster-out.parquet'").stdout.split(":")[1].strip(" }\n"))
+        print(f"== 1. two executors, one quota of {R} requests per {W} s (advice in whole seconds), latency 50±10 ms, {N} rows")
+        print(f"   {secs:5.1f} s against {ideal:.1f} s ideal ({ideal / secs:.1%} of the quota); 429s {s['rate_limited']} of "
+              f"{s['requests']} ({s['rate_limited'] / s['requests']:.2%}); rows answered per executor {rows}; "
+              f"non-null answers {answered} of {N}")
+    finally:
+        for p in procs:
+            p.terminate()
+
+
+def overhead_case():
+    N, rounds = int(os.environ.get("N", "20000")), int(os.environ.get("ROUNDS", "3"))
+    sim, url = start_sim()
+    times = {"run": [], "sql": []}
+    try:
+        for r in range(rounds):
+            for mode in ["run", "sql"]:
+                path = dataset(f"o{r}{mode}", N)
+                out = os.path.join(WORK, f"o{r}{mode}.out.jsonl")
+                t0 = time.monotonic()
+                if mode == "run":
+                    subprocess.run([BIN, "run", "--model", MODEL, "--base-url", url, "--input", path, "--output", out,
+                                    "--id-field", "id", "--no-state", "--progress", "never"], check=True,
+                                   capture_output=True)
+                else:
+                    sql("--base-url", url, f"COPY (SELECT id, llm_generate('{MODEL}', prompt) AS answer FROM '{path}') TO '{out}'")
+                times[mode].append(time.monotonic() - t0)
+                with open(out) as f:
+                    assert sum(1 for _ in f) == N, f"{mode}: wrong row count"
+        s = json.loads(get(url + "/stats"))
+        assert s["requests"] == 2 * rounds * N, f"{s['requests']} calls for {2 * rounds * N} rows"
+    finally:
+        sim.terminate()
+    run, q = statistics.median(times["run"]), statistics.median(times["sql"])
+    print(f"== 2. {N} rows, zero latency: weir run --no-state {run:.2f} s ({N / run:,.0f} rows/s), "
+          f"weir sql {q:.2f} s ({N / q:,.0f} rows/s); sql ÷ run time {q / run:.2f} (medians of {rounds}; "
+          f"runs {' '.join(f'{t:.2f}' for t in times['run'])} / {' '.join(f'{t:.2f}' for t in times['sql'])}); "
+          f"the simulator saw {s['requests']} calls")
+
+
+for c in sys.argv[1:] or ["1", "2"]:
+    {"1": cluster_case, "2": overhead_case}[c]()
