@@ -5,8 +5,9 @@
 use datafusion::catalog::Session;
 use datafusion::common::{DataFusionError, GetExt, Result};
 use datafusion::datasource::file_format::json::JsonFormatFactory;
-use datafusion::datasource::file_format::options::{CsvReadOptions, JsonReadOptions, ParquetReadOptions};
+use datafusion::datasource::file_format::options::{CsvReadOptions, JsonReadOptions, ParquetReadOptions, ReadOptions};
 use datafusion::datasource::file_format::{FileFormat, FileFormatFactory};
+use datafusion::datasource::listing::{ListingTable, ListingTableConfig, ListingTableUrl};
 use datafusion::execution::object_store::{DefaultObjectStoreRegistry, ObjectStoreRegistry};
 use datafusion::prelude::SessionContext;
 use std::collections::HashMap;
@@ -147,20 +148,45 @@ fn format_of(path: &str) -> std::result::Result<(Format, String), String> {
     ))
 }
 
+/// The listing URL of `path`. DataFusion expands globs in local paths only; in `s3://` and
+/// `gs://` URLs the glob is split off here (`s3://b/in/*.parquet` → the prefix `s3://b/in/`
+/// and the pattern `*.parquet`).
+fn table_url(path: &str) -> std::result::Result<ListingTableUrl, String> {
+    let bad = |e: &dyn std::fmt::Display| format!("{path}: {e}");
+    if !path.contains("://") {
+        let path = if Path::new(path).is_dir() { format!("{}/", path.trim_end_matches('/')) } else { path.into() };
+        return ListingTableUrl::parse(&path).map_err(|e| bad(&e));
+    }
+    let globbed = |seg: &str| seg.contains(['*', '?', '[']);
+    let (scheme, rest) = path.split_once("://").unwrap_or(("", path));
+    let segments: Vec<&str> = rest.split('/').collect();
+    match segments.iter().position(|s| globbed(s)) {
+        Some(0) => Err(format!("{path}: a bucket name cannot be a pattern")),
+        Some(i) => {
+            let prefix = format!("{scheme}://{}/", segments[..i].join("/"));
+            let pattern = glob::Pattern::new(&segments[i..].join("/")).map_err(|e| bad(&e))?;
+            let url = url::Url::parse(&prefix).map_err(|e| bad(&e))?;
+            ListingTableUrl::try_new(url, Some(pattern)).map_err(|e| bad(&e))
+        }
+        None => ListingTableUrl::parse(path).map_err(|e| bad(&e)),
+    }
+}
+
 /// Registers the table at `path` as `name`.
 pub async fn register_table(ctx: &SessionContext, name: &str, path: &str) -> std::result::Result<(), String> {
     let (format, ext) = format_of(path)?;
-    let table_path = if !path.contains("://") && Path::new(path).is_dir() {
-        format!("{}/", path.trim_end_matches('/'))
-    } else {
-        path.to_string()
+    let url = table_url(path)?;
+    let state = ctx.state();
+    let (config, table_options) = (state.config(), state.default_table_options());
+    let options = match format {
+        Format::Parquet => ParquetReadOptions::default().file_extension(&ext).to_listing_options(config, table_options),
+        Format::Csv => CsvReadOptions::new().file_extension(&ext).to_listing_options(config, table_options),
+        Format::Jsonl => JsonReadOptions::default().file_extension(&ext).to_listing_options(config, table_options),
     };
-    let result = match format {
-        Format::Parquet => {
-            ctx.register_parquet(name, &table_path, ParquetReadOptions::default().file_extension(&ext)).await
-        }
-        Format::Csv => ctx.register_csv(name, &table_path, CsvReadOptions::new().file_extension(&ext)).await,
-        Format::Jsonl => ctx.register_json(name, &table_path, JsonReadOptions::default().file_extension(&ext)).await,
-    };
-    result.map_err(|e| format!("--table {name}={path}: {e}"))
+    let fail = |e: DataFusionError| format!("--table {name}={path}: {e}");
+    let schema = options.infer_schema(&state, &url).await.map_err(fail)?;
+    let config = ListingTableConfig::new(url).with_listing_options(options).with_schema(schema);
+    let table = ListingTable::try_new(config).map_err(fail)?;
+    ctx.register_table(name, Arc::new(table)).map_err(fail)?;
+    Ok(())
 }

@@ -5,20 +5,8 @@
 mod util;
 
 use serde_json::Value;
-use std::time::Duration;
 use util::*;
 use weir_sim::{SimConfig, SimServer};
-
-/// Waits until something listens on `port`.
-async fn listening(port: u16) {
-    for _ in 0..200 {
-        if tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_ok() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("nothing listens on {port}");
-}
 
 /// A counter's value in a Prometheus text page.
 fn counter(page: &str, name: &str) -> u64 {
@@ -49,7 +37,7 @@ async fn two_executors_answer_every_row_once() {
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    listening(scheduler).await;
+    wait_for_port(scheduler).await;
     let mut executors = Vec::new();
     let mut metric_ports = Vec::new();
     for _ in 0..2 {
@@ -61,8 +49,8 @@ async fn two_executors_answer_every_row_once() {
             .stderr(std::process::Stdio::piped())
             .spawn()
             .unwrap();
-        listening(port).await;
-        listening(mport).await;
+        wait_for_port(port).await;
+        wait_for_port(mport).await;
         executors.push(child);
         metric_ports.push(mport);
     }

@@ -97,3 +97,48 @@ async fn problems_with_the_query_or_flags_exit_2_with_what_to_fix() {
         assert!(stderr(&out).contains(expect), "{args:?}: {}", stderr(&out));
     }
 }
+
+/// Tables in S3 (moto, on 127.0.0.1): a glob of Parquet objects in, `COPY … TO 's3://…'` out,
+/// read back with pyarrow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s3_tables_in_and_out() {
+    let Some(s3) = moto().await else { return };
+    let dir = Dir::new("sql-s3");
+    let (data, keys) = prompts(120);
+    dir.write("in.jsonl", &data);
+    let sql = |query: String| {
+        let mut c = weir();
+        c.current_dir(&dir.0).args(["sql", &query]);
+        s3_env(&mut c, &s3.url);
+        c
+    };
+    for part in 0..2 {
+        let copy = format!("COPY (SELECT * FROM 'in.jsonl' WHERE n % 2 = {part}) TO 's3://bkt/in/p{part}.parquet'");
+        let out = sql(copy).output().await.unwrap();
+        assert!(out.status.success(), "{}", stderr(&out));
+    }
+    let mut c = sql(
+        "COPY (SELECT key, llm_generate('sim/demo', prompt) AS answer FROM reviews) TO 's3://bkt/out/answers.parquet'"
+            .into(),
+    );
+    c.args(["--table", "reviews=s3://bkt/in/*.parquet"]);
+    let out = c.output().await.unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let listed = python(
+        r#"
+import sys, io, boto3, pyarrow.parquet as pq
+s3 = boto3.client("s3", endpoint_url=sys.argv[1], aws_access_key_id="test", aws_secret_access_key="test", region_name="us-east-1")
+body = s3.get_object(Bucket="bkt", Key="out/answers.parquet")["Body"].read()
+t = pq.read_table(io.BytesIO(body))
+for k, a in zip(t.column("key").to_pylist(), t.column("answer").to_pylist()):
+    print(k, "ok" if a else "null")
+"#,
+        &[&s3.url],
+    );
+    let mut seen: Vec<String> = listed.lines().map(|l| l.split(' ').next().unwrap().to_string()).collect();
+    assert!(listed.lines().all(|l| l.ends_with(" ok")), "{listed}");
+    seen.sort();
+    let mut expected = keys;
+    expected.sort();
+    assert_eq!(seen, expected);
+}

@@ -12,63 +12,6 @@ use std::time::Duration;
 use util::*;
 use weir_sim::{SimConfig, SimServer};
 
-/// Runs a Python script with the peers' Python (pyarrow, boto3) and returns its stdout. The
-/// script ends with `os._exit(0)`: pyarrow can abort at interpreter exit ("terminate called
-/// without an active exception") after the script has done its work.
-fn python(script: &str, args: &[&str]) -> String {
-    let py = peer("WEIR_PYTHON").expect("checked by the caller");
-    let script = format!("{script}\nimport os as _os, sys as _sys\n_sys.stdout.flush()\n_os._exit(0)\n");
-    let o = std::process::Command::new(py).arg("-c").arg(&script).args(args).output().unwrap();
-    assert!(o.status.success(), "python failed: {}\n{}", String::from_utf8_lossy(&o.stderr), script);
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-/// A server process started for a test and killed with it.
-struct Emulator {
-    child: std::process::Child,
-    url: String,
-}
-
-impl Drop for Emulator {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-async fn wait_for_port(port: u16) {
-    for _ in 0..200 {
-        if tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_ok() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("nothing listens on 127.0.0.1:{port}");
-}
-
-/// moto's S3 server on a free loopback port, with bucket `bkt`.
-async fn moto() -> Option<Emulator> {
-    let py = peer("WEIR_PYTHON")?;
-    let bin = Path::new(&py).with_file_name("moto_server");
-    let port = free_port();
-    let child = std::process::Command::new(bin)
-        .args(["-H", "127.0.0.1", "-p", &port.to_string()])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let e = Emulator { child, url: format!("http://127.0.0.1:{port}") };
-    wait_for_port(port).await;
-    python(
-        r#"
-import sys, boto3
-boto3.client("s3", endpoint_url=sys.argv[1], aws_access_key_id="test", aws_secret_access_key="test", region_name="us-east-1").create_bucket(Bucket="bkt")
-"#,
-        &[&e.url],
-    );
-    Some(e)
-}
-
 /// Puts a local file into moto's bucket `bkt` under `key`.
 fn s3_put(endpoint: &str, file: &Path, key: &str) {
     python(
@@ -101,14 +44,6 @@ async fn fake_gcs() -> Option<Emulator> {
         .unwrap();
     assert!(r.status().is_success(), "create bucket: {}", r.status());
     Some(e)
-}
-
-fn s3_env(cmd: &mut tokio::process::Command, endpoint: &str) {
-    cmd.env("AWS_ACCESS_KEY_ID", "test")
-        .env("AWS_SECRET_ACCESS_KEY", "test")
-        .env("AWS_REGION", "us-east-1")
-        .env("AWS_ENDPOINT_URL", endpoint)
-        .env_remove("AWS_PROFILE");
 }
 
 async fn run_with(args: &[&str], envs: &[(&str, &str)]) -> std::process::Output {

@@ -135,3 +135,70 @@ pub fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
     }
     out
 }
+
+/// Waits until something listens on 127.0.0.1:`port` (a server a test started).
+pub async fn wait_for_port(port: u16) {
+    for _ in 0..200 {
+        if tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_ok() {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    panic!("nothing listens on 127.0.0.1:{port}");
+}
+
+/// Runs a Python script with the peers' Python (pyarrow, boto3) and returns its stdout. The
+/// script ends with `os._exit(0)`: pyarrow can abort at interpreter exit ("terminate called
+/// without an active exception") after the script has done its work.
+pub fn python(script: &str, args: &[&str]) -> String {
+    let py = peer("WEIR_PYTHON").expect("checked by the caller");
+    let script = format!("{script}\nimport os as _os, sys as _sys\n_sys.stdout.flush()\n_os._exit(0)\n");
+    let o = std::process::Command::new(py).arg("-c").arg(&script).args(args).output().unwrap();
+    assert!(o.status.success(), "python failed: {}\n{}", String::from_utf8_lossy(&o.stderr), script);
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// A server process started for a test and killed with it.
+pub struct Emulator {
+    pub child: std::process::Child,
+    pub url: String,
+}
+
+impl Drop for Emulator {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// moto's S3 server on a free loopback port, with bucket `bkt`.
+pub async fn moto() -> Option<Emulator> {
+    let py = peer("WEIR_PYTHON")?;
+    let bin = Path::new(&py).with_file_name("moto_server");
+    let port = free_port();
+    let child = std::process::Command::new(bin)
+        .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let e = Emulator { child, url: format!("http://127.0.0.1:{port}") };
+    wait_for_port(port).await;
+    python(
+        r#"
+import sys, boto3
+boto3.client("s3", endpoint_url=sys.argv[1], aws_access_key_id="test", aws_secret_access_key="test", region_name="us-east-1").create_bucket(Bucket="bkt")
+"#,
+        &[&e.url],
+    );
+    Some(e)
+}
+
+/// Points a weir command at moto's S3 on `endpoint`.
+pub fn s3_env(cmd: &mut tokio::process::Command, endpoint: &str) {
+    cmd.env("AWS_ACCESS_KEY_ID", "test")
+        .env("AWS_SECRET_ACCESS_KEY", "test")
+        .env("AWS_REGION", "us-east-1")
+        .env("AWS_ENDPOINT_URL", endpoint)
+        .env_remove("AWS_PROFILE");
+}
