@@ -134,6 +134,9 @@ fn is_usage(e: &DataFusionError) -> bool {
     )
 }
 
+/// The error a Ctrl-C ends a statement with.
+const INTERRUPTED: &str = "interrupted";
+
 /// Runs `weir sql`; the exit status.
 pub async fn run(args: SqlArgs) -> anyhow::Result<u8> {
     let settings = args.settings()?;
@@ -165,7 +168,7 @@ pub async fn run(args: SqlArgs) -> anyhow::Result<u8> {
     let started = Instant::now();
     let result = tokio::select! {
         r = run_statements(&ctx, &sql, args.format) => r,
-        _ = tokio::signal::ctrl_c() => Err(DataFusionError::Execution("interrupted".into())),
+        _ = tokio::signal::ctrl_c() => Err(DataFusionError::Execution(INTERRUPTED.into())),
     };
     match &args.cluster {
         None => eprint!("{}", summary(&functions, started.elapsed())),
@@ -180,6 +183,10 @@ pub async fn run(args: SqlArgs) -> anyhow::Result<u8> {
         Ok(()) => {
             let failed: u64 = functions.metrics_by_model().values().map(|m| m.failed.load(Relaxed)).sum();
             Ok(if failed > 0 { 1 } else { 0 })
+        }
+        Err(DataFusionError::Execution(m)) if m == INTERRUPTED => {
+            eprintln!("weir sql: interrupted; the statement did not finish (a COPY may have left part of its output)");
+            Ok(130)
         }
         Err(e) if is_usage(&e) => Err(UsageError(e.to_string()).into()),
         Err(e) => Err(anyhow::anyhow!("the query failed: {e}")),
