@@ -23,6 +23,9 @@ use std::sync::Arc;
 use crate::functions::LlmFunctions;
 use crate::tables::Stores;
 
+/// Seconds without a heartbeat after which the scheduler takes an executor for lost.
+const EXECUTOR_TIMEOUT_SECS: u64 = 30;
+
 /// A runtime whose object stores are found as `weir sql` finds them (`s3://`, `gs://`).
 fn runtime() -> datafusion::common::Result<Arc<RuntimeEnv>> {
     RuntimeEnvBuilder::new().with_object_store_registry(Arc::new(Stores::new())).build_arc()
@@ -52,6 +55,11 @@ pub async fn scheduler(bind: SocketAddr, functions: Arc<LlmFunctions>) -> Result
         // query's partitions are better spread over every executor (and its throttle) than
         // packed into the first one's slots.
         task_distribution: TaskDistributionPolicy::RoundRobin,
+        // A lost executor is noticed within half a minute (executors beat every 10 s), and its
+        // tasks go to the others; Ballista's 3 minutes would stall a query that long.
+        executor_timeout_seconds: EXECUTOR_TIMEOUT_SECS,
+        expire_dead_executor_interval_seconds: 5,
+        no_executors_grace_period_seconds: EXECUTOR_TIMEOUT_SECS,
         ..SchedulerConfig::default()
     }
     .with_override_session_builder(builder);
@@ -93,6 +101,7 @@ pub async fn executor(place: ExecutorPlace, functions: Arc<LlmFunctions>) -> Res
         vcores: place.slots.unwrap_or(defaults.vcores),
         work_dir: place.work_dir.clone(),
         special_mod_log_level: "WARN".into(),
+        executor_heartbeat_interval_seconds: 10,
         print_thread_info: false,
         override_function_registry: Some(Arc::new(registry)),
         override_runtime_producer: Some(Arc::new(|_: &SessionConfig| runtime())),

@@ -122,6 +122,20 @@ async fn cluster_session(
     )))
 }
 
+/// On a cluster, says once after a while that the query is still waiting, and what it needs;
+/// never ends (it is raced against the query).
+async fn waiting_notice(cluster: Option<&str>) {
+    if let Some(url) = cluster {
+        tokio::time::sleep(std::time::Duration::from_secs(20)).await;
+        let host = url.trim_start_matches("df://");
+        eprintln!(
+            "weir sql: still running after 20 s on {url} (with no executor running, a query waits for one: \
+             weir cluster executor --scheduler {host})"
+        );
+    }
+    std::future::pending::<()>().await
+}
+
 /// True for errors in the query or its inputs (exit status 2), not in running it.
 fn is_usage(e: &DataFusionError) -> bool {
     matches!(
@@ -168,6 +182,8 @@ pub async fn run(args: SqlArgs) -> anyhow::Result<u8> {
     let started = Instant::now();
     let result = tokio::select! {
         r = run_statements(&ctx, &sql, args.format) => r,
+        // A cluster with no executor takes the query and waits for one, silently.
+        _ = waiting_notice(args.cluster.as_deref()) => unreachable!("the notice never ends"),
         _ = tokio::signal::ctrl_c() => Err(DataFusionError::Execution(INTERRUPTED.into())),
     };
     match &args.cluster {
@@ -189,6 +205,10 @@ pub async fn run(args: SqlArgs) -> anyhow::Result<u8> {
             Ok(130)
         }
         Err(e) if is_usage(&e) => Err(UsageError(e.to_string()).into()),
+        Err(e) if args.cluster.is_some() && e.to_string().contains("tcp connect error") => Err(anyhow::anyhow!(
+            "cannot reach the scheduler at {}: start it with weir cluster scheduler --bind HOST:PORT ({e})",
+            args.cluster.as_deref().unwrap_or_default()
+        )),
         Err(e) => Err(anyhow::anyhow!("the query failed: {e}")),
     }
 }
