@@ -15,8 +15,10 @@ import json, os, socket, statistics, subprocess, sys, tempfile, time, urllib.req
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 subprocess.run(["cargo", "build", "--release", "-q", "-p", "weir", "--features", "cluster"], cwd=ROOT, check=True)
 TARGET = os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target"))
-BIN = os.path.join(TARGET, "release", "weir")
 WORK = tempfile.mkdtemp()
+# A copy: another build into the same target directory (other features) must not swap it mid-run.
+BIN = os.path.join(WORK, "weir")
+subprocess.run(["cp", os.path.join(TARGET, "release", "weir"), BIN], check=True)
 MODEL = "gemini/gemini-2.5-flash"
 
 
