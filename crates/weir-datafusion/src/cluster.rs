@@ -20,8 +20,8 @@ use datafusion::prelude::{SessionConfig, SessionContext};
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use crate::functions::LlmFunctions;
 use crate::tables::Stores;
+use weir_engine::Engine;
 
 /// Seconds without a heartbeat after which the scheduler takes an executor for lost.
 const EXECUTOR_TIMEOUT_SECS: u64 = 30;
@@ -33,7 +33,7 @@ fn runtime() -> datafusion::common::Result<Arc<RuntimeEnv>> {
 
 /// Runs a scheduler on `bind` until it fails. `functions` only plans (a scheduler makes no
 /// calls), so its settings do not matter.
-pub async fn scheduler(bind: SocketAddr, functions: Arc<LlmFunctions>) -> Result<(), String> {
+pub async fn scheduler(bind: SocketAddr, functions: Arc<Engine>) -> Result<(), String> {
     let udfs = crate::udf::all(&functions);
     let builder = Arc::new(move |config: SessionConfig| {
         let mut state = SessionStateBuilder::new()
@@ -85,7 +85,7 @@ pub struct ExecutorPlace {
 }
 
 /// Runs an executor until it stops; its tasks call the endpoints through `functions`.
-pub async fn executor(place: ExecutorPlace, functions: Arc<LlmFunctions>) -> Result<(), String> {
+pub async fn executor(place: ExecutorPlace, functions: Arc<Engine>) -> Result<(), String> {
     let mut registry = BallistaFunctionRegistry::default();
     for udf in crate::udf::all(&functions) {
         registry.scalar_functions.insert(udf.name().to_string(), Arc::new(udf));
@@ -113,11 +113,7 @@ pub async fn executor(place: ExecutorPlace, functions: Arc<LlmFunctions>) -> Res
 /// A session whose queries run on the cluster behind `url` (`df://HOST:PORT`), with weir's
 /// functions known for planning. They are registered after connecting: setting up a Ballista
 /// session starts from a fresh function registry.
-pub async fn connect(
-    url: &str,
-    config: SessionConfig,
-    functions: &Arc<LlmFunctions>,
-) -> Result<SessionContext, String> {
+pub async fn connect(url: &str, config: SessionConfig, functions: &Arc<Engine>) -> Result<SessionContext, String> {
     let state = SessionStateBuilder::new()
         .with_config(config)
         .with_runtime_env(runtime().map_err(|e| e.to_string())?)

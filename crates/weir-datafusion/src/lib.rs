@@ -15,16 +15,15 @@
 
 #[cfg(feature = "cluster")]
 pub mod cluster;
-mod functions;
 mod hoist;
 mod options;
 pub mod tables;
 mod udf;
 
-pub use functions::{Connector, LlmFunctions, SqlSettings};
 pub use hoist::HoistModelCalls;
 pub use options::{CallOptions, OptionsError};
 pub use udf::{LlmUdf, UdfKind};
+pub use weir_engine::{Connector, Engine, EngineSettings};
 
 pub use datafusion;
 
@@ -34,7 +33,7 @@ use std::sync::Arc;
 /// Registers weir's functions (`llm_generate`, `llm_generate_result`, `llm_embed`,
 /// `llm_embed_result`) on `ctx`, all sharing `functions` (its throttles, counters and
 /// settings).
-pub fn register(ctx: &SessionContext, functions: &Arc<LlmFunctions>) {
+pub fn register(ctx: &SessionContext, functions: &Arc<Engine>) {
     for udf in udf::all(functions) {
         ctx.register_udf(udf);
     }

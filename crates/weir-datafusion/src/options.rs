@@ -5,14 +5,14 @@
 use serde_json::{Map, Value};
 use std::sync::Arc;
 use weir_core::GenParams;
+use weir_engine::Call;
 
 /// One row's call options, parsed from its `options` argument.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct CallOptions {
-    /// System instructions.
-    pub system: Option<Arc<str>>,
-    /// Generation parameters.
-    pub params: Arc<GenParams>,
+    /// System instructions and generation parameters (shared by the rows of equal options, so
+    /// that they go through one driver).
+    pub call: Arc<Call>,
     /// Fail the query on the first row that fails (default: the row gets NULL).
     pub fail_on_error: bool,
 }
@@ -62,16 +62,16 @@ impl CallOptions {
             }
             return Ok(out);
         }
-        match object.remove("system") {
-            None | Some(Value::Null) => {}
-            Some(Value::String(s)) => out.system = Some(Arc::from(s)),
+        let system = match object.remove("system") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(s)) => Some(Arc::from(s)),
             Some(_) => return Err(err("system must be a string".into())),
-        }
+        };
         let mut params = GenParams::default();
         params
             .apply_object(&Map::from_iter(object))
             .map_err(|e| err(format!("{} (options also take system and fail_on_error)", e.reason)))?;
-        out.params = Arc::new(params);
+        out.call = Arc::new(Call { system, params: Arc::new(params) });
         Ok(out)
     }
 }
@@ -88,8 +88,8 @@ mod tests {
             false,
         )
         .unwrap();
-        assert_eq!(o.params.temperature, Some(0.2));
-        assert_eq!(o.system.as_deref(), Some("Be brief"));
+        assert_eq!(o.call.params.temperature, Some(0.2));
+        assert_eq!(o.call.system.as_deref(), Some("Be brief"));
         assert!(o.fail_on_error);
         assert_eq!(CallOptions::parse("llm_generate", "", false).unwrap(), CallOptions::default());
         let e = CallOptions::parse("llm_generate", r#"{"temprature":0.2}"#, false).unwrap_err();

@@ -17,8 +17,8 @@ use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 use weir_core::Outcome;
 
-use crate::functions::{LlmFunctions, RowResult};
 use crate::options::CallOptions;
+use weir_engine::{Engine, Row, RowResult};
 
 /// Which of the four functions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -76,11 +76,11 @@ fn result_fields(embed: bool) -> Fields {
     Fields::from_iter(answer.into_iter().chain(rest))
 }
 
-/// One of weir's functions over the process's [`LlmFunctions`].
+/// One of weir's functions over the process's [`Engine`].
 #[derive(Debug)]
 pub struct LlmUdf {
     kind: UdfKind,
-    functions: Arc<LlmFunctions>,
+    functions: Arc<Engine>,
     signature: Signature,
 }
 
@@ -100,7 +100,7 @@ impl Hash for LlmUdf {
 
 impl LlmUdf {
     /// The function `kind` over `functions`.
-    pub fn new(kind: UdfKind, functions: Arc<LlmFunctions>) -> Self {
+    pub fn new(kind: UdfKind, functions: Arc<Engine>) -> Self {
         // Volatile: two calls of the same prompt may answer differently, and a call must never
         // be folded into a constant at planning time (nor made at all then).
         let signature =
@@ -115,7 +115,7 @@ impl LlmUdf {
 }
 
 /// All four functions over `functions`.
-pub(crate) fn all(functions: &Arc<LlmFunctions>) -> Vec<ScalarUDF> {
+pub(crate) fn all(functions: &Arc<Engine>) -> Vec<ScalarUDF> {
     UdfKind::ALL.into_iter().map(|k| LlmUdf::new(k, functions.clone()).into_udf()).collect()
 }
 
@@ -159,6 +159,7 @@ impl AsyncScalarUDFImpl for LlmUdf {
         let mut parsed: HashMap<&str, Arc<CallOptions>> = HashMap::new();
         let default = Arc::new(CallOptions::default());
         let mut rows = Vec::with_capacity(args.number_rows);
+        let mut fail_on_error = Vec::with_capacity(args.number_rows);
         for i in 0..args.number_rows {
             let opts = match options.as_ref().map(|o| o.as_string::<i32>()).filter(|o| o.is_valid(i)) {
                 Some(o) => {
@@ -178,9 +179,9 @@ impl AsyncScalarUDFImpl for LlmUdf {
             };
             let model = models.is_valid(i).then(|| models.value(i).to_string());
             let prompt = prompts.is_valid(i).then(|| prompts.value(i).to_string());
-            rows.push((model, prompt, opts));
+            fail_on_error.push(opts.fail_on_error);
+            rows.push(Row { model, prompt, id: None, call: opts.call.clone() });
         }
-        let fail_on_error: Vec<bool> = rows.iter().map(|r| r.2.fail_on_error).collect();
         let results = self
             .functions
             .answer(rows, self.kind.embed())

@@ -6,10 +6,10 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Instant;
 use weir_datafusion::cluster::ExecutorPlace;
-use weir_datafusion::{LlmFunctions, SqlSettings};
+use weir_datafusion::{Engine, EngineSettings};
 
-use crate::endpoint_args::EndpointArgs;
 use crate::UsageError;
+use weir_engine::EndpointArgs;
 
 /// Options of `weir cluster`.
 #[derive(Debug, Args)]
@@ -73,7 +73,7 @@ pub async fn run(args: ClusterArgs) -> anyhow::Result<u8> {
     match args.command {
         ClusterCommand::Scheduler(a) => {
             // The scheduler plans only: its functions are never called.
-            let functions = LlmFunctions::new(SqlSettings::default());
+            let functions = Engine::new(EngineSettings::default());
             eprintln!("weir: scheduler listening on {} (clients: weir sql --cluster df://{})", a.bind, a.bind);
             weir_datafusion::cluster::scheduler(a.bind, functions).await.map_err(|e| anyhow::anyhow!(e))?;
             Ok(0)
@@ -83,7 +83,7 @@ pub async fn run(args: ClusterArgs) -> anyhow::Result<u8> {
 }
 
 async fn executor(a: ExecutorArgs) -> anyhow::Result<u8> {
-    a.endpoint.check()?;
+    a.endpoint.check().map_err(crate::UsageError::from)?;
     if a.slots == Some(0) {
         return Err(UsageError("--slots must be at least 1".into()).into());
     }
@@ -94,8 +94,9 @@ async fn executor(a: ExecutorArgs) -> anyhow::Result<u8> {
     if let Some(addr) = a.metrics_listen {
         weir::metrics_server::install(addr).map_err(|e| UsageError(format!("--metrics-listen {addr}: {e}")))?;
     }
-    let settings = SqlSettings { provider, throttle: a.endpoint.throttle(), driver: a.endpoint.driver() };
-    let functions = LlmFunctions::new(settings);
+    let settings =
+        EngineSettings { provider, throttle: a.endpoint.throttle(), driver: a.endpoint.driver(), cache: None };
+    let functions = Engine::new(settings);
     let place = ExecutorPlace {
         scheduler: a.scheduler,
         host: a.host.clone(),

@@ -4,7 +4,6 @@
 mod batch_cmd;
 #[cfg(feature = "cluster")]
 mod cluster_cmd;
-mod endpoint_args;
 mod run_cmd;
 mod sim_cmd;
 #[cfg(feature = "sql")]
@@ -62,6 +61,12 @@ impl std::fmt::Display for UsageError {
 }
 
 impl std::error::Error for UsageError {}
+
+impl From<weir_engine::SettingsError> for UsageError {
+    fn from(e: weir_engine::SettingsError) -> Self {
+        Self(e.0)
+    }
+}
 
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {

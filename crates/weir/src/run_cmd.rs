@@ -12,8 +12,8 @@ use weir_providers::{ModelSpec, ProviderOptions};
 use weir_sim::SimConfig;
 use weir_tables::{Format, Location};
 
-use crate::endpoint_args::{ConcurrencyMode, EndpointArgs};
 use crate::UsageError;
+use weir_engine::{ConcurrencyMode, EndpointArgs};
 
 /// When to draw a progress bar.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

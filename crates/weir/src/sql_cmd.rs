@@ -11,14 +11,14 @@ use std::sync::Arc;
 use std::time::Instant;
 use weir::report::thousands;
 use weir_datafusion::datafusion;
-use weir_datafusion::{LlmFunctions, SqlSettings};
+use weir_datafusion::{Engine, EngineSettings};
 
 use datafusion::common::DataFusionError;
 use datafusion::execution::runtime_env::RuntimeEnvBuilder;
 use datafusion::prelude::{SessionConfig, SessionContext};
 
-use crate::endpoint_args::EndpointArgs;
 use crate::UsageError;
+use weir_engine::EndpointArgs;
 
 /// How result rows are printed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -71,7 +71,7 @@ pub struct SqlArgs {
 
 impl SqlArgs {
     /// The functions' settings from the flags.
-    fn settings(&self) -> Result<SqlSettings, UsageError> {
+    fn settings(&self) -> Result<EngineSettings, UsageError> {
         self.endpoint.check()?;
         if self.partitions == Some(0) {
             return Err(UsageError("--partitions must be at least 1".into()));
@@ -80,7 +80,7 @@ impl SqlArgs {
         if let Some(path) = &self.sim_config {
             provider.sim_config = Some(weir_sim::SimConfig::from_file(path).map_err(|e| UsageError(e.to_string()))?);
         }
-        Ok(SqlSettings { provider, throttle: self.endpoint.throttle(), driver: self.endpoint.driver() })
+        Ok(EngineSettings { provider, throttle: self.endpoint.throttle(), driver: self.endpoint.driver(), cache: None })
     }
 
     /// The SQL text, from the argument or stdin.
@@ -102,7 +102,7 @@ impl SqlArgs {
 async fn cluster_session(
     url: &str,
     config: SessionConfig,
-    functions: &Arc<LlmFunctions>,
+    functions: &Arc<Engine>,
 ) -> Result<SessionContext, UsageError> {
     if !url.starts_with("df://") {
         return Err(UsageError(format!("--cluster {url}: expected the scheduler as df://HOST:PORT")));
@@ -115,7 +115,7 @@ async fn cluster_session(
 async fn cluster_session(
     url: &str,
     _config: SessionConfig,
-    _functions: &Arc<LlmFunctions>,
+    _functions: &Arc<Engine>,
 ) -> Result<SessionContext, UsageError> {
     Err(UsageError(format!(
         "--cluster {url}: this weir was built without the cluster; build it with: cargo build --release -p weir --features cluster"
@@ -159,7 +159,7 @@ pub async fn run(args: SqlArgs) -> anyhow::Result<u8> {
     if let Some(n) = args.partitions {
         config = config.with_target_partitions(n);
     }
-    let functions = LlmFunctions::new(settings);
+    let functions = Engine::new(settings);
     let ctx = match &args.cluster {
         None => {
             let runtime = RuntimeEnvBuilder::new()
@@ -271,7 +271,7 @@ async fn print_rows(frame: datafusion::dataframe::DataFrame, format: ResultForma
 }
 
 /// The summary on stderr: per model, calls, refusals, tokens and cost.
-pub(crate) fn summary(functions: &LlmFunctions, elapsed: std::time::Duration) -> String {
+pub(crate) fn summary(functions: &Engine, elapsed: std::time::Duration) -> String {
     let models = functions.metrics_by_model();
     if models.is_empty() {
         return String::new();

@@ -1,29 +1,66 @@
-//! The engine behind the SQL functions: one connection and one throttle per endpoint for the
-//! whole process, and a driver per call of a function (a batch of rows), so a stop — a dead
-//! endpoint, failing credentials, a spent daily quota — ends that batch's rows without leaving
-//! the process unable to answer later queries.
+//! The engine: one connection and one throttle per endpoint for the whole process, and a driver
+//! per request for answers (a batch of rows from SQL, a list from Python), so a stop — a dead
+//! endpoint, failing credentials, a spent daily quota — ends that request's rows without leaving
+//! the process unable to answer later ones.
 
 use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use weir_core::{
-    Driver, DriverSettings, ModelHandler, Outcome, Record, RecordId, RunMetrics, StopReason, Throttle, ThrottleSettings,
+    is_deterministic, Driver, DriverSettings, GenParams, ModelHandler, Outcome, Record, RecordId, ResponseCache,
+    RunMetrics, StopReason, Throttle, ThrottleSettings,
 };
 use weir_providers::{Endpoint, ModelSpec, ProviderError, ProviderOptions, Task};
 
-use crate::options::CallOptions;
-
-/// How the functions reach their endpoints, validated by the front end (`weir sql`, an
-/// executor): the same settings as `weir run`'s.
-#[derive(Debug, Clone, Default)]
-pub struct SqlSettings {
-    /// Base URL, project, location, simulator scenario (the task is set per function).
+/// How the engine reaches its endpoints, validated by the front end (`weir sql`, an executor,
+/// the Python package): the same settings as `weir run`'s.
+#[derive(Clone, Default)]
+pub struct EngineSettings {
+    /// Base URL, project, location, simulator scenario (the task is set per request).
     pub provider: ProviderOptions,
     /// Concurrency and rate limits, per endpoint.
     pub throttle: ThrottleSettings,
     /// Timeout, retries, and when to stop trying (system text and parameters come per row).
     pub driver: DriverSettings,
+    /// Answers already paid for, reused under the cache's rule (see `weir_core::cache`): rows
+    /// with an id reuse their own answer; rows without one only a deterministic request's.
+    pub cache: Option<Arc<dyn ResponseCache>>,
+}
+
+impl std::fmt::Debug for EngineSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineSettings")
+            .field("provider", &self.provider)
+            .field("throttle", &self.throttle)
+            .field("driver", &self.driver)
+            .field("cache", &self.cache.is_some())
+            .finish()
+    }
+}
+
+/// The system text and generation parameters of a row's request. Rows that share one (the
+/// same `Arc`) go through one driver together.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Call {
+    /// System instructions.
+    pub system: Option<Arc<str>>,
+    /// Generation parameters.
+    pub params: Arc<GenParams>,
+}
+
+/// One row to answer.
+#[derive(Debug, Clone)]
+pub struct Row {
+    /// `provider/model`; `None` (SQL NULL) gives [`RowResult::Null`].
+    pub model: Option<String>,
+    /// The prompt, or the text to embed; `None` gives [`RowResult::Null`].
+    pub prompt: Option<String>,
+    /// The row's own id, under which its answer is cached (a sampled answer is reused only for
+    /// the same id); `None` when the caller has none.
+    pub id: Option<RecordId>,
+    /// System text and parameters.
+    pub call: Arc<Call>,
 }
 
 /// Sets up the client of a model. The default connects through `weir_providers`; the `weir`
@@ -38,21 +75,25 @@ struct Site {
     metrics: Arc<RunMetrics>,
 }
 
-/// Rows that go through one driver: a model and the options they share.
-type Group = (String, Arc<CallOptions>);
+/// Rows that go through one driver: a model, the call they share, and whether they have ids.
+type Group = (String, Arc<Call>, bool);
+
+/// A group's rows: their places in the request, prompts and ids.
+type Members = Vec<(usize, String, Option<RecordId>)>;
 
 /// What became of one row.
 #[derive(Debug)]
-pub(crate) enum RowResult {
+pub enum RowResult {
     /// A NULL model or prompt: no call, a NULL result.
     Null,
-    /// The row's outcome.
+    /// The row's outcome, and the `provider/model` that was asked.
     Done(Box<Outcome>, Arc<str>),
 }
 
-/// The process's endpoints, shared by every partition and query that uses weir's functions.
-pub struct LlmFunctions {
-    settings: SqlSettings,
+/// The process's endpoints, shared by every caller (every partition and query of SQL, every
+/// thread of a Python process).
+pub struct Engine {
+    settings: EngineSettings,
     connector: Connector,
     sites: tokio::sync::Mutex<HashMap<(bool, String), Arc<Site>>>,
     /// Every endpoint's counters, by model, for the summary and its cost.
@@ -63,9 +104,9 @@ pub struct LlmFunctions {
     stopped: Mutex<Option<StopReason>>,
 }
 
-impl std::fmt::Debug for LlmFunctions {
+impl std::fmt::Debug for Engine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LlmFunctions").field("settings", &self.settings).finish_non_exhaustive()
+        f.debug_struct("Engine").field("settings", &self.settings).finish_non_exhaustive()
     }
 }
 
@@ -76,14 +117,14 @@ fn default_connector() -> Connector {
     })
 }
 
-impl LlmFunctions {
-    /// Functions that connect with `weir_providers` and read keys from the environment.
-    pub fn new(settings: SqlSettings) -> Arc<Self> {
+impl Engine {
+    /// An engine that connects with `weir_providers` and reads keys from the environment.
+    pub fn new(settings: EngineSettings) -> Arc<Self> {
         Self::with_connector(settings, default_connector())
     }
 
-    /// Functions that connect with `connector`.
-    pub fn with_connector(settings: SqlSettings, connector: Connector) -> Arc<Self> {
+    /// An engine that connects with `connector`.
+    pub fn with_connector(settings: EngineSettings, connector: Connector) -> Arc<Self> {
         Arc::new(Self {
             settings,
             connector,
@@ -99,7 +140,7 @@ impl LlmFunctions {
         self.by_model.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    /// The most recent reason a function call stopped early (its remaining rows failed).
+    /// The most recent reason a request for answers stopped early (its remaining rows failed).
     pub fn stop_reason(&self) -> Option<StopReason> {
         self.stopped.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
@@ -116,6 +157,12 @@ impl LlmFunctions {
         for s in sims {
             s.shutdown().await;
         }
+    }
+
+    /// Connects to `model`'s endpoint now (it is otherwise connected on first use), so that a
+    /// front end can report an unknown model or a missing key before any row.
+    pub async fn connect(&self, model: &str, embed: bool) -> Result<(), String> {
+        self.site(model, embed).await.map(|_| ())
     }
 
     /// The endpoint of `model` (connected on first use).
@@ -149,44 +196,45 @@ impl LlmFunctions {
         Ok(site)
     }
 
-    /// Answers rows: each is a model, a prompt (`None` for NULL) and its options. Rows of one
-    /// model and options go through one driver, all at once (the throttle admits them); an
-    /// endpoint that takes many records per call gets them in batches. Results come back in
-    /// the order of `rows`. `Err` is a problem with the query itself (an unknown model, a
-    /// missing key), not with a row.
-    pub(crate) async fn answer(
-        &self,
-        rows: Vec<(Option<String>, Option<String>, Arc<CallOptions>)>,
-        embed: bool,
-    ) -> Result<Vec<RowResult>, String> {
+    /// Answers rows. Rows of one model and call go through one driver, all at once (the
+    /// throttle admits them); an endpoint that takes many records per call gets them in
+    /// batches. Results come back in the order of `rows`. `Err` is a problem with the request
+    /// itself (an unknown model, a missing key), not with a row.
+    pub async fn answer(&self, rows: Vec<Row>, embed: bool) -> Result<Vec<RowResult>, String> {
         let mut out: Vec<RowResult> = (0..rows.len()).map(|_| RowResult::Null).collect();
-        // Groups of rows that share a model and options, in the order first seen.
-        let mut groups: Vec<(Group, Vec<(usize, String)>)> = Vec::new();
-        let mut index: HashMap<(String, usize), usize> = HashMap::new();
-        for (i, (model, prompt, options)) in rows.into_iter().enumerate() {
-            let (Some(model), Some(prompt)) = (model, prompt) else { continue };
-            // Options are parsed once per distinct text, so equal options are one allocation.
-            let key = (model.clone(), Arc::as_ptr(&options) as usize);
+        // Groups of rows that share a model and call, in the order first seen.
+        let mut groups: Vec<(Group, Members)> = Vec::new();
+        let mut index: HashMap<(String, usize, bool), usize> = HashMap::new();
+        for (i, row) in rows.into_iter().enumerate() {
+            let (Some(model), Some(prompt)) = (row.model, row.prompt) else { continue };
+            let keyed = row.id.is_some();
+            let key = (model.clone(), Arc::as_ptr(&row.call) as usize, keyed);
             let g = *index.entry(key).or_insert_with(|| {
-                groups.push(((model, options), Vec::new()));
+                groups.push(((model, row.call, keyed), Vec::new()));
                 groups.len() - 1
             });
-            groups[g].1.push((i, prompt));
+            groups[g].1.push((i, prompt, row.id));
         }
-        let calls = groups.into_iter().map(|((model, options), members)| async move {
+        let calls = groups.into_iter().map(|((model, call, keyed), members)| async move {
             let site = self.site(&model, embed).await?;
             let settings = DriverSettings {
-                system: options.system.clone(),
-                params: options.params.clone(),
+                system: call.system.clone(),
+                params: call.params.clone(),
                 ..self.settings.driver.clone()
             };
-            let driver = Driver::new(site.handler.clone(), site.throttle.clone(), settings, site.metrics.clone());
+            let mut driver = Driver::new(site.handler.clone(), site.throttle.clone(), settings, site.metrics.clone());
+            // Without ids, a sampled answer belongs to no one: only deterministic requests are
+            // cached (stored and reused).
+            if let Some(cache) = self.settings.cache.as_ref().filter(|_| keyed || is_deterministic(&call.params)) {
+                driver = driver.with_cache(cache.clone());
+            }
             let model_id: Arc<str> = Arc::from(driver.model_id());
             let (slots, records): (Vec<usize>, Vec<Record>) = members
                 .into_iter()
-                .map(|(i, prompt)| {
+                .map(|(i, prompt, id)| {
                     let line = i as u64 + 1;
-                    (i, Record::new(RecordId::Text(line.to_string()), line, prompt, Default::default()))
+                    let id = id.unwrap_or_else(|| RecordId::Text(line.to_string()));
+                    (i, Record::new(id, line, prompt, Default::default()))
                 })
                 .unzip();
             let outcomes: Vec<Outcome> = if driver.max_batch() > 1 {

@@ -1,13 +1,17 @@
 //! The flags that say how to reach a model's endpoint and how hard to push it: base URL and
 //! Google Cloud site, concurrency, rate limits, timeout and retries. `weir run` and `weir sql`
-//! (and the cluster's executors) take the same ones, validated the same way.
+//! (and the cluster's executors) take the same ones, validated the same way; the Python
+//! package takes them as keyword arguments of the same names, parsed by the same code.
 
 use clap::{Args, ValueEnum};
 use std::time::Duration;
 use weir_core::{DriverSettings, RateSettings, RetryPolicy, ThrottleSettings};
 use weir_providers::ProviderOptions;
 
-use crate::UsageError;
+/// Settings that cannot be used, with what to fix (the CLI exits with status 2 on it).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct SettingsError(pub String);
 
 /// How concurrency is limited.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -67,23 +71,26 @@ pub struct EndpointArgs {
 
 impl EndpointArgs {
     /// Every problem with these flags, as a usage error naming the flag.
-    pub fn check(&self) -> Result<(), UsageError> {
+    pub fn check(&self) -> Result<(), SettingsError> {
         if self.max_concurrency == 0 {
-            return Err(UsageError("--max-concurrency must be at least 1".into()));
+            return Err(SettingsError("--max-concurrency must be at least 1".into()));
         }
         if !(self.limit_window.is_finite() && self.limit_window > 0.0) {
-            return Err(UsageError(format!("--limit-window {}: must be a number of seconds > 0", self.limit_window)));
+            return Err(SettingsError(format!(
+                "--limit-window {}: must be a number of seconds > 0",
+                self.limit_window
+            )));
         }
         if self.rpm == Some(0) || self.tpm == Some(0) {
-            return Err(UsageError("--rpm and --tpm must be at least 1".into()));
+            return Err(SettingsError("--rpm and --tpm must be at least 1".into()));
         }
         if let Some(k) = self.sre_throttle {
             if !(k.is_finite() && k >= 1.0) {
-                return Err(UsageError(format!("--sre-throttle {k}: K must be a number ≥ 1 (Beam's default is 2)")));
+                return Err(SettingsError(format!("--sre-throttle {k}: K must be a number ≥ 1 (Beam's default is 2)")));
             }
         }
         if !(self.timeout.is_finite() && self.timeout > 0.0) {
-            return Err(UsageError(format!("--timeout {}: must be a number of seconds > 0", self.timeout)));
+            return Err(SettingsError(format!("--timeout {}: must be a number of seconds > 0", self.timeout)));
         }
         Ok(())
     }
@@ -99,7 +106,6 @@ impl EndpointArgs {
     }
 
     /// Each endpoint's throttle.
-    #[cfg_attr(not(feature = "sql"), allow(dead_code))]
     pub fn throttle(&self) -> ThrottleSettings {
         ThrottleSettings {
             max_concurrency: self.max_concurrency,

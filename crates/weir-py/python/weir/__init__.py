@@ -1,0 +1,218 @@
+"""weir for Python: LLM calls over many prompts at the endpoint's quota, with one result per item.
+
+    import weir
+    engine = weir.Engine("gemini/gemini-2.5-flash", rpm=1000, limit_window=60)
+    for r in engine.generate(["Summarise: ...", {"id": "r2", "prompt": "..."}]):
+        print(r.id, r.text if r.ok else r.error_kind)
+
+An engine is configured like ``weir run``: the model, ``base_url``, and the other endpoint
+settings under ``weir run``'s flag names with ``_`` for ``-`` (``max_concurrency``, ``rpm``,
+``tpm``, ``limit_window``, ``timeout``, ``max_retries``, ...; ``weir.setting_names()`` lists
+them). Every engine of a process with the same settings shares one throttle per endpoint, so
+threads that each make their own engine still reach the quota together and never past it.
+
+Calls never raise for one item's failure: each item gets a :class:`Result`, ``ok`` or with an
+error kind and message. They raise :class:`ConfigError` for what no item could survive (an
+unknown model, a missing API key, settings weir does not take).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Iterable, List, Mapping, Optional, Union
+
+from . import _weir
+from ._weir import ConfigError
+
+__all__ = ["Engine", "Result", "ConfigError", "setting_names"]
+
+Item = Union[str, Mapping[str, Any]]
+
+
+def setting_names() -> List[str]:
+    """The endpoint settings an :class:`Engine` takes as keyword arguments."""
+    return list(_weir.setting_names())
+
+
+@dataclass(frozen=True)
+class Result:
+    """What became of one item: its answer, or why it has none.
+
+    ``text`` is the generated text (``None`` for an embedding or a failure); ``embedding`` the
+    vector of an embedding call. A failure has ``error_kind`` (``rate_limited``, ``timeout``,
+    ``server``, ``invalid_request``, ...), ``error_message`` and ``retryable`` (whether trying the
+    item again later may succeed). ``attempts`` is the number of calls made for it (0: answered
+    from the cache).
+    """
+
+    id: Any
+    ok: bool
+    text: Optional[str]
+    embedding: Optional[List[float]]
+    finish_reason: Optional[str]
+    error_kind: Optional[str]
+    error_message: Optional[str]
+    retryable: bool
+    attempts: int
+    prompt_tokens: int
+    output_tokens: int
+    model: str
+
+    @property
+    def cached(self) -> bool:
+        """True when the answer came from the cache (no call was made)."""
+        return self.ok and self.attempts == 0
+
+
+def _settings_argv(settings: Mapping[str, Any]) -> List[str]:
+    argv = []
+    for name, value in settings.items():
+        flag = "--" + name.replace("_", "-")
+        if value is None or value is False:
+            if value is False and name not in _weir.setting_names():
+                argv.append(flag)  # let the parser name the unknown setting
+            continue
+        if value is True:
+            argv.append(flag)
+        else:
+            argv.append(f"{flag}={value}")
+    return argv
+
+
+def _json_or_none(params: Optional[Mapping[str, Any]], whose: str) -> Optional[str]:
+    if params is None:
+        return None
+    if not isinstance(params, Mapping):
+        raise ConfigError(f"{whose} params: expected a dict, e.g. {{'temperature': 0.2}}, not {type(params).__name__}")
+    return json.dumps(dict(params))
+
+
+def _items(items: Iterable[Item], embed: bool):
+    """Items as the native engine takes them, and their ids."""
+    if isinstance(items, (str, bytes, Mapping)):
+        raise TypeError("expected a list of prompts or records, not a single one (wrap it in a list)")
+    out, ids = [], []
+    text_key = "text" if embed else "prompt"
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            out.append((None, False, item, None, None, None))
+            ids.append(None)
+            continue
+        if not isinstance(item, Mapping):
+            raise TypeError(f"item {i}: expected a str or a dict with {text_key!r}, not {type(item).__name__}")
+        prompt = item.get(text_key, item.get("prompt" if embed else "text"))
+        if not isinstance(prompt, str):
+            raise TypeError(f"item {i}: {text_key!r} must be a str, not {type(prompt).__name__}")
+        rid = item.get("id")
+        if rid is not None and (isinstance(rid, bool) or not isinstance(rid, (str, int))):
+            raise TypeError(f"item {i}: 'id' must be a str or an int, not {type(rid).__name__}")
+        model = item.get("model")
+        system = item.get("system")
+        if model is not None and not isinstance(model, str):
+            raise TypeError(f"item {i}: 'model' must be a str")
+        if system is not None and not isinstance(system, str):
+            raise TypeError(f"item {i}: 'system' must be a str")
+        params = _json_or_none(item.get("params"), f"item {i}")
+        native_id = None if rid is None or rid == "" else str(rid)
+        out.append((native_id, isinstance(rid, int), prompt, model, system, params))
+        ids.append(rid)
+    return out, ids
+
+
+def _results(raw, ids) -> List[Result]:
+    return [Result(i, *r) for i, r in zip(ids, raw)]
+
+
+class Engine:
+    """Calls a model for many items at once, through weir's throttle, retries and cache.
+
+    ``model`` is ``provider/model`` as for ``weir run`` (``gemini/...``, ``vertex_ai/...``,
+    ``openai/...``, ``sim/...``); ``base_url`` replaces the provider's. ``system`` and
+    ``params`` (``{"temperature": 0.2, "max_output_tokens": 256, ...}``, the keys of
+    ``weir run --param``) apply to every item unless an item or a call sets its own.
+    ``cache_dir`` keeps answers on disk and reuses them: an item with an ``id`` gets its own
+    answer back; one without only a deterministic request's (temperature 0 or a seed). A cache
+    directory belongs to one process at a time. Other keyword arguments are endpoint settings
+    (see :func:`setting_names`); an unknown one raises :class:`ConfigError`.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        base_url: Optional[str] = None,
+        *,
+        system: Optional[str] = None,
+        params: Optional[Mapping[str, Any]] = None,
+        cache_dir: Optional[str] = None,
+        **settings: Any,
+    ):
+        if "model" in settings or "base_url" in settings:
+            raise ConfigError("model and base_url are given once")
+        argv = _settings_argv(settings)
+        if base_url is not None:
+            argv.append(f"--base-url={base_url}")
+        self._native = _weir.Engine(
+            model, argv, system, _json_or_none(params, "engine"), None if cache_dir is None else str(cache_dir)
+        )
+
+    @property
+    def model(self) -> str:
+        """``provider/model``."""
+        return self._native.model
+
+    def generate(
+        self,
+        items: Iterable[Item],
+        *,
+        system: Optional[str] = None,
+        params: Optional[Mapping[str, Any]] = None,
+    ) -> List[Result]:
+        """Generates text for each item (a prompt, or a dict with ``prompt`` and optionally
+        ``id``, ``system``, ``params``, ``model``); one :class:`Result` per item, in order. The
+        calls run concurrently, as many as the throttle admits; the GIL is released."""
+        native, ids = _items(items, embed=False)
+        return _results(self._native.answer(native, False, system, _json_or_none(params, "call")), ids)
+
+    def embed(self, items: Iterable[Item]) -> List[Result]:
+        """Embeds each item (a text, or a dict with ``text`` and optionally ``id`` and
+        ``model``); the vectors are in ``Result.embedding``."""
+        native, ids = _items(items, embed=True)
+        return _results(self._native.answer(native, True, None, None), ids)
+
+    async def agenerate(
+        self,
+        items: Iterable[Item],
+        *,
+        system: Optional[str] = None,
+        params: Optional[Mapping[str, Any]] = None,
+    ) -> List[Result]:
+        """:meth:`generate` for asyncio: the calls run on weir's own threads."""
+        native, ids = _items(items, embed=False)
+        raw = await self._native.answer_async(native, False, system, _json_or_none(params, "call"))
+        return _results(raw, ids)
+
+    async def aembed(self, items: Iterable[Item]) -> List[Result]:
+        """:meth:`embed` for asyncio."""
+        native, ids = _items(items, embed=True)
+        return _results(await self._native.answer_async(native, True, None, None), ids)
+
+    def metrics(self) -> dict:
+        """Counters so far: ``calls``, ``retries``, ``succeeded``, ``failed``, ``rate_limited``
+        (429s), ``cache_hits``, ``prompt_tokens``, ``output_tokens``, ``throttled_seconds``
+        (summed over the endpoints; shared with every engine of this process with the same
+        settings)."""
+        return dict(self._native.metrics())
+
+    def flush(self) -> None:
+        """Makes every cached answer durable now."""
+        self._native.flush()
+
+    def __repr__(self) -> str:
+        return f"weir.Engine({self.model!r})"
+
+
+def _check(model: str, base_url: Optional[str], settings: Mapping[str, Any]) -> None:
+    """Raises :class:`ConfigError` now for settings an engine would refuse later."""
+    Engine(model, base_url, **settings)
+

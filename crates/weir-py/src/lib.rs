@@ -1,0 +1,357 @@
+//! `weir._weir`: the native half of weir's Python package (`import weir`).
+//!
+//! The Python half (`python/weir/`) turns prompts and records into plain tuples and results
+//! back into `weir.Result` objects; this half owns the engine. Every engine of a process with
+//! the same settings is one [`weir_engine::Engine`] — one connection and one throttle per
+//! endpoint — so all threads of a process (a Beam worker's bundles, say) reach the endpoint's
+//! quota together, whatever number of `weir.Engine` objects they made. Calls run on one tokio
+//! runtime per process with the GIL released; a blocking call still answers Ctrl-C.
+
+use clap::{CommandFactory, Parser};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use std::collections::HashMap;
+use std::future::Future;
+use std::path::Path;
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::Duration;
+use weir_core::{GenParams, Outcome, RecordId, ResponseCache, RetryHint, RunMetrics};
+use weir_engine::{Call, EndpointArgs, Engine, EngineSettings, Row, RowResult};
+use weir_io::DiskCache;
+
+pyo3::create_exception!(
+    _weir,
+    ConfigError,
+    PyValueError,
+    "Settings, a model or a record weir cannot use; the message says what to fix."
+);
+
+/// The keyword arguments that configure an engine, parsed as `weir run` parses its flags.
+#[derive(Debug, Parser)]
+#[command(name = "weir", no_binary_name = true, disable_help_flag = true, disable_version_flag = true)]
+struct Settings {
+    #[command(flatten)]
+    endpoint: EndpointArgs,
+}
+
+/// What engines with the same settings share: the engine, and the cache it writes.
+struct Shared {
+    engine: Arc<Engine>,
+    cache: Option<Arc<DiskCache>>,
+}
+
+/// The process's engines by their settings (weak: an engine no Python object holds is closed).
+fn registry() -> &'static Mutex<HashMap<String, Weak<Shared>>> {
+    static ENGINES: OnceLock<Mutex<HashMap<String, Weak<Shared>>>> = OnceLock::new();
+    ENGINES.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// A keyword-argument error from clap, in the words of Python (`max_concurrency`, not
+/// `--max-concurrency`).
+fn settings_error(e: &clap::Error) -> String {
+    let text = e.to_string();
+    let first = text.lines().next().unwrap_or("invalid settings").trim_start_matches("error: ");
+    settings_error_text(&first.replace("unexpected argument '--", "unknown setting '").replace("' found", "'"))
+}
+
+/// Parses a JSON object of generation parameters (`{"temperature": 0.2}`) over `base`.
+fn params_over(base: &GenParams, json: Option<&str>, whose: &str) -> PyResult<Arc<GenParams>> {
+    let Some(json) = json else { return Ok(Arc::new(base.clone())) };
+    let value: serde_json::Value =
+        serde_json::from_str(json).map_err(|e| ConfigError::new_err(format!("{whose} params: not JSON ({e})")))?;
+    let serde_json::Value::Object(object) = value else {
+        return Err(ConfigError::new_err(format!("{whose} params: expected a dict, e.g. {{\"temperature\": 0.2}}")));
+    };
+    let mut own = GenParams::default();
+    own.apply_object(&object).map_err(|e| ConfigError::new_err(format!("{whose} params: {}", e.reason)))?;
+    Ok(Arc::new(base.overlay(&own)))
+}
+
+/// One item from Python: id (text, and whether it was a number), prompt, model, system text and
+/// parameters (JSON), each `None` when the item does not set it.
+type Item = (Option<String>, bool, String, Option<String>, Option<String>, Option<String>);
+
+/// One result for Python: ok, text, embedding, finish reason, error kind, error message,
+/// retryable, attempts, prompt tokens, output tokens, model.
+type Answer = (
+    bool,
+    Option<String>,
+    Option<Vec<f32>>,
+    Option<String>,
+    Option<String>,
+    Option<String>,
+    bool,
+    u32,
+    u64,
+    u64,
+    String,
+);
+
+fn answer_of(r: RowResult) -> Answer {
+    match r {
+        RowResult::Null => (
+            false,
+            None,
+            None,
+            None,
+            Some("invalid_input".into()),
+            Some("no prompt".into()),
+            false,
+            0,
+            0,
+            0,
+            String::new(),
+        ),
+        RowResult::Done(outcome, model) => match *outcome {
+            Outcome::Success(s) => {
+                let usage = s.response.usage;
+                (
+                    true,
+                    s.response.embedding.is_none().then_some(s.response.text),
+                    s.response.embedding,
+                    Some(s.response.finish_reason),
+                    None,
+                    None,
+                    false,
+                    s.attempts,
+                    usage.prompt_tokens,
+                    usage.output_tokens,
+                    s.model.to_string(),
+                )
+            }
+            Outcome::Failure(f) => {
+                let retryable = matches!(f.error.hint, RetryHint::Backoff | RetryHint::Later(_));
+                (
+                    false,
+                    None,
+                    None,
+                    None,
+                    Some(f.error.kind.as_str().to_string()),
+                    Some(f.error.message.clone()),
+                    retryable,
+                    f.attempts,
+                    0,
+                    0,
+                    model.to_string(),
+                )
+            }
+        },
+    }
+}
+
+/// Runs `fut` to its end on the process's runtime with the GIL released, looking for signals
+/// every 100 ms so that Ctrl-C stops a long call (the calls still in flight are dropped).
+fn block_on<F>(py: Python<'_>, fut: F) -> PyResult<F::Output>
+where
+    F: Future + Send,
+    F::Output: Send,
+{
+    let rt = pyo3_async_runtimes::tokio::get_runtime();
+    py.detach(|| {
+        rt.block_on(async move {
+            let mut fut = std::pin::pin!(fut);
+            loop {
+                tokio::select! {
+                    out = &mut fut => return Ok(out),
+                    _ = tokio::time::sleep(Duration::from_millis(100)) => {
+                        Python::attach(|py| py.check_signals())?;
+                    }
+                }
+            }
+        })
+    })
+}
+
+/// An engine: a model, its endpoint's settings, and default system text and parameters.
+#[pyclass(weakref, frozen, name = "Engine", module = "weir._weir")]
+struct PyEngine {
+    shared: Arc<Shared>,
+    model: String,
+    system: Option<Arc<str>>,
+    params: Arc<GenParams>,
+}
+
+impl PyEngine {
+    /// The engine's rows for `items`: equal system text and parameters share one `Call`, so
+    /// their rows go through one driver (and batch together where the endpoint batches).
+    fn rows(&self, items: Vec<Item>, system: Option<String>, params: Option<String>) -> PyResult<Vec<Row>> {
+        let system: Option<Arc<str>> = system.map(Arc::from).or_else(|| self.system.clone());
+        let params = params_over(&self.params, params.as_deref(), "call")?;
+        let default = Arc::new(Call { system: system.clone(), params: params.clone() });
+        let mut calls: HashMap<(Option<String>, Option<String>), Arc<Call>> = HashMap::new();
+        let mut rows = Vec::with_capacity(items.len());
+        for (i, (id, numeric, prompt, model, own_system, own_params)) in items.into_iter().enumerate() {
+            let call = if own_system.is_none() && own_params.is_none() {
+                default.clone()
+            } else {
+                let key = (own_system, own_params);
+                match calls.get(&key) {
+                    Some(c) => c.clone(),
+                    None => {
+                        let c = Arc::new(Call {
+                            system: key.0.as_deref().map(Arc::from).or_else(|| system.clone()),
+                            params: params_over(&params, key.1.as_deref(), &format!("item {i}"))?,
+                        });
+                        calls.insert(key, c.clone());
+                        c
+                    }
+                }
+            };
+            let id = id.map(|s| if numeric { RecordId::Number(s) } else { RecordId::Text(s) });
+            rows.push(Row { model: Some(model.unwrap_or_else(|| self.model.clone())), prompt: Some(prompt), id, call });
+        }
+        Ok(rows)
+    }
+}
+
+fn sum_metrics(engine: &Engine) -> HashMap<&'static str, f64> {
+    let mut out: HashMap<&'static str, f64> = HashMap::new();
+    for m in engine.metrics_by_model().values() {
+        let get = RunMetrics::get;
+        for (name, value) in [
+            ("calls", get(&m.calls) as f64),
+            ("retries", get(&m.retries) as f64),
+            ("succeeded", get(&m.succeeded) as f64),
+            ("failed", get(&m.failed) as f64),
+            ("rate_limited", get(&m.rate_limited) as f64),
+            ("cache_hits", get(&m.cache_hits) as f64),
+            ("prompt_tokens", get(&m.tokens_in) as f64),
+            ("output_tokens", get(&m.tokens_out) as f64),
+            ("throttled_seconds", get(&m.throttled_micros) as f64 / 1e6),
+        ] {
+            *out.entry(name).or_default() += value;
+        }
+    }
+    out
+}
+
+#[pymethods]
+impl PyEngine {
+    /// An engine for `model` (`provider/model`); `settings` are `weir run`'s endpoint flags as
+    /// arguments (`["--rpm=100", "--limit-window=5"]`), `params` a JSON object.
+    #[new]
+    #[pyo3(signature = (model, settings, system=None, params=None, cache_dir=None))]
+    fn new(
+        model: String,
+        settings: Vec<String>,
+        system: Option<String>,
+        params: Option<String>,
+        cache_dir: Option<String>,
+    ) -> PyResult<Self> {
+        let spec: weir_providers::ModelSpec = model.trim().parse().map_err(|e: weir_providers::ProviderError| {
+            ConfigError::new_err(e.to_string().replacen("--model ", "model ", 1))
+        })?;
+        let parsed = Settings::try_parse_from(&settings).map_err(|e| ConfigError::new_err(settings_error(&e)))?;
+        parsed.endpoint.check().map_err(|e| ConfigError::new_err(settings_error_text(&e.0)))?;
+        let params = params_over(&GenParams::default(), params.as_deref(), "engine")?;
+        let key = format!("{settings:?}\u{0}{cache_dir:?}");
+        let mut engines = registry().lock().unwrap_or_else(|e| e.into_inner());
+        let shared = match engines.get(&key).and_then(Weak::upgrade) {
+            Some(s) => s,
+            None => {
+                let cache = match &cache_dir {
+                    None => None,
+                    Some(dir) => Some(Arc::new(DiskCache::open(Path::new(dir)).map_err(|e| {
+                        let message = if e.message.contains("in use by another") {
+                            "is in use by another process (a cache directory is one process's: give each worker process its own, or none)".to_string()
+                        } else {
+                            e.message.clone()
+                        };
+                        ConfigError::new_err(format!("cache_dir {dir}: {message}"))
+                    })?)),
+                };
+                let e = &parsed.endpoint;
+                let engine = Engine::new(EngineSettings {
+                    provider: e.provider(),
+                    throttle: e.throttle(),
+                    driver: e.driver(),
+                    cache: cache.clone().map(|c| c as Arc<dyn ResponseCache>),
+                });
+                let s = Arc::new(Shared { engine, cache });
+                engines.retain(|_, w| w.strong_count() > 0);
+                engines.insert(key, Arc::downgrade(&s));
+                s
+            }
+        };
+        Ok(Self { shared, model: spec.to_string(), system: system.map(Arc::from), params })
+    }
+
+    /// The engine's `provider/model`.
+    #[getter]
+    fn model(&self) -> String {
+        self.model.clone()
+    }
+
+    /// Answers `items` (generation, or embeddings when `embed`), blocking with the GIL released.
+    #[pyo3(signature = (items, embed, system=None, params=None))]
+    fn answer(
+        &self,
+        py: Python<'_>,
+        items: Vec<Item>,
+        embed: bool,
+        system: Option<String>,
+        params: Option<String>,
+    ) -> PyResult<Vec<Answer>> {
+        let rows = self.rows(items, system, params)?;
+        let engine = self.shared.engine.clone();
+        let results = block_on(py, async move { engine.answer(rows, embed).await })?;
+        Ok(results.map_err(ConfigError::new_err)?.into_iter().map(answer_of).collect())
+    }
+
+    /// As [`Self::answer`], as an awaitable for asyncio.
+    #[pyo3(signature = (items, embed, system=None, params=None))]
+    fn answer_async<'py>(
+        &self,
+        py: Python<'py>,
+        items: Vec<Item>,
+        embed: bool,
+        system: Option<String>,
+        params: Option<String>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let rows = self.rows(items, system, params)?;
+        let engine = self.shared.engine.clone();
+        pyo3_async_runtimes::tokio::future_into_py(py, async move {
+            let results = engine.answer(rows, embed).await.map_err(ConfigError::new_err)?;
+            Ok(results.into_iter().map(answer_of).collect::<Vec<_>>())
+        })
+    }
+
+    /// Counters summed over the engine's endpoints (shared with every engine of the process
+    /// that has the same settings).
+    fn metrics(&self) -> HashMap<&'static str, f64> {
+        sum_metrics(&self.shared.engine)
+    }
+
+    /// Makes every answer cached so far durable (it is otherwise handed to the kernel within
+    /// 200 ms and synced about once a second).
+    fn flush(&self, py: Python<'_>) {
+        if let Some(c) = &self.shared.cache {
+            py.detach(|| c.checkpoint());
+        }
+    }
+}
+
+/// A settings check's message, in the words of Python.
+fn settings_error_text(text: &str) -> String {
+    let mut out = text.to_string();
+    for arg in Settings::command().get_arguments() {
+        if let Some(long) = arg.get_long() {
+            out = out.replace(&format!("--{long}"), &long.replace('-', "_"));
+        }
+    }
+    out
+}
+
+/// The names of the settings an engine takes as keyword arguments.
+#[pyfunction]
+fn setting_names() -> Vec<String> {
+    Settings::command().get_arguments().filter_map(|a| a.get_long()).map(|l| l.replace('-', "_")).collect()
+}
+
+#[pymodule]
+fn _weir(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyEngine>()?;
+    m.add("ConfigError", m.py().get_type::<ConfigError>())?;
+    m.add_function(wrap_pyfunction!(setting_names, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,178 @@
+"""weir's Python engine against `weir sim` on 127.0.0.1."""
+import asyncio
+import threading
+import time
+
+import pytest
+
+import weir
+
+MODEL = "gemini/gemini-2.5-flash"
+
+
+def prompts(n, tag):
+    # Every prompt distinct, so no answer can come from another item's.
+    return [f"{tag} {i:05d} tell me about rivers" for i in range(n)]
+
+
+def test_one_result_per_item_in_order_within_a_quota(sim_factory):
+    sim = sim_factory("--rpm", "40", "--window-secs", "1", "--latency-ms", "20")
+    engine = weir.Engine(MODEL, sim.url, limit_window=1, max_retries=50)
+    items = [{"id": f"r{i}", "prompt": p} for i, p in enumerate(prompts(120, "quota"))]
+    results = engine.generate(items)
+    assert [r.id for r in results] == [f"r{i}" for i in range(120)]
+    assert all(r.ok and r.text and r.attempts >= 1 for r in results), [r for r in results if not r.ok][:3]
+    s = sim.stats()
+    assert s["successes"] == 120  # each item paid for once
+    assert s["rate_limited"] <= 0.1 * s["requests"], s
+    m = engine.metrics()
+    assert m["succeeded"] == 120 and m["calls"] == s["requests"]
+    assert m["rate_limited"] == s["rate_limited"]
+    assert m["prompt_tokens"] > 0 and m["output_tokens"] > 0
+
+
+def test_a_failed_item_fails_alone(sim):
+    engine = weir.Engine(MODEL, sim.url, max_retries=1)
+    items = ["fine one", "bad [sim:error_500] one", {"id": 7, "prompt": "blocked [sim:block_prompt]"}, "fine two"]
+    r = engine.generate(items)
+    assert [x.ok for x in r] == [True, False, False, True]
+    assert r[1].error_kind and r[1].retryable and r[1].attempts == 2, r[1]
+    assert r[2].id == 7 and not r[2].retryable and r[2].attempts == 1, r[2]
+    assert r[1].text is None and r[1].error_message
+
+
+def test_records_carry_system_params_and_model(sim_factory, tmp_path):
+    config = tmp_path / "sim.toml"
+    config.write_text("capture_requests = 10\n")
+    sim = sim_factory("--latency-ms", "1", "--config", str(config))
+    engine = weir.Engine(MODEL, sim.url, system="engine system", params={"temperature": 0.5})
+    r = engine.generate(
+        [
+            "plain",
+            {"prompt": "own", "system": "own system", "params": {"max_output_tokens": 7}},
+            {"prompt": "other model", "model": "gemini/gemini-2.0-flash"},
+        ],
+        params={"top_p": 0.9},
+    )
+    assert all(x.ok for x in r)
+    assert r[2].model == "gemini/gemini-2.0-flash" and r[0].model == MODEL
+    import json, urllib.request
+
+    sent = json.load(urllib.request.urlopen(sim.url + "/requests"))
+    bodies = {json.dumps(q, sort_keys=True) for q in sent}
+    text = " ".join(bodies)
+    assert "engine system" in text and "own system" in text
+    assert '"maxOutputTokens": 7' in text and '"topP": 0.9' in text and '"temperature": 0.5' in text
+
+
+def test_settings_and_models_weir_cannot_use_are_config_errors(sim):
+    with pytest.raises(weir.ConfigError, match="unknown setting 'rpmm'"):
+        weir.Engine(MODEL, sim.url, rpmm=10)
+    with pytest.raises(weir.ConfigError, match="rpm"):
+        weir.Engine(MODEL, sim.url, rpm=0)
+    with pytest.raises(weir.ConfigError, match="max_concurrency"):
+        weir.Engine(MODEL, sim.url, max_concurrency="many")
+    with pytest.raises(weir.ConfigError, match="nope"):
+        weir.Engine("nope/model")
+    with pytest.raises(weir.ConfigError, match="temprature"):
+        weir.Engine(MODEL, sim.url, params={"temprature": 0.2})
+    with pytest.raises(TypeError, match="item 1"):
+        weir.Engine(MODEL, sim.url).generate(["ok", 42])
+    with pytest.raises(TypeError, match="list"):
+        weir.Engine(MODEL, sim.url).generate("one prompt")
+    # A key is needed for the real Gemini API: the call says so, naming no secret.
+    with pytest.raises(weir.ConfigError, match="GEMINI_API_KEY"):
+        weir.Engine(MODEL, "https://gemini.example.invalid").generate(["x"])
+    assert "rpm" in weir.setting_names() and "limit_window" in weir.setting_names()
+
+
+def test_embeddings(sim):
+    engine = weir.Engine("openai/text-embedding-3-small", sim.url + "/v1")
+    r = engine.embed(["one", {"id": "b", "text": "two"}, "three"])
+    assert all(x.ok for x in r) and r[1].id == "b"
+    dims = {len(x.embedding) for x in r}
+    assert len(dims) == 1 and dims.pop() > 0
+    assert r[0].text is None and r[0].embedding != r[1].embedding
+    assert sim.stats()["embed_inputs"] == 3
+
+
+def test_asyncio(sim_factory):
+    sim = sim_factory("--latency-ms", "200")
+    engine = weir.Engine(MODEL, sim.url)
+
+    async def main():
+        t0 = time.monotonic()
+        a, b = await asyncio.gather(engine.agenerate(prompts(20, "a")), engine.agenerate(prompts(20, "b")))
+        return a, b, time.monotonic() - t0
+
+    a, b, secs = asyncio.run(main())
+    assert all(x.ok for x in a + b) and len(a) == len(b) == 20
+    assert secs < 3.0, secs  # 40 calls of 0.2 s ran concurrently, not one after another (8 s)
+
+
+def test_the_gil_is_released_while_calls_run(sim_factory):
+    sim = sim_factory("--latency-ms", "500")
+    engine = weir.Engine(MODEL, sim.url)
+    done = threading.Event()
+    ticks = 0
+
+    def call():
+        engine.generate(prompts(4, "gil"))
+        done.set()
+
+    t = threading.Thread(target=call)
+    t.start()
+    time.sleep(0.05)
+    while not done.is_set():
+        ticks += 1
+    t.join()
+    assert ticks > 10_000, ticks  # this thread ran Python the whole time the calls took
+
+
+def test_engines_with_the_same_settings_share_one_throttle(sim_factory):
+    sim = sim_factory("--rpm", "30", "--window-secs", "1", "--latency-ms", "10")
+    engines = [weir.Engine(MODEL, sim.url, limit_window=1, max_retries=50) for _ in range(3)]
+    out = [None] * 3
+
+    def work(i):
+        out[i] = engines[i].generate(prompts(60, f"share{i}"))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert all(r.ok for rs in out for r in rs)
+    s = sim.stats()
+    assert s["successes"] == 180
+    # One engine behind the three: one set of counters saw every call and every 429 (three
+    # engines would each count their own), so one learned budget admitted them.
+    m = engines[0].metrics()
+    assert m == engines[1].metrics() == engines[2].metrics()
+    assert m["calls"] == s["requests"] and m["rate_limited"] == s["rate_limited"] and m["succeeded"] == 180
+    # Learning a 1 s window costs some 429s in a run this short (about 11 % seen), not a storm.
+    assert s["rate_limited"] <= 0.25 * s["requests"], s
+
+
+def test_cache_reuses_an_items_own_answer_and_only_deterministic_ones_without_id(sim, tmp_path):
+    cache = str(tmp_path / "cache")
+    engine = weir.Engine(MODEL, sim.url, cache_dir=cache)
+    keyed = [{"id": f"k{i}", "prompt": p} for i, p in enumerate(prompts(10, "keyed"))]
+    first = engine.generate(keyed)
+    again = engine.generate(keyed)
+    assert [r.text for r in first] == [r.text for r in again]
+    assert all(r.cached for r in again) and not any(r.cached for r in first)
+    plain = prompts(5, "plain")
+    engine.generate(plain)
+    assert not any(r.cached for r in engine.generate(plain))  # sampled answers are not shared
+    zero = engine.generate(plain, params={"temperature": 0})
+    assert all(r.cached for r in engine.generate(plain, params={"temperature": 0}))
+    assert not any(r.cached for r in zero)
+    engine.flush()
+    requests = sim.stats()["requests"]
+    del engine, first, again
+    import gc
+
+    gc.collect()
+    # A new engine (the old one is gone, so the directory is free) finds the answers on disk.
+    reopened = weir.Engine(MODEL, sim.url, cache_dir=cache)
+    assert all(r.cached for r in reopened.generate(keyed))
+    assert sim.stats()["requests"] == requests
