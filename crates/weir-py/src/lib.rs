@@ -348,8 +348,21 @@ fn setting_names() -> Vec<String> {
     Settings::command().get_arguments().filter_map(|a| a.get_long()).map(|l| l.replace('-', "_")).collect()
 }
 
+/// Logs to stderr when `WEIR_LOG` is set (`warn`, `weir_core=debug`, …), as the CLI does; a
+/// Python process is left quiet otherwise (every failure is in its item's result).
+fn init_logging() {
+    if let Ok(filter) = tracing_subscriber::EnvFilter::try_from_env("WEIR_LOG") {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .with_target(false)
+            .try_init();
+    }
+}
+
 #[pymodule]
 fn _weir(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    init_logging();
     m.add_class::<PyEngine>()?;
     m.add("ConfigError", m.py().get_type::<ConfigError>())?;
     m.add_function(wrap_pyfunction!(setting_names, m)?)?;
