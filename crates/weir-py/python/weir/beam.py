@@ -98,7 +98,7 @@ class WeirModelHandler(ModelHandler):
         params: Optional[Mapping[str, Any]] = None,
         cache_dir: Optional[str] = None,
         errors: str = "dead_letter",
-        min_batch_size: int = 32,
+        min_batch_size: int = 256,
         max_batch_size: int = 1024,
         max_batch_duration_secs: Optional[float] = None,
         element_size_fn: Optional[Callable[[Any], int]] = None,
