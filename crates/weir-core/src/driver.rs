@@ -113,7 +113,7 @@ impl Observer for StopRules {
             self.stop(StopReason {
                 kind: ErrorKind::Transport,
                 message: format!(
-                    "cannot connect to the endpoint (nothing has answered any call yet): {}; check --base-url and that the server is running",
+                    "cannot connect to the endpoint (nothing has answered any call yet): {}; check the base URL (--base-url) and that the server is running",
                     error.message
                 ),
             });
