@@ -147,8 +147,6 @@ class Engine:
         cache_dir: Optional[str] = None,
         **settings: Any,
     ):
-        if "model" in settings or "base_url" in settings:
-            raise ConfigError("model and base_url are given once")
         argv = _settings_argv(settings)
         if base_url is not None:
             argv.append(f"--base-url={base_url}")
@@ -210,9 +208,4 @@ class Engine:
 
     def __repr__(self) -> str:
         return f"weir.Engine({self.model!r})"
-
-
-def _check(model: str, base_url: Optional[str], settings: Mapping[str, Any]) -> None:
-    """Raises :class:`ConfigError` now for settings an engine would refuse later."""
-    Engine(model, base_url, **settings)
 
