@@ -11,6 +11,12 @@ use std::time::Duration;
 
 use crate::error::ErrorKind;
 
+/// The moment wall-time counters are measured from (the first time one is asked for).
+fn epoch() -> tokio::time::Instant {
+    static EPOCH: std::sync::OnceLock<tokio::time::Instant> = std::sync::OnceLock::new();
+    *EPOCH.get_or_init(tokio::time::Instant::now)
+}
+
 /// Live counters of a run.
 #[derive(Debug, Default)]
 pub struct RunMetrics {
@@ -38,6 +44,13 @@ pub struct RunMetrics {
     /// Time calls spent held by a server-advised pause, in microseconds (summed over calls;
     /// Beam's name for it is `cumulativeThrottlingSeconds`).
     pub throttled_micros: AtomicU64,
+    /// Wall time during which at least one call was held by the throttle, in microseconds: what
+    /// Beam's `cumulativeThrottlingSeconds` means (a worker's time spent throttled), where the
+    /// sum above counts each of many concurrent waits.
+    pub throttled_wall_micros: AtomicU64,
+    /// The end of the last wait counted into `throttled_wall_micros`, in microseconds since
+    /// [`epoch`], so overlapping waits are counted once.
+    throttled_until: AtomicU64,
     /// Batched calls sent (every attempt, and each half of a split call; a call of one record to
     /// an endpoint that takes batches counts too).
     pub batches: AtomicU64,
@@ -124,6 +137,14 @@ impl RunMetrics {
     /// Adds time spent held by the gate.
     pub fn add_throttled(&self, d: Duration) {
         self.throttled_micros.fetch_add(d.as_micros() as u64, Relaxed);
+        // The wait was [now - d, now]; only its part after the last counted wait's end is new.
+        let now = tokio::time::Instant::now().saturating_duration_since(epoch()).as_micros() as u64;
+        let start = now.saturating_sub(d.as_micros() as u64);
+        let prev = self.throttled_until.fetch_max(now, Relaxed);
+        let from = start.max(prev);
+        if now > from {
+            self.throttled_wall_micros.fetch_add(now - from, Relaxed);
+        }
         metrics::counter!("weir_throttled_microseconds_total").increment(d.as_micros() as u64);
     }
 
@@ -229,5 +250,25 @@ impl RunMetrics {
     /// Reads a counter.
     pub fn get(counter: &AtomicU64) -> u64 {
         counter.load(Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn overlapping_waits_count_once_in_wall_time() {
+        let m = RunMetrics::default();
+        epoch();
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        // Three calls held over the same 10 s, ending together, then one more 2 s later.
+        for _ in 0..3 {
+            m.add_throttled(Duration::from_secs(10));
+        }
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        m.add_throttled(Duration::from_secs(2));
+        assert_eq!(RunMetrics::get(&m.throttled_micros), 32_000_000);
+        assert_eq!(RunMetrics::get(&m.throttled_wall_micros), 12_000_000);
     }
 }

@@ -75,9 +75,12 @@ impl EndpointArgs {
         if self.max_concurrency == 0 {
             return Err(SettingsError("--max-concurrency must be at least 1".into()));
         }
-        if !(self.limit_window.is_finite() && self.limit_window > 0.0) {
+        // A week at most: longer would overflow the clock's arithmetic, and no quota or call is
+        // measured in weeks.
+        const MAX_SECS: f64 = 7.0 * 86_400.0;
+        if !(self.limit_window.is_finite() && self.limit_window > 0.0 && self.limit_window <= MAX_SECS) {
             return Err(SettingsError(format!(
-                "--limit-window {}: must be a number of seconds > 0",
+                "--limit-window {}: must be a number of seconds > 0 and at most a week (604800)",
                 self.limit_window
             )));
         }
@@ -89,8 +92,11 @@ impl EndpointArgs {
                 return Err(SettingsError(format!("--sre-throttle {k}: K must be a number ≥ 1 (Beam's default is 2)")));
             }
         }
-        if !(self.timeout.is_finite() && self.timeout > 0.0) {
-            return Err(SettingsError(format!("--timeout {}: must be a number of seconds > 0", self.timeout)));
+        if !(self.timeout.is_finite() && self.timeout > 0.0 && self.timeout <= MAX_SECS) {
+            return Err(SettingsError(format!(
+                "--timeout {}: must be a number of seconds > 0 and at most a week (604800)",
+                self.timeout
+            )));
         }
         Ok(())
     }

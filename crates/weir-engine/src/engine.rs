@@ -8,8 +8,8 @@ use futures::{FutureExt, StreamExt};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use weir_core::{
-    is_deterministic, Driver, DriverSettings, GenParams, ModelHandler, Outcome, Record, RecordId, ResponseCache,
-    RunMetrics, StopReason, Throttle, ThrottleSettings,
+    is_deterministic, Driver, DriverSettings, ErrorKind, Failure, GenParams, ModelError, ModelHandler, Outcome, Record,
+    RecordId, ResponseCache, RunMetrics, StopReason, Throttle, ThrottleSettings,
 };
 use weir_providers::{Endpoint, ModelSpec, ProviderError, ProviderOptions, Task};
 
@@ -88,6 +88,12 @@ pub enum RowResult {
     Null,
     /// The row's outcome, and the `provider/model` that was asked.
     Done(Box<Outcome>, Arc<str>),
+}
+
+/// The record of the row at `i` (its id, else its place).
+fn record_of(i: usize, prompt: String, id: Option<RecordId>) -> Record {
+    let line = i as u64 + 1;
+    Record::new(id.unwrap_or_else(|| RecordId::Text(line.to_string())), line, prompt, Default::default())
 }
 
 /// The process's endpoints, shared by every caller (every partition and query of SQL, every
@@ -215,8 +221,38 @@ impl Engine {
             });
             groups[g].1.push((i, prompt, row.id));
         }
+        // Every model is connected before any call is made: a row naming a model that cannot be
+        // used (unknown, no key) fails alone, and never after its request-mates were paid for
+        // and their answers thrown away. When no model of the request can be used, the request
+        // itself is wrong (a misspelt model, a missing key): that is the caller's error.
+        let mut sites: HashMap<String, Result<Arc<Site>, String>> = HashMap::new();
+        for ((model, _, _), _) in &groups {
+            if !sites.contains_key(model) {
+                let site = self.site(model, embed).await;
+                sites.insert(model.clone(), site);
+            }
+        }
+        if sites.values().all(|s| s.is_err()) {
+            if let Some(Err(e)) = sites.values().next() {
+                return Err(e.clone());
+            }
+        }
+        let sites = &sites;
         let calls = groups.into_iter().map(|((model, call, keyed), members)| async move {
-            let site = self.site(&model, embed).await?;
+            let site = match &sites[&model] {
+                Ok(site) => site.clone(),
+                Err(message) => {
+                    let error = ModelError::new(ErrorKind::InvalidInput, message.clone());
+                    let (slots, outcomes): (Vec<usize>, Vec<Outcome>) = members
+                        .into_iter()
+                        .map(|(i, prompt, id)| {
+                            let record = record_of(i, prompt, id);
+                            (i, Outcome::Failure(Box::new(Failure::of(record, error.clone(), 0))))
+                        })
+                        .unzip();
+                    return Ok::<_, String>((slots, outcomes, Arc::from(model.as_str())));
+                }
+            };
             let settings = DriverSettings {
                 system: call.system.clone(),
                 params: call.params.clone(),
@@ -229,14 +265,8 @@ impl Engine {
                 driver = driver.with_cache(cache.clone());
             }
             let model_id: Arc<str> = Arc::from(driver.model_id());
-            let (slots, records): (Vec<usize>, Vec<Record>) = members
-                .into_iter()
-                .map(|(i, prompt, id)| {
-                    let line = i as u64 + 1;
-                    let id = id.unwrap_or_else(|| RecordId::Text(line.to_string()));
-                    (i, Record::new(id, line, prompt, Default::default()))
-                })
-                .unzip();
+            let (slots, records): (Vec<usize>, Vec<Record>) =
+                members.into_iter().map(|(i, prompt, id)| (i, record_of(i, prompt, id))).unzip();
             let outcomes: Vec<Outcome> = if driver.max_batch() > 1 {
                 let max = driver.max_batch();
                 let mut chunks = Vec::new();

@@ -12,15 +12,17 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use std::collections::HashMap;
 use std::future::Future;
-use std::path::Path;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 use weir_core::{GenParams, Outcome, RecordId, ResponseCache, RetryHint, RunMetrics};
 use weir_engine::{Call, EndpointArgs, Engine, EngineSettings, Row, RowResult};
 use weir_io::DiskCache;
 
+// Named as `weir.ConfigError` (where the package re-exports it), so that it pickles: Beam
+// sends a failed batch's exception to its dead-letter output.
 pyo3::create_exception!(
-    _weir,
+    weir,
     ConfigError,
     PyValueError,
     "Settings, a model or a record weir cannot use; the message says what to fix."
@@ -34,10 +36,52 @@ struct Settings {
     endpoint: EndpointArgs,
 }
 
-/// What engines with the same settings share: the engine, and the cache it writes.
+/// What engines with the same settings share: the engine, the cache it writes, and what of
+/// its counters has been handed out as deltas (to Beam's counters).
 struct Shared {
     engine: Arc<Engine>,
     cache: Option<Arc<DiskCache>>,
+    reported: Mutex<HashMap<&'static str, f64>>,
+}
+
+/// The process's open caches by directory: engines with other settings share one (a cache
+/// directory can be opened once per process).
+fn caches() -> &'static Mutex<HashMap<PathBuf, Weak<DiskCache>>> {
+    static CACHES: OnceLock<Mutex<HashMap<PathBuf, Weak<DiskCache>>>> = OnceLock::new();
+    CACHES.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// The cache in `dir`, opened once per process.
+fn open_cache(dir: &str) -> PyResult<Arc<DiskCache>> {
+    let fail = |message: String| ConfigError::new_err(format!("cache_dir {dir}: {message}"));
+    std::fs::create_dir_all(dir).map_err(|e| fail(e.to_string()))?;
+    let path = std::fs::canonicalize(dir).map_err(|e| fail(e.to_string()))?;
+    let mut open = caches().lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(c) = open.get(&path).and_then(Weak::upgrade) {
+        return Ok(c);
+    }
+    let cache = Arc::new(DiskCache::open(&path).map_err(|e| {
+        fail(if e.message.contains("in use by another") {
+            "is in use by another process (a cache directory is one process's at a time: give each process its own, or none)".to_string()
+        } else {
+            e.message.clone()
+        })
+    })?);
+    open.retain(|_, w| w.strong_count() > 0);
+    open.insert(path, Arc::downgrade(&cache));
+    Ok(cache)
+}
+
+/// The process's runtime for every engine's calls.
+fn runtime() -> &'static tokio::runtime::Runtime {
+    static RUNTIME: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    RUNTIME.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .thread_name("weir")
+            .build()
+            .expect("the tokio runtime starts")
+    })
 }
 
 /// The process's engines by their settings (weak: an engine no Python object holds is closed).
@@ -69,7 +113,8 @@ fn params_over(base: &GenParams, json: Option<&str>, whose: &str) -> PyResult<Ar
 
 /// One item from Python: id (text, and whether it was a number), prompt, model, system text and
 /// parameters (JSON), each `None` when the item does not set it.
-type Item = (Option<String>, bool, String, Option<String>, Option<String>, Option<String>);
+/// The prompt is `None` when it is empty: such an item fails as invalid input, with no call.
+type Item = (Option<String>, bool, Option<String>, Option<String>, Option<String>, Option<String>);
 
 /// One result for Python: ok, text, embedding, finish reason, error kind, error message,
 /// retryable, attempts, prompt tokens, output tokens, model.
@@ -120,7 +165,10 @@ fn answer_of(r: RowResult) -> Answer {
                 )
             }
             Outcome::Failure(f) => {
-                let retryable = matches!(f.error.hint, RetryHint::Backoff | RetryHint::Later(_));
+                // Aborted: not tried, or given up when the request stopped (a dead endpoint, say):
+                // it may well succeed later.
+                let retryable = matches!(f.error.hint, RetryHint::Backoff | RetryHint::Later(_))
+                    || f.error.kind == weir_core::ErrorKind::Aborted;
                 (
                     false,
                     None,
@@ -146,7 +194,7 @@ where
     F: Future + Send,
     F::Output: Send,
 {
-    let rt = pyo3_async_runtimes::tokio::get_runtime();
+    let rt = runtime();
     py.detach(|| {
         rt.block_on(async move {
             let mut fut = std::pin::pin!(fut);
@@ -160,6 +208,35 @@ where
             }
         })
     })
+}
+
+/// Where a started request's results arrive.
+type Answers = std::sync::mpsc::Receiver<Result<Vec<RowResult>, String>>;
+
+/// Answers being worked out on weir's threads (see [`PyEngine::start`]).
+#[pyclass(frozen, module = "weir._weir")]
+struct Pending {
+    rx: Mutex<Option<Answers>>,
+    task: tokio::task::AbortHandle,
+}
+
+#[pymethods]
+impl Pending {
+    /// Waits for the answers with the GIL released.
+    fn wait(&self, py: Python<'_>) -> PyResult<Vec<Answer>> {
+        let rx = self.rx.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let Some(rx) = rx else { return Err(PyValueError::new_err("already waited for")) };
+        match py.detach(move || rx.recv()) {
+            Ok(Ok(results)) => Ok(results.into_iter().map(answer_of).collect()),
+            Ok(Err(e)) => Err(ConfigError::new_err(e)),
+            Err(_) => Err(pyo3::exceptions::PyRuntimeError::new_err("cancelled")),
+        }
+    }
+
+    /// Drops the calls still to be made or in flight.
+    fn cancel(&self) {
+        self.task.abort();
+    }
 }
 
 /// An engine: a model, its endpoint's settings, and default system text and parameters.
@@ -198,7 +275,7 @@ impl PyEngine {
                 }
             };
             let id = id.map(|s| if numeric { RecordId::Number(s) } else { RecordId::Text(s) });
-            rows.push(Row { model: Some(model.unwrap_or_else(|| self.model.clone())), prompt: Some(prompt), id, call });
+            rows.push(Row { model: Some(model.unwrap_or_else(|| self.model.clone())), prompt, id, call });
         }
         Ok(rows)
     }
@@ -217,7 +294,8 @@ fn sum_metrics(engine: &Engine) -> HashMap<&'static str, f64> {
             ("cache_hits", get(&m.cache_hits) as f64),
             ("prompt_tokens", get(&m.tokens_in) as f64),
             ("output_tokens", get(&m.tokens_out) as f64),
-            ("throttled_seconds", get(&m.throttled_micros) as f64 / 1e6),
+            ("throttled_seconds", get(&m.throttled_wall_micros) as f64 / 1e6),
+            ("throttled_call_seconds", get(&m.throttled_micros) as f64 / 1e6),
         ] {
             *out.entry(name).or_default() += value;
         }
@@ -244,22 +322,16 @@ impl PyEngine {
         let parsed = Settings::try_parse_from(&settings).map_err(|e| ConfigError::new_err(settings_error(&e)))?;
         parsed.endpoint.check().map_err(|e| ConfigError::new_err(settings_error_text(&e.0)))?;
         let params = params_over(&GenParams::default(), params.as_deref(), "engine")?;
-        let key = format!("{settings:?}\u{0}{cache_dir:?}");
+        // The key is the settings as parsed, so that keyword order, `60` against `60.0` or a
+        // default spelt out make no second engine (and no second throttle on one quota).
+        let mut endpoint = parsed.endpoint.clone();
+        endpoint.base_url = endpoint.base_url.map(|u| u.trim_end_matches('/').to_string());
+        let cache = cache_dir.as_deref().map(open_cache).transpose()?;
+        let key = format!("{endpoint:?}\u{0}{:?}", cache.as_ref().map(Arc::as_ptr));
         let mut engines = registry().lock().unwrap_or_else(|e| e.into_inner());
         let shared = match engines.get(&key).and_then(Weak::upgrade) {
             Some(s) => s,
             None => {
-                let cache = match &cache_dir {
-                    None => None,
-                    Some(dir) => Some(Arc::new(DiskCache::open(Path::new(dir)).map_err(|e| {
-                        let message = if e.message.contains("in use by another") {
-                            "is in use by another process (a cache directory is one process's: give each worker process its own, or none)".to_string()
-                        } else {
-                            e.message.clone()
-                        };
-                        ConfigError::new_err(format!("cache_dir {dir}: {message}"))
-                    })?)),
-                };
                 let e = &parsed.endpoint;
                 let engine = Engine::new(EngineSettings {
                     provider: e.provider(),
@@ -267,7 +339,7 @@ impl PyEngine {
                     driver: e.driver(),
                     cache: cache.clone().map(|c| c as Arc<dyn ResponseCache>),
                 });
-                let s = Arc::new(Shared { engine, cache });
+                let s = Arc::new(Shared { engine, cache, reported: Mutex::new(HashMap::new()) });
                 engines.retain(|_, w| w.strong_count() > 0);
                 engines.insert(key, Arc::downgrade(&s));
                 s
@@ -298,22 +370,40 @@ impl PyEngine {
         Ok(results.map_err(ConfigError::new_err)?.into_iter().map(answer_of).collect())
     }
 
-    /// As [`Self::answer`], as an awaitable for asyncio.
+    /// Starts answering `items` on weir's threads and returns at once: the caller waits on the
+    /// [`Pending`] (asyncio does, in an executor thread). weir's threads never touch a Python
+    /// object, so nothing of theirs can outlive the interpreter at exit.
     #[pyo3(signature = (items, embed, system=None, params=None))]
-    fn answer_async<'py>(
+    fn start(
         &self,
-        py: Python<'py>,
         items: Vec<Item>,
         embed: bool,
         system: Option<String>,
         params: Option<String>,
-    ) -> PyResult<Bound<'py, PyAny>> {
+    ) -> PyResult<Pending> {
         let rows = self.rows(items, system, params)?;
         let engine = self.shared.engine.clone();
-        pyo3_async_runtimes::tokio::future_into_py(py, async move {
-            let results = engine.answer(rows, embed).await.map_err(ConfigError::new_err)?;
-            Ok(results.into_iter().map(answer_of).collect::<Vec<_>>())
-        })
+        let (tx, rx) = std::sync::mpsc::channel();
+        let task = runtime().spawn(async move {
+            let _ = tx.send(engine.answer(rows, embed).await);
+        });
+        Ok(Pending { rx: Mutex::new(Some(rx)), task: task.abort_handle() })
+    }
+
+    /// What the engine's counters gained since the last call of this (by any engine of the
+    /// process with the same settings): each gain is handed out once, to Beam's counters.
+    fn take_deltas(&self) -> HashMap<&'static str, f64> {
+        let now = sum_metrics(&self.shared.engine);
+        let mut reported = self.shared.reported.lock().unwrap_or_else(|e| e.into_inner());
+        // Whole units (Beam's counters are integers); the fractions are handed out when they add
+        // up.
+        now.into_iter()
+            .map(|(k, v)| {
+                let v = v.floor();
+                let old = reported.insert(k, v).unwrap_or(0.0);
+                (k, (v - old).max(0.0))
+            })
+            .collect()
     }
 
     /// Counters summed over the engine's endpoints (shared with every engine of the process
@@ -364,6 +454,7 @@ fn init_logging() {
 fn _weir(m: &Bound<'_, PyModule>) -> PyResult<()> {
     init_logging();
     m.add_class::<PyEngine>()?;
+    m.add_class::<Pending>()?;
     m.add("ConfigError", m.py().get_type::<ConfigError>())?;
     m.add_function(wrap_pyfunction!(setting_names, m)?)?;
     Ok(())

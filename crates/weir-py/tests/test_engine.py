@@ -176,3 +176,47 @@ def test_cache_reuses_an_items_own_answer_and_only_deterministic_ones_without_id
     reopened = weir.Engine(MODEL, sim.url, cache_dir=cache)
     assert all(r.cached for r in reopened.generate(keyed))
     assert sim.stats()["requests"] == requests
+
+
+def test_an_unusable_model_fails_its_items_alone_and_all_unusable_is_an_error(sim):
+    engine = weir.Engine(MODEL, sim.url)
+    r = engine.generate([f"p{i}" for i in range(20)] + [{"prompt": "x", "model": "nope/x"}])
+    assert all(x.ok for x in r[:20]) and not r[20].ok and r[20].error_kind == "invalid_input"
+    assert "nope" in r[20].error_message and r[20].attempts == 0
+    assert sim.stats()["requests"] == 20
+    with pytest.raises(weir.ConfigError, match="nope"):
+        engine.generate([{"prompt": "x", "model": "nope/x"}])
+
+
+def test_hurried_user_edges(sim):
+    import pickle
+    import subprocess
+    import sys
+
+    e = pickle.loads(pickle.dumps(weir.ConfigError("x")))
+    assert isinstance(e, weir.ConfigError)
+    # Keyword order, 5 against 5.0, a trailing slash: one engine, one throttle.
+    a = weir.Engine(MODEL, sim.url, rpm=100, limit_window=5)
+    b = weir.Engine(MODEL, sim.url + "/", limit_window=5.0, rpm=100)
+    a.generate(["one"])
+    assert a.metrics() == b.metrics() and b.metrics()["calls"] == 1
+    with pytest.raises(weir.ConfigError, match="timeout"):
+        weir.Engine(MODEL, sim.url, timeout=1e20)
+    with pytest.raises(weir.ConfigError, match="unknown setting 'rmp'"):
+        weir.Engine(MODEL, sim.url, rmp=None)
+    with pytest.raises(TypeError, match="under 'params'"):
+        a.generate([{"prompt": "x", "temperature": 0.1}])
+    before = sim.stats()["requests"]
+    r = a.generate(["", "   ", "real"])
+    assert [x.ok for x in r] == [False, False, True] and r[0].error_kind == "invalid_input"
+    assert sim.stats()["requests"] == before + 1
+    assert isinstance(a.metrics()["calls"], int)
+    # asyncio runs end with status 0 (weir's threads never touch Python objects at exit).
+    script = (
+        "import asyncio, sys, weir\n"
+        f"e = weir.Engine({MODEL!r}, {sim.url!r})\n"
+        "print(len(asyncio.run(e.agenerate([f'p{i}' for i in range(300)]))))\n"
+    )
+    for _ in range(10):
+        p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+        assert p.returncode == 0 and p.stdout.strip() == "300", (p.returncode, p.stderr[-500:])

@@ -18,6 +18,7 @@ unknown model, a missing API key, settings weir does not take).
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
 from typing import Any, Iterable, List, Mapping, Optional, Union
@@ -67,10 +68,11 @@ class Result:
 
 def _settings_argv(settings: Mapping[str, Any]) -> List[str]:
     argv = []
+    known = set(_weir.setting_names())
     for name, value in settings.items():
         flag = "--" + name.replace("_", "-")
         if value is None or value is False:
-            if value is False and name not in _weir.setting_names():
+            if name not in known:
                 argv.append(flag)  # let the parser name the unknown setting
             continue
         if value is True:
@@ -88,6 +90,14 @@ def _json_or_none(params: Optional[Mapping[str, Any]], whose: str) -> Optional[s
     return json.dumps(dict(params))
 
 
+# Generation parameters written beside the prompt instead of under "params": refused, since
+# ignoring them would run the item with other parameters than the user asked for.
+_MISPLACED = {
+    "temperature", "top_p", "top_k", "max_output_tokens", "max_tokens", "seed", "stop",
+    "stop_sequences", "candidate_count", "param", "parameters", "options",
+}
+
+
 def _items(items: Iterable[Item], embed: bool):
     """Items as the native engine takes them, and their ids."""
     if isinstance(items, (str, bytes, Mapping)):
@@ -96,7 +106,7 @@ def _items(items: Iterable[Item], embed: bool):
     text_key = "text" if embed else "prompt"
     for i, item in enumerate(items):
         if isinstance(item, str):
-            out.append((None, False, item, None, None, None))
+            out.append((None, False, item if item.strip() else None, None, None, None))
             ids.append(None)
             continue
         if not isinstance(item, Mapping):
@@ -104,6 +114,9 @@ def _items(items: Iterable[Item], embed: bool):
         prompt = item.get(text_key, item.get("prompt" if embed else "text"))
         if not isinstance(prompt, str):
             raise TypeError(f"item {i}: {text_key!r} must be a str, not {type(prompt).__name__}")
+        misplaced = sorted(_MISPLACED.intersection(item))
+        if misplaced:
+            raise TypeError(f"item {i}: {misplaced[0]!r} is not an item key; put generation parameters under 'params', e.g. {{'params': {{'temperature': 0.2}}}}")
         rid = item.get("id")
         if rid is not None and (isinstance(rid, bool) or not isinstance(rid, (str, int))):
             raise TypeError(f"item {i}: 'id' must be a str or an int, not {type(rid).__name__}")
@@ -115,9 +128,19 @@ def _items(items: Iterable[Item], embed: bool):
             raise TypeError(f"item {i}: 'system' must be a str")
         params = _json_or_none(item.get("params"), f"item {i}")
         native_id = None if rid is None or rid == "" else str(rid)
-        out.append((native_id, isinstance(rid, int), prompt, model, system, params))
+        out.append((native_id, isinstance(rid, int), prompt if prompt.strip() else None, model, system, params))
         ids.append(rid)
     return out, ids
+
+
+async def _wait(pending):
+    """Waits for a started request in an executor thread; cancelling the wait drops its calls."""
+    loop = asyncio.get_running_loop()
+    try:
+        return await loop.run_in_executor(None, pending.wait)
+    except asyncio.CancelledError:
+        pending.cancel()
+        raise
 
 
 def _results(raw, ids) -> List[Result]:
@@ -187,20 +210,20 @@ class Engine:
     ) -> List[Result]:
         """:meth:`generate` for asyncio: the calls run on weir's own threads."""
         native, ids = _items(items, embed=False)
-        raw = await self._native.answer_async(native, False, system, _json_or_none(params, "call"))
-        return _results(raw, ids)
+        return _results(await _wait(self._native.start(native, False, system, _json_or_none(params, "call"))), ids)
 
     async def aembed(self, items: Iterable[Item]) -> List[Result]:
         """:meth:`embed` for asyncio."""
         native, ids = _items(items, embed=True)
-        return _results(await self._native.answer_async(native, True, None, None), ids)
+        return _results(await _wait(self._native.start(native, True, None, None)), ids)
 
     def metrics(self) -> dict:
         """Counters so far: ``calls``, ``retries``, ``succeeded``, ``failed``, ``rate_limited``
-        (429s), ``cache_hits``, ``prompt_tokens``, ``output_tokens``, ``throttled_seconds``
-        (summed over the endpoints; shared with every engine of this process with the same
-        settings)."""
-        return dict(self._native.metrics())
+        (429s), ``cache_hits``, ``prompt_tokens``, ``output_tokens``, ``throttled_seconds`` (wall
+        time during which calls were held by the throttle) and ``throttled_call_seconds`` (the
+        same summed over calls); summed over the endpoints, and shared with every engine of this
+        process with the same settings."""
+        return {k: (v if k.endswith("seconds") else int(v)) for k, v in self._native.metrics().items()}
 
     def flush(self) -> None:
         """Makes every cached answer durable now."""

@@ -28,13 +28,13 @@ instead (``inference.ok`` is False).
 
 from __future__ import annotations
 
-import threading
+import os
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence
 
 from apache_beam.metrics import Metrics
 from apache_beam.ml.inference.base import ModelHandler, PredictionResult
 
-from . import ConfigError, Engine, Result
+from . import ConfigError, Engine, Result, _items
 
 __all__ = ["WeirModelHandler", "RecordFailed"]
 
@@ -70,6 +70,7 @@ _COUNTERS = {
     "cache_hits": "weir_cache_hits",
     "prompt_tokens": "weir_prompt_tokens",
     "output_tokens": "weir_output_tokens",
+    # Wall time with calls held by the throttle, as Beam means it (not summed over calls).
     "throttled_seconds": "cumulativeThrottlingSeconds",
 }
 
@@ -110,6 +111,8 @@ class WeirModelHandler(ModelHandler):
             raise ConfigError(f"task {task!r}: expected 'generate' or 'embed'")
         if errors not in ("dead_letter", "result"):
             raise ConfigError(f"errors {errors!r}: expected 'dead_letter' or 'result'")
+        if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
+            raise ConfigError(f"cache_dir: expected a path, not {type(cache_dir).__name__}")
         if not (isinstance(min_batch_size, int) and isinstance(max_batch_size, int) and 1 <= min_batch_size <= max_batch_size):
             raise ConfigError("min_batch_size and max_batch_size: expected whole numbers with 1 <= min <= max")
         # Refused settings fail the pipeline's construction, not a worker hours later.
@@ -119,7 +122,7 @@ class WeirModelHandler(ModelHandler):
         self._task = task
         self._system = system
         self._params = dict(params) if params is not None else None
-        self._cache_dir = cache_dir
+        self._cache_dir = None if cache_dir is None else os.fspath(cache_dir)
         self._errors = errors
         self._settings = dict(settings)
         self._batching = {"min_batch_size": min_batch_size, "max_batch_size": max_batch_size}
@@ -130,19 +133,18 @@ class WeirModelHandler(ModelHandler):
         self._namespace = metrics_namespace
 
     def load_model(self) -> Engine:
-        engine = Engine(
-            self._model,
-            self._base_url,
-            system=self._system,
-            params=self._params,
-            cache_dir=self._cache_dir,
-            **self._settings,
-        )
-        # What has been added to Beam's counters, kept with the engine: every thread of the
-        # process holds its own copy of this handler but shares the engine and its counts.
-        engine._beam_reported = {}
-        engine._beam_lock = threading.Lock()
-        return engine
+        kwargs = dict(system=self._system, params=self._params, **self._settings)
+        if self._cache_dir is None:
+            return Engine(self._model, self._base_url, **kwargs)
+        # A cache directory is one process's at a time: each worker process of the pipeline
+        # takes the first free slot under it (worker-0, worker-1, ...), the same ones run after run.
+        for slot in range(1024):
+            try:
+                return Engine(self._model, self._base_url, cache_dir=os.path.join(self._cache_dir, f"worker-{slot}"), **kwargs)
+            except ConfigError as e:
+                if "in use by another process" not in str(e):
+                    raise
+        raise ConfigError(f"cache_dir {self._cache_dir}: every worker slot is in use")
 
     def run_inference(
         self,
@@ -152,25 +154,37 @@ class WeirModelHandler(ModelHandler):
     ) -> Iterable[PredictionResult]:
         args = dict(inference_args or {})
         system = args.pop("system", None)
-        if self._task == "embed":
-            if args or system is not None:
-                raise ConfigError("inference_args do not apply to embeddings")
-            results = model.embed(batch)
+        embed = self._task == "embed"
+        if embed and (args or system is not None):
+            raise ConfigError("inference_args do not apply to embeddings")
+        # An element weir cannot read fails alone, as an invalid-input result.
+        good, results = [], [None] * len(batch)
+        for i, element in enumerate(batch):
+            try:
+                _items([element], embed)
+                good.append(i)
+            except TypeError as e:
+                rid = element.get("id") if isinstance(element, Mapping) else None
+                results[i] = Result(rid, False, None, None, None, "invalid_input", str(e).replace("item 0: ", ""),
+                                    False, 0, 0, 0, model.model)
+        elements = [batch[i] for i in good]
+        if embed:
+            answered = model.embed(elements)
         else:
-            results = model.generate(batch, system=system, params=args or None)
+            answered = model.generate(elements, system=system, params=args or None)
+        for i, r in zip(good, answered):
+            results[i] = r
         self._report(model)
         return [PredictionResult(example, r, r.model) for example, r in zip(batch, results)]
 
     def _report(self, model: Engine) -> None:
-        """Adds what the engine counted since the last report to Beam's counters."""
+        """Adds what the engine counted since it was last reported to Beam's counters (each
+        gain once, whichever thread or handler of the process reports it)."""
         namespace = self.get_metrics_namespace()
-        with model._beam_lock:
-            now = model.metrics()
-            for key, name in _COUNTERS.items():
-                new, old = int(now.get(key, 0)), int(model._beam_reported.get(key, 0))
-                if new > old:
-                    Metrics.counter(namespace, name).inc(new - old)
-                    model._beam_reported[key] = new
+        for key, delta in model._native.take_deltas().items():
+            name = _COUNTERS.get(key)
+            if name and delta >= 1:
+                Metrics.counter(namespace, name).inc(int(delta))
 
     def validate_inference_args(self, inference_args: Optional[Dict[str, Any]]) -> None:
         if inference_args and self._task == "embed":
@@ -188,7 +202,14 @@ class WeirModelHandler(ModelHandler):
         return dict(self._batching)
 
     def get_num_bytes(self, batch: Sequence[Any]) -> int:
-        return sum(len(x) if isinstance(x, str) else len(str(x.get("prompt", x.get("text", "")))) for x in batch)
+        def size(x: Any) -> int:
+            if isinstance(x, str):
+                return len(x)
+            if isinstance(x, Mapping):
+                return len(str(x.get("prompt", x.get("text", ""))))
+            return 0
+
+        return sum(size(x) for x in batch)
 
     def get_metrics_namespace(self) -> str:
         return self._namespace or "RunInference"
