@@ -75,6 +75,11 @@ impl EndpointArgs {
         if self.max_concurrency == 0 {
             return Err(SettingsError("--max-concurrency must be at least 1".into()));
         }
+        // Checked here, not at the first call: an executor or a Python engine with a base URL
+        // it can never use must not start, to fail every job later.
+        if let Some(url) = &self.base_url {
+            weir_providers::http::check_base_url(url).map_err(|e| SettingsError(e.to_string()))?;
+        }
         // A week at most: longer would overflow the clock's arithmetic, and no quota or call is
         // measured in weeks.
         const MAX_SECS: f64 = 7.0 * 86_400.0;

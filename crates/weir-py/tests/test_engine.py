@@ -202,6 +202,8 @@ def test_hurried_user_edges(sim):
     assert a.metrics() == b.metrics() and b.metrics()["calls"] == 1
     with pytest.raises(weir.ConfigError, match="timeout"):
         weir.Engine(MODEL, sim.url, timeout=1e20)
+    with pytest.raises(weir.ConfigError, match="plain http"):
+        weir.Engine(MODEL, "http://example.com")
     with pytest.raises(weir.ConfigError, match="unknown setting 'rmp'"):
         weir.Engine(MODEL, sim.url, rmp=None)
     with pytest.raises(TypeError, match="under 'params'"):
