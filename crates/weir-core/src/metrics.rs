@@ -41,8 +41,7 @@ pub struct RunMetrics {
     pub tokens_in: AtomicU64,
     /// Output tokens reported by successful calls.
     pub tokens_out: AtomicU64,
-    /// Time calls spent held by a server-advised pause, in microseconds (summed over calls;
-    /// Beam's name for it is `cumulativeThrottlingSeconds`).
+    /// Time calls spent held by a server-advised pause, in microseconds (summed over calls).
     pub throttled_micros: AtomicU64,
     /// Wall time during which at least one call was held by the throttle, in microseconds: what
     /// Beam's `cumulativeThrottlingSeconds` means (a worker's time spent throttled), where the

@@ -250,7 +250,7 @@ impl Engine {
                             (i, Outcome::Failure(Box::new(Failure::of(record, error.clone(), 0))))
                         })
                         .unzip();
-                    return Ok::<_, String>((slots, outcomes, Arc::from(model.as_str())));
+                    return (slots, outcomes, Arc::from(model.as_str()));
                 }
             };
             let settings = DriverSettings {
@@ -283,10 +283,9 @@ impl Engine {
             if let Some(reason) = driver.stop_reason() {
                 *self.stopped.lock().unwrap_or_else(|e| e.into_inner()) = Some(reason);
             }
-            Ok::<_, String>((slots, outcomes, model_id))
+            (slots, outcomes, model_id)
         });
-        for group in futures::future::join_all(calls).await {
-            let (slots, outcomes, model_id) = group?;
+        for (slots, outcomes, model_id) in futures::future::join_all(calls).await {
             for (slot, outcome) in slots.into_iter().zip(outcomes) {
                 out[slot] = RowResult::Done(Box::new(outcome), model_id.clone());
             }

@@ -11,8 +11,8 @@ use clap::{CommandFactory, Parser};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use std::collections::HashMap;
-use std::future::Future;
 use std::path::PathBuf;
+use std::sync::mpsc::RecvTimeoutError;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 use weir_core::{GenParams, Outcome, RecordId, ResponseCache, RetryHint, RunMetrics};
@@ -187,29 +187,6 @@ fn answer_of(r: RowResult) -> Answer {
     }
 }
 
-/// Runs `fut` to its end on the process's runtime with the GIL released, looking for signals
-/// every 100 ms so that Ctrl-C stops a long call (the calls still in flight are dropped).
-fn block_on<F>(py: Python<'_>, fut: F) -> PyResult<F::Output>
-where
-    F: Future + Send,
-    F::Output: Send,
-{
-    let rt = runtime();
-    py.detach(|| {
-        rt.block_on(async move {
-            let mut fut = std::pin::pin!(fut);
-            loop {
-                tokio::select! {
-                    out = &mut fut => return Ok(out),
-                    _ = tokio::time::sleep(Duration::from_millis(100)) => {
-                        Python::attach(|py| py.check_signals())?;
-                    }
-                }
-            }
-        })
-    })
-}
-
 /// Where a started request's results arrive.
 type Answers = std::sync::mpsc::Receiver<Result<Vec<RowResult>, String>>;
 
@@ -222,14 +199,28 @@ struct Pending {
 
 #[pymethods]
 impl Pending {
-    /// Waits for the answers with the GIL released.
+    /// Waits for the answers with the GIL released, looking for signals every 100 ms so that
+    /// Ctrl-C stops a long request (its calls still to make or in flight are dropped).
     fn wait(&self, py: Python<'_>) -> PyResult<Vec<Answer>> {
         let rx = self.rx.lock().unwrap_or_else(|e| e.into_inner()).take();
-        let Some(rx) = rx else { return Err(PyValueError::new_err("already waited for")) };
-        match py.detach(move || rx.recv()) {
-            Ok(Ok(results)) => Ok(results.into_iter().map(answer_of).collect()),
-            Ok(Err(e)) => Err(ConfigError::new_err(e)),
-            Err(_) => Err(pyo3::exceptions::PyRuntimeError::new_err("cancelled")),
+        let Some(mut rx) = rx else { return Err(PyValueError::new_err("already waited for")) };
+        loop {
+            // The receiver goes to the waiting side and back (it may not be shared across threads).
+            let (got, back) = py.detach(move || (rx.recv_timeout(Duration::from_millis(100)), rx));
+            rx = back;
+            match got {
+                Ok(Ok(results)) => return Ok(results.into_iter().map(answer_of).collect()),
+                Ok(Err(e)) => return Err(ConfigError::new_err(e)),
+                Err(RecvTimeoutError::Timeout) => {
+                    if let Err(e) = py.check_signals() {
+                        self.task.abort();
+                        return Err(e);
+                    }
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Err(pyo3::exceptions::PyRuntimeError::new_err("cancelled"))
+                }
+            }
         }
     }
 
@@ -354,24 +345,9 @@ impl PyEngine {
         self.model.clone()
     }
 
-    /// Answers `items` (generation, or embeddings when `embed`), blocking with the GIL released.
-    #[pyo3(signature = (items, embed, system=None, params=None))]
-    fn answer(
-        &self,
-        py: Python<'_>,
-        items: Vec<Item>,
-        embed: bool,
-        system: Option<String>,
-        params: Option<String>,
-    ) -> PyResult<Vec<Answer>> {
-        let rows = self.rows(items, system, params)?;
-        let engine = self.shared.engine.clone();
-        let results = block_on(py, async move { engine.answer(rows, embed).await })?;
-        Ok(results.map_err(ConfigError::new_err)?.into_iter().map(answer_of).collect())
-    }
-
-    /// Starts answering `items` on weir's threads and returns at once: the caller waits on the
-    /// [`Pending`] (asyncio does, in an executor thread). weir's threads never touch a Python
+    /// Starts answering `items` (generation, or embeddings when `embed`) on weir's threads and
+    /// returns at once: the caller waits on the [`Pending`] (a blocking call on its own thread,
+    /// asyncio in an executor thread). weir's threads never touch a Python
     /// object, so nothing of theirs can outlive the interpreter at exit.
     #[pyo3(signature = (items, embed, system=None, params=None))]
     fn start(

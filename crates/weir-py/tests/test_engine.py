@@ -222,3 +222,25 @@ def test_hurried_user_edges(sim):
     for _ in range(10):
         p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
         assert p.returncode == 0 and p.stdout.strip() == "300", (p.returncode, p.stderr[-500:])
+
+
+def test_ctrl_c_stops_a_blocking_call(sim_factory):
+    import subprocess
+    import sys
+
+    sim = sim_factory("--latency-ms", "5000")
+    script = (
+        "import os, signal, threading, time, weir\n"
+        f"e = weir.Engine({MODEL!r}, {sim.url!r})\n"
+        "threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()\n"
+        "t0 = time.monotonic()\n"
+        "try:\n"
+        "    e.generate(['slow one', 'slow two'])\n"
+        "    print('finished')\n"
+        "except KeyboardInterrupt:\n"
+        "    print(f'interrupted {time.monotonic() - t0:.1f}')\n"
+    )
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    out = p.stdout.strip()
+    assert out.startswith("interrupted"), (out, p.stderr[-500:])
+    assert float(out.split()[1]) < 2.0, out  # not the 5 s the calls take

@@ -98,39 +98,39 @@ _MISPLACED = {
 }
 
 
+def _item(label: str, item: Any, embed: bool):
+    """An item as the native engine takes it, and its id; ``TypeError`` naming what is wrong."""
+    text_key = "text" if embed else "prompt"
+    if isinstance(item, str):
+        return (None, False, item if item.strip() else None, None, None, None), None
+    if not isinstance(item, Mapping):
+        raise TypeError(f"{label}: expected a str or a dict with {text_key!r}, not {type(item).__name__}")
+    prompt = item.get(text_key, item.get("prompt" if embed else "text"))
+    if not isinstance(prompt, str):
+        raise TypeError(f"{label}: {text_key!r} must be a str, not {type(prompt).__name__}")
+    misplaced = sorted(_MISPLACED.intersection(item))
+    if misplaced:
+        raise TypeError(f"{label}: {misplaced[0]!r} is not an item key; put generation parameters under 'params', e.g. {{'params': {{'temperature': 0.2}}}}")
+    rid = item.get("id")
+    if rid is not None and (isinstance(rid, bool) or not isinstance(rid, (str, int))):
+        raise TypeError(f"{label}: 'id' must be a str or an int, not {type(rid).__name__}")
+    model = item.get("model")
+    system = item.get("system")
+    if model is not None and not isinstance(model, str):
+        raise TypeError(f"{label}: 'model' must be a str")
+    if system is not None and not isinstance(system, str):
+        raise TypeError(f"{label}: 'system' must be a str")
+    params = _json_or_none(item.get("params"), label)
+    native_id = None if rid is None or rid == "" else str(rid)
+    return (native_id, isinstance(rid, int), prompt if prompt.strip() else None, model, system, params), rid
+
+
 def _items(items: Iterable[Item], embed: bool):
     """Items as the native engine takes them, and their ids."""
     if isinstance(items, (str, bytes, Mapping)):
         raise TypeError("expected a list of prompts or records, not a single one (wrap it in a list)")
-    out, ids = [], []
-    text_key = "text" if embed else "prompt"
-    for i, item in enumerate(items):
-        if isinstance(item, str):
-            out.append((None, False, item if item.strip() else None, None, None, None))
-            ids.append(None)
-            continue
-        if not isinstance(item, Mapping):
-            raise TypeError(f"item {i}: expected a str or a dict with {text_key!r}, not {type(item).__name__}")
-        prompt = item.get(text_key, item.get("prompt" if embed else "text"))
-        if not isinstance(prompt, str):
-            raise TypeError(f"item {i}: {text_key!r} must be a str, not {type(prompt).__name__}")
-        misplaced = sorted(_MISPLACED.intersection(item))
-        if misplaced:
-            raise TypeError(f"item {i}: {misplaced[0]!r} is not an item key; put generation parameters under 'params', e.g. {{'params': {{'temperature': 0.2}}}}")
-        rid = item.get("id")
-        if rid is not None and (isinstance(rid, bool) or not isinstance(rid, (str, int))):
-            raise TypeError(f"item {i}: 'id' must be a str or an int, not {type(rid).__name__}")
-        model = item.get("model")
-        system = item.get("system")
-        if model is not None and not isinstance(model, str):
-            raise TypeError(f"item {i}: 'model' must be a str")
-        if system is not None and not isinstance(system, str):
-            raise TypeError(f"item {i}: 'system' must be a str")
-        params = _json_or_none(item.get("params"), f"item {i}")
-        native_id = None if rid is None or rid == "" else str(rid)
-        out.append((native_id, isinstance(rid, int), prompt if prompt.strip() else None, model, system, params))
-        ids.append(rid)
-    return out, ids
+    pairs = [_item(f"item {i}", item, embed) for i, item in enumerate(items)]
+    return [n for n, _ in pairs], [rid for _, rid in pairs]
 
 
 async def _wait(pending):
@@ -192,14 +192,16 @@ class Engine:
         """Generates text for each item (a prompt, or a dict with ``prompt`` and optionally
         ``id``, ``system``, ``params``, ``model``); one :class:`Result` per item, in order. The
         calls run concurrently, as many as the throttle admits; the GIL is released."""
-        native, ids = _items(items, embed=False)
-        return _results(self._native.answer(native, False, system, _json_or_none(params, "call")), ids)
+        return self._answer(*_items(items, embed=False), False, system, params)
 
     def embed(self, items: Iterable[Item]) -> List[Result]:
         """Embeds each item (a text, or a dict with ``text`` and optionally ``id`` and
         ``model``); the vectors are in ``Result.embedding``."""
-        native, ids = _items(items, embed=True)
-        return _results(self._native.answer(native, True, None, None), ids)
+        return self._answer(*_items(items, embed=True), True)
+
+    def _answer(self, native, ids, embed: bool, system=None, params=None) -> List[Result]:
+        """Answers items already made native (by :func:`_items`), blocking."""
+        return _results(self._native.start(native, embed, system, _json_or_none(params, "call")).wait(), ids)
 
     async def agenerate(
         self,

@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence
 from apache_beam.metrics import Metrics
 from apache_beam.ml.inference.base import ModelHandler, PredictionResult
 
-from . import ConfigError, Engine, Result, _items
+from . import ConfigError, Engine, Result, _item
 
 __all__ = ["WeirModelHandler", "RecordFailed"]
 
@@ -158,21 +158,18 @@ class WeirModelHandler(ModelHandler):
         if embed and (args or system is not None):
             raise ConfigError("inference_args do not apply to embeddings")
         # An element weir cannot read fails alone, as an invalid-input result.
-        good, results = [], [None] * len(batch)
+        good, native, ids, results = [], [], [], [None] * len(batch)
         for i, element in enumerate(batch):
             try:
-                _items([element], embed)
-                good.append(i)
+                n, rid = _item("element", element, embed)
             except TypeError as e:
                 rid = element.get("id") if isinstance(element, Mapping) else None
-                results[i] = Result(rid, False, None, None, None, "invalid_input", str(e).replace("item 0: ", ""),
-                                    False, 0, 0, 0, model.model)
-        elements = [batch[i] for i in good]
-        if embed:
-            answered = model.embed(elements)
-        else:
-            answered = model.generate(elements, system=system, params=args or None)
-        for i, r in zip(good, answered):
+                results[i] = Result(rid, False, None, None, None, "invalid_input", str(e), False, 0, 0, 0, model.model)
+                continue
+            good.append(i)
+            native.append(n)
+            ids.append(rid)
+        for i, r in zip(good, model._answer(native, ids, embed, system, args or None)):
             results[i] = r
         self._report(model)
         return [PredictionResult(example, r, r.model) for example, r in zip(batch, results)]
