@@ -10,12 +10,18 @@
 
 use ballista::prelude::SessionContextExt;
 use ballista_core::registry::BallistaFunctionRegistry;
+use ballista_core::serde::protobuf::ShuffleWritePartition;
+use ballista_core::JobId;
+use ballista_executor::execution_engine::{DefaultExecutionEngine, ExecutionEngine, QueryStageExecutor};
 use ballista_executor::executor_process::{start_executor_process, ExecutorProcessConfig};
 use ballista_scheduler::cluster::BallistaCluster;
 use ballista_scheduler::config::{SchedulerConfig, TaskDistributionPolicy};
 use ballista_scheduler::scheduler_process::start_server;
 use datafusion::execution::runtime_env::{RuntimeEnv, RuntimeEnvBuilder};
 use datafusion::execution::SessionStateBuilder;
+use datafusion::execution::TaskContext;
+use datafusion::physical_plan::metrics::MetricsSet;
+use datafusion::physical_plan::ExecutionPlan;
 use datafusion::prelude::{SessionConfig, SessionContext};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -40,7 +46,7 @@ pub async fn scheduler(bind: SocketAddr, functions: Arc<Engine>) -> Result<(), S
             .with_config(config)
             .with_runtime_env(runtime()?)
             .with_default_features()
-            .with_optimizer_rule(Arc::new(crate::HoistModelCalls))
+            .with_optimizer_rules(crate::optimizer_rules())
             .build();
         for udf in &udfs {
             datafusion::execution::FunctionRegistry::register_udf(&mut state, Arc::new(udf.clone()))?;
@@ -84,6 +90,88 @@ pub struct ExecutorPlace {
     pub work_dir: Option<String>,
 }
 
+/// Ballista's execution engine with each task tagged so that its model calls stop when the
+/// task is cancelled (see [`crate::cancel`]).
+struct CancellableEngine(Arc<dyn ExecutionEngine>);
+
+impl ExecutionEngine for CancellableEngine {
+    fn create_query_stage_exec(
+        &self,
+        job_id: JobId,
+        stage_id: usize,
+        task_id: usize,
+        global_output_partition_ids: Vec<usize>,
+        plan: Arc<dyn ExecutionPlan>,
+        work_dir: &str,
+        config: &SessionConfig,
+    ) -> datafusion::common::Result<Arc<dyn QueryStageExecutor>> {
+        let stage = self.0.create_query_stage_exec(
+            job_id,
+            stage_id,
+            task_id,
+            global_output_partition_ids,
+            plan,
+            work_dir,
+            config,
+        )?;
+        Ok(Arc::new(CancellableStage(stage)))
+    }
+}
+
+/// A query stage whose model calls stop when its execution is dropped.
+#[derive(Debug)]
+struct CancellableStage(Arc<dyn QueryStageExecutor>);
+
+impl std::fmt::Display for CancellableStage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+#[async_trait::async_trait]
+impl QueryStageExecutor for CancellableStage {
+    async fn execute_query_stage(
+        &self,
+        task_id: usize,
+        context: Arc<TaskContext>,
+    ) -> datafusion::common::Result<Vec<ShuffleWritePartition>> {
+        let task = crate::cancel::Task::start();
+        let mut config = context.session_config().clone();
+        config.options_mut().extensions.insert(task.tag.clone());
+        let tagged = Arc::new(TaskContext::new(
+            context.task_id(),
+            context.session_id(),
+            config,
+            context.scalar_functions().clone(),
+            context.higher_order_functions().clone(),
+            context.aggregate_functions().clone(),
+            context.window_functions().clone(),
+            context.runtime_env(),
+        ));
+        let written = self.0.execute_query_stage(task_id, tagged).await;
+        drop(task);
+        written
+    }
+
+    fn collect_plan_metrics(&self) -> Vec<MetricsSet> {
+        self.0.collect_plan_metrics()
+    }
+
+    fn collect_runtime_stats_reports(&self) -> Vec<ballista_core::serde::protobuf::RuntimeStatsReport> {
+        self.0.collect_runtime_stats_reports()
+    }
+
+    fn collect_window_state_reports(
+        &self,
+    ) -> datafusion::common::Result<Vec<ballista_core::serde::protobuf::WindowStateReport>> {
+        self.0.collect_window_state_reports()
+    }
+
+    fn collect_column_stats(&self) -> Vec<ballista_core::serde::protobuf::TaskColumnStats> {
+        self.0.collect_column_stats()
+    }
+}
+
 /// Runs an executor until it stops; its tasks call the endpoints through `functions`.
 pub async fn executor(place: ExecutorPlace, functions: Arc<Engine>) -> Result<(), String> {
     let mut registry = BallistaFunctionRegistry::default();
@@ -104,6 +192,9 @@ pub async fn executor(place: ExecutorPlace, functions: Arc<Engine>) -> Result<()
         executor_heartbeat_interval_seconds: 10,
         print_thread_info: false,
         override_function_registry: Some(Arc::new(registry)),
+        // (Without Ballista's pool of clients for reading other executors' shuffle files, which
+        // it does not export; queries of weir's are mostly one stage.)
+        override_execution_engine: Some(Arc::new(CancellableEngine(Arc::new(DefaultExecutionEngine::new())))),
         override_runtime_producer: Some(Arc::new(|_: &SessionConfig| runtime())),
         ..defaults
     };
@@ -120,6 +211,88 @@ pub async fn connect(url: &str, config: SessionConfig, functions: &Arc<Engine>) 
         .with_default_features()
         .build();
     let ctx = SessionContext::remote_with_state(url, state).await.map_err(|e| format!("{url}: {e}"))?;
+    // The client asks for the job's status rather than waiting for the scheduler to push it:
+    // pushed, the job's id arrives only when a stage ends, too late to cancel the job when the
+    // user stops the query.
+    ctx.state_ref()
+        .write()
+        .config_mut()
+        .options_mut()
+        .set(ballista_core::config::BALLISTA_CLIENT_PULL, "true")
+        .map_err(|e| e.to_string())?;
     crate::register(&ctx, functions);
     Ok(ctx)
+}
+
+/// The scheduler's job behind a running cluster query's `plan` (once the scheduler accepted
+/// it), to cancel it: a client that stops reading a query's results does not stop the query,
+/// and its executors would go on calling (and paying for) models.
+pub fn job_id(plan: &Arc<dyn datafusion::physical_plan::ExecutionPlan>) -> Option<String> {
+    type Distributed =
+        ballista_core::execution_plans::DistributedQueryExec<datafusion_proto::protobuf::LogicalPlanNode>;
+    if let Some(d) = plan.downcast_ref::<Distributed>() {
+        return d.job_id().map(|j| j.to_string());
+    }
+    plan.children().into_iter().find_map(job_id)
+}
+
+/// Asks the scheduler behind `url` (`df://HOST:PORT`) to cancel `job`: its tasks stop on every
+/// executor.
+pub async fn cancel_job(url: &str, job: &str) -> Result<(), String> {
+    use ballista_core::serde::protobuf::{scheduler_grpc_client::SchedulerGrpcClient, CancelJobParams};
+    let endpoint = format!("http://{}", url.trim_start_matches("df://"));
+    let mut client = SchedulerGrpcClient::connect(endpoint).await.map_err(|e| e.to_string())?;
+    let answer =
+        client.cancel_job(CancelJobParams { job_id: job.to_string() }).await.map_err(|e| e.message().to_string())?;
+    if answer.into_inner().cancelled {
+        Ok(())
+    } else {
+        Err(format!("the scheduler did not cancel job {job}"))
+    }
+}
+
+/// What is wrong with a `--cluster` address.
+#[derive(Debug, thiserror::Error)]
+pub enum ReachError {
+    /// Nothing answers there (not started, or another host or port).
+    #[error("cannot reach the scheduler at {url}: start it with weir cluster scheduler --bind HOST:PORT ({reason})")]
+    Unreachable {
+        /// The address given.
+        url: String,
+        /// The connection's error.
+        reason: String,
+    },
+    /// Something answers that is not a scheduler.
+    #[error(
+        "{url} is not a cluster scheduler (an executor's port? executors use --port and --grpc-port; the scheduler \
+         is at its --bind address, 127.0.0.1:50050 unless set)"
+    )]
+    NotAScheduler {
+        /// The address given.
+        url: String,
+    },
+}
+
+/// Checks that a scheduler answers at `url` (`df://HOST:PORT`) before a query is sent there.
+pub async fn probe(url: &str) -> Result<(), ReachError> {
+    use ballista_core::serde::protobuf::{scheduler_grpc_client::SchedulerGrpcClient, GetJobStatusParams};
+    let endpoint = format!("http://{}", url.trim_start_matches("df://"));
+    let unreachable = |reason: String| ReachError::Unreachable { url: url.to_string(), reason };
+    let connect = tokio::time::timeout(std::time::Duration::from_secs(10), SchedulerGrpcClient::connect(endpoint));
+    let mut client = match connect.await {
+        Ok(Ok(client)) => client,
+        Ok(Err(e)) => {
+            let reason = std::error::Error::source(&e).map(|s| s.to_string()).unwrap_or_else(|| e.to_string());
+            return Err(unreachable(reason));
+        }
+        Err(_) => return Err(unreachable("no answer in 10 s".into())),
+    };
+    // Any answer but "unimplemented" comes from a scheduler (an unknown job is fine).
+    match client.get_job_status(GetJobStatusParams { job_id: "weir-probe".into() }).await {
+        Err(status) if status.code() == tonic::Code::Unimplemented => {
+            Err(ReachError::NotAScheduler { url: url.to_string() })
+        }
+        Err(status) if status.code() == tonic::Code::Unavailable => Err(unreachable(status.message().to_string())),
+        _ => Ok(()),
+    }
 }

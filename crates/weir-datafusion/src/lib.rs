@@ -14,13 +14,16 @@
 #![warn(missing_docs)]
 
 #[cfg(feature = "cluster")]
+mod cancel;
+#[cfg(feature = "cluster")]
 pub mod cluster;
+pub mod copy;
 mod hoist;
 mod options;
 pub mod tables;
 mod udf;
 
-pub use hoist::HoistModelCalls;
+pub use hoist::{optimizer_rules, HoistModelCalls, MOVES_CALLS};
 pub use options::{CallOptions, OptionsError};
 pub use udf::{LlmUdf, UdfKind};
 pub use weir_engine::{Connector, Engine, EngineSettings};
@@ -32,10 +35,14 @@ use std::sync::Arc;
 
 /// Registers weir's functions (`llm_generate`, `llm_generate_result`, `llm_embed`,
 /// `llm_embed_result`) on `ctx`, all sharing `functions` (its throttles, counters and
-/// settings).
+/// settings), and sets its optimizer rules so that each call is made once per row and after
+/// the filters under it (see [`HoistModelCalls`]).
 pub fn register(ctx: &SessionContext, functions: &Arc<Engine>) {
     for udf in udf::all(functions) {
         ctx.register_udf(udf);
+    }
+    for rule in MOVES_CALLS {
+        ctx.remove_optimizer_rule(rule);
     }
     ctx.add_optimizer_rule(Arc::new(HoistModelCalls));
 }

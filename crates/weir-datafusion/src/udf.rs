@@ -7,10 +7,12 @@ use datafusion::arrow::array::{
 use datafusion::arrow::buffer::NullBuffer;
 use datafusion::arrow::compute::cast;
 use datafusion::arrow::datatypes::{DataType, Field, Fields};
+use datafusion::common::types::{logical_boolean, logical_date, logical_string, NativeType};
 use datafusion::common::{exec_err, internal_err, DataFusionError, Result};
 use datafusion::logical_expr::async_udf::{AsyncScalarUDF, AsyncScalarUDFImpl};
 use datafusion::logical_expr::{
-    ColumnarValue, ScalarFunctionArgs, ScalarUDF, ScalarUDFImpl, Signature, TypeSignature, Volatility,
+    Coercion, ColumnarValue, ScalarFunctionArgs, ScalarUDF, ScalarUDFImpl, Signature, TypeSignature,
+    TypeSignatureClass, Volatility,
 };
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
@@ -103,8 +105,28 @@ impl LlmUdf {
     pub fn new(kind: UdfKind, functions: Arc<Engine>) -> Self {
         // Volatile: two calls of the same prompt may answer differently, and a call must never
         // be folded into a constant at planning time (nor made at all then).
-        let signature =
-            Signature::one_of(vec![TypeSignature::String(2), TypeSignature::String(3)], Volatility::Volatile);
+        // Text arguments; a number, a date or a time as a prompt is cast to text
+        // (`llm_embed(m, id)`).
+        let text = || {
+            Coercion::new_implicit(
+                TypeSignatureClass::Native(logical_string()),
+                vec![
+                    TypeSignatureClass::Numeric,
+                    TypeSignatureClass::Timestamp,
+                    TypeSignatureClass::Time,
+                    TypeSignatureClass::Native(logical_date()),
+                    TypeSignatureClass::Native(logical_boolean()),
+                ],
+                NativeType::String,
+            )
+        };
+        let signature = Signature::one_of(
+            vec![
+                TypeSignature::Coercible(vec![text(), text()]),
+                TypeSignature::Coercible(vec![text(), text(), text()]),
+            ],
+            Volatility::Volatile,
+        );
         Self { kind, functions, signature }
     }
 
@@ -182,17 +204,28 @@ impl AsyncScalarUDFImpl for LlmUdf {
             fail_on_error.push(opts.fail_on_error);
             rows.push(Row { model, prompt, id: None, call: opts.call.clone() });
         }
-        let results = self
-            .functions
-            .answer(rows, self.kind.embed())
-            .await
-            .map_err(|e| DataFusionError::Configuration(format!("{name}: {e}")))?;
+        let answer = self.functions.answer(rows, self.kind.embed());
+        #[cfg(feature = "cluster")]
+        let answer = async {
+            match crate::cancel::token_of(&args.config_options) {
+                Some(token) => tokio::select! {
+                    r = answer => r,
+                    _ = token.cancelled() => Err("the task was cancelled".to_string()),
+                },
+                None => answer.await,
+            }
+        };
+        let results = answer.await.map_err(|e| DataFusionError::Configuration(format!("{name}: {e}")))?;
         for (i, r) in results.iter().enumerate() {
             if let (true, RowResult::Done(o, _)) = (fail_on_error[i], r) {
                 if let Outcome::Failure(f) = o.as_ref() {
+                    // DataFusion does not say where in the table a row came from, so the
+                    // row is named by the start of its prompt.
+                    let prompt: String = prompts.value(i).chars().take(60).collect();
+                    let more = if prompts.value(i).chars().nth(60).is_some() { "…" } else { "" };
                     return exec_err!(
-                        "{name}: row {} failed after {} attempt(s) ({}: {}); fail_on_error is set",
-                        i + 1,
+                        "{name}: the row with prompt \"{prompt}{more}\" failed after {} attempt(s) ({}: {}); \
+                         fail_on_error is set",
                         f.attempts,
                         f.error.kind,
                         f.error.message

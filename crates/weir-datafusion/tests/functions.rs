@@ -139,6 +139,7 @@ async fn fail_on_error_fails_the_query_and_names_the_row() {
     let sql = format!("SELECT id, llm_generate('{MODEL}', prompt, '{{\"fail_on_error\": true}}') FROM t");
     let err = ctx.sql(&sql).await.unwrap().collect().await.unwrap_err().to_string();
     assert!(err.contains("fail_on_error") && err.contains("blocked"), "{err}");
+    assert!(err.contains("prompt \"strict 4: [sim:block_prompt]\""), "the row is named by its prompt: {err}");
     // Without it, the same query answers every row.
     let sql = format!("SELECT count(llm_generate('{MODEL}', prompt, '{{\"temperature\": 0.1}}')) FROM t");
     let batches = ctx.sql(&sql).await.unwrap().collect().await.unwrap();
@@ -214,5 +215,44 @@ async fn calls_inside_aggregates_are_computed_below_them() {
     let batches = ctx.sql(&grouped).await.unwrap().collect().await.unwrap();
     let n = batches[0].column(1).as_primitive::<datafusion::arrow::datatypes::Int64Type>();
     assert_eq!((n.value(0), n.value(1)), (39, 1));
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_call_is_made_once_per_row_and_only_for_rows_that_pass_the_filters() {
+    let (sim, _f, ctx) = setup(|_| {}, 0).await;
+    ctx.register_table("t", Arc::new(table(20, 2, "once", &[]))).unwrap();
+    let r = format!("llm_generate_result('{MODEL}', prompt)");
+    let g = format!("llm_generate('{MODEL}', prompt)");
+    // (query, rows it returns, calls it may make)
+    let cases = [
+        // Two fields of one struct: DataFusion's field push-down would make each a call.
+        (format!("SELECT id, r['response'] AS a, r['model'] AS m FROM (SELECT id, {r} AS r FROM t)"), 20, 20),
+        // ... and would move the call under the filter, calling for all 20 rows.
+        (
+            format!("SELECT id, r['response'] AS a, r['model'] AS m FROM (SELECT id, {r} AS r FROM t) WHERE id < 5"),
+            5,
+            5,
+        ),
+        (format!("SELECT id, {r}['response'] AS a, {r}['model'] AS m FROM t WHERE id < 5"), 5, 5),
+        (format!("SELECT r['response'] AS a FROM (SELECT {r} AS r FROM t) WHERE r['error_kind'] IS NULL"), 20, 20),
+        // The same call in a projection and its filter, or twice in one projection.
+        (format!("SELECT id, {g} AS a FROM t WHERE {g} IS NOT NULL AND id >= 15"), 5, 5),
+        (format!("SELECT id, length({g}) AS n, {g} AS a FROM t"), 20, 20),
+        (
+            format!(
+                "SELECT x.id, r['response'] FROM (SELECT id, {r} AS r FROM t) x JOIN t ON x.id = t.id WHERE x.id < 3"
+            ),
+            3,
+            3,
+        ),
+    ];
+    for (sql, rows, calls) in cases {
+        let before = sim.stats().requests;
+        let batches = ctx.sql(&sql).await.unwrap().collect().await.unwrap();
+        let n: usize = batches.iter().map(|b| b.num_rows()).sum();
+        let made = sim.stats().requests - before;
+        assert_eq!((n, made), (rows, calls), "rows and calls of {sql}");
+    }
     sim.shutdown().await;
 }

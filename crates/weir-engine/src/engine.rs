@@ -265,6 +265,17 @@ impl Engine {
                 driver = driver.with_cache(cache.clone());
             }
             let model_id: Arc<str> = Arc::from(driver.model_id());
+            // An empty prompt asks nothing: it fails alone, without a call (a model would
+            // answer it with something, and that would be paid for).
+            let (empty, members): (Vec<_>, Vec<_>) = members.into_iter().partition(|(_, p, _)| p.trim().is_empty());
+            let refused: Vec<(usize, Outcome)> = empty
+                .into_iter()
+                .map(|(i, prompt, id)| {
+                    let error = ModelError::new(ErrorKind::InvalidInput, "empty prompt: nothing to ask the model");
+                    site.metrics.record_failure(error.kind);
+                    (i, Outcome::Failure(Box::new(Failure::of(record_of(i, prompt, id), error, 0))))
+                })
+                .collect();
             let (slots, records): (Vec<usize>, Vec<Record>) =
                 members.into_iter().map(|(i, prompt, id)| (i, record_of(i, prompt, id))).unzip();
             let outcomes: Vec<Outcome> = if driver.max_batch() > 1 {
@@ -282,6 +293,11 @@ impl Engine {
             };
             if let Some(reason) = driver.stop_reason() {
                 *self.stopped.lock().unwrap_or_else(|e| e.into_inner()) = Some(reason);
+            }
+            let (mut slots, mut outcomes) = (slots, outcomes);
+            for (i, o) in refused {
+                slots.push(i);
+                outcomes.push(o);
             }
             (slots, outcomes, model_id)
         });

@@ -105,7 +105,7 @@ impl RunReport {
             retries: m.retries.load(Relaxed),
             rate_limited: m.rate_limited.load(Relaxed),
             cache_hits: m.cache_hits.load(Relaxed),
-            throttled_secs: m.throttled_micros.load(Relaxed) as f64 / 1e6,
+            throttled_secs: m.throttled_wall_micros.load(Relaxed) as f64 / 1e6,
             tokens_in: m.tokens_in.load(Relaxed),
             tokens_out: m.tokens_out.load(Relaxed),
             elapsed,

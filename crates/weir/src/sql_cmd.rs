@@ -37,11 +37,14 @@ pub enum ResultFormat {
 llm_generate_result(model, prompt [, options]) → struct {response, finish_reason, error_kind, error_message, attempts, \
 prompt_tokens, output_tokens, model}; llm_embed(model, text [, options]) → list of floats; llm_embed_result(…) → \
 the same struct with embedding in place of response and finish_reason. options is a JSON object: the --param keys of \
-weir run, system, and fail_on_error (true fails the query on the first failed row).\n\n\
+weir run, system, and fail_on_error (true fails the query on the first failed row). A call written twice with the \
+same arguments in one SELECT (or in a SELECT and its WHERE) is made once per row.\n\n\
 Models and keys as for weir run: sim/<name>, openai/<model> (OPENAI_BASE_URL or --base-url, OPENAI_API_KEY), \
 gemini/<model> (GEMINI_API_KEY), vertex_ai/<model> (--project/--location, Application Default Credentials).\n\n\
 Exit status: 0 every call succeeded; 1 some rows' calls failed (their value is NULL); 2 a problem with the query or \
-the flags; 3 the query failed while running.")]
+the flags; 3 the query failed while running; 130 interrupted (Ctrl-C; on a cluster the job is cancelled). On a \
+cluster, 0 means the query finished: the executors make the calls, and their summaries and /metrics count the rows \
+that failed (NULL in the result).")]
 pub struct SqlArgs {
     /// The SQL to run (several statements separated by ';'); - reads it from stdin.
     #[arg(value_name = "SQL")]
@@ -99,15 +102,24 @@ impl SqlArgs {
 
 /// A session on the cluster at `url`.
 #[cfg(feature = "cluster")]
-async fn cluster_session(
-    url: &str,
-    config: SessionConfig,
-    functions: &Arc<Engine>,
-) -> Result<SessionContext, UsageError> {
-    if !url.starts_with("df://") {
-        return Err(UsageError(format!("--cluster {url}: expected the scheduler as df://HOST:PORT")));
+async fn cluster_session(url: &str, config: SessionConfig, functions: &Arc<Engine>) -> anyhow::Result<SessionContext> {
+    let port = url.strip_prefix("df://").and_then(|rest| rest.rsplit_once(':')).map(|(_, port)| port);
+    if port.is_none_or(|p| p.parse::<u16>().is_err()) {
+        return Err(UsageError(format!(
+            "--cluster {url}: expected the scheduler as df://HOST:PORT (the port is its --bind port, 50050 unless set)"
+        ))
+        .into());
     }
-    weir_datafusion::cluster::connect(url, config, functions).await.map_err(|e| UsageError(format!("--cluster {e}")))
+    match weir_datafusion::cluster::probe(url).await {
+        Ok(()) => {}
+        Err(e @ weir_datafusion::cluster::ReachError::NotAScheduler { .. }) => {
+            return Err(UsageError(e.to_string()).into())
+        }
+        Err(e) => return Err(anyhow::anyhow!(e)),
+    }
+    Ok(weir_datafusion::cluster::connect(url, config, functions)
+        .await
+        .map_err(|e| UsageError(format!("--cluster {e}")))?)
 }
 
 /// This build has no cluster support.
@@ -116,10 +128,11 @@ async fn cluster_session(
     url: &str,
     _config: SessionConfig,
     _functions: &Arc<Engine>,
-) -> Result<SessionContext, UsageError> {
+) -> anyhow::Result<SessionContext> {
     Err(UsageError(format!(
         "--cluster {url}: this weir was built without the cluster; build it with: cargo build --release -p weir --features cluster"
-    )))
+    ))
+    .into())
 }
 
 /// On a cluster, says once after a while that the query is still waiting, and what it needs;
@@ -146,6 +159,22 @@ fn is_usage(e: &DataFusionError) -> bool {
             | DataFusionError::Configuration(_)
             | DataFusionError::NotImplemented(_)
     )
+}
+
+/// A usage error's message, with DataFusion's words for a call of weir's functions with
+/// arguments of the wrong type (an "internal error" that asks for a bug report) replaced.
+fn explain_usage(e: &DataFusionError) -> String {
+    let text = e.to_string();
+    let marker = "No function matches the given name and argument types '";
+    if let Some(call) = text.split_once(marker).and_then(|(_, rest)| rest.split_once('\'')).map(|(call, _)| call) {
+        if call.starts_with("llm_") {
+            return format!(
+                "{call}: the model, the prompt (or text) and the options must be text (numbers, dates and times \
+                 are cast); pick a field of a struct (r['response']) or cast the value: CAST(x AS VARCHAR)"
+            );
+        }
+    }
+    text
 }
 
 /// The error a Ctrl-C ends a statement with.
@@ -181,16 +210,15 @@ pub async fn run(args: SqlArgs) -> anyhow::Result<u8> {
     }
     let started = Instant::now();
     let result = tokio::select! {
-        r = run_statements(&ctx, &sql, args.format) => r,
+        r = run_statements(&ctx, &sql, args.format, args.cluster.as_deref()) => r,
         // A cluster with no executor takes the query and waits for one, silently.
         _ = waiting_notice(args.cluster.as_deref()) => unreachable!("the notice never ends"),
-        _ = tokio::signal::ctrl_c() => Err(DataFusionError::Execution(INTERRUPTED.into())),
     };
     match &args.cluster {
         None => eprint!("{}", summary(&functions, started.elapsed())),
         Some(_) => eprintln!(
             "weir sql: {:.2} s; the model calls ran on the cluster's executors (each prints its summary when \
-             stopped and serves its counters with --metrics-listen)",
+             stopped and serves its counters with --metrics-listen; failed rows are NULL and counted there)",
             started.elapsed().as_secs_f64()
         ),
     }
@@ -201,58 +229,98 @@ pub async fn run(args: SqlArgs) -> anyhow::Result<u8> {
             Ok(if failed > 0 { 1 } else { 0 })
         }
         Err(DataFusionError::Execution(m)) if m == INTERRUPTED => {
-            eprintln!("weir sql: interrupted; the statement did not finish (a COPY may have left part of its output)");
+            eprintln!(
+                "weir sql: interrupted; the statement did not finish (a COPY to a directory may have left some files)"
+            );
             Ok(130)
         }
-        Err(e) if is_usage(&e) => Err(UsageError(e.to_string()).into()),
-        Err(e) if args.cluster.is_some() && e.to_string().contains("tcp connect error") => Err(anyhow::anyhow!(
-            "cannot reach the scheduler at {}: start it with weir cluster scheduler --bind HOST:PORT ({e})",
-            args.cluster.as_deref().unwrap_or_default()
-        )),
+        Err(e) if is_usage(&e) => Err(UsageError(explain_usage(&e)).into()),
         Err(e) => Err(anyhow::anyhow!("the query failed: {e}")),
     }
 }
 
-/// Plans and runs each statement of `sql`, printing the rows of those that return some.
-async fn run_statements(ctx: &SessionContext, sql: &str, format: ResultFormat) -> Result<(), DataFusionError> {
+/// Plans and runs each statement of `sql`, printing the rows of those that return some. A
+/// statement interrupted by Ctrl-C ends with [`INTERRUPTED`] (on a cluster, after asking the
+/// scheduler to cancel its job); a COPY that did not finish leaves its target as it was.
+async fn run_statements(
+    ctx: &SessionContext,
+    sql: &str,
+    format: ResultFormat,
+    cluster: Option<&str>,
+) -> Result<(), DataFusionError> {
     let statements = datafusion::sql::parser::DFParser::parse_sql(sql)?;
     for statement in statements {
-        let plan = absolute_copy_target(ctx.state().statement_to_plan(statement).await?)?;
-        let frame = ctx.execute_logical_plan(plan).await?;
-        print_rows(frame, format).await?;
+        let (plan, staged) = weir_datafusion::copy::prepare(ctx.state().statement_to_plan(statement).await?)?;
+        let ran = async {
+            let frame = ctx.execute_logical_plan(plan).await?;
+            if format == ResultFormat::Csv {
+                weir_datafusion::copy::check_csv(frame.schema(), "--format csv")?;
+            }
+            let task = Arc::new(frame.task_ctx());
+            let physical = frame.create_physical_plan().await?;
+            tokio::select! {
+                r = async { print_rows(datafusion::physical_plan::execute_stream(physical.clone(), task)?, format).await } => r,
+                _ = tokio::signal::ctrl_c() => {
+                    if let Some(url) = cluster {
+                        cancel_on_cluster(url, &physical).await;
+                    }
+                    Err(DataFusionError::Execution(INTERRUPTED.into()))
+                }
+            }
+        }
+        .await;
+        match (ran, staged) {
+            (Ok(()), Some(staged)) => staged.commit(ctx).await?,
+            (Ok(()), None) => {}
+            (Err(e), Some(staged)) => {
+                eprintln!("weir sql: the COPY did not finish; {} is as it was", staged.target());
+                staged.abandon(ctx, cluster.map(|_| std::time::Duration::from_secs(2))).await;
+                return Err(e);
+            }
+            (Err(e), None) => return Err(e),
+        }
     }
     Ok(())
 }
 
-/// A `COPY … TO 'relative/path'` made to write where the user is: on a cluster the executors
-/// would otherwise resolve the path from their own working directories.
-fn absolute_copy_target(
-    plan: datafusion::logical_expr::LogicalPlan,
-) -> Result<datafusion::logical_expr::LogicalPlan, DataFusionError> {
-    use datafusion::logical_expr::LogicalPlan;
-    match plan {
-        LogicalPlan::Copy(mut copy) if !copy.output_url.contains("://") && !copy.output_url.starts_with('/') => {
-            let cwd = std::env::current_dir()?;
-            copy.output_url = cwd.join(&copy.output_url).to_string_lossy().into_owned();
-            Ok(LogicalPlan::Copy(copy))
-        }
-        plan => Ok(plan),
+/// Cancels the cluster job of an interrupted statement, so its executors stop calling models.
+#[cfg(feature = "cluster")]
+async fn cancel_on_cluster(url: &str, plan: &Arc<dyn datafusion::physical_plan::ExecutionPlan>) {
+    match weir_datafusion::cluster::job_id(plan) {
+        Some(job) => match weir_datafusion::cluster::cancel_job(url, &job).await {
+            Ok(()) => eprintln!("weir sql: cancelled job {job} on {url}"),
+            Err(e) => eprintln!("weir sql: could not cancel job {job} on {url} ({e}); its executors may go on calling"),
+        },
+        None => eprintln!("weir sql: the scheduler had not yet accepted the query; nothing to cancel"),
     }
 }
 
+/// Without the cluster feature there is no cluster query to cancel.
+#[cfg(not(feature = "cluster"))]
+async fn cancel_on_cluster(_url: &str, _plan: &Arc<dyn datafusion::physical_plan::ExecutionPlan>) {}
+
 /// Writes a statement's rows to stdout.
-async fn print_rows(frame: datafusion::dataframe::DataFrame, format: ResultFormat) -> Result<(), DataFusionError> {
+async fn print_rows(
+    mut stream: datafusion::execution::SendableRecordBatchStream,
+    format: ResultFormat,
+) -> Result<(), DataFusionError> {
     let out = std::io::stdout();
     match format {
         ResultFormat::Table => {
-            let batches = frame.collect().await?;
+            let mut batches = Vec::new();
+            while let Some(batch) = stream.next().await {
+                batches.push(batch?);
+            }
+            if batches.is_empty() && !stream.schema().fields().is_empty() {
+                // No rows: the header alone says the query ran and found none.
+                batches.push(datafusion::arrow::array::RecordBatch::new_empty(stream.schema()));
+            }
             if batches.iter().any(|b| b.num_columns() > 0) {
                 let table = datafusion::arrow::util::pretty::pretty_format_batches(&batches)?;
                 writeln!(out.lock(), "{table}")?;
             }
         }
         ResultFormat::Jsonl => {
-            let mut stream = frame.execute_stream().await?;
             let mut writer = datafusion::arrow::json::LineDelimitedWriter::new(out.lock());
             while let Some(batch) = stream.next().await {
                 writer.write(&batch?)?;
@@ -260,7 +328,6 @@ async fn print_rows(frame: datafusion::dataframe::DataFrame, format: ResultForma
             writer.finish()?;
         }
         ResultFormat::Csv => {
-            let mut stream = frame.execute_stream().await?;
             let mut writer = datafusion::arrow::csv::Writer::new(out.lock());
             while let Some(batch) = stream.next().await {
                 writer.write(&batch?)?;
@@ -292,7 +359,7 @@ pub(crate) fn summary(functions: &Engine, elapsed: std::time::Duration) -> Strin
             thousands(m.calls.load(Relaxed)),
             thousands(m.retries.load(Relaxed)),
             thousands(m.rate_limited.load(Relaxed)),
-            m.throttled_micros.load(Relaxed) as f64 / 1e6,
+            m.throttled_wall_micros.load(Relaxed) as f64 / 1e6,
             thousands(tin),
             thousands(tout),
         ));

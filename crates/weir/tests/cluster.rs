@@ -18,6 +18,45 @@ async fn metrics(port: u16) -> String {
     reqwest::get(&url).await.unwrap().text().await.unwrap()
 }
 
+/// A scheduler and executors on 127.0.0.1 calling `sim`; the processes end with the test.
+struct Cluster {
+    scheduler: u16,
+    executors: Vec<tokio::process::Child>,
+    metric_ports: Vec<u16>,
+    _scheduler: tokio::process::Child,
+}
+
+impl Cluster {
+    async fn start(sim: &SimServer, executors: usize) -> Cluster {
+        let scheduler = free_port();
+        let sched = weir()
+            .args(["cluster", "scheduler", "--bind", &format!("127.0.0.1:{scheduler}")])
+            .stderr(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        wait_for_port(scheduler).await;
+        let mut children = Vec::new();
+        let mut metric_ports = Vec::new();
+        for _ in 0..executors {
+            let (port, grpc, mport) = (free_port(), free_port(), free_port());
+            let child = weir()
+                .args(["cluster", "executor", "--scheduler", &format!("127.0.0.1:{scheduler}")])
+                .args(["--port", &port.to_string(), "--grpc-port", &grpc.to_string(), "--slots", "2"])
+                .args(["--metrics-listen", &format!("127.0.0.1:{mport}"), "--base-url", &sim.url()])
+                .stderr(std::process::Stdio::piped())
+                .kill_on_drop(true)
+                .spawn()
+                .unwrap();
+            wait_for_port(port).await;
+            wait_for_port(mport).await;
+            children.push(child);
+            metric_ports.push(mport);
+        }
+        Cluster { scheduler, executors: children, metric_ports, _scheduler: sched }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_executors_answer_every_row_once() {
     let dir = Dir::new("cluster");
@@ -31,29 +70,7 @@ async fn two_executors_answer_every_row_once() {
         assert!(out.status.success(), "{}", stderr(&out));
     }
     let sim = SimServer::start(SimConfig::default(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
-    let scheduler = free_port();
-    let _sched = weir()
-        .args(["cluster", "scheduler", "--bind", &format!("127.0.0.1:{scheduler}")])
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    wait_for_port(scheduler).await;
-    let mut executors = Vec::new();
-    let mut metric_ports = Vec::new();
-    for _ in 0..2 {
-        let (port, grpc, mport) = (free_port(), free_port(), free_port());
-        let child = weir()
-            .args(["cluster", "executor", "--scheduler", &format!("127.0.0.1:{scheduler}")])
-            .args(["--port", &port.to_string(), "--grpc-port", &grpc.to_string(), "--slots", "2"])
-            .args(["--metrics-listen", &format!("127.0.0.1:{mport}"), "--base-url", &sim.url()])
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        wait_for_port(port).await;
-        wait_for_port(mport).await;
-        executors.push(child);
-        metric_ports.push(mport);
-    }
+    let Cluster { scheduler, mut executors, metric_ports, _scheduler: _sched } = Cluster::start(&sim, 2).await;
     let out = weir()
         .current_dir(&dir.0)
         .args(["sql", "--cluster", &format!("df://127.0.0.1:{scheduler}"), "--partitions", "4"])
@@ -109,5 +126,47 @@ async fn two_executors_answer_every_row_once() {
     let out = child.wait_with_output().await.unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("gemini/gemini-2.5-flash: calls"), "{err}");
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ctrl_c_cancels_the_job_and_its_calls_stop_and_a_copy_leaves_the_old_file() {
+    let dir = Dir::new("cluster-cancel");
+    let (data, _) = prompts(400);
+    dir.write("in.jsonl", &data);
+    let mut config = SimConfig::default();
+    config.latency.fixed_ms = 500.0;
+    let sim = SimServer::start(config, "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let cluster = Cluster::start(&sim, 1).await;
+    dir.write("answers.parquet", b"an earlier result");
+    let query = weir()
+        .current_dir(&dir.0)
+        .args(["sql", "--cluster", &format!("df://127.0.0.1:{}", cluster.scheduler), "--table", "t=in.jsonl"])
+        .arg("COPY (SELECT key, llm_generate('gemini/gemini-2.5-flash', prompt) AS a FROM t) TO 'answers.parquet'")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Until calls are being made.
+    let started = std::time::Instant::now();
+    while sim.stats().requests < 20 {
+        assert!(started.elapsed().as_secs() < 30, "no calls after 30 s");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let pid = query.id().unwrap();
+    assert!(std::process::Command::new("kill").args(["-INT", &pid.to_string()]).status().unwrap().success());
+    let out = query.wait_with_output().await.unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "{err}");
+    assert!(err.contains("cancelled job"), "{err}");
+    // The executor's calls stop (those in flight end within their 0.5 s).
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    let after = sim.stats().requests;
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    assert_eq!(sim.stats().requests, after, "calls went on after the job was cancelled");
+    assert!(after < 200, "{after} calls for a query stopped early");
+    // The earlier file is untouched, and no staging file is left beside it.
+    assert_eq!(std::fs::read(dir.path("answers.parquet")).unwrap(), b"an earlier result");
+    let names: Vec<_> = std::fs::read_dir(&dir.0).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert!(!names.iter().any(|n| n.to_string_lossy().contains("weir-partial")), "{names:?}");
     sim.shutdown().await;
 }

@@ -90,12 +90,84 @@ async fn problems_with_the_query_or_flags_exit_2_with_what_to_fix() {
             "temp",
         ),
         (vec!["sql", "--max-concurrency", "0", "SELECT 1"], "--max-concurrency"),
+        // Results CSV cannot hold are refused before any call, printed or copied.
+        (
+            vec![
+                "sql",
+                "--format",
+                "csv",
+                "--table",
+                "t=t.jsonl",
+                "SELECT llm_generate_result('sim/demo', prompt) AS r FROM t",
+            ],
+            "CSV cannot hold column r (a struct)",
+        ),
+        (
+            vec!["sql", "--table", "t=t.jsonl", "COPY (SELECT llm_embed('sim/demo', prompt) AS v FROM t) TO 'v.csv'"],
+            "CSV cannot hold column v (a list)",
+        ),
+        // A prompt that is no text: DataFusion's "internal error" is replaced by what to do.
+        (vec!["sql", "SELECT llm_generate('sim/demo', struct(1 AS a))"], "CAST(x AS VARCHAR)"),
+        (vec!["sql", "--cluster", "df://127.0.0.1", "SELECT 1"], "df://HOST:PORT"),
         (vec!["sql", "  ; "], "no SQL given"),
     ] {
         let out = weir().current_dir(&dir.0).args(&args).output().await.unwrap();
         assert_eq!(out.status.code(), Some(2), "{args:?}: {}", stderr(&out));
         assert!(stderr(&out).contains(expect), "{args:?}: {}", stderr(&out));
     }
+    assert!(!dir.path("v.csv").exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_that_fails_leaves_the_earlier_file_as_it_was() {
+    let dir = Dir::new("sql-copy-fails");
+    let (data, _) = prompts(50);
+    dir.write("in.jsonl", &data);
+    let copy = |options: &str| {
+        format!("COPY (SELECT key, llm_generate('sim/demo', prompt, '{options}') AS a FROM t) TO 'answers.parquet'")
+    };
+    let out = weir().current_dir(&dir.0).args(["sql", "--table", "t=in.jsonl", &copy("{}")]).output().await.unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let before = std::fs::read(dir.path("answers.parquet")).unwrap();
+    // The same COPY, strict, over a table with one refused prompt: it fails part-way.
+    let mut lines: Vec<u8> = data.clone();
+    lines.extend_from_slice(b"{\"key\": \"bad\", \"prompt\": \"[sim:block_prompt]\"}\n");
+    dir.write("in.jsonl", &lines);
+    let strict = copy(r#"{"fail_on_error": true}"#);
+    let out = weir().current_dir(&dir.0).args(["sql", "--table", "t=in.jsonl", &strict]).output().await.unwrap();
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(3), "{err}");
+    assert!(err.contains("prompt \"[sim:block_prompt]\" failed") && err.contains("is as it was"), "{err}");
+    assert_eq!(std::fs::read(dir.path("answers.parquet")).unwrap(), before, "the earlier result is untouched");
+    let names: Vec<String> =
+        std::fs::read_dir(&dir.0).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    assert!(!names.iter().any(|n| n.contains("weir-partial")), "{names:?}");
+    // Without fail_on_error it succeeds and replaces the file: 51 rows, one NULL.
+    let rows = query(&dir, "SELECT count(*) AS n FROM 'answers.parquet'").await;
+    assert_eq!(rows[0]["n"], 50);
+    let out = weir().current_dir(&dir.0).args(["sql", "--table", "t=in.jsonl", &copy("{}")]).output().await.unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let rows = query(&dir, "SELECT count(*) AS n, count(a) AS answered FROM 'answers.parquet'").await;
+    assert_eq!((rows[0]["n"].as_u64(), rows[0]["answered"].as_u64()), (Some(51), Some(50)));
+}
+
+#[tokio::test]
+async fn empty_prompts_fail_without_a_call_and_an_empty_result_prints_its_header() {
+    let dir = Dir::new("sql-edges");
+    let out = weir()
+        .current_dir(&dir.0)
+        .args(["sql", "--format", "jsonl"])
+        .arg("SELECT llm_generate_result('sim/demo', p)['error_kind'] AS k FROM (VALUES (''), ('  ')) AS t(p)")
+        .output()
+        .await
+        .unwrap();
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout).matches("invalid_input").count(), 2);
+    assert!(err.contains("calls 0 (") && err.contains("invalid_input 2"), "{err}");
+    let out = weir().current_dir(&dir.0).args(["sql", "SELECT 1 AS one WHERE false"]).output().await.unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("| one |"), "{}", String::from_utf8_lossy(&out.stdout));
 }
 
 /// Tables in S3 (moto, on 127.0.0.1): a glob of Parquet objects in, `COPY … TO 's3://…'` out,
@@ -130,6 +202,8 @@ import sys, io, boto3, pyarrow.parquet as pq
 s3 = boto3.client("s3", endpoint_url=sys.argv[1], aws_access_key_id="test", aws_secret_access_key="test", region_name="us-east-1")
 body = s3.get_object(Bucket="bkt", Key="out/answers.parquet")["Body"].read()
 t = pq.read_table(io.BytesIO(body))
+keys = [o["Key"] for o in s3.list_objects_v2(Bucket="bkt", Prefix="out/")["Contents"]]
+assert keys == ["out/answers.parquet"], keys
 for k, a in zip(t.column("key").to_pylist(), t.column("answer").to_pylist()):
     print(k, "ok" if a else "null")
 "#,

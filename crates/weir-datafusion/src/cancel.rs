@@ -1,0 +1,70 @@
+//! Stopping the model calls of a cluster task that its scheduler cancelled.
+//!
+//! When a client stops a query, the scheduler cancels its job and each executor drops the
+//! task's future; but Ballista's shuffle writer runs the plan in a task of its own that nothing
+//! stops, so the functions went on calling (and paying for) models until the partition was
+//! done. An executor of weir's therefore tags each task's configuration with an id whose
+//! cancellation token fires when the task is dropped, and a function call that carries the tag
+//! stops with the token.
+
+use datafusion::common::config::{ConfigExtension, ConfigOptions};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{LazyLock, Mutex};
+use tokio_util::sync::CancellationToken;
+
+datafusion::common::extensions_options! {
+    /// The task a function call runs for, set by the executor on the task's configuration.
+    pub struct TaskTag {
+        /// The task's id in this process (0: none).
+        pub id: u64, default = 0
+    }
+}
+
+impl ConfigExtension for TaskTag {
+    const PREFIX: &'static str = "weir_task";
+}
+
+/// The live tasks' tokens.
+static TASKS: LazyLock<Mutex<HashMap<u64, CancellationToken>>> = LazyLock::new(Default::default);
+static NEXT: AtomicU64 = AtomicU64::new(1);
+
+fn tasks() -> std::sync::MutexGuard<'static, HashMap<u64, CancellationToken>> {
+    TASKS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A running task; dropping it (the task ended, or was aborted) stops its calls.
+#[derive(Debug)]
+pub struct Task {
+    /// Its tag.
+    pub tag: TaskTag,
+    token: CancellationToken,
+}
+
+impl Task {
+    /// A new task with a fresh tag.
+    pub fn start() -> Self {
+        let id = NEXT.fetch_add(1, Ordering::Relaxed);
+        let token = CancellationToken::new();
+        tasks().insert(id, token.clone());
+        Task { tag: TaskTag { id }, token }
+    }
+}
+
+impl Drop for Task {
+    fn drop(&mut self) {
+        tasks().remove(&self.tag.id);
+        self.token.cancel();
+    }
+}
+
+/// The token of the task `options` belong to, when it runs under a tag.
+pub(crate) fn token_of(options: &ConfigOptions) -> Option<CancellationToken> {
+    let id = options.extensions.get::<TaskTag>()?.id;
+    // A tag whose task is gone: the task ended; calls made now are stray.
+    Some(tasks().get(&id).cloned().unwrap_or_else(|| {
+        let t = CancellationToken::new();
+        t.cancel();
+        t
+    }))
+}

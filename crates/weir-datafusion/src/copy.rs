@@ -1,0 +1,123 @@
+//! `COPY (SELECT …) TO 'out.parquet'` that either writes the whole result or leaves what was
+//! there.
+//!
+//! DataFusion writes a COPY's file as rows arrive and finishes it even when the query fails, so
+//! a query that failed half-way (a failed row with `fail_on_error`, Ctrl-C, a lost executor)
+//! replaced a complete earlier result with a short one — after the model calls of the lost
+//! rows were paid for twice. A single-file COPY here writes to a hidden file beside the target
+//! (readers of the directory skip names starting with `.`) and renames it over the target only
+//! when the statement succeeded; otherwise the hidden file is deleted. A COPY to a directory
+//! adds new files under fresh names and never replaces one, so it is left as DataFusion does it.
+
+use datafusion::common::{DataFusionError, Result};
+use datafusion::datasource::listing::ListingTableUrl;
+use datafusion::logical_expr::LogicalPlan;
+use datafusion::prelude::SessionContext;
+use object_store::path::Path;
+use object_store::ObjectStoreExt;
+
+/// A COPY being written to a staging file.
+#[derive(Debug)]
+pub struct StagedCopy {
+    /// Where the result goes when the statement succeeds.
+    target: ListingTableUrl,
+    /// Where it is written meanwhile.
+    staging: ListingTableUrl,
+}
+
+/// `plan` made ready to run: a relative COPY target made absolute (on a cluster the executors
+/// would otherwise resolve it from their own working directories) and a single-file COPY sent
+/// to a staging file, returned with it to [`StagedCopy::commit`] or [`StagedCopy::abandon`].
+/// A COPY to CSV of a column CSV cannot hold (a `_result` struct, an embedding) is refused
+/// here, before any model is called, rather than failing once the rows are paid for.
+pub fn prepare(plan: LogicalPlan) -> Result<(LogicalPlan, Option<StagedCopy>)> {
+    let LogicalPlan::Copy(mut copy) = plan else { return Ok((plan, None)) };
+    if copy.file_type.get_ext().eq_ignore_ascii_case("csv") {
+        check_csv(copy.input.schema(), &format!("COPY … TO '{}'", copy.output_url))?;
+    }
+    if !copy.output_url.contains("://") && !copy.output_url.starts_with('/') {
+        let cwd = std::env::current_dir()?;
+        copy.output_url = cwd.join(&copy.output_url).to_string_lossy().into_owned();
+    }
+    let target = ListingTableUrl::parse(&copy.output_url)?;
+    let single = match copy.options.get("single_file_output").map(|v| v.trim()) {
+        Some("true") => true,
+        Some(_) => false,
+        None => copy.partition_by.is_empty() && !target.is_collection() && target.file_extension().is_some(),
+    };
+    if !single {
+        return Ok((LogicalPlan::Copy(copy), None));
+    }
+    let Some((dir, name)) = copy.output_url.rsplit_once('/') else {
+        return Ok((LogicalPlan::Copy(copy), None));
+    };
+    let staging_url = format!("{dir}/.{name}.weir-partial-{}", std::process::id());
+    let staging = ListingTableUrl::parse(&staging_url)?;
+    copy.output_url = staging_url;
+    // The staging name's own extension must not decide the output mode.
+    copy.options.insert("single_file_output".into(), "true".into());
+    Ok((LogicalPlan::Copy(copy), Some(StagedCopy { target, staging })))
+}
+
+/// Refuses (as a planning error) columns that CSV cannot hold: structs, lists, maps.
+pub fn check_csv(schema: &datafusion::common::DFSchema, what: &str) -> Result<()> {
+    use datafusion::arrow::datatypes::DataType;
+    for field in schema.fields() {
+        let kind = match field.data_type() {
+            DataType::Struct(_) => "a struct",
+            DataType::List(_) | DataType::LargeList(_) | DataType::FixedSizeList(..) => "a list",
+            DataType::Map(..) => "a map",
+            DataType::Union(..) => "a union",
+            _ => continue,
+        };
+        return datafusion::common::plan_err!(
+            "{what}: CSV cannot hold column {} ({kind}); select its fields (for a _result struct: {0}['response'], \
+             {0}['error_kind'], …) or write JSON lines or Parquet instead",
+            field.name()
+        );
+    }
+    Ok(())
+}
+
+impl StagedCopy {
+    /// The object store and the two paths in it.
+    fn parts(&self, ctx: &SessionContext) -> Result<(std::sync::Arc<dyn object_store::ObjectStore>, Path, Path)> {
+        let store = ctx.runtime_env().object_store(self.target.object_store())?;
+        Ok((store, self.staging.prefix().clone(), self.target.prefix().clone()))
+    }
+
+    /// Puts the finished result in place of the target (a rename on a local disk; a copy and a
+    /// delete on an object store, where a reader sees either the old object or the new one).
+    pub async fn commit(self, ctx: &SessionContext) -> Result<()> {
+        let (store, staging, target) = self.parts(ctx)?;
+        store.rename(&staging, &target).await.map_err(|e| {
+            DataFusionError::Execution(format!(
+                "the COPY's result is complete in {} but could not be moved to {}: {e}",
+                self.staging, self.target
+            ))
+        })
+    }
+
+    /// Deletes what the failed statement wrote; the target is as it was. `settle`: how long
+    /// writers elsewhere may go on after the statement ended (a cluster's executors finish the
+    /// file they were writing after their task is cancelled), after which it is deleted again.
+    pub async fn abandon(self, ctx: &SessionContext, settle: Option<std::time::Duration>) {
+        let Ok((store, staging, _)) = self.parts(ctx) else { return };
+        let delete = || async {
+            match store.delete(&staging).await {
+                Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
+                Err(e) => tracing::warn!("could not delete the unfinished COPY output {}: {e}", self.staging),
+            }
+        };
+        delete().await;
+        if let Some(settle) = settle {
+            tokio::time::sleep(settle).await;
+            delete().await;
+        }
+    }
+
+    /// The target, for messages.
+    pub fn target(&self) -> &str {
+        self.target.as_str()
+    }
+}
