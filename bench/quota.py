@@ -12,14 +12,18 @@ Cases (simulated quota windows of a few seconds, so each case runs in about a mi
   6. advice rounded to whole seconds (as real servers give it), 5-second windows: one weir
      process, then two weir processes sharing one key; completion time against the ideal
      (every window full from the start) and the share of 429s.
-Usage: bench/quota.py [CASE...]   (default: all). Needs a release build (it makes one).
+Usage: bench/quota.py [CASE...]   (default: all). Needs a release build (it makes one, unless
+WEIR_BIN names the binary to measure).
 """
 import json, os, socket, subprocess, sys, tempfile, time, urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-subprocess.run(["cargo", "build", "--release", "-q", "-p", "weir"], cwd=ROOT, check=True)
-TARGET = os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target"))
-BIN = os.path.join(TARGET, "release", "weir")
+# WEIR_BIN=path measures another build (an older commit's, side by side) instead of this one.
+BIN = os.environ.get("WEIR_BIN")
+if not BIN:
+    subprocess.run(["cargo", "build", "--release", "-q", "-p", "weir"], cwd=ROOT, check=True)
+    TARGET = os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target"))
+    BIN = os.path.join(TARGET, "release", "weir")
 WORK = tempfile.mkdtemp()
 
 

@@ -19,7 +19,10 @@
 //!   plus the window is when the server said to come back) and is refined by later ones. Advice
 //!   in whole seconds leaves a second open; the window is taken at its longest (never send
 //!   before a slot frees) and narrowed by window probes, each sent so that the second its
-//!   refusal advises halves what is open.
+//!   refusal advises halves what is open. In the gap right after the window was first learned,
+//!   before the sends that filled it hand their credits back, edge probes narrow it at once: a
+//!   single send at the oldest send plus the middle of what is open, admitted only if the
+//!   window is no longer than that.
 //!
 //! Weights are 1 per request for the request budget, and counted tokens for the token budget:
 //! an estimate at send time, replaced by the usage the answer reports. Time comes from
@@ -65,13 +68,20 @@ enum Probe {
     /// (our oldest send the server still counts) holds the window full, its refusal's advice
     /// tells in which second after `oldest` the window ends.
     Window { oldest: Instant },
+    /// The window's length, in the gap right after the window was learned: sent at `oldest`
+    /// plus `mid` (the middle of the bounds), when only `oldest` leaving can make room. Admitted,
+    /// the window is at most `mid`; refused, its advice tells as a window probe's does.
+    Edge { oldest: Instant, mid: Duration },
 }
 
-/// A window probe planned for a moment chosen so that its advice halves the window's bounds.
+/// A window probe planned for a moment chosen so that its advice (or, for an edge probe, its
+/// admission) halves the window's bounds.
 #[derive(Debug, Clone, Copy)]
 struct Plan {
     at: Instant,
     oldest: Instant,
+    /// For an edge probe, the middle of the bounds it tests.
+    edge: Option<Duration>,
 }
 
 #[derive(Debug, Clone)]
@@ -104,6 +114,9 @@ pub struct Budget {
     /// is the longest it can be).
     lower: Option<Duration>,
     plan: Option<Plan>,
+    /// Until when edge probes may go: the end of the gap after the window was learned (later,
+    /// window probes narrow it; edge probes in every window would cost a refusal each).
+    edges_until: Option<Instant>,
     /// When the last refusal advised to come back.
     come_back: Option<Instant>,
     refusals: u64,
@@ -161,6 +174,7 @@ impl Budget {
             epoch: 0,
             lower: None,
             plan: None,
+            edges_until: None,
             come_back: None,
             refusals: 0,
             default_window: DEFAULT_WINDOW,
@@ -376,10 +390,39 @@ impl Budget {
         }
         let (quiet_at, capacity_at) = self.probes_due(now);
         if self.uncertain() {
+            let lo = self.lower.unwrap_or(w);
+            if now < quiet_at && self.edges_until.is_some_and(|until| now < until) {
+                // Right after the window was learned, the sends that filled it hand their
+                // credits back from `oldest` plus the longest window, while the server frees
+                // their slots anywhere from `oldest` plus the shortest: a second of every window
+                // would go unused. Edge probes, sent into that gap one after another, halve it
+                // each (the first costs at most one refusal of a single send).
+                if self.plan.is_none() {
+                    if let Some(oldest) = self.log.front().map(|e| e.at) {
+                        let mid = (lo + w) / 2;
+                        if oldest + mid > now {
+                            self.plan = Some(Plan { at: oldest + mid, oldest, edge: Some(mid) });
+                        }
+                    }
+                }
+                match self.plan {
+                    Some(p) if p.edge.is_some() && now >= p.at => {
+                        self.plan = None;
+                        if self.log.front().is_some_and(|e| e.at == p.oldest) {
+                            let mid = p.edge.expect("an edge plan has its middle");
+                            self.mint(now, self.probe, Probe::Edge { oldest: p.oldest, mid });
+                        }
+                    }
+                    _ => {}
+                }
+                return;
+            }
             if now < quiet_at {
                 return;
             }
-            let lo = self.lower.unwrap_or(w);
+            if self.plan.is_some_and(|p| p.edge.is_some()) {
+                self.plan = None;
+            }
             if self.plan.is_none() {
                 // Our oldest send the server still counts holds its window full until `oldest`
                 // plus the window; the probe goes a whole number of seconds before `oldest` plus
@@ -391,7 +434,7 @@ impl Budget {
                     let k = (oldest + mid).saturating_duration_since(now).as_secs();
                     let min_k = mid.saturating_sub(lo).as_secs() + 1;
                     if k >= min_k {
-                        self.plan = Some(Plan { at: oldest + mid - Duration::from_secs(k), oldest });
+                        self.plan = Some(Plan { at: oldest + mid - Duration::from_secs(k), oldest, edge: None });
                     }
                 }
             }
@@ -440,6 +483,14 @@ impl Budget {
                 Probe::Capacity { epoch } => epoch,
                 // Room while our oldest send held the window full: there is more capacity.
                 Probe::Window { .. } => self.epoch,
+                // Room once `oldest` plus `mid` had passed: the window is no longer than that.
+                Probe::Edge { mid, .. } => {
+                    if self.mode == Mode::Learned && self.lower.is_some_and(|lo| lo <= mid) {
+                        self.window = self.window.map(|w| w.min(mid));
+                        tracing::debug!(window = ?self.window, lower = ?self.lower, "edge probe admitted");
+                    }
+                    u64::MAX
+                }
             };
             if epoch == self.epoch && self.mode == Mode::Learned {
                 // No refusal since: the window has room to spare, so probe twice as hard.
@@ -506,6 +557,7 @@ impl Budget {
                     _ => None,
                 };
                 self.mode = Mode::Learned;
+                self.edges_until = oldest.zip(self.window).map(|(at, w)| at + w);
                 self.credits = 0.0;
                 let admitted: Vec<f64> = self.log.iter().filter(|e| e.state == State::Ok).map(|e| e.weight).collect();
                 if !admitted.is_empty() {
@@ -519,7 +571,11 @@ impl Budget {
                 self.epoch += 1;
                 self.credits -= self.unspent_probe.0.clamp(0.0, self.credits.max(0.0));
                 self.unspent_probe = (0.0, None);
-                if let (Some(Probe::Window { oldest }), Some(e), Some(d)) = (probe, &removed, delay) {
+                let oldest = match probe {
+                    Some(Probe::Window { oldest }) | Some(Probe::Edge { oldest, .. }) => Some(oldest),
+                    _ => None,
+                };
+                if let (Some(oldest), Some(e), Some(d)) = (oldest, &removed, delay) {
                     if is_coarse(d) {
                         // The server frees the slot of `oldest` within the second before `d`.
                         let hi = (e.at + d).saturating_duration_since(oldest);
@@ -779,7 +835,8 @@ mod tests {
         tail: u64,
         step: Duration,
     ) -> (Vec<usize>, u64) {
-        let mut id = 0u64;
+        // Ids go on from any the budgets already logged (a log is kept in id order).
+        let mut id = budgets.iter().filter_map(|b| b.log.back().map(|e| e.id + 1)).max().unwrap_or(0);
         let mut admitted = Vec::new();
         let mut refusals = 0;
         let mut t = t0;
@@ -826,6 +883,42 @@ mod tests {
         // the few of the first window.
         assert!(per_window.iter().all(|&n| n >= 49), "{per_window:?}");
         assert!(refusals <= 40 + 5, "{refusals} refusals");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn edge_probes_narrow_the_window_in_the_gap_after_it_was_learned() {
+        // 50 per 5 s; the window fills at t0 and the next send, 0.3 s later, is refused with
+        // "5s" (4.7 s rounded up): the window is between 4.3 and 5.3 s. Taken at 5.3 s, the
+        // second window would open 0.3 s late (and every later one too) until a quiet window
+        // let window probes narrow it; edge probes, sent into the gap, narrow it before the
+        // second window opens.
+        let mut server = Server { capacity: 50, window: Duration::from_secs(5), coarse: true, log: VecDeque::new() };
+        let mut b = Budget::unlimited();
+        let t0 = Instant::now();
+        for id in 0..50u64 {
+            b.try_take(id, 1.0, t0).unwrap();
+            server.admit(t0).unwrap();
+            b.admitted(id, 1.0);
+        }
+        let t = t0 + ms(300);
+        b.try_take(50, 1.0, t).unwrap();
+        let d = server.admit(t).unwrap_err();
+        assert_eq!(d, Duration::from_secs(5));
+        b.refused(50, t, Some(d));
+        assert_eq!((b.lower, b.window), (Some(ms(4300)), Some(ms(5300))));
+        let mut b = [b];
+        // The rest of the first window and the start of the second.
+        let (_, refusals) = drive(&mut b, &mut server, t, 5, 0, ms(1));
+        let w = b[0].window().unwrap();
+        assert!(
+            w >= Duration::from_secs(5) && w <= ms(5050),
+            "window {w:?} lower {:?} refusals {refusals}",
+            b[0].lower
+        );
+        assert!(refusals <= 3, "{refusals} refusals");
+        // The second window was full by t0 + 5 s plus the margin and the probes' narrowing.
+        let second = server.log.iter().filter(|&&a| a >= t0 + Duration::from_secs(5)).count();
+        assert!(second >= 49, "{second} sends in the second window");
     }
 
     #[tokio::test(start_paused = true)]
