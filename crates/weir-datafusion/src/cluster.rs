@@ -175,6 +175,11 @@ impl QueryStageExecutor for CancellableStage {
 /// Runs an executor until it stops; its tasks call the endpoints through `functions`.
 pub async fn executor(place: ExecutorPlace, functions: Arc<Engine>) -> Result<(), String> {
     let mut registry = BallistaFunctionRegistry::default();
+    // Ballista's registry holds DataFusion's core functions only; the array functions
+    // (`array_length`, `make_array`, `unnest`'s helpers, `v[1]`) are what embeddings need.
+    for f in datafusion::functions_nested::all_default_nested_functions() {
+        registry.scalar_functions.insert(f.name().to_string(), f);
+    }
     for udf in crate::udf::all(&functions) {
         registry.scalar_functions.insert(udf.name().to_string(), Arc::new(udf));
     }
@@ -264,8 +269,8 @@ pub enum ReachError {
     },
     /// Something answers that is not a scheduler.
     #[error(
-        "{url} is not a cluster scheduler (an executor's port? executors use --port and --grpc-port; the scheduler \
-         is at its --bind address, 127.0.0.1:50050 unless set)"
+        "{url} is not a cluster scheduler (an executor's port, or another server? executors use --port and \
+         --grpc-port; the scheduler is at its --bind address, 127.0.0.1:50050 unless set)"
     )]
     NotAScheduler {
         /// The address given.
@@ -293,6 +298,8 @@ pub async fn probe(url: &str) -> Result<(), ReachError> {
             Err(ReachError::NotAScheduler { url: url.to_string() })
         }
         Err(status) if status.code() == tonic::Code::Unavailable => Err(unreachable(status.message().to_string())),
+        // Not gRPC at all (an HTTP server such as weir sim, a metrics port).
+        Err(status) if status.code() == tonic::Code::Unknown => Err(ReachError::NotAScheduler { url: url.to_string() }),
         _ => Ok(()),
     }
 }

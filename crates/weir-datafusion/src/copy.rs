@@ -56,6 +56,13 @@ pub fn prepare(plan: LogicalPlan) -> Result<(LogicalPlan, Option<StagedCopy>)> {
     copy.output_url = staging_url;
     // The staging name's own extension must not decide the output mode.
     copy.options.insert("single_file_output".into(), "true".into());
+    // JSON lines by `.jsonl`/`.ndjson` are DataFusion's JSON writer under weir's names, which
+    // a cluster cannot ship in a plan; the file is named by the target anyway.
+    if matches!(copy.file_type.get_ext().to_ascii_lowercase().as_str(), "jsonl" | "ndjson") {
+        copy.file_type = datafusion::datasource::file_format::format_as_file_type(std::sync::Arc::new(
+            datafusion::datasource::file_format::json::JsonFormatFactory::new(),
+        ));
+    }
     Ok((LogicalPlan::Copy(copy), Some(StagedCopy { target, staging })))
 }
 
@@ -70,16 +77,44 @@ pub fn check_csv(schema: &datafusion::common::DFSchema, what: &str) -> Result<()
             DataType::Union(..) => "a union",
             _ => continue,
         };
+        let name = field.name();
+        let instead = if kind == "a struct" {
+            format!("select its fields ({name}['response'], {name}['error_kind'], …)")
+        } else {
+            format!("turn it into text (array_to_string({name}, ' ')) or leave it out")
+        };
         return datafusion::common::plan_err!(
-            "{what}: CSV cannot hold column {} ({kind}); select its fields (for a _result struct: {0}['response'], \
-             {0}['error_kind'], …) or write JSON lines or Parquet instead",
-            field.name()
+            "{what}: CSV cannot hold column {name} ({kind}); {instead}, or write JSON lines or Parquet instead"
         );
     }
     Ok(())
 }
 
 impl StagedCopy {
+    /// Creates the (empty) staging file, so that a target that cannot be written (no such
+    /// directory and none can be made, no permission, a read-only file system) fails the
+    /// statement before any model is called rather than after every call was paid for.
+    pub async fn preflight(&self, ctx: &SessionContext) -> Result<()> {
+        let cannot = |e: &dyn std::fmt::Display| {
+            DataFusionError::Plan(format!("COPY … TO '{}': cannot write there ({e})", self.target))
+        };
+        if let Ok(path) = url::Url::parse(self.staging.as_str())
+            .and_then(|u| u.to_file_path().map_err(|_| url::ParseError::EmptyHost))
+        {
+            // A local path: checked with the file system itself (object_store's local store
+            // retries a failed create by making the parent directory, without end where the
+            // parent exists but cannot hold files, as under /proc).
+            if let Some(parent) = path.parent() {
+                std::fs::create_dir_all(parent).map_err(|e| cannot(&e))?;
+            }
+            std::fs::File::create(&path).map_err(|e| cannot(&e))?;
+            return Ok(());
+        }
+        let (store, staging, _) = self.parts(ctx)?;
+        store.put(&staging, object_store::PutPayload::new()).await.map_err(|e| cannot(&e))?;
+        Ok(())
+    }
+
     /// The object store and the two paths in it.
     fn parts(&self, ctx: &SessionContext) -> Result<(std::sync::Arc<dyn object_store::ObjectStore>, Path, Path)> {
         let store = ctx.runtime_env().object_store(self.target.object_store())?;

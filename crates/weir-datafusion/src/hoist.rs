@@ -11,6 +11,9 @@
 //!   `get_field(llm_generate_result(…), 'response'), get_field(llm_generate_result(…),
 //!   'error_kind')`, and a volatile function is never merged with its copy: every field read
 //!   would be a call of its own, paid for.
+//! - a call over another call's answer (`SELECT llm_generate(m, a) FROM (SELECT
+//!   llm_generate(m, p) AS a FROM t)`, merged by DataFusion into one nested call that its async
+//!   step cannot run): the inner call is computed first, in a projection of its own.
 //! - a call that a projection and the filter right under it both make (`SELECT llm_generate(m,
 //!   p) FROM t WHERE llm_generate(m, p) IS NOT NULL`): one call per row, shared.
 //!
@@ -69,6 +72,29 @@ fn calls_in<'a>(exprs: impl IntoIterator<Item = &'a Expr>) -> Result<Vec<(Expr, 
     Ok(calls)
 }
 
+/// The distinct outermost async calls inside the arguments of other async calls in `exprs`
+/// (`llm_generate(m, llm_generate(m, p))`, which DataFusion makes of a call over a subquery's
+/// call and cannot run: its async step computes every call from the input's columns).
+fn nested_calls<'a>(exprs: impl IntoIterator<Item = &'a Expr>) -> Result<Vec<Expr>> {
+    let mut inner: Vec<Expr> = Vec::new();
+    for e in exprs {
+        e.apply(|x| {
+            if let Expr::ScalarFunction(f) = x {
+                if f.func.as_async().is_some() {
+                    for (c, _) in calls_in(&f.args)? {
+                        if !inner.contains(&c) {
+                            inner.push(c);
+                        }
+                    }
+                    return Ok(TreeNodeRecursion::Jump);
+                }
+            }
+            Ok(TreeNodeRecursion::Continue)
+        })?;
+    }
+    Ok(inner)
+}
+
 /// `calls` computed once each in a projection over `input` (which keeps every input column),
 /// and a function that rewrites an expression to read their columns instead, keeping its
 /// output name.
@@ -125,6 +151,16 @@ impl OptimizerRule for HoistModelCalls {
                 Ok(Transformed::yes(LogicalPlan::Aggregate(rewritten)))
             }
             LogicalPlan::Projection(p) => {
+                // A call over another call's answer: the inner one first, in a projection below.
+                let nested = nested_calls(&p.expr)?;
+                if !nested.is_empty() {
+                    let (projection, replace) = hoist(nested, &p.input)?;
+                    // The hoisted calls may hold calls of their own (three deep): the same again.
+                    let projection = self.rewrite(projection, _config)?.data;
+                    let exprs = p.expr.iter().map(&replace).collect::<Result<Vec<_>>>()?;
+                    let rewritten = Projection::try_new(exprs, Arc::new(projection))?;
+                    return Ok(Transformed::yes(LogicalPlan::Projection(rewritten)));
+                }
                 // A call also made by a filter right under the projection
                 // (`SELECT llm_generate(…) … WHERE llm_generate(…) IS NOT NULL`) is computed once,
                 // under the filter, for both.

@@ -204,7 +204,7 @@ impl AsyncScalarUDFImpl for LlmUdf {
             fail_on_error.push(opts.fail_on_error);
             rows.push(Row { model, prompt, id: None, call: opts.call.clone() });
         }
-        let answer = self.functions.answer(rows, self.kind.embed());
+        let answer = self.functions.answer_or_stop(rows, self.kind.embed());
         #[cfg(feature = "cluster")]
         let answer = async {
             match crate::cancel::token_of(&args.config_options) {
@@ -215,7 +215,18 @@ impl AsyncScalarUDFImpl for LlmUdf {
                 None => answer.await,
             }
         };
-        let results = answer.await.map_err(|e| DataFusionError::Configuration(format!("{name}: {e}")))?;
+        let (results, stopped) = answer.await.map_err(|e| DataFusionError::Configuration(format!("{name}: {e}")))?;
+        // A model whose calls stopped early (a rejected key, a spent daily quota, an endpoint
+        // gone) would leave every later row NULL: the query fails instead, and a COPY keeps
+        // the file it would have replaced.
+        if let Some(stop) = stopped {
+            return exec_err!(
+                "{name}: the calls stopped early ({}: {}); the query is stopped rather than \
+                 written with NULLs",
+                stop.kind,
+                stop.message
+            );
+        }
         for (i, r) in results.iter().enumerate() {
             if let (true, RowResult::Done(o, _)) = (fail_on_error[i], r) {
                 if let Outcome::Failure(f) = o.as_ref() {

@@ -246,6 +246,9 @@ async fn each_call_is_made_once_per_row_and_only_for_rows_that_pass_the_filters(
             3,
             3,
         ),
+        // A call over another call's answer (DataFusion merges them into a nested call).
+        (format!("SELECT llm_generate('{MODEL}', a) AS b FROM (SELECT {g} AS a FROM t WHERE id < 4)"), 4, 8),
+        (format!("SELECT llm_generate('{MODEL}', llm_generate('{MODEL}', {g})) AS c FROM t WHERE id < 2"), 2, 6),
     ];
     for (sql, rows, calls) in cases {
         let before = sim.stats().requests;

@@ -207,6 +207,18 @@ impl Engine {
     /// batches. Results come back in the order of `rows`. `Err` is a problem with the request
     /// itself (an unknown model, a missing key), not with a row.
     pub async fn answer(&self, rows: Vec<Row>, embed: bool) -> Result<Vec<RowResult>, String> {
+        self.answer_or_stop(rows, embed).await.map(|(results, _)| results).map_err(|e| e.to_string())
+    }
+
+    /// As [`Engine::answer`], and says whether a model's calls stopped early during this
+    /// request (a rejected key, a spent daily quota, an endpoint that stopped answering): the
+    /// rows left then failed without being tried, and a front end that writes all rows at once
+    /// (a SQL `COPY`) should fail rather than write them.
+    pub async fn answer_or_stop(
+        &self,
+        rows: Vec<Row>,
+        embed: bool,
+    ) -> Result<(Vec<RowResult>, Option<StopReason>), String> {
         let mut out: Vec<RowResult> = (0..rows.len()).map(|_| RowResult::Null).collect();
         // Groups of rows that share a model and call, in the order first seen.
         let mut groups: Vec<(Group, Members)> = Vec::new();
@@ -238,11 +250,25 @@ impl Engine {
             }
         }
         let sites = &sites;
+        let stopped_now: Mutex<Option<StopReason>> = Mutex::new(None);
+        let stopped_now = &stopped_now;
         let calls = groups.into_iter().map(|((model, call, keyed), members)| async move {
             let site = match &sites[&model] {
                 Ok(site) => site.clone(),
                 Err(message) => {
                     let error = ModelError::new(ErrorKind::InvalidInput, message.clone());
+                    // Counted under the name as given, so a summary shows the rows a misspelt
+                    // model failed.
+                    let metrics = self
+                        .by_model
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .entry(model.clone())
+                        .or_insert_with(|| Arc::new(RunMetrics::default()))
+                        .clone();
+                    for _ in 0..members.len() {
+                        metrics.record_failure(ErrorKind::InvalidInput);
+                    }
                     let (slots, outcomes): (Vec<usize>, Vec<Outcome>) = members
                         .into_iter()
                         .map(|(i, prompt, id)| {
@@ -292,7 +318,8 @@ impl Engine {
                 futures::stream::iter(records).map(|r| driver.run(r)).buffered(n).collect().await
             };
             if let Some(reason) = driver.stop_reason() {
-                *self.stopped.lock().unwrap_or_else(|e| e.into_inner()) = Some(reason);
+                *self.stopped.lock().unwrap_or_else(|e| e.into_inner()) = Some(reason.clone());
+                *stopped_now.lock().unwrap_or_else(|e| e.into_inner()) = Some(reason);
             }
             let (mut slots, mut outcomes) = (slots, outcomes);
             for (i, o) in refused {
@@ -306,6 +333,7 @@ impl Engine {
                 out[slot] = RowResult::Done(Box::new(outcome), model_id.clone());
             }
         }
-        Ok(out)
+        let stopped = stopped_now.lock().unwrap_or_else(|e| e.into_inner()).take();
+        Ok((out, stopped))
     }
 }

@@ -105,6 +105,16 @@ async fn executor(a: ExecutorArgs) -> anyhow::Result<u8> {
         slots: a.slots,
         work_dir: a.work_dir.as_ref().map(|p| p.display().to_string()),
     };
+    // Ballista reports a port in use only in its log, and may go on without the server.
+    for (flag, port) in [("--port", a.port), ("--grpc-port", a.grpc_port)] {
+        if let Err(e) = std::net::TcpListener::bind((a.host.as_str(), port)) {
+            return Err(UsageError(format!(
+                "{flag} {port}: cannot listen on {}:{port} ({e}); another executor or program uses it, pick another port",
+                a.host
+            ))
+            .into());
+        }
+    }
     eprintln!("weir: executor on {}:{} serving the scheduler at {}", a.host, a.port, a.scheduler);
     let started = Instant::now();
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
@@ -114,7 +124,7 @@ async fn executor(a: ExecutorArgs) -> anyhow::Result<u8> {
         _ = term.recv() => Ok(()),
     };
     // What this executor's calls came to, over its whole life.
-    eprint!("{}", crate::sql_cmd::summary(&functions, started.elapsed()));
+    eprint!("{}", crate::sql_cmd::summary(&functions, started.elapsed(), "weir cluster executor"));
     functions.shutdown().await;
     result.map_err(|e| anyhow::anyhow!(e))?;
     Ok(0)

@@ -151,14 +151,16 @@ async fn waiting_notice(cluster: Option<&str>) {
 
 /// True for errors in the query or its inputs (exit status 2), not in running it.
 fn is_usage(e: &DataFusionError) -> bool {
-    matches!(
-        e.find_root(),
-        DataFusionError::SQL(..)
-            | DataFusionError::Plan(_)
-            | DataFusionError::SchemaError(..)
-            | DataFusionError::Configuration(_)
-            | DataFusionError::NotImplemented(_)
-    )
+    // A cluster wraps the executor's planning error in layers find_root does not open.
+    e.to_string().contains("Error during planning")
+        || matches!(
+            e.find_root(),
+            DataFusionError::SQL(..)
+                | DataFusionError::Plan(_)
+                | DataFusionError::SchemaError(..)
+                | DataFusionError::Configuration(_)
+                | DataFusionError::NotImplemented(_)
+        )
 }
 
 /// A usage error's message, with DataFusion's words for a call of weir's functions with
@@ -199,7 +201,14 @@ pub async fn run(args: SqlArgs) -> anyhow::Result<u8> {
             weir_datafusion::register(&ctx, &functions);
             ctx
         }
-        Some(url) => cluster_session(url, config, &functions).await?,
+        Some(url) => {
+            if args.endpoint.base_url.is_some() {
+                eprintln!(
+                    "weir sql: --base-url is not used with --cluster: the executors call the models with their own flags"
+                );
+            }
+            cluster_session(url, config, &functions).await?
+        }
     };
     // Files can be queried by name too: SELECT * FROM 'out.parquet'.
     let ctx = ctx.enable_url_table();
@@ -215,7 +224,7 @@ pub async fn run(args: SqlArgs) -> anyhow::Result<u8> {
         _ = waiting_notice(args.cluster.as_deref()) => unreachable!("the notice never ends"),
     };
     match &args.cluster {
-        None => eprint!("{}", summary(&functions, started.elapsed())),
+        None => eprint!("{}", summary(&functions, started.elapsed(), "weir sql")),
         Some(_) => eprintln!(
             "weir sql: {:.2} s; the model calls ran on the cluster's executors (each prints its summary when \
              stopped and serves its counters with --metrics-listen; failed rows are NULL and counted there)",
@@ -228,7 +237,7 @@ pub async fn run(args: SqlArgs) -> anyhow::Result<u8> {
             let failed: u64 = functions.metrics_by_model().values().map(|m| m.failed.load(Relaxed)).sum();
             Ok(if failed > 0 { 1 } else { 0 })
         }
-        Err(DataFusionError::Execution(m)) if m == INTERRUPTED => {
+        Err(e) if matches!(e.find_root(), DataFusionError::Execution(m) if m == INTERRUPTED) => {
             eprintln!(
                 "weir sql: interrupted; the statement did not finish (a COPY to a directory may have left some files)"
             );
@@ -249,8 +258,27 @@ async fn run_statements(
     cluster: Option<&str>,
 ) -> Result<(), DataFusionError> {
     let statements = datafusion::sql::parser::DFParser::parse_sql(sql)?;
-    for statement in statements {
+    let many = statements.len() > 1;
+    for (i, statement) in statements.into_iter().enumerate() {
+        // With several statements, an error says which one (those before it have run).
+        let which = |e: DataFusionError| if many { e.context(format!("statement {}", i + 1)) } else { e };
+        run_statement(ctx, statement, format, cluster).await.map_err(which)?;
+    }
+    Ok(())
+}
+
+/// Plans and runs one statement (see [`run_statements`]).
+async fn run_statement(
+    ctx: &SessionContext,
+    statement: datafusion::sql::parser::Statement,
+    format: ResultFormat,
+    cluster: Option<&str>,
+) -> Result<(), DataFusionError> {
+    {
         let (plan, staged) = weir_datafusion::copy::prepare(ctx.state().statement_to_plan(statement).await?)?;
+        if let Some(staged) = &staged {
+            staged.preflight(ctx).await?;
+        }
         let ran = async {
             let frame = ctx.execute_logical_plan(plan).await?;
             if format == ResultFormat::Csv {
@@ -321,7 +349,10 @@ async fn print_rows(
             }
         }
         ResultFormat::Jsonl => {
-            let mut writer = datafusion::arrow::json::LineDelimitedWriter::new(out.lock());
+            // NULL answers are written as null, not left out: a row's keys are the same every time.
+            let mut writer = datafusion::arrow::json::WriterBuilder::new()
+                .with_explicit_nulls(true)
+                .build::<_, datafusion::arrow::json::writer::LineDelimited>(out.lock());
             while let Some(batch) = stream.next().await {
                 writer.write(&batch?)?;
             }
@@ -338,7 +369,7 @@ async fn print_rows(
 }
 
 /// The summary on stderr: per model, calls, refusals, tokens and cost.
-pub(crate) fn summary(functions: &Engine, elapsed: std::time::Duration) -> String {
+pub(crate) fn summary(functions: &Engine, elapsed: std::time::Duration, who: &str) -> String {
     let models = functions.metrics_by_model();
     if models.is_empty() {
         return String::new();
@@ -346,7 +377,7 @@ pub(crate) fn summary(functions: &Engine, elapsed: std::time::Duration) -> Strin
     let get = |f: fn(&weir_core::RunMetrics) -> u64| models.values().map(|m| f(m)).sum::<u64>();
     let (ok, failed) = (get(|m| m.succeeded.load(Relaxed)), get(|m| m.failed.load(Relaxed)));
     let mut s = format!(
-        "weir sql: {:.2} s; model calls for {} rows: {} succeeded, {} failed\n",
+        "{who}: {:.2} s; model calls for {} rows: {} succeeded, {} failed\n",
         elapsed.as_secs_f64(),
         thousands(ok + failed),
         thousands(ok),

@@ -119,6 +119,21 @@ async fn two_executors_answer_every_row_once() {
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), r#"{"answered":800}"#);
     assert_eq!(sim.stats().requests, 1600);
+    // Array functions over embeddings, and COPY to JSON lines, run on the executors too.
+    let out = weir()
+        .current_dir(&dir.0)
+        .args(["sql", "--cluster", &format!("df://127.0.0.1:{scheduler}"), "--table", "reviews=parts"])
+        .arg(
+            "COPY (SELECT key, array_length(llm_embed('gemini/gemini-embedding-001', prompt)) AS n FROM reviews \
+             WHERE n < 10) TO 'dims.jsonl'",
+        )
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let dims = std::fs::read_to_string(dir.path("dims.jsonl")).unwrap();
+    assert_eq!(dims.lines().count(), 10, "{dims}");
+    assert!(dims.lines().all(|l| serde_json::from_str::<Value>(l).unwrap()["n"].as_u64().is_some_and(|n| n > 0)));
     // Stopped, an executor prints what its calls came to.
     let child = executors.pop().unwrap();
     let pid = child.id().unwrap();

@@ -151,6 +151,58 @@ async fn a_copy_that_fails_leaves_the_earlier_file_as_it_was() {
     assert_eq!((rows[0]["n"].as_u64(), rows[0]["answered"].as_u64()), (Some(51), Some(50)));
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_endpoint_or_an_unwritable_target_keeps_the_earlier_file_and_pays_nothing_more() {
+    let dir = Dir::new("sql-stopped");
+    let (data, _) = prompts(200);
+    dir.write("in.jsonl", &data);
+    dir.write("answers.parquet", b"an earlier result");
+    let copy = "COPY (SELECT key, llm_generate('gemini/gemini-2.5-flash', prompt) AS a FROM t) TO 'answers.parquet'";
+    // A key the endpoint rejects: the calls stop early, and the query fails rather than write
+    // 200 NULLs over the earlier file.
+    let config = SimConfig { api_keys: vec!["right-key".into()], ..Default::default() };
+    let sim = SimServer::start(config, "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let out = weir()
+        .current_dir(&dir.0)
+        .env("GEMINI_API_KEY", "wrong-key")
+        .args(["sql", "--base-url", &sim.url(), "--table", "t=in.jsonl", copy])
+        .output()
+        .await
+        .unwrap();
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(3), "{err}");
+    assert!(err.contains("stopped early (auth"), "{err}");
+    assert!(sim.stats().requests < 20, "{} calls", sim.stats().requests);
+    assert_eq!(std::fs::read(dir.path("answers.parquet")).unwrap(), b"an earlier result");
+    sim.shutdown().await;
+    // A target that cannot be written: refused before any call.
+    let sim = SimServer::start(SimConfig::default(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    for target in ["/proc/out.parquet", "in.jsonl/out.parquet"] {
+        let sql = copy.replace("answers.parquet", target);
+        let out = weir()
+            .current_dir(&dir.0)
+            .args(["sql", "--base-url", &sim.url(), "--table", "t=in.jsonl", &sql])
+            .output()
+            .await
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{target}: {}", stderr(&out));
+        assert!(stderr(&out).contains("cannot write there"), "{}", stderr(&out));
+    }
+    assert_eq!(sim.stats().requests, 0);
+    sim.shutdown().await;
+    // A misspelt model in a column fails its rows, counted (exit 1), the others answered.
+    dir.write("models.jsonl", b"{\"m\": \"sim/demo\", \"p\": \"a\"}\n{\"m\": \"gemini-2.5-flash\", \"p\": \"b\"}\n");
+    let out = weir()
+        .current_dir(&dir.0)
+        .args(["sql", "--table", "t=models.jsonl", "SELECT llm_generate(m, p) AS a FROM t"])
+        .output()
+        .await
+        .unwrap();
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("invalid_input 1"), "{err}");
+}
+
 #[tokio::test]
 async fn empty_prompts_fail_without_a_call_and_an_empty_result_prints_its_header() {
     let dir = Dir::new("sql-edges");
