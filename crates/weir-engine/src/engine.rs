@@ -146,6 +146,12 @@ impl Engine {
         self.by_model.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
+    /// The counters of `model` (made on first use).
+    fn metrics_of(&self, model: &str) -> Arc<RunMetrics> {
+        let mut by_model = self.by_model.lock().unwrap_or_else(|e| e.into_inner());
+        by_model.entry(model.to_string()).or_insert_with(|| Arc::new(RunMetrics::default())).clone()
+    }
+
     /// The most recent reason a request for answers stopped early (its remaining rows failed).
     pub fn stop_reason(&self) -> Option<StopReason> {
         self.stopped.lock().unwrap_or_else(|e| e.into_inner()).clone()
@@ -186,13 +192,7 @@ impl Engine {
         if let Some(sim) = endpoint.sim {
             self.sims.lock().unwrap_or_else(|e| e.into_inner()).push(sim);
         }
-        let metrics = self
-            .by_model
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .entry(spec.to_string())
-            .or_insert_with(|| Arc::new(RunMetrics::default()))
-            .clone();
+        let metrics = self.metrics_of(&spec.to_string());
         let site = Arc::new(Site {
             handler: endpoint.handler,
             throttle: Arc::new(Throttle::new(&self.settings.throttle)),
@@ -259,13 +259,7 @@ impl Engine {
                     let error = ModelError::new(ErrorKind::InvalidInput, message.clone());
                     // Counted under the name as given, so a summary shows the rows a misspelt
                     // model failed.
-                    let metrics = self
-                        .by_model
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .entry(model.clone())
-                        .or_insert_with(|| Arc::new(RunMetrics::default()))
-                        .clone();
+                    let metrics = self.metrics_of(&model);
                     for _ in 0..members.len() {
                         metrics.record_failure(ErrorKind::InvalidInput);
                     }
