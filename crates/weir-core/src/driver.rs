@@ -10,6 +10,7 @@
 //! reached at all. Stopping cancels the run's token; records not yet tried end as `aborted`.
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -18,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::cache::{cache_key, is_deterministic, CacheKey, ResponseCache};
 use crate::error::{ErrorKind, ModelError, RetryHint};
-use crate::executor::{Done, Executor, Failed, Observer};
+use crate::executor::{Done, Executor, Failed, Observer, StreamEvent};
 use crate::handler::{ModelHandler, ModelRequest};
 use crate::metrics::RunMetrics;
 use crate::outcome::{Failure, ModelResponse, Outcome, Success};
@@ -357,11 +358,39 @@ impl Driver {
 
     /// Takes one record to its outcome.
     pub async fn run(&self, record: Record) -> Outcome {
+        self.run_with(record, None::<fn(StreamEvent) -> std::future::Ready<()>>).await
+    }
+
+    /// Takes one record to its outcome through a streamed call, handing each piece of the
+    /// answer to `on_event` as it arrives ([`StreamEvent::Restart`] when a cut stream is
+    /// made again). An answer from the response cache comes as one piece. Endpoints that
+    /// cannot stream answer the whole text as one piece.
+    pub async fn run_streamed<E, EFut>(&self, record: Record, on_event: E) -> Outcome
+    where
+        E: FnMut(StreamEvent) -> EFut,
+        EFut: Future<Output = ()>,
+    {
+        self.run_with(record, Some(on_event)).await
+    }
+
+    async fn run_with<E, EFut>(&self, record: Record, mut on_event: Option<E>) -> Outcome
+    where
+        E: FnMut(StreamEvent) -> EFut,
+        EFut: Future<Output = ()>,
+    {
         let start = Instant::now();
         let request = self.request_of(&record);
         let key = self.cache.as_ref().map(|_| cache_key(&self.source, &request, &record.id));
+        let hit = |record: Record, response: ModelResponse, on_event: Option<E>| async move {
+            if let Some(mut e) = on_event {
+                if !response.text.is_empty() {
+                    e(StreamEvent::Text(response.text.clone())).await;
+                }
+            }
+            self.hit(record, response, start)
+        };
         if let Some(response) = self.cached(key.as_ref()) {
-            return self.hit(record, response, start);
+            return hit(record, response, on_event).await;
         }
         // One request at a time per deterministic key: the others then find its answer cached.
         let _single = match (&key, is_deterministic(&request.params)) {
@@ -373,11 +402,15 @@ impl Driver {
         };
         if _single.is_some() {
             if let Some(response) = self.cached(key.as_ref()) {
-                return self.hit(record, response, start);
+                return hit(record, response, on_event).await;
             }
         }
         let weight = self.weight_of(&request);
-        let result = self.executor.run(weight, &self.rules.cancel, || self.handler.generate(&request)).await;
+        let cancel = &self.rules.cancel;
+        let result = match on_event.take() {
+            Some(e) => self.executor.run_stream(weight, cancel, || self.handler.generate_stream(&request), e).await,
+            None => self.executor.run(weight, cancel, || self.handler.generate(&request)).await,
+        };
         if let Some(k) = &key {
             let mut m = self.inflight.lock().unwrap_or_else(|e| e.into_inner());
             if m.get(k).is_some_and(|a| Arc::strong_count(a) <= 2) {

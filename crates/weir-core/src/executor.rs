@@ -42,6 +42,11 @@ pub trait Metered {
     fn limits(&self) -> Option<LimitInfo> {
         None
     }
+    /// For a streamed answer, the time from sending to its first text: the latency the
+    /// adaptive concurrency limit learns from instead of the whole call's.
+    fn first_token(&self) -> Option<Duration> {
+        None
+    }
 }
 
 impl Metered for ModelResponse {
@@ -154,7 +159,8 @@ impl Executor {
             Err(_) => Err(ModelError::new(ErrorKind::Timeout, format!("no answer within {:?}", self.timeout))),
         };
         self.metrics.record_latency(sent.elapsed());
-        admitted.finish(result.as_ref().map(|v| (v.usage(), v.limits())));
+        let first_token = result.as_ref().ok().and_then(Metered::first_token);
+        admitted.finish_timed(result.as_ref().map(|v| (v.usage(), v.limits())), first_token);
         match &result {
             Ok(_) => self.observer.answered(),
             Err(e) => {
@@ -328,22 +334,43 @@ impl Executor {
 }
 
 /// What the consumer of a streamed call sees while it runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StreamEvent<'a> {
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StreamEvent {
     /// More text of the answer, in order.
-    Text(&'a str),
+    Text(String),
     /// The call is being made again from the start: discard the text seen so far.
     Restart,
 }
 
+/// A streamed call's answer with its time to first token, which the throttle learns from.
+struct Streamed {
+    response: ModelResponse,
+    first_token: Option<Duration>,
+}
+
+impl Metered for Streamed {
+    fn usage(&self) -> Usage {
+        self.response.usage
+    }
+    fn limits(&self) -> Option<LimitInfo> {
+        self.response.limits
+    }
+    fn first_token(&self) -> Option<Duration> {
+        self.first_token
+    }
+}
+
 impl Executor {
-    /// Takes one streamed call to its whole answer, passing each piece of text to `on_event` as
-    /// it arrives. `open` makes the request (once per attempt) and answers the stream. The time
-    /// from sending to the first text is recorded as time to first token. A stream that fails
-    /// or is cut part-way is retried from the start like any failed call; a consumer that was
-    /// given text for it gets [`StreamEvent::Restart`] first. The answer returned has the whole
-    /// text, so it can be written and cached as if it had not been streamed.
-    pub async fn run_stream<F, Fut, E>(
+    /// Takes one streamed call to its whole answer, handing each piece of text to `on_event`
+    /// as it arrives (and waiting for it: a slow consumer slows the stream, never loses
+    /// text). `open` makes the request (once per attempt) and answers the stream. The time
+    /// from sending to the first text is recorded as time to first token, the gaps between
+    /// pieces as inter-token latency, and the adaptive concurrency limit learns from the time
+    /// to first token. A stream that fails or is cut part-way is retried from the start like
+    /// any failed call; a consumer that was given text for it gets [`StreamEvent::Restart`]
+    /// first. The answer returned has the whole text, so it can be written and cached as if it
+    /// had not been streamed.
+    pub async fn run_stream<F, Fut, E, EFut>(
         &self,
         weight: Weight,
         cancel: &CancellationToken,
@@ -353,49 +380,63 @@ impl Executor {
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<DeltaStream, ModelError>>,
-        E: FnMut(StreamEvent<'_>) + Send,
+        E: FnMut(StreamEvent) -> EFut,
+        EFut: Future<Output = ()>,
     {
         use futures::StreamExt;
-        // (consumer, whether it holds text of an attempt that did not finish)
-        let consumer = std::sync::Mutex::new((on_event, false));
+        // (consumer, whether it holds text of an attempt that did not finish). Attempts run
+        // one after another, so the lock is never contended; it only lets each attempt's
+        // future borrow the consumer.
+        let consumer = tokio::sync::Mutex::new((on_event, false));
         let consumer = &consumer;
         let metrics = &self.metrics;
-        self.run(weight, cancel, move || {
-            let opened = open();
-            async move {
-                let sent = Instant::now();
-                {
-                    let mut c = consumer.lock().unwrap_or_else(|p| p.into_inner());
-                    if c.1 {
-                        (c.0)(StreamEvent::Restart);
-                        c.1 = false;
+        let done = self
+            .run(weight, cancel, move || {
+                let opened = open();
+                async move {
+                    let sent = Instant::now();
+                    {
+                        let mut c = consumer.lock().await;
+                        if c.1 {
+                            c.1 = false;
+                            (c.0)(StreamEvent::Restart).await;
+                        }
                     }
-                }
-                let mut stream = opened.await?;
-                let mut text = String::new();
-                while let Some(item) = stream.next().await {
-                    match item? {
-                        Delta::Text(t) if t.is_empty() => {}
-                        Delta::Text(t) => {
-                            if text.is_empty() {
-                                metrics.record_first_token(sent.elapsed());
+                    let mut stream = opened.await?;
+                    let mut text = String::new();
+                    let mut first_token = None;
+                    let mut last_piece = sent;
+                    while let Some(item) = stream.next().await {
+                        match item? {
+                            Delta::Text(t) if t.is_empty() => {}
+                            Delta::Text(t) => {
+                                let now = Instant::now();
+                                match first_token {
+                                    None => {
+                                        let ttft = now.duration_since(sent);
+                                        metrics.record_first_token(ttft);
+                                        first_token = Some(ttft);
+                                    }
+                                    Some(_) => metrics.record_inter_token(now.duration_since(last_piece)),
+                                }
+                                last_piece = now;
+                                text.push_str(&t);
+                                let mut c = consumer.lock().await;
+                                c.1 = true;
+                                (c.0)(StreamEvent::Text(t)).await;
                             }
-                            let mut c = consumer.lock().unwrap_or_else(|p| p.into_inner());
-                            (c.0)(StreamEvent::Text(&t));
-                            c.1 = true;
-                            text.push_str(&t);
-                        }
-                        Delta::End(mut whole) => {
-                            whole.text = text;
-                            consumer.lock().unwrap_or_else(|p| p.into_inner()).1 = false;
-                            return Ok(whole);
+                            Delta::End(mut whole) => {
+                                whole.text = text;
+                                consumer.lock().await.1 = false;
+                                return Ok(Streamed { response: whole, first_token });
+                            }
                         }
                     }
+                    Err(ModelError::new(ErrorKind::Transport, "the streamed answer was cut before its end"))
                 }
-                Err(ModelError::new(ErrorKind::Transport, "the streamed answer was cut before its end"))
-            }
-        })
-        .await
+            })
+            .await?;
+        Ok(Done { value: done.value.response, attempts: done.attempts, latency: done.latency })
     }
 }
 
@@ -642,9 +683,10 @@ mod tests {
                 },
                 |e| {
                     events.lock().unwrap().push(match e {
-                        StreamEvent::Text(t) => t.to_string(),
+                        StreamEvent::Text(t) => t,
                         StreamEvent::Restart => "<restart>".to_string(),
-                    })
+                    });
+                    std::future::ready(())
                 },
             )
             .await
@@ -652,6 +694,85 @@ mod tests {
         assert_eq!(done.value.text, "abc");
         assert_eq!(done.attempts, 3);
         assert_eq!(events.into_inner().unwrap(), ["a", "b", "<restart>", "a", "b", "c"]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stream_measures_first_token_and_the_gaps_between_pieces() {
+        use crate::handler::{Delta, DeltaStream};
+        let ex = executor(0);
+        let cancel = CancellationToken::new();
+        // First text after 100 ms, then a piece every 10 ms, then the end after 50 ms more.
+        let open = || async {
+            let pieces = futures::stream::unfold(0u32, |i| async move {
+                let (wait, item) = match i {
+                    0 => (100, Delta::Text("a".into())),
+                    1..=3 => (10, Delta::Text("b".into())),
+                    4 => (50, Delta::End(answer(""))),
+                    _ => return None,
+                };
+                tokio::time::sleep(Duration::from_millis(wait)).await;
+                Some((Ok(item), i + 1))
+            });
+            Ok(Box::pin(pieces) as DeltaStream)
+        };
+        let seen = Mutex::new(Vec::new());
+        let done = ex
+            .run_stream(Weight::default(), &cancel, open, |e| {
+                seen.lock().unwrap().push((tokio::time::Instant::now(), e));
+                std::future::ready(())
+            })
+            .await
+            .unwrap();
+        assert_eq!(done.value.text, "abbb");
+        // Each piece reached the consumer when it arrived, not at the end.
+        let seen = seen.into_inner().unwrap();
+        assert_eq!(seen.len(), 4);
+        assert_eq!(seen[1].0 - seen[0].0, Duration::from_millis(10));
+        let near = |d: Duration, ms: f64| (d.as_secs_f64() * 1000.0 - ms).abs() <= ms * 0.02;
+        let ttft = ex.metrics().first_token().unwrap();
+        assert_eq!(ttft.count, 1);
+        assert!(near(ttft.p50, 100.0), "{ttft:?}");
+        let gaps = ex.metrics().inter_token().unwrap();
+        assert_eq!(gaps.count, 3);
+        assert!(near(gaps.p99, 10.0), "{gaps:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_adaptive_limit_learns_from_first_tokens_not_from_answer_lengths() {
+        use crate::handler::{Delta, DeltaStream};
+        use futures::StreamExt;
+        // Streamed answers that get ever longer (whole calls from 0.1 s to 6 s) while the
+        // endpoint's time to first token stays at 50 ms: nothing says the endpoint is loaded.
+        // Judged by whole-call latency, the limit would have been cut again and again.
+        let settings = ThrottleSettings { adaptive: true, max_concurrency: 64, ..ThrottleSettings::default() };
+        let ex = Arc::new(Executor::new(
+            Arc::new(Throttle::new(&settings)),
+            RetryPolicy::default(),
+            Duration::from_secs(60),
+            Arc::new(RunMetrics::default()),
+        ));
+        let cancel = CancellationToken::new();
+        let calls = (0..400u64).map(|i| {
+            let (ex, cancel) = (ex.clone(), cancel.clone());
+            async move {
+                let open = move || async move {
+                    let pieces = futures::stream::unfold(0u64, move |k| async move {
+                        let (wait, item) = match k {
+                            0 => (50, Delta::Text("a".into())),
+                            1 => (50 + i * 15, Delta::End(answer(""))),
+                            _ => return None,
+                        };
+                        tokio::time::sleep(Duration::from_millis(wait)).await;
+                        Some((Ok(item), k + 1))
+                    });
+                    Ok(Box::pin(pieces) as DeltaStream)
+                };
+                ex.run_stream(Weight::default(), &cancel, open, |_| std::future::ready(())).await.unwrap();
+            }
+        });
+        futures::stream::iter(calls).buffer_unordered(64).collect::<Vec<_>>().await;
+        let limit = ex.throttle().concurrency();
+        assert!(limit >= 32, "the limit fell to {limit}");
     }
 
     #[tokio::test]

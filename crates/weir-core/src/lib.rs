@@ -30,7 +30,7 @@ pub use executor::{Done, Executor, Failed, Metered, NoObserver, Observer, Stream
 pub use handler::{BatchAnswer, Delta, DeltaStream, ModelHandler, ModelRequest};
 pub use jobs::{JobApi, JobLimits, JobRef, JobResult, JobStaging, JobState, JobStatus};
 pub use limit::{Adaptive, AdaptiveLimit, CallResult, ConcurrencyLimit, FixedLimit, Gate};
-pub use metrics::RunMetrics;
+pub use metrics::{Percentiles, RunMetrics};
 pub use outcome::{Failure, LimitInfo, ModelResponse, Outcome, Success, Usage};
 pub use params::{GenParams, ParamError};
 pub use record::{PromptSource, Record, RecordId, RecordSpec, Template, TemplateError};

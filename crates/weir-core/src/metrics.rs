@@ -63,6 +63,46 @@ pub struct RunMetrics {
     /// Records by how long they waited for their batch: counts per [`WAIT_BOUNDS_MS`] bucket.
     batch_waits: [AtomicU64; WAIT_BOUNDS_MS.len() + 1],
     failures_by_kind: Mutex<BTreeMap<ErrorKind, u64>>,
+    /// Streamed calls: time from sending to the first text.
+    first_token: Sketch,
+    /// Streamed calls: time between one piece of text and the next.
+    inter_token: Sketch,
+}
+
+/// A distribution of durations in constant memory (a DDSketch: quantiles within 1 % of the
+/// true value), so a run of millions of streamed tokens can report its percentiles.
+#[derive(Default)]
+struct Sketch(Mutex<sketches_ddsketch::DDSketch>);
+
+impl std::fmt::Debug for Sketch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Sketch")
+    }
+}
+
+impl Sketch {
+    fn add(&self, d: Duration) {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).add(d.as_secs_f64());
+    }
+
+    fn summary(&self) -> Option<Percentiles> {
+        let s = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let q = |q: f64| Duration::from_secs_f64(s.quantile(q).ok().flatten().unwrap_or(0.0).max(0.0));
+        (s.count() > 0).then(|| Percentiles { count: s.count() as u64, p50: q(0.5), p95: q(0.95), p99: q(0.99) })
+    }
+}
+
+/// Percentiles of a distribution of durations.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Percentiles {
+    /// How many were measured.
+    pub count: u64,
+    /// The median.
+    pub p50: Duration,
+    /// The 95th percentile.
+    pub p95: Duration,
+    /// The 99th percentile.
+    pub p99: Duration,
 }
 
 /// Upper bounds (milliseconds) of the buckets batch waits are counted in.
@@ -130,7 +170,24 @@ impl RunMetrics {
 
     /// Records the time from sending a streamed call to its first text.
     pub fn record_first_token(&self, d: Duration) {
+        self.first_token.add(d);
         metrics::histogram!("weir_time_to_first_token_seconds").record(d.as_secs_f64());
+    }
+
+    /// Records the time between two pieces of a streamed answer.
+    pub fn record_inter_token(&self, d: Duration) {
+        self.inter_token.add(d);
+        metrics::histogram!("weir_inter_token_seconds").record(d.as_secs_f64());
+    }
+
+    /// Time to first token of the streamed calls so far (`None`: nothing streamed).
+    pub fn first_token(&self) -> Option<Percentiles> {
+        self.first_token.summary()
+    }
+
+    /// Time between pieces of streamed answers so far (`None`: no answer had two pieces).
+    pub fn inter_token(&self) -> Option<Percentiles> {
+        self.inter_token.summary()
     }
 
     /// Adds time spent held by the gate.
@@ -208,6 +265,11 @@ impl RunMetrics {
             metrics::Unit::Seconds,
             "Time from sending a streamed call to its first text."
         );
+        metrics::describe_histogram!(
+            "weir_inter_token_seconds",
+            metrics::Unit::Seconds,
+            "Time between one piece of a streamed answer and the next."
+        );
         metrics::describe_counter!("weir_batches_total", "Batched calls sent (retries and split halves included).");
         metrics::describe_counter!("weir_batch_items_total", "Records carried by batched calls.");
         metrics::describe_counter!(
@@ -269,5 +331,19 @@ mod tests {
         m.add_throttled(Duration::from_secs(2));
         assert_eq!(RunMetrics::get(&m.throttled_micros), 32_000_000);
         assert_eq!(RunMetrics::get(&m.throttled_wall_micros), 12_000_000);
+    }
+
+    #[test]
+    fn stream_latencies_have_percentiles_within_a_percent() {
+        let m = RunMetrics::default();
+        assert_eq!(m.first_token(), None);
+        for ms in 1..=1000u64 {
+            m.record_first_token(Duration::from_millis(ms));
+        }
+        let p = m.first_token().unwrap();
+        assert_eq!(p.count, 1000);
+        let near = |d: Duration, ms: f64| (d.as_secs_f64() * 1000.0 - ms).abs() <= ms * 0.02;
+        assert!(near(p.p50, 500.0) && near(p.p95, 950.0) && near(p.p99, 990.0), "{p:?}");
+        assert_eq!(m.inter_token(), None);
     }
 }

@@ -192,8 +192,15 @@ impl Throttle {
 impl Admitted<'_> {
     /// Reports how the call went (usage and rate-limit headers of an answer, or the error):
     /// frees the slot, corrects the budgets, and teaches the limits.
-    pub fn finish(mut self, result: Result<(Usage, Option<LimitInfo>), &ModelError>) {
-        let latency = self.sent.elapsed();
+    pub fn finish(self, result: Result<(Usage, Option<LimitInfo>), &ModelError>) {
+        self.finish_timed(result, None)
+    }
+
+    /// As [`finish`](Self::finish), teaching the concurrency limit `latency` instead of the
+    /// time since admission: a streamed call reports its time to first token, which tracks the
+    /// endpoint's load, where the whole call's time mostly tracks the answer's length.
+    pub fn finish_timed(mut self, result: Result<(Usage, Option<LimitInfo>), &ModelError>, latency: Option<Duration>) {
+        let latency = latency.unwrap_or_else(|| self.sent.elapsed());
         drop(self.permit.take());
         let t = self.throttle;
         if let Some(ticket) = self.ticket.take() {

@@ -118,6 +118,12 @@ impl JsonlWriter {
         Ok(())
     }
 
+    /// Writes one line that is not a row (a stream event): not counted in [`rows`](Self::rows).
+    pub fn write_line<T: Serialize>(&mut self, line: &T) -> io::Result<()> {
+        serde_json::to_writer(&mut self.out, line).map_err(io::Error::other)?;
+        self.out.write_all(b"\n")
+    }
+
     /// Rows written.
     pub fn rows(&self) -> u64 {
         self.rows
@@ -249,4 +255,21 @@ mod tests {
         );
         assert_eq!(default_errors_path(&OutputPath::parse("res")), OutputPath::File("res.errors.jsonl".into()));
     }
+}
+
+/// A piece of a streamed answer, as `--stream` writes it: `{"id", "seq", "delta"}`, or
+/// `{"id", "seq", "restart": true}` when the call is made again from the start (the consumer
+/// drops the text it holds for that id). `seq` counts a record's events from 0.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct EventRow {
+    /// The record's id, as its rows write it.
+    pub id: RecordId,
+    /// The event's place among the record's events, from 0.
+    pub seq: u64,
+    /// More text of the answer, in order.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub delta: Option<String>,
+    /// The text so far is void: the call is being made again.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub restart: bool,
 }

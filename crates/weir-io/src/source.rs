@@ -49,6 +49,25 @@ pub async fn open(input: &InputPath) -> io::Result<Box<dyn AsyncRead + Send + Un
     })
 }
 
+/// Line `n` as read (with its line ending), or `None` when it is blank: blank lines are not
+/// records, but they are counted, so a line number always points at the file.
+fn record_line(n: u64, mut bytes: Vec<u8>) -> Option<RawLine> {
+    if bytes.last() == Some(&b'\n') {
+        bytes.pop();
+    }
+    if bytes.last() == Some(&b'\r') {
+        bytes.pop();
+    }
+    // A UTF-8 byte-order mark (as some editors and Excel write) is not data.
+    if n == 1 && bytes.starts_with(BOM) {
+        bytes.drain(..BOM.len());
+    }
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        return None;
+    }
+    Some(RawLine { line: n, bytes, malformed: None })
+}
+
 /// The lines of a reader as a stream. Blank lines are not records and are skipped; line
 /// numbers still count them, so a line number always points at the file.
 pub fn lines(reader: Box<dyn AsyncRead + Send + Unpin>) -> impl Stream<Item = io::Result<RawLine>> + Send {
@@ -63,22 +82,97 @@ pub fn lines(reader: Box<dyn AsyncRead + Send + Unpin>) -> impl Stream<Item = io
                 Ok(0) => return None,
                 Ok(_) => {
                     n += 1;
-                    if bytes.last() == Some(&b'\n') {
-                        bytes.pop();
+                    match record_line(n, bytes) {
+                        Some(line) => return Some((Ok(line), (reader, n, false))),
+                        None => continue,
                     }
-                    if bytes.last() == Some(&b'\r') {
-                        bytes.pop();
-                    }
-                    // A UTF-8 byte-order mark (as some editors and Excel write) is not data.
-                    if n == 1 && bytes.starts_with(BOM) {
-                        bytes.drain(..BOM.len());
-                    }
-                    if bytes.iter().all(u8::is_ascii_whitespace) {
-                        continue;
-                    }
-                    return Some((Ok(RawLine { line: n, bytes, malformed: None }), (reader, n, false)));
                 }
                 Err(e) => return Some((Err(e), (reader, n, true))),
+            }
+        }
+    })
+}
+
+/// How often a followed file is looked at for more lines when there were none.
+pub const FOLLOW_POLL: std::time::Duration = std::time::Duration::from_millis(10);
+
+/// The lines of a file that keeps growing (`tail -f`): at its end it waits for more, every
+/// `poll`, and never ends. A last line without its newline is still being written and is
+/// not read until the newline comes. The file must only grow: one that shrinks (truncated) or
+/// whose path now names another file (rotated) ends the stream with an error, since lines
+/// already read — and the line numbers that make records resumable — would no longer mean
+/// what they meant.
+pub fn follow(path: PathBuf, poll: std::time::Duration) -> impl Stream<Item = io::Result<RawLine>> + Send {
+    struct Followed {
+        path: PathBuf,
+        reader: Option<BufReader<tokio::fs::File>>,
+        /// The file's identity (device, inode), to notice a rotation.
+        id: (u64, u64),
+        /// Bytes read up to the end of the last whole line.
+        offset: u64,
+        /// A last line read without its newline, yet.
+        partial: Vec<u8>,
+        n: u64,
+        failed: bool,
+    }
+    async fn identity(path: &Path) -> io::Result<((u64, u64), u64)> {
+        use std::os::unix::fs::MetadataExt;
+        let m = tokio::fs::metadata(path).await?;
+        Ok(((m.dev(), m.ino()), m.len()))
+    }
+    let state = Followed { path, reader: None, id: (0, 0), offset: 0, partial: Vec::new(), n: 0, failed: false };
+    futures::stream::unfold(state, move |mut st| async move {
+        if st.failed {
+            return None;
+        }
+        let fail = |mut st: Followed, e: io::Error| {
+            st.failed = true;
+            Some((Err(e), st))
+        };
+        if st.reader.is_none() {
+            let file = match tokio::fs::File::open(&st.path).await {
+                Ok(f) => f,
+                Err(e) => return fail(st, e),
+            };
+            match identity(&st.path).await {
+                Ok((id, _)) => st.id = id,
+                Err(e) => return fail(st, e),
+            }
+            st.reader = Some(BufReader::with_capacity(BUFFER, file));
+        }
+        loop {
+            let reader = st.reader.as_mut().expect("opened above");
+            let before = st.partial.len();
+            match reader.read_until(b'\n', &mut st.partial).await {
+                Err(e) => return fail(st, e),
+                Ok(_) if st.partial.last() == Some(&b'\n') => {
+                    st.offset += st.partial.len() as u64;
+                    st.n += 1;
+                    match record_line(st.n, std::mem::take(&mut st.partial)) {
+                        Some(line) => return Some((Ok(line), st)),
+                        None => continue,
+                    }
+                }
+                Ok(read) => {
+                    // At the end (perhaps inside a line): wait for more, unless the file
+                    // shrank or was replaced.
+                    debug_assert_eq!(st.partial.len(), before + read);
+                    match identity(&st.path).await {
+                        Ok((id, len)) if id == st.id && len >= st.offset + st.partial.len() as u64 => {}
+                        Ok((id, _)) => {
+                            let what = if id == st.id { "shrank (truncated?)" } else { "was replaced (rotated?)" };
+                            let msg = format!(
+                                "{} {what} while it was followed after line {}; weir follows one file that only \
+                                 grows. Start a new run for the new data (another --output, or --fresh)",
+                                st.path.display(),
+                                st.n
+                            );
+                            return fail(st, io::Error::new(io::ErrorKind::InvalidData, msg));
+                        }
+                        Err(e) => return fail(st, e),
+                    }
+                    tokio::time::sleep(poll).await;
+                }
             }
         }
     })
@@ -126,6 +220,47 @@ mod tests {
         assert_eq!((got[0].line, got[0].bytes.as_slice()), (1, &b"{\"a\":1}"[..]));
         assert_eq!(got[1].line, 4);
         assert_eq!((got[2].line, got[2].bytes.as_slice()), (5, &b"{\"a\":3}"[..]));
+    }
+
+    #[tokio::test]
+    async fn a_followed_file_gives_whole_lines_as_they_are_written_and_notices_a_truncation() {
+        use std::io::Write;
+        let path = std::env::temp_dir().join(format!("weir-io-follow-{}", std::process::id()));
+        std::fs::write(&path, b"{\"a\":1}\n\n").unwrap();
+        let mut lines = Box::pin(follow(path.clone(), std::time::Duration::from_millis(5)));
+        let first: RawLine = tokio::time::timeout(std::time::Duration::from_secs(5), lines.next())
+            .await
+            .expect("in time")
+            .unwrap()
+            .unwrap();
+        assert_eq!((first.line, first.bytes.as_slice()), (1, &b"{\"a\":1}"[..]));
+        // Nothing more yet: the stream waits rather than ends.
+        assert!(tokio::time::timeout(std::time::Duration::from_millis(50), lines.next()).await.is_err());
+        // A line written in two pieces is read once, whole.
+        let mut f = std::fs::OpenOptions::new().append(true).open(&path).unwrap();
+        f.write_all(b"{\"a\":").unwrap();
+        f.flush().unwrap();
+        assert!(tokio::time::timeout(std::time::Duration::from_millis(50), lines.next()).await.is_err());
+        f.write_all(b"2}\n").unwrap();
+        let second = tokio::time::timeout(std::time::Duration::from_secs(5), lines.next())
+            .await
+            .expect("in time")
+            .unwrap()
+            .unwrap();
+        assert_eq!((second.line, second.bytes.as_slice()), (3, &b"{\"a\":2}"[..]));
+        // Truncated: an error that says so, then the end.
+        f.set_len(0).unwrap();
+        let err = tokio::time::timeout(std::time::Duration::from_secs(5), lines.next())
+            .await
+            .expect("in time")
+            .unwrap()
+            .unwrap_err();
+        assert!(err.to_string().contains("shrank"), "{err}");
+        assert!(tokio::time::timeout(std::time::Duration::from_secs(5), lines.next())
+            .await
+            .expect("in time")
+            .is_none());
+        std::fs::remove_file(&path).unwrap();
     }
 
     #[test]

@@ -24,14 +24,29 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use weir_core::{Failure, Success};
 
-use crate::sink::{ErrorRow, JsonlWriter, ResultRow};
+use crate::sink::{ErrorRow, EventRow, JsonlWriter, ResultRow};
 
 /// How the thread is set up.
+#[derive(Default)]
 pub struct WriterSettings {
     /// Make rows durable about once a second (`fdatasync`), for a resumable run.
     pub journal: bool,
     /// Called after each durable sync (e.g. to make the response cache durable too).
     pub on_sync: Option<Box<dyn Fn() + Send + Sync>>,
+    /// Hand rows to the kernel as soon as no other row is waiting, also without a journal: a
+    /// consumer is reading them as they come (a stream input that may never end, streamed
+    /// answers), so a row must not wait in a buffer for the next one.
+    pub flush_when_idle: bool,
+    /// Where stream events go, if the run streams.
+    pub events: Option<Events>,
+}
+
+/// Where a writer thread writes stream events.
+pub enum Events {
+    /// A file of their own.
+    File(JsonlWriter),
+    /// Between the result rows (`--output -`): each record's events come before its row.
+    WithResults,
 }
 
 /// An outcome on its way to a writer thread.
@@ -40,6 +55,8 @@ pub enum Row {
     Success(Box<Success>),
     /// An error row.
     Failure(Box<Failure>),
+    /// A piece of a streamed answer (not a row of either file: never counted or journaled).
+    Event(Box<EventRow>),
 }
 
 /// Rows written in all: (results, errors).
@@ -52,6 +69,22 @@ pub struct RowWriter {
     tx: Option<mpsc::Sender<Row>>,
     failed: Arc<Mutex<Option<String>>>,
     thread: Option<JoinHandle<(Counts, io::Result<()>)>>,
+}
+
+/// Sends stream events to a writer thread, from any task. It does not keep the thread alive:
+/// once the writer is finished, events are dropped (no call is streaming by then).
+#[derive(Clone)]
+pub struct EventSender {
+    tx: mpsc::WeakSender<Row>,
+}
+
+impl EventSender {
+    /// Queues an event, waiting while the queue is full (a slow disk slows the stream).
+    pub async fn send(&self, event: EventRow) {
+        if let Some(tx) = self.tx.upgrade() {
+            let _ = tx.send(Row::Event(Box::new(event))).await;
+        }
+    }
 }
 
 /// What a writer thread is given: its end of the channel, and where to report its first error.
@@ -91,6 +124,15 @@ fn next_row(rx: &mut mpsc::Receiver<Row>, idle: impl FnOnce()) -> Option<Row> {
         Ok(row) => Some(row),
         Err(TryRecvError::Disconnected) => None,
     }
+}
+
+/// Hands what is buffered to the kernel: the events file first, so that a record's events
+/// are out before its row.
+fn flush_all(events: &mut Option<JsonlWriter>, results: &mut JsonlWriter, errors: &mut JsonlWriter) -> io::Result<()> {
+    if let Some(f) = events.as_mut() {
+        f.flush()?;
+    }
+    results.flush().and_then(|()| errors.flush())
 }
 
 /// Tells senders that writing has failed (they see it at their next send).
@@ -161,13 +203,42 @@ impl RowWriter {
         Ok(Self { tx: Some(tx), failed, thread: Some(thread) })
     }
 
-    /// Starts the thread that owns the JSONL files `results` and `errors`.
+    /// Starts a thread that writes only stream events, to `events` (beside a writer of tables,
+    /// whose rows are not lines of a file).
+    pub fn spawn_events(mut events: JsonlWriter) -> io::Result<Self> {
+        Self::start("weir-events", QUEUE, move |WriterThread { rows: mut rx, failed }| {
+            let mut end = Ok(());
+            while let Some(row) = next_row(&mut rx, || {
+                if end.is_ok() {
+                    end = events.flush();
+                }
+            }) {
+                if let (Row::Event(e), Ok(())) = (row, &end) {
+                    end = events.write_line(&*e);
+                }
+                if let Err(e) = &end {
+                    report(&failed, e);
+                }
+            }
+            let end = end.and_then(|()| events.flush());
+            ((0, 0), end)
+        })
+    }
+
+    /// Starts the thread that owns the JSONL files `results` and `errors` (and the events
+    /// file, when the run streams).
     pub fn spawn(mut results: JsonlWriter, mut errors: JsonlWriter, settings: WriterSettings) -> io::Result<Self> {
         Self::start("weir-writer", QUEUE, move |WriterThread { rows: mut rx, failed: failed_in }| {
             let mut last_sync = Instant::now();
             let mut unflushed = 0usize;
             let mut error: Option<io::Error> = None;
             let on_sync = settings.on_sync.map(Arc::new);
+            let flush_when_idle = settings.journal || settings.flush_when_idle;
+            let (mut events, events_with_results) = match settings.events {
+                Some(Events::File(f)) => (Some(f), false),
+                Some(Events::WithResults) => (None, true),
+                None => (None, false),
+            };
             let background = if settings.journal {
                 match Syncer::spawn(&results, &errors, on_sync.clone(), failed_in.clone()) {
                     Ok(s) => Some(s),
@@ -195,10 +266,11 @@ impl RowWriter {
             };
             while let Some(row) = next_row(&mut rx, || {
                 // No row is waiting: hand what is buffered to the kernel (with a journal, a
-                // row still buffered is as unfinished as one still queued).
-                if settings.journal && unflushed > 0 && error.is_none() {
+                // row still buffered is as unfinished as one still queued). Events first, so
+                // that a record's events are out before its row.
+                if flush_when_idle && unflushed > 0 && error.is_none() {
                     unflushed = 0;
-                    if let Err(e) = results.flush().and_then(|()| errors.flush()) {
+                    if let Err(e) = flush_all(&mut events, &mut results, &mut errors) {
                         report(&failed_in, &e);
                         error = Some(e);
                     }
@@ -217,14 +289,19 @@ impl RowWriter {
                 let mut written = match &row {
                     Row::Success(s) => results.write(&ResultRow::of(s)),
                     Row::Failure(f) => errors.write(&ErrorRow::of(f)),
+                    Row::Event(e) => match events.as_mut() {
+                        Some(file) => file.write_line(e),
+                        None if events_with_results => results.write_line(e),
+                        None => Ok(()),
+                    },
                 };
-                // With a journal, rows reach the kernel (where a killed process cannot lose
-                // them) as soon as no other row is waiting (in `next_row`'s idle step), or
-                // after FLUSH_EVERY rows: one `write` for a burst of rows, not one per row.
+                // Rows reach the kernel (where a killed process cannot lose them) as soon as
+                // no other row is waiting (in `next_row`'s idle step), or after FLUSH_EVERY
+                // rows: one `write` for a burst of rows, not one per row.
                 unflushed += 1;
-                if settings.journal && written.is_ok() && unflushed >= FLUSH_EVERY {
+                if flush_when_idle && written.is_ok() && unflushed >= FLUSH_EVERY {
                     unflushed = 0;
-                    written = results.flush().and_then(|()| errors.flush());
+                    written = flush_all(&mut events, &mut results, &mut errors);
                 }
                 if written.is_ok() && last_sync.elapsed() >= Duration::from_secs(1) {
                     last_sync = Instant::now();
@@ -244,10 +321,17 @@ impl RowWriter {
             }
             let end = match error {
                 Some(e) => Err(e),
-                None => sync(&mut results, &mut errors),
+                None => {
+                    events.as_mut().map_or(Ok(()), JsonlWriter::flush).and_then(|()| sync(&mut results, &mut errors))
+                }
             };
             ((results.rows(), errors.rows()), end)
         })
+    }
+
+    /// A sender of stream events to this writer, for the calls that stream.
+    pub fn events(&self) -> Option<EventSender> {
+        self.tx.as_ref().map(|tx| EventSender { tx: tx.downgrade() })
     }
 
     fn check(&self) -> Result<(), String> {

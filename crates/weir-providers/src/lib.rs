@@ -495,7 +495,11 @@ pub async fn connect(
                 }
                 EndpointFormat::RawPredict => {
                     let url = format!("{}/endpoints/{id}:rawPredict", site.root("v1"));
-                    Arc::new(OpenAiHandler::at(client, url, String::new(), spec.to_string(), credential))
+                    let stream_url = format!("{}/endpoints/{id}:streamRawPredict", site.root("v1"));
+                    Arc::new(
+                        OpenAiHandler::at(client, url, String::new(), spec.to_string(), credential)
+                            .with_stream_url(stream_url),
+                    )
                 }
             };
             Ok(Endpoint { handler, sim: None })

@@ -17,6 +17,9 @@ use crate::http::{
 pub struct OpenAiHandler {
     client: reqwest::Client,
     url: String,
+    /// Where streamed calls go: the same URL, but for Vertex AI's `:rawPredict`, whose
+    /// streaming form is `:streamRawPredict`.
+    stream_url: String,
     endpoint: String,
     model: String,
     model_id: String,
@@ -61,7 +64,13 @@ impl OpenAiHandler {
     pub fn at(client: reqwest::Client, url: String, model: String, model_id: String, credential: Credential) -> Self {
         let endpoint = url.clone();
         let bpe = tokenizer_for(&model);
-        Self { client, url, endpoint, model, model_id, credential, bpe }
+        Self { client, stream_url: url.clone(), url, endpoint, model, model_id, credential, bpe }
+    }
+
+    /// Sends streamed calls to `url` instead (Vertex AI's `:streamRawPredict`).
+    pub fn with_stream_url(mut self, url: String) -> Self {
+        self.stream_url = url;
+        self
     }
 
     /// The request body for `request`.
@@ -292,7 +301,7 @@ impl ModelHandler for OpenAiHandler {
         let mut body = self.body(request);
         body["stream"] = json!(true);
         body["stream_options"] = json!({"include_usage": true});
-        match self.credential.post_sse(&self.client, &self.url, &body).await? {
+        match self.credential.post_sse(&self.client, &self.stream_url, &body).await? {
             (Opened::Events(events), _) => Ok(deltas(events, ChunkParser::default())),
             (Opened::Error(reply), secret) => {
                 Err(redact(classify_error(reply.status, &reply.headers, &reply.body), secret.as_ref()))

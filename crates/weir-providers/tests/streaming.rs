@@ -46,17 +46,18 @@ struct Seen {
 
 impl Seen {
     /// Takes one event: text is kept (and the first one's time), a restart drops what was kept.
-    fn on(&mut self, e: StreamEvent<'_>) {
+    fn on(&mut self, e: StreamEvent) -> std::future::Ready<()> {
         match e {
             StreamEvent::Text(t) => {
                 self.first_text.get_or_insert_with(Instant::now);
-                self.events.push(t.to_string());
+                self.events.push(t);
             }
             StreamEvent::Restart => {
                 self.restarts += 1;
                 self.events.clear();
             }
         }
+        std::future::ready(())
     }
 
     /// The text since the last restart.

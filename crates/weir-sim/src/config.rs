@@ -36,7 +36,8 @@ pub struct SimConfig {
     /// Batch-prediction jobs (OpenAI Batch API, Gemini API batch mode).
     pub batch: BatchJobConfig,
     /// Keep the last this many model requests (path, query without keys, body) for `GET
-    /// /requests`, to compare what clients send; 0 keeps none.
+    /// /requests`, to compare what clients send, and as many streamed answers' timings (when
+    /// the first text was sent) for `GET /streams`; 0 keeps none.
     pub capture_requests: usize,
 }
 

@@ -23,5 +23,5 @@ pub mod stats;
 
 pub use config::{AuthConfig, BatchJobConfig, ConfigError, EmbeddingConfig, OverloadMode, PredictConfig, SimConfig};
 pub use gcs::GcsServer;
-pub use server::{Captured, SimServer, StartError};
+pub use server::{Captured, SimServer, StartError, StreamTiming};
 pub use stats::StatsSnapshot;

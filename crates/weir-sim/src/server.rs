@@ -39,6 +39,8 @@ struct State {
     any_fault: bool,
     /// The last `config.capture_requests` model requests, oldest first.
     captured: Mutex<std::collections::VecDeque<Captured>>,
+    /// The last `config.capture_requests` streamed answers' timings, oldest first.
+    streams: Mutex<std::collections::VecDeque<StreamTiming>>,
     /// Batch-prediction files and jobs.
     jobs: crate::jobs::Jobs,
     /// The buckets of the GCS that [`SimServer::serve_gcs`] serves, where Vertex AI jobs read
@@ -55,6 +57,25 @@ pub struct Captured {
     pub query: String,
     /// The body, parsed.
     pub body: Value,
+}
+
+/// When a streamed answer's text went out (`GET /streams`): the server's own time to first
+/// token, for measuring what a client adds to it.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, PartialEq)]
+pub struct StreamTiming {
+    /// The request's text (system and user), to match it with what the client saw.
+    pub prompt: String,
+    /// When the request arrived, in microseconds since the Unix epoch.
+    pub received_us: u64,
+    /// When the event carrying the first text was handed to the connection, in microseconds
+    /// since the Unix epoch (absent when no text was sent: a block, a cut before any).
+    pub first_text_us: Option<u64>,
+    /// Events sent.
+    pub events: u64,
+}
+
+fn unix_micros() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64)
 }
 
 /// A running simulator. Dropping it does not stop it; call [`SimServer::shutdown`].
@@ -95,6 +116,7 @@ impl SimServer {
             counter: AtomicU64::new(0),
             any_fault,
             captured: Mutex::new(std::collections::VecDeque::new()),
+            streams: Mutex::new(std::collections::VecDeque::new()),
             jobs: Default::default(),
             gcs: Default::default(),
         });
@@ -214,6 +236,11 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Bo
         (&Method::GET, "/healthz") => return Ok(full(200, &[], "text/plain", "ok")),
         (&Method::GET, "/requests") => {
             let c: Vec<Captured> = state.captured.lock().unwrap_or_else(|e| e.into_inner()).iter().cloned().collect();
+            return Ok(json_reply(200, &[], &serde_json::to_value(c).unwrap_or_default()));
+        }
+        (&Method::GET, "/streams") => {
+            let c: Vec<StreamTiming> =
+                state.streams.lock().unwrap_or_else(|e| e.into_inner()).iter().cloned().collect();
             return Ok(json_reply(200, &[], &serde_json::to_value(c).unwrap_or_default()));
         }
         // Google's OAuth token endpoint (a service account's `token_uri`, or the refresh of an
@@ -411,9 +438,10 @@ fn route(path: &str, query: Option<&str>) -> Option<Route> {
         } else {
             StreamFraming::JsonArray
         }),
-        "predict" | "rawPredict" => {
+        "predict" | "rawPredict" | "streamRawPredict" => {
             // `:rawPredict` passes the body to the model server as it is: here, an OpenAI
-            // chat completion, which is what vLLM and most serving containers take.
+            // chat completion, which is what vLLM and most serving containers take
+            // (`:streamRawPredict` the same with `"stream": true`, answered as events).
             let api = if method == "predict" { Api::Predict } else { Api::OpenAi };
             return match segs.as_slice() {
                 ["v1" | "v1beta1", "projects", _, "locations", _, "endpoints", id] => {
@@ -759,6 +787,7 @@ fn stream_reply(
 ) -> Response<Body> {
     let (tx, rx) = mpsc::channel::<Result<Frame<Bytes>, io::Error>>(8);
     let chunk = state.config.output.stream_chunk_tokens as usize;
+    let received_us = unix_micros();
     tokio::spawn(async move {
         let _guard = guard;
         let created = unix_now();
@@ -819,16 +848,38 @@ fn stream_reply(
                 StreamFraming::JsonArray => Bytes::from(format!("{}{s}", if i == 0 { "[" } else { ",\r\n" })),
             }
         };
+        // Which event carries the first text: OpenAI's first chunk only names the role.
+        let first_text = match req.api {
+            Api::OpenAi => 1,
+            _ => 0,
+        };
+        let mut timing = StreamTiming { prompt: req.prompt.clone(), received_us, first_text_us: None, events: 0 };
+        let log = |timing: StreamTiming| {
+            let keep = state.config.capture_requests;
+            if keep > 0 {
+                let mut s = state.streams.lock().unwrap_or_else(|e| e.into_inner());
+                s.push_back(timing);
+                while s.len() > keep {
+                    s.pop_front();
+                }
+            }
+        };
         sleep_ms(fixed_ms).await;
         let content_events = events.len();
         for (i, ev) in events.iter().enumerate().take(cut) {
             if i > 0 && i < content_events && per_token_ms > 0.0 {
                 sleep_ms(per_token_ms * chunk as f64).await;
             }
+            if i == first_text && tokens > 0 {
+                timing.first_text_us = Some(unix_micros());
+            }
+            timing.events += 1;
             if tx.send(Ok(Frame::data(encode(i, ev)))).await.is_err() {
+                log(timing);
                 return;
             }
         }
+        log(timing);
         if truncate {
             let _ =
                 tx.send(Err(io::Error::new(io::ErrorKind::UnexpectedEof, "weir-sim: injected truncated stream"))).await;

@@ -374,10 +374,11 @@ fn error_row(f: &Failure, c: &OutputColumns) -> Map<String, Value> {
     row
 }
 
-fn key_of(row: &Row) -> Key {
+fn key_of(row: &Row) -> Option<Key> {
     match row {
-        Row::Success(s) => finished_key(Some(&s.record.id), s.record.line),
-        Row::Failure(f) => finished_key(f.id.as_ref(), f.line),
+        Row::Success(s) => Some(finished_key(Some(&s.record.id), s.record.line)),
+        Row::Failure(f) => Some(finished_key(f.id.as_ref(), f.line)),
+        Row::Event(_) => None,
     }
 }
 
@@ -411,6 +412,7 @@ impl State {
                         inf.add(i)
                     }
                 }
+                Row::Event(_) => {}
             }
         }
         let mut schema = inf.schema().map_err(io_other)?;
@@ -439,6 +441,10 @@ impl State {
     }
 
     async fn add(&mut self, row: Row) -> io::Result<()> {
+        // Stream events are written by a thread of their own beside this one.
+        if let Row::Event(_) = row {
+            return Ok(());
+        }
         if self.columns.is_none() && self.needs_columns() {
             self.early.push(row);
             if self.early.len() >= INFER_ROWS {
@@ -447,7 +453,7 @@ impl State {
             return Ok(());
         }
         if self.journal.is_some() {
-            self.keys.push(key_of(&row));
+            self.keys.extend(key_of(&row));
         }
         let c = self.columns.as_ref();
         match &row {
@@ -473,6 +479,7 @@ impl State {
                     self.errors.flush_chunk(self.next_part, self.columns.as_ref()).await?;
                 }
             }
+            Row::Event(_) => {}
         }
         Ok(())
     }

@@ -561,8 +561,12 @@ pub async fn run(
             let results = open(&mut out_file)?;
             let errors = open(&mut err_file)?;
             created.0.clear();
-            weir_io::RowWriter::spawn(results, errors, weir_io::WriterSettings { journal, on_sync })
-                .map_err(|e| RunError::Fatal(format!("cannot start the writer thread: {e}")))?
+            weir_io::RowWriter::spawn(
+                results,
+                errors,
+                weir_io::WriterSettings { journal, on_sync, ..Default::default() },
+            )
+            .map_err(|e| RunError::Fatal(format!("cannot start the writer thread: {e}")))?
         }
         Some(t) => {
             let input_schema = table_columns(&settings, t, table_input.as_ref(), input_file.as_deref(), env).await?;
