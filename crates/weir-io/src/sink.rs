@@ -273,3 +273,11 @@ pub struct EventRow {
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub restart: bool,
 }
+
+impl EventRow {
+    /// The only event of an answer that came whole (from the cache, or from an endpoint that
+    /// cannot stream).
+    pub fn whole(id: &RecordId, text: &str) -> Self {
+        Self { id: id.clone(), seq: 0, delta: Some(text.to_string()), restart: false }
+    }
+}

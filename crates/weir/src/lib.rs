@@ -9,5 +9,5 @@ pub mod metrics_server;
 pub mod pipeline;
 pub mod report;
 
-pub use pipeline::{run, RunError, RunSettings, StateMode, TableIn, TableOut};
+pub use pipeline::{run, EventsTo, RunError, RunSettings, StateMode, TableIn, TableOut};
 pub use report::RunReport;

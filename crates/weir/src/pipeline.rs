@@ -20,7 +20,7 @@ use weir_core::{
     RunMetrics, StopReason, Throttle, ThrottleSettings,
 };
 use weir_io::state::{self, finished_key, id_key, RunIdentity};
-use weir_io::{DiskCache, InputPath, JsonlWriter, OutputPath};
+use weir_io::{DiskCache, EventRow, InputPath, JsonlWriter, OutputPath};
 use weir_providers::{ModelSpec, ProviderError, ProviderOptions};
 
 use crate::report::{Progress, RunReport};
@@ -117,6 +117,19 @@ pub struct RunSettings {
     pub keep_columns: Option<Vec<String>>,
     /// Answer the records through the provider's batch jobs instead of online calls.
     pub batch_mode: Option<crate::batch_front::BatchMode>,
+    /// Stream the answers, writing their pieces as events here.
+    pub stream: Option<EventsTo>,
+    /// The input is a file that keeps growing: follow it (`tail -f`) until interrupted.
+    pub follow: bool,
+}
+
+/// Where a streaming run writes its events.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EventsTo {
+    /// Between the result rows on stdout (`--output -`).
+    WithResults,
+    /// A file (or stdout, a FIFO) of their own (`--events`).
+    Path(OutputPath),
 }
 
 /// Why a run could not start or had to stop.
@@ -255,6 +268,42 @@ enum Routed {
     ReadError(std::io::Error),
 }
 
+/// Opens an output that is not a table: a file (locked, never truncated here), or a FIFO or
+/// a device, written to as it is (never locked, truncated or read back); `None` for stdout.
+fn claim_path(p: &OutputPath, flag: &str) -> Result<Option<(PathBuf, std::fs::File)>, RunError> {
+    match p {
+        OutputPath::Stdout => Ok(None),
+        OutputPath::File(path) => weir_io::sink::claim(path)
+            .map(|f| Some((path.clone(), f)))
+            .map_err(|e| RunError::Usage(format!("{flag} {}: {e}", path.display()))),
+        OutputPath::Stream(path) => std::fs::OpenOptions::new()
+            .append(true)
+            .open(path)
+            .map(|f| Some((path.clone(), f)))
+            .map_err(|e| RunError::Usage(format!("{flag} {}: {e}", path.display()))),
+    }
+}
+
+/// A boxed future of a stream event's delivery.
+type Delivery = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
+/// The consumer of one record's streamed call: each piece becomes an event row, numbered from
+/// 0 in the order the writer receives them.
+fn stream_to(tx: weir_io::EventSender, record: &Record) -> impl FnMut(weir_core::StreamEvent) -> Delivery {
+    let id = record.id.clone();
+    let mut seq = 0u64;
+    move |event| {
+        let (delta, restart) = match event {
+            weir_core::StreamEvent::Text(t) => (Some(t), false),
+            weir_core::StreamEvent::Restart => (None, true),
+        };
+        let row = EventRow { id: id.clone(), seq, delta, restart };
+        seq += 1;
+        let tx = tx.clone();
+        Box::pin(async move { tx.send(row).await })
+    }
+}
+
 /// Refuses to replace files that hold rows this run did not write (a file weir is resuming is
 /// its own; `--fresh` and `--overwrite` say replacing is wanted). Empty files are fair game.
 fn check_not_foreign(files: &[&Option<(PathBuf, std::fs::File)>], allowed: bool) -> Result<(), RunError> {
@@ -282,6 +331,10 @@ fn identity(
 ) -> Result<RunIdentity, RunError> {
     let input = match (input_file, &settings.input) {
         _ if table.is_some() => table.map(|t| t.identity()).transpose().map_err(table_error)?.unwrap_or_default(),
+        // A followed file grows between runs: it is known by where it is, not by what it holds.
+        (None, InputPath::File(p)) if settings.follow => {
+            format!("{} (followed)", std::fs::canonicalize(p).unwrap_or_else(|_| p.clone()).display())
+        }
         (Some(p), _) => state::input_identity(p)
             .map_err(|e| RunError::Usage(format!("cannot read --input {}: {e}", p.display())))?,
         (None, InputPath::Stdin) => "stdin (a stream)".to_string(),
@@ -345,12 +398,20 @@ pub async fn run(
         None => None,
     };
     let input_file = match &settings.input {
-        InputPath::File(p) if table_input.is_none() && !weir_io::paths::is_stream(p) => Some(p.clone()),
+        InputPath::File(p) if table_input.is_none() && !settings.follow && !weir_io::paths::is_stream(p) => {
+            Some(p.clone())
+        }
         _ => None,
     };
-    let source = match &table_input {
-        Some(t) => t.lines(),
-        None => weir_io::source::lines(
+    // Input that may never end (stdin, a FIFO, a followed file): every row is handed on as soon
+    // as it is known, not when a buffer fills.
+    let live_input = table_input.is_none() && input_file.is_none();
+    let source = match (&table_input, &settings.input) {
+        (Some(t), _) => t.lines(),
+        (None, InputPath::File(p)) if settings.follow => {
+            weir_io::source::follow(p.clone(), weir_io::source::FOLLOW_POLL).boxed()
+        }
+        (None, _) => weir_io::source::lines(
             weir_io::source::open(&settings.input)
                 .await
                 .map_err(|e| RunError::Usage(format!("cannot read --input {input_name}: {e}")))?,
@@ -405,24 +466,20 @@ pub async fn run(
     let tables_out = settings.table_output.clone();
     let claim = |p: &OutputPath, flag: &str| match p {
         _ if tables_out.is_some() => Ok(None),
-        OutputPath::Stdout => Ok(None),
-        OutputPath::File(path) => weir_io::sink::claim(path)
-            .map(|f| Some((path.clone(), f)))
-            .map_err(|e| RunError::Usage(format!("{flag} {}: {e}", path.display()))),
-        // A FIFO or a device: written to as it is, never locked, truncated or read back.
-        OutputPath::Stream(path) => std::fs::OpenOptions::new()
-            .append(true)
-            .open(path)
-            .map(|f| Some((path.clone(), f)))
-            .map_err(|e| RunError::Usage(format!("{flag} {}: {e}", path.display()))),
+        _ => claim_path(p, flag),
+    };
+    let events_path = match &settings.stream {
+        Some(EventsTo::Path(p)) => Some(p.clone()),
+        _ => None,
     };
     // Files this run creates are removed again if the command is refused before it starts, so
     // that a refused command leaves nothing behind.
     let mut created = Created(
         [&settings.output, &settings.errors]
             .into_iter()
+            .filter(|_| tables_out.is_none())
+            .chain(events_path.as_ref())
             .filter_map(|p| match p {
-                _ if tables_out.is_some() => None,
                 // Nothing at all there, not even a symlink: a refused run may remove it again.
                 OutputPath::File(path) if std::fs::symlink_metadata(path).is_err() => Some(path.clone()),
                 _ => None,
@@ -431,6 +488,7 @@ pub async fn run(
     );
     let mut out_file = claim(&settings.output, "--output")?;
     let mut err_file = claim(&settings.errors, "--errors")?;
+    let mut events_file = events_path.as_ref().map(|p| claim_path(p, "--events")).transpose()?.flatten();
 
     // The state directory: identity check, lock, recovery of an earlier run's outputs.
     let mut state_dir = None;
@@ -453,7 +511,7 @@ pub async fn run(
                 let (sd, resume) =
                     state::open(dir, &name, &id, settings.fresh).map_err(|e| RunError::Usage(e.to_string()))?;
                 resuming = resume;
-                if resuming && input_file.is_none() && table_input.is_none() && !settings.resume_stream {
+                if resuming && live_input && !settings.follow && !settings.resume_stream {
                     return Err(stream_resume_refused(&t.results.display, &input_name));
                 }
                 jobs_ledger = Some(weir_batch::Ledger::path_in(dir, &name));
@@ -501,10 +559,10 @@ pub async fn run(
                 state::open(dir, &name, &id, settings.fresh).map_err(|e| RunError::Usage(e.to_string()))?;
             resuming = resume;
             jobs_ledger = Some(weir_batch::Ledger::path_in(dir, &name));
-            if resuming && input_file.is_none() && table_input.is_none() && !settings.resume_stream {
+            if resuming && live_input && !settings.follow && !settings.resume_stream {
                 return Err(stream_resume_refused(&out.display().to_string(), &input_name));
             }
-            check_not_foreign(&[&out_file, &err_file], resuming || settings.fresh || settings.overwrite)?;
+            check_not_foreign(&[&out_file, &err_file, &events_file], resuming || settings.fresh || settings.overwrite)?;
             if !resuming {
                 sd.record(&id).map_err(|e| RunError::Usage(e.to_string()))?;
             }
@@ -538,10 +596,13 @@ pub async fn run(
             true
         }
         _ => {
-            check_not_foreign(&[&out_file, &err_file], settings.overwrite)?;
+            check_not_foreign(&[&out_file, &err_file, &events_file], settings.overwrite)?;
             false
         }
     };
+    if tables_out.is_some() {
+        check_not_foreign(&[&events_file], resuming || settings.fresh || settings.overwrite)?;
+    }
     let open = |claimed: &mut Option<(PathBuf, std::fs::File)>| match claimed.take() {
         None => Ok(JsonlWriter::stdout()),
         Some((path, f)) => {
@@ -556,17 +617,26 @@ pub async fn run(
     if let Some(l) = table_lock.as_mut() {
         l.started = true;
     }
+    // A table's rows are not lines of a file: its events get a writer thread of their own.
+    let mut events_writer = None;
     let writer = match &tables_out {
         None => {
             let results = open(&mut out_file)?;
             let errors = open(&mut err_file)?;
+            let events = match &settings.stream {
+                Some(EventsTo::WithResults) => Some(weir_io::Events::WithResults),
+                Some(EventsTo::Path(_)) => Some(weir_io::Events::File(open(&mut events_file)?)),
+                None => None,
+            };
             created.0.clear();
-            weir_io::RowWriter::spawn(
-                results,
-                errors,
-                weir_io::WriterSettings { journal, on_sync, ..Default::default() },
-            )
-            .map_err(|e| RunError::Fatal(format!("cannot start the writer thread: {e}")))?
+            let writer_settings = weir_io::WriterSettings {
+                journal,
+                on_sync,
+                flush_when_idle: live_input || settings.stream.is_some(),
+                events,
+            };
+            weir_io::RowWriter::spawn(results, errors, writer_settings)
+                .map_err(|e| RunError::Fatal(format!("cannot start the writer thread: {e}")))?
         }
         Some(t) => {
             let input_schema = table_columns(&settings, t, table_input.as_ref(), input_file.as_deref(), env).await?;
@@ -587,9 +657,22 @@ pub async fn run(
                     .collect(),
                 on_tick: on_sync,
             };
+            if settings.stream.is_some() {
+                let file = open(&mut events_file)?;
+                created.0.clear();
+                events_writer = Some(
+                    weir_io::RowWriter::spawn_events(file)
+                        .map_err(|e| RunError::Fatal(format!("cannot start the events writer: {e}")))?,
+                );
+            }
             weir_tables::spawn(table_settings, table_journal.take(), next_part)
                 .map_err(|e| RunError::Fatal(format!("cannot start the table writer: {e}")))?
         }
+    };
+    let events = match (&settings.stream, &events_writer) {
+        (None, _) => None,
+        (Some(_), Some(w)) => w.events(),
+        (Some(_), None) => writer.events(),
     };
 
     let metrics = Arc::new(RunMetrics::default());
@@ -785,6 +868,7 @@ pub async fn run(
                 batched
                     .map(|mut batch| {
                         let driver = driver.clone();
+                        let events = events.clone();
                         // Sent now: how long each record waited for its batch.
                         for r in &batch {
                             if let Routed::Call(d, _, arrived) = r {
@@ -805,11 +889,27 @@ pub async fn run(
                                             _ => None,
                                         })
                                         .collect();
-                                    d.run_batch(records).await.into_iter().map(Ok).collect()
+                                    let outcomes = d.run_batch(records).await;
+                                    // An endpoint that answers many records per call cannot
+                                    // stream: each answer is one piece.
+                                    if let Some(tx) = &events {
+                                        for o in &outcomes {
+                                            if let Outcome::Success(s) = o {
+                                                tx.send(EventRow::whole(&s.record.id, &s.response.text)).await;
+                                            }
+                                        }
+                                    }
+                                    outcomes.into_iter().map(Ok).collect()
                                 }
                                 // Anything else comes alone.
                                 _ => match batch.pop() {
-                                    Some(Routed::Call(d, record, _)) => vec![Ok(d.run(record).await)],
+                                    Some(Routed::Call(d, record, _)) => match events {
+                                        Some(tx) => {
+                                            let consumer = stream_to(tx, &record);
+                                            vec![Ok(d.run_streamed(record, consumer).await)]
+                                        }
+                                        None => vec![Ok(d.run(record).await)],
+                                    },
                                     Some(Routed::Done(failure)) => vec![Ok(driver.reject(failure))],
                                     Some(Routed::ReadError(e)) => vec![Err(e)],
                                     None => Vec::new(),
@@ -891,7 +991,17 @@ pub async fn run(
         }
         progress.tick();
     }
+    // The input may have ended because of the interrupt (a journaled run stops reading at
+    // once) before the loop saw it: the run was interrupted all the same.
+    if !interrupted && *interrupts.borrow() >= 1 {
+        interrupted = true;
+        endpoints.stop(StopReason { kind: ErrorKind::Aborted, message: "interrupted".into() });
+    }
     let ((result_rows, error_rows), flushed) = writer.finish().await;
+    let flushed = match events_writer {
+        Some(w) => flushed.and(w.finish().await.1),
+        None => flushed,
+    };
     progress.finish();
     if let Some(task) = metrics_task {
         task.abort();

@@ -6,7 +6,7 @@ use std::io::IsTerminal;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Duration;
-use weir_core::{ErrorKind, RateSnapshot, RunMetrics, StopReason};
+use weir_core::{ErrorKind, Percentiles, RateSnapshot, RunMetrics, StopReason};
 
 use crate::pipeline::RunSettings;
 
@@ -60,6 +60,12 @@ pub struct RunReport {
     pub jobs: Option<crate::batch_front::JobsTally>,
     /// Estimated cost of the tokens this run paid for, when the model has a price.
     pub cost: Option<crate::cost::Cost>,
+    /// Streamed calls: time from sending to the first text.
+    pub first_token: Option<Percentiles>,
+    /// Streamed calls: time between pieces of text.
+    pub inter_token: Option<Percentiles>,
+    /// The input was a followed file (a resume goes on from where it stopped).
+    pub followed: bool,
 }
 
 /// How records were gathered into calls.
@@ -127,6 +133,9 @@ impl RunReport {
             }),
             jobs: None,
             cost: None,
+            first_token: m.first_token(),
+            inter_token: m.inter_token(),
+            followed: settings.follow,
         }
     }
 
@@ -199,6 +208,14 @@ impl RunReport {
                 b.wait_p95_ms.map_or("over 5 s".to_string(), |ms| format!("under {ms} ms")),
             ));
         }
+        if let Some(t) = &self.first_token {
+            let mut line = format!("  streams: {} with text; time to first token {}", thousands(t.count), ms3(t));
+            if let Some(g) = &self.inter_token {
+                line.push_str(&format!("; between pieces {}", ms3(g)));
+            }
+            s.push_str(&line);
+            s.push('\n');
+        }
         if let Some(j) = &self.jobs {
             s.push_str(&format!(
                 "  batch jobs: {} ({} submitted by this run); {} records settled by them{}\n",
@@ -230,6 +247,10 @@ impl RunReport {
                         "  {} records not finished; run the same command again to resume (state in {state})\n",
                         thousands(n)
                     )),
+                    None if self.followed => s.push_str(&format!(
+                        "  stopped following; run the same command again to go on from where it stopped (state in \
+                         {state})\n"
+                    )),
                     None => s.push_str(&format!(
                         "  the rest of the input (a stream, not counted) is not finished; feed the same data to the \
                          same command with --resume-stream to resume (state in {state})\n"
@@ -239,6 +260,19 @@ impl RunReport {
         }
         s
     }
+}
+
+/// `p50 X ms, p95 Y ms, p99 Z ms`.
+fn ms3(p: &Percentiles) -> String {
+    let ms = |d: std::time::Duration| {
+        let v = d.as_secs_f64() * 1000.0;
+        if v < 10.0 {
+            format!("{v:.2}")
+        } else {
+            format!("{v:.0}")
+        }
+    };
+    format!("p50 {} ms, p95 {} ms, p99 {} ms", ms(p.p50), ms(p.p95), ms(p.p99))
 }
 
 /// Formats a count with thousands separators.

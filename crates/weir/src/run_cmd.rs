@@ -79,9 +79,24 @@ pub struct RunArgs {
     #[arg(long, value_name = "FIELD")]
     model_field: Option<String>,
     /// The input: a JSONL, CSV or Parquet file, a glob or a directory of them, local or
-    /// s3://BUCKET/… or gs://BUCKET/…; - reads JSONL from stdin.
+    /// s3://BUCKET/… or gs://BUCKET/…; - reads JSONL from stdin (records are answered as they
+    /// arrive, for as long as the pipe stays open).
+    #[arg(long, value_name = "PATH", required_unless_present = "follow")]
+    input: Option<String>,
+    /// Instead of --input: a local JSONL file that keeps growing, followed as `tail -f` does —
+    /// records are answered as lines are appended, until Ctrl-C (or SIGTERM) drains and stops
+    /// the run; the same command resumes where it stopped.
+    #[arg(long, value_name = "PATH", conflicts_with = "input")]
+    follow: Option<String>,
+    /// Stream each answer as it is generated: its pieces are written as events
+    /// ({"id","seq","delta"}; {"id","seq","restart":true} when a cut call is made again) to
+    /// --events, or between the rows with --output -, each record's events before its row.
+    #[arg(long)]
+    stream: bool,
+    /// Where --stream writes its events: a JSONL file, or - for stdout [default: between the
+    /// rows, when --output is -]. Implies --stream.
     #[arg(long, value_name = "PATH")]
-    input: String,
+    events: Option<String>,
     /// The input's format when its name does not say (jsonl, csv, parquet).
     #[arg(long, value_name = "FORMAT")]
     input_format: Option<String>,
@@ -338,6 +353,7 @@ impl RunArgs {
             }
             None => None,
         };
+        self.check_stream_and_follow(embed)?;
         let tables = self.tables()?;
         if tables.1.is_some() {
             let parts = self.table_parts(tables)?;
@@ -351,8 +367,8 @@ impl RunArgs {
         if errors == OutputPath::Stdout && output == OutputPath::Stdout {
             return Err(UsageError("--output and --errors cannot both be stdout".into()));
         }
-        let input = InputPath::parse(&self.input);
-        check_distinct_files(&input, &output, &errors, self.errors.is_some())?;
+        let input = InputPath::parse(self.input());
+        check_distinct_files(&input, &output, &errors, self.errors.is_some(), self.events_path(&output).as_ref())?;
         let progress = self.progress();
         let state = if self.no_state {
             StateMode::Off
@@ -401,6 +417,63 @@ impl RunArgs {
         Ok(self.assemble(parts, model, params, prompt, sim_config, endpoint_format, embed, bucketing))
     }
 
+    /// Whether the run streams its answers.
+    fn streaming(&self) -> bool {
+        self.stream || self.events.is_some()
+    }
+
+    /// Where a streaming run's events go, when they have a path of their own: --events, unless
+    /// it is stdout and so are the results (then they go between the rows).
+    fn events_path(&self, output: &OutputPath) -> Option<OutputPath> {
+        let events = OutputPath::parse(self.events.as_deref()?);
+        (!(events == OutputPath::Stdout && *output == OutputPath::Stdout)).then_some(events)
+    }
+
+    /// What --stream, --events and --follow need of the other flags.
+    fn check_stream_and_follow(&self, embed: bool) -> Result<(), UsageError> {
+        if self.streaming() {
+            if embed {
+                return Err(UsageError("--stream: an embedding comes whole, not as text; drop --stream".into()));
+            }
+            if self.mode != ModeArg::Online {
+                return Err(UsageError(
+                    "--stream: batch jobs answer every record at once, hours later; drop --stream or --mode".into(),
+                ));
+            }
+            if self.events.is_none() && self.output != "-" {
+                return Err(UsageError(
+                    "--stream writes each answer's pieces to --events PATH (or between the rows with --output -); \
+                     add --events, e.g. --events events.jsonl"
+                        .into(),
+                ));
+            }
+        }
+        if let Some(path) = &self.follow {
+            let p = std::path::Path::new(path);
+            if path == "-" || weir_io::paths::is_stream(p) {
+                return Err(UsageError(format!(
+                    "--follow {path}: a pipe is read as it arrives already; use --input {path}"
+                )));
+            }
+            if !p.is_file() {
+                let why = if p.exists() { "is not a file" } else { "does not exist (create it, even empty, first)" };
+                return Err(UsageError(format!("--follow {path}: {why}")));
+            }
+            if self.mode != ModeArg::Online {
+                return Err(UsageError(
+                    "--follow answers records as they are appended; batch jobs need the whole input (drop --mode)"
+                        .into(),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The input as given, by --input or --follow.
+    fn input(&self) -> &str {
+        self.input.as_deref().or(self.follow.as_deref()).unwrap_or("-")
+    }
+
     /// Whether to draw a progress bar.
     fn progress(&self) -> bool {
         match self.progress {
@@ -424,6 +497,7 @@ impl RunArgs {
         bucketing: weir_core::Bucketing,
     ) -> RunSettings {
         let Parts { input, output, errors, state, tables: (table_input, table_output), progress } = parts;
+        let output_for_events = if table_output.is_some() { OutputPath::File(PathBuf::new()) } else { output.clone() };
         let keep_columns = self.keep_columns.as_ref().map(|cols| {
             let mut cols: Vec<String> = cols.iter().map(|c| c.trim().to_string()).filter(|c| !c.is_empty()).collect();
             if let Some(id) = &self.id_field {
@@ -478,6 +552,11 @@ impl RunArgs {
             table_input,
             table_output,
             keep_columns,
+            stream: self.streaming().then(|| match self.events_path(&output_for_events) {
+                Some(path) => weir::EventsTo::Path(path),
+                None => weir::EventsTo::WithResults,
+            }),
+            follow: self.follow.is_some(),
             batch_mode: (self.mode != ModeArg::Online).then(|| weir::batch_front::BatchMode {
                 fallback_online: self.fallback == FallbackArg::Online,
                 jobs: weir_batch::BatchSettings {
@@ -504,18 +583,23 @@ impl RunArgs {
         let output_format = parse("--output-format", &self.output_format)?;
         let remote = |s: &str| s.starts_with("s3://") || s.starts_with("gs://");
         let globbed = |s: &str| s.contains(['*', '?', '[']) && !std::path::Path::new(s).exists();
-        let table_in = if self.input == "-" {
+        let table_in = if self.input() == "-" {
             if input_format.is_some_and(|f| f != Format::Jsonl) {
                 return Err(UsageError("--input - reads JSONL; CSV and Parquet must be read from a file".into()));
             }
             None
-        } else if remote(&self.input)
+        } else if remote(self.input())
             || input_format.is_some_and(|f| f != Format::Jsonl)
-            || matches!(Format::from_name(&self.input), Some(Format::Csv | Format::Parquet))
-            || std::path::Path::new(&self.input).is_dir()
-            || globbed(&self.input)
+            || matches!(Format::from_name(self.input()), Some(Format::Csv | Format::Parquet))
+            || std::path::Path::new(self.input()).is_dir()
+            || globbed(self.input())
         {
-            Some(TableIn { spec: self.input.clone(), format: input_format })
+            if let Some(path) = &self.follow {
+                return Err(UsageError(format!(
+                    "--follow {path}: weir follows a local JSONL file as it grows; read a table with --input"
+                )));
+            }
+            Some(TableIn { spec: self.input().to_string(), format: input_format })
         } else {
             None
         };
@@ -624,7 +708,7 @@ impl RunArgs {
             }
         }
         Ok(Parts {
-            input: InputPath::parse(&self.input),
+            input: InputPath::parse(self.input()),
             output: OutputPath::File(PathBuf::from(&out.results.display)),
             errors: OutputPath::File(PathBuf::from(&out.errors.display)),
             state,
@@ -708,6 +792,7 @@ fn check_distinct_files(
     output: &OutputPath,
     errors: &OutputPath,
     errors_given: bool,
+    events: Option<&OutputPath>,
 ) -> Result<(), UsageError> {
     let mut files: Vec<(String, &std::path::Path)> = Vec::new();
     match input {
@@ -736,6 +821,9 @@ fn check_distinct_files(
             if errors_given { format!("--errors {}", p.display()) } else { format!("the errors file {}", p.display()) };
         files.push((name, p));
     }
+    if let Some(OutputPath::File(p) | OutputPath::Stream(p)) = events {
+        files.push((format!("--events {}", p.display()), p));
+    }
     let ids: Vec<Option<weir_io::paths::FileId>> = files.iter().map(|(_, p)| weir_io::paths::file_id(p).ok()).collect();
     for i in 0..files.len() {
         for j in i + 1..files.len() {
@@ -756,10 +844,19 @@ pub async fn run(args: RunArgs) -> anyhow::Result<u8> {
     let env = |k: &str| std::env::var(k).ok();
     // Ctrl-C: the first press drains and stops (resumable); the second exits at once, which is
     // still resumable because every row already written is a whole line or a torn tail.
+    // SIGTERM (a service manager stopping a long-lived run) counts as a press.
     let (tx, rx) = tokio::sync::watch::channel(0u32);
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::spawn(async move {
         let mut presses = 0;
-        while tokio::signal::ctrl_c().await.is_ok() {
+        loop {
+            let signalled = tokio::select! {
+                r = tokio::signal::ctrl_c() => r.is_ok(),
+                r = term.recv() => r.is_some(),
+            };
+            if !signalled {
+                break;
+            }
             presses += 1;
             if presses >= 2 {
                 eprintln!("weir: stopped at once; run the same command again to resume");
