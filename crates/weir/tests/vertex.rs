@@ -523,3 +523,51 @@ async fn an_unusable_private_key_is_a_usage_error_naming_the_file() {
     assert!(stderr(&o).contains("broken-sa.json") && stderr(&o).contains("private_key"), "{}", stderr(&o));
     assert!(!out.exists());
 }
+
+/// `--stream` on Vertex AI: Gemini through `:streamGenerateContent?alt=sse`, an endpoint's
+/// OpenAI-compatible route with `"stream": true`, and `:streamRawPredict`; an endpoint called
+/// through `:predict` (many records per call, no streaming) gives each answer as one event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streamed_calls_on_vertex_models_and_endpoints() {
+    for (model, format, streamed) in [
+        ("vertex_ai/gemini-2.5-flash", None, true),
+        ("vertex_endpoint/5", Some("openai"), true),
+        ("vertex_endpoint/5", Some("rawpredict"), true),
+        ("vertex_endpoint/5", Some("raw"), false),
+    ] {
+        let server = sim(|c| {
+            c.output.min_tokens = 6;
+            c.output.max_tokens = 12;
+            c.capture_requests = 100;
+        })
+        .await;
+        let dir = Dir::new("vertex-stream");
+        let events = dir.path("events.jsonl");
+        let mut args = vec!["--project", "p", "--events", events.to_str().unwrap()];
+        if let Some(f) = format {
+            args.extend(["--endpoint-format", f]);
+        }
+        let (o, out, ids) = model_run(model, &server, &dir, &prompts(12), &args).await;
+        let what = format!("{model} {format:?}");
+        assert_eq!(o.status.code(), Some(0), "{what}: {}", stderr(&o));
+        let results = rows(&out);
+        assert_each_id_once(&ids, &results, &[]);
+        let mut text: std::collections::HashMap<String, (String, usize)> = Default::default();
+        for e in rows(&events) {
+            let t = text.entry(e["id"].as_str().unwrap().to_string()).or_default();
+            t.0.push_str(e["delta"].as_str().unwrap());
+            t.1 += 1;
+        }
+        for r in &results {
+            let (whole, n) = &text[r["id"].as_str().unwrap()];
+            assert_eq!(whole, r["response"].as_str().unwrap(), "{what}");
+            assert!(if streamed { *n >= 6 } else { *n == 1 }, "{what}: {n} events");
+        }
+        let stats = server.stats();
+        assert_eq!(stats.streams, if streamed { 12 } else { 0 }, "{what}");
+        if format == Some("rawpredict") {
+            assert!(server.captured().iter().all(|c| c.path.ends_with(":streamRawPredict")), "{what}");
+        }
+        server.shutdown().await;
+    }
+}
