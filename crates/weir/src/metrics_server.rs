@@ -35,6 +35,18 @@ pub fn install(addr: SocketAddr) -> Result<(), String> {
             metrics_exporter_prometheus::Matcher::Full("weir_call_seconds".into()),
             &[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0],
         )
+        .and_then(|b| {
+            b.set_buckets_for_metric(
+                metrics_exporter_prometheus::Matcher::Full("weir_time_to_first_token_seconds".into()),
+                &[0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0],
+            )
+        })
+        .and_then(|b| {
+            b.set_buckets_for_metric(
+                metrics_exporter_prometheus::Matcher::Full("weir_inter_token_seconds".into()),
+                &[0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.0],
+            )
+        })
         .and_then(|b| b.install())
         .map_err(|e| e.to_string())?;
     RunMetrics::describe();

@@ -358,3 +358,48 @@ async fn stream_and_follow_usage_errors() {
         assert!(!out.exists(), "{args:?} wrote the output");
     }
 }
+
+/// `--metrics-listen` exports the streams' time to first token and inter-token latency as
+/// histograms while the run goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_latencies_are_histograms_at_metrics() {
+    let server = sim(paced()).await;
+    let dir = Dir::new("stream-metrics");
+    let (data, _) = prompts(200);
+    let input = dir.write("in.jsonl", &data);
+    let port = free_port();
+    let mut child = weir()
+        .args(["run", "--model", "openai/sim-1", "--base-url", &format!("{}/v1", server.url())])
+        .args(["--input", input.to_str().unwrap(), "--output", dir.path("out.jsonl").to_str().unwrap()])
+        .args(["--events", dir.path("ev.jsonl").to_str().unwrap(), "--max-concurrency", "4"])
+        .args(["--concurrency", "fixed", "--metrics-listen", &format!("127.0.0.1:{port}"), "--progress", "never"])
+        .spawn()
+        .unwrap();
+    let end = Instant::now() + Duration::from_secs(20);
+    let mut text = String::new();
+    while Instant::now() < end {
+        if let Ok(r) = reqwest::get(format!("http://127.0.0.1:{port}/metrics")).await {
+            text = r.text().await.unwrap_or_default();
+            if text.contains("weir_time_to_first_token_seconds_bucket")
+                && text.contains("weir_inter_token_seconds_bucket")
+            {
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let _ = child.start_kill();
+    let bucket = |name: &str, le: &str| {
+        text.lines()
+            .find(|l| l.starts_with(&format!("{name}_bucket{{le=\"{le}\"}}")))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .unwrap_or_else(|| panic!("no {name} bucket {le} in {text}"))
+    };
+    // First tokens come after 150 ms: none under 0.1 s, some under 0.3 s.
+    assert_eq!(bucket("weir_time_to_first_token_seconds", "0.1"), 0.0);
+    assert!(bucket("weir_time_to_first_token_seconds", "0.3") > 0.0);
+    // Pieces come 10 ms apart: most under 20 ms, none under 1 ms.
+    assert_eq!(bucket("weir_inter_token_seconds", "0.001"), 0.0);
+    assert!(bucket("weir_inter_token_seconds", "0.02") > 0.0);
+    server.shutdown().await;
+}
