@@ -100,6 +100,10 @@ fn main() -> ExitCode {
             .into()),
         }
     });
+    // Everything the command does has finished; what may remain is a read of stdin, which
+    // tokio does on a blocking thread that cannot be cancelled: waiting for it would hang an
+    // interrupted run over a pipe that stays open until the next line comes.
+    runtime.shutdown_background();
     match result {
         Ok(code) => ExitCode::from(code),
         Err(err) => {

@@ -726,9 +726,11 @@ pub async fn run(
     let mut seen = weir_io::KeySet::new();
     let mut first_interrupt = interrupts.clone();
     // With a journal, an interrupted run stops reading: what it did not read, the next run does.
-    // Without one, it reads on, and every record left gets an `aborted` row, so none is dropped.
+    // Without one, it reads on, and every record left gets an `aborted` row, so none is dropped
+    // — unless the input may never end (an open pipe, a followed file): then it stops reading
+    // too, and what it did not read stays unread, as with any consumer of a pipe that stops.
     let input_stop = async move {
-        if journal {
+        if journal || live_input {
             let _ = first_interrupt.wait_for(|n| *n >= 1).await;
         } else {
             std::future::pending::<()>().await;

@@ -326,6 +326,32 @@ async fn rows_of_an_open_pipe_come_out_as_records_go_in() {
     assert!(out.next_line().await.unwrap().is_none());
     let o = child.wait_with_output().await.unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+
+    // Ctrl-C while the pipe is still open: the run stops reading and ends, without a second
+    // press (with --output - there is no journal, and a pipe that never ends cannot be read
+    // to its end).
+    let mut child = weir()
+        .args(["run", "--model", "sim/demo", "--input", "-", "--output", "-", "--progress", "never"])
+        .args(["--errors", dir.path("errors.jsonl").to_str().unwrap(), "--id-field", "id"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(line("y1").as_bytes()).await.unwrap();
+    stdin.flush().await.unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap()).lines();
+    let first = tokio::time::timeout(Duration::from_secs(5), out.next_line()).await.unwrap().unwrap().unwrap();
+    assert!(first.contains("\"y1\""), "{first}");
+    let pid = child.id().unwrap().to_string();
+    assert!(std::process::Command::new("kill").args(["-INT", &pid]).status().unwrap().success());
+    let o = tokio::time::timeout(Duration::from_secs(10), child.wait_with_output())
+        .await
+        .expect("one Ctrl-C ends a run over an open pipe")
+        .unwrap();
+    assert_eq!(o.status.code(), Some(130), "{}", stderr(&o));
+    drop(stdin);
 }
 
 /// Flags that cannot go together are refused with what to do (exit 2), before anything is
