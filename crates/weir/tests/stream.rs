@@ -296,19 +296,24 @@ async fn a_followed_file_is_answered_as_it_grows_and_resumed_where_it_stopped() 
     server.shutdown().await;
 }
 
-/// `--input -` from a pipe that stays open: each record's row is written as soon as it is
-/// answered, not when the input ends.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn rows_of_an_open_pipe_come_out_as_records_go_in() {
-    let dir = Dir::new("pipe");
-    let mut child = weir()
+/// `weir run --input - --output -` on `sim/demo` with its stdin and stdout piped.
+fn pipe_run(dir: &Dir) -> tokio::process::Child {
+    weir()
         .args(["run", "--model", "sim/demo", "--input", "-", "--output", "-", "--progress", "never"])
         .args(["--errors", dir.path("errors.jsonl").to_str().unwrap(), "--id-field", "id"])
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
-        .unwrap();
+        .unwrap()
+}
+
+/// `--input -` from a pipe that stays open: each record's row is written as soon as it is
+/// answered, not when the input ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_of_an_open_pipe_come_out_as_records_go_in() {
+    let dir = Dir::new("pipe");
+    let mut child = pipe_run(&dir);
     let mut stdin = child.stdin.take().unwrap();
     let mut out = BufReader::new(child.stdout.take().unwrap()).lines();
     for id in ["x1", "x2", "x3"] {
@@ -330,14 +335,7 @@ async fn rows_of_an_open_pipe_come_out_as_records_go_in() {
     // Ctrl-C while the pipe is still open: the run stops reading and ends, without a second
     // press (with --output - there is no journal, and a pipe that never ends cannot be read
     // to its end).
-    let mut child = weir()
-        .args(["run", "--model", "sim/demo", "--input", "-", "--output", "-", "--progress", "never"])
-        .args(["--errors", dir.path("errors.jsonl").to_str().unwrap(), "--id-field", "id"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = pipe_run(&dir);
     let mut stdin = child.stdin.take().unwrap();
     stdin.write_all(line("y1").as_bytes()).await.unwrap();
     stdin.flush().await.unwrap();
