@@ -381,6 +381,19 @@ impl Driver {
         let start = Instant::now();
         let request = self.request_of(&record);
         let key = self.cache.as_ref().map(|_| cache_key(&self.source, &request, &record.id));
+        // An endpoint that cannot stream is called plainly; its answer, like one from the
+        // cache, is handed on as one piece.
+        if !self.handler.streams() {
+            if let Some(mut e) = on_event.take() {
+                let outcome = Box::pin(self.run_with(record, None::<E>)).await;
+                if let Outcome::Success(s) = &outcome {
+                    if !s.response.text.is_empty() {
+                        e(StreamEvent::Text(s.response.text.clone())).await;
+                    }
+                }
+                return outcome;
+            }
+        }
         let hit = |record: Record, response: ModelResponse, on_event: Option<E>| async move {
             if let Some(mut e) = on_event {
                 if !response.text.is_empty() {

@@ -103,6 +103,13 @@ pub trait ModelHandler: Send + Sync {
         }
     }
 
+    /// True when [`generate_stream`](Self::generate_stream) streams for real (the answer comes
+    /// in pieces as it is generated); false when it answers the whole text as one piece, and a
+    /// streaming front end may as well make a plain call.
+    fn streams(&self) -> bool {
+        false
+    }
+
     /// Makes one call whose answer arrives as a stream. Endpoints that cannot stream answer the
     /// whole text as one delta.
     async fn generate_stream(&self, request: &ModelRequest) -> Result<DeltaStream, ModelError> {

@@ -12,6 +12,6 @@ pub mod writer;
 
 pub use cache::DiskCache;
 pub use keyset::KeySet;
-pub use sink::{default_errors_path, ErrorRow, EventRow, JsonlWriter, OutputPath, ResultRow};
+pub use sink::{default_errors_path, ErrorRow, EventError, EventRow, JsonlWriter, OutputPath, ResultRow};
 pub use source::{count_records, InputPath, RawLine};
 pub use writer::{EventSender, Events, Row, RowWriter, WriterSettings, WriterThread};

@@ -272,12 +272,25 @@ pub struct EventRow {
     /// The text so far is void: the call is being made again.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub restart: bool,
+    /// The record failed (its error row is in the errors file): the last event of a record that
+    /// has no result row, so a consumer of the events knows it ended.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<EventError>,
+}
+
+/// Why a streamed record failed, in its last event.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct EventError {
+    /// The error's kind, as in the error row.
+    pub kind: String,
+    /// What went wrong.
+    pub message: String,
 }
 
 impl EventRow {
     /// The only event of an answer that came whole (from the cache, or from an endpoint that
     /// cannot stream).
     pub fn whole(id: &RecordId, text: &str) -> Self {
-        Self { id: id.clone(), seq: 0, delta: Some(text.to_string()), restart: false }
+        Self { id: id.clone(), seq: 0, delta: Some(text.to_string()), restart: false, error: None }
     }
 }

@@ -93,6 +93,27 @@ pub fn lines(reader: Box<dyn AsyncRead + Send + Unpin>) -> impl Stream<Item = io
     })
 }
 
+/// What identifies a followed file across runs, or `None` while it has no whole first line
+/// yet: where it is, which file that is (device and inode: a file put in its place is another
+/// input), and a digest of its first line (a file truncated and written anew starts
+/// differently). A file that only grows keeps all three.
+pub fn followed_identity(path: &Path) -> io::Result<Option<String>> {
+    use sha2::{Digest, Sha256};
+    use std::io::{BufRead, Read};
+    use std::os::unix::fs::MetadataExt;
+    let file = std::fs::File::open(path)?;
+    let meta = file.metadata()?;
+    let mut first = Vec::new();
+    std::io::BufReader::new(file).take(64 << 20).read_until(b'\n', &mut first)?;
+    if first.last() != Some(&b'\n') {
+        return Ok(None);
+    }
+    let digest = Sha256::digest(&first);
+    let hex: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+    let abs = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+    Ok(Some(format!("{} (followed; file {}:{}, first line {hex})", abs.display(), meta.dev(), meta.ino())))
+}
+
 /// How often a followed file is looked at for more lines when there were none.
 pub const FOLLOW_POLL: std::time::Duration = std::time::Duration::from_millis(10);
 
@@ -159,6 +180,14 @@ pub fn follow(path: PathBuf, poll: std::time::Duration) -> impl Stream<Item = io
                     debug_assert_eq!(st.partial.len(), before + read);
                     match identity(&st.path).await {
                         Ok((id, len)) if id == st.id && len >= st.offset + st.partial.len() as u64 => {}
+                        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                            let msg = format!(
+                                "{} was deleted while it was followed (after line {}); the rows so far are kept",
+                                st.path.display(),
+                                st.n
+                            );
+                            return fail(st, io::Error::new(io::ErrorKind::NotFound, msg));
+                        }
                         Ok((id, _)) => {
                             let what = if id == st.id { "shrank (truncated?)" } else { "was replaced (rotated?)" };
                             let msg = format!(

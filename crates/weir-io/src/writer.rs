@@ -130,9 +130,15 @@ fn next_row(rx: &mut mpsc::Receiver<Row>, idle: impl FnOnce()) -> Option<Row> {
 /// are out before its row.
 fn flush_all(events: &mut Option<JsonlWriter>, results: &mut JsonlWriter, errors: &mut JsonlWriter) -> io::Result<()> {
     if let Some(f) = events.as_mut() {
-        f.flush()?;
+        f.flush().map_err(events_error)?;
     }
     results.flush().and_then(|()| errors.flush())
+}
+
+/// An error writing the events file, saying so (a reader of the events that went away is not
+/// a failure to write rows).
+fn events_error(e: io::Error) -> io::Error {
+    io::Error::new(e.kind(), format!("writing the stream events (--events): {e}"))
 }
 
 /// Tells senders that writing has failed (they see it at their next send).
@@ -210,17 +216,17 @@ impl RowWriter {
             let mut end = Ok(());
             while let Some(row) = next_row(&mut rx, || {
                 if end.is_ok() {
-                    end = events.flush();
+                    end = events.flush().map_err(events_error);
                 }
             }) {
                 if let (Row::Event(e), Ok(())) = (row, &end) {
-                    end = events.write_line(&*e);
+                    end = events.write_line(&*e).map_err(events_error);
                 }
                 if let Err(e) = &end {
                     report(&failed, e);
                 }
             }
-            let end = end.and_then(|()| events.flush());
+            let end = end.and_then(|()| events.flush().map_err(events_error));
             ((0, 0), end)
         })
     }
@@ -290,7 +296,7 @@ impl RowWriter {
                     Row::Success(s) => results.write(&ResultRow::of(s)),
                     Row::Failure(f) => errors.write(&ErrorRow::of(f)),
                     Row::Event(e) => match events.as_mut() {
-                        Some(file) => file.write_line(e),
+                        Some(file) => file.write_line(e).map_err(events_error),
                         None if events_with_results => results.write_line(e),
                         None => Ok(()),
                     },
@@ -321,9 +327,10 @@ impl RowWriter {
             }
             let end = match error {
                 Some(e) => Err(e),
-                None => {
-                    events.as_mut().map_or(Ok(()), JsonlWriter::flush).and_then(|()| sync(&mut results, &mut errors))
-                }
+                None => events
+                    .as_mut()
+                    .map_or(Ok(()), |f| f.flush().map_err(events_error))
+                    .and_then(|()| sync(&mut results, &mut errors)),
             };
             ((results.rows(), errors.rows()), end)
         })

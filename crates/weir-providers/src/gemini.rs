@@ -306,6 +306,10 @@ impl ModelHandler for GeminiHandler {
         parse_response(&reply.body)
     }
 
+    fn streams(&self) -> bool {
+        true
+    }
+
     async fn generate_stream(&self, request: &ModelRequest) -> Result<DeltaStream, ModelError> {
         let (opened, secret) = self.credential.post_sse(&self.client, &self.stream_url, &Self::body(request)).await?;
         match opened {

@@ -344,7 +344,15 @@ pub async fn post_sse(
     }
     let events = resp.bytes_stream().eventsource().map(|e| match e {
         Ok(event) => Ok(event.data),
-        Err(EventStreamError::Transport(e)) => Err(transport_error(&e)),
+        // reqwest calls a body that stops part-way a decoding error; for a stream it is a cut
+        // connection, and retried as one.
+        Err(EventStreamError::Transport(e)) => {
+            let mut error = transport_error(&e);
+            if error.kind == ErrorKind::MalformedResponse {
+                error = ModelError::new(ErrorKind::Transport, format!("the stream was cut: {}", error.message));
+            }
+            Err(error)
+        }
         Err(e) => Err(ModelError::new(ErrorKind::MalformedResponse, format!("a bad event in the stream: {e}"))),
     });
     Ok(Opened::Events(Box::pin(events)))

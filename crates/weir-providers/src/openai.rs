@@ -297,6 +297,10 @@ impl ModelHandler for OpenAiHandler {
         Ok(r)
     }
 
+    fn streams(&self) -> bool {
+        true
+    }
+
     async fn generate_stream(&self, request: &ModelRequest) -> Result<DeltaStream, ModelError> {
         let mut body = self.body(request);
         body["stream"] = json!(true);

@@ -141,6 +141,10 @@ pub enum RunError {
     /// Something failed while running (cannot write output, input read error): exit 3.
     #[error("{0}")]
     Fatal(String),
+    /// Interrupted before the run began (waiting for a FIFO's reader, a followed file's first
+    /// line): nothing was done.
+    #[error("{0}")]
+    Interrupted(String),
 }
 
 impl From<ProviderError> for RunError {
@@ -270,37 +274,119 @@ enum Routed {
 
 /// Opens an output that is not a table: a file (locked, never truncated here), or a FIFO or
 /// a device, written to as it is (never locked, truncated or read back); `None` for stdout.
-fn claim_path(p: &OutputPath, flag: &str) -> Result<Option<(PathBuf, std::fs::File)>, RunError> {
+fn claim_path(
+    p: &OutputPath,
+    flag: &str,
+    interrupts: &watch::Receiver<u32>,
+) -> Result<Option<(PathBuf, std::fs::File)>, RunError> {
+    let usage = |path: &std::path::Path, e: std::io::Error| RunError::Usage(format!("{flag} {}: {e}", path.display()));
     match p {
         OutputPath::Stdout => Ok(None),
-        OutputPath::File(path) => weir_io::sink::claim(path)
-            .map(|f| Some((path.clone(), f)))
-            .map_err(|e| RunError::Usage(format!("{flag} {}: {e}", path.display()))),
-        OutputPath::Stream(path) => std::fs::OpenOptions::new()
-            .append(true)
-            .open(path)
-            .map(|f| Some((path.clone(), f)))
-            .map_err(|e| RunError::Usage(format!("{flag} {}: {e}", path.display()))),
+        OutputPath::File(path) => {
+            weir_io::sink::claim(path).map(|f| Some((path.clone(), f))).map_err(|e| usage(path, e))
+        }
+        OutputPath::Stream(path) => {
+            wait_for_reader(path, flag, interrupts)?;
+            std::fs::OpenOptions::new()
+                .append(true)
+                .open(path)
+                .map(|f| Some((path.clone(), f)))
+                .map_err(|e| usage(path, e))
+        }
+    }
+}
+
+/// Opening a FIFO for writing blocks until something reads it: say so, and give up when
+/// interrupted, rather than hang in silence.
+fn wait_for_reader(path: &std::path::Path, flag: &str, interrupts: &watch::Receiver<u32>) -> Result<(), RunError> {
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    if !std::fs::metadata(path).is_ok_and(|m| m.file_type().is_fifo()) {
+        return Ok(());
+    }
+    let mut said = false;
+    loop {
+        match std::fs::OpenOptions::new().append(true).custom_flags(libc::O_NONBLOCK).open(path) {
+            // A reader is there (the probe is closed; the real open will not block).
+            Ok(_) => return Ok(()),
+            Err(e) if e.raw_os_error() == Some(libc::ENXIO) => {}
+            Err(e) => return Err(RunError::Usage(format!("{flag} {}: {e}", path.display()))),
+        }
+        if !said {
+            eprintln!("weir: waiting for something to read the FIFO {flag} {} …", path.display());
+            said = true;
+        }
+        if *interrupts.borrow() >= 1 {
+            return Err(RunError::Interrupted(format!(
+                "interrupted while waiting for a reader of {flag} {}; nothing was done",
+                path.display()
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The identity of a followed file, once it has a whole first line (waited for, saying so, and
+/// given up when interrupted).
+async fn wait_for_first_line(path: &std::path::Path, interrupts: &watch::Receiver<u32>) -> Result<String, RunError> {
+    let mut said = false;
+    loop {
+        match weir_io::source::followed_identity(path) {
+            Ok(Some(id)) => return Ok(id),
+            Ok(None) => {}
+            Err(e) => return Err(RunError::Usage(format!("cannot read --follow {}: {e}", path.display()))),
+        }
+        if !said {
+            eprintln!("weir: waiting for the first line of {} (a followed file is known by it) …", path.display());
+            said = true;
+        }
+        if *interrupts.borrow() >= 1 {
+            return Err(RunError::Interrupted(format!(
+                "interrupted while waiting for the first line of {}; nothing was done",
+                path.display()
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 
 /// A boxed future of a stream event's delivery.
 type Delivery = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
 
-/// The consumer of one record's streamed call: each piece becomes an event row, numbered from
-/// 0 in the order the writer receives them.
-fn stream_to(tx: weir_io::EventSender, record: &Record) -> impl FnMut(weir_core::StreamEvent) -> Delivery {
-    let id = record.id.clone();
-    let mut seq = 0u64;
-    move |event| {
-        let (delta, restart) = match event {
-            weir_core::StreamEvent::Text(t) => (Some(t), false),
-            weir_core::StreamEvent::Restart => (None, true),
-        };
-        let row = EventRow { id: id.clone(), seq, delta, restart };
-        seq += 1;
-        let tx = tx.clone();
-        Box::pin(async move { tx.send(row).await })
+/// One record's events: each piece of its streamed call becomes an event row, numbered from 0
+/// in the order the writer receives them; a record that fails ends with an `error` event.
+struct StreamTo {
+    tx: weir_io::EventSender,
+    id: weir_core::RecordId,
+    seq: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl StreamTo {
+    fn new(tx: weir_io::EventSender, id: &weir_core::RecordId) -> Self {
+        Self { tx, id: id.clone(), seq: Default::default() }
+    }
+
+    fn row(&self, delta: Option<String>, restart: bool, error: Option<weir_io::EventError>) -> EventRow {
+        let seq = self.seq.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        EventRow { id: self.id.clone(), seq, delta, restart, error }
+    }
+
+    /// The consumer of the record's streamed call.
+    fn consumer(&self) -> impl FnMut(weir_core::StreamEvent) -> Delivery {
+        let me = Self { tx: self.tx.clone(), id: self.id.clone(), seq: self.seq.clone() };
+        move |event| {
+            let row = match event {
+                weir_core::StreamEvent::Text(t) => me.row(Some(t), false, None),
+                weir_core::StreamEvent::Restart => me.row(None, true, None),
+            };
+            let tx = me.tx.clone();
+            Box::pin(async move { tx.send(row).await })
+        }
+    }
+
+    /// Ends the events of a record that failed.
+    async fn failed(&self, error: &ModelError) {
+        let e = weir_io::EventError { kind: error.kind.as_str().to_string(), message: error.message.clone() };
+        self.tx.send(self.row(None, false, Some(e))).await;
     }
 }
 
@@ -328,13 +414,13 @@ fn identity(
     settings: &RunSettings,
     input_file: Option<&std::path::Path>,
     table: Option<&weir_tables::TableInput>,
+    followed: Option<&str>,
 ) -> Result<RunIdentity, RunError> {
     let input = match (input_file, &settings.input) {
         _ if table.is_some() => table.map(|t| t.identity()).transpose().map_err(table_error)?.unwrap_or_default(),
-        // A followed file grows between runs: it is known by where it is, not by what it holds.
-        (None, InputPath::File(p)) if settings.follow => {
-            format!("{} (followed)", std::fs::canonicalize(p).unwrap_or_else(|_| p.clone()).display())
-        }
+        // A followed file grows between runs: it is known by where and which file it is and by
+        // its first line, not by all it holds.
+        _ if followed.is_some() => followed.unwrap_or_default().to_string(),
         (Some(p), _) => state::input_identity(p)
             .map_err(|e| RunError::Usage(format!("cannot read --input {}: {e}", p.display())))?,
         (None, InputPath::Stdin) => "stdin (a stream)".to_string(),
@@ -464,9 +550,17 @@ pub async fn run(
 
     // The output files, opened (never truncated yet) and locked against other weir processes.
     let tables_out = settings.table_output.clone();
+    // A followed file that a resumable run will know again: by its first line, so an empty one
+    // is waited on until that line is written.
+    let followed = match &settings.input {
+        InputPath::File(p) if settings.follow && settings.state != StateMode::Off => {
+            Some(wait_for_first_line(p, &interrupts).await?)
+        }
+        _ => None,
+    };
     let claim = |p: &OutputPath, flag: &str| match p {
         _ if tables_out.is_some() => Ok(None),
-        _ => claim_path(p, flag),
+        _ => claim_path(p, flag, &interrupts),
     };
     let events_path = match &settings.stream {
         Some(EventsTo::Path(p)) => Some(p.clone()),
@@ -488,7 +582,7 @@ pub async fn run(
     );
     let mut out_file = claim(&settings.output, "--output")?;
     let mut err_file = claim(&settings.errors, "--errors")?;
-    let mut events_file = events_path.as_ref().map(|p| claim_path(p, "--events")).transpose()?.flatten();
+    let mut events_file = events_path.as_ref().map(|p| claim_path(p, "--events", &interrupts)).transpose()?.flatten();
 
     // The state directory: identity check, lock, recovery of an earlier run's outputs.
     let mut state_dir = None;
@@ -507,7 +601,7 @@ pub async fn run(
             let mut run_id = None;
             let journaled = if let StateMode::Dir(dir) = state_mode {
                 let name = table_state_name(&t.results);
-                let id = identity(&settings, None, table_input.as_ref())?;
+                let id = identity(&settings, None, table_input.as_ref(), followed.as_deref())?;
                 let (sd, resume) =
                     state::open(dir, &name, &id, settings.fresh).map_err(|e| RunError::Usage(e.to_string()))?;
                 resuming = resume;
@@ -554,7 +648,7 @@ pub async fn run(
         }
         (StateMode::Dir(dir), OutputPath::File(out), OutputPath::File(errs)) => {
             let name = state::output_state_name(out, dir);
-            let id = identity(&settings, input_file.as_deref(), table_input.as_ref())?;
+            let id = identity(&settings, input_file.as_deref(), table_input.as_ref(), followed.as_deref())?;
             let (sd, resume) =
                 state::open(dir, &name, &id, settings.fresh).map_err(|e| RunError::Usage(e.to_string()))?;
             resuming = resume;
@@ -896,8 +990,15 @@ pub async fn run(
                                     // stream: each answer is one piece.
                                     if let Some(tx) = &events {
                                         for o in &outcomes {
-                                            if let Outcome::Success(s) = o {
-                                                tx.send(EventRow::whole(&s.record.id, &s.response.text)).await;
+                                            match o {
+                                                Outcome::Success(s) => {
+                                                    tx.send(EventRow::whole(&s.record.id, &s.response.text)).await
+                                                }
+                                                Outcome::Failure(f) => {
+                                                    if let Some(id) = &f.id {
+                                                        StreamTo::new(tx.clone(), id).failed(&f.error).await
+                                                    }
+                                                }
                                             }
                                         }
                                     }
@@ -907,8 +1008,12 @@ pub async fn run(
                                 _ => match batch.pop() {
                                     Some(Routed::Call(d, record, _)) => match events {
                                         Some(tx) => {
-                                            let consumer = stream_to(tx, &record);
-                                            vec![Ok(d.run_streamed(record, consumer).await)]
+                                            let to = StreamTo::new(tx, &record.id);
+                                            let outcome = d.run_streamed(record, to.consumer()).await;
+                                            if let Outcome::Failure(f) = &outcome {
+                                                to.failed(&f.error).await;
+                                            }
+                                            vec![Ok(outcome)]
                                         }
                                         None => vec![Ok(d.run(record).await)],
                                     },

@@ -433,14 +433,18 @@ impl RunArgs {
     fn check_stream_and_follow(&self, embed: bool) -> Result<(), UsageError> {
         if self.streaming() {
             if embed {
-                return Err(UsageError("--stream: an embedding comes whole, not as text; drop --stream".into()));
+                return Err(UsageError(
+                    "--stream/--events: an embedding comes whole, not as text; drop --stream and --events".into(),
+                ));
             }
             if self.mode != ModeArg::Online {
                 return Err(UsageError(
-                    "--stream: batch jobs answer every record at once, hours later; drop --stream or --mode".into(),
+                    "--stream/--events: batch jobs answer every record at once, hours later; drop --stream and \
+                     --events, or --mode"
+                        .into(),
                 ));
             }
-            if self.events.is_none() && self.output != "-" {
+            if self.events.is_none() && OutputPath::parse(&self.output) != OutputPath::Stdout {
                 return Err(UsageError(
                     "--stream writes each answer's pieces to --events PATH (or between the rows with --output -); \
                      add --events, e.g. --events events.jsonl"
@@ -450,6 +454,11 @@ impl RunArgs {
         }
         if let Some(path) = &self.follow {
             let p = std::path::Path::new(path);
+            if path.contains("://") {
+                return Err(UsageError(format!(
+                    "--follow {path}: weir follows a local file as it grows; read objects in a store with --input"
+                )));
+            }
             if path == "-" || weir_io::paths::is_stream(p) {
                 return Err(UsageError(format!(
                     "--follow {path}: a pipe is read as it arrives already; use --input {path}"
@@ -844,15 +853,29 @@ pub async fn run(args: RunArgs) -> anyhow::Result<u8> {
     let env = |k: &str| std::env::var(k).ok();
     // Ctrl-C: the first press drains and stops (resumable); the second exits at once, which is
     // still resumable because every row already written is a whole line or a torn tail.
-    // SIGTERM (a service manager stopping a long-lived run) counts as a press.
+    // SIGTERM (a service manager stopping a long-lived run) counts as a press; a run it ends
+    // exits 143 (128 + SIGTERM), as services expect, where Ctrl-C gives 130.
     let (tx, rx) = tokio::sync::watch::channel(0u32);
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let terminated = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let by_term = terminated.clone();
+    let interrupted_status = move || -> u8 {
+        if by_term.load(std::sync::atomic::Ordering::Relaxed) {
+            143
+        } else {
+            130
+        }
+    };
+    let status_at_once = interrupted_status.clone();
     tokio::spawn(async move {
         let mut presses = 0;
         loop {
             let signalled = tokio::select! {
                 r = tokio::signal::ctrl_c() => r.is_ok(),
-                r = term.recv() => r.is_some(),
+                r = term.recv() => {
+                    terminated.store(true, std::sync::atomic::Ordering::Relaxed);
+                    r.is_some()
+                }
             };
             if !signalled {
                 break;
@@ -860,7 +883,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<u8> {
             presses += 1;
             if presses >= 2 {
                 eprintln!("weir: stopped at once; run the same command again to resume");
-                std::process::exit(130);
+                std::process::exit(status_at_once().into());
             }
             let _ = tx.send(presses);
         }
@@ -869,10 +892,14 @@ pub async fn run(args: RunArgs) -> anyhow::Result<u8> {
         Ok(r) => r,
         Err(RunError::Usage(m)) => return Err(UsageError(m).into()),
         Err(RunError::Fatal(m)) => anyhow::bail!(m),
+        Err(RunError::Interrupted(m)) => {
+            eprintln!("weir: {m}");
+            return Ok(interrupted_status());
+        }
     };
     eprint!("{}", report.summary());
     Ok(if report.interrupted() {
-        130
+        interrupted_status()
     } else if report.stopped.is_some() {
         crate::exit::FATAL
     } else if report.total_failed() > 0 {

@@ -288,12 +288,137 @@ async fn a_followed_file_is_answered_as_it_grows_and_resumed_where_it_stopped() 
     let pid = child.id().unwrap().to_string();
     assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
     let o = tokio::time::timeout(Duration::from_secs(20), child.wait_with_output()).await.unwrap().unwrap();
-    assert_eq!(o.status.code(), Some(130), "SIGTERM drains as Ctrl-C does: {}", stderr(&o));
+    assert_eq!(o.status.code(), Some(143), "SIGTERM drains as Ctrl-C does, exit 128 + 15: {}", stderr(&o));
     assert!(stderr(&o).contains("Resuming: 5 finished"), "{}", stderr(&o));
     let ids: Vec<String> = ["a", "b", "c", "d", "e", "f", "g"].iter().map(|s| s.to_string()).collect();
     assert_each_id_once(&ids, &results, &rows(&dir.path("out.errors.jsonl")));
     assert_eq!(server.stats().requests, 7, "the second run called only for the new lines");
+    // Another file put in its place (or the file truncated and written anew) is another input:
+    // resuming from it would skip or repeat records by line number, so it is refused.
+    let other = dir.write("other.jsonl", (line("h") + &line("i")).as_bytes());
+    std::fs::rename(&other, &input).unwrap();
+    let o = tokio::time::timeout(Duration::from_secs(20), spawn().wait_with_output()).await.unwrap().unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("different run"), "{}", stderr(&o));
+    std::fs::write(&input, line("j")).unwrap();
+    let o = tokio::time::timeout(Duration::from_secs(20), spawn().wait_with_output()).await.unwrap().unwrap();
+    assert_eq!(o.status.code(), Some(2), "a file truncated and written anew: {}", stderr(&o));
+    assert_eq!(server.stats().requests, 7);
     server.shutdown().await;
+}
+
+/// An empty followed file is waited on until its first line is written (it identifies the
+/// file for a resume); one Ctrl-C while waiting ends the run, having done nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_followed_file_waits_for_its_first_line() {
+    let dir = Dir::new("follow-empty");
+    let input = dir.write("in.jsonl", b"");
+    let out = dir.path("out.jsonl");
+    let spawn = || {
+        weir()
+            .args(["run", "--model", "sim/demo", "--follow", input.to_str().unwrap()])
+            .args(["--output", out.to_str().unwrap(), "--id-field", "id", "--progress", "never"])
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let child = spawn();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(std::process::Command::new("kill")
+        .args(["-INT", &child.id().unwrap().to_string()])
+        .status()
+        .unwrap()
+        .success());
+    let o = tokio::time::timeout(Duration::from_secs(10), child.wait_with_output()).await.unwrap().unwrap();
+    assert_eq!(o.status.code(), Some(130), "{}", stderr(&o));
+    assert!(stderr(&o).contains("waiting for the first line"), "{}", stderr(&o));
+    let child = spawn();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    append(&input, &line("a"));
+    assert_eq!(wait_rows(&out, 1, Duration::from_secs(10)).await.len(), 1);
+    assert!(std::process::Command::new("kill")
+        .args(["-INT", &child.id().unwrap().to_string()])
+        .status()
+        .unwrap()
+        .success());
+    let o = tokio::time::timeout(Duration::from_secs(10), child.wait_with_output()).await.unwrap().unwrap();
+    assert_eq!(o.status.code(), Some(130), "{}", stderr(&o));
+}
+
+/// With the events on stdout, a record that fails after its text began streaming ends with an
+/// `error` event, so a consumer of stdout alone knows it ended (its error row is in the errors
+/// file); one that never streamed gets one too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_record_ends_its_events_with_an_error_event() {
+    let mut config = paced();
+    config.latency.fixed_ms = 5.0;
+    config.latency.per_token_ms = 1.0;
+    config.faults.truncate = 1.0;
+    let server = sim(config).await;
+    let dir = Dir::new("stream-failed");
+    let (data, ids) = prompts(6);
+    let input = dir.write("in.jsonl", &data);
+    let errors = dir.path("errors.jsonl");
+    let o = run(&[
+        "run",
+        "--model",
+        "openai/sim-1",
+        "--base-url",
+        &format!("{}/v1", server.url()),
+        "--input",
+        input.to_str().unwrap(),
+        "--output",
+        "-",
+        "--errors",
+        errors.to_str().unwrap(),
+        "--stream",
+        "--id-field",
+        "key",
+        "--max-retries",
+        "1",
+        "--progress",
+        "never",
+    ])
+    .await;
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let lines: Vec<Value> =
+        String::from_utf8_lossy(&o.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_each_id_once(&ids, &[], &rows(&errors));
+    for id in &ids {
+        let mine: Vec<&Value> = lines.iter().filter(|v| id_of(v) == *id).collect();
+        let last = mine.last().unwrap_or_else(|| panic!("no events for {id}"));
+        assert_eq!(last["error"]["kind"], "transport", "{id}: {last}");
+        assert!(mine.iter().any(|v| v.get("delta").is_some()), "{id}: text streamed before the cut");
+        assert_eq!(last["seq"].as_u64().unwrap() as usize, mine.len() - 1);
+    }
+    server.shutdown().await;
+}
+
+/// A FIFO for the events with nothing reading it: weir says it is waiting, and one Ctrl-C
+/// ends the run before anything is done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_events_fifo_without_a_reader_is_waited_on_and_interruptible() {
+    let dir = Dir::new("stream-fifo");
+    let input = dir.write("in.jsonl", line("a").as_bytes());
+    let fifo = dir.path("events.fifo");
+    assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let out = dir.path("out.jsonl");
+    let child = weir()
+        .args(["run", "--model", "sim/demo", "--input", input.to_str().unwrap(), "--output", out.to_str().unwrap()])
+        .args(["--events", fifo.to_str().unwrap(), "--progress", "never"])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(std::process::Command::new("kill")
+        .args(["-INT", &child.id().unwrap().to_string()])
+        .status()
+        .unwrap()
+        .success());
+    let o = tokio::time::timeout(Duration::from_secs(10), child.wait_with_output()).await.unwrap().unwrap();
+    assert_eq!(o.status.code(), Some(130), "{}", stderr(&o));
+    assert!(stderr(&o).contains("waiting for something to read the FIFO --events"), "{}", stderr(&o));
+    assert!(rows(&out).is_empty());
 }
 
 /// `weir run --input - --output -` on `sim/demo` with its stdin and stdout piped.
@@ -369,6 +494,8 @@ async fn stream_and_follow_usage_errors() {
         (vec!["--follow", "-", "--output", o_], "use --input -"),
         (vec!["--follow", missing.to_str().unwrap(), "--output", o_], "does not exist"),
         (vec!["--follow", csv.to_str().unwrap(), "--output", o_], "follows a local JSONL file"),
+        (vec!["--follow", "s3://bucket/x.jsonl", "--output", o_], "follows a local file"),
+        (vec!["--input", i, "--output", o_, "--events", "e.jsonl", "--task", "embed"], "--stream/--events"),
         (vec!["--follow", i, "--input", i, "--output", o_], "cannot be used with"),
         (vec!["--output", o_], "--input"),
         (vec!["--input", i, "--output", o_, "--events", i], "are the same file"),

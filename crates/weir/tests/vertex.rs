@@ -526,7 +526,8 @@ async fn an_unusable_private_key_is_a_usage_error_naming_the_file() {
 
 /// `--stream` on Vertex AI: Gemini through `:streamGenerateContent?alt=sse`, an endpoint's
 /// OpenAI-compatible route with `"stream": true`, and `:streamRawPredict`; an endpoint called
-/// through `:predict` (many records per call, no streaming) gives each answer as one event.
+/// through `:predict` (raw instances, many records per call, or one chat instance: no
+/// streaming) gives each answer as one event.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streamed_calls_on_vertex_models_and_endpoints() {
     for (model, format, streamed) in [
@@ -534,6 +535,7 @@ async fn streamed_calls_on_vertex_models_and_endpoints() {
         ("vertex_endpoint/5", Some("openai"), true),
         ("vertex_endpoint/5", Some("rawpredict"), true),
         ("vertex_endpoint/5", Some("raw"), false),
+        ("vertex_endpoint/5", Some("chat"), false),
     ] {
         let server = sim(|c| {
             c.output.min_tokens = 6;
@@ -565,6 +567,8 @@ async fn streamed_calls_on_vertex_models_and_endpoints() {
         }
         let stats = server.stats();
         assert_eq!(stats.streams, if streamed { 12 } else { 0 }, "{what}");
+        // Only calls that streamed are counted as streams in the summary.
+        assert_eq!(stderr(&o).contains("time to first token"), streamed, "{what}: {}", stderr(&o));
         if format == Some("rawpredict") {
             assert!(server.captured().iter().all(|c| c.path.ends_with(":streamRawPredict")), "{what}");
         }
