@@ -182,6 +182,22 @@ fn explain_usage(e: &DataFusionError) -> String {
 /// The error a Ctrl-C ends a statement with.
 const INTERRUPTED: &str = "interrupted";
 
+/// Set when SIGTERM (not Ctrl-C) stopped the statement: the exit status is then 143.
+static TERMINATED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Ctrl-C or SIGTERM (`timeout`, a service manager, Kubernetes): either stops the statement the
+/// same way — on a cluster, by cancelling its job, so that the executors stop calling models.
+async fn stop_signal() {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(t) => t,
+        Err(_) => return std::future::pending().await,
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => TERMINATED.store(true, Relaxed),
+    }
+}
+
 /// Runs `weir sql`; the exit status.
 pub async fn run(args: SqlArgs) -> anyhow::Result<u8> {
     let settings = args.settings()?;
@@ -241,7 +257,7 @@ pub async fn run(args: SqlArgs) -> anyhow::Result<u8> {
             eprintln!(
                 "weir sql: interrupted; the statement did not finish (a COPY to a directory may have left some files)"
             );
-            Ok(130)
+            Ok(if TERMINATED.load(Relaxed) { 143 } else { 130 })
         }
         Err(e) if is_usage(&e) => Err(UsageError(explain_usage(&e)).into()),
         Err(e) => Err(anyhow::anyhow!("the query failed: {e}")),
@@ -288,7 +304,7 @@ async fn run_statement(
             let physical = frame.create_physical_plan().await?;
             tokio::select! {
                 r = async { print_rows(datafusion::physical_plan::execute_stream(physical.clone(), task)?, format).await } => r,
-                _ = tokio::signal::ctrl_c() => {
+                _ = stop_signal() => {
                     if let Some(url) = cluster {
                         cancel_on_cluster(url, &physical).await;
                     }

@@ -144,8 +144,15 @@ async fn two_executors_answer_every_row_once() {
     sim.shutdown().await;
 }
 
+/// Ctrl-C, and SIGTERM (as `timeout` or a service manager sends it), alike.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ctrl_c_cancels_the_job_and_its_calls_stop_and_a_copy_leaves_the_old_file() {
+    for (signal, status) in [("-INT", 130), ("-TERM", 143)] {
+        cancelled_by(signal, status).await;
+    }
+}
+
+async fn cancelled_by(signal: &str, status: i32) {
     let dir = Dir::new("cluster-cancel");
     let (data, _) = prompts(400);
     dir.write("in.jsonl", &data);
@@ -168,10 +175,10 @@ async fn ctrl_c_cancels_the_job_and_its_calls_stop_and_a_copy_leaves_the_old_fil
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
     let pid = query.id().unwrap();
-    assert!(std::process::Command::new("kill").args(["-INT", &pid.to_string()]).status().unwrap().success());
+    assert!(std::process::Command::new("kill").args([signal, &pid.to_string()]).status().unwrap().success());
     let out = query.wait_with_output().await.unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(130), "{err}");
+    assert_eq!(out.status.code(), Some(status), "{signal}: {err}");
     assert!(err.contains("cancelled job"), "{err}");
     // The executor's calls stop (those in flight end within their 0.5 s).
     tokio::time::sleep(std::time::Duration::from_secs(2)).await;
