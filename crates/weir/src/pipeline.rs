@@ -285,29 +285,48 @@ fn claim_path(
         OutputPath::File(path) => {
             weir_io::sink::claim(path).map(|f| Some((path.clone(), f))).map_err(|e| usage(path, e))
         }
-        OutputPath::Stream(path) => {
-            wait_for_reader(path, flag, interrupts)?;
-            std::fs::OpenOptions::new()
+        OutputPath::Stream(path) => match wait_for_reader(path, flag, interrupts)? {
+            Some(fifo) => Ok(Some((path.clone(), fifo))),
+            None => std::fs::OpenOptions::new()
                 .append(true)
                 .open(path)
                 .map(|f| Some((path.clone(), f)))
-                .map_err(|e| usage(path, e))
-        }
+                .map_err(|e| usage(path, e)),
+        },
     }
 }
 
 /// Opening a FIFO for writing blocks until something reads it: say so, and give up when
-/// interrupted, rather than hang in silence.
-fn wait_for_reader(path: &std::path::Path, flag: &str, interrupts: &watch::Receiver<u32>) -> Result<(), RunError> {
+/// interrupted, rather than hang in silence. The FIFO opened, once a reader is there (`None`
+/// for anything else, opened as usual).
+fn wait_for_reader(
+    path: &std::path::Path,
+    flag: &str,
+    interrupts: &watch::Receiver<u32>,
+) -> Result<Option<std::fs::File>, RunError> {
+    use std::os::fd::AsRawFd;
     use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
     if !std::fs::metadata(path).is_ok_and(|m| m.file_type().is_fifo()) {
-        return Ok(());
+        return Ok(None);
     }
     let mut said = false;
     loop {
         match std::fs::OpenOptions::new().append(true).custom_flags(libc::O_NONBLOCK).open(path) {
-            // A reader is there (the probe is closed; the real open will not block).
-            Ok(_) => return Ok(()),
+            // A reader is there. This handle is the one written to (closing it and opening
+            // again would hand the reader an end of file): writes to it block again.
+            Ok(fifo) => {
+                let fd = fifo.as_raw_fd();
+                // SAFETY: fcntl on a descriptor this function owns, with integer arguments.
+                let cleared = unsafe {
+                    let flags = libc::fcntl(fd, libc::F_GETFL);
+                    flags >= 0 && libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK) == 0
+                };
+                if !cleared {
+                    let e = std::io::Error::last_os_error();
+                    return Err(RunError::Usage(format!("{flag} {}: {e}", path.display())));
+                }
+                return Ok(Some(fifo));
+            }
             Err(e) if e.raw_os_error() == Some(libc::ENXIO) => {}
             Err(e) => return Err(RunError::Usage(format!("{flag} {}: {e}", path.display()))),
         }
