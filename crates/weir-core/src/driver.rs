@@ -365,11 +365,19 @@ impl Driver {
     /// answer to `on_event` as it arrives ([`StreamEvent::Restart`] when a cut stream is
     /// made again). An answer from the response cache comes as one piece. Endpoints that
     /// cannot stream answer the whole text as one piece.
-    pub async fn run_streamed<E, EFut>(&self, record: Record, on_event: E) -> Outcome
+    pub async fn run_streamed<E, EFut>(&self, record: Record, mut on_event: E) -> Outcome
     where
         E: FnMut(StreamEvent) -> EFut,
         EFut: Future<Output = ()>,
     {
+        // An endpoint that cannot stream is called plainly.
+        if !self.handler.streams() {
+            let outcome = self.run(record).await;
+            if let Outcome::Success(s) = &outcome {
+                one_piece(&mut on_event, &s.response).await;
+            }
+            return outcome;
+        }
         self.run_with(record, Some(on_event)).await
     }
 
@@ -381,24 +389,9 @@ impl Driver {
         let start = Instant::now();
         let request = self.request_of(&record);
         let key = self.cache.as_ref().map(|_| cache_key(&self.source, &request, &record.id));
-        // An endpoint that cannot stream is called plainly; its answer, like one from the
-        // cache, is handed on as one piece.
-        if !self.handler.streams() {
-            if let Some(mut e) = on_event.take() {
-                let outcome = Box::pin(self.run_with(record, None::<E>)).await;
-                if let Outcome::Success(s) = &outcome {
-                    if !s.response.text.is_empty() {
-                        e(StreamEvent::Text(s.response.text.clone())).await;
-                    }
-                }
-                return outcome;
-            }
-        }
         let hit = |record: Record, response: ModelResponse, on_event: Option<E>| async move {
             if let Some(mut e) = on_event {
-                if !response.text.is_empty() {
-                    e(StreamEvent::Text(response.text.clone())).await;
-                }
+                one_piece(&mut e, &response).await;
             }
             self.hit(record, response, start)
         };
@@ -536,6 +529,18 @@ impl Driver {
             }
         }
         out
+    }
+}
+
+/// Hands an answer that came whole (from the cache, or from an endpoint that cannot stream)
+/// to a streaming consumer, as one piece.
+async fn one_piece<E, EFut>(on_event: &mut E, response: &ModelResponse)
+where
+    E: FnMut(StreamEvent) -> EFut,
+    EFut: Future<Output = ()>,
+{
+    if !response.text.is_empty() {
+        on_event(StreamEvent::Text(response.text.clone())).await;
     }
 }
 

@@ -286,11 +286,3 @@ pub struct EventError {
     /// What went wrong.
     pub message: String,
 }
-
-impl EventRow {
-    /// The only event of an answer that came whole (from the cache, or from an endpoint that
-    /// cannot stream).
-    pub fn whole(id: &RecordId, text: &str) -> Self {
-        Self { id: id.clone(), seq: 0, delta: Some(text.to_string()), restart: false, error: None }
-    }
-}

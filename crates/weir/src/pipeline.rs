@@ -274,98 +274,93 @@ enum Routed {
 
 /// Opens an output that is not a table: a file (locked, never truncated here), or a FIFO or
 /// a device, written to as it is (never locked, truncated or read back); `None` for stdout.
-fn claim_path(
+async fn claim_path(
     p: &OutputPath,
     flag: &str,
     interrupts: &watch::Receiver<u32>,
 ) -> Result<Option<(PathBuf, std::fs::File)>, RunError> {
+    use std::os::unix::fs::FileTypeExt;
     let usage = |path: &std::path::Path, e: std::io::Error| RunError::Usage(format!("{flag} {}: {e}", path.display()));
     match p {
         OutputPath::Stdout => Ok(None),
         OutputPath::File(path) => {
             weir_io::sink::claim(path).map(|f| Some((path.clone(), f))).map_err(|e| usage(path, e))
         }
-        OutputPath::Stream(path) => match wait_for_reader(path, flag, interrupts)? {
-            Some(fifo) => Ok(Some((path.clone(), fifo))),
-            None => std::fs::OpenOptions::new()
-                .append(true)
-                .open(path)
-                .map(|f| Some((path.clone(), f)))
-                .map_err(|e| usage(path, e)),
-        },
+        // Opening a FIFO for writing blocks until something reads it: say so, and give up
+        // when interrupted, rather than hang in silence.
+        OutputPath::Stream(path) if std::fs::metadata(path).is_ok_and(|m| m.file_type().is_fifo()) => {
+            let what = format!("something to read the FIFO {flag} {}", path.display());
+            let fifo = wait_until(interrupts, Duration::from_millis(100), &what, || {
+                open_fifo_if_read(path).map_err(|e| usage(path, e))
+            })
+            .await?;
+            Ok(Some((path.clone(), fifo)))
+        }
+        OutputPath::Stream(path) => std::fs::OpenOptions::new()
+            .append(true)
+            .open(path)
+            .map(|f| Some((path.clone(), f)))
+            .map_err(|e| usage(path, e)),
     }
 }
 
-/// Opening a FIFO for writing blocks until something reads it: say so, and give up when
-/// interrupted, rather than hang in silence. The FIFO opened, once a reader is there (`None`
-/// for anything else, opened as usual).
-fn wait_for_reader(
-    path: &std::path::Path,
-    flag: &str,
-    interrupts: &watch::Receiver<u32>,
-) -> Result<Option<std::fs::File>, RunError> {
+/// The FIFO at `path` opened for writing if something reads it; `None` if nothing does yet.
+/// The handle is the one to write to (closing it and opening again would hand the reader an
+/// end of file); its writes block as usual.
+fn open_fifo_if_read(path: &std::path::Path) -> std::io::Result<Option<std::fs::File>> {
     use std::os::fd::AsRawFd;
-    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
-    if !std::fs::metadata(path).is_ok_and(|m| m.file_type().is_fifo()) {
-        return Ok(None);
+    use std::os::unix::fs::OpenOptionsExt;
+    let fifo = match std::fs::OpenOptions::new().append(true).custom_flags(libc::O_NONBLOCK).open(path) {
+        Ok(f) => f,
+        Err(e) if e.raw_os_error() == Some(libc::ENXIO) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let fd = fifo.as_raw_fd();
+    // SAFETY: fcntl on a descriptor owned by `fifo`, with integer arguments.
+    let cleared = unsafe {
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        flags >= 0 && libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK) == 0
+    };
+    if !cleared {
+        return Err(std::io::Error::last_os_error());
     }
+    Ok(Some(fifo))
+}
+
+/// Asks `ready` every `every` until it has something: says once what the run is waiting for,
+/// and gives up, having done nothing, when interrupted.
+async fn wait_until<T>(
+    interrupts: &watch::Receiver<u32>,
+    every: Duration,
+    waiting_for: &str,
+    mut ready: impl FnMut() -> Result<Option<T>, RunError>,
+) -> Result<T, RunError> {
     let mut said = false;
     loop {
-        match std::fs::OpenOptions::new().append(true).custom_flags(libc::O_NONBLOCK).open(path) {
-            // A reader is there. This handle is the one written to (closing it and opening
-            // again would hand the reader an end of file): writes to it block again.
-            Ok(fifo) => {
-                let fd = fifo.as_raw_fd();
-                // SAFETY: fcntl on a descriptor this function owns, with integer arguments.
-                let cleared = unsafe {
-                    let flags = libc::fcntl(fd, libc::F_GETFL);
-                    flags >= 0 && libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK) == 0
-                };
-                if !cleared {
-                    let e = std::io::Error::last_os_error();
-                    return Err(RunError::Usage(format!("{flag} {}: {e}", path.display())));
-                }
-                return Ok(Some(fifo));
-            }
-            Err(e) if e.raw_os_error() == Some(libc::ENXIO) => {}
-            Err(e) => return Err(RunError::Usage(format!("{flag} {}: {e}", path.display()))),
+        if let Some(v) = ready()? {
+            return Ok(v);
         }
         if !said {
-            eprintln!("weir: waiting for something to read the FIFO {flag} {} …", path.display());
+            eprintln!("weir: waiting for {waiting_for} …");
             said = true;
         }
         if *interrupts.borrow() >= 1 {
             return Err(RunError::Interrupted(format!(
-                "interrupted while waiting for a reader of {flag} {}; nothing was done",
-                path.display()
+                "interrupted while waiting for {waiting_for}; nothing was done"
             )));
         }
-        std::thread::sleep(Duration::from_millis(100));
+        tokio::time::sleep(every).await;
     }
 }
 
-/// The identity of a followed file, once it has a whole first line (waited for, saying so, and
-/// given up when interrupted).
+/// The identity of a followed file, once it has a whole first line.
 async fn wait_for_first_line(path: &std::path::Path, interrupts: &watch::Receiver<u32>) -> Result<String, RunError> {
-    let mut said = false;
-    loop {
-        match weir_io::source::followed_identity(path) {
-            Ok(Some(id)) => return Ok(id),
-            Ok(None) => {}
-            Err(e) => return Err(RunError::Usage(format!("cannot read --follow {}: {e}", path.display()))),
-        }
-        if !said {
-            eprintln!("weir: waiting for the first line of {} (a followed file is known by it) …", path.display());
-            said = true;
-        }
-        if *interrupts.borrow() >= 1 {
-            return Err(RunError::Interrupted(format!(
-                "interrupted while waiting for the first line of {}; nothing was done",
-                path.display()
-            )));
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let what = format!("the first line of {} (a followed file is known by it)", path.display());
+    wait_until(interrupts, Duration::from_millis(50), &what, || {
+        weir_io::source::followed_identity(path)
+            .map_err(|e| RunError::Usage(format!("cannot read --follow {}: {e}", path.display())))
+    })
+    .await
 }
 
 /// A boxed future of a stream event's delivery.
@@ -373,6 +368,7 @@ type Delivery = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
 
 /// One record's events: each piece of its streamed call becomes an event row, numbered from 0
 /// in the order the writer receives them; a record that fails ends with an `error` event.
+#[derive(Clone)]
 struct StreamTo {
     tx: weir_io::EventSender,
     id: weir_core::RecordId,
@@ -391,7 +387,7 @@ impl StreamTo {
 
     /// The consumer of the record's streamed call.
     fn consumer(&self) -> impl FnMut(weir_core::StreamEvent) -> Delivery {
-        let me = Self { tx: self.tx.clone(), id: self.id.clone(), seq: self.seq.clone() };
+        let me = self.clone();
         move |event| {
             let row = match event {
                 weir_core::StreamEvent::Text(t) => me.row(Some(t), false, None),
@@ -400,6 +396,11 @@ impl StreamTo {
             let tx = me.tx.clone();
             Box::pin(async move { tx.send(row).await })
         }
+    }
+
+    /// The whole answer of a call that did not stream, as one event.
+    async fn whole(&self, text: &str) {
+        self.tx.send(self.row(Some(text.to_string()), false, None)).await;
     }
 
     /// Ends the events of a record that failed.
@@ -577,10 +578,6 @@ pub async fn run(
         }
         _ => None,
     };
-    let claim = |p: &OutputPath, flag: &str| match p {
-        _ if tables_out.is_some() => Ok(None),
-        _ => claim_path(p, flag, &interrupts),
-    };
     let events_path = match &settings.stream {
         Some(EventsTo::Path(p)) => Some(p.clone()),
         _ => None,
@@ -599,9 +596,18 @@ pub async fn run(
             })
             .collect(),
     );
-    let mut out_file = claim(&settings.output, "--output")?;
-    let mut err_file = claim(&settings.errors, "--errors")?;
-    let mut events_file = events_path.as_ref().map(|p| claim_path(p, "--events", &interrupts)).transpose()?.flatten();
+    // A table output is written through weir-tables, not opened here.
+    let (mut out_file, mut err_file) = match &tables_out {
+        Some(_) => (None, None),
+        None => (
+            claim_path(&settings.output, "--output", &interrupts).await?,
+            claim_path(&settings.errors, "--errors", &interrupts).await?,
+        ),
+    };
+    let mut events_file = match &events_path {
+        Some(p) => claim_path(p, "--events", &interrupts).await?,
+        None => None,
+    };
 
     // The state directory: identity check, lock, recovery of an earlier run's outputs.
     let mut state_dir = None;
@@ -691,7 +697,7 @@ pub async fn run(
                 })?;
                 if recovered.requeued > 0 {
                     // The errors file was replaced by a rewritten one: write (and lock) that one.
-                    err_file = claim(&settings.errors, "--errors")?;
+                    err_file = claim_path(&settings.errors, "--errors", &interrupts).await?;
                 }
                 if total.is_none() {
                     total = count()?;
@@ -1011,7 +1017,9 @@ pub async fn run(
                                         for o in &outcomes {
                                             match o {
                                                 Outcome::Success(s) => {
-                                                    tx.send(EventRow::whole(&s.record.id, &s.response.text)).await
+                                                    StreamTo::new(tx.clone(), &s.record.id)
+                                                        .whole(&s.response.text)
+                                                        .await
                                                 }
                                                 Outcome::Failure(f) => {
                                                     if let Some(id) = &f.id {
