@@ -117,11 +117,10 @@ async fn executor(a: ExecutorArgs) -> anyhow::Result<u8> {
     }
     eprintln!("weir: executor on {}:{} serving the scheduler at {}", a.host, a.port, a.scheduler);
     let started = Instant::now();
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let mut signals = crate::signals::StopSignals::new()?;
     let result = tokio::select! {
         r = weir_datafusion::cluster::executor(place, functions.clone()) => r,
-        _ = tokio::signal::ctrl_c() => Ok(()),
-        _ = term.recv() => Ok(()),
+        _ = signals.next() => Ok(()),
     };
     // What this executor's calls came to, over its whole life.
     eprint!("{}", crate::sql_cmd::summary(&functions, started.elapsed(), "weir cluster executor"));

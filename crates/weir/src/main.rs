@@ -5,6 +5,7 @@ mod batch_cmd;
 #[cfg(feature = "cluster")]
 mod cluster_cmd;
 mod run_cmd;
+mod signals;
 mod sim_cmd;
 #[cfg(feature = "sql")]
 mod sql_cmd;

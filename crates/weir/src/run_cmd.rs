@@ -854,36 +854,20 @@ pub async fn run(args: RunArgs) -> anyhow::Result<u8> {
     // Ctrl-C: the first press drains and stops (resumable); the second exits at once, which is
     // still resumable because every row already written is a whole line or a torn tail.
     // SIGTERM (a service manager stopping a long-lived run) counts as a press; a run it ends
-    // exits 143 (128 + SIGTERM), as services expect, where Ctrl-C gives 130.
+    // exits 143 where Ctrl-C gives 130.
     let (tx, rx) = tokio::sync::watch::channel(0u32);
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    let terminated = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let by_term = terminated.clone();
-    let interrupted_status = move || -> u8 {
-        if by_term.load(std::sync::atomic::Ordering::Relaxed) {
-            143
-        } else {
-            130
-        }
-    };
-    let status_at_once = interrupted_status.clone();
+    let mut signals = crate::signals::StopSignals::new()?;
+    let last = Arc::new(std::sync::Mutex::new(crate::signals::Stop::Interrupt));
+    let seen = last.clone();
+    let interrupted_status = move || seen.lock().unwrap_or_else(|e| e.into_inner()).exit_status();
     tokio::spawn(async move {
         let mut presses = 0;
-        loop {
-            let signalled = tokio::select! {
-                r = tokio::signal::ctrl_c() => r.is_ok(),
-                r = term.recv() => {
-                    terminated.store(true, std::sync::atomic::Ordering::Relaxed);
-                    r.is_some()
-                }
-            };
-            if !signalled {
-                break;
-            }
+        while let Some(stop) = signals.next().await {
+            *last.lock().unwrap_or_else(|e| e.into_inner()) = stop;
             presses += 1;
             if presses >= 2 {
                 eprintln!("weir: stopped at once; run the same command again to resume");
-                std::process::exit(status_at_once().into());
+                std::process::exit(stop.exit_status().into());
             }
             let _ = tx.send(presses);
         }

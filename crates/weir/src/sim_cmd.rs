@@ -148,19 +148,10 @@ impl SimArgs {
     }
 }
 
-/// Waits for Ctrl-C or, on Unix, SIGTERM.
+/// Waits for Ctrl-C or SIGTERM.
 async fn shutdown_signal() -> anyhow::Result<()> {
-    #[cfg(unix)]
-    {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .context("installing the SIGTERM handler")?;
-        tokio::select! {
-            r = tokio::signal::ctrl_c() => r.context("waiting for Ctrl-C")?,
-            _ = term.recv() => {}
-        }
-    }
-    #[cfg(not(unix))]
-    tokio::signal::ctrl_c().await.context("waiting for Ctrl-C")?;
+    let mut signals = crate::signals::StopSignals::new().context("installing the SIGTERM handler")?;
+    signals.next().await.context("waiting for Ctrl-C or SIGTERM")?;
     Ok(())
 }
 

@@ -181,20 +181,18 @@ fn explain_usage(e: &DataFusionError) -> String {
 
 /// The error a Ctrl-C ends a statement with.
 const INTERRUPTED: &str = "interrupted";
-
-/// Set when SIGTERM (not Ctrl-C) stopped the statement: the exit status is then 143.
-static TERMINATED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// The same, by SIGTERM (exit status 143 instead of 130).
+const TERMINATED: &str = "terminated";
 
 /// Ctrl-C or SIGTERM (`timeout`, a service manager, Kubernetes): either stops the statement the
 /// same way — on a cluster, by cancelling its job, so that the executors stop calling models.
-async fn stop_signal() {
-    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-        Ok(t) => t,
-        Err(_) => return std::future::pending().await,
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => TERMINATED.store(true, Relaxed),
+async fn stop_signal() -> crate::signals::Stop {
+    match crate::signals::StopSignals::new() {
+        Ok(mut s) => match s.next().await {
+            Some(stop) => stop,
+            None => std::future::pending().await,
+        },
+        Err(_) => std::future::pending().await,
     }
 }
 
@@ -253,11 +251,12 @@ pub async fn run(args: SqlArgs) -> anyhow::Result<u8> {
             let failed: u64 = functions.metrics_by_model().values().map(|m| m.failed.load(Relaxed)).sum();
             Ok(if failed > 0 { 1 } else { 0 })
         }
-        Err(e) if matches!(e.find_root(), DataFusionError::Execution(m) if m == INTERRUPTED) => {
+        Err(e) if matches!(e.find_root(), DataFusionError::Execution(m) if m == INTERRUPTED || m == TERMINATED) => {
+            let terminated = matches!(e.find_root(), DataFusionError::Execution(m) if m == TERMINATED);
             eprintln!(
                 "weir sql: interrupted; the statement did not finish (a COPY to a directory may have left some files)"
             );
-            Ok(if TERMINATED.load(Relaxed) { 143 } else { 130 })
+            Ok(if terminated { 143 } else { 130 })
         }
         Err(e) if is_usage(&e) => Err(UsageError(explain_usage(&e)).into()),
         Err(e) => Err(anyhow::anyhow!("the query failed: {e}")),
@@ -304,11 +303,12 @@ async fn run_statement(
             let physical = frame.create_physical_plan().await?;
             tokio::select! {
                 r = async { print_rows(datafusion::physical_plan::execute_stream(physical.clone(), task)?, format).await } => r,
-                _ = stop_signal() => {
+                stop = stop_signal() => {
                     if let Some(url) = cluster {
                         cancel_on_cluster(url, &physical).await;
                     }
-                    Err(DataFusionError::Execution(INTERRUPTED.into()))
+                    let why = if stop == crate::signals::Stop::Terminate { TERMINATED } else { INTERRUPTED };
+                    Err(DataFusionError::Execution(why.into()))
                 }
             }
         }
