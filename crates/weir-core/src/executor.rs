@@ -140,6 +140,7 @@ impl Executor {
         weight: Weight,
         cancel: &CancellationToken,
         attempts: u32,
+        held: &Held,
         call: Fut,
     ) -> Option<Result<T, ModelError>>
     where
@@ -154,10 +155,7 @@ impl Executor {
         // A call on the wire is not cancelled: the endpoint may already have counted (and
         // billed) it, so its answer is worth waiting for. Cancellation ends calls at their
         // next wait; a caller that cannot wait drops the future.
-        let result = match tokio::time::timeout(self.timeout, call).await {
-            Ok(r) => r,
-            Err(_) => Err(ModelError::new(ErrorKind::Timeout, format!("no answer within {:?}", self.timeout))),
-        };
+        let result = cut(self.timeout, held, call).await;
         self.metrics.record_latency(sent.elapsed());
         let first_token = result.as_ref().ok().and_then(Metered::first_token);
         admitted.finish_timed(result.as_ref().map(|v| (v.usage(), v.limits())), first_token);
@@ -190,10 +188,22 @@ impl Executor {
     }
 
     /// Takes one call to its result: `call` makes the request (once per attempt).
-    pub async fn run<T, F, Fut>(
+    pub async fn run<T, F, Fut>(&self, weight: Weight, cancel: &CancellationToken, call: F) -> Result<Done<T>, Failed>
+    where
+        T: Metered,
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, ModelError>>,
+    {
+        self.run_held(weight, cancel, &Held::default(), call).await
+    }
+
+    /// [`Executor::run`], where each attempt's timeout leaves out the time `held` says the
+    /// attempt spent waiting on its caller.
+    async fn run_held<T, F, Fut>(
         &self,
         weight: Weight,
         cancel: &CancellationToken,
+        held: &Held,
         mut call: F,
     ) -> Result<Done<T>, Failed>
     where
@@ -209,7 +219,7 @@ impl Executor {
             if cancel.is_cancelled() {
                 return Err(Self::cancelled(attempts, last));
             }
-            let Some(result) = self.attempt(weight, cancel, attempts, call()).await else {
+            let Some(result) = self.attempt(weight, cancel, attempts, held, call()).await else {
                 return Err(Self::cancelled(attempts, last));
             };
             attempts += 1;
@@ -275,7 +285,8 @@ impl Executor {
             let batch = Batch(group);
             let w = weight(&batch.0);
             let n = batch.0.len();
-            let result = self.attempt(w, cancel, attempts[batch.0[0]], Batch::call(&batch, &mut call)).await;
+            let result =
+                self.attempt(w, cancel, attempts[batch.0[0]], &Held::default(), Batch::call(&batch, &mut call)).await;
             let Some(result) = result else {
                 queue.push_front(batch.0);
                 break;
@@ -330,6 +341,63 @@ impl Executor {
             .enumerate()
             .map(|(i, o)| o.unwrap_or_else(|| Err(Self::cancelled(attempts[i], last[i].take()))))
             .collect()
+    }
+}
+
+/// Time an attempt has spent waiting on its own caller (a streamed call's consumer), which its
+/// timeout does not count.
+#[derive(Default)]
+struct Held(std::sync::Mutex<(Duration, Option<Instant>)>);
+
+/// Counts the time until dropped as held.
+struct Holding<'a>(&'a Held);
+
+impl Held {
+    fn hold(&self) -> Holding<'_> {
+        self.0.lock().expect("never poisoned").1 = Some(Instant::now());
+        Holding(self)
+    }
+
+    /// The time held so far, and whether it is being held now.
+    fn held(&self) -> (Duration, bool) {
+        let (total, since) = *self.0.lock().expect("never poisoned");
+        (total + since.map_or(Duration::ZERO, |s| s.elapsed()), since.is_some())
+    }
+}
+
+impl Drop for Holding<'_> {
+    fn drop(&mut self) {
+        let mut h = self.0 .0.lock().expect("never poisoned");
+        if let Some(since) = h.1.take() {
+            h.0 += since.elapsed();
+        }
+    }
+}
+
+/// `call` cut at `timeout`, not counting the time `held` says it waited on its caller.
+async fn cut<T>(
+    timeout: Duration,
+    held: &Held,
+    call: impl Future<Output = Result<T, ModelError>>,
+) -> Result<T, ModelError> {
+    let start = Instant::now();
+    tokio::pin!(call);
+    loop {
+        let (waited, holding) = held.held();
+        let mut deadline = start + timeout + waited;
+        if holding {
+            // The deadline moves on while the caller is held: look again a little later.
+            deadline = deadline.max(Instant::now() + Duration::from_millis(50));
+        }
+        tokio::select! {
+            r = &mut call => return r,
+            _ = tokio::time::sleep_until(deadline) => {
+                let (waited, holding) = held.held();
+                if !holding && Instant::now() >= start + timeout + waited {
+                    return Err(ModelError::new(ErrorKind::Timeout, format!("no answer within {timeout:?}")));
+                }
+            }
+        }
     }
 }
 
@@ -390,8 +458,12 @@ impl Executor {
         let consumer = tokio::sync::Mutex::new((on_event, false));
         let consumer = &consumer;
         let metrics = &self.metrics;
+        // Time blocked on the consumer (a pager, a slow pipe) is not the endpoint's time: it
+        // does not count against the timeout, or a paused reader would cut calls in flight
+        // and pay for them again.
+        let held = &Held::default();
         let done = self
-            .run(weight, cancel, move || {
+            .run_held(weight, cancel, held, move || {
                 let opened = open();
                 async move {
                     let sent = Instant::now();
@@ -399,6 +471,7 @@ impl Executor {
                         let mut c = consumer.lock().await;
                         if c.1 {
                             c.1 = false;
+                            let _held = held.hold();
                             (c.0)(StreamEvent::Restart).await;
                         }
                     }
@@ -423,6 +496,7 @@ impl Executor {
                                 text.push_str(&t);
                                 let mut c = consumer.lock().await;
                                 c.1 = true;
+                                let _held = held.hold();
                                 (c.0)(StreamEvent::Text(t)).await;
                             }
                             Delta::End(mut whole) => {
@@ -694,6 +768,43 @@ mod tests {
         assert_eq!(done.value.text, "abc");
         assert_eq!(done.attempts, 3);
         assert_eq!(events.into_inner().unwrap(), ["a", "b", "<restart>", "a", "b", "c"]);
+    }
+
+    /// Issue #29, item 8: a consumer that blocks (a pager, a paused pipe) for longer than the
+    /// timeout does not cut the call: that time is not the endpoint's, and cutting would pay
+    /// for the call again. The endpoint's own silence is still cut.
+    #[tokio::test(start_paused = true)]
+    async fn a_slow_consumer_does_not_time_the_stream_out() {
+        use crate::handler::{Delta, DeltaStream};
+        let ex = executor(5);
+        let cancel = CancellationToken::new();
+        let opened = Mutex::new(0);
+        let pieces = |gap: u64| {
+            futures::stream::unfold(0u32, move |i| async move {
+                tokio::time::sleep(Duration::from_millis(gap)).await;
+                match i {
+                    0..=2 => Some((Ok(Delta::Text(format!("{i}"))), i + 1)),
+                    3 => Some((Ok(Delta::End(answer(""))), i + 1)),
+                    _ => None,
+                }
+            })
+        };
+        let open = || {
+            *opened.lock().unwrap() += 1;
+            async move { Ok(Box::pin(pieces(1_000)) as DeltaStream) }
+        };
+        let started = Instant::now();
+        let done = ex
+            .run_stream(Weight::default(), &cancel, open, |_| tokio::time::sleep(Duration::from_secs(20)))
+            .await
+            .unwrap();
+        assert_eq!((done.value.text.as_str(), done.attempts, *opened.lock().unwrap()), ("012", 1, 1));
+        assert!(started.elapsed() >= Duration::from_secs(60));
+        // Three seconds of the endpoint's own time between pieces add up past the timeout of
+        // a call whose consumer is quick: cut, as before.
+        let slow = || async move { Ok(Box::pin(pieces(3_000)) as DeltaStream) };
+        let failed = ex.run_stream(Weight::default(), &cancel, slow, |_| std::future::ready(())).await.unwrap_err();
+        assert_eq!(failed.error.kind, ErrorKind::Timeout);
     }
 
     #[tokio::test(start_paused = true)]

@@ -30,8 +30,21 @@ pub struct StagedCopy {
 /// to a staging file, returned with it to [`StagedCopy::commit`] or [`StagedCopy::abandon`].
 /// A COPY to CSV of a column CSV cannot hold (a `_result` struct, an embedding) is refused
 /// here, before any model is called, rather than failing once the rows are paid for.
+///
+/// `EXPLAIN ANALYZE COPY …` runs the COPY too, so it is staged the same way.
 pub fn prepare(plan: LogicalPlan) -> Result<(LogicalPlan, Option<StagedCopy>)> {
-    let LogicalPlan::Copy(mut copy) = plan else { return Ok((plan, None)) };
+    match plan {
+        LogicalPlan::Analyze(mut analyze) => {
+            let (input, staged) = prepare(std::sync::Arc::unwrap_or_clone(analyze.input))?;
+            analyze.input = std::sync::Arc::new(input);
+            Ok((LogicalPlan::Analyze(analyze), staged))
+        }
+        LogicalPlan::Copy(copy) => prepare_copy(copy),
+        other => Ok((other, None)),
+    }
+}
+
+fn prepare_copy(mut copy: datafusion::logical_expr::dml::CopyTo) -> Result<(LogicalPlan, Option<StagedCopy>)> {
     if copy.file_type.get_ext().eq_ignore_ascii_case("csv") {
         check_csv(copy.input.schema(), &format!("COPY … TO '{}'", copy.output_url))?;
     }
@@ -98,9 +111,7 @@ impl StagedCopy {
         let cannot = |e: &dyn std::fmt::Display| {
             DataFusionError::Plan(format!("COPY … TO '{}': cannot write there ({e})", self.target))
         };
-        if let Ok(path) = url::Url::parse(self.staging.as_str())
-            .and_then(|u| u.to_file_path().map_err(|_| url::ParseError::EmptyHost))
-        {
+        if let Some(path) = self.local_path() {
             // A local path: checked with the file system itself (object_store's local store
             // retries a failed create by making the parent directory, without end where the
             // parent exists but cannot hold files, as under /proc).
@@ -115,6 +126,11 @@ impl StagedCopy {
         Ok(())
     }
 
+    /// The staging file's path, if it is on a local disk.
+    fn local_path(&self) -> Option<std::path::PathBuf> {
+        url::Url::parse(self.staging.as_str()).ok()?.to_file_path().ok()
+    }
+
     /// The object store and the two paths in it.
     fn parts(&self, ctx: &SessionContext) -> Result<(std::sync::Arc<dyn object_store::ObjectStore>, Path, Path)> {
         let store = ctx.runtime_env().object_store(self.target.object_store())?;
@@ -123,8 +139,21 @@ impl StagedCopy {
 
     /// Puts the finished result in place of the target (a rename on a local disk; a copy and a
     /// delete on an object store, where a reader sees either the old object or the new one).
-    pub async fn commit(self, ctx: &SessionContext) -> Result<()> {
+    ///
+    /// On a cluster, the executors write a local path on their own machines: if the staging
+    /// file here is still the empty one [`StagedCopy::preflight`] made, they wrote it elsewhere,
+    /// and renaming it would replace the target with nothing.
+    pub async fn commit(self, ctx: &SessionContext, on_cluster: bool) -> Result<()> {
         let (store, staging, target) = self.parts(ctx)?;
+        if on_cluster && self.local_path().is_some_and(|p| std::fs::metadata(p).is_ok_and(|m| m.len() == 0)) {
+            let _ = store.delete(&staging).await;
+            return Err(DataFusionError::Execution(format!(
+                "the cluster's executors wrote the COPY's result on their own machines (as {}), not on this one, \
+                 so {} is as it was. On a cluster, COPY to a path every machine shares (a network file system) \
+                 or to an object store (s3://, gs://)",
+                self.staging, self.target
+            )));
+        }
         store.rename(&staging, &target).await.map_err(|e| {
             DataFusionError::Execution(format!(
                 "the COPY's result is complete in {} but could not be moved to {}: {e}",

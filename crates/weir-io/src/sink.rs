@@ -61,22 +61,91 @@ pub struct JsonlWriter {
     rows: u64,
 }
 
+/// An output file opened and locked by [`claim`].
+#[derive(Debug)]
+pub struct Claimed {
+    /// The locked handle (the lock lives as long as this handle or a clone of it).
+    pub file: std::fs::File,
+    /// True if this claim made the file: only then may a run refused before it starts remove
+    /// it again (see [`remove_if_unused`]).
+    pub created: bool,
+}
+
 /// Opens an output file for one run and locks it: created if missing, never truncated here,
 /// opened for appending, and held with an advisory lock on the file itself, so two weir
 /// processes can never write one file, whatever state directories they use. The lock goes
 /// with the returned handle.
-pub fn claim(path: &Path) -> io::Result<std::fs::File> {
+///
+/// Whether this run created the file is decided by the create itself (`O_EXCL`), never by
+/// looking first: two runs started together both see no file, and the one refused must not
+/// believe it made the other's.
+pub fn claim(path: &Path) -> io::Result<Claimed> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir)?;
     }
-    let f = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
-    match f.try_lock() {
-        Ok(()) => Ok(f),
-        Err(std::fs::TryLockError::WouldBlock) => Err(io::Error::new(
+    match lock_path(path, |o| o.append(true))? {
+        Some(claimed) => Ok(claimed),
+        None => Err(io::Error::new(
             io::ErrorKind::WouldBlock,
             "another weir run is writing this file; wait for it to finish or choose another path",
         )),
-        Err(std::fs::TryLockError::Error(e)) => Err(e),
+    }
+}
+
+/// Opens `path` (creating it if missing, with `options` for the rest) and takes its advisory
+/// lock without waiting; `None` if another process holds it.
+///
+/// A refused or finished run may remove a file it created while still holding its lock; a
+/// run that opened that file just before, and locks it just after, would hold a lock on a
+/// file no longer in the directory and write rows nobody can read. So after locking, the path
+/// must still name the locked file; if not, the open is made again.
+pub fn lock_path(
+    path: &Path,
+    options: impl Fn(&mut std::fs::OpenOptions) -> &mut std::fs::OpenOptions,
+) -> io::Result<Option<Claimed>> {
+    loop {
+        let (file, created) = match options(std::fs::OpenOptions::new().write(true).create_new(true)).open(path) {
+            Ok(f) => (f, true),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                match options(std::fs::OpenOptions::new().write(true)).open(path) {
+                    Ok(f) => (f, false),
+                    // Removed between the two opens: try again.
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                    Err(e) => return Err(e),
+                }
+            }
+            Err(e) => return Err(e),
+        };
+        match file.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => return Ok(None),
+            Err(std::fs::TryLockError::Error(e)) => return Err(e),
+        }
+        if names(path, &file)? {
+            return Ok(Some(Claimed { file, created }));
+        }
+    }
+}
+
+/// True if `path` (followed through symlinks, as the open that claimed it was) names the very
+/// file `file` is open on.
+fn names(path: &Path, file: &std::fs::File) -> io::Result<bool> {
+    use std::os::unix::fs::MetadataExt;
+    let held = file.metadata()?;
+    match std::fs::metadata(path) {
+        Ok(m) => Ok(m.dev() == held.dev() && m.ino() == held.ino()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// Removes `path` if it still names `file` (whose lock the caller holds) and nothing was
+/// written to it: what a run refused before it started does with a file its [`claim`]
+/// created. A file another run holds, has replaced, or has written to is left alone.
+pub fn remove_if_unused(path: &Path, file: &std::fs::File) {
+    let empty = file.metadata().is_ok_and(|m| m.len() == 0);
+    if empty && names(path, file).unwrap_or(false) {
+        let _ = std::fs::remove_file(path);
     }
 }
 
@@ -254,6 +323,100 @@ mod tests {
             OutputPath::File("out/res.errors.jsonl".into())
         );
         assert_eq!(default_errors_path(&OutputPath::parse("res")), OutputPath::File("res.errors.jsonl".into()));
+    }
+
+    fn scratch(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("weir-claim-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    #[test]
+    fn a_refused_claim_knows_it_did_not_create_the_file() {
+        let d = scratch("refused");
+        let path = d.join("out.jsonl");
+        let winner = claim(&path).unwrap();
+        assert!(winner.created);
+        let refused = claim(&path).unwrap_err();
+        assert_eq!(refused.kind(), io::ErrorKind::WouldBlock);
+        // The winner's file is still there, and its claim alone may remove it while empty.
+        assert!(path.exists());
+        remove_if_unused(&path, &winner.file);
+        assert!(!path.exists());
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn only_an_empty_file_the_path_still_names_is_removed() {
+        let d = scratch("unused");
+        let path = d.join("out.jsonl");
+        let mut first = claim(&path).unwrap();
+        first.file.write_all(b"{}\n").unwrap();
+        remove_if_unused(&path, &first.file);
+        assert!(path.exists(), "a file with rows is never removed");
+        drop(first);
+        // Replaced under the same name: the old handle no longer names it.
+        let old = claim(&path).unwrap();
+        assert!(!old.created);
+        std::fs::remove_file(&path).unwrap();
+        std::fs::write(&path, b"").unwrap();
+        remove_if_unused(&path, &old.file);
+        assert!(path.exists(), "another file at the path is left alone");
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn a_lock_taken_on_a_removed_file_is_taken_again_on_the_new_one() {
+        let d = scratch("relock");
+        let path = d.join("out.jsonl");
+        let holder = claim(&path).unwrap();
+        // Another run opens the file and waits to lock it while the holder removes it.
+        let waiting = std::fs::OpenOptions::new().append(true).open(&path).unwrap();
+        remove_if_unused(&path, &holder.file);
+        drop(holder);
+        drop(waiting);
+        let next = claim(&path).unwrap();
+        assert!(next.created && path.exists());
+        let racers: Vec<_> = (0..8)
+            .map(|_| {
+                let path = path.clone();
+                std::thread::spawn(move || claim(&path).map(|c| (c.created, c.file)))
+            })
+            .collect();
+        let won: Vec<_> = racers.into_iter().filter_map(|t| t.join().unwrap().ok()).collect();
+        assert!(won.is_empty(), "the file is held: every other claim is refused");
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn many_claims_started_together_leave_exactly_one_file_held() {
+        for round in 0..200 {
+            let d = scratch(&format!("together{round}"));
+            let path = d.join("out.jsonl");
+            let barrier = std::sync::Arc::new(std::sync::Barrier::new(4));
+            let runs: Vec<_> = (0..4)
+                .map(|_| {
+                    let (path, barrier) = (path.clone(), barrier.clone());
+                    std::thread::spawn(move || {
+                        barrier.wait();
+                        match claim(&path) {
+                            Ok(mut c) => {
+                                // The winner writes; it must be writing the file at the path.
+                                c.file.write_all(b"row\n").unwrap();
+                                Some(c)
+                            }
+                            // A refused run cleans up as the pipeline does.
+                            Err(_) => None,
+                        }
+                    })
+                })
+                .collect();
+            let won: Vec<_> = runs.into_iter().filter_map(|t| t.join().unwrap()).collect();
+            assert_eq!(won.len(), 1);
+            assert_eq!(std::fs::read(&path).unwrap(), b"row\n");
+            std::fs::remove_dir_all(&d).unwrap();
+        }
     }
 }
 

@@ -82,6 +82,30 @@ pub fn part_number(name: &str) -> Option<u32> {
     (digits.len() == 5 && matches!(ext, "jsonl" | "csv" | "parquet")).then(|| digits.parse().ok()).flatten()
 }
 
+/// The name a local part is written under until it is complete (`.part-00000.parquet.partial`):
+/// hidden, so that readers of the directory (pyarrow, pandas, Spark, DuckDB skip names that
+/// start with a dot) never see a part half written, nor the store's own staging files for it
+/// (`….partial#1`), and renamed to its own name once complete.
+pub fn staging_name(name: &str) -> String {
+    format!(".{name}.partial")
+}
+
+/// True for a file a run left half written in a local table: a staging name, the object
+/// store's staging file for one (`NAME#N`), or such a file beside a part's own name (written
+/// by weir before parts were staged). Only a run that holds the table's lock may remove them.
+pub fn is_staging(name: &str) -> bool {
+    let staged = |n: &str| {
+        n.strip_prefix('.').and_then(|n| n.strip_suffix(".partial")).is_some_and(|n| part_number(n).is_some())
+    };
+    match name.split_once('#') {
+        Some((base, n)) if !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()) => {
+            staged(base) || part_number(base).is_some()
+        }
+        Some(_) => false,
+        None => staged(name),
+    }
+}
+
 /// The name of part `n` in `ext` format.
 pub fn part_name(n: u32, ext: &str) -> String {
     format!("part-{n:05}.{ext}")
@@ -209,5 +233,17 @@ mod tests {
         assert_eq!(part_number("part-00003.csv"), Some(3));
         assert_eq!(part_number("part-3.csv"), None);
         assert_eq!(part_number("mine.csv"), None);
+    }
+
+    #[test]
+    fn staging_names_are_told_from_parts_and_foreign_files() {
+        assert_eq!(staging_name("part-00003.csv"), ".part-00003.csv.partial");
+        for name in [".part-00003.csv.partial", ".part-00003.csv.partial#1", "part-00000.parquet#12"] {
+            assert!(is_staging(name), "{name}");
+        }
+        for name in ["part-00003.csv", ".part-00003.csv", "notes#1", "part-00000.parquet#", ".x.partial", ".weir.lock"]
+        {
+            assert!(!is_staging(name), "{name}");
+        }
     }
 }

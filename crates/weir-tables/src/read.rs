@@ -215,7 +215,7 @@ impl TableInput {
                 let mut schemas = Vec::new();
                 for f in &self.files {
                     let b = self.parquet_builder(f).await.map_err(|e| read_err(&self.location.url_of(&f.path), e))?;
-                    schemas.push(b.schema().as_ref().clone());
+                    schemas.push(plain(b.schema()));
                 }
                 merge(schemas, &self.location.display)
             }
@@ -381,6 +381,29 @@ impl AsyncFileReader for ObjectReader {
         }
         .boxed()
     }
+}
+
+/// `schema` with dictionary-encoded columns (every pandas `category`) as their values' type:
+/// rows travel as JSON, where a dictionary is just its values, and an output table is written
+/// with plain columns.
+fn plain(schema: &Schema) -> Schema {
+    fn field(f: &arrow_schema::Field) -> arrow_schema::Field {
+        f.clone().with_data_type(ty(f.data_type()))
+    }
+    fn ty(t: &DataType) -> DataType {
+        match t {
+            DataType::Dictionary(_, values) => ty(values),
+            DataType::List(f) => DataType::List(Arc::new(field(f))),
+            DataType::LargeList(f) => DataType::LargeList(Arc::new(field(f))),
+            DataType::FixedSizeList(f, n) => DataType::FixedSizeList(Arc::new(field(f)), *n),
+            DataType::Struct(fs) => DataType::Struct(fs.iter().map(|f| Arc::new(field(f))).collect()),
+            other => other.clone(),
+        }
+    }
+    Schema::new_with_metadata(
+        schema.fields().iter().map(|f| Arc::new(field(f))).collect::<Vec<_>>(),
+        schema.metadata().clone(),
+    )
 }
 
 /// One schema for several files: equal columns, or the error that says which differ.

@@ -72,6 +72,11 @@ const CHUNK_ROWS: usize = 4096;
 const INFER_ROWS: usize = 1000;
 /// Rows per Parquet row group: small enough that a writer's buffers stay small.
 const ROW_GROUP: usize = 16 * 1024;
+/// Encoded bytes at which a Parquet row group is flushed whatever its rows (long answers).
+const ROW_GROUP_BYTES: usize = 8 << 20;
+/// Bytes buffered before a part is written out, to a local file and to an object store.
+const LOCAL_BUFFER: usize = 1 << 20;
+const REMOTE_BUFFER: usize = 8 << 20;
 
 /// Checks an output location before a run writes there, and clears what it must: parts an
 /// earlier run completed but never recorded (their records run again). A new run refuses a
@@ -92,6 +97,19 @@ pub async fn prepare(
                 "{}: is a file; weir writes a table as a directory of parts (part-00000…) there. Choose another path",
                 location.display
             )));
+        }
+    }
+    if let Some(dir) = location.local_path() {
+        // Left half written by a run that was stopped (the caller holds the table's lock, so
+        // no run writes them now). Listed by the file system: the store's listing leaves its
+        // own staging files (`NAME#1`) out.
+        if let Ok(entries) = std::fs::read_dir(&dir) {
+            for name in entries.flatten().map(|e| e.file_name().to_string_lossy().into_owned()) {
+                if journal::is_staging(&name) {
+                    std::fs::remove_file(dir.join(&name))
+                        .map_err(|e| TableError::Usage(format!("cannot delete {}: {e}", dir.join(&name).display())))?;
+                }
+            }
         }
     }
     let store = location.store(env)?;
@@ -115,6 +133,8 @@ pub async fn prepare(
         };
         if resuming && mine.contains(&name.as_str()) {
             seen.push(name);
+        } else if journal::is_staging(&name) {
+            // Removed above.
         } else if journal::part_number(&name).is_some() && (resuming || overwrite) {
             stale.push(m.location);
         } else if !name.starts_with('.') {
@@ -163,6 +183,8 @@ enum Encoder {
 
 struct OpenPart {
     name: String,
+    /// Where a local part is written until complete (renamed to its name then).
+    staging: Option<ObjectPath>,
     enc: Encoder,
     rows: u64,
     bytes: u64,
@@ -178,6 +200,8 @@ struct Sink {
     chunk: Vec<u8>,
     chunk_rows: usize,
     open: Option<OpenPart>,
+    /// A local directory: parts are written under a hidden staging name and renamed.
+    local: bool,
     written: u64,
     /// Rows whose input columns did not fit their types (written without them).
     misfits: u64,
@@ -206,24 +230,33 @@ impl Sink {
             return Ok(());
         }
         let name = journal::part_name(number, self.format.extension());
-        let path = self.dir.clone().join(name.as_str());
+        // An object store shows an object only once its upload completes; a local directory
+        // would show the file (and the store's `NAME#N` staging file for it) while written.
+        let staging = self.local.then(|| self.dir.clone().join(journal::staging_name(&name).as_str()));
+        let path = staging.clone().unwrap_or_else(|| self.dir.clone().join(name.as_str()));
+        // Buffered up to a multipart upload's part: S3 needs 5 MiB at least; a local file
+        // takes any size, so little is held in memory there.
+        let buffered = |path| {
+            let w = BufWriter::with_capacity(
+                self.store.clone(),
+                path,
+                if self.local { LOCAL_BUFFER } else { REMOTE_BUFFER },
+            );
+            w.with_max_concurrency(2)
+        };
         let enc = match (self.format, columns) {
             (Format::Parquet, Some(c)) => {
                 let props = WriterProperties::builder()
                     .set_compression(Compression::SNAPPY)
                     .set_max_row_group_row_count(Some(ROW_GROUP))
                     .build();
-                let w = AsyncArrowWriter::try_new(
-                    BufWriter::new(self.store.clone(), path),
-                    self.schema(c).clone(),
-                    Some(props),
-                )
-                .map_err(io_other)?;
+                let w =
+                    AsyncArrowWriter::try_new(buffered(path), self.schema(c).clone(), Some(props)).map_err(io_other)?;
                 Encoder::Parquet(Box::new(w))
             }
-            _ => Encoder::Text { out: Box::new(BufWriter::new(self.store.clone(), path)), header_done: false },
+            _ => Encoder::Text { out: Box::new(buffered(path)), header_done: false },
         };
-        self.open = Some(OpenPart { name, enc, rows: 0, bytes: 0 });
+        self.open = Some(OpenPart { name, staging, enc, rows: 0, bytes: 0 });
         Ok(())
     }
 
@@ -259,6 +292,11 @@ impl Sink {
                 let (batch, misfits) = decode(&chunk, &schema, columns.expect("with the schema"))?;
                 self.misfits += misfits;
                 w.write(&batch).await.map_err(io_other)?;
+                // A row group is held in memory until flushed: flush by size too, not only
+                // by rows, so long answers do not make the writer hold a large part.
+                if w.in_progress_size() >= ROW_GROUP_BYTES {
+                    w.flush().await.map_err(io_other)?;
+                }
                 part.bytes = (w.bytes_written() + w.in_progress_size()) as u64;
             }
         }
@@ -274,6 +312,10 @@ impl Sink {
                 w.close().await.map_err(io_other)?;
             }
             Encoder::Text { mut out, .. } => out.shutdown().await?,
+        }
+        if let Some(staging) = &part.staging {
+            let to = self.dir.clone().join(part.name.as_str());
+            self.store.rename(staging, &to).await.map_err(io_other)?;
         }
         self.written += part.rows;
         Ok(Some(Part { table: self.table, name: part.name, rows: part.rows }))
@@ -552,6 +594,7 @@ async fn write_loop(
         chunk: Vec::new(),
         chunk_rows: 0,
         open: None,
+        local: dir.local_path().is_some(),
         written: 0,
         misfits: 0,
     };

@@ -177,15 +177,28 @@ async fn connect_model(
     weir_providers::connect(spec, options, env).await
 }
 
-/// Output files a run created, removed on drop unless the run started (then it clears them).
-struct Created(Vec<PathBuf>);
+/// Output files this run created, each with a handle that keeps its lock: removed on drop
+/// unless the run started (then it clears them), so a refused command leaves nothing behind.
+/// Only a file this run made and still holds is removed; a file another run made or holds is
+/// never touched, even when both started at the same moment.
+#[derive(Default)]
+struct Created(Vec<(PathBuf, std::fs::File)>);
+
+impl Created {
+    /// Keeps `claimed`'s file for removal if this run made it.
+    fn note(&mut self, claimed: &Option<(PathBuf, std::fs::File, bool)>) -> Result<(), RunError> {
+        if let Some((path, file, true)) = claimed {
+            let held = file.try_clone().map_err(|e| RunError::Fatal(format!("{}: {e}", path.display())))?;
+            self.0.push((path.clone(), held));
+        }
+        Ok(())
+    }
+}
 
 impl Drop for Created {
     fn drop(&mut self) {
-        for p in &self.0 {
-            if std::fs::metadata(p).is_ok_and(|m| m.len() == 0) {
-                let _ = std::fs::remove_file(p);
-            }
+        for (path, file) in &self.0 {
+            weir_io::sink::remove_if_unused(path, file);
         }
     }
 }
@@ -272,19 +285,20 @@ enum Routed {
     ReadError(std::io::Error),
 }
 
-/// Opens an output that is not a table: a file (locked, never truncated here), or a FIFO or
-/// a device, written to as it is (never locked, truncated or read back); `None` for stdout.
+/// Opens an output that is not a table: a file (locked, never truncated here, and whether
+/// this run created it), or a FIFO or a device, written to as it is (never locked, truncated
+/// or read back); `None` for stdout.
 async fn claim_path(
     p: &OutputPath,
     flag: &str,
     interrupts: &watch::Receiver<u32>,
-) -> Result<Option<(PathBuf, std::fs::File)>, RunError> {
+) -> Result<Option<(PathBuf, std::fs::File, bool)>, RunError> {
     use std::os::unix::fs::FileTypeExt;
     let usage = |path: &std::path::Path, e: std::io::Error| RunError::Usage(format!("{flag} {}: {e}", path.display()));
     match p {
         OutputPath::Stdout => Ok(None),
         OutputPath::File(path) => {
-            weir_io::sink::claim(path).map(|f| Some((path.clone(), f))).map_err(|e| usage(path, e))
+            weir_io::sink::claim(path).map(|c| Some((path.clone(), c.file, c.created))).map_err(|e| usage(path, e))
         }
         // Opening a FIFO for writing blocks until something reads it: say so, and give up
         // when interrupted, rather than hang in silence.
@@ -294,12 +308,12 @@ async fn claim_path(
                 open_fifo_if_read(path).map_err(|e| usage(path, e))
             })
             .await?;
-            Ok(Some((path.clone(), fifo)))
+            Ok(Some((path.clone(), fifo, false)))
         }
         OutputPath::Stream(path) => std::fs::OpenOptions::new()
             .append(true)
             .open(path)
-            .map(|f| Some((path.clone(), f)))
+            .map(|f| Some((path.clone(), f, false)))
             .map_err(|e| usage(path, e)),
     }
 }
@@ -584,28 +598,24 @@ pub async fn run(
     };
     // Files this run creates are removed again if the command is refused before it starts, so
     // that a refused command leaves nothing behind.
-    let mut created = Created(
-        [&settings.output, &settings.errors]
-            .into_iter()
-            .filter(|_| tables_out.is_none())
-            .chain(events_path.as_ref())
-            .filter_map(|p| match p {
-                // Nothing at all there, not even a symlink: a refused run may remove it again.
-                OutputPath::File(path) if std::fs::symlink_metadata(path).is_err() => Some(path.clone()),
-                _ => None,
-            })
-            .collect(),
-    );
+    let mut created = Created::default();
     // A table output is written through weir-tables, not opened here.
     let (mut out_file, mut err_file) = match &tables_out {
         Some(_) => (None, None),
-        None => (
-            claim_path(&settings.output, "--output", &interrupts).await?,
-            claim_path(&settings.errors, "--errors", &interrupts).await?,
-        ),
+        None => {
+            let out = claim_path(&settings.output, "--output", &interrupts).await?;
+            created.note(&out)?;
+            let errs = claim_path(&settings.errors, "--errors", &interrupts).await?;
+            created.note(&errs)?;
+            (out.map(|(p, f, _)| (p, f)), errs.map(|(p, f, _)| (p, f)))
+        }
     };
     let mut events_file = match &events_path {
-        Some(p) => claim_path(p, "--events", &interrupts).await?,
+        Some(p) => {
+            let events = claim_path(p, "--events", &interrupts).await?;
+            created.note(&events)?;
+            events.map(|(p, f, _)| (p, f))
+        }
         None => None,
     };
 
@@ -627,13 +637,15 @@ pub async fn run(
             let journaled = if let StateMode::Dir(dir) = state_mode {
                 let name = table_state_name(&t.results);
                 let id = identity(&settings, None, table_input.as_ref(), followed.as_deref())?;
+                let ledger = weir_batch::Ledger::path_in(dir, &name);
+                guard_jobs(&ledger, jobs_api.as_ref(), &settings, &t.results.display).await?;
                 let (sd, resume) =
-                    state::open(dir, &name, &id, settings.fresh).map_err(|e| RunError::Usage(e.to_string()))?;
+                    state::open(dir, &name, &id, settings.fresh).map_err(|e| refused_with_jobs(e, &ledger))?;
                 resuming = resume;
                 if resuming && live_input && !settings.follow && !settings.resume_stream {
                     return Err(stream_resume_refused(&t.results.display, &input_name));
                 }
-                jobs_ledger = Some(weir_batch::Ledger::path_in(dir, &name));
+                jobs_ledger = Some(ledger);
                 let path = dir.join("runs").join(format!("{name}.journal"));
                 let (j, c) = weir_tables::Journal::open(&path, !resuming)
                     .map_err(|e| RunError::Fatal(format!("the journal {}: {e}", path.display())))?;
@@ -674,10 +686,12 @@ pub async fn run(
         (StateMode::Dir(dir), OutputPath::File(out), OutputPath::File(errs)) => {
             let name = state::output_state_name(out, dir);
             let id = identity(&settings, input_file.as_deref(), table_input.as_ref(), followed.as_deref())?;
+            let ledger = weir_batch::Ledger::path_in(dir, &name);
+            guard_jobs(&ledger, jobs_api.as_ref(), &settings, &out.display().to_string()).await?;
             let (sd, resume) =
-                state::open(dir, &name, &id, settings.fresh).map_err(|e| RunError::Usage(e.to_string()))?;
+                state::open(dir, &name, &id, settings.fresh).map_err(|e| refused_with_jobs(e, &ledger))?;
             resuming = resume;
-            jobs_ledger = Some(weir_batch::Ledger::path_in(dir, &name));
+            jobs_ledger = Some(ledger);
             if resuming && live_input && !settings.follow && !settings.resume_stream {
                 return Err(stream_resume_refused(&out.display().to_string(), &input_name));
             }
@@ -697,7 +711,7 @@ pub async fn run(
                 })?;
                 if recovered.requeued > 0 {
                     // The errors file was replaced by a rewritten one: write (and lock) that one.
-                    err_file = claim_path(&settings.errors, "--errors", &interrupts).await?;
+                    err_file = claim_path(&settings.errors, "--errors", &interrupts).await?.map(|(p, f, _)| (p, f));
                 }
                 if total.is_none() {
                     total = count()?;
@@ -1208,29 +1222,36 @@ struct TableLock {
 impl TableLock {
     fn take(results: &weir_tables::Location) -> Result<Option<Self>, RunError> {
         let Some(dir) = results.local_path() else { return Ok(None) };
-        let created = (!dir.exists()).then(|| dir.clone());
         let usage = |e: std::io::Error| RunError::Usage(format!("--output {}: {e}", results.display));
         if dir.is_file() {
             // Refused by `weir_tables::prepare`, which says why for results and errors alike.
             return Ok(None);
         }
-        std::fs::create_dir_all(&dir).map_err(usage)?;
+        if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent).map_err(usage)?;
+        }
+        // Made by this run only if this run's own create did it: two runs started together
+        // both see no directory, and the refused one must not remove the other's.
+        let made = match std::fs::create_dir(&dir) {
+            Ok(()) => true,
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => false,
+            Err(e) => return Err(usage(e)),
+        };
         let path = dir.join(".weir.lock");
-        let file = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&path).map_err(usage)?;
-        let lock = TableLock { _file: file, path, created, started: false };
-        match lock._file.try_lock() {
-            Ok(()) => Ok(Some(lock)),
-            Err(std::fs::TryLockError::WouldBlock) => Err(RunError::Usage(format!(
+        match weir_io::sink::lock_path(&path, |o| o.truncate(false)).map_err(usage)? {
+            Some(held) => Ok(Some(TableLock { _file: held.file, path, created: made.then_some(dir), started: false })),
+            None => Err(RunError::Usage(format!(
                 "another weir run is writing {}; wait for it to finish or choose another path",
                 results.display
             ))),
-            Err(std::fs::TryLockError::Error(e)) => Err(usage(e)),
         }
     }
 }
 
 impl Drop for TableLock {
     fn drop(&mut self) {
+        // Only a lock taken is ever dropped here, so the lock file is this run's to remove
+        // (while held: a run that opened it meanwhile finds it gone and opens it again).
         if !self.started {
             if let Some(dir) = &self.created {
                 let _ = std::fs::remove_file(&self.path);
@@ -1382,6 +1403,70 @@ fn own_paths(settings: &RunSettings) -> Vec<String> {
         own.extend(full(&d.to_string_lossy()));
     }
     own
+}
+
+/// Keeps an earlier run's provider jobs in sight. `--fresh` forgets the job ledger, so it is
+/// refused while any job there is still pending or running: those jobs go on being charged,
+/// `weir batch status` and `cancel` would no longer see them, and their records would be paid
+/// for again. A refusal to resume a changed command names the jobs too, since its advice is
+/// `--fresh`.
+async fn guard_jobs(
+    ledger: &std::path::Path,
+    api: Option<&Arc<dyn weir_core::JobApi>>,
+    settings: &RunSettings,
+    output: &str,
+) -> Result<(), RunError> {
+    let jobs: Vec<weir_core::JobRef> = match weir_batch::Ledger::read(ledger) {
+        Ok(chunks) => chunks.into_iter().filter_map(|c| c.job).collect(),
+        Err(e) => return Err(RunError::Usage(format!("{e}; remove it only after checking its jobs"))),
+    };
+    if jobs.is_empty() || !settings.fresh {
+        return Ok(());
+    }
+    let cancel = format!(
+        "`weir batch cancel --model {} --output {output}` (with this run's --base-url, --project, --location, \
+         --job-bucket and --state, if given)",
+        settings.model
+    );
+    let Some(api) = api else {
+        return Err(RunError::Usage(format!(
+            "an earlier run of this command submitted {} batch job(s), which may still be running and charged; --fresh \
+             would forget them. Run --fresh with --mode batch (weir then asks the provider whether they ended), or \
+             cancel them first with {cancel}",
+            jobs.len()
+        )));
+    };
+    let mut live = Vec::new();
+    for job in &jobs {
+        match api.status(job).await {
+            Ok(s) if s.state.is_terminal() => {}
+            Ok(s) => live.push(format!("{} ({})", job.id, s.state.as_str())),
+            Err(e) => live.push(format!("{} (the provider could not be asked: {e})", job.id)),
+        }
+    }
+    if live.is_empty() {
+        return Ok(());
+    }
+    Err(RunError::Usage(format!(
+        "--fresh would forget {} batch job(s) of the earlier run that are still live at the provider and charged: {}. \
+         Their records would be paid for again. Run without --fresh to collect their answers, or cancel them with \
+         {cancel} and then run --fresh",
+        live.len(),
+        live.join(", ")
+    )))
+}
+
+/// A refusal of the state directory; one that advises `--fresh` says that jobs the earlier run
+/// submitted stand in its way until they end or are cancelled.
+fn refused_with_jobs(e: state::StateError, ledger: &std::path::Path) -> RunError {
+    let mut message = e.to_string();
+    if message.contains("--fresh") && has_jobs(ledger) {
+        message.push_str(
+            ". The earlier run submitted batch jobs: --fresh is refused while they are pending or running (see them \
+             with `weir batch status`, cancel them with `weir batch cancel`)",
+        );
+    }
+    RunError::Usage(message)
 }
 
 /// Whether the job ledger at `path` records a submitted job.

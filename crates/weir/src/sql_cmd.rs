@@ -314,7 +314,7 @@ async fn run_statement(
         }
         .await;
         match (ran, staged) {
-            (Ok(()), Some(staged)) => staged.commit(ctx).await?,
+            (Ok(()), Some(staged)) => staged.commit(ctx, cluster.is_some()).await?,
             (Ok(()), None) => {}
             (Err(e), Some(staged)) => {
                 eprintln!("weir sql: the COPY did not finish; {} is as it was", staged.target());

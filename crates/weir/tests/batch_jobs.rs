@@ -409,3 +409,57 @@ async fn a_request_the_endpoint_refuses_online_submits_no_job() {
     assert_eq!(sim.stats().batch_jobs, 1);
     sim.shutdown().await;
 }
+
+/// Issue #29, item 15: `--fresh` after an interrupted batch run used to forget its jobs (still
+/// charged, no longer seen by `weir batch status`) and submit every record again. It is
+/// refused while they run, naming them and the way out; once they are cancelled it starts over.
+#[tokio::test(flavor = "multi_thread")]
+async fn fresh_is_refused_while_the_earlier_runs_jobs_are_live() {
+    let sim = sim(8.0, |_| {}).await;
+    let dir = Dir::new("batch-fresh-live");
+    let (data, ids) = prompts(600);
+    let input = dir.write("in.jsonl", &data);
+    let out = dir.path("out.jsonl");
+    let model = "openai/gpt-4o-mini";
+    let args = batch_args(&sim, model, &dir, &input, &["--job-max-requests", "300"]);
+    let mut child = weir().args(&args).stderr(std::process::Stdio::null()).spawn().unwrap();
+    for _ in 0..1000 {
+        if sim.stats().batch_jobs == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(sim.stats().batch_jobs, 2);
+    child.start_kill().unwrap();
+    let _ = child.wait().await;
+    let fresh = |extra: &[&str]| {
+        let mut a = batch_args(&sim, model, &dir, &input, &["--job-max-requests", "300", "--fresh"]);
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    let o = weir().args(fresh(&[])).output().await.unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("still live at the provider") && err.contains("weir batch cancel"), "{err}");
+    assert_eq!(sim.stats().batch_jobs, 2, "nothing submitted again: {err}");
+    // Without --mode batch weir cannot ask the provider: refused too, saying what to do.
+    let mut online: Vec<String> = fresh(&[]);
+    let at = online.iter().position(|a| a == "--mode").unwrap();
+    online.drain(at..at + 2);
+    let o = weir().args(&online).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("--mode batch"), "{}", stderr(&o));
+    assert_eq!(sim.stats().requests, 1, "no call made: {}", stderr(&o));
+    // Cancelled, the jobs are no longer in the way.
+    let base = format!("{}/v1", sim.url());
+    let o = weir()
+        .args(["batch", "cancel", "--model", model, "--base-url", &base, "--output", out.to_str().unwrap()])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let o = weir().args(fresh(&[])).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_each_id_once(&ids, &rows(&out), &rows(&dir.path("out.errors.jsonl")));
+    sim.shutdown().await;
+}

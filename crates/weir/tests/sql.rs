@@ -142,6 +142,13 @@ async fn a_copy_that_fails_leaves_the_earlier_file_as_it_was() {
     let names: Vec<String> =
         std::fs::read_dir(&dir.0).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
     assert!(!names.iter().any(|n| n.contains("weir-partial")), "{names:?}");
+    // Issue #29, item 21: EXPLAIN ANALYZE runs the COPY too, and is staged the same way.
+    let explained = format!("EXPLAIN ANALYZE {strict}");
+    let out = weir().current_dir(&dir.0).args(["sql", "--table", "t=in.jsonl", &explained]).output().await.unwrap();
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(3), "{err}");
+    assert!(err.contains("is as it was"), "{err}");
+    assert_eq!(std::fs::read(dir.path("answers.parquet")).unwrap(), before, "EXPLAIN ANALYZE kept the earlier result");
     // Without fail_on_error it succeeds and replaces the file: 51 rows, one NULL.
     let rows = query(&dir, "SELECT count(*) AS n FROM 'answers.parquet'").await;
     assert_eq!(rows[0]["n"], 50);

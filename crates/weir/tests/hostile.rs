@@ -1,0 +1,293 @@
+//! Regression tests for the defects of issue #29, found by trying tables, streams, batch jobs
+//! and SQL as a hurried, unlucky or hostile user would: one test per item, on the built binary.
+
+mod util;
+
+use std::path::Path;
+use std::process::Stdio;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+use util::*;
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// 14. Runs on one output started at the same moment: one writes, the others are refused or
+///     find the work done, and no refused run removes what the winner made. (A refused run
+///     used to remove, by path, the files it believed it had created: 2 times in 250 pairs
+///     the winner exited 0 and its output was gone.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runs_started_together_never_remove_the_winners_output() {
+    let (data, ids) = prompts(20);
+    let rounds: usize = std::env::var("WEIR_RACE_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(40);
+    for round in 0..rounds {
+        let dir = Dir::new("race");
+        dir.write("in.jsonl", &data);
+        // JSONL and table outputs, with and without a state directory.
+        let (output, extra): (&str, &[&str]) = match round % 3 {
+            0 => ("out.jsonl", &[]),
+            1 => ("out.jsonl", &["--no-state"]),
+            _ => ("out.csv", &[]),
+        };
+        let starts: Vec<_> = (0..4)
+            .map(|_| {
+                weir()
+                    .current_dir(&dir.0)
+                    .args(["run", "--model", "sim/demo", "--input", "in.jsonl", "--output", output])
+                    .args(["--id-field", "key", "--progress", "never"])
+                    .args(extra)
+                    .output()
+            })
+            .collect();
+        let outs: Vec<_> = futures::future::join_all(starts).await.into_iter().map(Result::unwrap).collect();
+        let mut winners = 0;
+        for o in &outs {
+            match o.status.code() {
+                Some(0) => winners += 1,
+                // Refused: held by another run, or (without a state directory) already written.
+                Some(2) => {}
+                c => panic!("round {round}: exit {c:?}: {}", stderr(o)),
+            }
+        }
+        assert!(winners >= 1, "round {round}: nobody ran");
+        if output.ends_with(".jsonl") {
+            let results = rows(&dir.path(output));
+            // With --no-state, a later start writes the output again in full (no resume).
+            assert_each_id_once(&ids, &results, &[]);
+            assert!(rows(&dir.path("out.errors.jsonl")).is_empty());
+        } else {
+            let parts: Vec<_> =
+                walk(&dir.path(output)).into_iter().filter(|p| p.extension().is_some_and(|e| e == "csv")).collect();
+            let lines: usize = parts.iter().map(|p| std::fs::read_to_string(p).unwrap().lines().count() - 1).sum();
+            assert_eq!(lines, ids.len(), "round {round}: {} parts in {}", parts.len(), s(&dir.0));
+        }
+    }
+}
+
+/// 14, made certain: run B looks for its errors file before run A creates it, and claims it
+/// after A holds it (B's output is a FIFO it waits on in between). B is refused; it used to
+/// remove A's errors file on the way out, and A's error rows then went to a file nobody
+/// could see.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_run_never_removes_a_file_another_run_made_meanwhile() {
+    let dir = Dir::new("race-fifo");
+    let (data, _) = prompts(5);
+    dir.write("in.jsonl", &data);
+    let fifo = dir.path("out.fifo");
+    assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let errors = dir.path("e.jsonl");
+    let mut b = weir()
+        .current_dir(&dir.0)
+        .args(["run", "--model", "sim/demo", "--input", "in.jsonl", "--output", s(&fifo), "--errors", s(&errors)])
+        .args(["--progress", "never"])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut b_err = tokio::io::BufReader::new(b.stderr.take().unwrap()).lines();
+    let line = b_err.next_line().await.unwrap().unwrap_or_default();
+    assert!(line.contains("waiting for something to read the FIFO"), "{line}");
+    assert!(!errors.exists());
+    // A makes and holds the errors file, reading its records from a pipe it keeps open.
+    let mut a = weir()
+        .current_dir(&dir.0)
+        .args(["run", "--model", "sim/demo", "--input", "-", "--output", "a.jsonl", "--errors", s(&errors)])
+        .args(["--id-field", "key", "--progress", "never"])
+        .stdin(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    for _ in 0..500 {
+        if errors.exists() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert!(errors.exists(), "A made its errors file");
+    // Now B goes on, and is refused the errors file.
+    let reader = std::fs::File::open(&fifo).unwrap();
+    let b = b.wait_with_output().await.unwrap();
+    let mut rest = String::new();
+    while let Ok(Some(l)) = b_err.next_line().await {
+        rest.push_str(&l);
+    }
+    drop(reader);
+    assert_eq!(b.status.code(), Some(2), "{rest}");
+    assert!(rest.contains("another weir run is writing"), "{rest}");
+    assert!(errors.exists(), "B removed the errors file A holds");
+    // A's records, one refused by the model, land in files that are there.
+    let mut stdin = a.stdin.take().unwrap();
+    stdin
+        .write_all(b"{\"key\": \"ok\", \"prompt\": \"hi\"}\n{\"key\": \"bad\", \"prompt\": \"[sim:block_prompt]\"}\n")
+        .await
+        .unwrap();
+    drop(stdin);
+    let a = a.wait_with_output().await.unwrap();
+    assert_eq!(a.status.code(), Some(1), "{}", stderr(&a));
+    assert_eq!(rows(&dir.path("a.jsonl")).len(), 1);
+    let errs = rows(&errors);
+    assert_eq!(errs.len(), 1, "A's error row is in the file at its path");
+    assert_eq!(errs[0]["id"], "bad");
+}
+
+/// 1. A local Parquet or CSV table reads as one table at every moment of a run killed
+///    repeatedly with parts over 10 MiB: a part being written is hidden until complete (the
+///    object store's `NAME#1` staging file used to appear inside the table, so readers failed
+///    on it, and a kill left it there for good), and a resume clears what a kill left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_local_table_reads_as_one_table_at_every_moment_of_a_killed_run() {
+    use std::time::Duration;
+    let Some(py) = peer("WEIR_PYTHON") else { return };
+    for format in ["parquet", "csv"] {
+        let mut config = weir_sim::SimConfig::default();
+        config.latency.fixed_ms = 20.0;
+        let server = weir_sim::SimServer::start(config, "127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let dir = Dir::new(&format!("hidden-staging-{format}"));
+        const N: usize = 8_000;
+        let blob = "x".repeat(4_000);
+        let mut data = Vec::new();
+        for i in 0..N {
+            data.extend(
+                serde_json::to_vec(
+                    &serde_json::json!({"key": format!("k{i}"), "prompt": format!("p {i}"), "blob": blob}),
+                )
+                .unwrap(),
+            );
+            data.push(b'\n');
+        }
+        dir.write("in.jsonl", &data);
+        let out = dir.path(&format!("out.{format}"));
+        let url = server.url();
+        let args = [
+            "run",
+            "--model",
+            "gemini/m",
+            "--base-url",
+            &url,
+            "--input",
+            "in.jsonl",
+            "--output",
+            s(&out),
+            "--id-field",
+            "key",
+            "--max-concurrency",
+            "8",
+            "--progress",
+            "never",
+            "--checkpoint-secs",
+            "60",
+        ];
+        // A reader that reads the directory as one table over and over while weir writes it.
+        let stop = dir.path("stop");
+        let mut watcher = std::process::Command::new(&py)
+            .arg("-c")
+            .arg(
+                r#"
+import os, sys, time, pyarrow.dataset as ds
+out, stop, fmt = sys.argv[1:4]
+reads = bad = 0
+while not os.path.exists(stop):
+    if os.path.isdir(out):
+        try:
+            ds.dataset(out, format=fmt).to_table()
+            reads += 1
+        except Exception as e:
+            bad += 1
+            print("unreadable:", e, sorted(os.listdir(out)), flush=True)
+    time.sleep(0.02)
+print("reads", reads, "bad", bad, flush=True)
+os._exit(0)
+"#,
+            )
+            .args([s(&out), s(&stop), format])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let watched = watcher.stdout.take().unwrap();
+        // Killed with the test if it fails.
+        let _watcher = Emulator { child: watcher, url: String::new() };
+        for kill in 0..2 {
+            let mut child = weir().current_dir(&dir.0).args(args).stderr(Stdio::null()).spawn().unwrap();
+            // Long enough for the part to pass 10 MiB (2,600 rows of 4 KB at about 400 a
+            // second), never for the run to end (the cache answers what a kill lost at once).
+            tokio::time::sleep(Duration::from_millis(7_000)).await;
+            assert!(child.try_wait().unwrap().is_none(), "{format}: kill {kill}: the run ended first");
+            child.start_kill().unwrap();
+            child.wait().await.unwrap();
+        }
+        let o = weir().current_dir(&dir.0).args(args).output().await.unwrap();
+        assert_eq!(o.status.code(), Some(0), "{format}: {}", stderr(&o));
+        std::fs::write(&stop, b"").unwrap();
+        let watched = std::io::read_to_string(watched).unwrap();
+        assert!(watched.contains(" bad 0"), "{format}: {watched}");
+        let names: Vec<String> =
+            std::fs::read_dir(&out).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        assert!(names.iter().all(|n| !n.contains('#') && !n.ends_with(".partial")), "{format}: {names:?}");
+        let counted = python(
+            r#"
+import sys, collections, pyarrow.dataset as ds
+keys = ds.dataset(sys.argv[1], format=sys.argv[2]).to_table(columns=["key"]).column("key").to_pylist()
+c = collections.Counter(keys)
+print(len(keys), len(c), max(c.values()))
+"#,
+            &[s(&out), format],
+        );
+        assert_eq!(counted.trim(), format!("{N} {N} 1"), "{format}: rows, ids, most copies of one id");
+        server.shutdown().await;
+    }
+}
+
+/// 3 and 4. What pandas writes for a `category` column (dictionary-encoded) and for a
+/// tz-aware datetime (a named time zone) goes through to every output: those used to crash
+/// table outputs after the calls were paid for, and fail every record into JSONL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pandas_categories_and_named_time_zones_go_through() {
+    if peer("WEIR_PYTHON").is_none() {
+        return;
+    }
+    let dir = Dir::new("pandas-types");
+    let input = dir.path("in.parquet");
+    python(
+        r#"
+import sys, pandas as pd
+n = 50
+df = pd.DataFrame({
+    "key": [f"k{i}" for i in range(n)],
+    "prompt": pd.Categorical([f"say {i % 3}" for i in range(n)]),
+    "colour": pd.Categorical(["red", "green"] * (n // 2)),
+    "at": pd.date_range("2026-01-01", periods=n, freq="h", tz="America/New_York"),
+    "utc": pd.date_range("2026-01-01", periods=n, freq="h", tz="UTC"),
+})
+df.to_parquet(sys.argv[1])
+"#,
+        &[s(&input)],
+    );
+    for output in ["out.parquet", "out.csv", "out.jsonl"] {
+        let o = weir()
+            .current_dir(&dir.0)
+            .args(["run", "--model", "sim/demo", "--input", s(&input), "--output", output, "--id-field", "key"])
+            .args(["--progress", "never"])
+            .output()
+            .await
+            .unwrap();
+        assert_eq!(o.status.code(), Some(0), "{output}: {}", stderr(&o));
+    }
+    let got = python(
+        r#"
+import sys, pandas as pd, pyarrow.dataset as ds
+d = sys.argv[1]
+src = pd.read_parquet(d + "/in.parquet").set_index("key")
+for name, fmt in [("out.parquet", "parquet"), ("out.csv", "csv")]:
+    t = ds.dataset(d + "/" + name, format=fmt).to_table().to_pandas().set_index("key")
+    assert len(t) == 50 and t["response"].notna().all(), name
+    assert list(t.loc[src.index, "colour"].astype(str)) == list(src["colour"].astype(str)), name
+    at = pd.to_datetime(t.loc[src.index, "at"], utc=True)
+    assert list(at) == list(src["at"].dt.tz_convert("UTC")), (name, at.iloc[0], src["at"].iloc[0])
+import json
+rows = [json.loads(l) for l in open(d + "/out.jsonl")]
+assert len(rows) == 50 and all(r["response"] for r in rows)
+print(rows[0]["input"]["colour"], rows[0]["input"]["at"])
+"#,
+        &[s(&dir.0)],
+    );
+    assert!(got.starts_with("red 2026-01-01T00:00:00"), "{got}");
+}
