@@ -12,6 +12,8 @@ use serde::Serialize;
 use serde_json::{Map, Value};
 use std::io::{self, BufWriter, Write};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
 use weir_core::{ErrorKind, Failure, RecordId, Success, Usage};
 
 /// Where rows go.
@@ -59,6 +61,8 @@ pub struct JsonlWriter {
     out: BufWriter<Box<dyn Write + Send>>,
     file: Option<std::fs::File>,
     rows: u64,
+    /// Set when the reader of a pipe went away.
+    gone: Arc<AtomicBool>,
 }
 
 /// An output file opened and locked by [`claim`].
@@ -160,10 +164,60 @@ impl JsonlWriter {
         Ok(Self::new(Box::new(file.try_clone()?), Some(file)))
     }
 
-    fn new(out: Box<dyn Write + Send>, file: Option<std::fs::File>) -> Self {
-        Self { out: BufWriter::with_capacity(256 * 1024, out), file, rows: 0 }
+    /// True once the reader of a pipe written to has gone away (`| head`): what is written
+    /// after that is dropped.
+    pub fn reader_gone(&self) -> bool {
+        self.gone.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    fn new(out: Box<dyn Write + Send>, file: Option<std::fs::File>) -> Self {
+        let gone = Arc::new(AtomicBool::new(false));
+        let out: Box<dyn Write + Send> = match &file {
+            Some(f) if f.metadata().is_ok_and(|m| m.is_file()) => out,
+            _ => Box::new(Closable { inner: out, gone: gone.clone() }),
+        };
+        Self { out: BufWriter::with_capacity(256 * 1024, out), file, rows: 0, gone }
+    }
+}
+
+/// A pipe, terminal or device whose reader may go away: a broken pipe is noted (not an error
+/// that would stop the run before its rows are accounted for) and later writes are dropped.
+struct Closable {
+    inner: Box<dyn Write + Send>,
+    gone: Arc<AtomicBool>,
+}
+
+impl Closable {
+    fn absorb(&self, r: io::Result<usize>, len: usize) -> io::Result<usize> {
+        match r {
+            Err(e) if e.kind() == io::ErrorKind::BrokenPipe => {
+                self.gone.store(true, std::sync::atomic::Ordering::Relaxed);
+                Ok(len)
+            }
+            r => r,
+        }
+    }
+}
+
+impl Write for Closable {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        if self.gone.load(std::sync::atomic::Ordering::Relaxed) {
+            return Ok(buf.len());
+        }
+        let r = self.inner.write(buf);
+        self.absorb(r, buf.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        if self.gone.load(std::sync::atomic::Ordering::Relaxed) {
+            return Ok(());
+        }
+        let r = self.inner.flush().map(|()| 0);
+        self.absorb(r, 0).map(|_| ())
+    }
+}
+
+impl JsonlWriter {
     /// Flushes and asks the kernel to put the rows on disk (`fdatasync`).
     pub fn sync(&mut self) -> io::Result<()> {
         self.out.flush()?;

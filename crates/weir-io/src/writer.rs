@@ -68,6 +68,7 @@ pub type Counts = (u64, u64);
 pub struct RowWriter {
     tx: Option<mpsc::Sender<Row>>,
     failed: Arc<Mutex<Option<String>>>,
+    closed: tokio::sync::watch::Receiver<bool>,
     thread: Option<JoinHandle<(Counts, io::Result<()>)>>,
 }
 
@@ -93,6 +94,9 @@ pub struct WriterThread {
     pub rows: mpsc::Receiver<Row>,
     /// Set it (with [`report`]) when writing fails; senders see it at their next send.
     pub failed: Arc<Mutex<Option<String>>>,
+    /// Set to true when the results' reader went away (a closed pipe): not a failure to
+    /// write, but the end of the run, as an interrupt is.
+    pub closed: tokio::sync::watch::Sender<bool>,
 }
 
 /// Rows waiting to be written at most. Small: a killed process loses the queued rows (their
@@ -139,6 +143,15 @@ fn flush_all(events: &mut Option<JsonlWriter>, results: &mut JsonlWriter, errors
 /// a failure to write rows).
 fn events_error(e: io::Error) -> io::Error {
     io::Error::new(e.kind(), format!("writing the stream events (--events): {e}"))
+}
+
+/// The error row of a record answered after the results' reader went away.
+fn undelivered(s: &Success) -> Failure {
+    let e = weir_core::ModelError::new(
+        weir_core::ErrorKind::Aborted,
+        "answered, but the output was closed before this row could be written (run this record again)",
+    );
+    Failure::of(s.record.clone(), e, s.attempts)
 }
 
 /// Tells senders that writing has failed (they see it at their next send).
@@ -204,15 +217,16 @@ impl RowWriter {
     ) -> io::Result<Self> {
         let (tx, rows) = mpsc::channel::<Row>(queue);
         let failed = Arc::new(Mutex::new(None));
-        let given = WriterThread { rows, failed: failed.clone() };
+        let (closed_tx, closed) = tokio::sync::watch::channel(false);
+        let given = WriterThread { rows, failed: failed.clone(), closed: closed_tx };
         let thread = std::thread::Builder::new().name(name.into()).spawn(move || write(given))?;
-        Ok(Self { tx: Some(tx), failed, thread: Some(thread) })
+        Ok(Self { tx: Some(tx), failed, closed, thread: Some(thread) })
     }
 
     /// Starts a thread that writes only stream events, to `events` (beside a writer of tables,
     /// whose rows are not lines of a file).
     pub fn spawn_events(mut events: JsonlWriter) -> io::Result<Self> {
-        Self::start("weir-events", QUEUE, move |WriterThread { rows: mut rx, failed }| {
+        Self::start("weir-events", QUEUE, move |WriterThread { rows: mut rx, failed, .. }| {
             let mut end = Ok(());
             while let Some(row) = next_row(&mut rx, || {
                 if end.is_ok() {
@@ -234,7 +248,9 @@ impl RowWriter {
     /// Starts the thread that owns the JSONL files `results` and `errors` (and the events
     /// file, when the run streams).
     pub fn spawn(mut results: JsonlWriter, mut errors: JsonlWriter, settings: WriterSettings) -> io::Result<Self> {
-        Self::start("weir-writer", QUEUE, move |WriterThread { rows: mut rx, failed: failed_in }| {
+        Self::start("weir-writer", QUEUE, move |WriterThread { rows: mut rx, failed: failed_in, closed }| {
+            // The results' reader went away (`| head`): results from then on become error rows.
+            let mut results_closed = false;
             let mut last_sync = Instant::now();
             let mut unflushed = 0usize;
             let mut error: Option<io::Error> = None;
@@ -282,6 +298,10 @@ impl RowWriter {
                     }
                 }
             }) {
+                if !results_closed && results.reader_gone() {
+                    results_closed = true;
+                    closed.send_replace(true);
+                }
                 if error.is_none() {
                     // A failed `fdatasync` on the sync thread stops writing here too: rows after
                     // it could not be made durable, and the run must not report them as written.
@@ -293,8 +313,10 @@ impl RowWriter {
                     continue;
                 }
                 let mut written = match &row {
+                    Row::Success(s) if results_closed => errors.write(&ErrorRow::of(&undelivered(s))),
                     Row::Success(s) => results.write(&ResultRow::of(s)),
                     Row::Failure(f) => errors.write(&ErrorRow::of(f)),
+                    Row::Event(_) if results_closed && events_with_results => Ok(()),
                     Row::Event(e) => match events.as_mut() {
                         Some(file) => file.write_line(e).map_err(events_error),
                         None if events_with_results => results.write_line(e),
@@ -315,6 +337,12 @@ impl RowWriter {
                         s.request();
                     }
                 }
+                if !results_closed && results.reader_gone() {
+                    // What the reader had not read went with it; the results still to come go
+                    // to the errors file, and the run ends as an interrupted one does.
+                    results_closed = true;
+                    closed.send_replace(true);
+                }
                 if let Err(e) = written {
                     report(&failed_in, &e);
                     error = Some(e);
@@ -334,6 +362,11 @@ impl RowWriter {
             };
             ((results.rows(), errors.rows()), end)
         })
+    }
+
+    /// Becomes true when the results' reader has gone away (a closed pipe).
+    pub fn output_closed(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.closed.clone()
     }
 
     /// A sender of stream events to this writer, for the calls that stream.

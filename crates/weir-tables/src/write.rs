@@ -66,14 +66,17 @@ pub type Counts = (u64, u64);
 
 /// Rows waiting to be written at most.
 const QUEUE: usize = 1024;
-/// Rows encoded into one Arrow batch.
+/// Rows encoded into one Arrow batch, at most.
 const CHUNK_ROWS: usize = 4096;
+/// JSON bytes encoded into one Arrow batch, at most: long rows make smaller batches, so
+/// memory does not grow with the length of answers or input columns.
+const CHUNK_BYTES: usize = 2 << 20;
 /// Rows of a stream input seen before its columns are inferred.
 const INFER_ROWS: usize = 1000;
 /// Rows per Parquet row group: small enough that a writer's buffers stay small.
 const ROW_GROUP: usize = 16 * 1024;
 /// Encoded bytes at which a Parquet row group is flushed whatever its rows (long answers).
-const ROW_GROUP_BYTES: usize = 8 << 20;
+const ROW_GROUP_BYTES: usize = 4 << 20;
 /// Bytes buffered before a part is written out, to a local file and to an object store.
 const LOCAL_BUFFER: usize = 1 << 20;
 const REMOTE_BUFFER: usize = 8 << 20;
@@ -506,7 +509,7 @@ impl State {
                 }
                 .map_err(io_other)?;
                 self.results.push_line(&line);
-                if self.results.chunk_rows >= CHUNK_ROWS {
+                if self.results.chunk_rows >= CHUNK_ROWS || self.results.chunk.len() >= CHUNK_BYTES {
                     self.results.flush_chunk(self.next_part, self.columns.as_ref()).await?;
                 }
             }
@@ -517,7 +520,7 @@ impl State {
                 }
                 .map_err(io_other)?;
                 self.errors.push_line(&line);
-                if self.errors.chunk_rows >= CHUNK_ROWS {
+                if self.errors.chunk_rows >= CHUNK_ROWS || self.errors.chunk.len() >= CHUNK_BYTES {
                     self.errors.flush_chunk(self.next_part, self.columns.as_ref()).await?;
                 }
             }
@@ -575,7 +578,7 @@ async fn write_loop(
     next_part: u32,
     given: WriterThread,
 ) -> (Counts, io::Result<()>) {
-    let WriterThread { rows: mut rx, failed } = given;
+    let WriterThread { rows: mut rx, failed, .. } = given;
     let env = settings.env.clone();
     let store = |l: &Location| l.store(&|k: &str| env.get(k).cloned()).map_err(io_other);
     let (rs, es) = match (store(&settings.results), store(&settings.errors)) {

@@ -285,6 +285,9 @@ enum Routed {
     ReadError(std::io::Error),
 }
 
+/// Why a run whose results' reader went away stopped (its report tells it by this message).
+pub const OUTPUT_CLOSED: &str = "the output was closed (its reader went away)";
+
 /// Opens an output that is not a table: a file (locked, never truncated here, and whether
 /// this run created it), or a FIFO or a device, written to as it is (never locked, truncated
 /// or read back); `None` for stdout.
@@ -765,7 +768,9 @@ pub async fn run(
             let writer_settings = weir_io::WriterSettings {
                 journal,
                 on_sync,
-                flush_when_idle: live_input || settings.stream.is_some(),
+                // A reader of a pipe or a terminal gets each row as soon as it is known (and a
+                // reader that went away is noticed while there are rows left to account for).
+                flush_when_idle: live_input || settings.stream.is_some() || !settings.output.is_file(),
                 events,
             };
             weir_io::RowWriter::spawn(results, errors, writer_settings)
@@ -858,13 +863,19 @@ pub async fn run(
     // interruption left unfinished is still the first).
     let mut seen = weir_io::KeySet::new();
     let mut first_interrupt = interrupts.clone();
+    // The results' reader going away (`--output - | head`) ends the run as an interrupt does.
+    let mut output_closed = writer.output_closed();
+    let mut closed_input = output_closed.clone();
     // With a journal, an interrupted run stops reading: what it did not read, the next run does.
     // Without one, it reads on, and every record left gets an `aborted` row, so none is dropped
     // — unless the input may never end (an open pipe, a followed file): then it stops reading
     // too, and what it did not read stays unread, as with any consumer of a pipe that stops.
     let input_stop = async move {
         if journal || live_input {
-            let _ = first_interrupt.wait_for(|n| *n >= 1).await;
+            tokio::select! {
+                _ = first_interrupt.wait_for(|n| *n >= 1) => {}
+                _ = closed_input.wait_for(|c| *c) => {}
+            }
         } else {
             std::future::pending::<()>().await;
         }
@@ -1095,6 +1106,17 @@ pub async fn run(
                     endpoints.stop(StopReason { kind: ErrorKind::Aborted, message: "interrupted".into() });
                     drain_deadline.as_mut().reset(Instant::now() + settings.drain);
                 }
+                continue;
+            }
+            _ = output_closed.wait_for(|c| *c), if !interrupted => {
+                interrupted = true;
+                progress.suspend(|| eprintln!(
+                    "weir: {OUTPUT_CLOSED}; letting calls in flight finish (up to {} s). Records from here on go to \
+                     the errors file as not finished.",
+                    settings.drain.as_secs()
+                ));
+                endpoints.stop(StopReason { kind: ErrorKind::Aborted, message: OUTPUT_CLOSED.into() });
+                drain_deadline.as_mut().reset(Instant::now() + settings.drain);
                 continue;
             }
             _ = &mut drain_deadline => {

@@ -154,6 +154,13 @@ impl RunReport {
         self.stopped.as_ref().is_some_and(|s| s.kind == ErrorKind::Aborted)
     }
 
+    /// True if the run ended because its results' reader went away (`| head`).
+    pub fn output_closed(&self) -> bool {
+        self.stopped
+            .as_ref()
+            .is_some_and(|s| s.kind == ErrorKind::Aborted && s.message == crate::pipeline::OUTPUT_CLOSED)
+    }
+
     /// The summary printed at the end of a run.
     pub fn summary(&self) -> String {
         let mut s = format!(
@@ -234,7 +241,13 @@ impl RunReport {
             s.push_str(&format!("  errors:  {} ({})\n", self.errors, kinds.join(", ")));
         }
         if let Some(stop) = &self.stopped {
-            if self.interrupted() {
+            if self.output_closed() {
+                s.push_str(&format!(
+                    "  stopped: {}; every record not written there has an error row (kind aborted) in the errors \
+                     file, with its input\n",
+                    stop.message
+                ));
+            } else if self.interrupted() {
                 s.push_str("  interrupted\n");
             } else {
                 s.push_str(&format!("  stopped early ({}): {}\n", stop.kind, stop.message));

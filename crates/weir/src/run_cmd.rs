@@ -882,7 +882,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<u8> {
         }
     };
     eprint!("{}", report.summary());
-    Ok(if report.interrupted() {
+    Ok(if report.output_closed() {
+        // As a process killed by SIGPIPE would (128 + 13), without losing the rows still due.
+        141
+    } else if report.interrupted() {
         interrupted_status()
     } else if report.stopped.is_some() {
         crate::exit::FATAL

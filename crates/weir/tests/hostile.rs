@@ -291,3 +291,43 @@ print(rows[0]["input"]["colour"], rows[0]["input"]["at"])
     );
     assert!(got.starts_with("red 2026-01-01T00:00:00"), "{got}");
 }
+
+/// 9. `--output - | head -1`: the reader going away ends the run as an interrupt does. The
+///    records whose rows it never got have error rows (aborted, with their input) in the
+///    errors file, and the exit status is that of a closed pipe (141). It used to exit 3 with
+///    299 of 300 records in neither file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_stdout_accounts_for_every_record_left() {
+    let mut config = weir_sim::SimConfig::default();
+    config.latency.fixed_ms = 30.0;
+    let server = weir_sim::SimServer::start(config, "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let dir = Dir::new("closed-stdout");
+    let (data, ids) = prompts(300);
+    dir.write("in.jsonl", &data);
+    let url = server.url();
+    let mut child = weir()
+        .current_dir(&dir.0)
+        .args(["run", "--model", "gemini/m", "--base-url", &url, "--input", "in.jsonl", "--output", "-"])
+        .args(["--id-field", "key", "--max-concurrency", "4", "--progress", "never"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let first: serde_json::Value = serde_json::from_str(&out.next_line().await.unwrap().unwrap()).unwrap();
+    drop(out);
+    let o = child.wait_with_output().await.unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(141), "{err}");
+    assert!(err.contains("the output was closed"), "{err}");
+    let errors = rows(&dir.path("weir.errors.jsonl"));
+    assert!(errors.iter().all(|r| r["kind"] == "aborted" && r["input"]["prompt"].is_string()), "{errors:?}");
+    // Rows handed to the pipe before it closed went with the reader: a few at most.
+    assert!(errors.len() >= 290, "{} error rows; {err}", errors.len());
+    let mut seen: Vec<String> = errors.iter().map(|r| r["id"].as_str().unwrap().to_string()).collect();
+    seen.push(first["id"].as_str().unwrap().to_string());
+    seen.sort();
+    seen.dedup();
+    assert!(seen.iter().all(|id| ids.contains(id)));
+    server.shutdown().await;
+}
