@@ -109,7 +109,31 @@ struct Active {
 }
 
 /// Calls `f` until it succeeds, fails in a way waiting cannot help, or `tries` are spent.
-async fn with_tries<T, F, Fut>(tries: u32, cancel: &CancellationToken, mut f: F) -> Result<T, BatchError>
+async fn with_tries<T, F, Fut>(tries: u32, cancel: &CancellationToken, f: F) -> Result<T, BatchError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, ModelError>>,
+{
+    tries_while(tries, cancel, |e| e.kind.is_retryable(), f).await
+}
+
+/// [`with_tries`] for asking about jobs already submitted (their state, their results), which
+/// costs nothing: a refused credential (a token refresh that failed once) is tried again too,
+/// rather than ending a run whose jobs go on at the provider.
+async fn reading<T, F, Fut>(tries: u32, cancel: &CancellationToken, f: F) -> Result<T, BatchError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, ModelError>>,
+{
+    tries_while(tries, cancel, |e| e.kind.is_retryable() || e.kind == ErrorKind::Auth, f).await
+}
+
+async fn tries_while<T, F, Fut>(
+    tries: u32,
+    cancel: &CancellationToken,
+    again: impl Fn(&ModelError) -> bool,
+    mut f: F,
+) -> Result<T, BatchError>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, ModelError>>,
@@ -120,7 +144,7 @@ where
         n += 1;
         match f().await {
             Ok(v) => return Ok(v),
-            Err(e) if e.kind.is_retryable() && n < tries.max(1) => {
+            Err(e) if again(&e) && n < tries.max(1) => {
                 tracing::warn!("batch job API call failed ({e}); trying again in {} s", wait.as_secs());
                 tokio::select! {
                     _ = tokio::time::sleep(wait) => {}
@@ -239,7 +263,7 @@ pub async fn run(
         let mut wait = settings.poll_first;
         while !active.is_empty() {
             for a in active.iter_mut() {
-                a.status = match with_tries(settings.api_tries, cancel, || api.status(&a.job)).await {
+                a.status = match reading(settings.api_tries, cancel, || api.status(&a.job)).await {
                     // A job the provider does not know (any more): gone, with nothing answered;
                     // its records go to a follow-up job.
                     Err(BatchError::Api(e)) if e.kind == ErrorKind::BadRequest => {
@@ -268,7 +292,7 @@ pub async fn run(
                 let results = if status.total == 0 && status.state == JobState::Failed {
                     Vec::new()
                 } else {
-                    with_tries(settings.api_tries, cancel, || api.results(&a.job, &status)).await?
+                    reading(settings.api_tries, cancel, || api.results(&a.job, &status)).await?
                 };
                 let mut answered: HashMap<String, Result<ModelResponse, ModelError>> = results.into_iter().collect();
                 for key in a.keys {
@@ -371,6 +395,23 @@ impl Chunker {
 mod tests {
     use super::*;
     use weir_core::{JobLimits, JobResult};
+
+    /// Issue #29, item 17: a token refresh refused once while polling is tried again (the jobs
+    /// go on at the provider); a submission refused so is not.
+    #[tokio::test(start_paused = true)]
+    async fn asking_about_jobs_tries_a_refused_credential_again() {
+        let cancel = CancellationToken::new();
+        let calls = std::sync::atomic::AtomicU32::new(0);
+        let once = || async {
+            match calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed) {
+                0 => Err(ModelError::new(ErrorKind::Auth, "token refresh failed")),
+                _ => Ok(7),
+            }
+        };
+        assert_eq!(reading(5, &cancel, once).await.unwrap(), 7);
+        calls.store(0, std::sync::atomic::Ordering::Relaxed);
+        assert!(matches!(with_tries(5, &cancel, once).await, Err(BatchError::Api(e)) if e.kind == ErrorKind::Auth));
+    }
 
     /// A provider whose lines are the key and a newline, with small limits.
     struct Small;

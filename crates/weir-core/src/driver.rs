@@ -73,12 +73,18 @@ struct StopRules {
     cancel: CancellationToken,
     reason: Mutex<Option<StopReason>>,
     auth_failures: AtomicU64,
+    /// Refused calls since the last answer.
+    auth_in_a_row: AtomicU64,
     auth_failures_to_stop: u64,
     max_retries: u32,
     answered: AtomicBool,
     first_unreachable: Mutex<Option<Instant>>,
     metrics: Arc<RunMetrics>,
 }
+
+/// After answers, this many times `auth_failures_to_stop` refusals in a row stop the run: more
+/// than at the start, since calls in flight when the credentials changed all fail together.
+const REVOKED_FACTOR: u64 = 8;
 
 impl StopRules {
     fn stop(&self, reason: StopReason) {
@@ -96,6 +102,7 @@ impl StopRules {
 impl Observer for StopRules {
     fn answered(&self) {
         self.answered.store(true, Relaxed);
+        self.auth_in_a_row.store(0, Relaxed);
     }
 
     fn failed_attempt(&self, error: &ModelError, attempts: u32) {
@@ -122,11 +129,23 @@ impl Observer for StopRules {
             self.stop(StopReason { kind: error.kind, message: error.message.clone() });
         } else if error.kind == ErrorKind::Auth {
             let n = self.auth_failures.fetch_add(1, Relaxed) + 1;
+            let in_a_row = self.auth_in_a_row.fetch_add(1, Relaxed) + 1;
             if n >= self.auth_failures_to_stop && !self.answered_ok() {
                 self.stop(StopReason {
                     kind: ErrorKind::Auth,
                     message: format!(
                         "the credentials failed on the first {n} calls and none succeeded: {}",
+                        error.message
+                    ),
+                });
+            } else if in_a_row >= self.auth_failures_to_stop.saturating_mul(REVOKED_FACTOR) {
+                // Credentials that worked and then stop working (a revoked key or token) fail
+                // every call from then on: a run of refusals with no answer between them.
+                self.stop(StopReason {
+                    kind: ErrorKind::Auth,
+                    message: format!(
+                        "the credentials stopped working: the last {in_a_row} calls were refused, after earlier \
+                         calls succeeded: {}",
                         error.message
                     ),
                 });
@@ -172,6 +191,7 @@ impl Driver {
             cancel: CancellationToken::new(),
             reason: Mutex::new(None),
             auth_failures: AtomicU64::new(0),
+            auth_in_a_row: AtomicU64::new(0),
             auth_failures_to_stop: settings.auth_failures_to_stop,
             max_retries: settings.retry.max_retries,
             answered: AtomicBool::new(false),
@@ -683,6 +703,24 @@ mod tests {
         }
         assert_eq!(h.calls.load(Relaxed), 3, "no call after the stop");
         assert_eq!(d.stop_reason().unwrap().kind, ErrorKind::Auth);
+    }
+
+    /// Issue #29, item 16: credentials revoked part-way (answers, then only refusals) stop the
+    /// run after a run of refusals, instead of failing every record left.
+    #[tokio::test(start_paused = true)]
+    async fn credentials_revoked_part_way_stop_the_run() {
+        let mut script: Vec<Result<Duration, ModelError>> = (0..5).map(|_| Ok(Duration::from_millis(1))).collect();
+        script.extend((0..200).map(|_| Err(ModelError::new(ErrorKind::Auth, "401 revoked").with_status(401))));
+        let (d, h) = driver(script, DriverSettings::default());
+        for i in 0..100 {
+            let _ = d.run(record(&i.to_string())).await;
+            if d.is_stopped() {
+                break;
+            }
+        }
+        assert!(d.is_stopped(), "{} calls", h.calls.load(Relaxed));
+        assert_eq!(h.calls.load(Relaxed), 5 + 3 * REVOKED_FACTOR, "refusals in a row until the stop");
+        assert!(d.stop_reason().unwrap().message.contains("stopped working"));
     }
 
     /// A handler that takes up to four requests per call, answers each with its prompt, and

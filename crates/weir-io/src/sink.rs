@@ -107,16 +107,13 @@ pub fn lock_path(
     path: &Path,
     options: impl Fn(&mut std::fs::OpenOptions) -> &mut std::fs::OpenOptions,
 ) -> io::Result<Option<Claimed>> {
-    loop {
+    for _ in 0..100 {
         let (file, created) = match options(std::fs::OpenOptions::new().write(true).create_new(true)).open(path) {
             Ok(f) => (f, true),
+            // Something is there (a file, or a symlink, maybe to nothing yet): open it, making
+            // what it names if missing, but never count it as made by this run.
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
-                match options(std::fs::OpenOptions::new().write(true)).open(path) {
-                    Ok(f) => (f, false),
-                    // Removed between the two opens: try again.
-                    Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
-                    Err(e) => return Err(e),
-                }
+                (options(std::fs::OpenOptions::new().write(true).create(true)).open(path)?, false)
             }
             Err(e) => return Err(e),
         };
@@ -129,6 +126,7 @@ pub fn lock_path(
             return Ok(Some(Claimed { file, created }));
         }
     }
+    Err(io::Error::other("it was replaced again and again while being opened; is another program removing it?"))
 }
 
 /// True if `path` (followed through symlinks, as the open that claimed it was) names the very

@@ -387,6 +387,11 @@ impl RowWriter {
         tx.send(row).await.map_err(|_| "the writer thread has stopped".to_string())
     }
 
+    /// Queues a row; an error says writing has failed (and stopped).
+    pub async fn row(&self, row: Row) -> Result<(), String> {
+        self.send(row).await
+    }
+
     /// Queues a result row; an error says writing has failed (and stopped).
     pub async fn success(&self, s: Box<Success>) -> Result<(), String> {
         self.send(Row::Success(s)).await

@@ -124,11 +124,25 @@ impl Credentials {
     pub fn from_json(text: &str, origin: &Origin) -> Result<Self, ProviderError> {
         let v: Value = serde_json::from_str(text).map_err(|_| config_error(origin, "not a JSON credentials file"))?;
         let field = |k: &str| v.get(k).and_then(Value::as_str).filter(|s| !s.is_empty());
-        let need = |k: &str| field(k).ok_or_else(|| config_error(origin, &format!("the file has no \"{k}\"")));
+        // A field that is there but not text is wrong, not missing.
+        let need = |k: &str| {
+            field(k).ok_or_else(|| match v.get(k) {
+                Some(Value::String(_)) => config_error(origin, &format!("\"{k}\" is empty")),
+                Some(_) => config_error(origin, &format!("\"{k}\" is not text")),
+                None => config_error(origin, &format!("the file has no \"{k}\"")),
+            })
+        };
         let token_uri = |default: Option<&str>| -> Result<reqwest::Url, ProviderError> {
-            let uri =
-                field("token_uri").or(default).ok_or_else(|| config_error(origin, "the file has no \"token_uri\""))?;
-            check_base_url(uri).map_err(|e| config_error(origin, &format!("token_uri: {e}")))
+            let uri = if v.get("token_uri").is_some() {
+                need("token_uri")?
+            } else {
+                default.ok_or_else(|| config_error(origin, "the file has no \"token_uri\""))?
+            };
+            // Checked as a base URL is, but named as the file's field.
+            check_base_url(uri).map_err(|e| {
+                let message = e.to_string().replacen(&format!("--base-url {uri}"), &format!("token_uri {uri}"), 1);
+                config_error(origin, &message)
+            })
         };
         match field("type") {
             Some("service_account") => Ok(Credentials::ServiceAccount {

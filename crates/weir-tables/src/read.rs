@@ -212,12 +212,23 @@ impl TableInput {
     pub async fn schema(&self) -> Result<SchemaRef, TableError> {
         match self.format {
             Format::Parquet => {
-                let mut schemas = Vec::new();
+                // Merged file by file, so that columns that disagree are named with the files.
+                let mut merged: Option<(Schema, String)> = None;
                 for f in &self.files {
-                    let b = self.parquet_builder(f).await.map_err(|e| read_err(&self.location.url_of(&f.path), e))?;
-                    schemas.push(plain(b.schema()));
+                    let url = self.location.url_of(&f.path);
+                    let b = self.parquet_builder(f).await.map_err(|e| read_err(&url, e))?;
+                    let schema = plain(b.schema());
+                    merged = Some(match merged {
+                        None => (schema, url),
+                        Some((so_far, first)) => {
+                            let m = merge(vec![so_far, schema], &self.location.display)
+                                .map_err(|e| TableError::Usage(format!("{e} ({first} and {url} differ)")))?;
+                            (m.as_ref().clone(), first)
+                        }
+                    });
                 }
-                merge(schemas, &self.location.display)
+                let (schema, _) = merged.unwrap_or_else(|| (Schema::empty(), String::new()));
+                Ok(Arc::new(schema))
             }
             Format::Csv => Ok(self.csv_schema.clone().expect("inferred when opened")),
             Format::Jsonl => {

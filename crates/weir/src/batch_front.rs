@@ -274,7 +274,21 @@ async fn drive(work: impl futures::Stream<Item = Work> + Send + 'static, run: Jo
                 e.message
             ),
         ),
-        Err(BatchError::Api(e)) => stop(&mut records, e.kind, format!("batch jobs: {}", e.message)),
+        Err(BatchError::Api(e)) => {
+            // A job refused for its size fails the same way when run again: say which flag
+            // makes jobs smaller.
+            let m = e.message.to_ascii_lowercase();
+            let hint = if e.status == Some(413)
+                || ["too large", "too big", "exceeds", "too many requests in", "maximum number of requests"]
+                    .iter()
+                    .any(|w| m.contains(w))
+            {
+                " (make jobs smaller with --job-max-requests, then run the same command again)"
+            } else {
+                ""
+            };
+            stop(&mut records, e.kind, format!("batch jobs: {}{hint}", e.message))
+        }
         Err(e @ BatchError::Ledger(_)) => stop(&mut records, ErrorKind::Server, e.to_string()),
     }
 }

@@ -285,6 +285,18 @@ enum Routed {
     ReadError(std::io::Error),
 }
 
+/// The end of an interrupted run whose output's reader stopped reading: the rows still queued
+/// for it are not written.
+fn reader_not_reading(journal: bool) -> RunError {
+    RunError::Interrupted(if journal {
+        "stopped: the output's reader did not take the rows still queued; their records are not finished. Run \
+         the same command again to resume"
+            .into()
+    } else {
+        "stopped: the output's reader did not take the rows still queued; those records have no row".into()
+    })
+}
+
 /// Why a run whose results' reader went away stopped (its report tells it by this message).
 pub const OUTPUT_CLOSED: &str = "the output was closed (its reader went away)";
 
@@ -561,6 +573,13 @@ pub async fn run(
         Some(b)
             if b.auto_min_records.is_some() && (settings.model_field.is_some() || settings.state == StateMode::Off) =>
         {
+            // Said, not silent: online calls cost twice what a job would.
+            let why = if settings.model_field.is_some() {
+                "--model-field sends records to several models, and a batch job runs one"
+            } else {
+                "batch jobs are recorded in the state directory, which this run has not (--output - or --no-state)"
+            };
+            eprintln!("weir: --mode auto: online calls at the full price: {why}");
             None
         }
         Some(b) => {
@@ -578,7 +597,10 @@ pub async fn run(
             match weir_providers::connect_jobs(&settings.model, &settings.provider, env, b.max_requests, staging) {
                 Ok(api) => Some(api),
                 // --mode auto: a provider without jobs runs online.
-                Err(_) if b.auto_min_records.is_some() => None,
+                Err(e) if b.auto_min_records.is_some() => {
+                    eprintln!("weir: --mode auto: online calls: no batch jobs for {} ({e})", settings.model);
+                    None
+                }
                 Err(e) => return Err(e.into()),
             }
         }
@@ -936,7 +958,7 @@ pub async fn run(
                 _ => true,
             };
             let large = available && known.is_some_and(|n| n >= min);
-            if settings.progress || large || earlier_jobs {
+            {
                 let how = if large || earlier_jobs { "batch jobs" } else { "online calls" };
                 let n = known.map_or("a stream of".to_string(), crate::report::thousands);
                 eprintln!(
@@ -1125,12 +1147,12 @@ pub async fn run(
             }
         };
         // Rows are written (and made durable) by the writer thread, off this task.
-        let written = match outcome {
+        let row = match outcome {
             Ok(Outcome::Success(mut s)) => {
                 if let Some(keep) = &settings.keep_columns {
                     s.record.input.retain(|k, _| keep.contains(k));
                 }
-                writer.success(s).await
+                weir_io::Row::Success(s)
             }
             // With a journal, a record the run never tried is simply not finished: the next run
             // does it. Without one, it gets an error row so that nothing is silently dropped. A
@@ -1142,22 +1164,48 @@ pub async fn run(
                         || (tables_out.is_some() && f.error.kind.is_about_the_run())) =>
             {
                 not_written += 1;
-                Ok(())
+                continue;
             }
             Ok(Outcome::Failure(mut f)) => {
                 if let (Some(keep), Some(input)) = (&settings.keep_columns, f.input.as_mut()) {
                     input.retain(|k, _| keep.contains(k));
                 }
-                writer.failure(f).await
+                weir_io::Row::Failure(f)
             }
             Err(e) => {
                 fatal = Some(format!("reading the input failed: {e}"));
                 break;
             }
         };
-        if let Err(e) = written {
-            fatal = Some(format!("writing rows failed: {e}"));
-            break;
+        // A reader that stopped reading (a pager, a paused pipe) blocks the writer and so this
+        // send: Ctrl-C is still heard, and the drain deadline still ends the wait.
+        let send = writer.row(row);
+        tokio::pin!(send);
+        let written = loop {
+            tokio::select! {
+                w = &mut send => break Some(w),
+                changed = interrupts.changed(), if !interrupted => {
+                    if changed.is_ok() && *interrupts.borrow() >= 1 {
+                        interrupted = true;
+                        progress.suspend(|| eprintln!(
+                            "weir: interrupted while the output's reader is not reading; waiting for it up to {} s. \
+                             Press Ctrl-C again to stop at once.",
+                            settings.drain.as_secs()
+                        ));
+                        endpoints.stop(StopReason { kind: ErrorKind::Aborted, message: "interrupted".into() });
+                        drain_deadline.as_mut().reset(Instant::now() + settings.drain);
+                    }
+                }
+                _ = &mut drain_deadline => break None,
+            }
+        };
+        match written {
+            Some(Ok(())) => {}
+            Some(Err(e)) => {
+                fatal = Some(format!("writing rows failed: {e}"));
+                break;
+            }
+            None => return Err(reader_not_reading(journal)),
         }
         progress.tick();
     }
@@ -1167,7 +1215,25 @@ pub async fn run(
         interrupted = true;
         endpoints.stop(StopReason { kind: ErrorKind::Aborted, message: "interrupted".into() });
     }
-    let ((result_rows, error_rows), flushed) = writer.finish().await;
+    // Rows still queued wait for a slow reader, unless the run was interrupted: then for the
+    // rest of the drain time at most.
+    let finish = writer.finish();
+    tokio::pin!(finish);
+    let ((result_rows, error_rows), flushed) = loop {
+        tokio::select! {
+            done = &mut finish => break done,
+            changed = interrupts.changed(), if !interrupted => {
+                if changed.is_ok() && *interrupts.borrow() >= 1 {
+                    interrupted = true;
+                    endpoints.stop(StopReason { kind: ErrorKind::Aborted, message: "interrupted".into() });
+                    drain_deadline.as_mut().reset(Instant::now() + settings.drain);
+                }
+            }
+            // A deadline already past (calls that outlived it) still leaves the writer a moment.
+            _ = tokio::time::sleep_until(drain_deadline.deadline().max(Instant::now() + Duration::from_secs(5))),
+                if interrupted => return Err(reader_not_reading(journal)),
+        }
+    };
     let flushed = match events_writer {
         Some(w) => flushed.and(w.finish().await.1),
         None => flushed,

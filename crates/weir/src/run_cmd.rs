@@ -265,7 +265,7 @@ impl RunArgs {
         self.endpoint.check()?;
         if !(self.poll_secs.is_finite() && self.poll_secs > 0.0 && self.poll_secs <= 3600.0) {
             return Err(UsageError(format!(
-                "--poll-secs {}: must be a number of seconds from 0 to 3600",
+                "--poll-secs {}: must be a number of seconds above 0 and at most 3600",
                 self.poll_secs
             )));
         }
@@ -437,12 +437,15 @@ impl RunArgs {
                     "--stream/--events: an embedding comes whole, not as text; drop --stream and --events".into(),
                 ));
             }
-            if self.mode != ModeArg::Online {
+            if self.mode == ModeArg::Batch {
                 return Err(UsageError(
                     "--stream/--events: batch jobs answer every record at once, hours later; drop --stream and \
-                     --events, or --mode"
+                     --events, or --mode batch"
                         .into(),
                 ));
+            }
+            if self.mode == ModeArg::Auto {
+                eprintln!("weir: --mode auto with --stream: online calls (batch jobs cannot stream)");
             }
             if self.events.is_none() && OutputPath::parse(&self.output) != OutputPath::Stdout {
                 return Err(UsageError(
@@ -566,18 +569,21 @@ impl RunArgs {
                 None => weir::EventsTo::WithResults,
             }),
             follow: self.follow.is_some(),
-            batch_mode: (self.mode != ModeArg::Online).then(|| weir::batch_front::BatchMode {
-                fallback_online: self.fallback == FallbackArg::Online,
-                jobs: weir_batch::BatchSettings {
-                    rounds: self.job_rounds,
-                    poll_first: Duration::from_secs_f64(self.poll_secs),
-                    poll_max: Duration::from_secs_f64(self.poll_secs.max(60.0)),
-                    name_prefix: job_prefix(&self.output),
-                    ..weir_batch::BatchSettings::default()
-                },
-                max_requests: self.job_max_requests,
-                job_bucket: self.job_bucket.clone(),
-                auto_min_records: (self.mode == ModeArg::Auto).then_some(self.auto_min_records),
+            // --mode auto with --stream: streamed answers are online calls.
+            batch_mode: (self.mode == ModeArg::Batch || (self.mode == ModeArg::Auto && !self.streaming())).then(|| {
+                weir::batch_front::BatchMode {
+                    fallback_online: self.fallback == FallbackArg::Online,
+                    jobs: weir_batch::BatchSettings {
+                        rounds: self.job_rounds,
+                        poll_first: Duration::from_secs_f64(self.poll_secs),
+                        poll_max: Duration::from_secs_f64(self.poll_secs.max(60.0)),
+                        name_prefix: job_prefix(&self.output),
+                        ..weir_batch::BatchSettings::default()
+                    },
+                    max_requests: self.job_max_requests,
+                    job_bucket: self.job_bucket.clone(),
+                    auto_min_records: (self.mode == ModeArg::Auto).then_some(self.auto_min_records),
+                }
             }),
         }
     }

@@ -331,3 +331,108 @@ async fn a_closed_stdout_accounts_for_every_record_left() {
     assert!(seen.iter().all(|id| ids.contains(id)));
     server.shutdown().await;
 }
+
+/// 12. Ctrl-C while the reader of `--events` has stopped reading (the writer is blocked on
+///     it): the run says so and ends within the drain time; it used to print nothing and
+///     wait for the reader for ever. Run again, it resumes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ctrl_c_is_heard_while_the_events_reader_does_not_read() {
+    let dir = Dir::new("blocked-events");
+    let (data, ids) = prompts(3_000);
+    dir.write("in.jsonl", &data);
+    let fifo = dir.path("events.fifo");
+    assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let args = [
+        "run",
+        "--model",
+        "sim/demo",
+        "--input",
+        "in.jsonl",
+        "--output",
+        "out.jsonl",
+        "--id-field",
+        "key",
+        "--stream",
+        "--events",
+        s(&fifo),
+        "--timeout",
+        "3",
+        "--progress",
+        "never",
+    ];
+    let child = weir().current_dir(&dir.0).args(args).stderr(Stdio::piped()).spawn().unwrap();
+    // A reader that opens the FIFO and never reads: weir fills the pipe and blocks.
+    let reader = std::fs::File::open(&fifo).unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    let pid = child.id().unwrap().to_string();
+    assert!(std::process::Command::new("kill").args(["-INT", &pid]).status().unwrap().success());
+    let started = std::time::Instant::now();
+    let o = tokio::time::timeout(std::time::Duration::from_secs(20), child.wait_with_output())
+        .await
+        .expect("weir ended within the drain time")
+        .unwrap();
+    drop(reader);
+    let err = stderr(&o);
+    assert!(started.elapsed() < std::time::Duration::from_secs(12), "{:?}: {err}", started.elapsed());
+    assert_eq!(o.status.code(), Some(130), "{err}");
+    assert!(err.contains("reader"), "{err}");
+    // Resumed with a reader that reads: every record once.
+    let drain = std::thread::spawn({
+        let fifo = fifo.clone();
+        move || std::io::copy(&mut std::fs::File::open(fifo).unwrap(), &mut std::io::sink())
+    });
+    let o = weir().current_dir(&dir.0).args(args).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    drop(drain);
+    assert_each_id_once(&ids, &rows(&dir.path("out.jsonl")), &rows(&dir.path("out.errors.jsonl")));
+}
+
+/// 18. `--mode auto` says when it runs online at the full price (stdin, --model-field, a
+///     model without jobs), and with `--stream` it runs online instead of refusing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_mode_says_when_it_runs_online() {
+    let server =
+        weir_sim::SimServer::start(weir_sim::SimConfig::default(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let dir = Dir::new("auto-online");
+    let (data, _) = prompts(20);
+    dir.write("in.jsonl", &data);
+    let base = format!("{}/v1", server.url());
+    let common = ["run", "--model", "openai/gpt-4o-mini", "--base-url", &base, "--mode", "auto", "--progress", "never"];
+    // From stdin: not counted, so online.
+    let mut child = weir()
+        .current_dir(&dir.0)
+        .args(common)
+        .args(["--input", "-", "--output", "a.jsonl", "--id-field", "key"])
+        .stdin(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(&data).await.unwrap();
+    drop(stdin);
+    let o = child.wait_with_output().await.unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stderr(&o).contains("--mode auto: a stream of records → online calls"), "{}", stderr(&o));
+    // Several models.
+    let o = weir()
+        .current_dir(&dir.0)
+        .args(common)
+        .args(["--input", "in.jsonl", "--output", "b.jsonl", "--id-field", "key", "--model-field", "m"])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stderr(&o).contains("online calls at the full price: --model-field"), "{}", stderr(&o));
+    // Streamed: online.
+    let o = weir()
+        .current_dir(&dir.0)
+        .args(common)
+        .args(["--input", "in.jsonl", "--output", "c.jsonl", "--id-field", "key", "--stream", "--events", "e.jsonl"])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stderr(&o).contains("--mode auto with --stream: online calls"), "{}", stderr(&o));
+    assert_eq!(rows(&dir.path("c.jsonl")).len(), 20);
+    server.shutdown().await;
+}
