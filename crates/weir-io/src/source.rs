@@ -135,13 +135,58 @@ pub fn follow(path: PathBuf, poll: std::time::Duration) -> impl Stream<Item = io
         partial: Vec<u8>,
         n: u64,
         failed: bool,
+        /// The file's length when its content was last checked: lines ending beyond it are
+        /// new, and the file is checked again before they are taken.
+        verified: u64,
+        /// The start of the first line and the end of the last line read, as read: a file
+        /// truncated and written again within one poll can be longer than before, and only
+        /// its content tells it from one that grew.
+        first: Vec<u8>,
+        last: Vec<u8>,
+    }
+    /// The end of `line`, at most this long, is what is compared.
+    const KEPT: usize = 4096;
+    /// Errs if the bytes where the first and the last line read were are not them any more.
+    fn unchanged(st: &Followed) -> io::Result<u64> {
+        use std::os::unix::fs::FileExt;
+        let file = std::fs::File::open(&st.path)?;
+        let len = file.metadata()?.len();
+        let at = |pos: u64, want: &[u8]| -> io::Result<bool> {
+            let mut got = vec![0u8; want.len()];
+            match file.read_exact_at(&mut got, pos) {
+                Ok(()) => Ok(got == want),
+                Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => Ok(false),
+                Err(e) => Err(e),
+            }
+        };
+        if st.n > 0 && !(at(0, &st.first)? && at(st.offset - st.last.len() as u64, &st.last)?) {
+            let msg = format!(
+                "{} was truncated and written again while it was followed (after line {}); weir follows one file \
+                 that only grows. Start a new run for the new data (another --output, or --fresh)",
+                st.path.display(),
+                st.n
+            );
+            return Err(io::Error::new(io::ErrorKind::InvalidData, msg));
+        }
+        Ok(len)
     }
     async fn identity(path: &Path) -> io::Result<((u64, u64), u64)> {
         use std::os::unix::fs::MetadataExt;
         let m = tokio::fs::metadata(path).await?;
         Ok(((m.dev(), m.ino()), m.len()))
     }
-    let state = Followed { path, reader: None, id: (0, 0), offset: 0, partial: Vec::new(), n: 0, failed: false };
+    let state = Followed {
+        path,
+        reader: None,
+        id: (0, 0),
+        offset: 0,
+        partial: Vec::new(),
+        n: 0,
+        failed: false,
+        verified: 0,
+        first: Vec::new(),
+        last: Vec::new(),
+    };
     futures::stream::unfold(state, move |mut st| async move {
         if st.failed {
             return None;
@@ -156,7 +201,7 @@ pub fn follow(path: PathBuf, poll: std::time::Duration) -> impl Stream<Item = io
                 Err(e) => return fail(st, e),
             };
             match identity(&st.path).await {
-                Ok((id, _)) => st.id = id,
+                Ok((id, len)) => (st.id, st.verified) = (id, len),
                 Err(e) => return fail(st, e),
             }
             st.reader = Some(BufReader::with_capacity(BUFFER, file));
@@ -167,8 +212,19 @@ pub fn follow(path: PathBuf, poll: std::time::Duration) -> impl Stream<Item = io
             match reader.read_until(b'\n', &mut st.partial).await {
                 Err(e) => return fail(st, e),
                 Ok(_) if st.partial.last() == Some(&b'\n') => {
-                    st.offset += st.partial.len() as u64;
+                    let end = st.offset + st.partial.len() as u64;
+                    if end > st.verified {
+                        match unchanged(&st) {
+                            Ok(len) => st.verified = len,
+                            Err(e) => return fail(st, e),
+                        }
+                    }
+                    st.offset = end;
                     st.n += 1;
+                    if st.n == 1 {
+                        st.first = st.partial[..st.partial.len().min(KEPT)].to_vec();
+                    }
+                    st.last = st.partial[st.partial.len().saturating_sub(KEPT)..].to_vec();
                     match record_line(st.n, std::mem::take(&mut st.partial)) {
                         Some(line) => return Some((Ok(line), st)),
                         None => continue,
@@ -289,6 +345,40 @@ mod tests {
             .await
             .expect("in time")
             .is_none());
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    /// Issue #29, item 11: truncated and written again, longer, between two looks (copytruncate,
+    /// or `> file` and quick appends): an error, not lines taken from the old offset.
+    #[tokio::test]
+    async fn a_followed_file_rewritten_longer_within_one_poll_is_an_error() {
+        let path = std::env::temp_dir().join(format!("weir-io-follow-rewrite-{}", std::process::id()));
+        let old: String = (0..3).map(|i| format!("{{\"old\":{i}}}\n")).collect();
+        std::fs::write(&path, &old).unwrap();
+        let mut lines = Box::pin(follow(path.clone(), std::time::Duration::from_millis(200)));
+        for n in 1..=3 {
+            let l = lines.next().await.unwrap().unwrap();
+            assert_eq!(l.line, n);
+        }
+        // Within one poll: the file is replaced in place by more, other lines.
+        let new: String = (0..20).map(|i| format!("{{\"new\":{i}}}\n")).collect();
+        std::fs::write(&path, &new).unwrap();
+        let err = tokio::time::timeout(std::time::Duration::from_secs(5), lines.next())
+            .await
+            .expect("in time")
+            .unwrap()
+            .unwrap_err();
+        assert!(err.to_string().contains("truncated and written again"), "{err}");
+        // Appends alone are taken as before.
+        std::fs::write(&path, &old).unwrap();
+        let mut lines = Box::pin(follow(path.clone(), std::time::Duration::from_millis(5)));
+        for _ in 0..3 {
+            lines.next().await.unwrap().unwrap();
+        }
+        let mut f = std::fs::OpenOptions::new().append(true).open(&path).unwrap();
+        std::io::Write::write_all(&mut f, b"{\"more\":1}\n").unwrap();
+        let l = lines.next().await.unwrap().unwrap();
+        assert_eq!((l.line, l.bytes.as_slice()), (4, &b"{\"more\":1}"[..]));
         std::fs::remove_file(&path).unwrap();
     }
 

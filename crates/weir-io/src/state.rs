@@ -220,6 +220,10 @@ pub fn id_key(id: &RecordId) -> Key {
 pub struct Recovered {
     /// Finished records, by [`finished_key`].
     pub finished: crate::KeySet,
+    /// Finished ids, by [`id_key`]: what `--resume-stream` with `--id-field` goes by, where
+    /// the same records may come in another order. An id's "duplicate id" error row does not
+    /// finish it (the first line with the id may be unfinished).
+    pub finished_ids: crate::KeySet,
     /// Result rows kept.
     pub results: u64,
     /// Error rows kept.
@@ -427,6 +431,9 @@ pub fn recover(results: &Path, errors: &Path, retry_errors: bool) -> io::Result<
     let mut r = Recovered::default();
     r.torn_bytes += scan(results, |_, id, line, _| {
         r.finished.insert(finished_key(id.as_ref(), line));
+        if let Some(id) = &id {
+            r.finished_ids.insert(id_key(id));
+        }
         r.results += 1;
     })?;
     let mut kept = Vec::new();
@@ -439,15 +446,19 @@ pub fn recover(results: &Path, errors: &Path, retry_errors: bool) -> io::Result<
             requeued += 1;
         } else {
             kept.extend_from_slice(bytes);
-            finished.push((id, line));
+            let duplicate = kind == "invalid_input" && bytes.windows(14).any(|w| w == b"duplicate id '");
+            finished.push((id, line, duplicate));
         }
     })?;
     r.torn_bytes += torn;
     if requeued > 0 {
         write_atomic(errors, &kept)?;
     }
-    for (id, line) in finished {
+    for (id, line, duplicate) in finished {
         r.finished.insert(finished_key(id.as_ref(), line));
+        if let (Some(id), false) = (&id, duplicate) {
+            r.finished_ids.insert(id_key(id));
+        }
         r.errors += 1;
     }
     r.requeued = requeued;

@@ -880,6 +880,10 @@ pub async fn run(
     let spec = settings.records.clone();
     let check_duplicates = spec.id_field.is_some();
     let finished = std::mem::take(&mut recovered.finished);
+    // Fed again with --resume-stream, the same records may come in another order or with
+    // others between them: with --id-field, the id alone says a record is finished.
+    let finished_ids = std::mem::take(&mut recovered.finished_ids);
+    let by_id = settings.resume_stream && settings.records.id_field.is_some();
     // Ids are registered in input order, finished lines included, so "an earlier line has it"
     // is true of the input whatever order the rows were written in (a first occurrence that an
     // interruption left unfinished is still the first).
@@ -922,7 +926,9 @@ pub async fn run(
                     .then_some(Work::Done(failure)),
                 Ok(record) => {
                     let first = !check_duplicates || seen.insert(id_key(&record.id));
-                    if finished.contains(&finished_key(Some(&record.id), record.line)) {
+                    if finished.contains(&finished_key(Some(&record.id), record.line))
+                        || (by_id && finished_ids.contains(&id_key(&record.id)))
+                    {
                         None
                     } else if !first {
                         let msg =

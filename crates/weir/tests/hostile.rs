@@ -436,3 +436,48 @@ async fn auto_mode_says_when_it_runs_online() {
     assert_eq!(rows(&dir.path("c.jsonl")).len(), 20);
     server.shutdown().await;
 }
+
+/// 10. `--resume-stream` with `--id-field`: the id is the identity. The same records fed again
+///     after one new record (or in another order) are not run or written again; they used to
+///     be, every one of them, keyed on id and line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resume_stream_knows_finished_ids_in_any_order() {
+    let server =
+        weir_sim::SimServer::start(weir_sim::SimConfig::default(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let dir = Dir::new("resume-stream-ids");
+    let (data, mut ids) = prompts(100);
+    let url = server.url();
+    let feed = |bytes: Vec<u8>| {
+        let dir = &dir.0;
+        let url = url.clone();
+        async move {
+            let mut child = weir()
+                .current_dir(dir)
+                .args(["run", "--model", "gemini/m", "--base-url", &url, "--input", "-", "--output", "out.jsonl"])
+                .args(["--id-field", "key", "--progress", "never", "--no-cache", "--resume-stream"])
+                .stdin(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap();
+            let mut stdin = child.stdin.take().unwrap();
+            stdin.write_all(&bytes).await.unwrap();
+            drop(stdin);
+            child.wait_with_output().await.unwrap()
+        }
+    };
+    let o = feed(data.clone()).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(server.stats().requests, 100);
+    // One new record first, then the same hundred in reverse order.
+    let mut again = b"{\"key\": \"new\", \"prompt\": \"one more\"}\n".to_vec();
+    for line in data.split(|b| *b == b'\n').filter(|l| !l.is_empty()).rev() {
+        again.extend_from_slice(line);
+        again.push(b'\n');
+    }
+    let o = feed(again).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(server.stats().requests, 101, "only the new record is paid for: {}", stderr(&o));
+    ids.push("new".into());
+    assert_each_id_once(&ids, &rows(&dir.path("out.jsonl")), &rows(&dir.path("out.errors.jsonl")));
+    server.shutdown().await;
+}
