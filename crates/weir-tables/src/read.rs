@@ -53,6 +53,8 @@ pub struct TableInput {
     store: Arc<dyn ObjectStore>,
     /// CSV inputs: the columns' types, inferred from every file.
     csv_schema: Option<SchemaRef>,
+    /// CSV inputs: the byte between fields (`,` unless told).
+    delimiter: u8,
 }
 
 fn has_glob(s: &str) -> bool {
@@ -68,8 +70,14 @@ impl TableInput {
     /// prefix (every file in it with a table extension, or of `format` when given, recursively;
     /// names starting with `.` or `_` are skipped, as Spark's `_SUCCESS` files are).
     /// `text` names columns a CSV input keeps as text whatever they look like (the id field:
-    /// `007` and `7` are different ids).
-    pub async fn open(spec: &str, format: Option<Format>, text: &[String], env: Env<'_>) -> Result<Self, TableError> {
+    /// `007` and `7` are different ids). `delimiter` separates a CSV input's fields.
+    pub async fn open(
+        spec: &str,
+        format: Option<Format>,
+        text: &[String],
+        delimiter: u8,
+        env: Env<'_>,
+    ) -> Result<Self, TableError> {
         let location = Location::parse(spec)?;
         let store = location.store(env)?;
         let mut files = Vec::new();
@@ -143,7 +151,7 @@ impl TableInput {
                 first
             }
         };
-        let mut input = Self { location, files, format, store, csv_schema: None };
+        let mut input = Self { location, files, format, store, csv_schema: None, delimiter };
         if format == Format::Csv {
             input.csv_schema = Some(input.infer_csv(text).await?);
         }
@@ -255,19 +263,48 @@ impl TableInput {
 
     async fn infer_csv(&self, text: &[String]) -> Result<SchemaRef, TableError> {
         let mut schemas = Vec::new();
+        let delimiter = self.delimiter;
         for f in &self.files {
             let url = self.location.url_of(&f.path);
+            let head = self.head_bytes(f).await.map_err(|e| read_err(&url, e))?;
+            if head.starts_with(&[0xFF, 0xFE]) || head.starts_with(&[0xFE, 0xFF]) {
+                return Err(TableError::Usage(format!(
+                    "--input {url}: is UTF-16 text (its byte-order mark says so); weir reads UTF-8. Save it as UTF-8 \
+                     (in Excel: CSV UTF-8), or convert it: iconv -f UTF-16 -t UTF-8"
+                )));
+            }
             let reader = self.sync_reader(f).await.map_err(|e| read_err(&url, e))?;
-            let schema = tokio::task::spawn_blocking(move || {
+            let inferred = tokio::task::spawn_blocking(move || {
                 arrow_csv::reader::Format::default()
                     .with_header(true)
                     .with_truncated_rows(true)
+                    .with_delimiter(delimiter)
                     .infer_schema(reader, None)
             })
             .await
-            .map_err(|e| read_err(&url, e))?
-            .map_err(|e| read_err(&url, e))?
-            .0;
+            .map_err(|e| read_err(&url, e))?;
+            let schema = match inferred {
+                Ok((schema, _)) => schema,
+                // A byte that is not UTF-8 somewhere: the columns are named by the header and
+                // read as text; the records with such bytes become error rows as they are read.
+                Err(e) if e.to_string().to_ascii_lowercase().contains("utf") => header_as_text(&head, delimiter)
+                    .ok_or_else(|| read_err(&url, format!("{e}; the header line itself is not UTF-8")))?,
+                Err(e) => return Err(read_err(&url, e)),
+            };
+            if let [only] = schema.fields().iter().collect::<Vec<_>>()[..] {
+                if let Some(sep) =
+                    [b';', b'\t', b'|'].into_iter().find(|&b| b != delimiter && only.name().as_bytes().contains(&b))
+                {
+                    let shown = if sep == b'\t' { "tab".to_string() } else { (sep as char).to_string() };
+                    let flag = if sep == b'\t' { "'\\t'".to_string() } else { format!("'{}'", sep as char) };
+                    return Err(TableError::Usage(format!(
+                        "--input {url}: the header is one column ('{}'); its fields seem separated by {shown}, not \
+                         '{}'. Pass --csv-delimiter {flag}",
+                        only.name(),
+                        delimiter as char
+                    )));
+                }
+            }
             let mut names = std::collections::HashSet::new();
             if let Some(dup) = schema.fields().iter().find(|f| !names.insert(f.name().clone())) {
                 return Err(TableError::Usage(format!(
@@ -298,6 +335,15 @@ impl TableInput {
         Ok(Arc::new(Schema::new(fields)))
     }
 
+    /// The first 64 KiB of a file (or all of a smaller one).
+    async fn head_bytes(&self, f: &InputFile) -> io::Result<Vec<u8>> {
+        let end = f.size.min(64 << 10);
+        if end == 0 {
+            return Ok(Vec::new());
+        }
+        Ok(self.store.get_range(&f.path, 0..end).await.map_err(io::Error::other)?.to_vec())
+    }
+
     /// A blocking reader over a file's bytes (for the CSV parser), to be used off the runtime.
     async fn sync_reader(&self, f: &InputFile) -> io::Result<Box<dyn io::Read + Send>> {
         let stream = self.store.get(&f.path).await.map_err(io::Error::other)?.into_stream().map_err(io::Error::other);
@@ -312,6 +358,7 @@ impl TableInput {
         let location = self.location.clone();
         let format = self.format;
         let csv_schema = self.csv_schema.clone();
+        let delimiter = self.delimiter;
         futures::stream::iter(self.files.clone())
             .then(move |f| {
                 let (store, location, last, csv_schema) =
@@ -321,7 +368,9 @@ impl TableInput {
                     let url = location.url_of(&f.path);
                     let lines: BoxStream<'static, io::Result<RawLine>> = match format {
                         Format::Jsonl => jsonl_lines(store, f).await,
-                        Format::Csv => csv_lines(store, f, url, csv_schema.expect("inferred when opened")).await,
+                        Format::Csv => {
+                            csv_lines(store, f, url, csv_schema.expect("inferred when opened"), delimiter).await
+                        }
                         Format::Parquet => parquet_lines(store, f, url).await,
                     };
                     lines
@@ -417,6 +466,15 @@ fn plain(schema: &Schema) -> Schema {
     )
 }
 
+/// The columns a CSV header names, all as text; `None` if its first line is not UTF-8 or the
+/// file holds no whole first line in `head`.
+fn header_as_text(head: &[u8], delimiter: u8) -> Option<Schema> {
+    let head = head.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(head);
+    let mut csv = csv::ReaderBuilder::new().has_headers(true).delimiter(delimiter).from_reader(head);
+    let names = csv.headers().ok()?.clone();
+    Some(Schema::new(names.iter().map(|n| arrow_schema::Field::new(n, DataType::Utf8, true)).collect::<Vec<_>>()))
+}
+
 /// One schema for several files: equal columns, or the error that says which differ.
 fn merge(schemas: Vec<Schema>, what: &str) -> Result<SchemaRef, TableError> {
     Schema::try_merge(schemas)
@@ -446,17 +504,41 @@ async fn csv_lines(
     f: InputFile,
     url: String,
     schema: SchemaRef,
+    delimiter: u8,
 ) -> BoxStream<'static, io::Result<RawLine>> {
     let got = match store.get(&f.path).await {
         Ok(g) => g,
         Err(e) => return one_error(io::Error::other(e)),
     };
-    let reader = tokio_util::io::SyncIoBridge::new(tokio_util::io::StreamReader::new(
-        got.into_stream().map_err(io::Error::other),
-    ));
+    let newlines = Arc::new(std::sync::Mutex::new(std::collections::VecDeque::<(u64, u64, u64)>::new()));
+    let reader = Newlines {
+        inner: tokio_util::io::SyncIoBridge::new(tokio_util::io::StreamReader::new(
+            got.into_stream().map_err(io::Error::other),
+        )),
+        at: 0,
+        seen: newlines.clone(),
+    };
+    // The physical line a record starts on: one more than the newlines before its first byte
+    // (the CSV parser's own count is one short for CRLF files, so an Excel copy of a file and
+    // a Unix copy would number, and so identify, their records differently).
+    let mut before = 0u64;
+    let mut line_at = move |byte: u64| {
+        let mut seen = newlines.lock().unwrap_or_else(|e| e.into_inner());
+        // Every run of line breaks that starts at or before the record's start: the parser may
+        // put that start inside the run (at the `\n` of a CRLF, or in blank lines before it).
+        while let Some(&(start, _, count)) = seen.front() {
+            if start > byte {
+                break;
+            }
+            seen.pop_front();
+            before += count;
+        }
+        before + 1
+    };
     let (tx, rx) = tokio::sync::mpsc::channel::<io::Result<Vec<RawLine>>>(4);
     tokio::task::spawn_blocking(move || {
-        let mut csv = csv::ReaderBuilder::new().has_headers(true).flexible(true).from_reader(reader);
+        let mut csv =
+            csv::ReaderBuilder::new().has_headers(true).flexible(true).delimiter(delimiter).from_reader(reader);
         let headers = match csv.headers() {
             Ok(h) => h.clone(),
             Err(e) => {
@@ -470,11 +552,11 @@ async fn csv_lines(
             let item = match csv.read_record(&mut record) {
                 Ok(false) => break,
                 Ok(true) => {
-                    let line = record.position().map(|p| p.line()).unwrap_or(0);
+                    let line = record.position().map_or(0, |p| line_at(p.byte()));
                     csv_row(&headers, &record, &schema, line, &url)
                 }
                 Err(e) => {
-                    let line = e.position().map(|p| p.line()).unwrap_or(0);
+                    let line = e.position().map_or(0, |p| line_at(p.byte()));
                     match e.kind() {
                         // Bad UTF-8 in one record: that record is an error row, the rest go on.
                         csv::ErrorKind::Utf8 { .. } => RawLine {
@@ -499,6 +581,37 @@ async fn csv_lines(
         }
     });
     tokio_stream_of(rx)
+}
+
+/// A reader that notes the runs of line breaks (`\r` and `\n` bytes) it passes on — where each
+/// starts and ends and how many newlines it holds — for the CSV reader's line numbers.
+struct Newlines<R> {
+    inner: R,
+    at: u64,
+    seen: Arc<std::sync::Mutex<std::collections::VecDeque<(u64, u64, u64)>>>,
+}
+
+impl<R: io::Read> io::Read for Newlines<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        for (i, b) in buf[..n].iter().enumerate() {
+            if !matches!(b, b'\r' | b'\n') {
+                continue;
+            }
+            let at = self.at + i as u64;
+            let newline = u64::from(*b == b'\n');
+            match seen.back_mut() {
+                Some(run) if run.1 == at => {
+                    run.1 += 1;
+                    run.2 += newline;
+                }
+                _ => seen.push_back((at, at + 1, newline)),
+            }
+        }
+        self.at += n as u64;
+        Ok(n)
+    }
 }
 
 fn tokio_stream_of(

@@ -42,6 +42,8 @@ pub struct TableIn {
     pub spec: String,
     /// The format, when given (else from the names).
     pub format: Option<weir_tables::Format>,
+    /// A CSV input's field separator.
+    pub csv_delimiter: u8,
 }
 
 /// Tables to write results and errors to, as parts committed with a journal.
@@ -519,9 +521,10 @@ pub async fn run(
     // JSONL file or stdin directly.
     let table_input = match &settings.table_input {
         Some(t) => {
-            let mut input = weir_tables::TableInput::open(&t.spec, t.format, &text_columns(&settings), env)
-                .await
-                .map_err(table_error)?;
+            let mut input =
+                weir_tables::TableInput::open(&t.spec, t.format, &text_columns(&settings), t.csv_delimiter, env)
+                    .await
+                    .map_err(table_error)?;
             // A directory or glob may hold this run's own outputs and state (`--input data/
             // --output data/results.jsonl`): they are never read as input, or a resumed run
             // would read its own results.
@@ -1364,9 +1367,15 @@ fn table_task(settings: &RunSettings) -> weir_tables::Task {
     }
 }
 
-/// Columns a CSV input keeps as text: the id field (`007` and `7` are different ids).
+/// Columns a CSV input keeps as text: the id field (`007` and `7` are different ids), and the
+/// prompt and system fields (a prompt column whose values look like numbers is still text,
+/// sent as written).
 fn text_columns(settings: &RunSettings) -> Vec<String> {
-    settings.records.id_field.iter().cloned().collect()
+    let prompt = match &settings.records.prompt {
+        weir_core::record::PromptSource::Field(f) => Some(f.clone()),
+        weir_core::record::PromptSource::Template(_) => None,
+    };
+    settings.records.id_field.iter().cloned().chain(prompt).chain(settings.records.system_field.clone()).collect()
 }
 
 /// Why a run over a stream does not resume an earlier run's output on its own.
@@ -1460,7 +1469,7 @@ async fn table_columns(
     }
     let schema = match (table, input_file) {
         (Some(t), _) => t.schema().await.map_err(table_error)?,
-        (None, Some(p)) => weir_tables::TableInput::open(&p.to_string_lossy(), Some(Format::Jsonl), &[], env)
+        (None, Some(p)) => weir_tables::TableInput::open(&p.to_string_lossy(), Some(Format::Jsonl), &[], b',', env)
             .await
             .map_err(table_error)?
             .schema()

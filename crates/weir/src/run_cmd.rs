@@ -115,6 +115,10 @@ pub struct RunArgs {
     /// field is always kept.
     #[arg(long, value_name = "A,B", value_delimiter = ',')]
     keep_columns: Option<Vec<String>>,
+    /// CSV inputs: the character between fields (`;` for many European spreadsheets, `\t` for
+    /// a tab).
+    #[arg(long, value_name = "CHAR", default_value = ",")]
+    csv_delimiter: String,
     /// Table outputs: a part is completed once it holds about this many MiB.
     #[arg(long, value_name = "MIB", default_value_t = 128)]
     part_mib: u64,
@@ -595,6 +599,16 @@ impl RunArgs {
             f.as_deref().map(|f| f.parse::<Format>().map_err(|e| UsageError(format!("{flag}: {e}")))).transpose()
         };
         let input_format = parse("--input-format", &self.input_format)?;
+        let csv_delimiter = match self.csv_delimiter.as_str() {
+            "\\t" | "tab" | "\t" => b'\t',
+            d if d.len() == 1 && d.is_ascii() && !matches!(d, "\"" | "\n" | "\r") => d.as_bytes()[0],
+            d => {
+                return Err(UsageError(format!(
+                    "--csv-delimiter '{d}': must be one ASCII character other than a quote or a newline, or '\\t' \
+                     for a tab"
+                )))
+            }
+        };
         let output_format = parse("--output-format", &self.output_format)?;
         let remote = |s: &str| s.starts_with("s3://") || s.starts_with("gs://");
         let globbed = |s: &str| s.contains(['*', '?', '[']) && !std::path::Path::new(s).exists();
@@ -614,7 +628,7 @@ impl RunArgs {
                     "--follow {path}: weir follows a local JSONL file as it grows; read a table with --input"
                 )));
             }
-            Some(TableIn { spec: self.input().to_string(), format: input_format })
+            Some(TableIn { spec: self.input().to_string(), format: input_format, csv_delimiter })
         } else {
             None
         };

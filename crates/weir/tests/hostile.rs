@@ -481,3 +481,60 @@ async fn resume_stream_knows_finished_ids_in_any_order() {
     assert_each_id_once(&ids, &rows(&dir.path("out.jsonl")), &rows(&dir.path("out.errors.jsonl")));
     server.shutdown().await;
 }
+
+/// 7. CSV inputs as they come from spreadsheets: a byte that is not UTF-8 is one error row (it
+///    used to refuse the whole file), UTF-16 and `;`-separated files are refused with what to
+///    do (`--csv-delimiter`), prompts that look like numbers are sent as written, and a CRLF
+///    copy of a file numbers (and so identifies) its records as the LF copy does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn csv_files_from_spreadsheets() {
+    let dir = Dir::new("csv-edges");
+    let run = |input: &str, output: &str, extra: &[&str]| {
+        let mut c = weir();
+        c.current_dir(&dir.0)
+            .args(["run", "--model", "sim/demo", "--input", input, "--output", output, "--progress", "never"])
+            .args(extra);
+        c
+    };
+    dir.write("bad.csv", b"id,prompt\n1,hello\n2,caf\xe9\n3,bye\n");
+    let o = run("bad.csv", "bad.jsonl", &[]).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let errors = rows(&dir.path("bad.errors.jsonl"));
+    assert_eq!((rows(&dir.path("bad.jsonl")).len(), errors.len()), (2, 1));
+    assert!(errors[0]["message"].as_str().unwrap().contains("line 3: not valid UTF-8"), "{errors:?}");
+
+    dir.write("semi.csv", b"id;prompt\n1;hello\n2;bye\n");
+    let o = run("semi.csv", "semi.jsonl", &[]).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("--csv-delimiter ';'"), "{}", stderr(&o));
+    let o = run("semi.csv", "semi.jsonl", &["--csv-delimiter", ";", "--id-field", "id"]).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(rows(&dir.path("semi.jsonl")).len(), 2);
+
+    let mut utf16 = vec![0xFF, 0xFE];
+    utf16.extend("prompt\nhello\n".encode_utf16().flat_map(u16::to_le_bytes));
+    dir.write("u16.csv", &utf16);
+    let o = run("u16.csv", "u16.jsonl", &[]).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("UTF-16") && stderr(&o).contains("UTF-8"), "{}", stderr(&o));
+
+    dir.write("num.csv", b"id,prompt\n1,123\n2,4.5\n");
+    let o = run("num.csv", "num.jsonl", &["--id-field", "id"]).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let got = rows(&dir.path("num.jsonl"));
+    assert!(got.iter().any(|r| r["input"]["prompt"] == "4.5"), "{got:?}");
+
+    dir.write("lf.csv", b"prompt,x\n\nhello,1\n\"two\nlines\",5\nbye,2\n");
+    dir.write("crlf.csv", b"prompt,x\r\n\r\nhello,1\r\n\"two\r\nlines\",5\r\nbye,2\r\n");
+    let mut lines = Vec::new();
+    for name in ["lf", "crlf"] {
+        let o = run(&format!("{name}.csv"), &format!("{name}.jsonl"), &[]).output().await.unwrap();
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        let mut ids: Vec<String> =
+            rows(&dir.path(&format!("{name}.jsonl"))).iter().map(|r| r["id"].to_string()).collect();
+        ids.sort();
+        lines.push(ids);
+    }
+    assert_eq!(lines[0], ["\"3\"", "\"4\"", "\"6\""], "physical lines of the LF file");
+    assert_eq!(lines[0], lines[1], "the CRLF copy numbers its records as the LF copy does");
+}
