@@ -511,12 +511,14 @@ async fn csv_lines(
         Err(e) => return one_error(io::Error::other(e)),
     };
     let newlines = Arc::new(std::sync::Mutex::new(std::collections::VecDeque::<(u64, u64, u64)>::new()));
+    let last_byte = Arc::new(std::sync::atomic::AtomicU8::new(0));
     let reader = Newlines {
         inner: tokio_util::io::SyncIoBridge::new(tokio_util::io::StreamReader::new(
             got.into_stream().map_err(io::Error::other),
         )),
         at: 0,
         seen: newlines.clone(),
+        last: last_byte.clone(),
     };
     // The physical line a record starts on: one more than the newlines before its first byte
     // (the CSV parser's own count is one short for CRLF files, so an Excel copy of a file and
@@ -546,13 +548,17 @@ async fn csv_lines(
                 return;
             }
         };
-        let mut chunk = Vec::with_capacity(CSV_CHUNK);
+        let mut chunk = Vec::with_capacity(CSV_CHUNK + 1);
         let mut record = csv::StringRecord::new();
+        // Whether the last record's last field spans lines: with a file that does not end in a
+        // quote, that field's quote was never closed and swallowed the rest of the file.
+        let mut spans_lines = false;
         loop {
             let item = match csv.read_record(&mut record) {
                 Ok(false) => break,
                 Ok(true) => {
                     let line = record.position().map_or(0, |p| line_at(p.byte()));
+                    spans_lines = record.iter().last().is_some_and(|f| f.contains('\n'));
                     csv_row(&headers, &record, &schema, line, &url)
                 }
                 Err(e) => {
@@ -572,8 +578,22 @@ async fn csv_lines(
                 }
             };
             chunk.push(item);
-            if chunk.len() == CSV_CHUNK && tx.blocking_send(Ok(std::mem::take(&mut chunk))).is_err() {
-                return;
+            // The last record is held back until the end is known (see `spans_lines`).
+            if chunk.len() > CSV_CHUNK {
+                let last = chunk.pop().expect("full");
+                if tx.blocking_send(Ok(std::mem::replace(&mut chunk, vec![last]))).is_err() {
+                    return;
+                }
+            }
+        }
+        if spans_lines && last_byte.load(Ordering::Relaxed) != b'"' {
+            if let Some(last) = chunk.last_mut() {
+                last.malformed = Some(format!(
+                    "{url} line {}: a quote opened on this line is never closed, so the rest of the file (from line \
+                     {} on) was read as one value; close the quote (or double it: \"\") and run again",
+                    last.line,
+                    last.line + 1
+                ));
             }
         }
         if !chunk.is_empty() {
@@ -589,12 +609,17 @@ struct Newlines<R> {
     inner: R,
     at: u64,
     seen: Arc<std::sync::Mutex<std::collections::VecDeque<(u64, u64, u64)>>>,
+    /// The last byte read that is not a line break.
+    last: Arc<std::sync::atomic::AtomicU8>,
 }
 
 impl<R: io::Read> io::Read for Newlines<R> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         let n = self.inner.read(buf)?;
         let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(b) = buf[..n].iter().rev().find(|b| !matches!(b, b'\r' | b'\n')) {
+            self.last.store(*b, Ordering::Relaxed);
+        }
         for (i, b) in buf[..n].iter().enumerate() {
             if !matches!(b, b'\r' | b'\n') {
                 continue;

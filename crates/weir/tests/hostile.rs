@@ -524,6 +524,16 @@ async fn csv_files_from_spreadsheets() {
     let got = rows(&dir.path("num.jsonl"));
     assert!(got.iter().any(|r| r["input"]["prompt"] == "4.5"), "{got:?}");
 
+    // An unterminated quote in the last column swallowed the rest of the file in silence.
+    dir.write("quote.csv", b"prompt,x\nhello,1\noops,\"2\nbye,3\nlast,4\n");
+    let o = run("quote.csv", "quote.jsonl", &[]).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let errors = rows(&dir.path("quote.errors.jsonl"));
+    assert!(
+        errors[0]["message"].as_str().unwrap().contains("line 3: a quote opened on this line is never closed"),
+        "{errors:?}"
+    );
+
     dir.write("lf.csv", b"prompt,x\n\nhello,1\n\"two\nlines\",5\nbye,2\n");
     dir.write("crlf.csv", b"prompt,x\r\n\r\nhello,1\r\n\"two\r\nlines\",5\r\nbye,2\r\n");
     let mut lines = Vec::new();
