@@ -558,7 +558,7 @@ async fn csv_lines(
                 Ok(false) => break,
                 Ok(true) => {
                     let line = record.position().map_or(0, |p| line_at(p.byte()));
-                    spans_lines = record.iter().last().is_some_and(|f| f.contains('\n'));
+                    spans_lines = record.iter().next_back().is_some_and(|f| f.contains('\n'));
                     csv_row(&headers, &record, &schema, line, &url)
                 }
                 Err(e) => {
