@@ -149,6 +149,22 @@ async fn waiting_notice(cluster: Option<&str>) {
     std::future::pending::<()>().await
 }
 
+/// DataFusion computes async functions (weir's calls) only in a projection or a filter; in a
+/// window function or an ORDER BY it fails with an internal error that asks for a bug report,
+/// before any call is made. Said as what to change instead (a usage error, exit 2).
+fn where_calls_cannot_go(e: DataFusionError) -> DataFusionError {
+    if e.to_string().contains("async functions should not be called directly") {
+        DataFusionError::Plan(
+            "llm_generate and llm_embed cannot be computed inside a window function (OVER …), an ORDER BY or a \
+             join condition; compute the call in a subquery or a WITH clause and use its column there, e.g. WITH a \
+             AS (SELECT *, llm_generate(…) AS answer FROM t) SELECT … FROM a ORDER BY answer (no model was called)"
+                .into(),
+        )
+    } else {
+        e
+    }
+}
+
 /// True for errors in the query or its inputs (exit status 2), not in running it.
 fn is_usage(e: &DataFusionError) -> bool {
     // A cluster wraps the executor's planning error in layers find_root does not open.
@@ -277,7 +293,7 @@ async fn run_statements(
     for (i, statement) in statements.into_iter().enumerate() {
         // With several statements, an error says which one (those before it have run).
         let which = |e: DataFusionError| if many { e.context(format!("statement {}", i + 1)) } else { e };
-        run_statement(ctx, statement, format, cluster).await.map_err(which)?;
+        run_statement(ctx, statement, format, cluster).await.map_err(where_calls_cannot_go).map_err(which)?;
     }
     Ok(())
 }

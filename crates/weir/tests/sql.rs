@@ -275,3 +275,25 @@ for k, a in zip(t.column("key").to_pylist(), t.column("answer").to_pylist()):
     expected.sort();
     assert_eq!(seen, expected);
 }
+
+/// Issue #29, item 23: a call inside a window function or an ORDER BY is a usage error that
+/// says how to write it (it was DataFusion's "internal error … file a bug"), before any call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_where_datafusion_cannot_compute_it_says_how_to_write_it() {
+    let dir = Dir::new("sql-async-places");
+    let (data, _) = prompts(5);
+    dir.write("t.jsonl", &data);
+    for sql in [
+        "SELECT key, row_number() OVER (PARTITION BY llm_generate('sim/demo', prompt)) AS n FROM t",
+        "SELECT key FROM t ORDER BY llm_generate('sim/demo', prompt)",
+    ] {
+        let out = weir().current_dir(&dir.0).args(["sql", "--table", "t=t.jsonl", sql]).output().await.unwrap();
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(2), "{sql}: {err}");
+        assert!(err.contains("compute the call in a subquery or a WITH clause"), "{sql}: {err}");
+    }
+    let with =
+        "WITH a AS (SELECT *, llm_generate('sim/demo', prompt) AS answer FROM t) SELECT key FROM a ORDER BY answer";
+    let out = weir().current_dir(&dir.0).args(["sql", "--table", "t=t.jsonl", with]).output().await.unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+}
