@@ -775,9 +775,6 @@ pub async fn run(
         }
     };
     let on_sync: Option<Box<dyn Fn() + Send + Sync>> = cache.clone().map(|c| Box::new(move || c.checkpoint()) as _);
-    if let Some(l) = table_lock.as_mut() {
-        l.started = true;
-    }
     // A table's rows are not lines of a file: its events get a writer thread of their own.
     let mut events_writer = None;
     let writer = match &tables_out {
@@ -832,6 +829,11 @@ pub async fn run(
                 .map_err(|e| RunError::Fatal(format!("cannot start the table writer: {e}")))?
         }
     };
+    // From here on the run writes: a table directory it made stays. (A usage error found
+    // while setting up the writer, such as a --keep-columns the input lacks, leaves nothing.)
+    if let Some(l) = table_lock.as_mut() {
+        l.started = true;
+    }
     let events = match (&settings.stream, &events_writer) {
         (None, _) => None,
         (Some(_), Some(w)) => w.events(),

@@ -548,3 +548,24 @@ async fn csv_files_from_spreadsheets() {
     assert_eq!(lines[0], ["\"3\"", "\"4\"", "\"6\""], "physical lines of the LF file");
     assert_eq!(lines[0], lines[1], "the CRLF copy numbers its records as the LF copy does");
 }
+
+/// 13. A usage error found while a table output is being set up (a `--keep-columns` the input
+///     lacks) writes nothing: the table's directory and lock file it made are gone again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_table_run_leaves_no_directory() {
+    let dir = Dir::new("refused-table");
+    let (data, _) = prompts(5);
+    dir.write("in.jsonl", &data);
+    for output in ["out.parquet", "out.csv"] {
+        let o = weir()
+            .current_dir(&dir.0)
+            .args(["run", "--model", "sim/demo", "--input", "in.jsonl", "--output", output])
+            .args(["--keep-columns", "nosuch", "--progress", "never"])
+            .output()
+            .await
+            .unwrap();
+        assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+        assert!(stderr(&o).contains("no column 'nosuch'"), "{}", stderr(&o));
+        assert!(!dir.path(output).exists(), "{output} was left behind");
+    }
+}
