@@ -453,6 +453,8 @@ fn plain(schema: &Schema) -> Schema {
     fn ty(t: &DataType) -> DataType {
         match t {
             DataType::Dictionary(_, values) => ty(values),
+            // Rows carry bytes as text (see `bytes_value`).
+            t if is_binary(t) => DataType::Utf8,
             DataType::List(f) => DataType::List(Arc::new(field(f))),
             DataType::LargeList(f) => DataType::LargeList(Arc::new(field(f))),
             DataType::FixedSizeList(f, n) => DataType::FixedSizeList(Arc::new(field(f)), *n),
@@ -808,8 +810,54 @@ fn row_group_lines(
     .boxed()
 }
 
+/// True for the column types that hold bytes (Parquet `BYTE_ARRAY` without the UTF-8 mark).
+fn is_binary(t: &DataType) -> bool {
+    matches!(t, DataType::Binary | DataType::LargeBinary | DataType::BinaryView | DataType::FixedSizeBinary(_))
+}
+
+/// Bytes as JSON: text when they are UTF-8 (a prompt stored as bytes is still the prompt, not
+/// its hex); else `{"base64": …}`, which keeps them and is no string, so a prompt of such bytes
+/// is that record's error, found before any call.
+fn bytes_value(hex: &str) -> serde_json::Value {
+    use base64::Engine;
+    let bytes: Option<Vec<u8>> =
+        (0..hex.len()).step_by(2).map(|i| hex.get(i..i + 2).and_then(|h| u8::from_str_radix(h, 16).ok())).collect();
+    match bytes.map(String::from_utf8) {
+        Some(Ok(text)) => serde_json::Value::String(text),
+        Some(Err(e)) => {
+            serde_json::json!({ "base64": base64::engine::general_purpose::STANDARD.encode(e.into_bytes()) })
+        }
+        None => serde_json::Value::String(hex.to_string()),
+    }
+}
+
 /// A batch of rows as JSON-object lines numbered from `first + 1`.
 pub(crate) fn batch_lines(batch: &RecordBatch, first: u64) -> Result<Vec<RawLine>, arrow_schema::ArrowError> {
+    let binary: Vec<String> =
+        batch.schema().fields().iter().filter(|f| is_binary(f.data_type())).map(|f| f.name().clone()).collect();
+    let lines = json_lines(batch, first)?;
+    if binary.is_empty() {
+        return Ok(lines);
+    }
+    // The JSON writer gives bytes as hex: put them back as text (or base64).
+    Ok(lines
+        .into_iter()
+        .map(|mut l| {
+            if let Ok(serde_json::Value::Object(mut row)) = serde_json::from_slice::<serde_json::Value>(&l.bytes) {
+                for name in &binary {
+                    if let Some(serde_json::Value::String(hex)) = row.get(name) {
+                        let v = bytes_value(hex);
+                        row.insert(name.clone(), v);
+                    }
+                }
+                l.bytes = serde_json::to_vec(&row).unwrap_or(l.bytes);
+            }
+            l
+        })
+        .collect())
+}
+
+fn json_lines(batch: &RecordBatch, first: u64) -> Result<Vec<RawLine>, arrow_schema::ArrowError> {
     let mut w = arrow_json::WriterBuilder::new()
         .with_explicit_nulls(true)
         .build::<_, arrow_json::writer::LineDelimited>(Vec::new());

@@ -569,3 +569,43 @@ async fn a_refused_table_run_leaves_no_directory() {
         assert!(!dir.path(output).exists(), "{output} was left behind");
     }
 }
+
+/// 5. A Parquet prompt column of bytes (`BYTE_ARRAY` without the UTF-8 mark): UTF-8 bytes are
+///    the prompt as text (they were sent as hex, and paid for); other bytes are that record's
+///    error, before any call, and are kept (as base64) in its error row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_binary_prompt_column_is_text_or_the_records_error() {
+    if peer("WEIR_PYTHON").is_none() {
+        return;
+    }
+    let dir = Dir::new("binary-prompt");
+    let input = dir.path("in.parquet");
+    python(
+        r#"
+import sys, pyarrow as pa, pyarrow.parquet as pq
+pq.write_table(pa.table({"key": ["a", "b", "c"],
+    "prompt": pa.array([b"hello", b"caf\xc3\xa9", b"\xff\xfe bad"], pa.binary())}), sys.argv[1])
+"#,
+        &[s(&input)],
+    );
+    let server =
+        weir_sim::SimServer::start(weir_sim::SimConfig::default(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let url = server.url();
+    let o = weir()
+        .current_dir(&dir.0)
+        .args(["run", "--model", "gemini/m", "--base-url", &url, "--input", s(&input), "--output", "out.jsonl"])
+        .args(["--id-field", "key", "--progress", "never"])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let got = rows(&dir.path("out.jsonl"));
+    let prompts: Vec<&str> = got.iter().map(|r| r["input"]["prompt"].as_str().unwrap()).collect();
+    assert!(prompts.contains(&"hello") && prompts.contains(&"café"), "{prompts:?}");
+    let errors = rows(&dir.path("out.errors.jsonl"));
+    assert_eq!(errors.len(), 1);
+    assert_eq!((errors[0]["id"].as_str(), errors[0]["kind"].as_str()), (Some("c"), Some("invalid_input")));
+    assert_eq!(errors[0]["input"]["prompt"]["base64"], "//4gYmFk");
+    assert_eq!(server.stats().requests, 2, "no call for the bytes that are not text");
+    server.shutdown().await;
+}
