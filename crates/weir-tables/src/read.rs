@@ -453,8 +453,12 @@ fn plain(schema: &Schema) -> Schema {
     fn ty(t: &DataType) -> DataType {
         match t {
             DataType::Dictionary(_, values) => ty(values),
-            // Rows carry bytes as text (see `bytes_value`).
+            // Rows carry bytes as text (see `bytes_value`), durations as a count of their unit
+            // (kept in the column's name, `dur` → an Int64 of microseconds for duration[us]),
+            // and dates as dates (a Date64 would be written as a bare Int64 of milliseconds).
             t if is_binary(t) => DataType::Utf8,
+            DataType::Duration(_) => DataType::Int64,
+            DataType::Date64 => DataType::Date32,
             DataType::List(f) => DataType::List(Arc::new(field(f))),
             DataType::LargeList(f) => DataType::LargeList(Arc::new(field(f))),
             DataType::FixedSizeList(f, n) => DataType::FixedSizeList(Arc::new(field(f)), *n),
@@ -832,25 +836,88 @@ fn bytes_value(hex: &str) -> serde_json::Value {
 }
 
 /// A batch of rows as JSON-object lines numbered from `first + 1`.
+///
+/// What JSON cannot say as the JSON writer says it is put right, so that values reach every
+/// output as they were: bytes (hex from the writer) as text or base64; NaN and ±infinity (null
+/// from the writer) as the strings `NaN`, `Infinity`, `-Infinity`, which a float column of a
+/// table output reads back as the numbers; durations (ISO text from the writer, which no
+/// reader takes back) as their count of the column's unit.
 pub(crate) fn batch_lines(batch: &RecordBatch, first: u64) -> Result<Vec<RawLine>, arrow_schema::ArrowError> {
-    let binary: Vec<String> =
-        batch.schema().fields().iter().filter(|f| is_binary(f.data_type())).map(|f| f.name().clone()).collect();
+    use arrow_array::cast::AsArray;
+    use arrow_array::types::{
+        DurationMicrosecondType, DurationMillisecondType, DurationNanosecondType, DurationSecondType, Float32Type,
+        Float64Type,
+    };
+    use arrow_array::Array;
+    use arrow_schema::TimeUnit;
+    let schema = batch.schema();
+    // Per column to patch: the value of each row, or None to leave the row's value as written.
+    let mut patches: Vec<(String, Box<dyn Fn(usize, &serde_json::Value) -> Option<serde_json::Value> + '_>)> =
+        Vec::new();
+    for (i, f) in schema.fields().iter().enumerate() {
+        let col = batch.column(i);
+        let t = f.data_type();
+        if is_binary(t) {
+            patches.push((f.name().clone(), Box::new(|_, v| v.as_str().map(bytes_value))));
+        } else if matches!(t, DataType::Float64 | DataType::Float32) {
+            let value = move |row: usize| -> Option<f64> {
+                match t {
+                    DataType::Float64 => Some(col.as_primitive::<Float64Type>().value(row)),
+                    _ => Some(col.as_primitive::<Float32Type>().value(row) as f64),
+                }
+            };
+            let any = (0..col.len()).any(|r| col.is_valid(r) && value(r).is_some_and(|x| !x.is_finite()));
+            if any {
+                patches.push((
+                    f.name().clone(),
+                    Box::new(move |row, _| {
+                        let x = value(row).filter(|x| col.is_valid(row) && !x.is_finite())?;
+                        let text = if x.is_nan() {
+                            "NaN"
+                        } else if x > 0.0 {
+                            "Infinity"
+                        } else {
+                            "-Infinity"
+                        };
+                        Some(serde_json::Value::String(text.into()))
+                    }),
+                ));
+            }
+        } else if let DataType::Duration(unit) = t {
+            let unit = *unit;
+            patches.push((
+                f.name().clone(),
+                Box::new(move |row, _| {
+                    if !col.is_valid(row) {
+                        return None;
+                    }
+                    let n = match unit {
+                        TimeUnit::Second => col.as_primitive::<DurationSecondType>().value(row),
+                        TimeUnit::Millisecond => col.as_primitive::<DurationMillisecondType>().value(row),
+                        TimeUnit::Microsecond => col.as_primitive::<DurationMicrosecondType>().value(row),
+                        TimeUnit::Nanosecond => col.as_primitive::<DurationNanosecondType>().value(row),
+                    };
+                    Some(serde_json::Value::from(n))
+                }),
+            ));
+        }
+    }
     let lines = json_lines(batch, first)?;
-    if binary.is_empty() {
+    if patches.is_empty() {
         return Ok(lines);
     }
-    // The JSON writer gives bytes as hex: put them back as text (or base64).
     Ok(lines
         .into_iter()
-        .map(|mut l| {
-            if let Ok(serde_json::Value::Object(mut row)) = serde_json::from_slice::<serde_json::Value>(&l.bytes) {
-                for name in &binary {
-                    if let Some(serde_json::Value::String(hex)) = row.get(name) {
-                        let v = bytes_value(hex);
-                        row.insert(name.clone(), v);
+        .enumerate()
+        .map(|(row, mut l)| {
+            if let Ok(serde_json::Value::Object(mut obj)) = serde_json::from_slice::<serde_json::Value>(&l.bytes) {
+                for (name, patch) in &patches {
+                    let now = obj.get(name).cloned().unwrap_or(serde_json::Value::Null);
+                    if let Some(v) = patch(row, &now) {
+                        obj.insert(name.clone(), v);
                     }
                 }
-                l.bytes = serde_json::to_vec(&row).unwrap_or(l.bytes);
+                l.bytes = serde_json::to_vec(&obj).unwrap_or(l.bytes);
             }
             l
         })

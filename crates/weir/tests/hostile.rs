@@ -609,3 +609,48 @@ pq.write_table(pa.table({"key": ["a", "b", "c"],
     assert_eq!(server.stats().requests, 2, "no call for the bytes that are not text");
     server.shutdown().await;
 }
+
+/// 6. Values JSON has no words for reach a Parquet output as they were: NaN and ±infinity (they
+///    became null in every output), durations (null in Parquet; now a count of their unit) and
+///    date64 (an Int64 of milliseconds; now a date).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn floats_durations_and_dates_keep_their_values() {
+    if peer("WEIR_PYTHON").is_none() {
+        return;
+    }
+    let dir = Dir::new("odd-values");
+    let input = dir.path("in.parquet");
+    python(
+        r#"
+import sys, datetime, pyarrow as pa, pyarrow.parquet as pq
+pq.write_table(pa.table({"key": ["a", "b", "c"], "prompt": ["x", "y", "z"],
+    "dur": pa.array([1000000, 2, None], pa.duration("us")),
+    "f": pa.array([float("nan"), float("inf"), -float("inf")]),
+    "d64": pa.array([datetime.date(2026, 1, 1), datetime.date(2026, 1, 2), None], pa.date64())}), sys.argv[1])
+"#,
+        &[s(&input)],
+    );
+    for output in ["out.parquet", "out.jsonl"] {
+        let o = weir()
+            .current_dir(&dir.0)
+            .args(["run", "--model", "sim/demo", "--input", s(&input), "--output", output, "--id-field", "key"])
+            .args(["--progress", "never"])
+            .output()
+            .await
+            .unwrap();
+        assert_eq!(o.status.code(), Some(0), "{output}: {}", stderr(&o));
+    }
+    let got = python(
+        r#"
+import sys, json, math, pyarrow.dataset as ds
+rows = {r["key"]: r for r in ds.dataset(sys.argv[1] + "/out.parquet").to_table().to_pylist()}
+assert math.isnan(rows["a"]["f"]) and rows["b"]["f"] == math.inf and rows["c"]["f"] == -math.inf, rows
+assert (rows["a"]["dur"], rows["b"]["dur"], rows["c"]["dur"]) == (1000000, 2, None), rows
+assert str(rows["a"]["d64"]) == "2026-01-01", rows
+lines = {r["id"]: r["input"] for r in map(json.loads, open(sys.argv[1] + "/out.jsonl"))}
+print(lines["a"]["f"], lines["b"]["f"], lines["c"]["f"], lines["a"]["dur"])
+"#,
+        &[s(&dir.0)],
+    );
+    assert_eq!(got.trim(), "NaN Infinity -Infinity 1000000");
+}
