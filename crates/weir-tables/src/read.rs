@@ -835,6 +835,10 @@ fn bytes_value(hex: &str) -> serde_json::Value {
     }
 }
 
+/// The value a column's JSON should have in a row (given the row and what the writer wrote),
+/// or `None` to keep what it wrote.
+type Patch<'a> = Box<dyn Fn(usize, &serde_json::Value) -> Option<serde_json::Value> + 'a>;
+
 /// A batch of rows as JSON-object lines numbered from `first + 1`.
 ///
 /// What JSON cannot say as the JSON writer says it is put right, so that values reach every
@@ -852,8 +856,7 @@ pub(crate) fn batch_lines(batch: &RecordBatch, first: u64) -> Result<Vec<RawLine
     use arrow_schema::TimeUnit;
     let schema = batch.schema();
     // Per column to patch: the value of each row, or None to leave the row's value as written.
-    let mut patches: Vec<(String, Box<dyn Fn(usize, &serde_json::Value) -> Option<serde_json::Value> + '_>)> =
-        Vec::new();
+    let mut patches: Vec<(String, Patch<'_>)> = Vec::new();
     for (i, f) in schema.fields().iter().enumerate() {
         let col = batch.column(i);
         let t = f.data_type();
