@@ -287,16 +287,14 @@ enum Routed {
     ReadError(std::io::Error),
 }
 
-/// The end of an interrupted run whose output's reader stopped reading: the rows still queued
-/// for it are not written.
-fn reader_not_reading(journal: bool) -> RunError {
-    RunError::Interrupted(if journal {
-        "stopped: the output's reader did not take the rows still queued; their records are not finished. Run \
-         the same command again to resume"
-            .into()
-    } else {
-        "stopped: the output's reader did not take the rows still queued; those records have no row".into()
-    })
+/// The end of an interrupted resumable run whose output's (or events') reader stopped reading:
+/// the rows still queued for it are not written, and their records are not finished.
+fn reader_not_reading() -> RunError {
+    RunError::Interrupted(
+        "stopped: a reader (of the output or of --events) did not take the rows still queued; their records are \
+         not finished. Run the same command again to resume"
+            .into(),
+    )
 }
 
 /// Why a run whose results' reader went away stopped (its report tells it by this message).
@@ -325,7 +323,16 @@ async fn claim_path(
                 open_fifo_if_read(path).map_err(|e| usage(path, e))
             })
             .await?;
-            Ok(Some((path.clone(), fifo, false)))
+            // Two runs writing one FIFO would interleave their rows (a row over the pipe's
+            // atomic size is cut in two): held with the same advisory lock as a file.
+            match fifo.try_lock() {
+                Ok(()) => Ok(Some((path.clone(), fifo, false))),
+                Err(std::fs::TryLockError::WouldBlock) => Err(RunError::Usage(format!(
+                    "{flag} {}: another weir run is writing this FIFO; wait for it to finish or choose another path",
+                    path.display()
+                ))),
+                Err(std::fs::TryLockError::Error(e)) => Err(usage(path, e)),
+            }
         }
         OutputPath::Stream(path) => std::fs::OpenOptions::new()
             .append(true)
@@ -580,7 +587,7 @@ pub async fn run(
             let why = if settings.model_field.is_some() {
                 "--model-field sends records to several models, and a batch job runs one"
             } else {
-                "batch jobs are recorded in the state directory, which this run has not (--output - or --no-state)"
+                "batch jobs are recorded in a state directory, and this run keeps none (--output - or --no-state)"
             };
             eprintln!("weir: --mode auto: online calls at the full price: {why}");
             None
@@ -653,13 +660,17 @@ pub async fn run(
     let mut cache = None;
     let mut resuming = false;
     let mut table_journal = None;
-    let mut table_lock = None;
+    let mut table_locks: Vec<TableLock> = Vec::new();
     let mut next_part = 0;
     let mut jobs_ledger: Option<PathBuf> = None;
     let journal = match (&settings.state, &settings.output, &settings.errors) {
         (state_mode, _, _) if tables_out.is_some() => {
             let t = tables_out.as_ref().expect("a table output");
-            table_lock = TableLock::take(&t.results)?;
+            // The errors table too: another run's output or errors table named as this run's
+            // errors is refused, not cleared and overwritten.
+            for (location, flag) in [(&t.results, "--output"), (&t.errors, "--errors")] {
+                table_locks.extend(TableLock::take(location, flag)?);
+            }
             let mut committed = weir_tables::Committed::default();
             let mut run_id = None;
             let journaled = if let StateMode::Dir(dir) = state_mode {
@@ -831,7 +842,7 @@ pub async fn run(
     };
     // From here on the run writes: a table directory it made stays. (A usage error found
     // while setting up the writer, such as a --keep-columns the input lacks, leaves nothing.)
-    if let Some(l) = table_lock.as_mut() {
+    for l in &mut table_locks {
         l.started = true;
     }
     let events = match (&settings.stream, &events_writer) {
@@ -973,7 +984,8 @@ pub async fn run(
                 let how = if large || earlier_jobs { "batch jobs" } else { "online calls" };
                 let n = known.map_or("a stream of".to_string(), crate::report::thousands);
                 eprintln!(
-                    "weir: --mode auto: {n} records → {how} (batch jobs from {} records)",
+                    "weir: --mode auto: {n} records → {how}{} (batch jobs from {} records)",
+                    if large || earlier_jobs { "" } else { " at the full price" },
                     crate::report::thousands(min)
                 );
             }
@@ -1114,7 +1126,9 @@ pub async fn run(
                     .boxed_local()
             }
         };
-    tokio::pin!(outcomes);
+    // Boxed, so it can be dropped before the writer finishes: a call it still holds may hold a
+    // sender of stream events, and the writer ends only when every sender is gone.
+    let mut outcomes = outcomes;
 
     let mut fatal = None;
     let mut interrupts = interrupts;
@@ -1152,7 +1166,10 @@ pub async fn run(
                 drain_deadline.as_mut().reset(Instant::now() + settings.drain);
                 continue;
             }
-            _ = &mut drain_deadline => {
+            // Only a resumable run cuts calls still in flight at the drain deadline (their
+            // records are simply not finished); without a journal each must end in a row, and
+            // the calls end by their own timeout at the latest.
+            _ = &mut drain_deadline, if journal => {
                 tracing::warn!("calls still in flight after the drain deadline were cancelled");
                 break;
             }
@@ -1198,16 +1215,26 @@ pub async fn run(
                 changed = interrupts.changed(), if !interrupted => {
                     if changed.is_ok() && *interrupts.borrow() >= 1 {
                         interrupted = true;
-                        progress.suspend(|| eprintln!(
-                            "weir: interrupted while the output's reader is not reading; waiting for it up to {} s. \
-                             Press Ctrl-C again to stop at once.",
-                            settings.drain.as_secs()
-                        ));
+                        if journal {
+                            progress.suspend(|| eprintln!(
+                                "weir: interrupted while a reader (of the output or of --events) is not reading; \
+                                 waiting for it up to {} s. Press Ctrl-C again to stop at once.",
+                                settings.drain.as_secs()
+                            ));
+                        } else {
+                            progress.suspend(|| eprintln!(
+                                "weir: interrupted while a reader (of the output or of --events) is not reading; \
+                                 waiting for it: without a state directory, the rows it has not taken would be lost. \
+                                 Press Ctrl-C again to stop at once (they are lost then)."
+                            ));
+                        }
                         endpoints.stop(StopReason { kind: ErrorKind::Aborted, message: "interrupted".into() });
                         drain_deadline.as_mut().reset(Instant::now() + settings.drain);
                     }
                 }
-                _ = &mut drain_deadline => break None,
+                // Only a resumable run gives up on a reader: its unwritten records are simply
+                // not finished. Without a journal they would have no row at all.
+                _ = &mut drain_deadline, if journal => break None,
             }
         };
         match written {
@@ -1216,7 +1243,7 @@ pub async fn run(
                 fatal = Some(format!("writing rows failed: {e}"));
                 break;
             }
-            None => return Err(reader_not_reading(journal)),
+            None => return Err(reader_not_reading()),
         }
         progress.tick();
     }
@@ -1226,6 +1253,7 @@ pub async fn run(
         interrupted = true;
         endpoints.stop(StopReason { kind: ErrorKind::Aborted, message: "interrupted".into() });
     }
+    drop(outcomes);
     // Rows still queued wait for a slow reader, unless the run was interrupted: then for the
     // rest of the drain time at most.
     let finish = writer.finish();
@@ -1241,8 +1269,8 @@ pub async fn run(
                 }
             }
             // A deadline already past (calls that outlived it) still leaves the writer a moment.
-            _ = tokio::time::sleep_until(drain_deadline.deadline().max(Instant::now() + Duration::from_secs(5))),
-                if interrupted => return Err(reader_not_reading(journal)),
+            _ = tokio::time::sleep_until(drain_deadline.deadline().max(Instant::now() + Duration::from_secs(1))),
+                if interrupted && journal => return Err(reader_not_reading()),
         }
     };
     let flushed = match events_writer {
@@ -1291,6 +1319,14 @@ pub async fn run(
         driver.concurrency(),
         driver.rate_snapshot(),
     );
+    // Answers written as error rows once the output's reader went away are not failures the
+    // calls counted: counted here, so the summary's kinds add up to its failed records.
+    if report.output_closed() {
+        let counted: u64 = report.failures.values().sum();
+        if report.failed > counted {
+            *report.failures.entry(ErrorKind::Aborted).or_default() += report.failed - counted;
+        }
+    }
     // Shown when records went to jobs (not when the cache answered them all).
     let jobs = used_jobs
         .then(|| tally.lock().unwrap_or_else(|e| e.into_inner()).clone())
@@ -1319,9 +1355,9 @@ struct TableLock {
 }
 
 impl TableLock {
-    fn take(results: &weir_tables::Location) -> Result<Option<Self>, RunError> {
+    fn take(results: &weir_tables::Location, flag: &str) -> Result<Option<Self>, RunError> {
         let Some(dir) = results.local_path() else { return Ok(None) };
-        let usage = |e: std::io::Error| RunError::Usage(format!("--output {}: {e}", results.display));
+        let usage = |e: std::io::Error| RunError::Usage(format!("{flag} {}: {e}", results.display));
         if dir.is_file() {
             // Refused by `weir_tables::prepare`, which says why for results and errors alike.
             return Ok(None);

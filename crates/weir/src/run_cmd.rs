@@ -876,6 +876,11 @@ pub async fn run(args: RunArgs) -> anyhow::Result<u8> {
     // SIGTERM (a service manager stopping a long-lived run) counts as a press; a run it ends
     // exits 143 where Ctrl-C gives 130.
     let (tx, rx) = tokio::sync::watch::channel(0u32);
+    let after_second = if settings.state == weir::StateMode::Off {
+        "records in flight and rows not yet written have no row (this run keeps no state to resume from)"
+    } else {
+        "run the same command again to resume"
+    };
     let mut signals = crate::signals::StopSignals::new()?;
     let last = Arc::new(std::sync::Mutex::new(crate::signals::Stop::Interrupt));
     let seen = last.clone();
@@ -886,7 +891,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<u8> {
             *last.lock().unwrap_or_else(|e| e.into_inner()) = stop;
             presses += 1;
             if presses >= 2 {
-                eprintln!("weir: stopped at once; run the same command again to resume");
+                eprintln!("weir: stopped at once; {after_second}");
                 std::process::exit(stop.exit_status().into());
             }
             let _ = tx.send(presses);

@@ -654,3 +654,88 @@ print(lines["a"]["f"], lines["b"]["f"], lines["c"]["f"], lines["a"]["dur"])
     );
     assert_eq!(got.trim(), "NaN Infinity -Infinity 1000000");
 }
+
+/// Found by a hostile try of the fixes above: an errors table is locked as an output table is
+/// (two runs sharing `--errors t.csv` lost each other's error rows, and one naming another
+/// run's output table as its errors cleared its staging part and crashed it), and a FIFO
+/// output is locked too (three runs writing one FIFO interleaved their rows).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_errors_table_and_a_fifo_are_held_by_one_run() {
+    let mut config = weir_sim::SimConfig::default();
+    config.latency.fixed_ms = 200.0;
+    let server = weir_sim::SimServer::start(config, "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let url = server.url();
+    let dir = Dir::new("errors-table-lock");
+    let (data, _) = prompts(40);
+    dir.write("in.jsonl", &data);
+    let fifo = dir.path("out.fifo");
+    assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let run = |output: &str, errors: &str, state: &str| {
+        let mut c = weir();
+        c.current_dir(&dir.0)
+            .args(["run", "--model", "gemini/m", "--base-url", &url, "--input", "in.jsonl", "--output", output])
+            .args(["--errors", errors, "--state", state, "--max-concurrency", "2", "--progress", "never"]);
+        c
+    };
+    let to_fifo = |errors: &str| {
+        let mut c = weir();
+        c.current_dir(&dir.0)
+            .args(["run", "--model", "gemini/m", "--base-url", &url, "--input", "in.jsonl", "--output", s(&fifo)])
+            .args(["--errors", errors, "--max-concurrency", "2", "--progress", "never"]);
+        c
+    };
+    let mut first = run("a.csv", "shared.csv", "s1").stderr(Stdio::null()).spawn().unwrap();
+    let mut fifo_writer = to_fifo("f1.jsonl").stderr(Stdio::null()).spawn().unwrap();
+    let reader = std::thread::spawn({
+        let fifo = fifo.clone();
+        move || std::io::read_to_string(std::fs::File::open(fifo).unwrap()).unwrap()
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    for (output, errors) in [("b.csv", "shared.csv"), ("c.csv", "a.csv")] {
+        let o = run(output, errors, "s2").output().await.unwrap();
+        assert_eq!(o.status.code(), Some(2), "{errors}: {}", stderr(&o));
+        assert!(stderr(&o).contains("another weir run is writing"), "{}", stderr(&o));
+    }
+    let o = to_fifo("f2.jsonl").output().await.unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("another weir run is writing this FIFO"), "{}", stderr(&o));
+    assert_eq!(first.wait().await.unwrap().code(), Some(0));
+    assert_eq!(fifo_writer.wait().await.unwrap().code(), Some(0));
+    let rows: Vec<serde_json::Value> =
+        reader.join().unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(rows.len(), 40);
+    server.shutdown().await;
+}
+
+/// Without a state directory, Ctrl-C while the reader has stopped reading waits for it
+/// (rows not written would have no row anywhere); when it reads again, every record ends in a
+/// row. (A resumable run gives up after the drain time instead: see item 12.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_state_ctrl_c_waits_for_a_stalled_reader_and_loses_nothing() {
+    let dir = Dir::new("stalled-no-state");
+    let (data, ids) = prompts(2_000);
+    dir.write("in.jsonl", &data);
+    let fifo = dir.path("events.fifo");
+    assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let child = weir()
+        .current_dir(&dir.0)
+        .args(["run", "--model", "sim/demo", "--input", "in.jsonl", "--output", "out.jsonl", "--id-field", "key"])
+        .args(["--no-state", "--stream", "--events", s(&fifo), "--timeout", "2", "--progress", "never"])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stalled = std::fs::File::open(&fifo).unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    let pid = child.id().unwrap().to_string();
+    assert!(std::process::Command::new("kill").args(["-INT", &pid]).status().unwrap().success());
+    // Well past the drain time (2 s): still waiting.
+    tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+    let drained = std::thread::spawn(move || {
+        let mut stalled = stalled;
+        std::io::copy(&mut stalled, &mut std::io::sink())
+    });
+    let o = tokio::time::timeout(std::time::Duration::from_secs(30), child.wait_with_output()).await.unwrap().unwrap();
+    drained.join().unwrap().unwrap();
+    assert_eq!(o.status.code(), Some(130), "{}", stderr(&o));
+    assert_each_id_once(&ids, &rows(&dir.path("out.jsonl")), &rows(&dir.path("out.errors.jsonl")));
+}
