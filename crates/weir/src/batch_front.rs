@@ -220,6 +220,23 @@ async fn drive(work: impl futures::Stream<Item = Work> + Send + 'static, run: Jo
         t.submitted_now = f.submitted;
         f.leftovers
     });
+    // A run that stops with jobs submitted: they go on at the provider, charged. The summary
+    // counts them and a notice says what to do, however the run stopped.
+    let jobs_left = |why: &str| {
+        let running = ledger.chunks().filter(|c| c.job.is_some()).count() as u64;
+        let now = ledger.chunks().filter(|c| c.job.is_some() && c.number >= first_new).count() as u64;
+        {
+            let mut t = tally.lock().unwrap_or_else(|e| e.into_inner());
+            t.jobs = running;
+            t.submitted_now = now;
+        }
+        if running > 0 {
+            eprintln!(
+                "weir: {why}; the batch jobs go on at the provider (and are charged): run the same command again to \
+                 collect them, or `weir batch cancel` them"
+            );
+        }
+    };
     match result {
         Ok(leftovers) if mode.fallback_online && !leftovers.is_empty() => {
             if progress {
@@ -248,19 +265,7 @@ async fn drive(work: impl futures::Stream<Item = Work> + Send + 'static, run: Jo
             }
         }
         Err(BatchError::Cancelled) => {
-            let running = ledger.chunks().filter(|c| c.job.is_some()).count() as u64;
-            let now = ledger.chunks().filter(|c| c.job.is_some() && c.number >= first_new).count() as u64;
-            {
-                let mut t = tally.lock().unwrap_or_else(|e| e.into_inner());
-                t.jobs = running;
-                t.submitted_now = now;
-            }
-            if running > 0 {
-                eprintln!(
-                    "weir: interrupted; the batch jobs go on at the provider (and are charged): run the same command \
-                     again to collect them, or `weir batch cancel` them"
-                );
-            }
+            jobs_left("interrupted");
             stop(&mut records, ErrorKind::Aborted, "interrupted".into())
         }
         // The first record went online, so the model is there: a 404 now is a job route the
@@ -287,9 +292,13 @@ async fn drive(work: impl futures::Stream<Item = Work> + Send + 'static, run: Jo
             } else {
                 ""
             };
+            jobs_left("stopped");
             stop(&mut records, e.kind, format!("batch jobs: {}{hint}", e.message))
         }
-        Err(e @ BatchError::Ledger(_)) => stop(&mut records, ErrorKind::Server, e.to_string()),
+        Err(e @ BatchError::Ledger(_)) => {
+            jobs_left("stopped");
+            stop(&mut records, ErrorKind::Server, e.to_string())
+        }
     }
 }
 

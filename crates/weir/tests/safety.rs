@@ -340,7 +340,11 @@ async fn a_dead_endpoint_stops_early_and_the_run_resumes() {
     let dir = Dir::new("dead");
     let (data, ids) = prompts(300);
     dir.write("in.jsonl", &data);
-    let port = free_port();
+    // A port held bound but not listening: connections to it are refused, and no other
+    // test's server can be given it meanwhile (a port found free and let go could be).
+    let holder = tokio::net::TcpSocket::new_v4().unwrap();
+    holder.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let port = holder.local_addr().unwrap().port();
     let url = format!("http://127.0.0.1:{port}");
     let args = [
         "run",
@@ -365,6 +369,7 @@ async fn a_dead_endpoint_stops_early_and_the_run_resumes() {
     assert!(err.contains("cannot connect"), "{err}");
     assert!(err.contains("300 records not finished"), "{err}");
     assert!(rows(&dir.path("out.errors.jsonl")).is_empty(), "nothing is marked finished");
+    drop(holder);
     let server = SimServer::start(SimConfig::default(), format!("127.0.0.1:{port}").parse().unwrap()).await.unwrap();
     let o = weir().current_dir(&dir.0).args(args).output().await.unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
