@@ -450,19 +450,27 @@ impl StreamTo {
 
 /// Refuses to replace files that hold rows this run did not write (a file weir is resuming is
 /// its own; `--fresh` and `--overwrite` say replacing is wanted). Empty files are fair game.
-fn check_not_foreign(files: &[&Option<(PathBuf, std::fs::File)>], allowed: bool) -> Result<(), RunError> {
+fn check_not_foreign(
+    files: &[&Option<(PathBuf, std::fs::File)>],
+    allowed: bool,
+    stateless: bool,
+) -> Result<(), RunError> {
     if allowed {
         return Ok(());
     }
     for (path, f) in files.iter().filter_map(|c| c.as_ref()) {
         let len = f.metadata().map(|m| m.len()).unwrap_or(0);
         if len > 0 {
-            return Err(RunError::Usage(format!(
-                "{} already exists ({len} bytes) and no earlier run of this command wrote it; weir will not \
-                 overwrite it. Pass --overwrite to replace it (or --fresh to start this run over), or choose \
-                 another path",
-                path.display()
-            )));
+            // Without a state directory weir cannot know who wrote it, not even a run of this
+            // very command.
+            let why = if stateless {
+                "this run keeps no state (--output - or --no-state), so it cannot tell whose rows those are; weir \
+                 will not overwrite them. Pass --overwrite to replace it, or --errors/--output to write elsewhere"
+            } else {
+                "no earlier run of this command wrote it; weir will not overwrite it. Pass --overwrite to replace \
+                 it (or --fresh to start this run over), or choose another path"
+            };
+            return Err(RunError::Usage(format!("{} already exists ({len} bytes) and {why}", path.display())));
         }
     }
     Ok(())
@@ -734,7 +742,11 @@ pub async fn run(
             if resuming && live_input && !settings.follow && !settings.resume_stream {
                 return Err(stream_resume_refused(&out.display().to_string(), &input_name));
             }
-            check_not_foreign(&[&out_file, &err_file, &events_file], resuming || settings.fresh || settings.overwrite)?;
+            check_not_foreign(
+                &[&out_file, &err_file, &events_file],
+                resuming || settings.fresh || settings.overwrite,
+                false,
+            )?;
             if !resuming {
                 sd.record(&id).map_err(|e| RunError::Usage(e.to_string()))?;
             }
@@ -768,12 +780,12 @@ pub async fn run(
             true
         }
         _ => {
-            check_not_foreign(&[&out_file, &err_file, &events_file], settings.overwrite)?;
+            check_not_foreign(&[&out_file, &err_file, &events_file], settings.overwrite, true)?;
             false
         }
     };
     if tables_out.is_some() {
-        check_not_foreign(&[&events_file], resuming || settings.fresh || settings.overwrite)?;
+        check_not_foreign(&[&events_file], resuming || settings.fresh || settings.overwrite, false)?;
     }
     let open = |claimed: &mut Option<(PathBuf, std::fs::File)>| match claimed.take() {
         None => Ok(JsonlWriter::stdout()),
