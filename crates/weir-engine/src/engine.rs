@@ -311,9 +311,16 @@ impl Engine {
                 let n = records.len().max(1);
                 futures::stream::iter(records).map(|r| driver.run(r)).buffered(n).collect().await
             };
-            if let Some(reason) = driver.stop_reason() {
-                *self.stopped.lock().unwrap_or_else(|e| e.into_inner()) = Some(reason.clone());
-                *stopped_now.lock().unwrap_or_else(|e| e.into_inner()) = Some(reason);
+            match driver.stop_reason() {
+                // A model the endpoint does not have (404: a misspelt name in a column) is that
+                // model's rows' error, each failed with the reason: the other models' rows of
+                // the request are answered, and the request is not failed after paying for them.
+                Some(reason) if reason.kind == ErrorKind::BadRequest => {}
+                Some(reason) => {
+                    *self.stopped.lock().unwrap_or_else(|e| e.into_inner()) = Some(reason.clone());
+                    *stopped_now.lock().unwrap_or_else(|e| e.into_inner()) = Some(reason);
+                }
+                None => {}
             }
             let (mut slots, mut outcomes) = (slots, outcomes);
             for (i, o) in refused {

@@ -26,6 +26,9 @@ pub struct SimConfig {
     pub output: OutputConfig,
     /// When non-empty, only these keys (API keys or bearer tokens) are accepted.
     pub api_keys: Vec<String>,
+    /// When non-empty, only these models are served; a request for another is answered 404
+    /// "model not found", as providers answer a misspelt model.
+    pub models: Vec<String>,
     /// The simulated Google token endpoints (`/token`, the metadata route).
     pub auth: AuthConfig,
     /// Vertex AI endpoints' `:predict`: its limits and its batched compute.

@@ -364,6 +364,11 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Bo
         Ok(r) => r,
         Err(proto::BadRequest(msg)) => return Ok(error_reply(&state, proto::error(route.api, 400, &msg))),
     };
+    let served = &state.config.models;
+    if !served.is_empty() && !served.iter().any(|m| m == &request.model) {
+        let msg = format!("models/{} is not found for API version v1beta, or is not supported.", request.model);
+        return Ok(error_reply(&state, proto::error(route.api, 404, &msg)));
+    }
     let max = if request.embed.is_some() {
         state.config.embedding.max_inputs
     } else if request.api == Api::Predict {

@@ -297,3 +297,38 @@ async fn a_call_where_datafusion_cannot_compute_it_says_how_to_write_it() {
     let out = weir().current_dir(&dir.0).args(["sql", "--table", "t=t.jsonl", with]).output().await.unwrap();
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
 }
+
+/// Issue #29, item 22: a model a column misspells, which the endpoint answers 404, fails its
+/// own rows (NULL, with the reason in `llm_generate_result`); the other rows are answered and
+/// written. It used to fail the statement after paying for every other row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_the_endpoint_does_not_have_fails_only_its_rows() {
+    let config = SimConfig { models: vec!["gemini-2.5-flash".into()], ..SimConfig::default() };
+    let sim = SimServer::start(config, "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let dir = Dir::new("sql-misspelt");
+    let mut data = Vec::new();
+    for i in 0..60 {
+        let m = if i % 20 == 7 { "gemini/gemini-2.5-flsh" } else { "gemini/gemini-2.5-flash" };
+        data.extend(format!("{{\"k\": {i}, \"m\": \"{m}\", \"p\": \"say {i}\"}}\n").into_bytes());
+    }
+    dir.write("t.jsonl", &data);
+    let copy = "COPY (SELECT k, llm_generate(m, p) AS a FROM t) TO 'out.jsonl'";
+    let out = weir()
+        .current_dir(&dir.0)
+        .env("GEMINI_API_KEY", "k")
+        .args(["sql", "--base-url", &sim.url(), "--table", "t=t.jsonl", copy])
+        .output()
+        .await
+        .unwrap();
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    let rows: Vec<Value> = std::fs::read_to_string(dir.path("out.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 60, "{err}");
+    assert_eq!(rows.iter().filter(|r| r["a"].is_string()).count(), 57, "{err}");
+    assert!(err.contains("bad_request"), "{err}");
+    sim.shutdown().await;
+}
