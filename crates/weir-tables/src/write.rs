@@ -439,6 +439,9 @@ struct State {
     id_field: Option<String>,
     /// Rows held back until a stream input's columns are known.
     early: Vec<Row>,
+    /// Rows with input columns the table has not (a stream's column first seen after the rows
+    /// its columns were inferred from), and the first such column, to say so at the end.
+    unseen: (u64, Option<String>),
 }
 
 impl State {
@@ -499,6 +502,17 @@ impl State {
         }
         if self.journal.is_some() {
             self.keys.extend(key_of(&row));
+        }
+        if let (Some(c), None) = (&self.columns, &self.keep) {
+            let input = match &row {
+                Row::Success(s) => Some(&s.record.input),
+                Row::Failure(f) => f.input.as_ref(),
+                Row::Event(_) => None,
+            };
+            if let Some(name) = input.and_then(|i| i.keys().find(|k| !c.kept.iter().any(|f| f.name() == *k))) {
+                self.unseen.0 += 1;
+                self.unseen.1.get_or_insert_with(|| name.clone());
+            }
         }
         let c = self.columns.as_ref();
         match &row {
@@ -612,6 +626,7 @@ async fn write_loop(
         keep: settings.keep.clone(),
         id_field: settings.id_field.clone(),
         early: Vec::new(),
+        unseen: (0, None),
     };
     let mut error: Option<io::Error> = None;
     if let Some(schema) = &settings.input_schema {
@@ -660,6 +675,13 @@ async fn write_loop(
     };
     if let Some(f) = &settings.on_tick {
         f();
+    }
+    if let (n, Some(name)) = &state.unseen {
+        tracing::warn!(
+            "{n} rows had input columns the table does not have (such as '{name}': a column first seen after the \
+             first {INFER_ROWS} rows of a stream, which the table's columns were taken from); those values were \
+             left out. Write JSONL (which keeps every field), or give such a column a value in the first rows"
+        );
     }
     let misfits = state.results.misfits + state.errors.misfits;
     if misfits > 0 {

@@ -739,3 +739,30 @@ async fn without_state_ctrl_c_waits_for_a_stalled_reader_and_loses_nothing() {
     assert_eq!(o.status.code(), Some(130), "{}", stderr(&o));
     assert_each_id_once(&ids, &rows(&dir.path("out.jsonl")), &rows(&dir.path("out.errors.jsonl")));
 }
+
+/// 13. A column a stream first shows after the rows a table's columns are taken from is not
+///     dropped without a word: the run warns, naming it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_column_of_a_stream_into_a_table_is_named() {
+    let dir = Dir::new("late-column");
+    let mut data = Vec::new();
+    for i in 0..1_200 {
+        let extra = if i >= 1_100 { ", \"extra\": \"x\"" } else { "" };
+        data.extend(format!("{{\"key\": \"k{i}\", \"prompt\": \"p {i}\"{extra}}}\n").into_bytes());
+    }
+    let mut child = weir()
+        .current_dir(&dir.0)
+        .args(["run", "--model", "sim/demo", "--input", "-", "--output", "out.parquet", "--id-field", "key"])
+        .args(["--progress", "never"])
+        .stdin(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(&data).await.unwrap();
+    drop(stdin);
+    let o = child.wait_with_output().await.unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert!(err.contains("100 rows had input columns the table does not have (such as 'extra'"), "{err}");
+}
