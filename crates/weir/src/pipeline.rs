@@ -1149,6 +1149,10 @@ pub async fn run(
     let drain_deadline = tokio::time::sleep_until(far);
     tokio::pin!(drain_deadline);
     let mut not_written = 0u64;
+    // --keep-columns not yet found in any row (a table output checks them up front; JSONL rows
+    // have no columns until they are read): any left at the end are named.
+    let mut kept_seen: Vec<String> = settings.keep_columns.clone().unwrap_or_default();
+    let mut rows_with_input = 0u64;
     loop {
         let outcome = tokio::select! {
             o = outcomes.next() => match o {
@@ -1190,6 +1194,8 @@ pub async fn run(
         let row = match outcome {
             Ok(Outcome::Success(mut s)) => {
                 if let Some(keep) = &settings.keep_columns {
+                    rows_with_input += 1;
+                    kept_seen.retain(|k| !s.record.input.contains_key(k));
                     s.record.input.retain(|k, _| keep.contains(k));
                 }
                 weir_io::Row::Success(s)
@@ -1208,6 +1214,8 @@ pub async fn run(
             }
             Ok(Outcome::Failure(mut f)) => {
                 if let (Some(keep), Some(input)) = (&settings.keep_columns, f.input.as_mut()) {
+                    rows_with_input += 1;
+                    kept_seen.retain(|k| !input.contains_key(k));
                     input.retain(|k, _| keep.contains(k));
                 }
                 weir_io::Row::Failure(f)
@@ -1266,6 +1274,12 @@ pub async fn run(
         endpoints.stop(StopReason { kind: ErrorKind::Aborted, message: "interrupted".into() });
     }
     drop(outcomes);
+    if !kept_seen.is_empty() && rows_with_input > 0 {
+        tracing::warn!(
+            "--keep-columns: no input row had {} (misspelt?); the rows keep only the other columns named",
+            kept_seen.iter().map(|k| format!("'{k}'")).collect::<Vec<_>>().join(", ")
+        );
+    }
     // Rows still queued wait for a slow reader, unless the run was interrupted: then for the
     // rest of the drain time at most.
     let finish = writer.finish();

@@ -766,3 +766,22 @@ async fn a_late_column_of_a_stream_into_a_table_is_named() {
     assert_eq!(o.status.code(), Some(0), "{err}");
     assert!(err.contains("100 rows had input columns the table does not have (such as 'extra'"), "{err}");
 }
+
+/// 13. `--keep-columns` naming a column no JSONL row has is said at the end (a table output
+///     refuses it up front); it was accepted in silence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keep_columns_no_row_has_are_named() {
+    let dir = Dir::new("keep-nosuch");
+    let (data, _) = prompts(5);
+    dir.write("in.jsonl", &data);
+    let o = weir()
+        .current_dir(&dir.0)
+        .args(["run", "--model", "sim/demo", "--input", "in.jsonl", "--output", "out.jsonl"])
+        .args(["--keep-columns", "key,nosuch", "--progress", "never"])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stderr(&o).contains("--keep-columns: no input row had 'nosuch'"), "{}", stderr(&o));
+    assert!(rows(&dir.path("out.jsonl")).iter().all(|r| r["input"]["key"].is_string()));
+}
