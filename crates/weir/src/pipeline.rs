@@ -1391,6 +1391,14 @@ impl TableLock {
         if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
             std::fs::create_dir_all(parent).map_err(usage)?;
         }
+        if std::fs::symlink_metadata(&dir).is_ok_and(|m| m.file_type().is_symlink()) && !dir.exists() {
+            let to = std::fs::read_link(&dir).map(|t| t.display().to_string()).unwrap_or_default();
+            return Err(RunError::Usage(format!(
+                "{flag} {}: is a symlink to {to}, which does not exist; make that directory (mkdir -p), or name a \
+                 directory itself",
+                results.display
+            )));
+        }
         // Made by this run only if this run's own create did it: two runs started together
         // both see no directory, and the refused one must not remove the other's.
         let made = match std::fs::create_dir(&dir) {

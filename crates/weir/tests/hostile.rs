@@ -568,6 +568,26 @@ async fn a_refused_table_run_leaves_no_directory() {
         assert!(stderr(&o).contains("no column 'nosuch'"), "{}", stderr(&o));
         assert!(!dir.path(output).exists(), "{output} was left behind");
     }
+    // A table output that is a symlink to nothing says so (it was a bare "No such file").
+    std::os::unix::fs::symlink("nowhere", dir.path("linked.parquet")).unwrap();
+    let o = weir()
+        .current_dir(&dir.0)
+        .args([
+            "run",
+            "--model",
+            "sim/demo",
+            "--input",
+            "in.jsonl",
+            "--output",
+            "linked.parquet",
+            "--progress",
+            "never",
+        ])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("is a symlink to nowhere, which does not exist"), "{}", stderr(&o));
 }
 
 /// 5. A Parquet prompt column of bytes (`BYTE_ARRAY` without the UTF-8 mark): UTF-8 bytes are
