@@ -249,8 +249,13 @@ impl RowWriter {
     /// file, when the run streams).
     pub fn spawn(mut results: JsonlWriter, mut errors: JsonlWriter, settings: WriterSettings) -> io::Result<Self> {
         Self::start("weir-writer", QUEUE, move |WriterThread { rows: mut rx, failed: failed_in, closed }| {
-            // The results' reader went away (`| head`): results from then on become error rows.
-            let mut results_closed = false;
+            // The results' reader going away (`| head`) is said once; results from then on
+            // become error rows.
+            let say_closed = |results: &JsonlWriter| {
+                if results.reader_gone() {
+                    closed.send_if_modified(|c| !std::mem::replace(c, true));
+                }
+            };
             let mut last_sync = Instant::now();
             let mut unflushed = 0usize;
             let mut error: Option<io::Error> = None;
@@ -298,10 +303,7 @@ impl RowWriter {
                     }
                 }
             }) {
-                if !results_closed && results.reader_gone() {
-                    results_closed = true;
-                    closed.send_replace(true);
-                }
+                say_closed(&results);
                 if error.is_none() {
                     // A failed `fdatasync` on the sync thread stops writing here too: rows after
                     // it could not be made durable, and the run must not report them as written.
@@ -312,11 +314,12 @@ impl RowWriter {
                 if error.is_some() {
                     continue;
                 }
+                let gone = results.reader_gone();
                 let mut written = match &row {
-                    Row::Success(s) if results_closed => errors.write(&ErrorRow::of(&undelivered(s))),
+                    Row::Success(s) if gone => errors.write(&ErrorRow::of(&undelivered(s))),
                     Row::Success(s) => results.write(&ResultRow::of(s)),
                     Row::Failure(f) => errors.write(&ErrorRow::of(f)),
-                    Row::Event(_) if results_closed && events_with_results => Ok(()),
+                    Row::Event(_) if gone && events_with_results => Ok(()),
                     Row::Event(e) => match events.as_mut() {
                         Some(file) => file.write_line(e).map_err(events_error),
                         None if events_with_results => results.write_line(e),
@@ -337,12 +340,9 @@ impl RowWriter {
                         s.request();
                     }
                 }
-                if !results_closed && results.reader_gone() {
-                    // What the reader had not read went with it; the results still to come go
-                    // to the errors file, and the run ends as an interrupted one does.
-                    results_closed = true;
-                    closed.send_replace(true);
-                }
+                // What the reader had not read went with it; the results still to come go to
+                // the errors file, and the run ends as an interrupted one does.
+                say_closed(&results);
                 if let Err(e) = written {
                     report(&failed_in, &e);
                     error = Some(e);

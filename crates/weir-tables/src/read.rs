@@ -516,32 +516,14 @@ async fn csv_lines(
         Ok(g) => g,
         Err(e) => return one_error(io::Error::other(e)),
     };
-    let newlines = Arc::new(std::sync::Mutex::new(std::collections::VecDeque::<(u64, u64, u64)>::new()));
-    let last_byte = Arc::new(std::sync::atomic::AtomicU8::new(0));
     let reader = Newlines {
         inner: tokio_util::io::SyncIoBridge::new(tokio_util::io::StreamReader::new(
             got.into_stream().map_err(io::Error::other),
         )),
         at: 0,
-        seen: newlines.clone(),
-        last: last_byte.clone(),
-    };
-    // The physical line a record starts on: one more than the newlines before its first byte
-    // (the CSV parser's own count is one short for CRLF files, so an Excel copy of a file and
-    // a Unix copy would number, and so identify, their records differently).
-    let mut before = 0u64;
-    let mut line_at = move |byte: u64| {
-        let mut seen = newlines.lock().unwrap_or_else(|e| e.into_inner());
-        // Every run of line breaks that starts at or before the record's start: the parser may
-        // put that start inside the run (at the `\n` of a CRLF, or in blank lines before it).
-        while let Some(&(start, _, count)) = seen.front() {
-            if start > byte {
-                break;
-            }
-            seen.pop_front();
-            before += count;
-        }
-        before + 1
+        runs: std::collections::VecDeque::new(),
+        before: 0,
+        last: 0,
     };
     let (tx, rx) = tokio::sync::mpsc::channel::<io::Result<Vec<RawLine>>>(4);
     tokio::task::spawn_blocking(move || {
@@ -563,12 +545,12 @@ async fn csv_lines(
             let item = match csv.read_record(&mut record) {
                 Ok(false) => break,
                 Ok(true) => {
-                    let line = record.position().map_or(0, |p| line_at(p.byte()));
+                    let line = record.position().map_or(0, |p| csv.get_mut().line_at(p.byte()));
                     spans_lines = record.iter().next_back().is_some_and(|f| f.contains('\n'));
                     csv_row(&headers, &record, &schema, line, &url)
                 }
                 Err(e) => {
-                    let line = e.position().map_or(0, |p| line_at(p.byte()));
+                    let line = e.position().map_or(0, |p| csv.get_mut().line_at(p.byte()));
                     match e.kind() {
                         // Bad UTF-8 in one record: that record is an error row, the rest go on.
                         csv::ErrorKind::Utf8 { .. } => RawLine {
@@ -592,7 +574,7 @@ async fn csv_lines(
                 }
             }
         }
-        if spans_lines && last_byte.load(Ordering::Relaxed) != b'"' {
+        if spans_lines && csv.get_ref().last != b'"' {
             if let Some(last) = chunk.last_mut() {
                 last.malformed = Some(format!(
                     "{url} line {}: a quote opened on this line is never closed, so the rest of the file (from line \
@@ -609,22 +591,42 @@ async fn csv_lines(
     tokio_stream_of(rx)
 }
 
-/// A reader that notes the runs of line breaks (`\r` and `\n` bytes) it passes on — where each
-/// starts and ends and how many newlines it holds — for the CSV reader's line numbers.
+/// The CSV parser's reader, noting the runs of line breaks (`\r` and `\n` bytes) it passes on
+/// — where each starts and ends and how many newlines it holds — for records' line numbers.
 struct Newlines<R> {
     inner: R,
     at: u64,
-    seen: Arc<std::sync::Mutex<std::collections::VecDeque<(u64, u64, u64)>>>,
+    /// Runs read ahead of the last record asked about: (start, end, newlines).
+    runs: std::collections::VecDeque<(u64, u64, u64)>,
+    /// Newlines in the runs already passed.
+    before: u64,
     /// The last byte read that is not a line break.
-    last: Arc<std::sync::atomic::AtomicU8>,
+    last: u8,
+}
+
+impl<R> Newlines<R> {
+    /// The physical line a record starting at `byte` is on: one more than the newlines before
+    /// it (the parser's own count is one short for CRLF files, so an Excel copy of a file and
+    /// a Unix copy would number, and so identify, their records differently). Every run of
+    /// line breaks that starts at or before `byte` counts: the parser may put a record's start
+    /// inside the run (at the `\n` of a CRLF, or in blank lines before it).
+    fn line_at(&mut self, byte: u64) -> u64 {
+        while let Some(&(start, _, count)) = self.runs.front() {
+            if start > byte {
+                break;
+            }
+            self.runs.pop_front();
+            self.before += count;
+        }
+        self.before + 1
+    }
 }
 
 impl<R: io::Read> io::Read for Newlines<R> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         let n = self.inner.read(buf)?;
-        let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(b) = buf[..n].iter().rev().find(|b| !matches!(b, b'\r' | b'\n')) {
-            self.last.store(*b, Ordering::Relaxed);
+            self.last = *b;
         }
         for (i, b) in buf[..n].iter().enumerate() {
             if !matches!(b, b'\r' | b'\n') {
@@ -632,12 +634,12 @@ impl<R: io::Read> io::Read for Newlines<R> {
             }
             let at = self.at + i as u64;
             let newline = u64::from(*b == b'\n');
-            match seen.back_mut() {
+            match self.runs.back_mut() {
                 Some(run) if run.1 == at => {
                     run.1 += 1;
                     run.2 += newline;
                 }
-                _ => seen.push_back((at, at + 1, newline)),
+                _ => self.runs.push_back((at, at + 1, newline)),
             }
         }
         self.at += n as u64;

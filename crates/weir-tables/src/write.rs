@@ -136,8 +136,6 @@ pub async fn prepare(
         };
         if resuming && mine.contains(&name.as_str()) {
             seen.push(name);
-        } else if journal::is_staging(&name) {
-            // Removed above.
         } else if journal::part_number(&name).is_some() && (resuming || overwrite) {
             stale.push(m.location);
         } else if !name.starts_with('.') {
@@ -439,9 +437,10 @@ struct State {
     id_field: Option<String>,
     /// Rows held back until a stream input's columns are known.
     early: Vec<Row>,
-    /// Rows with input columns the table has not (a stream's column first seen after the rows
-    /// its columns were inferred from), and the first such column, to say so at the end.
-    unseen: (u64, Option<String>),
+    /// For columns inferred from a stream's first rows: rows with input columns the table has
+    /// not (first seen later), and the first such column, to say so at the end. `None` when
+    /// the columns came from the whole input.
+    unseen: Option<(u64, Option<String>)>,
 }
 
 impl State {
@@ -451,6 +450,7 @@ impl State {
 
     /// Infers the columns from the rows held back (a stream input).
     fn infer(&mut self) -> io::Result<()> {
+        self.unseen = Some((0, None));
         let mut inf = Inference::default();
         for r in &self.early {
             match r {
@@ -503,15 +503,15 @@ impl State {
         if self.journal.is_some() {
             self.keys.extend(key_of(&row));
         }
-        if let (Some(c), None) = (&self.columns, &self.keep) {
+        if let (Some(c), None, Some((rows, first))) = (&self.columns, &self.keep, &mut self.unseen) {
             let input = match &row {
                 Row::Success(s) => Some(&s.record.input),
                 Row::Failure(f) => f.input.as_ref(),
                 Row::Event(_) => None,
             };
             if let Some(name) = input.and_then(|i| i.keys().find(|k| !c.kept.iter().any(|f| f.name() == *k))) {
-                self.unseen.0 += 1;
-                self.unseen.1.get_or_insert_with(|| name.clone());
+                *rows += 1;
+                first.get_or_insert_with(|| name.clone());
             }
         }
         let c = self.columns.as_ref();
@@ -626,7 +626,7 @@ async fn write_loop(
         keep: settings.keep.clone(),
         id_field: settings.id_field.clone(),
         early: Vec::new(),
-        unseen: (0, None),
+        unseen: None,
     };
     let mut error: Option<io::Error> = None;
     if let Some(schema) = &settings.input_schema {
@@ -676,7 +676,7 @@ async fn write_loop(
     if let Some(f) = &settings.on_tick {
         f();
     }
-    if let (n, Some(name)) = &state.unseen {
+    if let Some((n, Some(name))) = &state.unseen {
         tracing::warn!(
             "{n} rows had input columns the table does not have (such as '{name}': a column first seen after the \
              first {INFER_ROWS} rows of a stream, which the table's columns were taken from); those values were \

@@ -187,12 +187,10 @@ async fn connect_model(
 struct Created(Vec<(PathBuf, std::fs::File)>);
 
 impl Created {
-    /// Keeps `claimed`'s file for removal if this run made it.
-    fn note(&mut self, claimed: &Option<(PathBuf, std::fs::File, bool)>) -> Result<(), RunError> {
-        if let Some((path, file, true)) = claimed {
-            let held = file.try_clone().map_err(|e| RunError::Fatal(format!("{}: {e}", path.display())))?;
-            self.0.push((path.clone(), held));
-        }
+    /// Keeps `file` (at `path`) for removal, with a handle that holds its lock.
+    fn note(&mut self, path: &std::path::Path, file: &std::fs::File) -> Result<(), RunError> {
+        let held = file.try_clone().map_err(|e| RunError::Fatal(format!("{}: {e}", path.display())))?;
+        self.0.push((path.to_path_buf(), held));
         Ok(())
     }
 }
@@ -287,6 +285,14 @@ enum Routed {
     ReadError(std::io::Error),
 }
 
+/// Starts a run's drain, wherever it is waiting (for an outcome, on a blocked writer, for the
+/// writer to finish): no new calls, for `why` (the stop reason the report tells it by), and
+/// the calls in flight get `drain` more time.
+fn start_drain(endpoints: &Endpoints, deadline: std::pin::Pin<&mut tokio::time::Sleep>, drain: Duration, why: &str) {
+    endpoints.stop(StopReason { kind: ErrorKind::Aborted, message: why.into() });
+    deadline.reset(Instant::now() + drain);
+}
+
 /// The end of an interrupted resumable run whose output's (or events') reader stopped reading:
 /// the rows still queued for it are not written, and their records are not finished.
 fn reader_not_reading() -> RunError {
@@ -300,20 +306,25 @@ fn reader_not_reading() -> RunError {
 /// Why a run whose results' reader went away stopped (its report tells it by this message).
 pub const OUTPUT_CLOSED: &str = "the output was closed (its reader went away)";
 
-/// Opens an output that is not a table: a file (locked, never truncated here, and whether
-/// this run created it), or a FIFO or a device, written to as it is (never locked, truncated
-/// or read back); `None` for stdout.
+/// Opens an output that is not a table: a file (locked, never truncated here, and noted in
+/// `created` if this run made it), or a FIFO (locked too) or a device, written to as it is
+/// (never truncated or read back); `None` for stdout.
 async fn claim_path(
     p: &OutputPath,
     flag: &str,
     interrupts: &watch::Receiver<u32>,
-) -> Result<Option<(PathBuf, std::fs::File, bool)>, RunError> {
+    created: &mut Created,
+) -> Result<Option<(PathBuf, std::fs::File)>, RunError> {
     use std::os::unix::fs::FileTypeExt;
     let usage = |path: &std::path::Path, e: std::io::Error| RunError::Usage(format!("{flag} {}: {e}", path.display()));
     match p {
         OutputPath::Stdout => Ok(None),
         OutputPath::File(path) => {
-            weir_io::sink::claim(path).map(|c| Some((path.clone(), c.file, c.created))).map_err(|e| usage(path, e))
+            let claimed = weir_io::sink::claim(path).map_err(|e| usage(path, e))?;
+            if claimed.created {
+                created.note(path, &claimed.file)?;
+            }
+            Ok(Some((path.clone(), claimed.file)))
         }
         // Opening a FIFO for writing blocks until something reads it: say so, and give up
         // when interrupted, rather than hang in silence.
@@ -326,7 +337,7 @@ async fn claim_path(
             // Two runs writing one FIFO would interleave their rows (a row over the pipe's
             // atomic size is cut in two): held with the same advisory lock as a file.
             match fifo.try_lock() {
-                Ok(()) => Ok(Some((path.clone(), fifo, false))),
+                Ok(()) => Ok(Some((path.clone(), fifo))),
                 Err(std::fs::TryLockError::WouldBlock) => Err(RunError::Usage(format!(
                     "{flag} {}: another weir run is writing this FIFO; wait for it to finish or choose another path",
                     path.display()
@@ -337,7 +348,7 @@ async fn claim_path(
         OutputPath::Stream(path) => std::fs::OpenOptions::new()
             .append(true)
             .open(path)
-            .map(|f| Some((path.clone(), f, false)))
+            .map(|f| Some((path.clone(), f)))
             .map_err(|e| usage(path, e)),
     }
 }
@@ -645,20 +656,13 @@ pub async fn run(
     // A table output is written through weir-tables, not opened here.
     let (mut out_file, mut err_file) = match &tables_out {
         Some(_) => (None, None),
-        None => {
-            let out = claim_path(&settings.output, "--output", &interrupts).await?;
-            created.note(&out)?;
-            let errs = claim_path(&settings.errors, "--errors", &interrupts).await?;
-            created.note(&errs)?;
-            (out.map(|(p, f, _)| (p, f)), errs.map(|(p, f, _)| (p, f)))
-        }
+        None => (
+            claim_path(&settings.output, "--output", &interrupts, &mut created).await?,
+            claim_path(&settings.errors, "--errors", &interrupts, &mut created).await?,
+        ),
     };
     let mut events_file = match &events_path {
-        Some(p) => {
-            let events = claim_path(p, "--events", &interrupts).await?;
-            created.note(&events)?;
-            events.map(|(p, f, _)| (p, f))
-        }
+        Some(p) => claim_path(p, "--events", &interrupts, &mut created).await?,
         None => None,
     };
 
@@ -762,7 +766,7 @@ pub async fn run(
                 })?;
                 if recovered.requeued > 0 {
                     // The errors file was replaced by a rewritten one: write (and lock) that one.
-                    err_file = claim_path(&settings.errors, "--errors", &interrupts).await?.map(|(p, f, _)| (p, f));
+                    err_file = claim_path(&settings.errors, "--errors", &interrupts, &mut created).await?;
                 }
                 if total.is_none() {
                     total = count()?;
@@ -1166,8 +1170,7 @@ pub async fn run(
                         "weir: interrupted; letting calls in flight finish (up to {} s). Press Ctrl-C again to stop at once.",
                         settings.drain.as_secs()
                     ));
-                    endpoints.stop(StopReason { kind: ErrorKind::Aborted, message: "interrupted".into() });
-                    drain_deadline.as_mut().reset(Instant::now() + settings.drain);
+                    start_drain(&endpoints, drain_deadline.as_mut(), settings.drain, "interrupted");
                 }
                 continue;
             }
@@ -1178,8 +1181,7 @@ pub async fn run(
                      the errors file as not finished.",
                     settings.drain.as_secs()
                 ));
-                endpoints.stop(StopReason { kind: ErrorKind::Aborted, message: OUTPUT_CLOSED.into() });
-                drain_deadline.as_mut().reset(Instant::now() + settings.drain);
+                start_drain(&endpoints, drain_deadline.as_mut(), settings.drain, OUTPUT_CLOSED);
                 continue;
             }
             // Only a resumable run cuts calls still in flight at the drain deadline (their
@@ -1248,8 +1250,7 @@ pub async fn run(
                                  Press Ctrl-C again to stop at once (they are lost then)."
                             ));
                         }
-                        endpoints.stop(StopReason { kind: ErrorKind::Aborted, message: "interrupted".into() });
-                        drain_deadline.as_mut().reset(Instant::now() + settings.drain);
+                        start_drain(&endpoints, drain_deadline.as_mut(), settings.drain, "interrupted");
                     }
                 }
                 // Only a resumable run gives up on a reader: its unwritten records are simply
@@ -1290,8 +1291,7 @@ pub async fn run(
             changed = interrupts.changed(), if !interrupted => {
                 if changed.is_ok() && *interrupts.borrow() >= 1 {
                     interrupted = true;
-                    endpoints.stop(StopReason { kind: ErrorKind::Aborted, message: "interrupted".into() });
-                    drain_deadline.as_mut().reset(Instant::now() + settings.drain);
+                    start_drain(&endpoints, drain_deadline.as_mut(), settings.drain, "interrupted");
                 }
             }
             // A deadline already past (calls that outlived it) still leaves the writer a moment.
@@ -1591,11 +1591,14 @@ async fn guard_jobs(
     settings: &RunSettings,
     output: &str,
 ) -> Result<(), RunError> {
+    if !settings.fresh {
+        return Ok(());
+    }
     let jobs: Vec<weir_core::JobRef> = match weir_batch::Ledger::read(ledger) {
         Ok(chunks) => chunks.into_iter().filter_map(|c| c.job).collect(),
         Err(e) => return Err(RunError::Usage(format!("{e}; remove it only after checking its jobs"))),
     };
-    if jobs.is_empty() || !settings.fresh {
+    if jobs.is_empty() {
         return Ok(());
     }
     let cancel = format!(
