@@ -12,6 +12,13 @@ fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
+/// `weir run --model sim/demo --progress never` run in `dir`, with `args` (input, output, …).
+fn demo(dir: &Dir, args: &[&str]) -> tokio::process::Command {
+    let mut c = weir();
+    c.current_dir(&dir.0).args(["run", "--model", "sim/demo", "--progress", "never"]).args(args);
+    c
+}
+
 /// 14. Runs on one output started at the same moment: one writes, the others are refused or
 ///     find the work done, and no refused run removes what the winner made. (A refused run
 ///     used to remove, by path, the files it believed it had created: 2 times in 250 pairs
@@ -31,10 +38,8 @@ async fn runs_started_together_never_remove_the_winners_output() {
         };
         let starts: Vec<_> = (0..4)
             .map(|_| {
-                weir()
-                    .current_dir(&dir.0)
-                    .args(["run", "--model", "sim/demo", "--input", "in.jsonl", "--output", output])
-                    .args(["--id-field", "key", "--progress", "never"])
+                demo(&dir, &["--input", "in.jsonl", "--output", output])
+                    .args(["--id-field", "key"])
                     .args(extra)
                     .output()
             })
@@ -76,10 +81,7 @@ async fn a_refused_run_never_removes_a_file_another_run_made_meanwhile() {
     let fifo = dir.path("out.fifo");
     assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
     let errors = dir.path("e.jsonl");
-    let mut b = weir()
-        .current_dir(&dir.0)
-        .args(["run", "--model", "sim/demo", "--input", "in.jsonl", "--output", s(&fifo), "--errors", s(&errors)])
-        .args(["--progress", "never"])
+    let mut b = demo(&dir, &["--input", "in.jsonl", "--output", s(&fifo), "--errors", s(&errors)])
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
@@ -88,10 +90,8 @@ async fn a_refused_run_never_removes_a_file_another_run_made_meanwhile() {
     assert!(line.contains("waiting for something to read the FIFO"), "{line}");
     assert!(!errors.exists());
     // A makes and holds the errors file, reading its records from a pipe it keeps open.
-    let mut a = weir()
-        .current_dir(&dir.0)
-        .args(["run", "--model", "sim/demo", "--input", "-", "--output", "a.jsonl", "--errors", s(&errors)])
-        .args(["--id-field", "key", "--progress", "never"])
+    let mut a = demo(&dir, &["--input", "-", "--output", "a.jsonl", "--errors", s(&errors)])
+        .args(["--id-field", "key"])
         .stdin(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -140,7 +140,7 @@ async fn a_local_table_reads_as_one_table_at_every_moment_of_a_killed_run() {
     for format in ["parquet", "csv"] {
         let mut config = weir_sim::SimConfig::default();
         config.latency.fixed_ms = 20.0;
-        let server = weir_sim::SimServer::start(config, "127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let server = sim(config).await;
         let dir = Dir::new(&format!("hidden-staging-{format}"));
         const N: usize = 8_000;
         let blob = "x".repeat(4_000);
@@ -262,13 +262,7 @@ df.to_parquet(sys.argv[1])
         &[s(&input)],
     );
     for output in ["out.parquet", "out.csv", "out.jsonl"] {
-        let o = weir()
-            .current_dir(&dir.0)
-            .args(["run", "--model", "sim/demo", "--input", s(&input), "--output", output, "--id-field", "key"])
-            .args(["--progress", "never"])
-            .output()
-            .await
-            .unwrap();
+        let o = demo(&dir, &["--input", s(&input), "--output", output, "--id-field", "key"]).output().await.unwrap();
         assert_eq!(o.status.code(), Some(0), "{output}: {}", stderr(&o));
     }
     let got = python(
@@ -300,7 +294,7 @@ print(rows[0]["input"]["colour"], rows[0]["input"]["at"])
 async fn a_closed_stdout_accounts_for_every_record_left() {
     let mut config = weir_sim::SimConfig::default();
     config.latency.fixed_ms = 30.0;
-    let server = weir_sim::SimServer::start(config, "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let server = sim(config).await;
     let dir = Dir::new("closed-stdout");
     let (data, ids) = prompts(300);
     dir.write("in.jsonl", &data);
@@ -391,8 +385,7 @@ async fn ctrl_c_is_heard_while_the_events_reader_does_not_read() {
 ///     model without jobs), and with `--stream` it runs online instead of refusing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn auto_mode_says_when_it_runs_online() {
-    let server =
-        weir_sim::SimServer::start(weir_sim::SimConfig::default(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let server = sim(weir_sim::SimConfig::default()).await;
     let dir = Dir::new("auto-online");
     let (data, _) = prompts(20);
     dir.write("in.jsonl", &data);
@@ -442,8 +435,7 @@ async fn auto_mode_says_when_it_runs_online() {
 ///     be, every one of them, keyed on id and line.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn resume_stream_knows_finished_ids_in_any_order() {
-    let server =
-        weir_sim::SimServer::start(weir_sim::SimConfig::default(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let server = sim(weir_sim::SimConfig::default()).await;
     let dir = Dir::new("resume-stream-ids");
     let (data, mut ids) = prompts(100);
     let url = server.url();
@@ -490,10 +482,8 @@ async fn resume_stream_knows_finished_ids_in_any_order() {
 async fn csv_files_from_spreadsheets() {
     let dir = Dir::new("csv-edges");
     let run = |input: &str, output: &str, extra: &[&str]| {
-        let mut c = weir();
-        c.current_dir(&dir.0)
-            .args(["run", "--model", "sim/demo", "--input", input, "--output", output, "--progress", "never"])
-            .args(extra);
+        let mut c = demo(&dir, &["--input", input, "--output", output]);
+        c.args(extra);
         c
     };
     dir.write("bad.csv", b"id,prompt\n1,hello\n2,caf\xe9\n3,bye\n");
@@ -557,10 +547,8 @@ async fn a_refused_table_run_leaves_no_directory() {
     let (data, _) = prompts(5);
     dir.write("in.jsonl", &data);
     for output in ["out.parquet", "out.csv"] {
-        let o = weir()
-            .current_dir(&dir.0)
-            .args(["run", "--model", "sim/demo", "--input", "in.jsonl", "--output", output])
-            .args(["--keep-columns", "nosuch", "--progress", "never"])
+        let o = demo(&dir, &["--input", "in.jsonl", "--output", output])
+            .args(["--keep-columns", "nosuch"])
             .output()
             .await
             .unwrap();
@@ -570,22 +558,7 @@ async fn a_refused_table_run_leaves_no_directory() {
     }
     // A table output that is a symlink to nothing says so (it was a bare "No such file").
     std::os::unix::fs::symlink("nowhere", dir.path("linked.parquet")).unwrap();
-    let o = weir()
-        .current_dir(&dir.0)
-        .args([
-            "run",
-            "--model",
-            "sim/demo",
-            "--input",
-            "in.jsonl",
-            "--output",
-            "linked.parquet",
-            "--progress",
-            "never",
-        ])
-        .output()
-        .await
-        .unwrap();
+    let o = demo(&dir, &["--input", "in.jsonl", "--output", "linked.parquet"]).output().await.unwrap();
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("is a symlink to nowhere, which does not exist"), "{}", stderr(&o));
 }
@@ -608,8 +581,7 @@ pq.write_table(pa.table({"key": ["a", "b", "c"],
 "#,
         &[s(&input)],
     );
-    let server =
-        weir_sim::SimServer::start(weir_sim::SimConfig::default(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let server = sim(weir_sim::SimConfig::default()).await;
     let url = server.url();
     let o = weir()
         .current_dir(&dir.0)
@@ -651,13 +623,7 @@ pq.write_table(pa.table({"key": ["a", "b", "c"], "prompt": ["x", "y", "z"],
         &[s(&input)],
     );
     for output in ["out.parquet", "out.jsonl"] {
-        let o = weir()
-            .current_dir(&dir.0)
-            .args(["run", "--model", "sim/demo", "--input", s(&input), "--output", output, "--id-field", "key"])
-            .args(["--progress", "never"])
-            .output()
-            .await
-            .unwrap();
+        let o = demo(&dir, &["--input", s(&input), "--output", output, "--id-field", "key"]).output().await.unwrap();
         assert_eq!(o.status.code(), Some(0), "{output}: {}", stderr(&o));
     }
     let got = python(
@@ -683,7 +649,7 @@ print(lines["a"]["f"], lines["b"]["f"], lines["c"]["f"], lines["a"]["dur"])
 async fn an_errors_table_and_a_fifo_are_held_by_one_run() {
     let mut config = weir_sim::SimConfig::default();
     config.latency.fixed_ms = 200.0;
-    let server = weir_sim::SimServer::start(config, "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let server = sim(config).await;
     let url = server.url();
     let dir = Dir::new("errors-table-lock");
     let (data, _) = prompts(40);
@@ -737,10 +703,8 @@ async fn without_state_ctrl_c_waits_for_a_stalled_reader_and_loses_nothing() {
     dir.write("in.jsonl", &data);
     let fifo = dir.path("events.fifo");
     assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
-    let child = weir()
-        .current_dir(&dir.0)
-        .args(["run", "--model", "sim/demo", "--input", "in.jsonl", "--output", "out.jsonl", "--id-field", "key"])
-        .args(["--no-state", "--stream", "--events", s(&fifo), "--timeout", "2", "--progress", "never"])
+    let child = demo(&dir, &["--input", "in.jsonl", "--output", "out.jsonl", "--id-field", "key"])
+        .args(["--no-state", "--stream", "--events", s(&fifo), "--timeout", "2"])
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
@@ -770,10 +734,7 @@ async fn a_late_column_of_a_stream_into_a_table_is_named() {
         let extra = if i >= 1_100 { ", \"extra\": \"x\"" } else { "" };
         data.extend(format!("{{\"key\": \"k{i}\", \"prompt\": \"p {i}\"{extra}}}\n").into_bytes());
     }
-    let mut child = weir()
-        .current_dir(&dir.0)
-        .args(["run", "--model", "sim/demo", "--input", "-", "--output", "out.parquet", "--id-field", "key"])
-        .args(["--progress", "never"])
+    let mut child = demo(&dir, &["--input", "-", "--output", "out.parquet", "--id-field", "key"])
         .stdin(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -794,10 +755,8 @@ async fn keep_columns_no_row_has_are_named() {
     let dir = Dir::new("keep-nosuch");
     let (data, _) = prompts(5);
     dir.write("in.jsonl", &data);
-    let o = weir()
-        .current_dir(&dir.0)
-        .args(["run", "--model", "sim/demo", "--input", "in.jsonl", "--output", "out.jsonl"])
-        .args(["--keep-columns", "key,nosuch", "--progress", "never"])
+    let o = demo(&dir, &["--input", "in.jsonl", "--output", "out.jsonl"])
+        .args(["--keep-columns", "key,nosuch"])
         .output()
         .await
         .unwrap();

@@ -8,10 +8,6 @@ use std::time::Duration;
 use util::*;
 use weir_sim::{SimConfig, SimServer};
 
-async fn sim(config: SimConfig) -> SimServer {
-    SimServer::start(config, "127.0.0.1:0".parse().unwrap()).await.unwrap()
-}
-
 fn base_args<'a>(server: &'a str, input: &'a str, out: &'a str) -> Vec<&'a str> {
     vec!["run", "--model", "gemini/m", "--base-url", server, "--input", input, "--output", out, "--id-field", "key"]
 }

@@ -4,11 +4,7 @@ mod util;
 
 use serde_json::Value;
 use util::*;
-use weir_sim::{SimConfig, SimServer};
-
-async fn sim(config: SimConfig) -> SimServer {
-    SimServer::start(config, "127.0.0.1:0".parse().unwrap()).await.unwrap()
-}
+use weir_sim::SimConfig;
 
 fn faulty(rate_each: f64, seed: u64) -> SimConfig {
     let mut c = SimConfig { seed, ..SimConfig::default() };

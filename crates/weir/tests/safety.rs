@@ -11,10 +11,6 @@ use util::*;
 use weir::report::thousands;
 use weir_sim::{SimConfig, SimServer};
 
-async fn sim(config: SimConfig) -> SimServer {
-    SimServer::start(config, "127.0.0.1:0".parse().unwrap()).await.unwrap()
-}
-
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }

@@ -8,11 +8,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use util::*;
-use weir_sim::{SimConfig, SimServer};
-
-async fn sim(config: SimConfig) -> SimServer {
-    SimServer::start(config, "127.0.0.1:0".parse().unwrap()).await.unwrap()
-}
+use weir_sim::SimConfig;
 
 /// A simulator whose first token comes after 150 ms and every further one 10 ms later.
 fn paced() -> SimConfig {

@@ -54,6 +54,11 @@ pub fn weir() -> tokio::process::Command {
     c
 }
 
+/// The simulator with `config`, on a free loopback port.
+pub async fn sim(config: weir_sim::SimConfig) -> weir_sim::SimServer {
+    weir_sim::SimServer::start(config, "127.0.0.1:0".parse().unwrap()).await.unwrap()
+}
+
 pub async fn run(args: &[&str]) -> Output {
     weir().args(args).output().await.unwrap()
 }
