@@ -10,7 +10,7 @@
 use datafusion::common::config::{ConfigExtension, ConfigOptions};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{LazyLock, Mutex};
+use std::sync::{Arc, LazyLock, Mutex};
 use tokio_util::sync::CancellationToken;
 
 datafusion::common::extensions_options! {
@@ -25,11 +25,14 @@ impl ConfigExtension for TaskTag {
     const PREFIX: &'static str = "weir_task";
 }
 
-/// The live tasks' tokens.
-static TASKS: LazyLock<Mutex<HashMap<u64, CancellationToken>>> = LazyLock::new(Default::default);
+/// A live task's token, and the rows it has called.
+type Live = (CancellationToken, Arc<AtomicU64>);
+
+/// The live tasks.
+static TASKS: LazyLock<Mutex<HashMap<u64, Live>>> = LazyLock::new(Default::default);
 static NEXT: AtomicU64 = AtomicU64::new(1);
 
-fn tasks() -> std::sync::MutexGuard<'static, HashMap<u64, CancellationToken>> {
+fn tasks() -> std::sync::MutexGuard<'static, HashMap<u64, Live>> {
     TASKS.lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -42,11 +45,11 @@ pub struct Task {
 }
 
 impl Task {
-    /// A new task with a fresh tag.
-    pub fn start() -> Self {
+    /// A new task with a fresh tag; the rows its calls are made for are added to `rows`.
+    pub fn start(rows: Arc<AtomicU64>) -> Self {
         let id = NEXT.fetch_add(1, Ordering::Relaxed);
         let token = CancellationToken::new();
-        tasks().insert(id, token.clone());
+        tasks().insert(id, (token.clone(), rows));
         Task { tag: TaskTag { id }, token }
     }
 }
@@ -62,9 +65,17 @@ impl Drop for Task {
 pub(crate) fn token_of(options: &ConfigOptions) -> Option<CancellationToken> {
     let id = options.extensions.get::<TaskTag>()?.id;
     // A tag whose task is gone: the task ended; calls made now are stray.
-    Some(tasks().get(&id).cloned().unwrap_or_else(|| {
+    Some(tasks().get(&id).map(|(t, _)| t.clone()).unwrap_or_else(|| {
         let t = CancellationToken::new();
         t.cancel();
         t
     }))
+}
+
+/// Counts `rows` called for the task `options` belong to (when they run under a tag).
+pub(crate) fn count_called(options: &ConfigOptions, rows: u64) {
+    let Some(tag) = options.extensions.get::<TaskTag>() else { return };
+    if let Some((_, called)) = tasks().get(&tag.id) {
+        called.fetch_add(rows, Ordering::Relaxed);
+    }
 }

@@ -114,17 +114,29 @@ impl ExecutionEngine for CancellableEngine {
             work_dir,
             config,
         )?;
-        Ok(Arc::new(CancellableStage(stage)))
+        Ok(Arc::new(CancellableStage { inner: stage, task_id, rows: Arc::default() }))
     }
 }
 
-/// A query stage whose model calls stop when its execution is dropped.
+/// A query stage (one task of it) whose model calls stop when its execution is dropped, and
+/// whose metrics say which task it was and how many rows it called (see [`rows_called_again`]).
 #[derive(Debug)]
-struct CancellableStage(Arc<dyn QueryStageExecutor>);
+struct CancellableStage {
+    inner: Arc<dyn QueryStageExecutor>,
+    /// The task's number in its stage.
+    task_id: usize,
+    /// Rows the task's calls were made for.
+    rows: Arc<std::sync::atomic::AtomicU64>,
+}
+
+/// The metric naming the task that produced a partition's output.
+const TASK_METRIC: &str = "weir_task";
+/// The metric counting the rows a task called models for.
+const ROWS_METRIC: &str = "weir_rows_called";
 
 impl std::fmt::Display for CancellableStage {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.0.fmt(f)
+        self.inner.fmt(f)
     }
 }
 
@@ -135,7 +147,7 @@ impl QueryStageExecutor for CancellableStage {
         task_id: usize,
         context: Arc<TaskContext>,
     ) -> datafusion::common::Result<Vec<ShuffleWritePartition>> {
-        let task = crate::cancel::Task::start();
+        let task = crate::cancel::Task::start(self.rows.clone());
         let mut config = context.session_config().clone();
         config.options_mut().extensions.insert(task.tag.clone());
         let tagged = Arc::new(TaskContext::new(
@@ -148,27 +160,41 @@ impl QueryStageExecutor for CancellableStage {
             context.window_functions().clone(),
             context.runtime_env(),
         ));
-        let written = self.0.execute_query_stage(task_id, tagged).await;
+        let written = self.inner.execute_query_stage(task_id, tagged).await;
         drop(task);
         written
     }
 
     fn collect_plan_metrics(&self) -> Vec<MetricsSet> {
-        self.0.collect_plan_metrics()
+        use datafusion::physical_plan::metrics::{Count, Metric, MetricValue};
+        let mut sets = self.inner.collect_plan_metrics();
+        // Added to the stage root's set (the scheduler expects one set per operator), on the
+        // task's own partition, which the scheduler keeps per partition from the task that
+        // last produced it.
+        if let Some(root) = sets.first_mut() {
+            let count = |name: &'static str, n: usize| {
+                let c = Count::new();
+                c.add(n);
+                Arc::new(Metric::new(MetricValue::Count { name: name.into(), count: c }, Some(0)))
+            };
+            root.push(count(TASK_METRIC, self.task_id));
+            root.push(count(ROWS_METRIC, self.rows.load(std::sync::atomic::Ordering::Relaxed) as usize));
+        }
+        sets
     }
 
     fn collect_runtime_stats_reports(&self) -> Vec<ballista_core::serde::protobuf::RuntimeStatsReport> {
-        self.0.collect_runtime_stats_reports()
+        self.inner.collect_runtime_stats_reports()
     }
 
     fn collect_window_state_reports(
         &self,
     ) -> datafusion::common::Result<Vec<ballista_core::serde::protobuf::WindowStateReport>> {
-        self.0.collect_window_state_reports()
+        self.inner.collect_window_state_reports()
     }
 
     fn collect_column_stats(&self) -> Vec<ballista_core::serde::protobuf::TaskColumnStats> {
-        self.0.collect_column_stats()
+        self.inner.collect_column_stats()
     }
 }
 
@@ -225,6 +251,14 @@ pub async fn connect(url: &str, config: SessionConfig, functions: &Arc<Engine>) 
         .options_mut()
         .set(ballista_core::config::BALLISTA_CLIENT_PULL, "true")
         .map_err(|e| e.to_string())?;
+    ctx.state_ref()
+        .write()
+        .config_mut()
+        .options_mut()
+        // One partition per task: tasks run again are then known by their number (see
+        // rows_called_again).
+        .set(ballista_core::config::BALLISTA_SCHEDULER_MAX_PARTITIONS_PER_TASK, "1")
+        .map_err(|e| e.to_string())?;
     crate::register(&ctx, functions);
     Ok(ctx)
 }
@@ -239,6 +273,54 @@ pub fn job_id(plan: &Arc<dyn datafusion::physical_plan::ExecutionPlan>) -> Optio
         return d.job_id().map(|j| j.to_string());
     }
     plan.children().into_iter().find_map(job_id)
+}
+
+/// Rows of a finished `job` whose model calls were made again, by tasks that ran a second time
+/// (Ballista runs a lost executor's tasks again, the finished ones too when the next stage
+/// still needed their output, and any task that failed): their earlier calls were most likely
+/// paid for too, and the client is told, since the executors that made them cannot know.
+///
+/// Tasks carry one partition each (see [`connect`]), so the first run of a stage of `n`
+/// partitions is its tasks `0..n`; the scheduler keeps each partition's metrics from the task
+/// that last produced it, and a task numbered `n` or above ran a partition again. (A partition
+/// run three times counts once: this is a lower bound.)
+pub async fn rows_called_again(url: &str, job: &str) -> Result<u64, String> {
+    use ballista_core::serde::protobuf::operator_metric::Metric;
+    let mut again = 0;
+    for stage in finished(url, job).await? {
+        // Per partition: the task that produced it, and the rows it called.
+        let mut parts: std::collections::HashMap<u32, (u64, u64)> = Default::default();
+        for op in stage.operators.iter().filter(|o| o.depth == 0) {
+            for m in &op.metrics {
+                if let (Some(p), Some(Metric::Count(c))) = (m.partition, &m.metric) {
+                    let entry = parts.entry(p).or_default();
+                    match c.name.as_str() {
+                        TASK_METRIC => entry.0 = c.value,
+                        ROWS_METRIC => entry.1 = c.value,
+                        _ => {}
+                    }
+                }
+            }
+        }
+        again +=
+            parts.values().filter(|(task, _)| *task >= u64::from(stage.partitions)).map(|(_, rows)| rows).sum::<u64>();
+    }
+    Ok(again)
+}
+
+/// The finished stages of `job`, with their metrics.
+async fn finished(url: &str, job: &str) -> Result<Vec<ballista_core::serde::protobuf::JobStageMetrics>, String> {
+    use ballista_core::serde::protobuf::{scheduler_grpc_client::SchedulerGrpcClient, GetJobMetricsParams};
+    let endpoint = format!("http://{}", url.trim_start_matches("df://"));
+    let mut client = SchedulerGrpcClient::connect(endpoint).await.map_err(|e| e.to_string())?;
+    let answer = client.get_job_metrics(GetJobMetricsParams { job_id: job.to_string() }).await;
+    Ok(answer.map_err(|e| e.message().to_string())?.into_inner().stages)
+}
+
+/// How many stages of a running `job` have finished (to tell a query waiting for executors from
+/// one they are busy with).
+pub async fn finished_stages(url: &str, job: &str) -> Result<usize, String> {
+    Ok(finished(url, job).await?.len())
 }
 
 /// Asks the scheduler behind `url` (`df://HOST:PORT`) to cancel `job`: its tasks stop on every

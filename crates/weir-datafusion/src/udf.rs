@@ -204,6 +204,11 @@ impl AsyncScalarUDFImpl for LlmUdf {
             fail_on_error.push(opts.fail_on_error);
             rows.push(Row { model, prompt, id: None, call: opts.call.clone() });
         }
+        #[cfg(feature = "cluster")]
+        crate::cancel::count_called(
+            &args.config_options,
+            rows.iter().filter(|r| r.model.is_some() && r.prompt.is_some()).count() as u64,
+        );
         let answer = self.functions.answer_or_stop(rows, self.kind.embed());
         #[cfg(feature = "cluster")]
         let answer = async {

@@ -135,18 +135,59 @@ async fn cluster_session(
     .into())
 }
 
-/// On a cluster, says once after a while that the query is still waiting, and what it needs;
-/// never ends (it is raced against the query).
+/// The plan of the statement running now, for [`waiting_notice`] to find its cluster job.
+static RUNNING: std::sync::Mutex<Option<Arc<dyn datafusion::physical_plan::ExecutionPlan>>> =
+    std::sync::Mutex::new(None);
+
+/// On a cluster, says once after a while that the query is still running, and — when none of
+/// its stages has finished — what it needs if no executor has joined; never ends (it is raced
+/// against the query).
 async fn waiting_notice(cluster: Option<&str>) {
     if let Some(url) = cluster {
         tokio::time::sleep(std::time::Duration::from_secs(20)).await;
         let host = url.trim_start_matches("df://");
-        eprintln!(
-            "weir sql: still running after 20 s on {url} (with no executor running, a query waits for one: \
-             weir cluster executor --scheduler {host})"
-        );
+        let plan = RUNNING.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let job = plan.as_ref().and_then(weir_datafusion_job);
+        let done = match &job {
+            Some(job) => finished_stages(url, job).await,
+            None => 0,
+        };
+        let which = job.map(|j| format!("job {j} ")).unwrap_or_default();
+        if done > 0 {
+            eprintln!("weir sql: {which}still running after 20 s on {url} ({done} of its stages finished)");
+        } else {
+            eprintln!(
+                "weir sql: {which}still running after 20 s on {url}, none of its stages finished yet (if no \
+                 executor has joined the scheduler, the query waits for one: weir cluster executor --scheduler \
+                 {host})"
+            );
+        }
     }
     std::future::pending::<()>().await
+}
+
+/// The cluster job behind a running plan.
+#[cfg(feature = "cluster")]
+fn weir_datafusion_job(plan: &Arc<dyn datafusion::physical_plan::ExecutionPlan>) -> Option<String> {
+    weir_datafusion::cluster::job_id(plan)
+}
+
+/// Without the cluster feature there is no job.
+#[cfg(not(feature = "cluster"))]
+fn weir_datafusion_job(_plan: &Arc<dyn datafusion::physical_plan::ExecutionPlan>) -> Option<String> {
+    None
+}
+
+/// The stages of a cluster job that finished (0 when the scheduler cannot say).
+#[cfg(feature = "cluster")]
+async fn finished_stages(url: &str, job: &str) -> usize {
+    weir_datafusion::cluster::finished_stages(url, job).await.unwrap_or(0)
+}
+
+/// Without the cluster feature there is no job.
+#[cfg(not(feature = "cluster"))]
+async fn finished_stages(_url: &str, _job: &str) -> usize {
+    0
 }
 
 /// DataFusion computes async functions (weir's calls) only in a projection or a filter; in a
@@ -317,8 +358,14 @@ async fn run_statement(
             }
             let task = Arc::new(frame.task_ctx());
             let physical = frame.create_physical_plan().await?;
+            *RUNNING.lock().unwrap_or_else(|e| e.into_inner()) = Some(physical.clone());
             tokio::select! {
-                r = async { print_rows(datafusion::physical_plan::execute_stream(physical.clone(), task)?, format).await } => r,
+                r = async { print_rows(datafusion::physical_plan::execute_stream(physical.clone(), task)?, format).await } => {
+                    if let (Ok(()), Some(url)) = (&r, cluster) {
+                        tell_repeated_calls(url, &physical).await;
+                    }
+                    r
+                }
                 stop = stop_signal() => {
                     if let Some(url) = cluster {
                         cancel_on_cluster(url, &physical).await;
@@ -354,6 +401,26 @@ async fn cancel_on_cluster(url: &str, plan: &Arc<dyn datafusion::physical_plan::
         None => eprintln!("weir sql: the scheduler had not yet accepted the query; nothing to cancel"),
     }
 }
+
+/// Says how many rows of a finished cluster query were called again by tasks that ran twice (an
+/// executor lost, a task failed): at most that many were paid for twice.
+#[cfg(feature = "cluster")]
+async fn tell_repeated_calls(url: &str, plan: &Arc<dyn datafusion::physical_plan::ExecutionPlan>) {
+    let Some(job) = weir_datafusion::cluster::job_id(plan) else { return };
+    match weir_datafusion::cluster::rows_called_again(url, &job).await {
+        Ok(0) => {}
+        Ok(n) => eprintln!(
+            "weir sql: up to {n} rows of job {job} were paid for twice: tasks that ran a second time on the \
+             cluster (an executor was lost, or a task failed) called those {n} rows again, and the first run \
+             had called those it reached (the executors' summaries count every call)"
+        ),
+        Err(e) => eprintln!("weir sql: could not ask {url} whether any task of job {job} ran twice ({e})"),
+    }
+}
+
+/// Without the cluster feature no task runs twice.
+#[cfg(not(feature = "cluster"))]
+async fn tell_repeated_calls(_url: &str, _plan: &Arc<dyn datafusion::physical_plan::ExecutionPlan>) {}
 
 /// Without the cluster feature there is no cluster query to cancel.
 #[cfg(not(feature = "cluster"))]

@@ -192,3 +192,67 @@ async fn cancelled_by(signal: &str, status: i32) {
     assert!(!names.iter().any(|n| n.to_string_lossy().contains("weir-partial")), "{names:?}");
     sim.shutdown().await;
 }
+
+/// An executor killed during a two-stage query (a GROUP BY over the calls) after some of its
+/// first-stage tasks finished: the query still finishes with every row counted once, and the
+/// executor that runs the lost tasks again says how many calls it made again (paid before).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_executor_lost_in_a_two_stage_query_is_survived_and_its_repeated_calls_are_told() {
+    let dir = Dir::new("cluster-lost");
+    let (data, _) = prompts(1600);
+    dir.write("in.jsonl", &data);
+    std::fs::create_dir(dir.path("parts")).unwrap();
+    for i in 0..8 {
+        let copy = format!("COPY (SELECT * FROM 'in.jsonl' WHERE n % 8 = {i}) TO 'parts/p{i}.parquet'");
+        let out = weir().current_dir(&dir.0).args(["sql", &copy]).output().await.unwrap();
+        assert!(out.status.success(), "{}", stderr(&out));
+    }
+    let mut config = SimConfig::default();
+    config.latency.fixed_ms = 200.0;
+    let sim = SimServer::start(config, "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let Cluster { scheduler, mut executors, _scheduler: _sched, .. } = Cluster::start(&sim, 2).await;
+    let mut query = weir()
+        .current_dir(&dir.0)
+        .args(["sql", "--format", "jsonl", "--cluster", &format!("df://127.0.0.1:{scheduler}")])
+        .args(["--partitions", "8", "--table", "reviews=parts"])
+        .arg(
+            "SELECT length(llm_generate('gemini/gemini-2.5-flash', prompt)) % 3 AS k, count(*) AS n \
+             FROM reviews GROUP BY k",
+        )
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Past the first round of tasks (two of eight partitions per executor at a time).
+    let started = std::time::Instant::now();
+    while sim.stats().requests < 1000 {
+        assert!(started.elapsed().as_secs() < 60, "{} calls after 60 s", sim.stats().requests);
+        assert!(query.try_wait().unwrap().is_none(), "{}", stderr(&query.wait_with_output().await.unwrap()));
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let mut lost = executors.remove(0);
+    lost.start_kill().unwrap();
+    lost.wait().await.unwrap();
+    let out = tokio::time::timeout(std::time::Duration::from_secs(150), query.wait_with_output())
+        .await
+        .expect("the query hung after an executor was lost")
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let total: u64 = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap()["n"].as_u64().unwrap())
+        .sum();
+    assert_eq!(total, 1600, "every row counted once");
+    // The client is told an upper bound of the rows paid twice: the rows of the partitions run
+    // again (those the lost executor had finished, and those it was running, which it had
+    // called only in part).
+    let err = stderr(&out);
+    let again: u64 = err
+        .split("weir sql: ")
+        .find_map(|l| l.strip_prefix("up to ")?.split_once(" rows of job ")?.0.parse().ok())
+        .unwrap_or_else(|| panic!("no word of rows called again: {err}"));
+    let answered = sim.stats().successes;
+    assert!(answered > 1600, "{answered} answers: no task ran again");
+    assert!(again >= answered - 1600 && again < 1600, "{again} told; {:?}", sim.stats());
+    sim.shutdown().await;
+}
