@@ -225,13 +225,74 @@ fn s3(bucket: &str, env: Env) -> Result<Arc<dyn ObjectStore>, TableError> {
                     if let Some(t) = get("aws_session_token") {
                         b = b.with_token(t);
                     }
+                    return finish_s3(b, bucket, env, &profile_name, home.as_deref());
                 }
             }
-            // Else the instance's or container's role, which object_store finds itself.
+            // Else a container's or web identity's role, or the instance's, which object_store
+            // finds itself; with none of them it would ask the instance metadata service ten
+            // times over three minutes and fail naming an address, not credentials.
+            let mut role = false;
+            for var in [
+                "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+                "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+                "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE",
+                "AWS_WEB_IDENTITY_TOKEN_FILE",
+                "AWS_ROLE_ARN",
+                "AWS_ROLE_SESSION_NAME",
+                "AWS_ENDPOINT_URL_STS",
+            ] {
+                if let Some(v) = env(var).filter(|v| !v.is_empty()) {
+                    let key: object_store::aws::AmazonS3ConfigKey =
+                        var.to_ascii_lowercase().parse().expect("object_store knows the AWS variables");
+                    b = b.with_config(key, v);
+                    role |= var != "AWS_ROLE_SESSION_NAME" && var != "AWS_ENDPOINT_URL_STS";
+                }
+            }
+            if !role {
+                let metadata = env("AWS_EC2_METADATA_SERVICE_ENDPOINT")
+                    .filter(|v| !v.is_empty())
+                    .unwrap_or_else(|| "http://169.254.169.254".into());
+                let disabled = env("AWS_EC2_METADATA_DISABLED").is_some_and(|v| v.eq_ignore_ascii_case("true"));
+                if disabled || !answers(&metadata) {
+                    let instance = if disabled {
+                        "the instance's role (AWS_EC2_METADATA_DISABLED is set)".to_string()
+                    } else {
+                        format!("the instance's role (no metadata service answers at {metadata}: not on EC2?)")
+                    };
+                    return Err(TableError::Usage(format!(
+                        "s3://{bucket}: no AWS credentials found. Tried: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY \
+                         (not set); profile {profile_name} in {} (no keys); a container or web-identity role (none \
+                         configured); {instance}. Set the two variables, or AWS_PROFILE to a profile with keys",
+                        env("AWS_SHARED_CREDENTIALS_FILE").unwrap_or_else(|| "~/.aws/credentials".into()),
+                    )));
+                }
+                b = b.with_metadata_endpoint(metadata);
+            }
         }
     }
+    finish_s3(b, bucket, env, &profile_name, home.as_deref())
+}
+
+/// Whether anything accepts a connection at `url`'s host and port within a second (the
+/// instance metadata service answers at once on EC2, and nothing does elsewhere).
+fn answers(url: &str) -> bool {
+    use std::net::ToSocketAddrs;
+    let Ok(u) = url::Url::parse(url) else { return false };
+    let (Some(host), Some(port)) = (u.host_str(), u.port_or_known_default()) else { return false };
+    let Ok(addrs) = (host, port).to_socket_addrs() else { return false };
+    addrs.into_iter().any(|a| std::net::TcpStream::connect_timeout(&a, std::time::Duration::from_secs(1)).is_ok())
+}
+
+/// The region and endpoint of an S3 store whose credentials are settled.
+fn finish_s3(
+    mut b: AmazonS3Builder,
+    bucket: &str,
+    env: Env,
+    profile_name: &str,
+    home: Option<&Path>,
+) -> Result<Arc<dyn ObjectStore>, TableError> {
     let region = env("AWS_REGION").or_else(|| env("AWS_DEFAULT_REGION")).filter(|v| !v.is_empty()).or_else(|| {
-        let file = env("AWS_CONFIG_FILE").map(PathBuf::from).or_else(|| home.as_ref().map(|h| h.join(".aws/config")));
+        let file = env("AWS_CONFIG_FILE").map(PathBuf::from).or_else(|| home.map(|h| h.join(".aws/config")));
         let section = if profile_name == "default" { "default".to_string() } else { format!("profile {profile_name}") };
         file.and_then(|f| ini_section(&f, &section))
             .and_then(|s| s.into_iter().find(|(n, _)| n == "region").map(|(_, v)| v))
@@ -324,6 +385,37 @@ mod tests {
         assert!(endpoint("X", "http://127.0.0.1.nip.invalid:9000").is_err());
         let e = endpoint("X", "https://user:hunter2@s3.example.com").unwrap_err().to_string();
         assert!(!e.contains("hunter2"), "{e}");
+    }
+
+    #[test]
+    fn missing_aws_credentials_fail_at_once_naming_what_was_tried() {
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+        let home = std::env::temp_dir().join(format!("weir-nohome-{}", std::process::id()));
+        let metadata = format!("http://{closed}");
+        let vars = |disabled: bool| {
+            let (home, metadata) = (home.display().to_string(), metadata.clone());
+            move |k: &str| match k {
+                "HOME" => Some(home.clone()),
+                "AWS_EC2_METADATA_SERVICE_ENDPOINT" => Some(metadata.clone()),
+                "AWS_EC2_METADATA_DISABLED" if disabled => Some("true".into()),
+                _ => None,
+            }
+        };
+        for disabled in [false, true] {
+            let started = std::time::Instant::now();
+            let e = s3("b", &vars(disabled)).expect_err("no credentials accepted").to_string();
+            assert!(started.elapsed().as_secs() < 5, "{:?}", started.elapsed());
+            assert!(e.contains("no AWS credentials found") && e.contains("AWS_ACCESS_KEY_ID"), "{e}");
+            assert!(e.contains(if disabled { "AWS_EC2_METADATA_DISABLED" } else { closed.to_string().leak() }), "{e}");
+        }
+        // Keys, or a role configured, are taken without a probe.
+        let with = |k: &str| match k {
+            "AWS_ACCESS_KEY_ID" | "AWS_SECRET_ACCESS_KEY" => Some("x".into()),
+            _ => None,
+        };
+        assert!(s3("b", &with).is_ok());
+        let role = |k: &str| (k == "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI").then(|| "/v2/creds".to_string());
+        assert!(s3("b", &role).is_ok());
     }
 
     #[test]

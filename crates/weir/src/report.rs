@@ -116,8 +116,20 @@ impl RunReport {
             tokens_out: m.tokens_out.load(Relaxed),
             elapsed,
             stopped,
-            output: settings.output.display(),
-            errors: settings.errors.display(),
+            // A table output is a directory (or prefix) of part files, the errors' too, whatever
+            // their names say: said, so that `--errors e.jsonl` is not looked for as a file.
+            output: match &settings.table_output {
+                Some(t) => {
+                    format!("{}/ (a table: {} part files)", settings.output.display(), t.results_format.extension())
+                }
+                None => settings.output.display(),
+            },
+            errors: match &settings.table_output {
+                Some(t) => {
+                    format!("{}/ (a table: {} part files)", settings.errors.display(), t.errors_format.extension())
+                }
+                None => settings.errors.display(),
+            },
             state,
             concurrency,
             rates,

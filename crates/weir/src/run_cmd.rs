@@ -108,7 +108,9 @@ pub struct RunArgs {
     #[arg(long, value_name = "FORMAT")]
     output_format: Option<String>,
     /// Where error rows go [default: beside the output, results.jsonl → results.errors.jsonl,
-    /// s3://b/out.parquet → s3://b/out.errors.parquet].
+    /// s3://b/out.parquet → s3://b/out.errors.parquet]. Beside a table output (Parquet, CSV, a
+    /// bucket) the errors are a table too: a directory of part files, `e.jsonl/part-00000.jsonl`,
+    /// whatever the name.
     #[arg(long, value_name = "PATH")]
     errors: Option<String>,
     /// Input columns carried to the output, comma-separated [default: all of them]. The id
