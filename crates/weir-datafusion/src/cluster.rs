@@ -259,6 +259,15 @@ pub async fn connect(url: &str, config: SessionConfig, functions: &Arc<Engine>) 
         // rows_called_again).
         .set(ballista_core::config::BALLISTA_SCHEDULER_MAX_PARTITIONS_PER_TASK, "1")
         .map_err(|e| e.to_string())?;
+    // Ballista's static planner, not its adaptive one (new in 55): a two-stage query whose
+    // executor was lost hung in the adaptive planner's bookkeeping ("Can't find active stage to
+    // update stage outputs") after paying for its first stage again.
+    ctx.state_ref()
+        .write()
+        .config_mut()
+        .options_mut()
+        .set(ballista_core::config::BALLISTA_ADAPTIVE_PLANNER_ENABLED, "false")
+        .map_err(|e| e.to_string())?;
     crate::register(&ctx, functions);
     Ok(ctx)
 }
