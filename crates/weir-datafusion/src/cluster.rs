@@ -88,11 +88,17 @@ pub struct ExecutorPlace {
     pub slots: Option<usize>,
     /// Where shuffle files go [default: a temporary directory].
     pub work_dir: Option<String>,
+    /// Where its queries may read and write files.
+    pub allowed: crate::fence::Allowed,
 }
 
-/// Ballista's execution engine with each task tagged so that its model calls stop when the
-/// task is cancelled (see [`crate::cancel`]).
-struct CancellableEngine(Arc<dyn ExecutionEngine>);
+/// Ballista's execution engine with each task's plan checked against the places the executor
+/// allows (see [`crate::fence`]) before it runs, and each task tagged so that its model calls
+/// stop when the task is cancelled (see [`crate::cancel`]).
+struct CancellableEngine {
+    inner: Arc<dyn ExecutionEngine>,
+    allowed: crate::fence::Allowed,
+}
 
 impl ExecutionEngine for CancellableEngine {
     fn create_query_stage_exec(
@@ -105,7 +111,8 @@ impl ExecutionEngine for CancellableEngine {
         work_dir: &str,
         config: &SessionConfig,
     ) -> datafusion::common::Result<Arc<dyn QueryStageExecutor>> {
-        let stage = self.0.create_query_stage_exec(
+        self.allowed.check(plan.as_ref())?;
+        let stage = self.inner.create_query_stage_exec(
             job_id,
             stage_id,
             task_id,
@@ -225,7 +232,10 @@ pub async fn executor(place: ExecutorPlace, functions: Arc<Engine>) -> Result<()
         override_function_registry: Some(Arc::new(registry)),
         // (Without Ballista's pool of clients for reading other executors' shuffle files, which
         // it does not export; queries of weir's are mostly one stage.)
-        override_execution_engine: Some(Arc::new(CancellableEngine(Arc::new(DefaultExecutionEngine::new())))),
+        override_execution_engine: Some(Arc::new(CancellableEngine {
+            inner: Arc::new(DefaultExecutionEngine::new()),
+            allowed: place.allowed.clone(),
+        })),
         override_runtime_producer: Some(Arc::new(|_: &SessionConfig| runtime())),
         ..defaults
     };

@@ -18,6 +18,8 @@ mod cancel;
 #[cfg(feature = "cluster")]
 pub mod cluster;
 pub mod copy;
+#[cfg(feature = "cluster")]
+pub mod fence;
 mod hoist;
 mod options;
 pub mod tables;

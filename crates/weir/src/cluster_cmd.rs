@@ -34,6 +34,10 @@ struct SchedulerArgs {
     /// Where to listen for clients and executors.
     #[arg(long, value_name = "HOST:PORT", default_value = "127.0.0.1:50050")]
     bind: SocketAddr,
+    /// Listen on an address other machines can reach, although the cluster has no TLS or
+    /// authentication yet (see the README's cluster section).
+    #[arg(long)]
+    insecure: bool,
 }
 
 /// Options of `weir cluster executor`.
@@ -57,6 +61,18 @@ struct ExecutorArgs {
     /// Where shuffle files go [default: a temporary directory].
     #[arg(long, value_name = "DIR")]
     work_dir: Option<PathBuf>,
+    /// A directory queries may read and write files under (repeatable) [default: the directory
+    /// the executor is started in]. A query naming any other file fails before a model is called.
+    #[arg(long, value_name = "DIR")]
+    allow_path: Vec<PathBuf>,
+    /// An object store prefix queries may read and write under, s3://BUCKET[/PREFIX] or
+    /// gs://BUCKET[/PREFIX] (repeatable) [default: none].
+    #[arg(long, value_name = "URL")]
+    allow_url: Vec<String>,
+    /// Listen on an address other machines can reach, although the cluster has no TLS or
+    /// authentication yet (see the README's cluster section).
+    #[arg(long)]
+    insecure: bool,
     /// Serve this executor's counters (calls, 429s, tokens, latency) in the Prometheus text
     /// format at http://ADDR/metrics.
     #[arg(long, value_name = "ADDR")]
@@ -72,6 +88,7 @@ struct ExecutorArgs {
 pub async fn run(args: ClusterArgs) -> anyhow::Result<u8> {
     match args.command {
         ClusterCommand::Scheduler(a) => {
+            exposed("--bind", &a.bind.ip().to_string(), a.insecure)?;
             // The scheduler plans only: its functions are never called.
             let functions = Engine::new(EngineSettings::default());
             eprintln!("weir: scheduler listening on {} (clients: weir sql --cluster df://{})", a.bind, a.bind);
@@ -82,8 +99,26 @@ pub async fn run(args: ClusterArgs) -> anyhow::Result<u8> {
     }
 }
 
+/// Refuses an address other machines can reach unless `insecure`: the cluster has no TLS or
+/// authentication, so anyone reaching it could spend the executors' keys, read and write the
+/// files they allow, and join executors of their own.
+fn exposed(flag: &str, host: &str, insecure: bool) -> Result<(), UsageError> {
+    let loopback = host == "localhost" || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback());
+    if loopback || insecure {
+        return Ok(());
+    }
+    Err(UsageError(format!(
+        "{flag} {host}: other machines could reach this, and weir's cluster has no TLS or authentication yet: \
+         anyone who can connect could run queries with the executors' API keys, read and write the files they \
+         allow, and join executors of their own. Use 127.0.0.1, or pass --insecure on a network only you use"
+    )))
+}
+
 async fn executor(a: ExecutorArgs) -> anyhow::Result<u8> {
     a.endpoint.check().map_err(crate::UsageError::from)?;
+    exposed("--host", &a.host, a.insecure)?;
+    let dirs = if a.allow_path.is_empty() { vec![std::env::current_dir()?] } else { a.allow_path.clone() };
+    let allowed = weir_datafusion::fence::Allowed::new(&dirs, &a.allow_url).map_err(UsageError)?;
     if a.slots == Some(0) {
         return Err(UsageError("--slots must be at least 1".into()).into());
     }
@@ -104,6 +139,7 @@ async fn executor(a: ExecutorArgs) -> anyhow::Result<u8> {
         grpc_port: a.grpc_port,
         slots: a.slots,
         work_dir: a.work_dir.as_ref().map(|p| p.display().to_string()),
+        allowed,
     };
     // Ballista reports a port in use only in its log, and may go on without the server.
     for (flag, port) in [("--port", a.port), ("--grpc-port", a.grpc_port)] {

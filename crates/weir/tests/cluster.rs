@@ -27,7 +27,8 @@ struct Cluster {
 }
 
 impl Cluster {
-    async fn start(sim: &SimServer, executors: usize) -> Cluster {
+    /// Executors started in `dir`, so that their queries may read and write there (only).
+    async fn start(sim: &SimServer, executors: usize, dir: &std::path::Path) -> Cluster {
         let scheduler = free_port();
         let sched = weir()
             .args(["cluster", "scheduler", "--bind", &format!("127.0.0.1:{scheduler}")])
@@ -41,6 +42,7 @@ impl Cluster {
         for _ in 0..executors {
             let (port, grpc, mport) = (free_port(), free_port(), free_port());
             let child = weir()
+                .current_dir(dir)
                 .args(["cluster", "executor", "--scheduler", &format!("127.0.0.1:{scheduler}")])
                 .args(["--port", &port.to_string(), "--grpc-port", &grpc.to_string(), "--slots", "2"])
                 .args(["--metrics-listen", &format!("127.0.0.1:{mport}"), "--base-url", &sim.url()])
@@ -70,7 +72,7 @@ async fn two_executors_answer_every_row_once() {
         assert!(out.status.success(), "{}", stderr(&out));
     }
     let sim = SimServer::start(SimConfig::default(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
-    let Cluster { scheduler, mut executors, metric_ports, _scheduler: _sched } = Cluster::start(&sim, 2).await;
+    let Cluster { scheduler, mut executors, metric_ports, _scheduler: _sched } = Cluster::start(&sim, 2, &dir.0).await;
     let out = weir()
         .current_dir(&dir.0)
         .args(["sql", "--cluster", &format!("df://127.0.0.1:{scheduler}"), "--partitions", "4"])
@@ -159,7 +161,7 @@ async fn cancelled_by(signal: &str, status: i32) {
     let mut config = SimConfig::default();
     config.latency.fixed_ms = 500.0;
     let sim = SimServer::start(config, "127.0.0.1:0".parse().unwrap()).await.unwrap();
-    let cluster = Cluster::start(&sim, 1).await;
+    let cluster = Cluster::start(&sim, 1, &dir.0).await;
     dir.write("answers.parquet", b"an earlier result");
     let query = weir()
         .current_dir(&dir.0)
@@ -210,7 +212,7 @@ async fn an_executor_lost_in_a_two_stage_query_is_survived_and_its_repeated_call
     let mut config = SimConfig::default();
     config.latency.fixed_ms = 200.0;
     let sim = SimServer::start(config, "127.0.0.1:0".parse().unwrap()).await.unwrap();
-    let Cluster { scheduler, mut executors, _scheduler: _sched, .. } = Cluster::start(&sim, 2).await;
+    let Cluster { scheduler, mut executors, _scheduler: _sched, .. } = Cluster::start(&sim, 2, &dir.0).await;
     let mut query = weir()
         .current_dir(&dir.0)
         .args(["sql", "--format", "jsonl", "--cluster", &format!("df://127.0.0.1:{scheduler}")])
@@ -254,5 +256,74 @@ async fn an_executor_lost_in_a_two_stage_query_is_survived_and_its_repeated_call
     let answered = sim.stats().successes;
     assert!(answered > 1600, "{answered} answers: no task ran again");
     assert!(again >= answered - 1600 && again < 1600, "{again} told; {:?}", sim.stats());
+    sim.shutdown().await;
+}
+
+/// A query may read and write only under the executor's allowed places: reading a file
+/// elsewhere, writing one with COPY, INSERT INTO or EXPLAIN ANALYZE COPY, all fail before any
+/// model is called, naming the place; and no scheduler or executor listens where other machines
+/// could reach it without --insecure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn executors_touch_only_allowed_places_and_do_not_listen_beyond_loopback() {
+    let dir = Dir::new("cluster-fence");
+    let (data, _) = prompts(20);
+    dir.write("in.jsonl", &data);
+    let outside = Dir::new("cluster-fence-outside");
+    let secret = outside.write("secret.csv", b"line\nthe executor's secret\n");
+    let sim = SimServer::start(SimConfig::default(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let cluster = Cluster::start(&sim, 1, &dir.0).await;
+    let url = format!("df://127.0.0.1:{}", cluster.scheduler);
+    let target = outside.path("stolen.csv");
+    let attacks = [
+        format!(
+            "CREATE EXTERNAL TABLE s (line VARCHAR) STORED AS CSV LOCATION '{}' OPTIONS ('format.has_header' 'true'); \
+             SELECT llm_generate('gemini/gemini-2.5-flash', line) AS a FROM s",
+            secret.display()
+        ),
+        format!("SELECT llm_generate('gemini/gemini-2.5-flash', line) AS a FROM '{}'", secret.display()),
+        format!("COPY (SELECT llm_generate('gemini/gemini-2.5-flash', prompt) AS a FROM t) TO '{}'", target.display()),
+        format!(
+            "CREATE EXTERNAL TABLE o (a VARCHAR) STORED AS CSV LOCATION '{}'; \
+             INSERT INTO o SELECT llm_generate('gemini/gemini-2.5-flash', prompt) FROM t",
+            outside.path("o/").display()
+        ),
+        format!(
+            "EXPLAIN ANALYZE COPY (SELECT llm_generate('gemini/gemini-2.5-flash', prompt) AS a FROM t) TO '{}'",
+            target.display()
+        ),
+    ];
+    for sql in &attacks {
+        let out = weir()
+            .current_dir(&dir.0)
+            .args(["sql", "--cluster", &url, "--table", "t=in.jsonl", sql])
+            .output()
+            .await
+            .unwrap();
+        let err = stderr(&out);
+        assert_ne!(out.status.code(), Some(0), "{sql}: {err}");
+        assert!(err.contains("this executor may not read or write"), "{sql}: {err}");
+        assert!(!String::from_utf8_lossy(&out.stdout).contains("secret"), "{sql}");
+        assert_eq!(sim.stats().requests, 0, "{sql}: a model was called");
+    }
+    assert!(!target.exists() && !outside.path("o").read_dir().is_ok_and(|mut d| d.next().is_some()));
+    // Inside the allowed directory the same query runs.
+    let out = weir()
+        .current_dir(&dir.0)
+        .args(["sql", "--cluster", &url, "--table", "t=in.jsonl"])
+        .arg("COPY (SELECT llm_generate('gemini/gemini-2.5-flash', prompt) AS a FROM t) TO 'answers.csv'")
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert_eq!(sim.stats().requests, 20);
+    // Reachable addresses need --insecure (refused before anything listens).
+    for args in [
+        vec!["cluster", "scheduler", "--bind", "0.0.0.0:1"],
+        vec!["cluster", "executor", "--host", "0.0.0.0", "--port", "1", "--grpc-port", "2"],
+    ] {
+        let out = weir().args(&args).output().await.unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", stderr(&out));
+        assert!(stderr(&out).contains("--insecure"), "{}", stderr(&out));
+    }
     sim.shutdown().await;
 }
