@@ -58,7 +58,8 @@ struct ExecutorArgs {
     /// Tasks run at once [default: the number of cores].
     #[arg(long, value_name = "N")]
     slots: Option<usize>,
-    /// Where shuffle files go [default: a temporary directory].
+    /// Where shuffle files and results go: a private directory (mode 0700) is made inside it,
+    /// and removed when the executor stops [default: the system's temporary directory].
     #[arg(long, value_name = "DIR")]
     work_dir: Option<PathBuf>,
     /// A directory queries may read and write files under (repeatable) [default: the directory
@@ -132,13 +133,14 @@ async fn executor(a: ExecutorArgs) -> anyhow::Result<u8> {
     let settings =
         EngineSettings { provider, throttle: a.endpoint.throttle(), driver: a.endpoint.driver(), cache: None };
     let functions = Engine::new(settings);
+    let work = private_work_dir(a.work_dir.as_deref())?;
     let place = ExecutorPlace {
         scheduler: a.scheduler,
         host: a.host.clone(),
         port: a.port,
         grpc_port: a.grpc_port,
         slots: a.slots,
-        work_dir: a.work_dir.as_ref().map(|p| p.display().to_string()),
+        work_dir: Some(work.path().display().to_string()),
         allowed,
     };
     // Ballista reports a port in use only in its log, and may go on without the server.
@@ -161,6 +163,47 @@ async fn executor(a: ExecutorArgs) -> anyhow::Result<u8> {
     // What this executor's calls came to, over its whole life.
     eprint!("{}", crate::sql_cmd::summary(&functions, started.elapsed(), "weir cluster executor"));
     functions.shutdown().await;
+    // Shuffle files and results go with the executor.
+    if let Err(e) = work.close() {
+        eprintln!("weir: could not remove the executor's work directory: {e}");
+    }
     result.map_err(|e| anyhow::anyhow!(e))?;
     Ok(0)
+}
+
+/// The first part of the name of an executor's work directory; the process id follows.
+const WORK_PREFIX: &str = "weir-executor-";
+
+/// A work directory only this user can read (mode 0700; Ballista's own is made with the umask's
+/// mode, usually world-readable, and left behind), inside `parent` or the temporary directory.
+/// Directories that executors killed outright left there are removed first.
+fn private_work_dir(parent: Option<&std::path::Path>) -> anyhow::Result<tempfile::TempDir> {
+    let parent = parent.map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
+    std::fs::create_dir_all(&parent).map_err(|e| UsageError(format!("--work-dir {}: {e}", parent.display())))?;
+    if let Ok(entries) = std::fs::read_dir(&parent) {
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let pid =
+                name.strip_prefix(WORK_PREFIX).and_then(|r| r.split('-').next()).and_then(|p| p.parse::<u32>().ok());
+            // Signal 0 only asks whether the process exists (EPERM: it does, as another user's).
+            let gone = pid.is_some_and(|p| {
+                // SAFETY: kill with signal 0 sends nothing; it only checks the process id.
+                let failed = unsafe { libc::kill(p as libc::pid_t, 0) } != 0;
+                failed && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+            });
+            if gone && e.metadata().is_ok_and(|m| m.is_dir()) {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+    }
+    let dir = tempfile::Builder::new()
+        .prefix(&format!("{WORK_PREFIX}{}-", std::process::id()))
+        .tempdir_in(&parent)
+        .map_err(|e| UsageError(format!("--work-dir {}: {e}", parent.display())))?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700))?;
+    }
+    Ok(dir)
 }

@@ -44,6 +44,8 @@ impl Cluster {
             let child = weir()
                 .current_dir(dir)
                 .args(["cluster", "executor", "--scheduler", &format!("127.0.0.1:{scheduler}")])
+                .arg("--work-dir")
+                .arg(dir.join("work"))
                 .args(["--port", &port.to_string(), "--grpc-port", &grpc.to_string(), "--slots", "2"])
                 .args(["--metrics-listen", &format!("127.0.0.1:{mport}"), "--base-url", &sim.url()])
                 .stderr(std::process::Stdio::piped())
@@ -316,6 +318,16 @@ async fn executors_touch_only_allowed_places_and_do_not_listen_beyond_loopback()
         .unwrap();
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     assert_eq!(sim.stats().requests, 20);
+    // The executor's work directory is its user's alone, and goes when it stops.
+    let work: Vec<_> = std::fs::read_dir(dir.path("work")).unwrap().map(|e| e.unwrap().path()).collect();
+    assert_eq!(work.len(), 1, "{work:?}");
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(std::fs::metadata(&work[0]).unwrap().permissions().mode() & 0o777, 0o700);
+    let Cluster { mut executors, _scheduler: _sched, .. } = cluster;
+    let executor = executors.pop().unwrap();
+    assert!(std::process::Command::new("kill").arg(executor.id().unwrap().to_string()).status().unwrap().success());
+    executor.wait_with_output().await.unwrap();
+    assert!(!work[0].exists(), "the work directory outlived its executor");
     // Reachable addresses need --insecure (refused before anything listens).
     for args in [
         vec!["cluster", "scheduler", "--bind", "0.0.0.0:1"],
