@@ -228,7 +228,10 @@ fn check(name: &str, what: &str, value: f64, range: [f64; 2], failures: &mut Vec
 }
 
 async fn run_scenario(name: &str) -> Vec<String> {
-    let path = format!("{}/tests/scenarios/{name}.toml", env!("CARGO_MANIFEST_DIR"));
+    // The directory cargo runs the test for (a build shared between checkouts would carry the
+    // path of the checkout it was compiled in).
+    let root = std::env::var("CARGO_MANIFEST_DIR").unwrap_or_else(|_| env!("CARGO_MANIFEST_DIR").into());
+    let path = format!("{root}/tests/scenarios/{name}.toml");
     let sc: Scenario =
         toml::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap_or_else(|e| panic!("{path}: {e}"));
     println!("{name}: {}", sc.description);
