@@ -215,19 +215,54 @@ fn s3(bucket: &str, env: Env) -> Result<Arc<dyn ObjectStore>, TableError> {
             ))
         }
         (None, None) => {
-            let file = env("AWS_SHARED_CREDENTIALS_FILE")
+            // A profile's keys, from the credentials file or (as the AWS CLI also takes them)
+            // the config file's `[profile NAME]` (`[default]` for the default profile).
+            let creds_file = env("AWS_SHARED_CREDENTIALS_FILE")
                 .map(PathBuf::from)
                 .or_else(|| home.as_ref().map(|h| h.join(".aws/credentials")));
-            if let Some(section) = file.and_then(|f| ini_section(&f, &profile_name)) {
+            let config_file =
+                env("AWS_CONFIG_FILE").map(PathBuf::from).or_else(|| home.as_ref().map(|h| h.join(".aws/config")));
+            let config_section =
+                if profile_name == "default" { "default".to_string() } else { format!("profile {profile_name}") };
+            let sections = [
+                creds_file.as_ref().and_then(|f| ini_section(f, &profile_name)),
+                config_file.as_ref().and_then(|f| ini_section(f, &config_section)),
+            ];
+            for section in sections.iter().flatten() {
                 let get = |k: &str| section.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
-                if let (Some(k), Some(s)) = (get("aws_access_key_id"), get("aws_secret_access_key")) {
-                    b = b.with_access_key_id(k).with_secret_access_key(s);
-                    if let Some(t) = get("aws_session_token") {
-                        b = b.with_token(t);
+                match (get("aws_access_key_id"), get("aws_secret_access_key")) {
+                    (Some(k), Some(s)) => {
+                        b = b.with_access_key_id(k).with_secret_access_key(s);
+                        if let Some(t) = get("aws_session_token") {
+                            b = b.with_token(t);
+                        }
+                        return finish_s3(b, bucket, env, &profile_name, home.as_deref());
                     }
-                    return finish_s3(b, bucket, env, &profile_name, home.as_deref());
+                    (None, None) => {}
+                    _ => {
+                        return Err(TableError::Usage(format!(
+                            "s3://{bucket}: AWS profile {profile_name} has only one of aws_access_key_id and \
+                             aws_secret_access_key; give it both"
+                        )))
+                    }
                 }
             }
+            let shown = |f: &Option<PathBuf>| f.as_ref().map(|f| f.display().to_string()).unwrap_or_default();
+            // A profile asked for by name must exist, as the AWS tools insist (else a machine's
+            // role would be used in its place, without a word).
+            if env("AWS_PROFILE").is_some_and(|v| !v.is_empty()) && sections.iter().all(Option::is_none) {
+                return Err(TableError::Usage(format!(
+                    "s3://{bucket}: AWS_PROFILE={profile_name}, but neither {} nor {} has that profile",
+                    shown(&creds_file),
+                    shown(&config_file)
+                )));
+            }
+            let profile_tried = match (&sections[0], &sections[1]) {
+                (None, None) => {
+                    format!("profile {profile_name} (not in {} or {})", shown(&creds_file), shown(&config_file))
+                }
+                _ => format!("profile {profile_name} (no keys in it)"),
+            };
             // Else a container's or web identity's role, or the instance's, which object_store
             // finds itself; with none of them it would ask the instance metadata service ten
             // times over three minutes and fail naming an address, not credentials.
@@ -253,7 +288,7 @@ fn s3(bucket: &str, env: Env) -> Result<Arc<dyn ObjectStore>, TableError> {
                     .filter(|v| !v.is_empty())
                     .unwrap_or_else(|| "http://169.254.169.254".into());
                 let disabled = env("AWS_EC2_METADATA_DISABLED").is_some_and(|v| v.eq_ignore_ascii_case("true"));
-                if disabled || !answers(&metadata) {
+                if disabled || !metadata_answers(&metadata) {
                     let instance = if disabled {
                         "the instance's role (AWS_EC2_METADATA_DISABLED is set)".to_string()
                     } else {
@@ -261,9 +296,8 @@ fn s3(bucket: &str, env: Env) -> Result<Arc<dyn ObjectStore>, TableError> {
                     };
                     return Err(TableError::Usage(format!(
                         "s3://{bucket}: no AWS credentials found. Tried: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY \
-                         (not set); profile {profile_name} in {} (no keys); a container or web-identity role (none \
-                         configured); {instance}. Set the two variables, or AWS_PROFILE to a profile with keys",
-                        env("AWS_SHARED_CREDENTIALS_FILE").unwrap_or_else(|| "~/.aws/credentials".into()),
+                         (not set); {profile_tried}; a container or web-identity role (none configured); {instance}. \
+                         Set the two variables, or AWS_PROFILE to a profile with keys"
                     )));
                 }
                 b = b.with_metadata_endpoint(metadata);
@@ -273,14 +307,31 @@ fn s3(bucket: &str, env: Env) -> Result<Arc<dyn ObjectStore>, TableError> {
     finish_s3(b, bucket, env, &profile_name, home.as_deref())
 }
 
-/// Whether anything accepts a connection at `url`'s host and port within a second (the
-/// instance metadata service answers at once on EC2, and nothing does elsewhere).
-fn answers(url: &str) -> bool {
+/// Whether an instance metadata service answers at `url` within a second: asked for a session
+/// token (IMDSv2) over plain HTTP, as object_store would. On EC2 it answers at once; elsewhere
+/// nothing listens, or a proxy refuses, or a server takes the connection and says nothing — and
+/// object_store would retry that for three minutes.
+fn metadata_answers(url: &str) -> bool {
+    use std::io::{Read, Write};
     use std::net::ToSocketAddrs;
     let Ok(u) = url::Url::parse(url) else { return false };
     let (Some(host), Some(port)) = (u.host_str(), u.port_or_known_default()) else { return false };
     let Ok(addrs) = (host, port).to_socket_addrs() else { return false };
-    addrs.into_iter().any(|a| std::net::TcpStream::connect_timeout(&a, std::time::Duration::from_secs(1)).is_ok())
+    let second = std::time::Duration::from_secs(1);
+    addrs.into_iter().any(|a| {
+        let Ok(mut conn) = std::net::TcpStream::connect_timeout(&a, second) else { return false };
+        let _ = conn.set_read_timeout(Some(second));
+        let _ = conn.set_write_timeout(Some(second));
+        let ask = format!(
+            "PUT /latest/api/token HTTP/1.1\r\nHost: {host}\r\nX-aws-ec2-metadata-token-ttl-seconds: 60\r\n\
+             Content-Length: 0\r\nConnection: close\r\n\r\n"
+        );
+        let mut head = [0u8; 12];
+        conn.write_all(ask.as_bytes()).is_ok()
+            && conn.read_exact(&mut head).is_ok()
+            && head.starts_with(b"HTTP/1.")
+            && &head[9..12] == b"200"
+    })
 }
 
 /// The region and endpoint of an S3 store whose credentials are settled.
@@ -408,6 +459,55 @@ mod tests {
             assert!(e.contains("no AWS credentials found") && e.contains("AWS_ACCESS_KEY_ID"), "{e}");
             assert!(e.contains(if disabled { "AWS_EC2_METADATA_DISABLED" } else { closed.to_string().leak() }), "{e}");
         }
+        // A server that takes the connection and says nothing, or refuses: no service either.
+        let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let silent_url = format!("http://{}", silent.local_addr().unwrap());
+        let refusing = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let refusing_url = format!("http://{}", refusing.local_addr().unwrap());
+        std::thread::spawn(move || {
+            use std::io::{Read, Write};
+            for mut c in refusing.incoming().flatten() {
+                let mut buf = [0u8; 512];
+                let _ = c.read(&mut buf);
+                let _ = c.write_all(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\n\r\n");
+            }
+        });
+        for url in [&silent_url, &refusing_url] {
+            let started = std::time::Instant::now();
+            assert!(!metadata_answers(url), "{url}");
+            assert!(started.elapsed().as_secs() < 3, "{:?}", started.elapsed());
+        }
+        let answering = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let answering_url = format!("http://{}", answering.local_addr().unwrap());
+        std::thread::spawn(move || {
+            use std::io::{Read, Write};
+            for mut c in answering.incoming().flatten() {
+                let mut buf = [0u8; 512];
+                let _ = c.read(&mut buf);
+                let _ = c.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\ntoken");
+            }
+        });
+        assert!(metadata_answers(&answering_url));
+        drop(silent);
+        // A profile named but found nowhere is refused; keys in the config file's profile are taken.
+        let named = |k: &str| match k {
+            "HOME" => Some(home.display().to_string()),
+            "AWS_PROFILE" => Some("nosuch".into()),
+            _ => None,
+        };
+        let e = s3("b", &named).expect_err("a missing profile").to_string();
+        assert!(e.contains("AWS_PROFILE=nosuch") && e.contains("neither"), "{e}");
+        let config = std::env::temp_dir().join(format!("weir-awsconfig-{}", std::process::id()));
+        std::fs::write(&config, "[profile p1]\naws_access_key_id = A\naws_secret_access_key = B\n").unwrap();
+        let (home_s, config_s) = (home.display().to_string(), config.display().to_string());
+        let p1 = move |k: &str| match k {
+            "HOME" => Some(home_s.clone()),
+            "AWS_PROFILE" => Some("p1".into()),
+            "AWS_CONFIG_FILE" => Some(config_s.clone()),
+            _ => None,
+        };
+        assert!(s3("b", &p1).is_ok());
+        std::fs::remove_file(&config).unwrap();
         // Keys, or a role configured, are taken without a probe.
         let with = |k: &str| match k {
             "AWS_ACCESS_KEY_ID" | "AWS_SECRET_ACCESS_KEY" => Some("x".into()),
