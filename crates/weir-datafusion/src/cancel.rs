@@ -79,3 +79,13 @@ pub(crate) fn count_called(options: &ConfigOptions, rows: u64) {
         called.fetch_add(rows, Ordering::Relaxed);
     }
 }
+
+/// Stops the calls of every live task; how many there were. For an executor whose scheduler is
+/// gone: their results could no longer be delivered, and their calls would be paid for nothing.
+pub(crate) fn cancel_all() -> usize {
+    let live = tasks();
+    for (token, _) in live.values() {
+        token.cancel();
+    }
+    live.len()
+}

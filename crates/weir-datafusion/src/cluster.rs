@@ -239,8 +239,42 @@ pub async fn executor(place: ExecutorPlace, functions: Arc<Engine>) -> Result<()
         override_runtime_producer: Some(Arc::new(|_: &SessionConfig| runtime())),
         ..defaults
     };
-    start_executor_process(Arc::new(config)).await.map_err(|e| e.to_string())
+    tokio::select! {
+        r = start_executor_process(Arc::new(config)) => r.map_err(|e| e.to_string()),
+        never = watch_scheduler(place.scheduler) => match never {},
+    }
 }
+
+/// Checks every few seconds that the scheduler still takes connections; once it has not for
+/// [`SCHEDULER_GONE`], stops the calls of every running task. Ballista's executor goes on
+/// running a task to its end without its scheduler, and every call it makes is paid for while
+/// nobody can collect the results (a client whose scheduler died was told the query failed).
+async fn watch_scheduler(scheduler: SocketAddr) -> std::convert::Infallible {
+    let every = std::time::Duration::from_secs(5);
+    let mut missed = 0u32;
+    loop {
+        tokio::time::sleep(every).await;
+        let reached = tokio::time::timeout(every, tokio::net::TcpStream::connect(scheduler)).await;
+        if matches!(reached, Ok(Ok(_))) {
+            missed = 0;
+            continue;
+        }
+        missed += 1;
+        if every * missed == SCHEDULER_GONE {
+            let stopped = crate::cancel::cancel_all();
+            if stopped > 0 {
+                eprintln!(
+                    "weir: the scheduler at {scheduler} has not answered for {} s; stopped the calls of the {stopped} \
+                     task(s) running here (nobody could collect their results)",
+                    SCHEDULER_GONE.as_secs()
+                );
+            }
+        }
+    }
+}
+
+/// How long an executor goes without reaching its scheduler before it stops its tasks' calls.
+const SCHEDULER_GONE: std::time::Duration = std::time::Duration::from_secs(15);
 
 /// A session whose queries run on the cluster behind `url` (`df://HOST:PORT`), with weir's
 /// functions known for planning. They are registered after connecting: setting up a Ballista

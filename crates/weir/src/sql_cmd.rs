@@ -376,6 +376,18 @@ async fn run_statement(
             }
         }
         .await;
+        if let (Err(e), Some(url)) = (&ran, cluster) {
+            let text = e.to_string();
+            if ["tcp connect error", "Connection refused", "transport error", "connection reset"]
+                .iter()
+                .any(|t| text.contains(t))
+            {
+                eprintln!(
+                    "weir sql: the scheduler at {url} stopped answering during the query; its executors stop the \
+                     calls of the query's running tasks within about 15 s (their summaries count what was paid)"
+                );
+            }
+        }
         match (ran, staged) {
             (Ok(()), Some(staged)) => staged.commit(ctx, cluster.is_some()).await?,
             (Ok(()), None) => {}
@@ -410,9 +422,10 @@ async fn tell_repeated_calls(url: &str, plan: &Arc<dyn datafusion::physical_plan
     match weir_datafusion::cluster::rows_called_again(url, &job).await {
         Ok(0) => {}
         Ok(n) => eprintln!(
-            "weir sql: up to {n} rows of job {job} were paid for twice: tasks that ran a second time on the \
-             cluster (an executor was lost, or a task failed) called those {n} rows again, and the first run \
-             had called those it reached (the executors' summaries count every call)"
+            "weir sql: up to {n} rows of job {job} were paid for twice: tasks covering {n} rows ran again (an \
+             executor was lost, or a task failed or could not be started), and the rows their first attempt had \
+             already called, between none and all of them, were called again (each executor's summary counts \
+             its calls)"
         ),
         Err(e) => eprintln!("weir sql: could not ask {url} whether any task of job {job} ran twice ({e})"),
     }

@@ -29,6 +29,11 @@ struct Cluster {
 impl Cluster {
     /// Executors started in `dir`, so that their queries may read and write there (only).
     async fn start(sim: &SimServer, executors: usize, dir: &std::path::Path) -> Cluster {
+        Self::start_with(sim, executors, dir, &[]).await
+    }
+
+    /// As [`Cluster::start`], with more flags for each executor.
+    async fn start_with(sim: &SimServer, executors: usize, dir: &std::path::Path, extra: &[&str]) -> Cluster {
         let scheduler = free_port();
         let sched = weir()
             .args(["cluster", "scheduler", "--bind", &format!("127.0.0.1:{scheduler}")])
@@ -46,6 +51,7 @@ impl Cluster {
                 .args(["cluster", "executor", "--scheduler", &format!("127.0.0.1:{scheduler}")])
                 .arg("--work-dir")
                 .arg(dir.join("work"))
+                .args(extra)
                 .args(["--port", &port.to_string(), "--grpc-port", &grpc.to_string(), "--slots", "2"])
                 .args(["--metrics-listen", &format!("127.0.0.1:{mport}"), "--base-url", &sim.url()])
                 .stderr(std::process::Stdio::piped())
@@ -337,5 +343,45 @@ async fn executors_touch_only_allowed_places_and_do_not_listen_beyond_loopback()
         assert_eq!(out.status.code(), Some(2), "{args:?}: {}", stderr(&out));
         assert!(stderr(&out).contains("--insecure"), "{}", stderr(&out));
     }
+    sim.shutdown().await;
+}
+
+/// An executor whose scheduler died stops its tasks' calls (nobody could collect their
+/// results) instead of paying for every remaining row, and the client says what happened.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn executors_stop_calling_when_their_scheduler_is_gone() {
+    let dir = Dir::new("cluster-schedkill");
+    let (data, _) = prompts(400);
+    dir.write("in.jsonl", &data);
+    let mut config = SimConfig::default();
+    config.latency.fixed_ms = 1000.0;
+    let sim = SimServer::start(config, "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let extra = ["--max-concurrency", "4", "--concurrency", "fixed"];
+    let Cluster { scheduler, executors: _executors, _scheduler: mut sched, .. } =
+        Cluster::start_with(&sim, 1, &dir.0, &extra).await;
+    let query = weir()
+        .current_dir(&dir.0)
+        .args(["sql", "--cluster", &format!("df://127.0.0.1:{scheduler}"), "--table", "t=in.jsonl"])
+        .arg("COPY (SELECT key, llm_generate('gemini/gemini-2.5-flash', prompt) AS a FROM t) TO 'answers.parquet'")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    while sim.stats().requests < 8 {
+        assert!(started.elapsed().as_secs() < 30, "no calls after 30 s");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    sched.start_kill().unwrap();
+    sched.wait().await.unwrap();
+    let out = query.wait_with_output().await.unwrap();
+    let err = stderr(&out);
+    assert_ne!(out.status.code(), Some(0), "{err}");
+    assert!(err.contains("stopped answering"), "{err}");
+    // Within the executor's 15 s (checked every 5 s), its calls stop.
+    tokio::time::sleep(std::time::Duration::from_secs(25)).await;
+    let after = sim.stats().requests;
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    assert_eq!(sim.stats().requests, after, "calls went on without a scheduler");
+    assert!(after < 200, "{after} calls for 400 rows whose results nobody could collect");
     sim.shutdown().await;
 }
