@@ -53,10 +53,14 @@ pub async fn scheduler(bind: SocketAddr, functions: Arc<Engine>) -> Result<(), S
         }
         Ok(state)
     });
+    // With TLS, Ballista listens on 127.0.0.1 and weir's TLS listener on the address given.
+    let tls = crate::tls::installed();
+    let inner = if tls.is_some() { SocketAddr::from(([127, 0, 0, 1], bind.port())) } else { bind };
     let config = SchedulerConfig {
-        bind_host: bind.ip().to_string(),
+        bind_host: inner.ip().to_string(),
         bind_port: bind.port(),
         external_host: bind.ip().to_string(),
+        override_create_grpc_client_endpoint: tls.as_ref().map(|t| t.endpoint_override()),
         // One task per executor in turn: model calls wait on the network, not the CPU, so a
         // query's partitions are better spread over every executor (and its throttle) than
         // packed into the first one's slots.
@@ -70,7 +74,17 @@ pub async fn scheduler(bind: SocketAddr, functions: Arc<Engine>) -> Result<(), S
     }
     .with_override_session_builder(builder);
     let cluster = BallistaCluster::new_from_config(&config).await.map_err(|e| e.to_string())?;
-    start_server(cluster, bind, Arc::new(config)).await.map_err(|e| e.to_string())
+    let server = async { start_server(cluster, inner, Arc::new(config)).await.map_err(|e| e.to_string()) };
+    match tls {
+        None => server.await,
+        Some(tls) => {
+            let listener = tokio::net::TcpListener::bind(bind).await.map_err(|e| format!("{bind}: {e}"))?;
+            tokio::select! {
+                r = server => r,
+                r = crate::tls::serve(tls, listener, inner) => r,
+            }
+        }
+    }
 }
 
 /// Where an executor listens and which scheduler it serves.
@@ -217,8 +231,24 @@ pub async fn executor(place: ExecutorPlace, functions: Arc<Engine>) -> Result<()
         registry.scalar_functions.insert(udf.name().to_string(), Arc::new(udf));
     }
     let defaults = ExecutorProcessConfig::default();
+    // With TLS, Ballista listens on 127.0.0.1 and weir's TLS listeners on the host given, at the
+    // same ports (which is what the executor tells the scheduler); its clients, its tasks' too
+    // (reading other executors' shuffle files), connect over TLS.
+    let tls = crate::tls::installed();
+    let bind_host = if tls.is_some() { "127.0.0.1".to_string() } else { place.host.clone() };
+    let producer: Option<ballista_core::ConfigProducer> = tls.as_ref().map(|t| {
+        let endpoint = t.endpoint_override();
+        Arc::new(move || {
+            use ballista_core::extension::SessionConfigExt;
+            SessionConfig::new_with_ballista()
+                .with_ballista_override_create_grpc_client_endpoint(endpoint.clone())
+                .with_ballista_use_tls(true)
+        }) as ballista_core::ConfigProducer
+    });
     let config = ExecutorProcessConfig {
-        bind_host: place.host.clone(),
+        bind_host,
+        override_create_grpc_client_endpoint: tls.as_ref().map(|t| t.endpoint_override()),
+        override_config_producer: producer,
         external_host: Some(place.host.clone()),
         port: place.port,
         grpc_port: place.grpc_port,
@@ -239,9 +269,20 @@ pub async fn executor(place: ExecutorPlace, functions: Arc<Engine>) -> Result<()
         override_runtime_producer: Some(Arc::new(|_: &SessionConfig| runtime())),
         ..defaults
     };
+    let proxies = async {
+        let Some(tls) = tls else { return std::future::pending().await };
+        let mut serving = Vec::new();
+        for port in [place.port, place.grpc_port] {
+            let listen = format!("{}:{port}", place.host);
+            let listener = tokio::net::TcpListener::bind(&listen).await.map_err(|e| format!("{listen}: {e}"))?;
+            serving.push(Box::pin(crate::tls::serve(tls.clone(), listener, SocketAddr::from(([127, 0, 0, 1], port)))));
+        }
+        futures::future::select_all(serving).await.0
+    };
     tokio::select! {
         r = start_executor_process(Arc::new(config)) => r.map_err(|e| e.to_string()),
         never = watch_scheduler(place.scheduler) => match never {},
+        r = proxies => r,
     }
 }
 
@@ -280,6 +321,15 @@ const SCHEDULER_GONE: std::time::Duration = std::time::Duration::from_secs(15);
 /// functions known for planning. They are registered after connecting: setting up a Ballista
 /// session starts from a fresh function registry.
 pub async fn connect(url: &str, config: SessionConfig, functions: &Arc<Engine>) -> Result<SessionContext, String> {
+    let config = match crate::tls::installed() {
+        Some(tls) => {
+            use ballista_core::extension::SessionConfigExt;
+            config
+                .with_ballista_override_create_grpc_client_endpoint(tls.endpoint_override())
+                .with_ballista_use_tls(true)
+        }
+        None => config,
+    };
     let state = SessionStateBuilder::new()
         .with_config(config)
         .with_runtime_env(runtime().map_err(|e| e.to_string())?)
@@ -363,9 +413,8 @@ pub async fn rows_called_again(url: &str, job: &str) -> Result<u64, String> {
 
 /// The finished stages of `job`, with their metrics.
 async fn finished(url: &str, job: &str) -> Result<Vec<ballista_core::serde::protobuf::JobStageMetrics>, String> {
-    use ballista_core::serde::protobuf::{scheduler_grpc_client::SchedulerGrpcClient, GetJobMetricsParams};
-    let endpoint = format!("http://{}", url.trim_start_matches("df://"));
-    let mut client = SchedulerGrpcClient::connect(endpoint).await.map_err(|e| e.to_string())?;
+    use ballista_core::serde::protobuf::GetJobMetricsParams;
+    let mut client = crate::tls::scheduler_client(url).await.map_err(|e| e.to_string())?;
     let answer = client.get_job_metrics(GetJobMetricsParams { job_id: job.to_string() }).await;
     Ok(answer.map_err(|e| e.message().to_string())?.into_inner().stages)
 }
@@ -379,9 +428,8 @@ pub async fn finished_stages(url: &str, job: &str) -> Result<usize, String> {
 /// Asks the scheduler behind `url` (`df://HOST:PORT`) to cancel `job`: its tasks stop on every
 /// executor.
 pub async fn cancel_job(url: &str, job: &str) -> Result<(), String> {
-    use ballista_core::serde::protobuf::{scheduler_grpc_client::SchedulerGrpcClient, CancelJobParams};
-    let endpoint = format!("http://{}", url.trim_start_matches("df://"));
-    let mut client = SchedulerGrpcClient::connect(endpoint).await.map_err(|e| e.to_string())?;
+    use ballista_core::serde::protobuf::CancelJobParams;
+    let mut client = crate::tls::scheduler_client(url).await.map_err(|e| e.to_string())?;
     let answer =
         client.cancel_job(CancelJobParams { job_id: job.to_string() }).await.map_err(|e| e.message().to_string())?;
     if answer.into_inner().cancelled {
@@ -404,8 +452,10 @@ pub enum ReachError {
     },
     /// Something answers that is not a scheduler.
     #[error(
-        "{url} is not a cluster scheduler (an executor's port, or another server? executors use --port and \
-         --grpc-port; the scheduler is at its --bind address, 127.0.0.1:50050 unless set)"
+        "{url} is not a cluster scheduler, or refused this client (an executor's port, or another server? \
+         executors use --port and --grpc-port; the scheduler is at its --bind address, 127.0.0.1:50050 unless set. \
+         A cluster with mutual TLS takes dfs://HOST:PORT with --tls-ca, --tls-cert and --tls-key, and refuses a \
+         certificate its own authority did not sign)"
     )]
     NotAScheduler {
         /// The address given.
@@ -415,10 +465,9 @@ pub enum ReachError {
 
 /// Checks that a scheduler answers at `url` (`df://HOST:PORT`) before a query is sent there.
 pub async fn probe(url: &str) -> Result<(), ReachError> {
-    use ballista_core::serde::protobuf::{scheduler_grpc_client::SchedulerGrpcClient, GetJobStatusParams};
-    let endpoint = format!("http://{}", url.trim_start_matches("df://"));
+    use ballista_core::serde::protobuf::GetJobStatusParams;
     let unreachable = |reason: String| ReachError::Unreachable { url: url.to_string(), reason };
-    let connect = tokio::time::timeout(std::time::Duration::from_secs(10), SchedulerGrpcClient::connect(endpoint));
+    let connect = tokio::time::timeout(std::time::Duration::from_secs(10), crate::tls::scheduler_client(url));
     let mut client = match connect.await {
         Ok(Ok(client)) => client,
         Ok(Err(e)) => {

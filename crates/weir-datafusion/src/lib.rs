@@ -23,6 +23,8 @@ pub mod fence;
 mod hoist;
 mod options;
 pub mod tables;
+#[cfg(feature = "cluster")]
+pub mod tls;
 mod udf;
 
 pub use hoist::{optimizer_rules, HoistModelCalls, MOVES_CALLS};

@@ -26,6 +26,21 @@ enum ClusterCommand {
     /// An executor: runs tasks, calling the model endpoints with its own flags and keys (the
     /// same as weir run's); its tasks share one throttle per endpoint.
     Executor(Box<ExecutorArgs>),
+    /// Makes the cluster's certificate authority (once) and a certificate and key for each
+    /// --name, for mutual TLS (--tls-ca, --tls-cert, --tls-key on every cluster process).
+    Certs(CertsArgs),
+}
+
+/// Options of `weir cluster certs`.
+#[derive(Debug, Args)]
+struct CertsArgs {
+    /// The directory to write into: ca.pem (give it to every process), ca.key (keep it here,
+    /// to make more certificates later), NAME.pem and NAME.key for each name.
+    #[arg(long, value_name = "DIR")]
+    out: PathBuf,
+    /// A process to make a certificate for, e.g. scheduler, executor-1, alice (repeatable).
+    #[arg(long = "name", value_name = "NAME", required = true)]
+    names: Vec<String>,
 }
 
 /// Options of `weir cluster scheduler`.
@@ -34,10 +49,12 @@ struct SchedulerArgs {
     /// Where to listen for clients and executors.
     #[arg(long, value_name = "HOST:PORT", default_value = "127.0.0.1:50050")]
     bind: SocketAddr,
-    /// Listen on an address other machines can reach, although the cluster has no TLS or
-    /// authentication yet (see the README's cluster section).
+    /// Listen on an address other machines can reach without TLS (see the README's cluster
+    /// section).
     #[arg(long)]
     insecure: bool,
+    #[command(flatten)]
+    tls: crate::tls_args::TlsArgs,
 }
 
 /// Options of `weir cluster executor`.
@@ -70,10 +87,12 @@ struct ExecutorArgs {
     /// gs://BUCKET[/PREFIX] (repeatable) [default: none].
     #[arg(long, value_name = "URL")]
     allow_url: Vec<String>,
-    /// Listen on an address other machines can reach, although the cluster has no TLS or
-    /// authentication yet (see the README's cluster section).
+    /// Listen on an address other machines can reach without TLS (see the README's cluster
+    /// section).
     #[arg(long)]
     insecure: bool,
+    #[command(flatten)]
+    tls: crate::tls_args::TlsArgs,
     /// Serve this executor's counters (calls, 429s, tokens, latency) in the Prometheus text
     /// format at http://ADDR/metrics.
     #[arg(long, value_name = "ADDR")]
@@ -88,8 +107,20 @@ struct ExecutorArgs {
 /// Runs `weir cluster …`; the exit status.
 pub async fn run(args: ClusterArgs) -> anyhow::Result<u8> {
     match args.command {
+        ClusterCommand::Certs(a) => {
+            let written = weir_datafusion::tls::make_certificates(&a.out, &a.names).map_err(UsageError)?;
+            for f in &written {
+                eprintln!("weir: wrote {}", f.display());
+            }
+            eprintln!(
+                "weir: give each process ca.pem and its NAME.pem and NAME.key (--tls-ca, --tls-cert, --tls-key); \
+                 keep ca.key where you make certificates"
+            );
+            Ok(0)
+        }
         ClusterCommand::Scheduler(a) => {
-            exposed("--bind", &a.bind.ip().to_string(), a.insecure)?;
+            let tls = a.tls.install()?;
+            exposed("--bind", &a.bind.ip().to_string(), a.insecure, tls)?;
             // The scheduler plans only: its functions are never called.
             let functions = Engine::new(EngineSettings::default());
             eprintln!("weir: scheduler listening on {} (clients: weir sql --cluster df://{})", a.bind, a.bind);
@@ -100,24 +131,40 @@ pub async fn run(args: ClusterArgs) -> anyhow::Result<u8> {
     }
 }
 
-/// Refuses an address other machines can reach unless `insecure`: the cluster has no TLS or
-/// authentication, so anyone reaching it could spend the executors' keys, read and write the
-/// files they allow, and join executors of their own.
-fn exposed(flag: &str, host: &str, insecure: bool) -> Result<(), UsageError> {
-    let loopback = host == "localhost" || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback());
+/// Refuses an address other machines can reach unless TLS is on or `insecure` is given: without
+/// TLS anyone reaching it could spend the executors' keys, read and write the files they allow,
+/// and join executors of their own. With TLS, weir's TLS listener takes the address and the
+/// Ballista server behind it listens on 127.0.0.1 at the same port, so the address must be
+/// another one (and not every address, 0.0.0.0, which includes 127.0.0.1).
+fn exposed(flag: &str, host: &str, insecure: bool, tls: bool) -> Result<(), UsageError> {
+    let ip = host.parse::<std::net::IpAddr>().ok();
+    let loopback = host == "localhost" || ip.is_some_and(|ip| ip.is_loopback());
+    if tls {
+        let taken = host == "localhost"
+            || ip.is_some_and(|ip| ip.is_unspecified() || ip == std::net::IpAddr::from([127, 0, 0, 1]));
+        if taken {
+            return Err(UsageError(format!(
+                "{flag} {host}: with TLS, give this machine's own address (the plain server behind the TLS \
+                 listener uses 127.0.0.1 at the same port); to try TLS on one machine, use 127.0.0.2"
+            )));
+        }
+        return Ok(());
+    }
     if loopback || insecure {
         return Ok(());
     }
     Err(UsageError(format!(
-        "{flag} {host}: other machines could reach this, and weir's cluster has no TLS or authentication yet: \
-         anyone who can connect could run queries with the executors' API keys, read and write the files they \
-         allow, and join executors of their own. Use 127.0.0.1, or pass --insecure on a network only you use"
+        "{flag} {host}: other machines could reach this without TLS: anyone who can connect could run queries \
+         with the executors' API keys, read and write the files they allow, and join executors of their own. \
+         Use mutual TLS (weir cluster certs, then --tls-ca/--tls-cert/--tls-key on every process), or 127.0.0.1, \
+         or pass --insecure on a network only you use"
     )))
 }
 
 async fn executor(a: ExecutorArgs) -> anyhow::Result<u8> {
     a.endpoint.check().map_err(crate::UsageError::from)?;
-    exposed("--host", &a.host, a.insecure)?;
+    let tls = a.tls.install()?;
+    exposed("--host", &a.host, a.insecure, tls)?;
     let dirs = if a.allow_path.is_empty() { vec![std::env::current_dir()?] } else { a.allow_path.clone() };
     let allowed = weir_datafusion::fence::Allowed::new(&dirs, &a.allow_url).map_err(UsageError)?;
     if a.slots == Some(0) {
@@ -160,6 +207,18 @@ async fn executor(a: ExecutorArgs) -> anyhow::Result<u8> {
         r = weir_datafusion::cluster::executor(place, functions.clone()) => r,
         _ = signals.next() => Ok(()),
     };
+    // A scheduler with TLS closes a plain or unknown executor's connection during the handshake.
+    let result = result.map_err(|e| {
+        if e.contains("transport error") || e.contains("BrokenPipe") || e.contains("connection reset") {
+            format!(
+                "{e}\nweir: could not register with the scheduler at {}: if the cluster uses mutual TLS, give \
+                 --tls-ca, --tls-cert and --tls-key with a certificate its authority signed",
+                a.scheduler
+            )
+        } else {
+            e
+        }
+    });
     // What this executor's calls came to, over its whole life.
     eprint!("{}", crate::sql_cmd::summary(&functions, started.elapsed(), "weir cluster executor"));
     functions.shutdown().await;

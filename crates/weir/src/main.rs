@@ -9,6 +9,8 @@ mod signals;
 mod sim_cmd;
 #[cfg(feature = "sql")]
 mod sql_cmd;
+#[cfg(feature = "sql")]
+mod tls_args;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;

@@ -60,11 +60,14 @@ pub struct SqlArgs {
     /// share one throttle per endpoint.
     #[arg(long, value_name = "N")]
     partitions: Option<usize>,
-    /// Run the query on a Ballista cluster: the scheduler's address, df://HOST:PORT (start it
-    /// and its executors with weir cluster scheduler|executor; the executors call the models
-    /// with their own flags and keys, so the endpoint flags here do not apply).
+    /// Run the query on a Ballista cluster: the scheduler's address, df://HOST:PORT, or
+    /// dfs://HOST:PORT to require mutual TLS (start it and its executors with weir cluster
+    /// scheduler|executor; the executors call the models with their own flags and keys, so the
+    /// endpoint flags here do not apply).
     #[arg(long, value_name = "URL")]
     cluster: Option<String>,
+    #[command(flatten)]
+    tls: crate::tls_args::TlsArgs,
     #[command(flatten)]
     endpoint: EndpointArgs,
     /// Scenario (TOML, as for `weir sim --config`) of the built-in simulator behind sim/ models.
@@ -98,6 +101,18 @@ impl SqlArgs {
         }
         Ok(sql)
     }
+}
+
+/// Sets up this process's mutual TLS for the cluster when its flags are given; whether it is on.
+#[cfg(feature = "cluster")]
+fn cluster_tls(tls: &crate::tls_args::TlsArgs) -> Result<bool, UsageError> {
+    tls.install()
+}
+
+/// This build has no cluster, and so no TLS for one.
+#[cfg(not(feature = "cluster"))]
+fn cluster_tls(_tls: &crate::tls_args::TlsArgs) -> Result<bool, UsageError> {
+    Ok(false)
 }
 
 /// A session on the cluster at `url`.
@@ -254,9 +269,24 @@ async fn stop_signal() -> crate::signals::Stop {
 }
 
 /// Runs `weir sql`; the exit status.
-pub async fn run(args: SqlArgs) -> anyhow::Result<u8> {
+pub async fn run(mut args: SqlArgs) -> anyhow::Result<u8> {
     let settings = args.settings()?;
     let sql = args.sql()?;
+    // dfs:// asks for mutual TLS; the flags (or their variables) give it, to df:// too.
+    if let Some(url) = args.cluster.take() {
+        let wants = url.starts_with("dfs://");
+        let on = cluster_tls(&args.tls)?;
+        if wants && !on {
+            return Err(UsageError(format!(
+                "--cluster {url}: dfs:// is mutual TLS: give --tls-ca, --tls-cert and --tls-key (made with weir \
+                 cluster certs)"
+            ))
+            .into());
+        }
+        args.cluster = Some(url.replacen("dfs://", "df://", 1));
+    } else if args.tls.given() {
+        return Err(UsageError("--tls-ca, --tls-cert and --tls-key are for --cluster".into()).into());
+    }
     let mut config = SessionConfig::new().with_information_schema(true);
     if let Some(n) = args.partitions {
         config = config.with_target_partitions(n);

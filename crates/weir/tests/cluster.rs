@@ -385,3 +385,138 @@ async fn executors_stop_calling_when_their_scheduler_is_gone() {
     assert!(after < 200, "{after} calls for 400 rows whose results nobody could collect");
     sim.shutdown().await;
 }
+
+/// A scheduler and executors with mutual TLS (on 127.0.0.2: the plain servers behind the TLS
+/// listeners use 127.0.0.1): a client holding a certificate of the cluster gets every row once;
+/// a plain client, a client whose certificate another authority signed, and an executor without
+/// a certificate are all refused, and no model is called for them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_mutual_tls_only_holders_of_the_clusters_certificates_get_in() {
+    let dir = Dir::new("cluster-tls");
+    let (data, keys) = prompts(400);
+    dir.write("in.jsonl", &data);
+    std::fs::create_dir(dir.path("parts")).unwrap();
+    for i in 0..4 {
+        let copy = format!("COPY (SELECT * FROM 'in.jsonl' WHERE n % 4 = {i}) TO 'parts/p{i}.parquet'");
+        let out = weir().current_dir(&dir.0).args(["sql", &copy]).output().await.unwrap();
+        assert!(out.status.success(), "{}", stderr(&out));
+    }
+    for (out, names) in [("certs", vec!["scheduler", "e1", "e2", "client"]), ("other", vec!["client"])] {
+        let mut cmd = weir();
+        cmd.current_dir(&dir.0).args(["cluster", "certs", "--out", out]);
+        for n in names {
+            cmd.args(["--name", n]);
+        }
+        let made = cmd.output().await.unwrap();
+        assert!(made.status.success(), "{}", stderr(&made));
+    }
+    let tls = |dir_: &str, name: &str| -> Vec<String> {
+        vec![
+            "--tls-ca".into(),
+            format!("{dir_}/ca.pem"),
+            "--tls-cert".into(),
+            format!("{dir_}/{name}.pem"),
+            "--tls-key".into(),
+            format!("{dir_}/{name}.key"),
+        ]
+    };
+    let sim = SimServer::start(SimConfig::default(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let scheduler = free_port();
+    let _sched = weir()
+        .current_dir(&dir.0)
+        .args(["cluster", "scheduler", "--bind", &format!("127.0.0.2:{scheduler}")])
+        .args(tls("certs", "scheduler"))
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    wait_for_port(scheduler).await;
+    let mut executors = Vec::new();
+    for name in ["e1", "e2"] {
+        let (port, grpc) = (free_port(), free_port());
+        executors.push(
+            weir()
+                .current_dir(&dir.0)
+                .args(["cluster", "executor", "--scheduler", &format!("127.0.0.2:{scheduler}"), "--host", "127.0.0.2"])
+                .args(["--port", &port.to_string(), "--grpc-port", &grpc.to_string(), "--slots", "2"])
+                .args(["--base-url", &sim.url()])
+                .args(tls("certs", name))
+                .stderr(std::process::Stdio::null())
+                .kill_on_drop(true)
+                .spawn()
+                .unwrap(),
+        );
+        wait_for_port(port).await;
+    }
+    let url = format!("dfs://127.0.0.2:{scheduler}");
+    let query = "COPY (SELECT key, llm_generate('gemini/gemini-2.5-flash', prompt) AS answer FROM reviews) \
+                 TO 'answers.jsonl'";
+    // Strangers first: nothing may be called for them.
+    let plain = format!("df://127.0.0.2:{scheduler}");
+    let strangers: Vec<Vec<String>> = vec![
+        vec!["--cluster".into(), plain],
+        [vec!["--cluster".into(), url.clone()], tls("other", "client")].concat(),
+        // A certificate of another authority, though this client trusts the cluster's.
+        vec![
+            "--cluster".into(),
+            url.clone(),
+            "--tls-ca".into(),
+            "certs/ca.pem".into(),
+            "--tls-cert".into(),
+            "other/client.pem".into(),
+            "--tls-key".into(),
+            "other/client.key".into(),
+        ],
+    ];
+    for args in &strangers {
+        let out = weir()
+            .current_dir(&dir.0)
+            .arg("sql")
+            .args(args)
+            .args(["--table", "reviews=parts", query])
+            .output()
+            .await
+            .unwrap();
+        assert_ne!(out.status.code(), Some(0), "{args:?}: {}", stderr(&out));
+    }
+    let rogue = weir()
+        .current_dir(&dir.0)
+        .args(["cluster", "executor", "--scheduler", &format!("127.0.0.2:{scheduler}"), "--host", "127.0.0.3"])
+        .args(["--port", &free_port().to_string(), "--grpc-port", &free_port().to_string()])
+        .args(["--base-url", &sim.url()])
+        .kill_on_drop(true)
+        .output();
+    let rogue =
+        tokio::time::timeout(std::time::Duration::from_secs(60), rogue).await.expect("the rogue gave up").unwrap();
+    assert_ne!(rogue.status.code(), Some(0), "a rogue executor registered");
+    assert_eq!(sim.stats().requests, 0, "a stranger's query was run");
+    assert!(!dir.path("answers.jsonl").exists());
+    // The cluster's own client: every row once.
+    let out = weir()
+        .current_dir(&dir.0)
+        .args(["sql", "--cluster", &url, "--partitions", "4"])
+        .args(tls("certs", "client"))
+        .args(["--table", "reviews=parts", query])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let rows = rows(&dir.path("answers.jsonl"));
+    let mut seen: Vec<String> = rows.iter().map(|r| r["key"].as_str().unwrap().to_string()).collect();
+    seen.sort();
+    let mut expected = keys.clone();
+    expected.sort();
+    assert_eq!(seen, expected, "every row exactly once");
+    assert_eq!(sim.stats().requests, 400);
+    // With TLS, the address must leave 127.0.0.1 to the plain server behind it.
+    let out = weir()
+        .current_dir(&dir.0)
+        .args(["cluster", "scheduler", "--bind", "127.0.0.1:1"])
+        .args(tls("certs", "scheduler"))
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    drop(executors);
+    sim.shutdown().await;
+}
