@@ -8,7 +8,9 @@ Cases:
      start), the share of 429s, and the rows each executor answered;
   2. overhead: the same N rows (zero latency) through `weir sql` (COPY … TO a JSONL file) and
      `weir run --no-state`, side by side, ROUNDS rounds alternating; medians.
-Usage: bench/sql.py [CASE...]   (default: both). Builds weir with --features cluster (release).
+  3. tls: case 1 without and with mutual TLS (every process on 127.0.0.2 behind TLS listeners,
+     certificates from `weir cluster certs`), side by side: the ratio of their completion times.
+Usage: bench/sql.py [CASE...]   (default: 1 and 2). Builds weir with --features cluster (release).
 """
 import json, os, socket, statistics, subprocess, sys, tempfile, time, urllib.request
 
@@ -68,21 +70,33 @@ def dataset(name, n, parts=1):
     return path
 
 
-def cluster_case():
+def cluster_case(tls=False):
+    """Case 1; with `tls`, over mutual TLS. Returns the completion time."""
     R, W, N = 100, 5, 2000
+    host = "127.0.0.2" if tls else "127.0.0.1"
+    certs = os.path.join(WORK, "certs")
+    if tls and not os.path.exists(certs):
+        subprocess.run([BIN, "cluster", "certs", "--out", certs, "--name", "s", "--name", "e0", "--name", "e1",
+                        "--name", "c"], check=True, capture_output=True)
+    def flags(name):
+        if not tls:
+            return []
+        return ["--tls-ca", f"{certs}/ca.pem", "--tls-cert", f"{certs}/{name}.pem", "--tls-key", f"{certs}/{name}.key"]
     sim, url = start_sim("--rpm", str(R), "--window-secs", str(W), "--latency-ms", "50", "--jitter-ms", "20", "--round-advice")
     procs = [sim]
     try:
         sched = free_port()
-        procs.append(subprocess.Popen([BIN, "cluster", "scheduler", "--bind", f"127.0.0.1:{sched}"], stderr=subprocess.DEVNULL))
+        procs.append(subprocess.Popen([BIN, "cluster", "scheduler", "--bind", f"{host}:{sched}", *flags("s")],
+                                      stderr=subprocess.DEVNULL))
         wait_port(sched)
         metrics = []
-        for _ in range(2):
+        for e in range(2):
             port, grpc, mport = free_port(), free_port(), free_port()
             procs.append(subprocess.Popen(
-                [BIN, "cluster", "executor", "--scheduler", f"127.0.0.1:{sched}", "--port", str(port), "--grpc-port", str(grpc),
-                 "--slots", "2", "--metrics-listen", f"127.0.0.1:{mport}", "--base-url", url, "--max-retries", "50"],
-                stderr=subprocess.DEVNULL))
+                [BIN, "cluster", "executor", "--scheduler", f"{host}:{sched}", "--host", host, "--port", str(port),
+                 "--grpc-port", str(grpc), "--slots", "2", "--metrics-listen", f"127.0.0.1:{mport}", "--base-url", url,
+                 "--max-retries", "50", *flags(f"e{e}")],
+                stderr=subprocess.DEVNULL, cwd=WORK))
             wait_port(port); wait_port(mport)
             metrics.append(mport)
         dataset("cluster", N, parts=4)
@@ -90,7 +104,7 @@ def cluster_case():
         time.sleep(W + 1)  # the ideal starts from an empty window
         urllib.request.urlopen(urllib.request.Request(url + "/stats/reset", method="POST"))
         t0 = time.monotonic()
-        sql("--cluster", f"df://127.0.0.1:{sched}", "--partitions", "4", "--table", "t=cluster",
+        sql("--cluster", f"{'dfs' if tls else 'df'}://{host}:{sched}", *flags("c"), "--partitions", "4", "--table", "t=cluster",
             f"COPY (SELECT id, llm_generate('{MODEL}', prompt) AS answer FROM t) TO 'cluster-out.parquet'")
         secs = time.monotonic() - t0
         s = json.loads(get(url + "/stats"))
@@ -100,13 +114,21 @@ def cluster_case():
             rows.append(next(int(float(l.split()[-1])) for l in page.splitlines()
                              if l.startswith('weir_records_total{outcome="success"}')))
         answered = int(sql("--format", "jsonl", "SELECT count(answer) AS n FROM 'cluster-out.parquet'").stdout.split(":")[1].strip(" }\n"))
-        print(f"== 1. two executors, one quota of {R} requests per {W} s (advice in whole seconds), latency 50±10 ms, {N} rows")
+        print(f"== 1. two executors{' over mutual TLS' if tls else ''}, one quota of {R} requests per {W} s (advice in "
+              f"whole seconds), latency 50±10 ms, {N} rows")
         print(f"   {secs:5.1f} s against {ideal:.1f} s ideal ({ideal / secs:.1%} of the quota); 429s {s['rate_limited']} of "
               f"{s['requests']} ({s['rate_limited'] / s['requests']:.2%}); rows answered per executor {rows}; "
               f"non-null answers {answered} of {N}")
+        return secs
     finally:
         for p in procs:
             p.terminate()
+
+
+def tls_case():
+    plain = cluster_case(tls=False)
+    secure = cluster_case(tls=True)
+    print(f"== 3. the same query without TLS {plain:.1f} s, with mutual TLS {secure:.1f} s: plain ÷ TLS time {plain / secure:.3f}")
 
 
 def overhead_case():
@@ -140,4 +162,4 @@ def overhead_case():
 
 
 for c in sys.argv[1:] or ["1", "2"]:
-    {"1": cluster_case, "2": overhead_case}[c]()
+    {"1": cluster_case, "2": overhead_case, "3": tls_case}[c]()
