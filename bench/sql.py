@@ -87,7 +87,7 @@ def cluster_case(tls=False):
     try:
         sched = free_port()
         procs.append(subprocess.Popen([BIN, "cluster", "scheduler", "--bind", f"{host}:{sched}", *flags("s")],
-                                      stderr=subprocess.DEVNULL))
+                                      stderr=subprocess.DEVNULL, cwd=WORK))
         wait_port(sched)
         metrics = []
         for e in range(2):

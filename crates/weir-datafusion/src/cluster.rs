@@ -32,19 +32,25 @@ use weir_engine::Engine;
 /// Seconds without a heartbeat after which the scheduler takes an executor for lost.
 const EXECUTOR_TIMEOUT_SECS: u64 = 30;
 
-/// A runtime whose object stores are found as `weir sql` finds them (`s3://`, `gs://`).
-fn runtime() -> datafusion::common::Result<Arc<RuntimeEnv>> {
-    RuntimeEnvBuilder::new().with_object_store_registry(Arc::new(Stores::new())).build_arc()
+/// A runtime whose object stores are found as `weir sql` finds them (`s3://`, `gs://`), checking
+/// every path against `allowed` when given (a scheduler's and executors': the scheduler lists
+/// and reads files while it plans, before any executor sees the plan).
+fn runtime(allowed: Option<&crate::fence::Allowed>) -> datafusion::common::Result<Arc<RuntimeEnv>> {
+    let stores = match allowed {
+        Some(a) => Stores::fenced(a.clone()),
+        None => Stores::new(),
+    };
+    RuntimeEnvBuilder::new().with_object_store_registry(Arc::new(stores)).build_arc()
 }
 
 /// Runs a scheduler on `bind` until it fails. `functions` only plans (a scheduler makes no
 /// calls), so its settings do not matter.
-pub async fn scheduler(bind: SocketAddr, functions: Arc<Engine>) -> Result<(), String> {
+pub async fn scheduler(bind: SocketAddr, functions: Arc<Engine>, allowed: crate::fence::Allowed) -> Result<(), String> {
     let udfs = crate::udf::all(&functions);
     let builder = Arc::new(move |config: SessionConfig| {
         let mut state = SessionStateBuilder::new()
             .with_config(config)
-            .with_runtime_env(runtime()?)
+            .with_runtime_env(runtime(Some(&allowed))?)
             .with_default_features()
             .with_optimizer_rules(crate::optimizer_rules())
             .build();
@@ -266,7 +272,10 @@ pub async fn executor(place: ExecutorPlace, functions: Arc<Engine>) -> Result<()
             inner: Arc::new(DefaultExecutionEngine::new()),
             allowed: place.allowed.clone(),
         })),
-        override_runtime_producer: Some(Arc::new(|_: &SessionConfig| runtime())),
+        override_runtime_producer: {
+            let allowed = place.allowed.clone();
+            Some(Arc::new(move |_: &SessionConfig| runtime(Some(&allowed))))
+        },
         ..defaults
     };
     let proxies = async {
@@ -332,7 +341,7 @@ pub async fn connect(url: &str, config: SessionConfig, functions: &Arc<Engine>) 
     };
     let state = SessionStateBuilder::new()
         .with_config(config)
-        .with_runtime_env(runtime().map_err(|e| e.to_string())?)
+        .with_runtime_env(runtime(None).map_err(|e| e.to_string())?)
         .with_default_features()
         .build();
     let ctx = SessionContext::remote_with_state(url, state).await.map_err(|e| format!("{url}: {e}"))?;

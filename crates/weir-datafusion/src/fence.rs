@@ -15,7 +15,10 @@ use datafusion::datasource::memory::DataSourceExec;
 use datafusion::datasource::physical_plan::{FileScanConfig, FileSink};
 use datafusion::datasource::sink::DataSinkExec;
 use datafusion::physical_plan::ExecutionPlan;
+use object_store::path::Path as ObjPath;
+use object_store::ObjectStore;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// Where an executor's queries may read and write.
 #[derive(Debug, Clone, Default)]
@@ -87,7 +90,7 @@ impl Allowed {
     }
 
     /// What is allowed, for messages.
-    fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         let all: Vec<String> =
             self.dirs.iter().map(|d| d.display().to_string()).chain(self.urls.iter().cloned()).collect();
         if all.is_empty() {
@@ -195,5 +198,141 @@ mod tests {
         assert!(Allowed::new(&[dir.join("nope")], &[]).is_err());
         std::fs::remove_dir_all(&dir).unwrap();
         std::fs::remove_dir_all(&outside).unwrap();
+    }
+}
+
+/// An object store whose every read, listing and write is checked against the places allowed,
+/// for the processes that plan a cluster's queries (the scheduler lists a table's files and may
+/// read their footers while planning, before any executor sees the plan).
+#[derive(Debug)]
+pub struct FencedStore {
+    inner: Arc<dyn ObjectStore>,
+    /// `file:` or `s3://bucket`: what a path in this store is under.
+    base: String,
+    allowed: Allowed,
+}
+
+impl std::fmt::Display for FencedStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "fenced {}", self.inner)
+    }
+}
+
+impl FencedStore {
+    /// `inner` serves `url`'s scheme and bucket; its paths are checked against `allowed`.
+    pub fn new(inner: Arc<dyn ObjectStore>, url: &url::Url, allowed: Allowed) -> Self {
+        let base = match url.scheme() {
+            "file" => "file:".to_string(),
+            s => format!("{s}://{}", url.host_str().unwrap_or_default()),
+        };
+        Self { inner, base, allowed }
+    }
+
+    fn check(&self, path: &ObjPath) -> object_store::Result<()> {
+        let place = if self.base == "file:" { format!("/{path}") } else { format!("{}/{path}", self.base) };
+        if self.allowed.permits(&place) {
+            return Ok(());
+        }
+        Err(object_store::Error::PermissionDenied {
+            path: place,
+            source: format!("this cluster may not read or write here; it allows {}", self.allowed.describe()).into(),
+        })
+    }
+
+    fn check_prefix(&self, prefix: Option<&ObjPath>) -> object_store::Result<()> {
+        self.check(prefix.unwrap_or(&ObjPath::from("")))
+    }
+}
+
+#[async_trait::async_trait]
+impl ObjectStore for FencedStore {
+    async fn put_opts(
+        &self,
+        location: &ObjPath,
+        payload: object_store::PutPayload,
+        opts: object_store::PutOptions,
+    ) -> object_store::Result<object_store::PutResult> {
+        self.check(location)?;
+        self.inner.put_opts(location, payload, opts).await
+    }
+
+    async fn put_multipart_opts(
+        &self,
+        location: &ObjPath,
+        opts: object_store::PutMultipartOptions,
+    ) -> object_store::Result<Box<dyn object_store::MultipartUpload>> {
+        self.check(location)?;
+        self.inner.put_multipart_opts(location, opts).await
+    }
+
+    async fn get_opts(
+        &self,
+        location: &ObjPath,
+        options: object_store::GetOptions,
+    ) -> object_store::Result<object_store::GetResult> {
+        self.check(location)?;
+        self.inner.get_opts(location, options).await
+    }
+
+    async fn get_ranges(
+        &self,
+        location: &ObjPath,
+        ranges: &[std::ops::Range<u64>],
+    ) -> object_store::Result<Vec<bytes::Bytes>> {
+        self.check(location)?;
+        self.inner.get_ranges(location, ranges).await
+    }
+
+    fn delete_stream(
+        &self,
+        locations: futures::stream::BoxStream<'static, object_store::Result<ObjPath>>,
+    ) -> futures::stream::BoxStream<'static, object_store::Result<ObjPath>> {
+        use futures::StreamExt;
+        let me = (self.base.clone(), self.allowed.clone(), self.inner.clone());
+        let checked = locations.map(move |p| {
+            let p = p?;
+            let store = FencedStore { inner: me.2.clone(), base: me.0.clone(), allowed: me.1.clone() };
+            store.check(&p)?;
+            Ok(p)
+        });
+        self.inner.delete_stream(checked.boxed())
+    }
+
+    fn list(
+        &self,
+        prefix: Option<&ObjPath>,
+    ) -> futures::stream::BoxStream<'static, object_store::Result<object_store::ObjectMeta>> {
+        use futures::StreamExt;
+        match self.check_prefix(prefix) {
+            Ok(()) => self.inner.list(prefix),
+            Err(e) => futures::stream::once(async move { Err(e) }).boxed(),
+        }
+    }
+
+    async fn list_with_delimiter(&self, prefix: Option<&ObjPath>) -> object_store::Result<object_store::ListResult> {
+        self.check_prefix(prefix)?;
+        self.inner.list_with_delimiter(prefix).await
+    }
+
+    async fn copy_opts(
+        &self,
+        from: &ObjPath,
+        to: &ObjPath,
+        options: object_store::CopyOptions,
+    ) -> object_store::Result<()> {
+        self.check(from)?;
+        self.check(to)?;
+        self.inner.copy_opts(from, to, options).await
+    }
+
+    async fn rename_opts(
+        &self,
+        from: &ObjPath,
+        to: &ObjPath,
+        options: object_store::RenameOptions,
+    ) -> object_store::Result<()> {
+        self.check(from)?;
+        self.check(to)?;
+        self.inner.rename_opts(from, to, options).await
     }
 }

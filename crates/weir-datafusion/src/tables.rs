@@ -21,12 +21,31 @@ use weir_tables::{Format, Location};
 #[derive(Debug, Default)]
 pub struct Stores {
     known: DefaultObjectStoreRegistry,
+    /// On a cluster's processes, the places their stores may touch (see `crate::fence`).
+    #[cfg(feature = "cluster")]
+    fence: Option<crate::fence::Allowed>,
 }
 
 impl Stores {
     /// A registry that knows the local file system and finds `s3://` and `gs://` buckets.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// The same, with every store it gives out checking each path against `allowed`.
+    #[cfg(feature = "cluster")]
+    pub fn fenced(allowed: crate::fence::Allowed) -> Self {
+        Self { fence: Some(allowed), ..Self::default() }
+    }
+
+    /// `store`, fenced when this registry is.
+    fn give(&self, url: &url::Url, store: Arc<dyn object_store::ObjectStore>) -> Arc<dyn object_store::ObjectStore> {
+        #[cfg(feature = "cluster")]
+        if let Some(allowed) = &self.fence {
+            return Arc::new(crate::fence::FencedStore::new(store, url, allowed.clone()));
+        }
+        let _ = url;
+        store
     }
 }
 
@@ -45,7 +64,7 @@ impl ObjectStoreRegistry for Stores {
 
     fn get_store(&self, url: &url::Url) -> Result<Arc<dyn object_store::ObjectStore>> {
         if let Ok(store) = self.known.get_store(url) {
-            return Ok(store);
+            return Ok(self.give(url, store));
         }
         if !matches!(url.scheme(), "s3" | "gs") {
             return Err(DataFusionError::Configuration(format!(
@@ -59,7 +78,7 @@ impl ObjectStoreRegistry for Stores {
         let store =
             location.store(&|k| std::env::var(k).ok()).map_err(|e| DataFusionError::Configuration(e.to_string()))?;
         self.known.register_store(url, store.clone());
-        Ok(store)
+        Ok(self.give(url, store))
     }
 }
 

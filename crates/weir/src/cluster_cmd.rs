@@ -49,6 +49,15 @@ struct SchedulerArgs {
     /// Where to listen for clients and executors.
     #[arg(long, value_name = "HOST:PORT", default_value = "127.0.0.1:50050")]
     bind: SocketAddr,
+    /// A directory queries may name files under (repeatable) [default: the directory the
+    /// scheduler is started in]: planning lists a table's files and reads their footers, here.
+    /// Give the same places as the executors'.
+    #[arg(long, value_name = "DIR")]
+    allow_path: Vec<PathBuf>,
+    /// An object store prefix queries may name, s3://BUCKET[/PREFIX] or gs://BUCKET[/PREFIX]
+    /// (repeatable) [default: none].
+    #[arg(long, value_name = "URL")]
+    allow_url: Vec<String>,
     /// Listen on an address other machines can reach without TLS (see the README's cluster
     /// section).
     #[arg(long)]
@@ -121,10 +130,12 @@ pub async fn run(args: ClusterArgs) -> anyhow::Result<u8> {
         ClusterCommand::Scheduler(a) => {
             let tls = a.tls.install()?;
             exposed("--bind", &a.bind.ip().to_string(), a.insecure, tls)?;
+            let dirs = if a.allow_path.is_empty() { vec![std::env::current_dir()?] } else { a.allow_path.clone() };
+            let allowed = weir_datafusion::fence::Allowed::new(&dirs, &a.allow_url).map_err(UsageError)?;
             // The scheduler plans only: its functions are never called.
             let functions = Engine::new(EngineSettings::default());
             eprintln!("weir: scheduler listening on {} (clients: weir sql --cluster df://{})", a.bind, a.bind);
-            weir_datafusion::cluster::scheduler(a.bind, functions).await.map_err(|e| anyhow::anyhow!(e))?;
+            weir_datafusion::cluster::scheduler(a.bind, functions, allowed).await.map_err(|e| anyhow::anyhow!(e))?;
             Ok(0)
         }
         ClusterCommand::Executor(a) => executor(*a).await,

@@ -36,6 +36,7 @@ impl Cluster {
     async fn start_with(sim: &SimServer, executors: usize, dir: &std::path::Path, extra: &[&str]) -> Cluster {
         let scheduler = free_port();
         let sched = weir()
+            .current_dir(dir)
             .args(["cluster", "scheduler", "--bind", &format!("127.0.0.1:{scheduler}")])
             .stderr(std::process::Stdio::null())
             .kill_on_drop(true)
@@ -278,6 +279,13 @@ async fn executors_touch_only_allowed_places_and_do_not_listen_beyond_loopback()
     dir.write("in.jsonl", &data);
     let outside = Dir::new("cluster-fence-outside");
     let secret = outside.write("secret.csv", b"line\nthe executor's secret\n");
+    let made = weir()
+        .current_dir(&outside.0)
+        .args(["sql", "COPY (SELECT 31337 AS n, 'secret' AS s) TO 'secret.parquet'"])
+        .output()
+        .await
+        .unwrap();
+    assert!(made.status.success(), "{}", stderr(&made));
     let sim = SimServer::start(SimConfig::default(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
     let cluster = Cluster::start(&sim, 1, &dir.0).await;
     let url = format!("df://127.0.0.1:{}", cluster.scheduler);
@@ -289,6 +297,16 @@ async fn executors_touch_only_allowed_places_and_do_not_listen_beyond_loopback()
             secret.display()
         ),
         format!("SELECT llm_generate('gemini/gemini-2.5-flash', line) AS a FROM '{}'", secret.display()),
+        // Answered from Parquet statistics while the scheduler plans: no executor reads it.
+        format!(
+            "CREATE EXTERNAL TABLE p STORED AS PARQUET LOCATION '{}'; SELECT count(*), max(n) FROM p",
+            outside.path("secret.parquet").display()
+        ),
+        // Listing a directory to see its files' names.
+        format!(
+            "CREATE EXTERNAL TABLE l (line VARCHAR) STORED AS CSV LOCATION '{}/'; EXPLAIN SELECT * FROM l",
+            outside.0.display()
+        ),
         format!("COPY (SELECT llm_generate('gemini/gemini-2.5-flash', prompt) AS a FROM t) TO '{}'", target.display()),
         format!(
             "CREATE EXTERNAL TABLE o (a VARCHAR) STORED AS CSV LOCATION '{}'; \
@@ -309,8 +327,9 @@ async fn executors_touch_only_allowed_places_and_do_not_listen_beyond_loopback()
             .unwrap();
         let err = stderr(&out);
         assert_ne!(out.status.code(), Some(0), "{sql}: {err}");
-        assert!(err.contains("this executor may not read or write"), "{sql}: {err}");
-        assert!(!String::from_utf8_lossy(&out.stdout).contains("secret"), "{sql}");
+        assert!(err.contains("may not read or write"), "{sql}: {err}");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(!stdout.contains("secret") && !stdout.contains("31337"), "{sql}: {stdout}");
         assert_eq!(sim.stats().requests, 0, "{sql}: a model was called");
     }
     assert!(!target.exists() && !outside.path("o").read_dir().is_ok_and(|mut d| d.next().is_some()));
