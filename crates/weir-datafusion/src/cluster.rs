@@ -481,6 +481,11 @@ pub async fn probe(url: &str) -> Result<(), ReachError> {
         Ok(Ok(client)) => client,
         Ok(Err(e)) => {
             let reason = std::error::Error::source(&e).map(|s| s.to_string()).unwrap_or_else(|| e.to_string());
+            // A TLS handshake that failed: the server is there, and refused this client (or is
+            // not a cluster's).
+            if reason.contains("certificate") || reason.contains("tls") || reason.contains("TLS") {
+                return Err(ReachError::NotAScheduler { url: url.to_string() });
+            }
             return Err(unreachable(reason));
         }
         Err(_) => return Err(unreachable("no answer in 10 s".into())),
@@ -488,6 +493,15 @@ pub async fn probe(url: &str) -> Result<(), ReachError> {
     // Any answer but "unimplemented" comes from a scheduler (an unknown job is fine).
     match client.get_job_status(GetJobStatusParams { job_id: "weir-probe".into() }).await {
         Err(status) if status.code() == tonic::Code::Unimplemented => {
+            Err(ReachError::NotAScheduler { url: url.to_string() })
+        }
+        // A TLS listener closes a plain client's connection: something is there, and refused it.
+        Err(status)
+            if status.code() == tonic::Code::Unavailable
+                && ["broken pipe", "h2 protocol", "connection reset", "FRAME_SIZE"]
+                    .iter()
+                    .any(|t| format!("{status:?}").to_ascii_lowercase().contains(&t.to_ascii_lowercase())) =>
+        {
             Err(ReachError::NotAScheduler { url: url.to_string() })
         }
         Err(status) if status.code() == tonic::Code::Unavailable => Err(unreachable(status.message().to_string())),

@@ -134,7 +134,11 @@ pub async fn serve(tls: Arc<ClusterTls>, listen: tokio::net::TcpListener, to: So
             let mut secure = match handshake.await {
                 Ok(Ok(s)) => s,
                 Ok(Err(e)) => {
-                    tracing::warn!("refused a connection from {peer}: {e}");
+                    // A connection closed before any TLS (a port check, as executors make of
+                    // their scheduler) is not worth a warning; a refused certificate is.
+                    if e.kind() != std::io::ErrorKind::UnexpectedEof {
+                        tracing::warn!("refused a connection from {peer}: {e}");
+                    }
                     return;
                 }
                 Err(_) => return,

@@ -134,7 +134,8 @@ pub async fn run(args: ClusterArgs) -> anyhow::Result<u8> {
             let allowed = weir_datafusion::fence::Allowed::new(&dirs, &a.allow_url).map_err(UsageError)?;
             // The scheduler plans only: its functions are never called.
             let functions = Engine::new(EngineSettings::default());
-            eprintln!("weir: scheduler listening on {} (clients: weir sql --cluster df://{})", a.bind, a.bind);
+            let scheme = if tls { "dfs" } else { "df" };
+            eprintln!("weir: scheduler listening on {} (clients: weir sql --cluster {scheme}://{})", a.bind, a.bind);
             weir_datafusion::cluster::scheduler(a.bind, functions, allowed).await.map_err(|e| anyhow::anyhow!(e))?;
             Ok(0)
         }

@@ -406,7 +406,10 @@ async fn run_statement(
             }
         }
         .await;
-        if let (Err(e), Some(url)) = (&ran, cluster) {
+        // Only a query the scheduler had taken (its job known) can have executors calling for it.
+        let started =
+            RUNNING.lock().unwrap_or_else(|e| e.into_inner()).as_ref().and_then(weir_datafusion_job).is_some();
+        if let (Err(e), Some(url), true) = (&ran, cluster, started) {
             let text = e.to_string();
             if ["tcp connect error", "Connection refused", "transport error", "connection reset"]
                 .iter()
