@@ -345,32 +345,26 @@ pub async fn connect(url: &str, config: SessionConfig, functions: &Arc<Engine>) 
         .with_default_features()
         .build();
     let ctx = SessionContext::remote_with_state(url, state).await.map_err(|e| format!("{url}: {e}"))?;
-    // The client asks for the job's status rather than waiting for the scheduler to push it:
-    // pushed, the job's id arrives only when a stage ends, too late to cancel the job when the
-    // user stops the query.
-    ctx.state_ref()
-        .write()
-        .config_mut()
-        .options_mut()
-        .set(ballista_core::config::BALLISTA_CLIENT_PULL, "true")
-        .map_err(|e| e.to_string())?;
-    ctx.state_ref()
-        .write()
-        .config_mut()
-        .options_mut()
+    let settings = [
+        // The client asks for the job's status rather than waiting for the scheduler to push
+        // it: pushed, the job's id arrives only when a stage ends, too late to cancel the job
+        // when the user stops the query.
+        (ballista_core::config::BALLISTA_CLIENT_PULL, "true"),
         // One partition per task: tasks run again are then known by their number (see
         // rows_called_again).
-        .set(ballista_core::config::BALLISTA_SCHEDULER_MAX_PARTITIONS_PER_TASK, "1")
-        .map_err(|e| e.to_string())?;
-    // Ballista's static planner, not its adaptive one (new in 55): a two-stage query whose
-    // executor was lost hung in the adaptive planner's bookkeeping ("Can't find active stage to
-    // update stage outputs") after paying for its first stage again.
-    ctx.state_ref()
-        .write()
-        .config_mut()
-        .options_mut()
-        .set(ballista_core::config::BALLISTA_ADAPTIVE_PLANNER_ENABLED, "false")
-        .map_err(|e| e.to_string())?;
+        (ballista_core::config::BALLISTA_SCHEDULER_MAX_PARTITIONS_PER_TASK, "1"),
+        // Ballista's static planner, not its adaptive one (new in 55): a two-stage query whose
+        // executor was lost hung in the adaptive planner's bookkeeping ("Can't find active
+        // stage to update stage outputs") after paying for its first stage again.
+        (ballista_core::config::BALLISTA_ADAPTIVE_PLANNER_ENABLED, "false"),
+    ];
+    {
+        let state = ctx.state_ref();
+        let mut state = state.write();
+        for (key, value) in settings {
+            state.config_mut().options_mut().set(key, value).map_err(|e| e.to_string())?;
+        }
+    }
     crate::register(&ctx, functions);
     Ok(ctx)
 }

@@ -43,21 +43,37 @@ struct CertsArgs {
     names: Vec<String>,
 }
 
+/// The places a cluster process lets queries read and write (see `weir_datafusion::fence`).
+#[derive(Debug, Args)]
+struct PlaceArgs {
+    /// A directory queries may read and write files under (repeatable) [default: the directory
+    /// the process is started in]. A query naming any other file fails before a model is called.
+    #[arg(long, value_name = "DIR")]
+    allow_path: Vec<PathBuf>,
+    /// An object store prefix queries may read and write under, s3://BUCKET[/PREFIX] or
+    /// gs://BUCKET[/PREFIX] (repeatable) [default: none].
+    #[arg(long, value_name = "URL")]
+    allow_url: Vec<String>,
+}
+
+impl PlaceArgs {
+    /// The places, checked (directories must exist).
+    fn allowed(&self) -> anyhow::Result<weir_datafusion::fence::Allowed> {
+        let dirs = if self.allow_path.is_empty() { vec![std::env::current_dir()?] } else { self.allow_path.clone() };
+        Ok(weir_datafusion::fence::Allowed::new(&dirs, &self.allow_url).map_err(UsageError)?)
+    }
+}
+
 /// Options of `weir cluster scheduler`.
 #[derive(Debug, Args)]
 struct SchedulerArgs {
     /// Where to listen for clients and executors.
     #[arg(long, value_name = "HOST:PORT", default_value = "127.0.0.1:50050")]
     bind: SocketAddr,
-    /// A directory queries may name files under (repeatable) [default: the directory the
-    /// scheduler is started in]: planning lists a table's files and reads their footers, here.
-    /// Give the same places as the executors'.
-    #[arg(long, value_name = "DIR")]
-    allow_path: Vec<PathBuf>,
-    /// An object store prefix queries may name, s3://BUCKET[/PREFIX] or gs://BUCKET[/PREFIX]
-    /// (repeatable) [default: none].
-    #[arg(long, value_name = "URL")]
-    allow_url: Vec<String>,
+    /// Planning lists a table's files and reads their footers here: give the scheduler the same
+    /// places as the executors.
+    #[command(flatten)]
+    places: PlaceArgs,
     /// Listen on an address other machines can reach without TLS (see the README's cluster
     /// section).
     #[arg(long)]
@@ -88,14 +104,8 @@ struct ExecutorArgs {
     /// and removed when the executor stops [default: the system's temporary directory].
     #[arg(long, value_name = "DIR")]
     work_dir: Option<PathBuf>,
-    /// A directory queries may read and write files under (repeatable) [default: the directory
-    /// the executor is started in]. A query naming any other file fails before a model is called.
-    #[arg(long, value_name = "DIR")]
-    allow_path: Vec<PathBuf>,
-    /// An object store prefix queries may read and write under, s3://BUCKET[/PREFIX] or
-    /// gs://BUCKET[/PREFIX] (repeatable) [default: none].
-    #[arg(long, value_name = "URL")]
-    allow_url: Vec<String>,
+    #[command(flatten)]
+    places: PlaceArgs,
     /// Listen on an address other machines can reach without TLS (see the README's cluster
     /// section).
     #[arg(long)]
@@ -130,8 +140,7 @@ pub async fn run(args: ClusterArgs) -> anyhow::Result<u8> {
         ClusterCommand::Scheduler(a) => {
             let tls = a.tls.install()?;
             exposed("--bind", &a.bind.ip().to_string(), a.insecure, tls)?;
-            let dirs = if a.allow_path.is_empty() { vec![std::env::current_dir()?] } else { a.allow_path.clone() };
-            let allowed = weir_datafusion::fence::Allowed::new(&dirs, &a.allow_url).map_err(UsageError)?;
+            let allowed = a.places.allowed()?;
             // The scheduler plans only: its functions are never called.
             let functions = Engine::new(EngineSettings::default());
             let scheme = if tls { "dfs" } else { "df" };
@@ -177,8 +186,7 @@ async fn executor(a: ExecutorArgs) -> anyhow::Result<u8> {
     a.endpoint.check().map_err(crate::UsageError::from)?;
     let tls = a.tls.install()?;
     exposed("--host", &a.host, a.insecure, tls)?;
-    let dirs = if a.allow_path.is_empty() { vec![std::env::current_dir()?] } else { a.allow_path.clone() };
-    let allowed = weir_datafusion::fence::Allowed::new(&dirs, &a.allow_url).map_err(UsageError)?;
+    let allowed = a.places.allowed()?;
     if a.slots == Some(0) {
         return Err(UsageError("--slots must be at least 1".into()).into());
     }
