@@ -59,14 +59,14 @@ pub async fn scheduler(bind: SocketAddr, functions: Arc<Engine>, allowed: crate:
         }
         Ok(state)
     });
-    // With TLS, Ballista listens on 127.0.0.1 and weir's TLS listener on the address given.
-    let tls = crate::tls::installed();
-    let inner = if tls.is_some() { SocketAddr::from(([127, 0, 0, 1], bind.port())) } else { bind };
+    // With credentials, Ballista listens on 127.0.0.1 and weir's guard on the address given.
+    let creds = crate::guard::installed();
+    let inner = if creds.is_some() { SocketAddr::from(([127, 0, 0, 1], bind.port())) } else { bind };
     let config = SchedulerConfig {
         bind_host: inner.ip().to_string(),
         bind_port: bind.port(),
         external_host: bind.ip().to_string(),
-        override_create_grpc_client_endpoint: tls.as_ref().map(|t| t.endpoint_override()),
+        override_create_grpc_client_endpoint: creds.as_ref().map(|c| c.endpoint_override()),
         // One task per executor in turn: model calls wait on the network, not the CPU, so a
         // query's partitions are better spread over every executor (and its throttle) than
         // packed into the first one's slots.
@@ -81,13 +81,13 @@ pub async fn scheduler(bind: SocketAddr, functions: Arc<Engine>, allowed: crate:
     .with_override_session_builder(builder);
     let cluster = BallistaCluster::new_from_config(&config).await.map_err(|e| e.to_string())?;
     let server = async { start_server(cluster, inner, Arc::new(config)).await.map_err(|e| e.to_string()) };
-    match tls {
+    match creds {
         None => server.await,
-        Some(tls) => {
+        Some(creds) => {
             let listener = tokio::net::TcpListener::bind(bind).await.map_err(|e| format!("{bind}: {e}"))?;
             tokio::select! {
                 r = server => r,
-                r = crate::tls::serve(tls, listener, inner) => r,
+                r = crate::guard::serve(creds, listener, inner) => r,
             }
         }
     }
@@ -237,23 +237,24 @@ pub async fn executor(place: ExecutorPlace, functions: Arc<Engine>) -> Result<()
         registry.scalar_functions.insert(udf.name().to_string(), Arc::new(udf));
     }
     let defaults = ExecutorProcessConfig::default();
-    // With TLS, Ballista listens on 127.0.0.1 and weir's TLS listeners on the host given, at the
-    // same ports (which is what the executor tells the scheduler); its clients, its tasks' too
-    // (reading other executors' shuffle files), connect over TLS.
-    let tls = crate::tls::installed();
-    let bind_host = if tls.is_some() { "127.0.0.1".to_string() } else { place.host.clone() };
-    let producer: Option<ballista_core::ConfigProducer> = tls.as_ref().map(|t| {
-        let endpoint = t.endpoint_override();
+    // With credentials, Ballista listens on 127.0.0.1 and weir's guards on the host given, at
+    // the same ports (which is what the executor tells the scheduler); its clients, its tasks'
+    // too (reading other executors' shuffle files), connect with the credentials.
+    let creds = crate::guard::installed();
+    let bind_host = if creds.is_some() { "127.0.0.1".to_string() } else { place.host.clone() };
+    let producer: Option<ballista_core::ConfigProducer> = creds.as_ref().map(|c| {
+        let endpoint = c.endpoint_override();
+        let tls = c.tls_on();
         Arc::new(move || {
             use ballista_core::extension::SessionConfigExt;
             SessionConfig::new_with_ballista()
                 .with_ballista_override_create_grpc_client_endpoint(endpoint.clone())
-                .with_ballista_use_tls(true)
+                .with_ballista_use_tls(tls)
         }) as ballista_core::ConfigProducer
     });
     let config = ExecutorProcessConfig {
         bind_host,
-        override_create_grpc_client_endpoint: tls.as_ref().map(|t| t.endpoint_override()),
+        override_create_grpc_client_endpoint: creds.as_ref().map(|c| c.endpoint_override()),
         override_config_producer: producer,
         external_host: Some(place.host.clone()),
         port: place.port,
@@ -279,12 +280,16 @@ pub async fn executor(place: ExecutorPlace, functions: Arc<Engine>) -> Result<()
         ..defaults
     };
     let proxies = async {
-        let Some(tls) = tls else { return std::future::pending().await };
+        let Some(creds) = creds else { return std::future::pending().await };
         let mut serving = Vec::new();
         for port in [place.port, place.grpc_port] {
             let listen = format!("{}:{port}", place.host);
             let listener = tokio::net::TcpListener::bind(&listen).await.map_err(|e| format!("{listen}: {e}"))?;
-            serving.push(Box::pin(crate::tls::serve(tls.clone(), listener, SocketAddr::from(([127, 0, 0, 1], port)))));
+            serving.push(Box::pin(crate::guard::serve(
+                creds.clone(),
+                listener,
+                SocketAddr::from(([127, 0, 0, 1], port)),
+            )));
         }
         futures::future::select_all(serving).await.0
     };
@@ -330,12 +335,12 @@ const SCHEDULER_GONE: std::time::Duration = std::time::Duration::from_secs(15);
 /// functions known for planning. They are registered after connecting: setting up a Ballista
 /// session starts from a fresh function registry.
 pub async fn connect(url: &str, config: SessionConfig, functions: &Arc<Engine>) -> Result<SessionContext, String> {
-    let config = match crate::tls::installed() {
-        Some(tls) => {
+    let config = match crate::guard::installed() {
+        Some(creds) => {
             use ballista_core::extension::SessionConfigExt;
             config
-                .with_ballista_override_create_grpc_client_endpoint(tls.endpoint_override())
-                .with_ballista_use_tls(true)
+                .with_ballista_override_create_grpc_client_endpoint(creds.endpoint_override())
+                .with_ballista_use_tls(creds.tls_on())
         }
         None => config,
     };
@@ -417,7 +422,7 @@ pub async fn rows_called_again(url: &str, job: &str) -> Result<u64, String> {
 /// The finished stages of `job`, with their metrics.
 async fn finished(url: &str, job: &str) -> Result<Vec<ballista_core::serde::protobuf::JobStageMetrics>, String> {
     use ballista_core::serde::protobuf::GetJobMetricsParams;
-    let mut client = crate::tls::scheduler_client(url).await.map_err(|e| e.to_string())?;
+    let mut client = crate::guard::scheduler_client(url).await.map_err(|e| e.to_string())?;
     let answer = client.get_job_metrics(GetJobMetricsParams { job_id: job.to_string() }).await;
     Ok(answer.map_err(|e| e.message().to_string())?.into_inner().stages)
 }
@@ -432,7 +437,7 @@ pub async fn finished_stages(url: &str, job: &str) -> Result<usize, String> {
 /// executor.
 pub async fn cancel_job(url: &str, job: &str) -> Result<(), String> {
     use ballista_core::serde::protobuf::CancelJobParams;
-    let mut client = crate::tls::scheduler_client(url).await.map_err(|e| e.to_string())?;
+    let mut client = crate::guard::scheduler_client(url).await.map_err(|e| e.to_string())?;
     let answer =
         client.cancel_job(CancelJobParams { job_id: job.to_string() }).await.map_err(|e| e.message().to_string())?;
     if answer.into_inner().cancelled {
@@ -453,6 +458,15 @@ pub enum ReachError {
         /// The connection's error.
         reason: String,
     },
+    /// The scheduler wants the cluster's token, and this client has none or another.
+    #[error(
+        "the scheduler at {url} refused this client: the cluster takes only holders of its token; give the same \
+         token as the scheduler's (WEIR_CLUSTER_TOKEN or --token-file)"
+    )]
+    Refused {
+        /// The address given.
+        url: String,
+    },
     /// Something answers that is not a scheduler.
     #[error(
         "{url} is not a cluster scheduler, or refused this client (an executor's port, or another server? \
@@ -470,7 +484,7 @@ pub enum ReachError {
 pub async fn probe(url: &str) -> Result<(), ReachError> {
     use ballista_core::serde::protobuf::GetJobStatusParams;
     let unreachable = |reason: String| ReachError::Unreachable { url: url.to_string(), reason };
-    let connect = tokio::time::timeout(std::time::Duration::from_secs(10), crate::tls::scheduler_client(url));
+    let connect = tokio::time::timeout(std::time::Duration::from_secs(10), crate::guard::scheduler_client(url));
     let mut client = match connect.await {
         Ok(Ok(client)) => client,
         Ok(Err(e)) => {
@@ -486,6 +500,9 @@ pub async fn probe(url: &str) -> Result<(), ReachError> {
     };
     // Any answer but "unimplemented" comes from a scheduler (an unknown job is fine).
     match client.get_job_status(GetJobStatusParams { job_id: "weir-probe".into() }).await {
+        Err(status) if status.code() == tonic::Code::Unauthenticated => {
+            Err(ReachError::Refused { url: url.to_string() })
+        }
         Err(status) if status.code() == tonic::Code::Unimplemented => {
             Err(ReachError::NotAScheduler { url: url.to_string() })
         }

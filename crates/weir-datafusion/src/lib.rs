@@ -20,6 +20,8 @@ pub mod cluster;
 pub mod copy;
 #[cfg(feature = "cluster")]
 pub mod fence;
+#[cfg(feature = "cluster")]
+pub mod guard;
 mod hoist;
 mod options;
 pub mod tables;

@@ -1,22 +1,12 @@
 //! Mutual TLS for a cluster that spans machines: only processes holding a certificate signed by
 //! the cluster's own certificate authority can talk to its scheduler and executors.
 //!
-//! Ballista 55 has no TLS on its servers, but every one of its clients takes a hook that can
-//! rebuild the connection's endpoint. So, with TLS on:
-//! - each Ballista server (the scheduler, an executor's task and Flight ports) listens on
-//!   127.0.0.1 only, and weir puts a TLS listener on the advertised address and port in front of
-//!   it, which asks every caller for a certificate from the cluster's authority before it passes
-//!   a byte on ([`serve`]);
-//! - every Ballista client (`weir sql`, executors calling the scheduler and each other, the
-//!   scheduler calling executors) connects over TLS with this process's certificate
-//!   ([`ClusterTls::endpoint_override`]).
+//! How TLS is put in front of Ballista's servers and into its clients: see [`crate::guard`].
 //!
 //! Certificates name the cluster ([`CLUSTER_NAME`]), not hosts: holding one is what admits a
-//! process, wherever it runs. Processes on the same machine can still reach the plain ports on
-//! 127.0.0.1; the threat is the network.
+//! process, wherever it runs.
 
 use ballista_core::extension::EndpointOverrideFn;
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use tokio_rustls::rustls;
@@ -42,7 +32,7 @@ pub struct ClusterTls {
     ca_pem: Vec<u8>,
     cert_pem: Vec<u8>,
     key_pem: Vec<u8>,
-    acceptor: tokio_rustls::TlsAcceptor,
+    pub(crate) acceptor: tokio_rustls::TlsAcceptor,
 }
 
 impl std::fmt::Debug for ClusterTls {
@@ -119,66 +109,6 @@ impl ClusterTls {
                 .tls_config(tls)?)
         })
     }
-}
-
-/// Accepts TLS connections on `listen` from holders of a cluster certificate and passes each on
-/// to the plain server at `to` (on 127.0.0.1); runs until the listener fails. A caller without
-/// a valid certificate is cut off during the handshake and reaches nothing.
-pub async fn serve(tls: Arc<ClusterTls>, listen: tokio::net::TcpListener, to: SocketAddr) -> Result<(), String> {
-    loop {
-        let (socket, peer) = listen.accept().await.map_err(|e| e.to_string())?;
-        let acceptor = tls.acceptor.clone();
-        tokio::spawn(async move {
-            let _ = socket.set_nodelay(true);
-            let handshake = tokio::time::timeout(std::time::Duration::from_secs(10), acceptor.accept(socket));
-            let mut secure = match handshake.await {
-                Ok(Ok(s)) => s,
-                Ok(Err(e)) => {
-                    // A connection closed before any TLS (a port check, as executors make of
-                    // their scheduler) is not worth a warning; a refused certificate is.
-                    if e.kind() != std::io::ErrorKind::UnexpectedEof {
-                        tracing::warn!("refused a connection from {peer}: {e}");
-                    }
-                    return;
-                }
-                Err(_) => return,
-            };
-            let Ok(mut plain) = tokio::net::TcpStream::connect(to).await else { return };
-            let _ = plain.set_nodelay(true);
-            let _ = tokio::io::copy_bidirectional(&mut secure, &mut plain).await;
-        });
-    }
-}
-
-/// This process's TLS, once set (see [`install`]).
-static INSTALLED: std::sync::OnceLock<Arc<ClusterTls>> = std::sync::OnceLock::new();
-
-/// Makes every cluster connection and server of this process use `tls` (a process belongs to
-/// one cluster, so this is set once, at start-up).
-pub fn install(tls: Arc<ClusterTls>) -> Result<(), String> {
-    INSTALLED.set(tls).map_err(|_| "TLS is already set up in this process".to_string())
-}
-
-/// This process's TLS, if it uses TLS.
-pub fn installed() -> Option<Arc<ClusterTls>> {
-    INSTALLED.get().cloned()
-}
-
-/// A client of the scheduler at `url` (`df://HOST:PORT`), over TLS when this process uses it.
-pub async fn scheduler_client(
-    url: &str,
-) -> Result<
-    ballista_core::serde::protobuf::scheduler_grpc_client::SchedulerGrpcClient<tonic::transport::Channel>,
-    tonic::transport::Error,
-> {
-    let mut endpoint = tonic::transport::Endpoint::from_shared(format!("http://{}", url.trim_start_matches("df://")))?;
-    if let Some(tls) = installed() {
-        endpoint = (tls.endpoint_override())(endpoint).map_err(|e| {
-            // The override only fails on a URI or TLS setting tonic refuses: said as such.
-            tonic::transport::Endpoint::from_shared(format!("bad endpoint: {e}")).unwrap_err()
-        })?;
-    }
-    Ok(ballista_core::serde::protobuf::scheduler_grpc_client::SchedulerGrpcClient::new(endpoint.connect().await?))
 }
 
 /// Files written by [`make_certificates`].

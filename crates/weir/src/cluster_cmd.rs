@@ -29,6 +29,18 @@ enum ClusterCommand {
     /// Makes the cluster's certificate authority (once) and a certificate and key for each
     /// --name, for mutual TLS (--tls-ca, --tls-cert, --tls-key on every cluster process).
     Certs(CertsArgs),
+    /// Makes a shared token for the cluster: a file (mode 0600) to give every process with
+    /// --token-file, or whose contents to put in WEIR_CLUSTER_TOKEN.
+    Token(TokenArgs),
+}
+
+/// Options of `weir cluster token`.
+#[derive(Debug, Args)]
+struct TokenArgs {
+    /// The file to write (refused if it exists: a cluster's token is replaced on purpose only,
+    /// by removing the file first).
+    #[arg(long, value_name = "FILE")]
+    out: PathBuf,
 }
 
 /// Options of `weir cluster certs`.
@@ -79,7 +91,7 @@ struct SchedulerArgs {
     #[arg(long)]
     insecure: bool,
     #[command(flatten)]
-    tls: crate::tls_args::TlsArgs,
+    credentials: crate::credential_args::CredentialArgs,
 }
 
 /// Options of `weir cluster executor`.
@@ -111,7 +123,7 @@ struct ExecutorArgs {
     #[arg(long)]
     insecure: bool,
     #[command(flatten)]
-    tls: crate::tls_args::TlsArgs,
+    credentials: crate::credential_args::CredentialArgs,
     /// Serve this executor's counters (calls, 429s, tokens, latency) in the Prometheus text
     /// format at http://ADDR/metrics.
     #[arg(long, value_name = "ADDR")]
@@ -137,13 +149,28 @@ pub async fn run(args: ClusterArgs) -> anyhow::Result<u8> {
             );
             Ok(0)
         }
+        ClusterCommand::Token(a) => {
+            let token = weir_datafusion::guard::Token::generate().map_err(|e| anyhow::anyhow!(e))?;
+            let mut options = std::fs::OpenOptions::new();
+            options.write(true).create_new(true);
+            #[cfg(unix)]
+            std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
+            let mut file = options.open(&a.out).map_err(|e| UsageError(format!("--out {}: {e}", a.out.display())))?;
+            std::io::Write::write_all(&mut file, format!("{token}\n").as_bytes())?;
+            eprintln!(
+                "weir: wrote {} (readable by you only); give it to every process of the cluster with --token-file, \
+                 or put its contents in WEIR_CLUSTER_TOKEN",
+                a.out.display()
+            );
+            Ok(0)
+        }
         ClusterCommand::Scheduler(a) => {
-            let tls = a.tls.install()?;
-            exposed("--bind", &a.bind.ip().to_string(), a.insecure, tls)?;
+            let guarded = a.credentials.install()?;
+            exposed("--bind", &a.bind.ip().to_string(), a.insecure, guarded)?;
             let allowed = a.places.allowed()?;
             // The scheduler plans only: its functions are never called.
             let functions = Engine::new(EngineSettings::default());
-            let scheme = if tls { "dfs" } else { "df" };
+            let scheme = if guarded.tls { "dfs" } else { "df" };
             eprintln!("weir: scheduler listening on {} (clients: weir sql --cluster {scheme}://{})", a.bind, a.bind);
             weir_datafusion::cluster::scheduler(a.bind, functions, allowed).await.map_err(|e| anyhow::anyhow!(e))?;
             Ok(0)
@@ -152,22 +179,29 @@ pub async fn run(args: ClusterArgs) -> anyhow::Result<u8> {
     }
 }
 
-/// Refuses an address other machines can reach unless TLS is on or `insecure` is given: without
-/// TLS anyone reaching it could spend the executors' keys, read and write the files they allow,
-/// and join executors of their own. With TLS, weir's TLS listener takes the address and the
-/// Ballista server behind it listens on 127.0.0.1 at the same port, so the address must be
-/// another one (and not every address, 0.0.0.0, which includes 127.0.0.1).
-fn exposed(flag: &str, host: &str, insecure: bool, tls: bool) -> Result<(), UsageError> {
+/// Refuses an address other machines can reach unless the cluster's credentials are set (TLS or
+/// a token) or `insecure` is given: without them anyone reaching it could spend the executors'
+/// keys, read and write the files they allow, and join executors of their own. With
+/// credentials, weir's guard takes the address and the Ballista server behind it listens on
+/// 127.0.0.1 at the same port, so the address must be another one (and not every address,
+/// 0.0.0.0, which includes 127.0.0.1).
+fn exposed(flag: &str, host: &str, insecure: bool, guarded: crate::credential_args::Guarded) -> Result<(), UsageError> {
     let ip = host.parse::<std::net::IpAddr>().ok();
     let loopback = host == "localhost" || ip.is_some_and(|ip| ip.is_loopback());
-    if tls {
+    if guarded.any() {
         let taken = host == "localhost"
             || ip.is_some_and(|ip| ip.is_unspecified() || ip == std::net::IpAddr::from([127, 0, 0, 1]));
         if taken {
             return Err(UsageError(format!(
-                "{flag} {host}: with TLS, give this machine's own address (the plain server behind the TLS \
-                 listener uses 127.0.0.1 at the same port); to try TLS on one machine, use 127.0.0.2"
+                "{flag} {host}: with TLS or a token, give this machine's own address (the plain server behind \
+                 weir's guard uses 127.0.0.1 at the same port); to try it on one machine, use 127.0.0.2"
             )));
+        }
+        if !guarded.tls && !loopback && !insecure {
+            eprintln!(
+                "weir: warning: {flag} {host}: the cluster token crosses the network in the clear without TLS; \
+                 anyone who can watch the network can take it (use mutual TLS too: weir cluster certs)"
+            );
         }
         return Ok(());
     }
@@ -175,17 +209,18 @@ fn exposed(flag: &str, host: &str, insecure: bool, tls: bool) -> Result<(), Usag
         return Ok(());
     }
     Err(UsageError(format!(
-        "{flag} {host}: other machines could reach this without TLS: anyone who can connect could run queries \
-         with the executors' API keys, read and write the files they allow, and join executors of their own. \
-         Use mutual TLS (weir cluster certs, then --tls-ca/--tls-cert/--tls-key on every process), or 127.0.0.1, \
-         or pass --insecure on a network only you use"
+        "{flag} {host}: other machines could reach this without TLS or a token: anyone who can connect could run \
+         queries with the executors' API keys, read and write the files they allow, and join executors of their \
+         own. Use mutual TLS (weir cluster certs, then --tls-ca/--tls-cert/--tls-key on every process) and/or a \
+         shared token (weir cluster token, then WEIR_CLUSTER_TOKEN or --token-file on every process), or \
+         127.0.0.1, or pass --insecure on a network only you use"
     )))
 }
 
 async fn executor(a: ExecutorArgs) -> anyhow::Result<u8> {
     a.endpoint.check().map_err(crate::UsageError::from)?;
-    let tls = a.tls.install()?;
-    exposed("--host", &a.host, a.insecure, tls)?;
+    let guarded = a.credentials.install()?;
+    exposed("--host", &a.host, a.insecure, guarded)?;
     let allowed = a.places.allowed()?;
     if a.slots == Some(0) {
         return Err(UsageError("--slots must be at least 1".into()).into());
@@ -227,9 +262,16 @@ async fn executor(a: ExecutorArgs) -> anyhow::Result<u8> {
         r = weir_datafusion::cluster::executor(place, functions.clone()) => r,
         _ = signals.next() => Ok(()),
     };
-    // A scheduler with TLS closes a plain or unknown executor's connection during the handshake.
+    // A scheduler with TLS closes a plain or unknown executor's connection during the handshake;
+    // one with a token answers UNAUTHENTICATED.
     let result = result.map_err(|e| {
-        if e.contains("transport error") || e.contains("BrokenPipe") || e.contains("connection reset") {
+        if e.contains("Unauthenticated") || e.contains("cluster's token") {
+            format!(
+                "{e}\nweir: the scheduler at {} refused this executor: give the cluster's token (WEIR_CLUSTER_TOKEN \
+                 or --token-file)",
+                a.scheduler
+            )
+        } else if e.contains("transport error") || e.contains("BrokenPipe") || e.contains("connection reset") {
             format!(
                 "{e}\nweir: could not register with the scheduler at {}: if the cluster uses mutual TLS, give \
                  --tls-ca, --tls-cert and --tls-key with a certificate its authority signed",

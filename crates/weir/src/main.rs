@@ -4,13 +4,13 @@
 mod batch_cmd;
 #[cfg(feature = "cluster")]
 mod cluster_cmd;
+#[cfg(feature = "sql")]
+mod credential_args;
 mod run_cmd;
 mod signals;
 mod sim_cmd;
 #[cfg(feature = "sql")]
 mod sql_cmd;
-#[cfg(feature = "sql")]
-mod tls_args;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;

@@ -67,7 +67,7 @@ pub struct SqlArgs {
     #[arg(long, value_name = "URL")]
     cluster: Option<String>,
     #[command(flatten)]
-    tls: crate::tls_args::TlsArgs,
+    credentials: crate::credential_args::CredentialArgs,
     #[command(flatten)]
     endpoint: EndpointArgs,
     /// Scenario (TOML, as for `weir sim --config`) of the built-in simulator behind sim/ models.
@@ -103,15 +103,16 @@ impl SqlArgs {
     }
 }
 
-/// Sets up this process's mutual TLS for the cluster when its flags are given; whether it is on.
+/// Sets up this process's credentials for the cluster (TLS, token) when they are given; whether
+/// TLS is on.
 #[cfg(feature = "cluster")]
-fn cluster_tls(tls: &crate::tls_args::TlsArgs) -> Result<bool, UsageError> {
-    tls.install()
+fn cluster_tls(credentials: &crate::credential_args::CredentialArgs) -> Result<bool, UsageError> {
+    Ok(credentials.install()?.tls)
 }
 
-/// This build has no cluster, and so no TLS for one.
+/// This build has no cluster, and so no credentials for one.
 #[cfg(not(feature = "cluster"))]
-fn cluster_tls(_tls: &crate::tls_args::TlsArgs) -> Result<bool, UsageError> {
+fn cluster_tls(_credentials: &crate::credential_args::CredentialArgs) -> Result<bool, UsageError> {
     Ok(false)
 }
 
@@ -127,9 +128,10 @@ async fn cluster_session(url: &str, config: SessionConfig, functions: &Arc<Engin
     }
     match weir_datafusion::cluster::probe(url).await {
         Ok(()) => {}
-        Err(e @ weir_datafusion::cluster::ReachError::NotAScheduler { .. }) => {
-            return Err(UsageError(e.to_string()).into())
-        }
+        Err(
+            e @ (weir_datafusion::cluster::ReachError::NotAScheduler { .. }
+            | weir_datafusion::cluster::ReachError::Refused { .. }),
+        ) => return Err(UsageError(e.to_string()).into()),
         Err(e) => return Err(anyhow::anyhow!(e)),
     }
     Ok(weir_datafusion::cluster::connect(url, config, functions)
@@ -275,7 +277,7 @@ pub async fn run(mut args: SqlArgs) -> anyhow::Result<u8> {
     // dfs:// asks for mutual TLS; the flags (or their variables) give it, to df:// too.
     if let Some(url) = args.cluster.take() {
         let wants = url.starts_with("dfs://");
-        let on = cluster_tls(&args.tls)?;
+        let on = cluster_tls(&args.credentials)?;
         if wants && !on {
             return Err(UsageError(format!(
                 "--cluster {url}: dfs:// is mutual TLS: give --tls-ca, --tls-cert and --tls-key (made with weir \
@@ -284,8 +286,8 @@ pub async fn run(mut args: SqlArgs) -> anyhow::Result<u8> {
             .into());
         }
         args.cluster = Some(url.replacen("dfs://", "df://", 1));
-    } else if args.tls.given() {
-        return Err(UsageError("--tls-ca, --tls-cert and --tls-key are for --cluster".into()).into());
+    } else if args.credentials.given() {
+        return Err(UsageError("--tls-ca, --tls-cert, --tls-key and --token-file are for --cluster".into()).into());
     }
     let mut config = SessionConfig::new().with_information_schema(true);
     if let Some(n) = args.partitions {

@@ -544,3 +544,121 @@ async fn with_mutual_tls_only_holders_of_the_clusters_certificates_get_in() {
     drop(executors);
     sim.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_shared_token_only_its_holders_get_in() {
+    let dir = Dir::new("cluster-token");
+    let (data, keys) = prompts(200);
+    dir.write("in.jsonl", &data);
+    std::fs::create_dir(dir.path("parts")).unwrap();
+    for i in 0..2 {
+        let copy = format!("COPY (SELECT * FROM 'in.jsonl' WHERE n % 2 = {i}) TO 'parts/p{i}.parquet'");
+        let out = weir().current_dir(&dir.0).args(["sql", &copy]).output().await.unwrap();
+        assert!(out.status.success(), "{}", stderr(&out));
+    }
+    for name in ["token", "other"] {
+        let made = weir().current_dir(&dir.0).args(["cluster", "token", "--out", name]).output().await.unwrap();
+        assert!(made.status.success(), "{}", stderr(&made));
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(dir.path("token")).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600, "the token file is readable by others");
+    }
+    let again = weir().current_dir(&dir.0).args(["cluster", "token", "--out", "token"]).output().await.unwrap();
+    assert_eq!(again.status.code(), Some(2), "an existing token was replaced");
+    let secret = std::fs::read_to_string(dir.path("token")).unwrap();
+    let sim = SimServer::start(SimConfig::default(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let scheduler = free_port();
+    let _sched = weir()
+        .current_dir(&dir.0)
+        .args(["cluster", "scheduler", "--bind", &format!("127.0.0.2:{scheduler}"), "--token-file", "token"])
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    wait_for_port(scheduler).await;
+    let mut executors = Vec::new();
+    let mut flight = 0;
+    for _ in 0..2 {
+        let (port, grpc) = (free_port(), free_port());
+        flight = port;
+        executors.push(
+            weir()
+                .current_dir(&dir.0)
+                // The token from the environment, as a service manager would give it.
+                .env("WEIR_CLUSTER_TOKEN", secret.trim())
+                .args(["cluster", "executor", "--scheduler", &format!("127.0.0.2:{scheduler}"), "--host", "127.0.0.2"])
+                .args(["--port", &port.to_string(), "--grpc-port", &grpc.to_string(), "--slots", "2"])
+                .args(["--base-url", &sim.url()])
+                .stderr(std::process::Stdio::null())
+                .kill_on_drop(true)
+                .spawn()
+                .unwrap(),
+        );
+        wait_for_port(port).await;
+    }
+    let url = format!("df://127.0.0.2:{scheduler}");
+    let query = "COPY (SELECT key, llm_generate('gemini/gemini-2.5-flash', prompt) AS answer FROM reviews) \
+                 TO 'answers.jsonl'";
+    let bounded = |cmd: &mut tokio::process::Command| {
+        let run = cmd.kill_on_drop(true).output();
+        async move { tokio::time::timeout(std::time::Duration::from_secs(60), run).await.expect("hung").unwrap() }
+    };
+    // Strangers: no token, another token — to the scheduler and to an executor's Flight port.
+    for (target, token) in
+        [(url.clone(), None), (url.clone(), Some("other")), (format!("df://127.0.0.2:{flight}"), None)]
+    {
+        let mut cmd = weir();
+        cmd.current_dir(&dir.0).env_remove("WEIR_CLUSTER_TOKEN").args(["sql", "--cluster", &target]);
+        if let Some(t) = token {
+            cmd.args(["--token-file", t]);
+        }
+        let out = bounded(cmd.args(["--table", "reviews=parts", query])).await;
+        assert_eq!(out.status.code(), Some(2), "{target} {token:?}: {}", stderr(&out));
+        assert!(stderr(&out).contains("token"), "{target} {token:?}: {}", stderr(&out));
+    }
+    let rogue = bounded(
+        weir()
+            .current_dir(&dir.0)
+            .env_remove("WEIR_CLUSTER_TOKEN")
+            .args(["cluster", "executor", "--scheduler", &format!("127.0.0.2:{scheduler}"), "--host", "127.0.0.3"])
+            .args(["--port", &free_port().to_string(), "--grpc-port", &free_port().to_string(), "--insecure"])
+            .args(["--base-url", &sim.url()]),
+    )
+    .await;
+    assert_ne!(rogue.status.code(), Some(0), "a rogue executor registered");
+    assert!(stderr(&rogue).contains("token"), "{}", stderr(&rogue));
+    assert_eq!(sim.stats().requests, 0, "a stranger's query was run");
+    assert!(!dir.path("answers.jsonl").exists());
+    // A token too short is refused with what to do.
+    let short = bounded(weir().current_dir(&dir.0).env("WEIR_CLUSTER_TOKEN", "secret").args([
+        "sql",
+        "--cluster",
+        &url,
+        "SELECT 1",
+    ]))
+    .await;
+    assert_eq!(short.status.code(), Some(2), "{}", stderr(&short));
+    assert!(stderr(&short).contains("at least 16"), "{}", stderr(&short));
+    // The cluster's own client: every row once.
+    let out = bounded(
+        weir()
+            .current_dir(&dir.0)
+            .env("WEIR_CLUSTER_TOKEN", secret.trim())
+            .args(["sql", "--cluster", &url, "--partitions", "2"])
+            .args(["--table", "reviews=parts", query]),
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let rows = rows(&dir.path("answers.jsonl"));
+    let mut seen: Vec<String> = rows.iter().map(|r| r["key"].as_str().unwrap().to_string()).collect();
+    seen.sort();
+    let mut expected = keys.clone();
+    expected.sort();
+    assert_eq!(seen, expected, "every row exactly once");
+    assert_eq!(sim.stats().requests, 200);
+    drop(executors);
+    sim.shutdown().await;
+}
