@@ -273,6 +273,10 @@ pub async fn executor(place: ExecutorPlace, functions: Arc<Engine>) -> Result<()
             inner: Arc::new(DefaultExecutionEngine::new()),
             allowed: place.allowed.clone(),
         })),
+        // Ballista's Flight service, serving only job ids the scheduler could have made.
+        override_arrow_flight_service: Some(crate::flight_guard::provider(
+            defaults.grpc_max_encoding_message_size.max(defaults.grpc_max_decoding_message_size) as usize,
+        )),
         override_runtime_producer: {
             let allowed = place.allowed.clone();
             Some(Arc::new(move |_: &SessionConfig| runtime(Some(&allowed))))

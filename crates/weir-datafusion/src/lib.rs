@@ -21,6 +21,8 @@ pub mod copy;
 #[cfg(feature = "cluster")]
 pub mod fence;
 #[cfg(feature = "cluster")]
+mod flight_guard;
+#[cfg(feature = "cluster")]
 pub mod guard;
 mod hoist;
 mod options;
