@@ -8,19 +8,26 @@ Cases:
      start), the share of 429s, and the rows each executor answered;
   2. overhead: the same N rows (zero latency) through `weir sql` (COPY … TO a JSONL file) and
      `weir run --no-state`, side by side, ROUNDS rounds alternating; medians.
-  3. tls: case 1 without and with mutual TLS (every process on 127.0.0.2 behind TLS listeners,
-     certificates from `weir cluster certs`), side by side: the ratio of their completion times.
-Usage: bench/sql.py [CASE...]   (default: 1 and 2). Builds weir with --features cluster (release).
+  3. credentials: case 1 without credentials, with mutual TLS, and with mutual TLS and a shared
+     token (every process on 127.0.0.2 behind weir's guards; certificates from `weir cluster
+     certs`, token from `weir cluster token`), ROUNDS rounds (default 2) alternating: medians, and
+     the ratio of the plain time to each.
+Usage: bench/sql.py [CASE...]   (default: 1 and 2). Builds weir with --features cluster (release;
+WEIR_BENCH_PROFILE=debug uses the debug build instead, for quota-bound cases whose time the quota
+sets).
 """
 import json, os, socket, statistics, subprocess, sys, tempfile, time, urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-subprocess.run(["cargo", "build", "--release", "-q", "-p", "weir", "--features", "cluster"], cwd=ROOT, check=True)
+PROFILE = os.environ.get("WEIR_BENCH_PROFILE", "release")
+subprocess.run(["cargo", "build", "-q", "-p", "weir", "--features", "cluster"] + (["--release"] if PROFILE == "release" else []),
+               cwd=ROOT, check=True)
 TARGET = os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target"))
 WORK = tempfile.mkdtemp()
 # A copy: another build into the same target directory (other features) must not swap it mid-run.
 BIN = os.path.join(WORK, "weir")
-subprocess.run(["cp", os.path.join(TARGET, "release", "weir"), BIN], check=True)
+subprocess.run(["cp", os.path.join(TARGET, PROFILE, "weir"), BIN], check=True)
+print(f"weir built with the {PROFILE} profile")
 MODEL = "gemini/gemini-2.5-flash"
 
 
@@ -70,18 +77,24 @@ def dataset(name, n, parts=1):
     return path
 
 
-def cluster_case(tls=False):
-    """Case 1; with `tls`, over mutual TLS. Returns the completion time."""
+def cluster_case(tls=False, token=False):
+    """Case 1; with `tls`, over mutual TLS, with `token`, with a shared token too. Returns the
+    completion time."""
     R, W, N = 100, 5, 2000
-    host = "127.0.0.2" if tls else "127.0.0.1"
-    certs = os.path.join(WORK, "certs")
+    host = "127.0.0.2" if tls or token else "127.0.0.1"
+    certs, token_file = os.path.join(WORK, "certs"), os.path.join(WORK, "token")
     if tls and not os.path.exists(certs):
         subprocess.run([BIN, "cluster", "certs", "--out", certs, "--name", "s", "--name", "e0", "--name", "e1",
                         "--name", "c"], check=True, capture_output=True)
+    if token and not os.path.exists(token_file):
+        subprocess.run([BIN, "cluster", "token", "--out", token_file], check=True, capture_output=True)
     def flags(name):
-        if not tls:
-            return []
-        return ["--tls-ca", f"{certs}/ca.pem", "--tls-cert", f"{certs}/{name}.pem", "--tls-key", f"{certs}/{name}.key"]
+        f = []
+        if tls:
+            f += ["--tls-ca", f"{certs}/ca.pem", "--tls-cert", f"{certs}/{name}.pem", "--tls-key", f"{certs}/{name}.key"]
+        if token:
+            f += ["--token-file", token_file]
+        return f
     sim, url = start_sim("--rpm", str(R), "--window-secs", str(W), "--latency-ms", "50", "--jitter-ms", "20", "--round-advice")
     procs = [sim]
     try:
@@ -114,7 +127,9 @@ def cluster_case(tls=False):
             rows.append(next(int(float(l.split()[-1])) for l in page.splitlines()
                              if l.startswith('weir_records_total{outcome="success"}')))
         answered = int(sql("--format", "jsonl", "SELECT count(answer) AS n FROM 'cluster-out.parquet'").stdout.split(":")[1].strip(" }\n"))
-        print(f"== 1. two executors{' over mutual TLS' if tls else ''}, one quota of {R} requests per {W} s (advice in "
+        how = " over mutual TLS" if tls else ""
+        how += (" and" if tls else " with") + " a shared token" if token else ""
+        print(f"== 1. two executors{how}, one quota of {R} requests per {W} s (advice in "
               f"whole seconds), latency 50±10 ms, {N} rows")
         print(f"   {secs:5.1f} s against {ideal:.1f} s ideal ({ideal / secs:.1%} of the quota); 429s {s['rate_limited']} of "
               f"{s['requests']} ({s['rate_limited'] / s['requests']:.2%}); rows answered per executor {rows}; "
@@ -126,9 +141,16 @@ def cluster_case(tls=False):
 
 
 def tls_case():
-    plain = cluster_case(tls=False)
-    secure = cluster_case(tls=True)
-    print(f"== 3. the same query without TLS {plain:.1f} s, with mutual TLS {secure:.1f} s: plain ÷ TLS time {plain / secure:.3f}")
+    rounds = int(os.environ.get("ROUNDS", "2"))
+    modes = {"no credentials": {}, "mutual TLS": {"tls": True}, "mutual TLS and a token": {"tls": True, "token": True}}
+    times = {m: [] for m in modes}
+    for _ in range(rounds):
+        for m, kw in modes.items():
+            times[m].append(cluster_case(**kw))
+    plain = statistics.median(times["no credentials"])
+    for m, t in times.items():
+        med = statistics.median(t)
+        print(f"== 3. {m}: {', '.join(f'{x:.1f}' for x in t)} s, median {med:.1f} s; plain ÷ this {plain / med:.3f}")
 
 
 def overhead_case():
