@@ -14,13 +14,14 @@ Cases:
      the ratio of the plain time to each.
 Usage: bench/sql.py [CASE...]   (default: 1 and 2). Builds weir with --features cluster (release;
 WEIR_BENCH_PROFILE=debug uses the debug build instead, for quota-bound cases whose time the quota
-sets).
+sets; WEIR_BENCH_FEATURES=local,cluster reuses a build made with those features).
 """
 import json, os, socket, statistics, subprocess, sys, tempfile, time, urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROFILE = os.environ.get("WEIR_BENCH_PROFILE", "release")
-subprocess.run(["cargo", "build", "-q", "-p", "weir", "--features", "cluster"] + (["--release"] if PROFILE == "release" else []),
+FEATURES = os.environ.get("WEIR_BENCH_FEATURES", "cluster")
+subprocess.run(["cargo", "build", "-q", "-p", "weir", "--features", FEATURES] + (["--release"] if PROFILE == "release" else []),
                cwd=ROOT, check=True)
 TARGET = os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target"))
 WORK = tempfile.mkdtemp()
