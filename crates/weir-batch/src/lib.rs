@@ -114,7 +114,7 @@ where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, ModelError>>,
 {
-    tries_while(tries, cancel, |e| e.kind.is_retryable(), f).await
+    tries_while(tries, cancel, false, f).await
 }
 
 /// [`with_tries`] for asking about jobs already submitted (their state, their results), which
@@ -125,34 +125,49 @@ where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, ModelError>>,
 {
-    tries_while(tries, cancel, |e| e.kind.is_retryable() || e.kind == ErrorKind::Auth, f).await
+    tries_while(tries, cancel, true, f).await
 }
+
+/// How job API calls are retried: the same policy as model calls (what the error's hint says,
+/// the server's advised delay as a floor, jittered backoff), with a longer first wait — a job
+/// API refusing is seldom fixed in a quarter of a second.
+const JOB_API_BACKOFF: (Duration, Duration) = (Duration::from_secs(1), Duration::from_secs(60));
 
 async fn tries_while<T, F, Fut>(
     tries: u32,
     cancel: &CancellationToken,
-    again: impl Fn(&ModelError) -> bool,
+    auth_again: bool,
     mut f: F,
 ) -> Result<T, BatchError>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, ModelError>>,
 {
-    let mut wait = Duration::from_secs(1);
-    let mut n = 0;
+    use rand::SeedableRng;
+    let policy =
+        weir_core::RetryPolicy { max_retries: tries.max(1) - 1, base: JOB_API_BACKOFF.0, cap: JOB_API_BACKOFF.1 };
+    let mut rng = rand::rngs::SmallRng::from_entropy();
+    let mut attempts = 0;
     loop {
-        n += 1;
-        match f().await {
+        attempts += 1;
+        let e = match f().await {
             Ok(v) => return Ok(v),
-            Err(e) if again(&e) && n < tries.max(1) => {
-                tracing::warn!("batch job API call failed ({e}); trying again in {} s", wait.as_secs());
+            Err(e) => e,
+        };
+        let judged = if auth_again && e.kind == ErrorKind::Auth {
+            ModelError { hint: weir_core::RetryHint::Backoff, ..e.clone() }
+        } else {
+            e.clone()
+        };
+        match policy.decide(attempts, &judged, &mut rng) {
+            weir_core::Decision::Retry(wait) => {
+                tracing::warn!("batch job API call failed ({e}); trying again in {:.1} s", wait.as_secs_f64());
                 tokio::select! {
                     _ = tokio::time::sleep(wait) => {}
                     _ = cancel.cancelled() => return Err(BatchError::Cancelled),
                 }
-                wait = (wait * 2).min(Duration::from_secs(60));
             }
-            Err(e) => return Err(BatchError::Api(e)),
+            weir_core::Decision::GiveUp => return Err(BatchError::Api(e)),
         }
     }
 }
@@ -411,6 +426,35 @@ mod tests {
         assert_eq!(reading(5, &cancel, once).await.unwrap(), 7);
         calls.store(0, std::sync::atomic::Ordering::Relaxed);
         assert!(matches!(with_tries(5, &cancel, once).await, Err(BatchError::Api(e)) if e.kind == ErrorKind::Auth));
+    }
+
+    /// Job API calls are retried by the same policy as model calls: the server's advised delay
+    /// is waited out (not a fixed doubling from one second), and an error retrying cannot
+    /// change is not retried.
+    #[tokio::test(start_paused = true)]
+    async fn job_api_calls_wait_out_the_advised_delay_and_skip_hopeless_retries() {
+        let cancel = CancellationToken::new();
+        let calls = std::sync::atomic::AtomicU32::new(0);
+        let throttled = || async {
+            match calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed) {
+                0 => Err(ModelError::new(ErrorKind::RateLimited, "429")
+                    .with_hint(weir_core::RetryHint::Later(Some(Duration::from_secs(30))))),
+                _ => Ok(1),
+            }
+        };
+        let start = tokio::time::Instant::now();
+        assert_eq!(with_tries(5, &cancel, throttled).await.unwrap(), 1);
+        let waited = start.elapsed();
+        assert!(waited >= Duration::from_secs(30) && waited < Duration::from_secs(32), "{waited:?}");
+        calls.store(0, std::sync::atomic::Ordering::Relaxed);
+        let bad = || async {
+            calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Err::<u32, _>(ModelError::new(ErrorKind::BadRequest, "400"))
+        };
+        assert!(
+            matches!(with_tries(5, &cancel, bad).await, Err(BatchError::Api(e)) if e.kind == ErrorKind::BadRequest)
+        );
+        assert_eq!(calls.load(std::sync::atomic::Ordering::Relaxed), 1, "a 400 was retried");
     }
 
     /// A provider whose lines are the key and a newline, with small limits.
