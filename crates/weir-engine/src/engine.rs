@@ -63,8 +63,9 @@ pub struct Row {
     pub call: Arc<Call>,
 }
 
-/// Sets up the client of a model. The default connects through `weir_providers`; the `weir`
-/// binary passes its own so that `local/` models work where it is built with them.
+/// Sets up the client of a model. The default is [`crate::connect`]: `weir_providers`' clients
+/// and the connectors registered with it (`sim/`, and `local/` where the program links a local
+/// runtime); tests pass their own.
 pub type Connector =
     Arc<dyn Fn(ModelSpec, ProviderOptions) -> BoxFuture<'static, Result<Endpoint, ProviderError>> + Send + Sync>;
 
@@ -104,8 +105,8 @@ pub struct Engine {
     sites: tokio::sync::Mutex<HashMap<(bool, String), Arc<Site>>>,
     /// Every endpoint's counters, by model, for the summary and its cost.
     by_model: Mutex<BTreeMap<String, Arc<RunMetrics>>>,
-    /// In-process simulators behind `sim/` models, kept alive while the functions are.
-    sims: Mutex<Vec<weir_sim::SimServer>>,
+    /// Servers run in this process behind `sim/` models, kept alive while the engine is.
+    residents: Mutex<Vec<weir_providers::Resident>>,
     /// Why a call of a function stopped early (the most recent reason).
     stopped: Mutex<Option<StopReason>>,
 }
@@ -116,15 +117,13 @@ impl std::fmt::Debug for Engine {
     }
 }
 
-/// Connects with `weir_providers`, reading keys from the process's environment.
+/// Connects with [`crate::connect`], reading keys from the process's environment.
 fn default_connector() -> Connector {
-    Arc::new(|spec, options| {
-        async move { weir_providers::connect(&spec, &options, &|k| std::env::var(k).ok()).await }.boxed()
-    })
+    Arc::new(|spec, options| async move { crate::connect(&spec, &options, &|k| std::env::var(k).ok()).await }.boxed())
 }
 
 impl Engine {
-    /// An engine that connects with `weir_providers` and reads keys from the environment.
+    /// An engine that connects with [`crate::connect`] and reads keys from the environment.
     pub fn new(settings: EngineSettings) -> Arc<Self> {
         Self::with_connector(settings, default_connector())
     }
@@ -136,7 +135,7 @@ impl Engine {
             connector,
             sites: tokio::sync::Mutex::new(HashMap::new()),
             by_model: Mutex::new(BTreeMap::new()),
-            sims: Mutex::new(Vec::new()),
+            residents: Mutex::new(Vec::new()),
             stopped: Mutex::new(None),
         })
     }
@@ -163,11 +162,11 @@ impl Engine {
         sites.iter().map(|((_, m), s)| (m.clone(), s.throttle.concurrency())).collect()
     }
 
-    /// Stops the in-process simulators (`sim/` models).
+    /// Stops what its endpoints run in this process (the simulators behind `sim/` models).
     pub async fn shutdown(&self) {
-        let sims = std::mem::take(&mut *self.sims.lock().unwrap_or_else(|e| e.into_inner()));
-        for s in sims {
-            s.shutdown().await;
+        let residents = std::mem::take(&mut *self.residents.lock().unwrap_or_else(|e| e.into_inner()));
+        for r in residents {
+            r.shutdown().await;
         }
     }
 
@@ -189,8 +188,8 @@ impl Engine {
         let mut options = self.settings.provider.clone();
         options.task = if embed { Task::Embed } else { Task::Generate };
         let endpoint = (self.connector)(spec.clone(), options).await.map_err(|e| format!("{spec}: {e}"))?;
-        if let Some(sim) = endpoint.sim {
-            self.sims.lock().unwrap_or_else(|e| e.into_inner()).push(sim);
+        if let Some(r) = endpoint.resident {
+            self.residents.lock().unwrap_or_else(|e| e.into_inner()).push(r);
         }
         let metrics = self.metrics_of(&spec.to_string());
         let site = Arc::new(Site {

@@ -5,13 +5,33 @@
 //! every partition of a query, every thread of a Beam worker — reaches its quota together
 //! instead of each caller guessing its own share.
 //!
-//! [`EndpointArgs`] are the flags (and, in Python, the keyword arguments) that say how to reach
-//! an endpoint and how hard to push it, parsed and checked in one place for every front end.
+//! With the `cli` feature, `EndpointArgs` are the flags (and, in Python, the keyword arguments)
+//! that say how to reach an endpoint and how hard to push it, parsed and checked in one place
+//! for every front end. With `sim` (on by default), `sim/` models run weir's simulator in the
+//! process.
 
 #![warn(missing_docs)]
 
+#[cfg(feature = "cli")]
 pub mod args;
 mod engine;
+#[cfg(feature = "sim")]
+pub mod sim;
 
+#[cfg(feature = "cli")]
 pub use args::{ConcurrencyMode, EndpointArgs, SettingsError};
 pub use engine::{Call, Connector, Engine, EngineSettings, Row, RowResult};
+
+/// Sets up the client for `spec`, as every front end connects a model: the providers of
+/// `weir_providers`, and the ones registered with its connectors (`sim/`, served by this
+/// crate's simulator unless a program installed another scenario; `local/`, when the program
+/// links a local runtime and registered it).
+pub async fn connect(
+    spec: &weir_providers::ModelSpec,
+    options: &weir_providers::ProviderOptions,
+    env: &(dyn Fn(&str) -> Option<String> + Sync),
+) -> Result<weir_providers::Endpoint, weir_providers::ProviderError> {
+    #[cfg(feature = "sim")]
+    sim::ensure();
+    weir_providers::connect(spec, options, env).await
+}

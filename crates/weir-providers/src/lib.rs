@@ -12,13 +12,18 @@
 //!   any Model Garden or custom container), same credentials, project and location; called
 //!   through `:predict` with many records per request (see [`vertex_endpoint`]), or through the
 //!   endpoint's OpenAI-compatible route or `:rawPredict` ([`EndpointFormat`]);
-//! - `sim/<name>`: a simulator started in-process on loopback; no key, no network.
+//! - `sim/<name>`: a simulator started in-process on loopback; no key, no network;
+//! - `local/<model>`: a model run in the process.
+//!
+//! `sim/` and `local/` are served by connectors that the program linking them registers
+//! ([`connectors`]): this library holds neither.
 //!
 //! Each client classifies its provider's errors once, into `weir_core::ModelError`s with a kind
 //! and a retry hint; the engine never looks at a status code.
 
 #![warn(missing_docs)]
 
+pub mod connectors;
 pub mod embed;
 pub mod gemini;
 pub mod google_auth;
@@ -30,8 +35,8 @@ pub mod vertex_endpoint;
 use std::str::FromStr;
 use std::sync::Arc;
 use weir_core::ModelHandler;
-use weir_sim::{SimConfig, SimServer};
 
+pub use connectors::{Connect, Resident};
 pub use gemini::GeminiHandler;
 pub use http::Secret;
 pub use openai::OpenAiHandler;
@@ -150,8 +155,6 @@ impl std::fmt::Display for ModelSpec {
 pub struct ProviderOptions {
     /// Replaces the provider's default base URL.
     pub base_url: Option<String>,
-    /// Scenario of the in-process simulator (`sim/…` only); default: fast and fault-free.
-    pub sim_config: Option<SimConfig>,
     /// Google Cloud project (`vertex_ai/…`); default `GOOGLE_CLOUD_PROJECT`.
     pub project: Option<String>,
     /// Google Cloud location (`vertex_ai/…`); default `GOOGLE_CLOUD_LOCATION`, else `us-central1`.
@@ -271,12 +274,13 @@ impl VertexSite {
     }
 }
 
-/// A connected provider: the handler, and the simulator it runs, if any.
+/// A connected provider: the handler, and what it runs in this process, if anything.
 pub struct Endpoint {
     /// The client.
     pub handler: Arc<dyn ModelHandler>,
-    /// The in-process simulator behind `sim/…` models; shut it down after the run.
-    pub sim: Option<SimServer>,
+    /// A server the endpoint runs in this process (the simulator behind `sim/…` models); shut
+    /// it down after the run.
+    pub resident: Option<Resident>,
 }
 
 /// The key of the Gemini API (or `None` on loopback), as the generation client finds it.
@@ -315,14 +319,6 @@ fn openai_site(
     Ok((base, key))
 }
 
-/// Why a `local/…` model cannot be served by this library: they run in the `weir` binary.
-fn local_elsewhere(spec: &ModelSpec) -> ProviderError {
-    ProviderError::Config(format!(
-        "{spec}: local models run inside the weir binary built with its `local` feature \
-         (cargo build --release -p weir --features local)"
-    ))
-}
-
 /// Sets up an embedding client for `spec` (`--task embed`).
 async fn connect_embed(
     spec: &ModelSpec,
@@ -336,11 +332,11 @@ async fn connect_embed(
         EmbedHandler::new(client.clone(), api, url, spec.model.clone(), spec.to_string(), credential, batch)
     };
     let trim = |u: &reqwest::Url| u.as_str().trim_end_matches('/').to_string();
-    let (handler, sim) = match spec.provider {
+    let handler = match spec.provider {
         Provider::OpenAi => {
             let (base, key) = openai_site(options, env)?;
             let credential = key.map_or(http::Credential::None, |k| http::Credential::Key(k, None));
-            (make(EmbedApi::OpenAi, format!("{}/embeddings", trim(&base)), credential), None)
+            make(EmbedApi::OpenAi, format!("{}/embeddings", trim(&base)), credential)
         }
         Provider::Gemini => {
             let base = options.base_url.clone().unwrap_or_else(|| "https://generativelanguage.googleapis.com".into());
@@ -348,13 +344,13 @@ async fn connect_embed(
             let credential = gemini_key(&base, env)?
                 .map_or(http::Credential::None, |k| http::Credential::Key(k, Some("x-goog-api-key")));
             let url = format!("{}/v1beta/models/{}:batchEmbedContents", trim(&base), spec.model);
-            (make(EmbedApi::Gemini, url, credential), None)
+            make(EmbedApi::Gemini, url, credential)
         }
         Provider::Vertex => {
             let site = VertexSite::find(options, env)?;
             check_name("model", &spec.model)?;
             let url = format!("{}/publishers/google/models/{}:predict", site.root("v1"), spec.model);
-            (make(EmbedApi::Vertex, url, http::Credential::Tokens(site.tokens.clone())), None)
+            make(EmbedApi::Vertex, url, http::Credential::Tokens(site.tokens.clone()))
         }
         Provider::VertexEndpoint => {
             return Err(ProviderError::Config(format!(
@@ -362,27 +358,9 @@ async fn connect_embed(
                  vertex_ai/<model> (e.g. vertex_ai/text-embedding-005)"
             )))
         }
-        Provider::Local => return Err(local_elsewhere(spec)),
-        Provider::Sim => {
-            let (base, sim) = start_sim(options).await?;
-            let url = format!("{}/v1beta/models/{}:batchEmbedContents", trim(&base), spec.model);
-            let credential = http::Credential::Key(Secret::new("sim".into()), Some("x-goog-api-key"));
-            (make(EmbedApi::Gemini, url, credential).named("the in-process simulator"), Some(sim))
-        }
+        Provider::Local | Provider::Sim => unreachable!("served by registered connectors (see connect)"),
     };
-    Ok(Endpoint { handler: Arc::new(handler), sim })
-}
-
-/// Starts the in-process simulator for a `sim/…` model: its base URL and the server.
-async fn start_sim(options: &ProviderOptions) -> Result<(reqwest::Url, SimServer), ProviderError> {
-    if options.base_url.is_some() {
-        return Err(ProviderError::Config("--base-url does not apply to sim/ models; to use a running `weir sim`, use gemini/<model> or openai/<model> with --base-url".into()));
-    }
-    let config = options.sim_config.clone().unwrap_or_default();
-    let sim =
-        SimServer::start(config, ([127, 0, 0, 1], 0).into()).await.map_err(|e| ProviderError::Start(e.to_string()))?;
-    let base = reqwest::Url::parse(&sim.url()).map_err(|e| ProviderError::Start(e.to_string()))?;
-    Ok((base, sim))
+    Ok(Endpoint { handler: Arc::new(handler), resident: None })
 }
 
 /// Sets up the batch-job client for `spec` (`weir run --mode batch`), with the base URL and
@@ -449,6 +427,12 @@ pub async fn connect(
     options: &ProviderOptions,
     env: &(dyn Fn(&str) -> Option<String> + Sync),
 ) -> Result<Endpoint, ProviderError> {
+    if matches!(spec.provider, Provider::Sim | Provider::Local) {
+        return match connectors::find(spec.provider) {
+            Some(c) => c.connect(spec, options, env).await,
+            None => Err(connectors::missing(spec)),
+        };
+    }
     let client = http::client()?;
     if options.task == Task::Embed {
         return connect_embed(spec, options, env, client).await;
@@ -456,21 +440,21 @@ pub async fn connect(
     match spec.provider {
         Provider::OpenAi => {
             let (base, key) = openai_site(options, env)?;
-            Ok(Endpoint { handler: Arc::new(OpenAiHandler::new(client, &base, &spec.model, key)), sim: None })
+            Ok(Endpoint { handler: Arc::new(OpenAiHandler::new(client, &base, &spec.model, key)), resident: None })
         }
         Provider::Gemini => {
             let base = options.base_url.clone().unwrap_or_else(|| "https://generativelanguage.googleapis.com".into());
             let base = http::check_base_url(&base)?;
             let key = gemini_key(&base, env)?;
             let handler = GeminiHandler::new(client, &base, &spec.model, key, spec.to_string());
-            Ok(Endpoint { handler: Arc::new(handler), sim: None })
+            Ok(Endpoint { handler: Arc::new(handler), resident: None })
         }
         Provider::Vertex => {
             let site = VertexSite::find(options, env)?;
             check_name("model", &spec.model)?;
             let root = format!("{}/publishers/google/models/{}", site.root("v1"), spec.model);
             let handler = GeminiHandler::vertex(client, root, site.tokens, spec.to_string());
-            Ok(Endpoint { handler: Arc::new(handler), sim: None })
+            Ok(Endpoint { handler: Arc::new(handler), resident: None })
         }
         Provider::VertexEndpoint => {
             let site = VertexSite::find(options, env)?;
@@ -502,16 +486,9 @@ pub async fn connect(
                     )
                 }
             };
-            Ok(Endpoint { handler, sim: None })
+            Ok(Endpoint { handler, resident: None })
         }
-        Provider::Local => Err(local_elsewhere(spec)),
-        Provider::Sim => {
-            let (base, sim) = start_sim(options).await?;
-            let handler =
-                GeminiHandler::new(client, &base, &spec.model, Some(Secret::new("sim".into())), spec.to_string())
-                    .named("the in-process simulator");
-            Ok(Endpoint { handler: Arc::new(handler), sim: Some(sim) })
-        }
+        Provider::Local | Provider::Sim => unreachable!("served by registered connectors (see connect)"),
     }
 }
 

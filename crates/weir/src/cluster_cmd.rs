@@ -225,9 +225,9 @@ async fn executor(a: ExecutorArgs) -> anyhow::Result<u8> {
     if a.slots == Some(0) {
         return Err(UsageError("--slots must be at least 1".into()).into());
     }
-    let mut provider = a.endpoint.provider();
+    let provider = a.endpoint.provider();
     if let Some(path) = &a.sim_config {
-        provider.sim_config = Some(weir_sim::SimConfig::from_file(path).map_err(|e| UsageError(e.to_string()))?);
+        weir_engine::sim::install(Some(weir_sim::SimConfig::from_file(path).map_err(|e| UsageError(e.to_string()))?));
     }
     if let Some(addr) = a.metrics_listen {
         weir::metrics_server::install(addr).map_err(|e| UsageError(format!("--metrics-listen {addr}: {e}")))?;

@@ -6,6 +6,8 @@ mod batch_cmd;
 mod cluster_cmd;
 #[cfg(feature = "sql")]
 mod credential_args;
+#[cfg(feature = "local")]
+mod local_models;
 mod run_cmd;
 mod signals;
 mod sim_cmd;
@@ -80,6 +82,8 @@ fn main() -> ExitCode {
         }
     };
     init_logging();
+    #[cfg(feature = "local")]
+    local_models::register();
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {

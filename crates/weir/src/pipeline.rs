@@ -70,8 +70,10 @@ pub struct RunSettings {
     pub model: ModelSpec,
     /// A field naming each record's own model (`provider/model`); one throttle per model.
     pub model_field: Option<String>,
-    /// Provider options (base URL, simulator scenario).
+    /// Provider options (base URL, project, location, task).
     pub provider: ProviderOptions,
+    /// The scenario of the simulator behind `sim/` models (`--sim-config`).
+    pub sim_config: Option<weir_sim::SimConfig>,
     /// Input JSONL.
     pub input: InputPath,
     /// Result rows.
@@ -158,25 +160,14 @@ impl From<ProviderError> for RunError {
     }
 }
 
-/// Sets up the client for `spec`: `local/…` models in this process (with the `local`
-/// feature), every other provider through `weir_providers`.
+/// Sets up the client for `spec` (`local/…` models are registered by `main` when this build
+/// has them; `sim/…` ones run the run's scenario, installed at its start).
 async fn connect_model(
     spec: &ModelSpec,
     options: &ProviderOptions,
     env: &(dyn Fn(&str) -> Option<String> + Sync),
 ) -> Result<weir_providers::Endpoint, ProviderError> {
-    #[cfg(feature = "local")]
-    if spec.provider == weir_providers::Provider::Local {
-        if options.task != weir_providers::Task::Embed {
-            return Err(ProviderError::Config(format!(
-                "{spec} is a sentence-embedding model: run it with --task embed"
-            )));
-        }
-        let handler = weir_local::connect(&spec.model, options.max_batch, env)
-            .map_err(|e| ProviderError::Config(e.to_string()))?;
-        return Ok(weir_providers::Endpoint { handler, sim: None });
-    }
-    weir_providers::connect(spec, options, env).await
+    weir_engine::connect(spec, options, env).await
 }
 
 /// Output files this run created, each with a handle that keeps its lock: removed on drop
@@ -212,7 +203,7 @@ struct Endpoints {
     env: HashMap<String, String>,
     make: Box<dyn Fn(Arc<dyn weir_core::ModelHandler>) -> Arc<Driver> + Send + Sync>,
     others: tokio::sync::Mutex<HashMap<String, Arc<Driver>>>,
-    sims: std::sync::Mutex<Vec<weir_sim::SimServer>>,
+    residents: std::sync::Mutex<Vec<weir_providers::Resident>>,
 }
 
 impl Endpoints {
@@ -247,8 +238,8 @@ impl Endpoints {
                     .unwrap_or(StopReason { kind: ErrorKind::Aborted, message: "stopped".into() }),
             );
         }
-        if let Some(sim) = endpoint.sim {
-            self.sims.lock().unwrap_or_else(|e| e.into_inner()).push(sim);
+        if let Some(r) = endpoint.resident {
+            self.residents.lock().unwrap_or_else(|e| e.into_inner()).push(r);
         }
         others.insert(spec.to_string(), driver.clone());
         Ok(driver)
@@ -596,6 +587,7 @@ pub async fn run(
         None => Ok(table_count),
     };
     let mut total = if settings.progress { count()? } else { None };
+    weir_engine::sim::install(settings.sim_config.clone());
     let endpoint = connect_model(&settings.model, &settings.provider, env).await?;
     let jobs_api = match &settings.batch_mode {
         // --mode auto runs online what cannot go to jobs.
@@ -894,7 +886,7 @@ pub async fn run(
         env: weir_providers::ENV_VARS.iter().filter_map(|k| env(k).map(|v| (k.to_string(), v))).collect(),
         make: Box::new(make_driver),
         others: tokio::sync::Mutex::new(HashMap::new()),
-        sims: std::sync::Mutex::new(Vec::new()),
+        residents: std::sync::Mutex::new(Vec::new()),
     });
     let metrics_task = match settings.metrics_listen {
         Some(addr) => {
@@ -1307,12 +1299,12 @@ pub async fn run(
     if let Some(task) = metrics_task {
         task.abort();
     }
-    if let Some(sim) = endpoint.sim {
-        sim.shutdown().await;
+    if let Some(r) = endpoint.resident {
+        r.shutdown().await;
     }
-    let sims = std::mem::take(&mut *endpoints.sims.lock().unwrap_or_else(|e| e.into_inner()));
-    for sim in sims {
-        sim.shutdown().await;
+    let residents = std::mem::take(&mut *endpoints.residents.lock().unwrap_or_else(|e| e.into_inner()));
+    for r in residents {
+        r.shutdown().await;
     }
     drop(cache);
     let state_path = state_dir.take().map(|s| s.dir.display().to_string());

@@ -528,8 +528,8 @@ impl RunArgs {
         RunSettings {
             model,
             model_field: self.model_field.clone(),
+            sim_config,
             provider: ProviderOptions {
-                sim_config,
                 endpoint_format,
                 max_batch: self.batch_size,
                 task: if embed { weir_providers::Task::Embed } else { weir_providers::Task::Generate },

@@ -82,9 +82,11 @@ impl SqlArgs {
         if self.partitions == Some(0) {
             return Err(UsageError("--partitions must be at least 1".into()));
         }
-        let mut provider = self.endpoint.provider();
+        let provider = self.endpoint.provider();
         if let Some(path) = &self.sim_config {
-            provider.sim_config = Some(weir_sim::SimConfig::from_file(path).map_err(|e| UsageError(e.to_string()))?);
+            weir_engine::sim::install(Some(
+                weir_sim::SimConfig::from_file(path).map_err(|e| UsageError(e.to_string()))?,
+            ));
         }
         Ok(EngineSettings { provider, throttle: self.endpoint.throttle(), driver: self.endpoint.driver(), cache: None })
     }
@@ -253,10 +255,29 @@ fn explain_usage(e: &DataFusionError) -> String {
     text
 }
 
-/// The error a Ctrl-C ends a statement with.
-const INTERRUPTED: &str = "interrupted";
-/// The same, by SIGTERM (exit status 143 instead of 130).
-const TERMINATED: &str = "terminated";
+/// The error a statement stopped by Ctrl-C or SIGTERM ends with: the signal, so that the exit
+/// status says which one it was.
+#[derive(Debug)]
+struct Stopped(crate::signals::Stop);
+
+impl std::fmt::Display for Stopped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self.0 {
+            crate::signals::Stop::Interrupt => "interrupted",
+            crate::signals::Stop::Terminate => "terminated",
+        })
+    }
+}
+
+impl std::error::Error for Stopped {}
+
+/// The signal that stopped the statement that failed with `e`, if one did.
+fn stopped_by(e: &DataFusionError) -> Option<crate::signals::Stop> {
+    match e.find_root() {
+        DataFusionError::External(inner) => inner.downcast_ref::<Stopped>().map(|s| s.0),
+        _ => None,
+    }
+}
 
 /// Ctrl-C or SIGTERM (`timeout`, a service manager, Kubernetes): either stops the statement the
 /// same way — on a cluster, by cancelling its job, so that the executors stop calling models.
@@ -340,12 +361,11 @@ pub async fn run(mut args: SqlArgs) -> anyhow::Result<u8> {
             let failed: u64 = functions.metrics_by_model().values().map(|m| m.failed.load(Relaxed)).sum();
             Ok(if failed > 0 { 1 } else { 0 })
         }
-        Err(e) if matches!(e.find_root(), DataFusionError::Execution(m) if m == INTERRUPTED || m == TERMINATED) => {
-            let terminated = matches!(e.find_root(), DataFusionError::Execution(m) if m == TERMINATED);
+        Err(e) if stopped_by(&e).is_some() => {
             eprintln!(
                 "weir sql: interrupted; the statement did not finish (a COPY to a directory may have left some files)"
             );
-            Ok(if terminated { 143 } else { 130 })
+            Ok(stopped_by(&e).map_or(130, crate::signals::Stop::exit_status))
         }
         Err(e) if is_usage(&e) => Err(UsageError(explain_usage(&e)).into()),
         Err(e) => Err(anyhow::anyhow!("the query failed: {e}")),
@@ -353,7 +373,7 @@ pub async fn run(mut args: SqlArgs) -> anyhow::Result<u8> {
 }
 
 /// Plans and runs each statement of `sql`, printing the rows of those that return some. A
-/// statement interrupted by Ctrl-C ends with [`INTERRUPTED`] (on a cluster, after asking the
+/// statement interrupted by Ctrl-C or SIGTERM ends with [`Stopped`] (on a cluster, after asking the
 /// scheduler to cancel its job); a COPY that did not finish leaves its target as it was.
 async fn run_statements(
     ctx: &SessionContext,
@@ -402,8 +422,7 @@ async fn run_statement(
                     if let Some(url) = cluster {
                         cancel_on_cluster(url, &physical).await;
                     }
-                    let why = if stop == crate::signals::Stop::Terminate { TERMINATED } else { INTERRUPTED };
-                    Err(DataFusionError::Execution(why.into()))
+                    Err(DataFusionError::External(Box::new(Stopped(stop))))
                 }
             }
         }

@@ -214,3 +214,29 @@ async fn the_local_model_embeds_in_process_and_buckets_cut_its_padding() {
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("--task embed"), "{}", stderr(&o));
 }
+
+/// `local/` models are served to `weir sql` as to `weir run` (one registry of how models are
+/// connected): the same 384-dimensional vectors from `llm_embed`.
+#[cfg(all(feature = "local", feature = "sql"))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_local_model_embeds_in_sql_too() {
+    let Some(models) = peer("WEIR_MODELS") else { return };
+    let dir = Dir::new("embed-local-sql");
+    dir.write(
+        "in.jsonl",
+        b"{\"id\": 1, \"prompt\": \"river stone\"}\n{\"id\": 2, \"prompt\": \"green house music\"}\n",
+    );
+    let o = weir()
+        .current_dir(&dir.0)
+        .args(["sql", "--format", "jsonl"])
+        .arg("SELECT id, array_length(llm_embed('local/all-minilm-l6-v2', prompt)) AS n FROM 'in.jsonl' ORDER BY id")
+        .env("WEIR_MODELS", &models)
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let text = String::from_utf8_lossy(&o.stdout);
+    let rows: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(rows.len(), 2, "{text}");
+    assert!(rows.iter().all(|r| r["n"] == 384), "{text}");
+}

@@ -1,0 +1,34 @@
+//! `local/…` models — sentence embeddings run in this process (the `local` feature) —
+//! registered with the providers' connectors at start, so that every command serves them:
+//! `weir run`, `weir sql` and cluster executors alike.
+
+use async_trait::async_trait;
+use std::sync::Arc;
+use weir_providers::{Connect, Endpoint, ModelSpec, Provider, ProviderError, ProviderOptions, Task};
+
+/// Loads a local model for each `local/` model connected.
+struct LocalConnector;
+
+#[async_trait]
+impl Connect for LocalConnector {
+    async fn connect(
+        &self,
+        spec: &ModelSpec,
+        options: &ProviderOptions,
+        env: &(dyn for<'s> Fn(&'s str) -> Option<String> + Sync),
+    ) -> Result<Endpoint, ProviderError> {
+        if options.task != Task::Embed {
+            return Err(ProviderError::Config(format!(
+                "{spec} is a sentence-embedding model: run it with --task embed (in SQL, llm_embed)"
+            )));
+        }
+        let handler = weir_local::connect(&spec.model, options.max_batch, env)
+            .map_err(|e| ProviderError::Config(e.to_string()))?;
+        Ok(Endpoint { handler, resident: None })
+    }
+}
+
+/// Serves `local/` models in this process.
+pub(crate) fn register() {
+    weir_providers::connectors::register(Provider::Local, Arc::new(LocalConnector));
+}
