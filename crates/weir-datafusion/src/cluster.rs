@@ -476,7 +476,8 @@ pub enum ReachError {
         "{url} is not a cluster scheduler, or refused this client (an executor's port, or another server? \
          executors use --port and --grpc-port; the scheduler is at its --bind address, 127.0.0.1:50050 unless set. \
          A cluster with mutual TLS takes dfs://HOST:PORT with --tls-ca, --tls-cert and --tls-key, and refuses a \
-         certificate its own authority did not sign)"
+         certificate its own authority did not sign; a TLS client is refused by a cluster without TLS; a cluster with \
+         a token takes the same token, from --token-file or WEIR_CLUSTER_TOKEN)"
     )]
     NotAScheduler {
         /// The address given.
@@ -493,9 +494,22 @@ pub async fn probe(url: &str) -> Result<(), ReachError> {
         Ok(Ok(client)) => client,
         Ok(Err(e)) => {
             let reason = std::error::Error::source(&e).map(|s| s.to_string()).unwrap_or_else(|| e.to_string());
-            // A TLS handshake that failed: the server is there, and refused this client (or is
-            // not a cluster's).
-            if reason.contains("certificate") || reason.contains("tls") || reason.contains("TLS") {
+            // The whole chain: the cause that says "refused" is often a few levels down.
+            let mut chain = e.to_string();
+            let mut cause = std::error::Error::source(&e);
+            while let Some(c) = cause {
+                chain.push_str(": ");
+                chain.push_str(&c.to_string());
+                cause = c.source();
+            }
+            // Nothing listens there, or the host cannot be reached or found: unreachable. Any
+            // other failure to connect (a TLS handshake refused, a TLS client at a plain port)
+            // means something answered, and refused this client or is not a cluster's.
+            let lower = chain.to_ascii_lowercase();
+            let absent = ["refused", "unreachable", "no route", "timed out", "dns", "resolve", "lookup", "not known"]
+                .iter()
+                .any(|t| lower.contains(t));
+            if !absent {
                 return Err(ReachError::NotAScheduler { url: url.to_string() });
             }
             return Err(unreachable(reason));

@@ -140,11 +140,29 @@ pub async fn serve(creds: Arc<Credentials>, listen: tokio::net::TcpListener, to:
         ),
         None => None,
     };
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let mut told = None::<tokio::time::Instant>;
     loop {
-        let (socket, peer) = listen.accept().await.map_err(|e| e.to_string())?;
+        let (socket, peer) = match listen.accept().await {
+            Ok(accepted) => accepted,
+            // Out of file descriptors (a flood of connections), or one reset before it was
+            // taken: no reason to stop serving the cluster's own processes.
+            Err(e) => {
+                if told.is_none_or(|t| t.elapsed() >= std::time::Duration::from_secs(10)) {
+                    tracing::warn!("cannot take a connection ({e}); going on");
+                    told = Some(tokio::time::Instant::now());
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        // A flood of connections from strangers must not use up the process's files: past the
+        // cap, new connections are closed at once.
+        let Ok(slot) = slots.clone().try_acquire_owned() else { continue };
         let creds = creds.clone();
         let backend = backend.clone();
         tokio::spawn(async move {
+            let _slot = slot;
             let _ = socket.set_nodelay(true);
             match &creds.tls {
                 Some(tls) => {
@@ -189,16 +207,21 @@ async fn pass_on<S>(
         return;
     };
     let creds = creds.clone();
-    let refused = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // Whether a request of this connection carried the token; a refusal ends the connection.
+    let proven = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let refused = Arc::new(tokio::sync::Notify::new());
+    let (proven_, refused_) = (proven.clone(), refused.clone());
     let service = hyper::service::service_fn(move |mut request: hyper::Request<hyper::body::Incoming>| {
         let mut backend = backend.clone();
         let admitted = creds.token.as_ref().is_some_and(|t| t.admits(request.headers()));
-        let refused = refused.clone();
+        if admitted {
+            proven_.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+        let refused = refused_.clone();
         async move {
             if !admitted {
-                if !refused.swap(true, std::sync::atomic::Ordering::Relaxed) {
-                    tracing::warn!("refused a request from {peer}: no cluster token, or a wrong one");
-                }
+                tracing::warn!("refused a request from {peer}: no cluster token, or a wrong one");
+                refused.notify_one();
                 let status = tonic::Status::unauthenticated(
                     "this cluster takes only its own processes: give the cluster's token (WEIR_CLUSTER_TOKEN or \
                      --token-file)",
@@ -218,8 +241,37 @@ async fn pass_on<S>(
     });
     let mut http2 = hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new());
     http2.initial_connection_window_size(64 << 20).initial_stream_window_size(16 << 20).max_frame_size(1 << 20);
-    let _ = http2.serve_connection(hyper_util::rt::TokioIo::new(io), service).await;
+    let mut connection = std::pin::pin!(http2.serve_connection(hyper_util::rt::TokioIo::new(io), service));
+    // A connection that has not proven itself soon, or was refused, is closed: strangers may
+    // not hold connections open.
+    let unwelcome = async {
+        tokio::select! {
+            _ = tokio::time::sleep(PROVE_WITHIN) => {
+                if proven.load(std::sync::atomic::Ordering::Relaxed) {
+                    std::future::pending::<()>().await;
+                }
+            }
+            _ = refused.notified() => {
+                // Time for the refusal to reach the client before the connection goes.
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            }
+        }
+    };
+    tokio::select! {
+        _ = connection.as_mut() => return,
+        _ = unwelcome => {}
+    }
+    // GOAWAY first, so that a client of ours that merely had not asked anything yet reconnects
+    // cleanly when it does.
+    connection.as_mut().graceful_shutdown();
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(1), connection).await;
 }
+
+/// Connections one guard holds at once (the cluster's own processes keep a few each).
+const MAX_CONNECTIONS: usize = 2048;
+
+/// How soon a connection to a token-guarded port must send a request with the token.
+const PROVE_WITHIN: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// This process's credentials, once set (see [`install`]).
 static INSTALLED: std::sync::OnceLock<Arc<Credentials>> = std::sync::OnceLock::new();

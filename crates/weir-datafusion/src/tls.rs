@@ -135,6 +135,24 @@ pub fn make_certificates(dir: &Path, names: &[String]) -> Result<Vec<PathBuf>, S
         std::io::Write::write_all(&mut f, text.as_bytes()).map_err(|e| format!("{}: {e}", path.display()))?;
         Ok(path)
     };
+    // Every name is checked before anything is made: a refused name leaves no half-made set.
+    for name in names {
+        let plain = !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+        if !plain || name == "ca" {
+            return Err(format!("--name {name}: use letters, digits, '-' and '_' (and not 'ca')"));
+        }
+        // A process's key is replaced on purpose only: overwritten, the process holding it
+        // would stop getting in, and the old certificate would still be accepted.
+        for file in [format!("{name}.key"), format!("{name}.pem")] {
+            if dir.join(&file).exists() {
+                return Err(format!(
+                    "--name {name}: {} exists; remove {name}.pem and {name}.key first to make new ones (the old \
+                     certificate stays valid until the cluster gets a new authority)",
+                    dir.join(&file).display()
+                ));
+            }
+        }
+    }
     let e = |e: rcgen::Error| e.to_string();
     let mut written = Vec::new();
     let (ca_cert_path, ca_key_path) = (dir.join(CA_CERT), dir.join(CA_KEY));
@@ -158,10 +176,6 @@ pub fn make_certificates(dir: &Path, names: &[String]) -> Result<Vec<PathBuf>, S
     };
     let issuer = Issuer::new(authority()?, ca_key);
     for name in names {
-        let plain = !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
-        if !plain || name == "ca" {
-            return Err(format!("--name {name}: use letters, digits, '-' and '_' (and not 'ca')"));
-        }
         let key = KeyPair::generate().map_err(e)?;
         let mut params = CertificateParams::new(vec![CLUSTER_NAME.to_string()]).map_err(e)?;
         params.distinguished_name.push(DnType::CommonName, name.as_str());

@@ -127,6 +127,15 @@ impl FromStr for ModelSpec {
                  vertex_endpoint/1234567890; the project and location come from --project and --location"
             )));
         }
+        // Model names go into URLs (Gemini, Vertex AI): a name must not be able to walk to
+        // another path on the provider's host with the caller's key (`%2e%2e`, `..`), or cut
+        // the URL short (`?`, `#`).
+        let walks = model.split('/').any(|seg| seg.is_empty() || seg == "." || seg == "..");
+        if walks || model.chars().any(|c| c.is_whitespace() || c.is_control() || "%?#\\".contains(c)) {
+            return Err(ProviderError::Config(format!(
+                "--model {s}: a model name may not hold '%', '?', '#', '\\', spaces, empty, '.' or '..' parts"
+            )));
+        }
         if provider == Provider::Sim && model.contains('/') {
             return Err(ProviderError::Config(format!(
                 "--model {s}: a simulator model is one name without '/', e.g. sim/demo"
@@ -505,6 +514,12 @@ mod tests {
         assert!("anthropic/claude".parse::<ModelSpec>().unwrap_err().to_string().contains("unknown provider"));
         assert!("sim/".parse::<ModelSpec>().is_err());
         assert!("sim/a/b".parse::<ModelSpec>().unwrap_err().to_string().contains("without '/'"));
+        for walking in ["gemini/%2e%2e/%2e%2e/x", "gemini/../x", "gemini//x", "gemini/a?b", "gemini/a#b", "openai/a b"]
+        {
+            assert!(walking.parse::<ModelSpec>().unwrap_err().to_string().contains("may not hold"), "{walking}");
+        }
+        assert!("openai/meta-llama/Llama-3.1-8B-Instruct".parse::<ModelSpec>().is_ok());
+        assert!("vertex_ai/gemini-2.0-flash-001@default".parse::<ModelSpec>().is_ok());
     }
 
     #[tokio::test]

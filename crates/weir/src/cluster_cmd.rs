@@ -168,6 +168,7 @@ pub async fn run(args: ClusterArgs) -> anyhow::Result<u8> {
             let guarded = a.credentials.install()?;
             exposed("--bind", &a.bind.ip().to_string(), a.insecure, guarded)?;
             let allowed = a.places.allowed()?;
+            free_port("--bind", &a.bind.ip().to_string(), a.bind.port(), guarded)?;
             // The scheduler plans only: its functions are never called.
             let functions = Engine::new(EngineSettings::default());
             let scheme = if guarded.tls { "dfs" } else { "df" };
@@ -217,6 +218,24 @@ fn exposed(flag: &str, host: &str, insecure: bool, guarded: crate::credential_ar
     )))
 }
 
+/// Refuses a `port` another program holds, on `host` and, when weir's guards stand in front of
+/// the server, on 127.0.0.1 where the server itself listens.
+fn free_port(flag: &str, host: &str, port: u16, guarded: crate::credential_args::Guarded) -> Result<(), UsageError> {
+    let mut hosts = vec![host];
+    if guarded.any() {
+        hosts.push("127.0.0.1");
+    }
+    for h in hosts {
+        if let Err(e) = std::net::TcpListener::bind((h, port)) {
+            return Err(UsageError(format!(
+                "{flag} {port}: cannot listen on {h}:{port} ({e}); another scheduler, executor or program uses it, \
+                 pick another port"
+            )));
+        }
+    }
+    Ok(())
+}
+
 async fn executor(a: ExecutorArgs) -> anyhow::Result<u8> {
     a.endpoint.check().map_err(crate::UsageError::from)?;
     let guarded = a.credentials.install()?;
@@ -245,15 +264,10 @@ async fn executor(a: ExecutorArgs) -> anyhow::Result<u8> {
         work_dir: Some(work.path().display().to_string()),
         allowed,
     };
-    // Ballista reports a port in use only in its log, and may go on without the server.
+    // Ballista reports a port in use only in its log, and may go on without the server. With
+    // credentials its servers take 127.0.0.1 at the same ports, behind weir's guards.
     for (flag, port) in [("--port", a.port), ("--grpc-port", a.grpc_port)] {
-        if let Err(e) = std::net::TcpListener::bind((a.host.as_str(), port)) {
-            return Err(UsageError(format!(
-                "{flag} {port}: cannot listen on {}:{port} ({e}); another executor or program uses it, pick another port",
-                a.host
-            ))
-            .into());
-        }
+        free_port(flag, &a.host, port, guarded)?;
     }
     eprintln!("weir: executor on {}:{} serving the scheduler at {}", a.host, a.port, a.scheduler);
     let started = Instant::now();

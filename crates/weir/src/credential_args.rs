@@ -57,6 +57,19 @@ impl CredentialArgs {
         if let Some(path) = &self.token_file {
             let text = std::fs::read_to_string(path)
                 .map_err(|e| UsageError(format!("--token-file {}: {e}", path.display())))?;
+            // As ssh does with keys: a secret others can read is no secret.
+            #[cfg(unix)]
+            {
+                use std::os::unix::fs::PermissionsExt;
+                let mode = std::fs::metadata(path).map(|m| m.permissions().mode() & 0o777).unwrap_or(0);
+                if mode & 0o077 != 0 {
+                    return Err(UsageError(format!(
+                        "--token-file {}: other users can read it (mode {mode:o}); make it yours alone: chmod 600 {}",
+                        path.display(),
+                        path.display()
+                    )));
+                }
+            }
             return Ok(Some(text));
         }
         match std::env::var(weir_datafusion_token_variable()) {

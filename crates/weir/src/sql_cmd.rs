@@ -349,11 +349,12 @@ pub async fn run(mut args: SqlArgs) -> anyhow::Result<u8> {
     };
     match &args.cluster {
         None => eprint!("{}", summary(&functions, started.elapsed(), "weir sql")),
-        Some(_) => eprintln!(
+        Some(_) if result.is_ok() => eprintln!(
             "weir sql: {:.2} s; the model calls ran on the cluster's executors (each prints its summary when \
              stopped and serves its counters with --metrics-listen; failed rows are NULL and counted there)",
             started.elapsed().as_secs_f64()
         ),
+        Some(_) => {}
     }
     functions.shutdown().await;
     match result {

@@ -579,6 +579,8 @@ async fn with_a_shared_token_only_its_holders_get_in() {
         .spawn()
         .unwrap();
     wait_for_port(scheduler).await;
+    // A stranger who connects and says nothing is shown the door (checked at the end).
+    let mut idle = tokio::net::TcpStream::connect(("127.0.0.2", scheduler)).await.unwrap();
     let mut executors = Vec::new();
     let mut flight = 0;
     for _ in 0..2 {
@@ -659,6 +661,59 @@ async fn with_a_shared_token_only_its_holders_get_in() {
     expected.sort();
     assert_eq!(seen, expected, "every row exactly once");
     assert_eq!(sim.stats().requests, 200);
+    // The stranger's silent connection was closed (not held open until the process runs out
+    // of files), while the cluster's own connections, idle as long, still work.
+    // (The server's HTTP/2 greeting comes first; then the connection ends.)
+    let closed = async {
+        let mut buf = [0u8; 256];
+        while let Ok(n) = tokio::io::AsyncReadExt::read(&mut idle, &mut buf).await {
+            if n == 0 {
+                break;
+            }
+        }
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(20), closed)
+        .await
+        .expect("a silent stranger's connection was held open");
+    let again = bounded(
+        weir()
+            .current_dir(&dir.0)
+            .env("WEIR_CLUSTER_TOKEN", secret.trim())
+            .args(["sql", "--cluster", &url, "--partitions", "2"])
+            .args(["--table", "reviews=parts", &query.replace("answers.jsonl", "again.jsonl")]),
+    )
+    .await;
+    assert_eq!(again.status.code(), Some(0), "{}", stderr(&again));
+    assert_eq!(std::fs::read_to_string(dir.path("again.jsonl")).unwrap().lines().count(), 200);
+    // An executor whose port is taken where its server listens behind the guard (127.0.0.1)
+    // says so and exits 2, instead of starting without it.
+    let clash = bounded(
+        weir()
+            .current_dir(&dir.0)
+            .env("WEIR_CLUSTER_TOKEN", secret.trim())
+            .args(["cluster", "executor", "--scheduler", &format!("127.0.0.2:{scheduler}"), "--host", "127.0.0.4"])
+            .args(["--port", &scheduler.to_string(), "--grpc-port", &free_port().to_string()]),
+    )
+    .await;
+    assert_eq!(clash.status.code(), Some(2), "{}", stderr(&clash));
+    assert!(stderr(&clash).contains(&format!("127.0.0.1:{scheduler}")), "{}", stderr(&clash));
+    // A token file others can read is refused.
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(dir.path("other"), std::fs::Permissions::from_mode(0o644)).unwrap();
+        let open = bounded(weir().current_dir(&dir.0).env_remove("WEIR_CLUSTER_TOKEN").args([
+            "sql",
+            "--cluster",
+            &url,
+            "--token-file",
+            "other",
+            "SELECT 1",
+        ]))
+        .await;
+        assert_eq!(open.status.code(), Some(2), "{}", stderr(&open));
+        assert!(stderr(&open).contains("chmod 600"), "{}", stderr(&open));
+    }
     drop(executors);
     sim.shutdown().await;
 }
