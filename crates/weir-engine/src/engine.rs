@@ -17,7 +17,7 @@ use weir_providers::{Endpoint, ModelSpec, ProviderError, ProviderOptions, Task};
 /// the Python package): the same settings as `weir run`'s.
 #[derive(Clone, Default)]
 pub struct EngineSettings {
-    /// Base URL, project, location, simulator scenario (the task is set per request).
+    /// Base URL, project, location (the task is set per request).
     pub provider: ProviderOptions,
     /// Concurrency and rate limits, per endpoint.
     pub throttle: ThrottleSettings,
@@ -74,6 +74,40 @@ struct Site {
     handler: Arc<dyn ModelHandler>,
     throttle: Arc<Throttle>,
     metrics: Arc<RunMetrics>,
+}
+
+/// Every endpoint's throttle in this process, by the model and where it is served, with the
+/// settings it was made with: engines made with other settings (two Python engines, a SQL
+/// session and a Beam worker's handler) that call one endpoint share its quota, instead of
+/// each learning it alone and together sending more than it allows.
+type Throttles = HashMap<String, (std::sync::Weak<Throttle>, ThrottleSettings)>;
+
+fn throttles() -> &'static Mutex<Throttles> {
+    static THROTTLES: std::sync::OnceLock<Mutex<Throttles>> = std::sync::OnceLock::new();
+    THROTTLES.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// The throttle of `handler`'s endpoint: the one already in use in this process, or a new one
+/// with `settings`. The first settings made it; later ones that differ are said to be unused.
+fn shared_throttle(handler: &dyn ModelHandler, settings: &ThrottleSettings) -> Arc<Throttle> {
+    let key = format!("{}\u{0}{}", handler.model_id(), handler.endpoint());
+    let mut all = throttles().lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((weak, made_with)) = all.get(&key) {
+        if let Some(throttle) = weak.upgrade() {
+            if made_with != settings {
+                tracing::warn!(
+                    "{}: this process already calls this endpoint with other limits; the first ones stay in force \
+                     (one throttle per endpoint, so that both stay within its quota together)",
+                    handler.model_id()
+                );
+            }
+            return throttle;
+        }
+    }
+    let throttle = Arc::new(Throttle::new(settings));
+    all.retain(|_, (w, _)| w.strong_count() > 0);
+    all.insert(key, (Arc::downgrade(&throttle), settings.clone()));
+    throttle
 }
 
 /// Rows that go through one driver: a model, the call they share, and whether they have ids.
@@ -162,6 +196,13 @@ impl Engine {
         sites.iter().map(|((_, m), s)| (m.clone(), s.throttle.concurrency())).collect()
     }
 
+    /// The throttle of `model`'s endpoint, once connected (shared with every engine of this
+    /// process that calls the same endpoint).
+    pub async fn throttle(&self, model: &str, embed: bool) -> Option<Arc<Throttle>> {
+        let spec: ModelSpec = model.trim().parse().ok()?;
+        self.sites.lock().await.get(&(embed, spec.to_string())).map(|s| s.throttle.clone())
+    }
+
     /// Stops what its endpoints run in this process (the simulators behind `sim/` models).
     pub async fn shutdown(&self) {
         let residents = std::mem::take(&mut *self.residents.lock().unwrap_or_else(|e| e.into_inner()));
@@ -188,15 +229,16 @@ impl Engine {
         let mut options = self.settings.provider.clone();
         options.task = if embed { Task::Embed } else { Task::Generate };
         let endpoint = (self.connector)(spec.clone(), options).await.map_err(|e| format!("{spec}: {e}"))?;
+        let metrics = self.metrics_of(&spec.to_string());
+        // A server of this engine's own (the simulator) is nobody else's endpoint.
+        let throttle = match endpoint.resident {
+            Some(_) => Arc::new(Throttle::new(&self.settings.throttle)),
+            None => shared_throttle(endpoint.handler.as_ref(), &self.settings.throttle),
+        };
         if let Some(r) = endpoint.resident {
             self.residents.lock().unwrap_or_else(|e| e.into_inner()).push(r);
         }
-        let metrics = self.metrics_of(&spec.to_string());
-        let site = Arc::new(Site {
-            handler: endpoint.handler,
-            throttle: Arc::new(Throttle::new(&self.settings.throttle)),
-            metrics,
-        });
+        let site = Arc::new(Site { handler: endpoint.handler, throttle, metrics });
         sites.insert(key, site.clone());
         Ok(site)
     }
@@ -335,5 +377,39 @@ impl Engine {
         }
         let stopped = stopped_now.lock().unwrap_or_else(|e| e.into_inner()).take();
         Ok((out, stopped))
+    }
+}
+
+#[cfg(all(test, feature = "sim"))]
+mod tests {
+    use super::*;
+
+    /// Two engines with different limits that call one endpoint share its throttle; a third on
+    /// another endpoint has its own.
+    #[tokio::test]
+    async fn engines_calling_one_endpoint_share_its_throttle() {
+        let sim = weir_sim::SimServer::start(Default::default(), ([127, 0, 0, 1], 0).into()).await.unwrap();
+        let other = weir_sim::SimServer::start(Default::default(), ([127, 0, 0, 1], 0).into()).await.unwrap();
+        let engine = |url: String, concurrency: usize| {
+            Engine::new(EngineSettings {
+                provider: ProviderOptions { base_url: Some(url), ..Default::default() },
+                throttle: ThrottleSettings { max_concurrency: concurrency, ..Default::default() },
+                ..Default::default()
+            })
+        };
+        let (a, b, c) = (engine(sim.url(), 8), engine(sim.url(), 16), engine(other.url(), 8));
+        let model = "gemini/gemini-2.5-flash";
+        for e in [&a, &b, &c] {
+            e.connect(model, false).await.unwrap();
+        }
+        let (ta, tb, tc) = (
+            a.throttle(model, false).await.unwrap(),
+            b.throttle(model, false).await.unwrap(),
+            c.throttle(model, false).await.unwrap(),
+        );
+        assert!(Arc::ptr_eq(&ta, &tb), "one endpoint, two throttles");
+        assert!(!Arc::ptr_eq(&ta, &tc), "two endpoints, one throttle");
+        sim.shutdown().await;
+        other.shutdown().await;
     }
 }
