@@ -89,7 +89,7 @@ impl Cost {
 }
 
 /// Dollars with as many decimals as a small amount needs.
-fn dollars(usd: f64) -> String {
+pub fn dollars(usd: f64) -> String {
     if usd == 0.0 {
         "0".into()
     } else if usd >= 1.0 {

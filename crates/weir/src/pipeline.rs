@@ -9,7 +9,7 @@
 //! with the input. The state directory (see `weir_io::state`) makes a run resumable.
 
 use futures::StreamExt;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -1149,6 +1149,9 @@ pub async fn run(
     // have no columns until they are read): any left at the end are named.
     let mut kept_seen: Vec<String> = settings.keep_columns.clone().unwrap_or_default();
     let mut rows_with_input = 0u64;
+    // Tokens paid for (not from the cache), by the model that answered: with --model-field a run
+    // calls several models, each at its own price.
+    let mut paid_by_model: BTreeMap<Arc<str>, (u64, u64)> = BTreeMap::new();
     loop {
         let outcome = tokio::select! {
             o = outcomes.next() => match o {
@@ -1187,6 +1190,11 @@ pub async fn run(
         // Rows are written (and made durable) by the writer thread, off this task.
         let row = match outcome {
             Ok(Outcome::Success(mut s)) => {
+                if s.attempts > 0 {
+                    let paid = paid_by_model.entry(s.model.clone()).or_default();
+                    paid.0 += s.response.usage.prompt_tokens;
+                    paid.1 += s.response.usage.output_tokens;
+                }
                 if let Some(keep) = &settings.keep_columns {
                     rows_with_input += 1;
                     kept_seen.retain(|k| !s.record.input.contains_key(k));
@@ -1356,7 +1364,11 @@ pub async fn run(
         metrics.tokens_out.load(std::sync::atomic::Ordering::Relaxed).saturating_sub(metrics.cache_tokens_out()),
     );
     let online = (paid.0.saturating_sub(batch_tokens.0), paid.1.saturating_sub(batch_tokens.1));
-    report.cost = crate::cost::Cost::estimate(&settings.model.to_string(), online, batch_tokens);
+    report.costs = match settings.model_field {
+        // Records go to several models (never to jobs): each model's tokens at its price.
+        Some(_) => paid_by_model.iter().filter_map(|(m, t)| crate::cost::Cost::estimate(m, *t, (0, 0))).collect(),
+        None => crate::cost::Cost::estimate(&settings.model.to_string(), online, batch_tokens).into_iter().collect(),
+    };
     report.jobs = jobs;
     Ok(report)
 }

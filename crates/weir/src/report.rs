@@ -58,8 +58,9 @@ pub struct RunReport {
     pub batching: Option<BatchReport>,
     /// What provider batch jobs did (`--mode batch`).
     pub jobs: Option<crate::batch_front::JobsTally>,
-    /// Estimated cost of the tokens this run paid for, when the model has a price.
-    pub cost: Option<crate::cost::Cost>,
+    /// Estimated cost of the tokens this run paid for, one per model that has a price (several
+    /// with `--model-field`).
+    pub costs: Vec<crate::cost::Cost>,
     /// Streamed calls: time from sending to the first text.
     pub first_token: Option<Percentiles>,
     /// Streamed calls: time between pieces of text.
@@ -144,7 +145,7 @@ impl RunReport {
                 }
             }),
             jobs: None,
-            cost: None,
+            costs: Vec::new(),
             first_token: m.first_token(),
             inter_token: m.inter_token(),
             followed: settings.follow,
@@ -244,8 +245,12 @@ impl RunReport {
                 if j.online > 0 { format!(", {} online", thousands(j.online)) } else { String::new() },
             ));
         }
-        if let Some(c) = &self.cost {
+        for c in &self.costs {
             s.push_str(&c.line());
+        }
+        if self.costs.len() > 1 {
+            let total: f64 = self.costs.iter().map(|c| c.usd).sum();
+            s.push_str(&format!("  cost in all: about ${}\n", crate::cost::dollars(total)));
         }
         s.push_str(&format!("  results: {}\n", self.output));
         if self.failed > 0 {

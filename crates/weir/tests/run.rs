@@ -539,6 +539,65 @@ async fn model_field_routes_each_record_to_its_model() {
     assert!(errors.iter().any(|e| e["message"].as_str().unwrap().contains("model field 'm': nope")));
 }
 
+/// With `--model-field`, each model's tokens are priced at its own price in the summary, with
+/// the sum of them (they were all priced at `--model`'s before).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn model_field_prices_each_models_tokens_at_its_own_price() {
+    let sim = weir_sim::SimServer::start(Default::default(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let dir = Dir::new("model-field-cost");
+    let mut data = String::new();
+    for i in 0..40 {
+        let m = if i % 2 == 0 { "gemini/gemini-2.5-pro" } else { "gemini/gemini-2.5-flash" };
+        data.push_str(&format!("{{\"id\":\"r{i}\",\"prompt\":\"price me {i}\",\"m\":\"{m}\"}}\n"));
+    }
+    let input = dir.write("in.jsonl", data.as_bytes());
+    let out = dir.path("out.jsonl");
+    let o = run(&[
+        "run",
+        "--model",
+        "gemini/gemini-2.5-flash",
+        "--model-field",
+        "m",
+        "--base-url",
+        &sim.url(),
+        "--input",
+        input.to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+        "--id-field",
+        "id",
+        "--progress",
+        "never",
+    ])
+    .await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let err = stderr(&o);
+    // Each model's dollars from its rows' tokens and its price (prices.toml).
+    let mut expected = Vec::new();
+    for (model, name, (pin, pout)) in [
+        ("gemini/gemini-2.5-flash", "gemini-2.5-flash", (0.30, 2.50)),
+        ("gemini/gemini-2.5-pro", "gemini-2.5-pro", (1.25, 10.0)),
+    ] {
+        let (tin, tout) = rows(&out).iter().filter(|r| r["model"] == model).fold((0u64, 0u64), |(i, o), r| {
+            (i + r["usage"]["prompt_tokens"].as_u64().unwrap(), o + r["usage"]["output_tokens"].as_u64().unwrap())
+        });
+        assert!(tin > 0 && tout > 0, "{model}");
+        let usd = (tin as f64 * pin + tout as f64 * pout) / 1e6;
+        let line = err
+            .lines()
+            .find(|l| l.contains("cost:") && l.contains(&format!("({name} at")))
+            .unwrap_or_else(|| panic!("no cost line for {name}: {err}"));
+        let shown: f64 = line.split('$').nth(1).unwrap().split_whitespace().next().unwrap().parse().unwrap();
+        assert!((shown - usd).abs() <= usd * 1e-3 + 1e-6, "{name}: shown {shown}, expected {usd}: {line}");
+        expected.push(usd);
+    }
+    let all = err.lines().find(|l| l.contains("cost in all")).unwrap_or_else(|| panic!("{err}"));
+    let shown: f64 = all.split('$').nth(1).unwrap().trim().parse().unwrap();
+    let sum: f64 = expected.iter().sum();
+    assert!((shown - sum).abs() <= sum * 1e-3 + 1e-6, "{all}");
+    sim.shutdown().await;
+}
+
 /// The cache keeps answers apart by where they came from: the same model name on another server
 /// (a simulator, then the real endpoint) is asked again, never answered from the first one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
