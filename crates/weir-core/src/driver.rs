@@ -213,6 +213,16 @@ impl Driver {
         }
     }
 
+    /// Starts as if connecting had failed for the whole detection window already: the first
+    /// call that cannot connect stops the driver at once, and one answer clears it. For a front
+    /// end that makes a driver per request (a SQL batch, a Python call) just after another found
+    /// the endpoint dead: each request asks once, instead of waiting out the window again.
+    pub fn presumed_unreachable(self) -> Self {
+        let since = Instant::now().checked_sub(DEAD_ENDPOINT_AFTER).unwrap_or_else(Instant::now);
+        *self.rules.first_unreachable.lock().unwrap_or_else(|e| e.into_inner()) = Some(since);
+        self
+    }
+
     /// Answers from `cache` when its rule allows, and stores every new answer in it.
     pub fn with_cache(mut self, cache: Arc<dyn ResponseCache>) -> Self {
         self.cache = Some(cache);

@@ -74,6 +74,9 @@ struct Site {
     handler: Arc<dyn ModelHandler>,
     throttle: Arc<Throttle>,
     metrics: Arc<RunMetrics>,
+    /// The last request found nothing answering at the endpoint: the next one asks once and
+    /// stops at once if that fails too (see `Driver::presumed_unreachable`).
+    unreachable: std::sync::atomic::AtomicBool,
 }
 
 /// Every endpoint's throttle in this process, by the model and where it is served, with the
@@ -238,7 +241,12 @@ impl Engine {
         if let Some(r) = endpoint.resident {
             self.residents.lock().unwrap_or_else(|e| e.into_inner()).push(r);
         }
-        let site = Arc::new(Site { handler: endpoint.handler, throttle, metrics });
+        let site = Arc::new(Site {
+            handler: endpoint.handler,
+            throttle,
+            metrics,
+            unreachable: std::sync::atomic::AtomicBool::new(false),
+        });
         sites.insert(key, site.clone());
         Ok(site)
     }
@@ -320,6 +328,9 @@ impl Engine {
                 ..self.settings.driver.clone()
             };
             let mut driver = Driver::new(site.handler.clone(), site.throttle.clone(), settings, site.metrics.clone());
+            if site.unreachable.load(std::sync::atomic::Ordering::Relaxed) {
+                driver = driver.presumed_unreachable();
+            }
             // Without ids, a sampled answer belongs to no one: only deterministic requests are
             // cached (stored and reused).
             if let Some(cache) = self.settings.cache.as_ref().filter(|_| keyed || is_deterministic(&call.params)) {
@@ -352,6 +363,10 @@ impl Engine {
                 let n = records.len().max(1);
                 futures::stream::iter(records).map(|r| driver.run(r)).buffered(n).collect().await
             };
+            // Nothing answered and connecting failed: the next request finds out at its first
+            // call. An answer of any kind clears it.
+            let dead = driver.stop_reason().is_some_and(|r| r.kind == ErrorKind::Transport);
+            site.unreachable.store(dead, std::sync::atomic::Ordering::Relaxed);
             match driver.stop_reason() {
                 // A model the endpoint does not have (404: a misspelt name in a column) is that
                 // model's rows' error, each failed with the reason: the other models' rows of
@@ -411,5 +426,37 @@ mod tests {
         assert!(!Arc::ptr_eq(&ta, &tc), "two endpoints, one throttle");
         sim.shutdown().await;
         other.shutdown().await;
+    }
+
+    /// A dead endpoint is found once: the first request waits out the detection window, the
+    /// next (a SQL query's next batch) stops at its first call instead of waiting again.
+    #[tokio::test(start_paused = true)]
+    async fn a_dead_endpoint_is_found_once_not_once_per_request() {
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}", closed.local_addr().unwrap());
+        drop(closed);
+        let engine = Engine::new(EngineSettings {
+            provider: ProviderOptions { base_url: Some(url), ..Default::default() },
+            ..Default::default()
+        });
+        let rows = || -> Vec<Row> {
+            (0..4)
+                .map(|i| Row {
+                    model: Some("gemini/gemini-2.5-flash".into()),
+                    prompt: Some(format!("p{i}")),
+                    id: None,
+                    call: Arc::new(Call::default()),
+                })
+                .collect()
+        };
+        let mut took = Vec::new();
+        for _ in 0..2 {
+            let start = tokio::time::Instant::now();
+            let (_, stop) = engine.answer_or_stop(rows(), false).await.unwrap();
+            assert!(stop.is_some_and(|s| s.kind == ErrorKind::Transport));
+            took.push(start.elapsed());
+        }
+        assert!(took[0] >= std::time::Duration::from_secs(5), "{took:?}");
+        assert!(took[1] < std::time::Duration::from_secs(1), "the window was waited out again: {took:?}");
     }
 }
