@@ -302,7 +302,7 @@ async fn batching_flags_that_cannot_apply_exit_2() {
             vec!["--model", "vertex_endpoint/1", "--param", "response_mime_type=application/json"],
             "cannot be sent in a :predict",
         ),
-        (vec!["--model", "vertex_endpoint/..", "--project", "p"], "endpoint id"),
+        (vec!["--model", "vertex_endpoint/..", "--project", "p"], "may not hold"),
         (vec!["--model", "vertex_ai/gemini", "--project", ".."], "project '..'"),
     ] {
         let o = weir().arg("run").args(&args).args(io).output().await.unwrap();
