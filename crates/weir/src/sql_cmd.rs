@@ -73,6 +73,14 @@ pub struct SqlArgs {
     /// Scenario (TOML, as for `weir sim --config`) of the built-in simulator behind sim/ models.
     #[arg(long, value_name = "FILE")]
     sim_config: Option<PathBuf>,
+    /// Where the response cache is kept [default: .weir/ in the working directory]. Answers of
+    /// deterministic calls (temperature 0 or a seed, and embeddings' options alike) are reused
+    /// by later queries instead of paid for again.
+    #[arg(long, value_name = "DIR")]
+    state: Option<PathBuf>,
+    /// Do not use the response cache.
+    #[arg(long)]
+    no_cache: bool,
 }
 
 impl SqlArgs {
@@ -255,6 +263,26 @@ fn explain_usage(e: &DataFusionError) -> String {
     text
 }
 
+/// The response cache in `state` (default `.weir/` in the working directory). One process
+/// holds a cache at a time: a second `weir sql` started beside a running one goes on without it,
+/// and says so, rather than refusing to run.
+fn open_cache(state: Option<&std::path::Path>) -> Result<Option<Arc<weir_io::DiskCache>>, UsageError> {
+    let dir = state.map(PathBuf::from).unwrap_or_else(|| PathBuf::from(".weir"));
+    let flag = if state.is_some() { "--state" } else { "the default state directory" };
+    std::fs::create_dir_all(&dir).map_err(|e| UsageError(format!("{flag} {}: {e}", dir.display())))?;
+    match weir_io::DiskCache::open(&dir.join("cache")) {
+        Ok(c) => Ok(Some(Arc::new(c))),
+        Err(e) if e.message.contains("in use by another") => {
+            eprintln!(
+                "weir sql: the response cache in {} is in use by another weir process; this query runs without it",
+                dir.display()
+            );
+            Ok(None)
+        }
+        Err(e) => Err(UsageError(format!("{e}; or run with --no-cache"))),
+    }
+}
+
 /// The error a statement stopped by Ctrl-C or SIGTERM ends with: the signal, so that the exit
 /// status says which one it was.
 #[derive(Debug)]
@@ -314,6 +342,20 @@ pub async fn run(mut args: SqlArgs) -> anyhow::Result<u8> {
     if let Some(n) = args.partitions {
         config = config.with_target_partitions(n);
     }
+    // The cluster's executors make the calls there (each with its own flags): no cache here.
+    let cache = match (&args.cluster, args.no_cache) {
+        (None, false) => open_cache(args.state.as_deref())?,
+        (Some(_), _) | (None, true) => {
+            if args.state.is_some() && args.cluster.is_some() {
+                return Err(UsageError(
+                    "--state is for queries run here; with --cluster the executors call the models".into(),
+                )
+                .into());
+            }
+            None
+        }
+    };
+    let settings = EngineSettings { cache: cache.clone().map(|c| c as Arc<dyn weir_core::ResponseCache>), ..settings };
     let functions = Engine::new(settings);
     let ctx = match &args.cluster {
         None => {
@@ -357,11 +399,15 @@ pub async fn run(mut args: SqlArgs) -> anyhow::Result<u8> {
         Some(_) => {}
     }
     functions.shutdown().await;
+    let failed: u64 = functions.metrics_by_model().values().map(|m| m.failed.load(Relaxed)).sum();
+    // The cache's last answers reach the disk before the process ends: nothing may still hold
+    // the engine (the functions in the session and the last plan) when the cache is dropped.
+    *RUNNING.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    drop(ctx);
+    drop(functions);
+    drop(cache);
     match result {
-        Ok(()) => {
-            let failed: u64 = functions.metrics_by_model().values().map(|m| m.failed.load(Relaxed)).sum();
-            Ok(if failed > 0 { 1 } else { 0 })
-        }
+        Ok(()) => Ok(if failed > 0 { 1 } else { 0 }),
         Err(e) if stopped_by(&e).is_some() => {
             eprintln!(
                 "weir sql: interrupted; the statement did not finish (a COPY to a directory may have left some files)"
@@ -551,15 +597,19 @@ pub(crate) fn summary(functions: &Engine, elapsed: std::time::Duration, who: &st
         thousands(failed)
     );
     for (model, m) in &models {
-        let (tin, tout) = (m.tokens_in.load(Relaxed), m.tokens_out.load(Relaxed));
+        // Tokens paid for: not those of answers from the cache.
+        let tin = m.tokens_in.load(Relaxed).saturating_sub(m.cache_tokens_in());
+        let tout = m.tokens_out.load(Relaxed).saturating_sub(m.cache_tokens_out());
+        let hits = m.cache_hits.load(Relaxed);
         s.push_str(&format!(
-            "  {model}: calls {} ({} retries, {} rate-limited, {:.1} s throttled); tokens {} in, {} out\n",
+            "  {model}: calls {} ({} retries, {} rate-limited, {:.1} s throttled); tokens {} in, {} out{}\n",
             thousands(m.calls.load(Relaxed)),
             thousands(m.retries.load(Relaxed)),
             thousands(m.rate_limited.load(Relaxed)),
             m.throttled_wall_micros.load(Relaxed) as f64 / 1e6,
             thousands(tin),
             thousands(tout),
+            if hits > 0 { format!("; {} rows answered from the cache", thousands(hits)) } else { String::new() },
         ));
         if let Some(c) = weir::cost::Cost::estimate(model, (tin, tout), (0, 0)) {
             s.push_str(&c.line());

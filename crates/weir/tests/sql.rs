@@ -332,3 +332,49 @@ async fn a_model_the_endpoint_does_not_have_fails_only_its_rows() {
     assert!(err.contains("bad_request"), "{err}");
     sim.shutdown().await;
 }
+
+/// `weir sql` keeps a response cache in `.weir/` of the working directory (or `--state DIR`):
+/// the same deterministic query run again makes no calls and gives the same answers;
+/// `--no-cache` asks again; sampled calls without an id are never reused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_run_of_a_deterministic_query_is_answered_from_the_cache() {
+    let dir = Dir::new("sql-cache");
+    let mut data = String::new();
+    for i in 0..20 {
+        data.push_str(&format!("{{\"key\": {i}, \"prompt\": \"cache me {i}\"}}\n"));
+    }
+    dir.write("t.jsonl", data.as_bytes());
+    let sql = |options: &str| {
+        format!("SELECT key, llm_generate('sim/demo', prompt, '{options}') AS a FROM 't.jsonl' ORDER BY key")
+    };
+    let calls = |err: &str| -> u64 {
+        let at = err.find(": calls ").unwrap_or_else(|| panic!("{err}"));
+        err[at + 8..].split_whitespace().next().unwrap().replace(',', "").parse().unwrap()
+    };
+    let go = |args: Vec<String>| {
+        let dir = dir.0.clone();
+        async move {
+            let o = weir().current_dir(&dir).arg("sql").args(["--format", "jsonl"]).args(&args).output().await.unwrap();
+            assert_eq!(o.status.code(), Some(0), "{args:?}: {}", stderr(&o));
+            (String::from_utf8_lossy(&o.stdout).to_string(), stderr(&o))
+        }
+    };
+    let deterministic = sql("{\"temperature\": 0}");
+    let (first, err) = go(vec![deterministic.clone()]).await;
+    assert_eq!(calls(&err), 20, "{err}");
+    assert!(dir.0.join(".weir/cache").is_dir(), "no cache in .weir/");
+    let (second, err) = go(vec![deterministic.clone()]).await;
+    assert_eq!(calls(&err), 0, "the second run paid again: {err}");
+    assert!(err.contains("tokens 0 in, 0 out; 20 rows answered from the cache"), "{err}");
+    assert_eq!(first, second, "the cache gave other answers");
+    let (_, err) = go(vec!["--no-cache".into(), deterministic.clone()]).await;
+    assert_eq!(calls(&err), 20, "--no-cache: {err}");
+    // Another state directory is another cache.
+    let (_, err) = go(vec!["--state".into(), "elsewhere".into(), deterministic]).await;
+    assert_eq!(calls(&err), 20, "--state elsewhere: {err}");
+    // Sampled answers belong to no row: asked again every time.
+    let sampled = sql("{}");
+    go(vec![sampled.clone()]).await;
+    let (_, err) = go(vec![sampled]).await;
+    assert_eq!(calls(&err), 20, "a sampled answer was reused: {err}");
+}
