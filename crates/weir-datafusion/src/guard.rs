@@ -141,6 +141,7 @@ pub async fn serve(creds: Arc<Credentials>, listen: tokio::net::TcpListener, to:
         None => None,
     };
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let strangers: Strangers = Arc::new(std::sync::Mutex::new(std::collections::HashMap::new()));
     let mut told = None::<tokio::time::Instant>;
     loop {
         let (socket, peer) = match listen.accept().await {
@@ -159,10 +160,14 @@ pub async fn serve(creds: Arc<Credentials>, listen: tokio::net::TcpListener, to:
         // A flood of connections from strangers must not use up the process's files: past the
         // cap, new connections are closed at once.
         let Ok(slot) = slots.clone().try_acquire_owned() else { continue };
+        // Nor may one peer hold the slots with connections that never prove themselves, and so
+        // keep the cluster's own processes out.
+        let Some(unproven) = Unproven::take(&strangers, peer.ip()) else { continue };
         let creds = creds.clone();
         let backend = backend.clone();
         tokio::spawn(async move {
             let _slot = slot;
+            let unproven = Arc::new(std::sync::Mutex::new(Some(unproven)));
             let _ = socket.set_nodelay(true);
             match &creds.tls {
                 Some(tls) => {
@@ -181,9 +186,13 @@ pub async fn serve(creds: Arc<Credentials>, listen: tokio::net::TcpListener, to:
                         }
                         Err(_) => return,
                     };
-                    pass_on(secure, &creds, backend, to, peer).await;
+                    // A certificate of the cluster's is proof enough when there is no token.
+                    if creds.token.is_none() {
+                        unproven.lock().unwrap_or_else(|e| e.into_inner()).take();
+                    }
+                    pass_on(secure, &creds, backend, to, peer, unproven).await;
                 }
-                None => pass_on(socket, &creds, backend, to, peer).await,
+                None => pass_on(socket, &creds, backend, to, peer, unproven).await,
             }
         });
     }
@@ -197,6 +206,7 @@ async fn pass_on<S>(
     backend: Option<tonic::transport::Channel>,
     to: SocketAddr,
     peer: SocketAddr,
+    unproven: Arc<std::sync::Mutex<Option<Unproven>>>,
 ) where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
@@ -216,6 +226,7 @@ async fn pass_on<S>(
         let admitted = creds.token.as_ref().is_some_and(|t| t.admits(request.headers()));
         if admitted {
             proven_.store(true, std::sync::atomic::Ordering::Relaxed);
+            unproven.lock().unwrap_or_else(|e| e.into_inner()).take();
         }
         let refused = refused_.clone();
         async move {
@@ -265,6 +276,44 @@ async fn pass_on<S>(
     // cleanly when it does.
     connection.as_mut().graceful_shutdown();
     let _ = tokio::time::timeout(std::time::Duration::from_secs(1), connection).await;
+}
+
+/// Connections not yet proven (no token seen, no TLS handshake finished), by peer address.
+type Strangers = Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>;
+
+/// Most connections one peer address may hold before proving itself: the cluster's own
+/// processes prove themselves at their first request, so only a flood reaches it.
+const MAX_UNPROVEN_PER_PEER: usize = 64;
+
+/// One unproven connection of a peer, counted while it lives.
+struct Unproven {
+    strangers: Strangers,
+    ip: std::net::IpAddr,
+}
+
+impl Unproven {
+    /// Counts a new connection from `ip`, unless it already holds the most it may.
+    fn take(strangers: &Strangers, ip: std::net::IpAddr) -> Option<Self> {
+        let mut all = strangers.lock().unwrap_or_else(|e| e.into_inner());
+        let n = all.entry(ip).or_default();
+        if *n >= MAX_UNPROVEN_PER_PEER {
+            return None;
+        }
+        *n += 1;
+        Some(Self { strangers: strangers.clone(), ip })
+    }
+}
+
+impl Drop for Unproven {
+    fn drop(&mut self) {
+        let mut all = self.strangers.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = all.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                all.remove(&self.ip);
+            }
+        }
+    }
 }
 
 /// Connections one guard holds at once (the cluster's own processes keep a few each).

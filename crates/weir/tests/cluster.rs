@@ -581,6 +581,16 @@ async fn with_a_shared_token_only_its_holders_get_in() {
     wait_for_port(scheduler).await;
     // A stranger who connects and says nothing is shown the door (checked at the end).
     let mut idle = tokio::net::TcpStream::connect(("127.0.0.2", scheduler)).await.unwrap();
+    // A stranger (from 127.0.0.9) holding more silent connections than the guard holds in all
+    // keeps nobody else out: one peer may hold only a few unproven ones.
+    let mut flood = Vec::new();
+    for _ in 0..2100 {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind("127.0.0.9:0".parse().unwrap()).unwrap();
+        if let Ok(s) = socket.connect(format!("127.0.0.2:{scheduler}").parse().unwrap()).await {
+            flood.push(s);
+        }
+    }
     let mut executors = Vec::new();
     let mut flight = 0;
     for _ in 0..2 {
@@ -661,6 +671,7 @@ async fn with_a_shared_token_only_its_holders_get_in() {
     expected.sort();
     assert_eq!(seen, expected, "every row exactly once");
     assert_eq!(sim.stats().requests, 200);
+    drop(flood);
     // The stranger's silent connection was closed (not held open until the process runs out
     // of files), while the cluster's own connections, idle as long, still work.
     // (The server's HTTP/2 greeting comes first; then the connection ends.)
