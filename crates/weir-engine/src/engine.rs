@@ -128,6 +128,14 @@ pub enum RowResult {
     Done(Box<Outcome>, Arc<str>),
 }
 
+/// The line of the record an outcome is about (its row's place in the request, from 1).
+fn outcome_line(o: &Outcome) -> u64 {
+    match o {
+        Outcome::Success(s) => s.record.line,
+        Outcome::Failure(f) => f.line,
+    }
+}
+
 /// The record of the row at `i` (its id, else its place).
 fn record_of(i: usize, prompt: String, id: Option<RecordId>) -> Record {
     let line = i as u64 + 1;
@@ -351,13 +359,28 @@ impl Engine {
             let (slots, records): (Vec<usize>, Vec<Record>) =
                 members.into_iter().map(|(i, prompt, id)| (i, record_of(i, prompt, id))).unzip();
             let outcomes: Vec<Outcome> = if driver.max_batch() > 1 {
-                let max = driver.max_batch();
-                let mut chunks = Vec::new();
-                let mut records = records.into_iter().peekable();
-                while records.peek().is_some() {
-                    chunks.push(records.by_ref().take(max).collect::<Vec<_>>());
-                }
-                futures::future::join_all(chunks.into_iter().map(|c| driver.run_batch(c))).await.concat()
+                // Batches of like length, as `weir run` cuts them by default (buckets that
+                // double): where a batch is computed together its longest member sets its cost.
+                // Every row of the request is here, so nothing lingers: the stage flushes at the
+                // end of its input. Outcomes come back by batch, and are put back in the rows'
+                // order below.
+                let settings = weir_core::BatchSettings {
+                    max_items: driver.max_batch(),
+                    bucketing: weir_core::Bucketing::Doubling,
+                    ..Default::default()
+                };
+                let cut: Vec<Vec<Record>> = weir_core::batches(
+                    futures::stream::iter(records),
+                    settings,
+                    |r: &Record| driver.estimate(r),
+                    |_: &Record| Some(()),
+                )
+                .collect()
+                .await;
+                let mut outcomes: Vec<Outcome> =
+                    futures::future::join_all(cut.into_iter().map(|c| driver.run_batch(c))).await.concat();
+                outcomes.sort_by_key(outcome_line);
+                outcomes
             } else {
                 // Every row at once: the throttle decides how many are in flight.
                 let n = records.len().max(1);
@@ -426,6 +449,41 @@ mod tests {
         assert!(!Arc::ptr_eq(&ta, &tc), "two endpoints, one throttle");
         sim.shutdown().await;
         other.shutdown().await;
+    }
+
+    /// Rows for an endpoint that takes many per call are batched by length, as `weir run` does:
+    /// mixed short and long texts no longer pad the short ones to the long ones' length.
+    #[tokio::test]
+    async fn batched_rows_are_cut_by_length_and_come_back_in_order() {
+        let sim = weir_sim::SimServer::start(Default::default(), ([127, 0, 0, 1], 0).into()).await.unwrap();
+        let engine = Engine::new(EngineSettings {
+            provider: ProviderOptions { base_url: Some(sim.url()), ..Default::default() },
+            ..Default::default()
+        });
+        let long = "word ".repeat(200);
+        // Rows of one call share it (as a SQL query's rows with the same options do).
+        let call = Arc::new(Call::default());
+        let rows: Vec<Row> = (0..40)
+            .map(|i| Row {
+                model: Some("gemini/gemini-embedding-001".into()),
+                prompt: Some(if i % 2 == 0 { format!("short {i}") } else { format!("{long} {i}") }),
+                id: None,
+                call: call.clone(),
+            })
+            .collect();
+        let prompts: Vec<String> = rows.iter().map(|r| r.prompt.clone().unwrap()).collect();
+        let results = engine.answer(rows, true).await.unwrap();
+        for (i, r) in results.iter().enumerate() {
+            let RowResult::Done(o, _) = r else { panic!("row {i}: no result") };
+            let Outcome::Success(s) = o.as_ref() else { panic!("row {i}: {o:?}") };
+            assert_eq!(s.record.prompt, prompts[i], "row {i} got another row's answer");
+            assert!(s.response.embedding.is_some());
+        }
+        let m = &engine.metrics_by_model()["gemini/gemini-embedding-001"];
+        let real = m.batch_tokens.load(std::sync::atomic::Ordering::Relaxed) as f64;
+        let padded = m.batch_padded_tokens.load(std::sync::atomic::Ordering::Relaxed) as f64;
+        assert!(real > 0.0 && padded / real < 1.2, "padding {:.2}× (real {real}, padded {padded})", padded / real);
+        sim.shutdown().await;
     }
 
     /// A dead endpoint is found once: the first request waits out the detection window, the
