@@ -209,3 +209,73 @@ pub async fn register_table(ctx: &SessionContext, name: &str, path: &str) -> std
     ctx.register_table(name, Arc::new(table)).map_err(fail)?;
     Ok(())
 }
+
+/// Gives every table named by its path (`FROM 'data/t.jsonl'`) without an alias one made of the
+/// path's letters and digits (`AS "data_t_jsonl"`). A query's columns are qualified by their
+/// table's name, and a cluster's plan carries them as text that the scheduler reads back as
+/// `schema.table` when the name holds a dot, so such a query failed there ("No field named
+/// t.jsonl.id"); an alias without dots travels intact. The query means the same.
+pub fn alias_path_tables(statement: &mut datafusion::sql::parser::Statement) {
+    use datafusion::sql::parser::{CopyToSource, Statement};
+    use datafusion::sql::sqlparser::ast::{Ident, TableAlias, TableFactor, VisitMut, VisitorMut};
+    use std::ops::ControlFlow;
+
+    struct Aliaser(usize);
+    impl VisitorMut for Aliaser {
+        type Break = ();
+        fn pre_visit_table_factor(&mut self, factor: &mut TableFactor) -> ControlFlow<()> {
+            if let TableFactor::Table { name, alias: alias @ None, args: None, .. } = factor {
+                let path = match name.0.as_slice() {
+                    [part] => part.as_ident().map(|i| i.value.clone()),
+                    _ => None,
+                };
+                if let Some(path) = path.filter(|p| p.contains(['.', '/'])) {
+                    self.0 += 1;
+                    let mut made: String = path
+                        .chars()
+                        .map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '_' })
+                        .collect();
+                    made = format!("{}_{}", made.trim_matches('_'), self.0);
+                    *alias = Some(TableAlias {
+                        explicit: true,
+                        name: Ident::with_quote('"', made),
+                        columns: vec![],
+                        at: None,
+                    });
+                }
+            }
+            ControlFlow::Continue(())
+        }
+    }
+    let mut aliaser = Aliaser(0);
+    match statement {
+        Statement::Statement(s) => {
+            let _ = s.visit(&mut aliaser);
+        }
+        Statement::CopyTo(c) => {
+            if let CopyToSource::Query(q) = &mut c.source {
+                let _ = q.visit(&mut aliaser);
+            }
+        }
+        Statement::Explain(e) => alias_path_tables(&mut e.statement),
+        _ => {}
+    }
+}
+
+#[cfg(test)]
+mod alias_tests {
+    #[test]
+    fn path_tables_get_aliases_without_dots() {
+        let sql = "COPY (SELECT id FROM 'data/t.jsonl' JOIN people p ON true WHERE id IN (SELECT id FROM 'x.csv')) TO 'o.jsonl'";
+        let mut statements = datafusion::sql::parser::DFParser::parse_sql(sql).unwrap();
+        super::alias_path_tables(&mut statements[0]);
+        let text = statements[0].to_string();
+        assert!(text.contains("'data/t.jsonl' AS \"data_t_jsonl_1\""), "{text}");
+        assert!(text.contains("'x.csv' AS \"x_csv_2\""), "{text}");
+        assert!(text.contains("people p "), "{text}");
+        // An alias given is kept.
+        let mut s = datafusion::sql::parser::DFParser::parse_sql("SELECT * FROM 't.jsonl' AS mine").unwrap();
+        super::alias_path_tables(&mut s[0]);
+        assert!(s[0].to_string().contains("'t.jsonl' AS mine"), "{}", s[0]);
+    }
+}

@@ -441,10 +441,13 @@ async fn run_statements(
 /// Plans and runs one statement (see [`run_statements`]).
 async fn run_statement(
     ctx: &SessionContext,
-    statement: datafusion::sql::parser::Statement,
+    mut statement: datafusion::sql::parser::Statement,
     format: ResultFormat,
     cluster: Option<&str>,
 ) -> Result<(), DataFusionError> {
+    if cluster.is_some() {
+        weir_datafusion::tables::alias_path_tables(&mut statement);
+    }
     {
         let (plan, staged) = weir_datafusion::copy::prepare(ctx.state().statement_to_plan(statement).await?)?;
         if let Some(staged) = &staged {

@@ -152,6 +152,16 @@ async fn two_executors_answer_every_row_once() {
     let out = child.wait_with_output().await.unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("gemini/gemini-2.5-flash: calls"), "{err}");
+    // A table named by its path works on a cluster too (its name's dot broke the plan).
+    let out = weir()
+        .current_dir(&dir.0)
+        .args(["sql", "--cluster", &format!("df://127.0.0.1:{scheduler}"), "--format", "jsonl"])
+        .arg("COPY (SELECT key, llm_generate('gemini/gemini-2.5-flash', prompt) AS a FROM 'in.jsonl') TO 'again.jsonl'")
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert_eq!(std::fs::read_to_string(dir.path("again.jsonl")).unwrap().lines().count(), 800);
     sim.shutdown().await;
 }
 
