@@ -260,6 +260,17 @@ struct Cached {
     failed: Option<(ModelError, Instant)>,
 }
 
+#[async_trait::async_trait]
+impl crate::http::AccessTokens for TokenSource {
+    async fn token(&self) -> Result<Secret, ModelError> {
+        TokenSource::token(self).await
+    }
+
+    async fn reject(&self, rejected: &Secret) {
+        TokenSource::reject(self, rejected).await
+    }
+}
+
 impl std::fmt::Debug for TokenSource {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("TokenSource(***)")

@@ -36,8 +36,20 @@ pub enum Credential {
     None,
     /// A fixed key: in the named header, or as `Authorization: Bearer` when there is none.
     Key(Secret, Option<&'static str>),
-    /// Google access tokens, as `Authorization: Bearer` (Vertex AI), renewed as they expire.
-    Tokens(std::sync::Arc<crate::google_auth::TokenSource>),
+    /// Access tokens, as `Authorization: Bearer` (Google's for Vertex AI), renewed as they
+    /// expire.
+    Tokens(std::sync::Arc<dyn AccessTokens>),
+}
+
+/// Where short-lived access tokens come from (`google_auth::TokenSource`). A trait here, so
+/// that sending requests does not depend on how tokens are made.
+#[async_trait::async_trait]
+pub trait AccessTokens: Send + Sync + std::fmt::Debug {
+    /// A token to send now (cached until near its expiry).
+    async fn token(&self) -> Result<Secret, ModelError>;
+    /// Forgets `rejected`, which the server refused (expired or revoked), so that the next
+    /// [`AccessTokens::token`] fetches a fresh one.
+    async fn reject(&self, rejected: &Secret);
 }
 
 impl Credential {
