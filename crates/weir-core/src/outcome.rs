@@ -1,11 +1,9 @@
 //! Outcomes: every input record ends in exactly one, a success or a failure.
 
 use serde::{Deserialize, Serialize};
-use serde_json::{Map, Value};
 use std::time::Duration;
 
-use crate::error::ModelError;
-use crate::record::{Record, RecordId};
+use crate::record::Record;
 
 /// Token usage as the provider reported it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -67,29 +65,9 @@ pub struct Success {
     pub model: std::sync::Arc<str>,
 }
 
-/// A record that ended in failure; written to the errors file with enough to retry it.
-#[derive(Debug, Clone)]
-pub struct Failure {
-    /// The record's id, when it could be read.
-    pub id: Option<RecordId>,
-    /// 1-based input line.
-    pub line: u64,
-    /// The input object, when the line parsed.
-    pub input: Option<Map<String, Value>>,
-    /// The raw line, when it did not parse.
-    pub raw: Option<String>,
-    /// What went wrong (the last error, after any retries).
-    pub error: ModelError,
-    /// Calls made (0 for invalid input).
-    pub attempts: u32,
-}
-
-impl Failure {
-    /// A failure of a parsed record.
-    pub fn of(record: Record, error: ModelError, attempts: u32) -> Self {
-        Self { id: Some(record.id), line: record.line, input: Some(record.input), raw: None, error, attempts }
-    }
-}
+// A failure is made where records are read (a line that does not parse) as well as where calls
+// end: it lives with the record, and is part of this module's vocabulary through this use.
+pub use crate::record::Failure;
 
 /// The end of one record.
 #[derive(Debug, Clone)]

@@ -3,7 +3,6 @@
 use serde_json::{Map, Value};
 
 use crate::error::{ErrorKind, ModelError};
-use crate::outcome::Failure;
 use crate::params::GenParams;
 
 /// A record's id, kept exactly as the input wrote it.
@@ -389,5 +388,29 @@ mod tests {
         assert!(Template::parse("bad {field").is_err());
         assert!(Template::parse("bad } brace {f}").is_err());
         assert!(Template::parse("{}").is_err());
+    }
+}
+
+/// A record that ended in failure; written to the errors file with enough to retry it.
+#[derive(Debug, Clone)]
+pub struct Failure {
+    /// The record's id, when it could be read.
+    pub id: Option<RecordId>,
+    /// 1-based input line.
+    pub line: u64,
+    /// The input object, when the line parsed.
+    pub input: Option<Map<String, Value>>,
+    /// The raw line, when it did not parse.
+    pub raw: Option<String>,
+    /// What went wrong (the last error, after any retries).
+    pub error: ModelError,
+    /// Calls made (0 for invalid input).
+    pub attempts: u32,
+}
+
+impl Failure {
+    /// A failure of a parsed record.
+    pub fn of(record: Record, error: ModelError, attempts: u32) -> Self {
+        Self { id: Some(record.id), line: record.line, input: Some(record.input), raw: None, error, attempts }
     }
 }
