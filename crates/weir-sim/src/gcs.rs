@@ -22,7 +22,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-use crate::server::Body;
+use crate::serve::Body;
 
 struct Object {
     data: Bytes,
@@ -85,7 +85,7 @@ impl GcsServer {
         let listener = TcpListener::bind(addr).await?;
         let addr = listener.local_addr()?;
         let (shutdown, rx) = watch::channel(false);
-        let task = tokio::spawn(crate::server::accept_loop(listener, store, handle, rx));
+        let task = tokio::spawn(crate::serve::accept_loop(listener, store, handle, rx));
         Ok(Self { addr, shutdown, task })
     }
 

@@ -18,6 +18,7 @@ pub mod gen;
 pub mod jobs;
 pub mod proto;
 pub mod quota;
+mod serve;
 mod server;
 pub mod stats;
 

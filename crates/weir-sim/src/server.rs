@@ -7,10 +7,8 @@
 
 use bytes::Bytes;
 use http::{header, Method, Request, Response, StatusCode};
-use http_body_util::{combinators::BoxBody, BodyExt, Full, StreamBody};
+use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::{Frame, Incoming};
-use hyper::service::service_fn;
-use hyper_util::rt::TokioIo;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
@@ -29,7 +27,8 @@ use crate::proto::{self, Api, Ending, ErrorReply, SimRequest, StreamFraming};
 use crate::quota::Quotas;
 use crate::stats::{Stats, StatsSnapshot, FAULT_KINDS};
 
-pub(crate) type Body = BoxBody<Bytes, io::Error>;
+use crate::serve::accept_loop;
+pub(crate) use crate::serve::Body;
 
 struct State {
     config: SimConfig,
@@ -157,42 +156,6 @@ impl SimServer {
     pub async fn shutdown(self) {
         let _ = self.shutdown.send(true);
         let _ = self.task.await;
-    }
-}
-
-/// Serves `handle` on every connection `listener` accepts until `shutdown` changes; then
-/// closes every connection, hung requests included. Shared by the model simulator and the
-/// in-memory GCS.
-pub(crate) async fn accept_loop<S, F, Fut>(
-    listener: TcpListener,
-    state: Arc<S>,
-    handle: F,
-    mut shutdown: watch::Receiver<bool>,
-) where
-    S: Send + Sync + 'static,
-    F: Fn(Arc<S>, Request<Incoming>) -> Fut + Copy + Send + Sync + 'static,
-    Fut: std::future::Future<Output = Result<Response<Body>, io::Error>> + Send + 'static,
-{
-    loop {
-        tokio::select! {
-            accepted = listener.accept() => {
-                let Ok((stream, _)) = accepted else { continue };
-                let _ = stream.set_nodelay(true);
-                let state = state.clone();
-                let mut stop = shutdown.clone();
-                tokio::spawn(async move {
-                    let service = service_fn(move |req| handle(state.clone(), req));
-                    let conn = hyper::server::conn::http1::Builder::new()
-                        .keep_alive(true)
-                        .serve_connection(TokioIo::new(stream), service);
-                    tokio::select! {
-                        _ = conn => {}
-                        _ = stop.changed() => {}
-                    }
-                });
-            }
-            _ = shutdown.changed() => break,
-        }
     }
 }
 
