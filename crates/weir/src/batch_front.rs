@@ -18,8 +18,8 @@ use tokio_util::sync::CancellationToken;
 use weir_batch::{BatchError, Item, Ledger};
 use weir_core::{Driver, ErrorKind, Failure, JobApi, ModelError, Outcome, Record, StopReason};
 
-use crate::pipeline::Work;
 use crate::report::thousands;
+use crate::work::Work;
 
 /// How a batch run goes.
 #[derive(Debug, Clone)]
@@ -37,22 +37,7 @@ pub struct BatchMode {
     pub auto_min_records: Option<u64>,
 }
 
-/// What the jobs did, for the summary.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct JobsTally {
-    /// Jobs that answered this run's records (an earlier, stopped run's it re-attached to
-    /// included).
-    pub jobs: u64,
-    /// Of them, submitted by this process.
-    pub submitted_now: u64,
-    /// Records answered (or failed for good) by jobs.
-    pub settled: u64,
-    /// Prompt and output tokens of the answers jobs gave.
-    pub tokens: (u64, u64),
-    /// Records sent online: the first of a new run (checking the request before any job), and
-    /// those no job answered with `--fallback online`.
-    pub online: u64,
-}
+pub use crate::report::JobsTally;
 
 /// The key a record's request carries through a job: its id when that is short and plain, else
 /// `~` and a digest of it (`~` is not in the plain alphabet, so the two never meet).

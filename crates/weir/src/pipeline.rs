@@ -263,11 +263,7 @@ impl Endpoints {
     }
 }
 
-pub(crate) enum Work {
-    Call(Record),
-    Done(Box<Failure>),
-    ReadError(std::io::Error),
-}
+use crate::work::Work;
 
 /// A [`Work`] item with its endpoint's driver found (and when, to time its wait for a batch).
 enum Routed {
@@ -294,8 +290,7 @@ fn reader_not_reading() -> RunError {
     )
 }
 
-/// Why a run whose results' reader went away stopped (its report tells it by this message).
-pub const OUTPUT_CLOSED: &str = "the output was closed (its reader went away)";
+pub use crate::report::OUTPUT_CLOSED;
 
 /// Opens an output that is not a table: a file (locked, never truncated here, and noted in
 /// `created` if this run made it), or a FIFO (locked too) or a device, written to as it is
@@ -1337,7 +1332,7 @@ pub async fn run(
         &metrics,
         started.elapsed().max(Duration::from_micros(1)),
         endpoints.stop_reason(),
-        &settings,
+        report_places(&settings),
         (result_rows, error_rows),
         (recovered.results, recovered.errors),
         unfinished,
@@ -1371,6 +1366,20 @@ pub async fn run(
     };
     report.jobs = jobs;
     Ok(report)
+}
+
+/// Where the run's rows went, as its summary says it. A table output is a directory (or
+/// prefix) of part files, the errors' too, whatever their names say: said, so that
+/// `--errors e.jsonl` is not looked for as a file.
+fn report_places(settings: &RunSettings) -> crate::report::Places {
+    let (output, errors) = match &settings.table_output {
+        Some(t) => (
+            format!("{}/ (a table: {} part files)", settings.output.display(), t.results_format.extension()),
+            format!("{}/ (a table: {} part files)", settings.errors.display(), t.errors_format.extension()),
+        ),
+        None => (settings.output.display(), settings.errors.display()),
+    };
+    crate::report::Places { output, errors, followed: settings.follow }
 }
 
 /// A lock on a local table output (`.weir.lock` in its directory, which readers skip as a

@@ -8,8 +8,6 @@ use std::sync::Arc;
 use std::time::Duration;
 use weir_core::{ErrorKind, Percentiles, RateSnapshot, RunMetrics, StopReason};
 
-use crate::pipeline::RunSettings;
-
 /// The end of a run, in numbers.
 #[derive(Debug, Clone)]
 pub struct RunReport {
@@ -57,7 +55,7 @@ pub struct RunReport {
     /// Batching, when the endpoint takes many records per call.
     pub batching: Option<BatchReport>,
     /// What provider batch jobs did (`--mode batch`).
-    pub jobs: Option<crate::batch_front::JobsTally>,
+    pub jobs: Option<JobsTally>,
     /// Estimated cost of the tokens this run paid for, one per model that has a price (several
     /// with `--model-field`).
     pub costs: Vec<crate::cost::Cost>,
@@ -83,13 +81,44 @@ pub struct BatchReport {
     pub wait_p95_ms: Option<u64>,
 }
 
+/// What the jobs did, for the summary.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct JobsTally {
+    /// Jobs that answered this run's records (an earlier, stopped run's it re-attached to
+    /// included).
+    pub jobs: u64,
+    /// Of them, submitted by this process.
+    pub submitted_now: u64,
+    /// Records answered (or failed for good) by jobs.
+    pub settled: u64,
+    /// Prompt and output tokens of the answers jobs gave.
+    pub tokens: (u64, u64),
+    /// Records sent online: the first of a new run (checking the request before any job), and
+    /// those no job answered with `--fallback online`.
+    pub online: u64,
+}
+
+/// Why a run whose results' reader went away stopped (its report tells it by this message).
+pub const OUTPUT_CLOSED: &str = "the output was closed (its reader went away)";
+
+/// Where a run's rows went, as its summary names them.
+#[derive(Debug, Clone)]
+pub struct Places {
+    /// The results: a file, `-`, or a table's directory or prefix.
+    pub output: String,
+    /// The error rows.
+    pub errors: String,
+    /// Whether the input was followed (`--follow`).
+    pub followed: bool,
+}
+
 impl RunReport {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         m: &RunMetrics,
         elapsed: Duration,
         stopped: Option<StopReason>,
-        settings: &RunSettings,
+        places: Places,
         rows: (u64, u64),
         earlier: (u64, u64),
         unfinished: Option<u64>,
@@ -117,20 +146,8 @@ impl RunReport {
             tokens_out: m.tokens_out.load(Relaxed),
             elapsed,
             stopped,
-            // A table output is a directory (or prefix) of part files, the errors' too, whatever
-            // their names say: said, so that `--errors e.jsonl` is not looked for as a file.
-            output: match &settings.table_output {
-                Some(t) => {
-                    format!("{}/ (a table: {} part files)", settings.output.display(), t.results_format.extension())
-                }
-                None => settings.output.display(),
-            },
-            errors: match &settings.table_output {
-                Some(t) => {
-                    format!("{}/ (a table: {} part files)", settings.errors.display(), t.errors_format.extension())
-                }
-                None => settings.errors.display(),
-            },
+            output: places.output,
+            errors: places.errors,
             state,
             concurrency,
             rates,
@@ -148,7 +165,7 @@ impl RunReport {
             costs: Vec::new(),
             first_token: m.first_token(),
             inter_token: m.inter_token(),
-            followed: settings.follow,
+            followed: places.followed,
         }
     }
 
@@ -169,9 +186,7 @@ impl RunReport {
 
     /// True if the run ended because its results' reader went away (`| head`).
     pub fn output_closed(&self) -> bool {
-        self.stopped
-            .as_ref()
-            .is_some_and(|s| s.kind == ErrorKind::Aborted && s.message == crate::pipeline::OUTPUT_CLOSED)
+        self.stopped.as_ref().is_some_and(|s| s.kind == ErrorKind::Aborted && s.message == OUTPUT_CLOSED)
     }
 
     /// The summary printed at the end of a run.
