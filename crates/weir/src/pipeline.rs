@@ -245,6 +245,15 @@ impl Endpoints {
         Ok(driver)
     }
 
+    /// The concurrency and rate limits of every model's endpoint but the default's, by model.
+    fn other_limits(&self) -> Vec<(String, usize, Option<weir_core::RateSnapshot>)> {
+        let Ok(others) = self.others.try_lock() else { return Vec::new() };
+        let mut limits: Vec<_> =
+            others.iter().map(|(model, d)| (model.clone(), d.concurrency(), d.rate_snapshot())).collect();
+        limits.sort_by(|a, b| a.0.cmp(&b.0));
+        limits
+    }
+
     /// Stops every model's driver (an interrupt).
     fn stop(&self, reason: StopReason) {
         self.default.stop(reason.clone());
@@ -1359,6 +1368,7 @@ pub async fn run(
         metrics.tokens_out.load(std::sync::atomic::Ordering::Relaxed).saturating_sub(metrics.cache_tokens_out()),
     );
     let online = (paid.0.saturating_sub(batch_tokens.0), paid.1.saturating_sub(batch_tokens.1));
+    report.other_limits = endpoints.other_limits();
     report.costs = match settings.model_field {
         // Records go to several models (never to jobs): each model's tokens at its price.
         Some(_) => paid_by_model.iter().filter_map(|(m, t)| crate::cost::Cost::estimate(m, *t, (0, 0))).collect(),

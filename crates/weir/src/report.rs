@@ -52,6 +52,8 @@ pub struct RunReport {
     pub concurrency: usize,
     /// The rate limits in force at the end.
     pub rates: Option<RateSnapshot>,
+    /// The same for each other model's endpoint (`--model-field`), by model.
+    pub other_limits: Vec<(String, usize, Option<RateSnapshot>)>,
     /// Batching, when the endpoint takes many records per call.
     pub batching: Option<BatchReport>,
     /// What provider batch jobs did (`--mode batch`).
@@ -96,6 +98,24 @@ pub struct JobsTally {
     /// Records sent online: the first of a new run (checking the request before any job), and
     /// those no job answered with `--fallback online`.
     pub online: u64,
+}
+
+/// An endpoint's limits at the end, as the summary says them.
+fn limits_text(concurrency: usize, rates: Option<&RateSnapshot>) -> String {
+    let mut limits = vec![format!("concurrency {concurrency}")];
+    if let Some(r) = rates {
+        for (what, v) in [("requests", r.requests), ("tokens", r.tokens)] {
+            if let Some((cap, window, learned)) = v {
+                limits.push(format!(
+                    "{} {what} per {:.1} s{}",
+                    thousands(cap.round() as u64),
+                    window.as_secs_f64(),
+                    if learned { " (learned)" } else { "" }
+                ));
+            }
+        }
+    }
+    limits.join(", ")
 }
 
 /// Why a run whose results' reader went away stopped (its report tells it by this message).
@@ -163,6 +183,7 @@ impl RunReport {
             }),
             jobs: None,
             costs: Vec::new(),
+            other_limits: Vec::new(),
             first_token: m.first_token(),
             inter_token: m.inter_token(),
             followed: places.followed,
@@ -216,24 +237,14 @@ impl RunReport {
             thousands(self.tokens_in),
             thousands(self.tokens_out),
         ));
-        let mut limits = vec![format!("concurrency {}", self.concurrency)];
-        if let Some(r) = &self.rates {
-            for (what, v) in [("requests", r.requests), ("tokens", r.tokens)] {
-                if let Some((cap, window, learned)) = v {
-                    limits.push(format!(
-                        "{} {what} per {:.1} s{}",
-                        thousands(cap.round() as u64),
-                        window.as_secs_f64(),
-                        if learned { " (learned)" } else { "" }
-                    ));
-                }
-            }
-        }
         s.push_str(&format!(
             "  limits: {}; {}/s succeeded\n",
-            limits.join(", "),
+            limits_text(self.concurrency, self.rates.as_ref()),
             thousands((self.succeeded as f64 / self.elapsed.as_secs_f64()).round() as u64)
         ));
+        for (model, concurrency, rates) in &self.other_limits {
+            s.push_str(&format!("  limits of {model}: {}\n", limits_text(*concurrency, rates.as_ref())));
+        }
         if let Some(b) = &self.batching {
             s.push_str(&format!(
                 "  batches: {} calls, {:.1} records per call, padding {:.2}× (padded ÷ real tokens), read-to-sent p95 {}\n",

@@ -537,6 +537,10 @@ async fn model_field_routes_each_record_to_its_model() {
     assert_eq!(errors.len(), 2);
     assert!(errors.iter().all(|e| e["kind"] == "invalid_input"), "{errors:?}");
     assert!(errors.iter().any(|e| e["message"].as_str().unwrap().contains("model field 'm': nope")));
+    // The summary gives each endpoint's limits, not only --model's.
+    for model in ["sim/a", "sim/b"] {
+        assert!(stderr(&o).contains(&format!("limits of {model}: concurrency ")), "{}", stderr(&o));
+    }
 }
 
 /// With `--model-field`, each model's tokens are priced at its own price in the summary, with
