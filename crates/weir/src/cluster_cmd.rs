@@ -238,6 +238,14 @@ fn free_port(flag: &str, host: &str, port: u16, guarded: crate::credential_args:
 
 async fn executor(a: ExecutorArgs) -> anyhow::Result<u8> {
     a.endpoint.check().map_err(crate::UsageError::from)?;
+    if a.host.parse::<std::net::IpAddr>().is_err() {
+        return Err(UsageError(format!(
+            "--host {}: give an IP address, e.g. 127.0.0.1 or this machine's address on its network (the scheduler \
+             hands it to clients and other executors as it is)",
+            a.host
+        ))
+        .into());
+    }
     let guarded = a.credentials.install()?;
     exposed("--host", &a.host, a.insecure, guarded)?;
     let allowed = a.places.allowed()?;

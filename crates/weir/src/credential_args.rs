@@ -92,10 +92,16 @@ impl CredentialArgs {
                 Some(weir_datafusion::tls::ClusterTls::load(&files).map_err(UsageError)?)
             }
             (None, None, None) => None,
-            _ => {
-                return Err(UsageError(
-                    "--tls-ca, --tls-cert and --tls-key go together (make them with weir cluster certs)".into(),
-                ))
+            (ca, cert, key) => {
+                let missing: Vec<&str> =
+                    [("--tls-ca", ca.is_none()), ("--tls-cert", cert.is_none()), ("--tls-key", key.is_none())]
+                        .into_iter()
+                        .filter_map(|(flag, absent)| absent.then_some(flag))
+                        .collect();
+                return Err(UsageError(format!(
+                    "--tls-ca, --tls-cert and --tls-key go together: give {} too (make them with weir cluster certs)",
+                    missing.join(" and ")
+                )));
             }
         };
         let token = match self.token()? {
