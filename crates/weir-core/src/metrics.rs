@@ -163,6 +163,14 @@ impl RunMetrics {
         self.cache_tokens[1].load(Relaxed)
     }
 
+    /// Prompt and output tokens paid for: those of every answer but the cache's.
+    pub fn paid_tokens(&self) -> (u64, u64) {
+        (
+            self.tokens_in.load(Relaxed).saturating_sub(self.cache_tokens_in()),
+            self.tokens_out.load(Relaxed).saturating_sub(self.cache_tokens_out()),
+        )
+    }
+
     /// Records how long one call took, answered or not (a histogram when exported).
     pub fn record_latency(&self, d: Duration) {
         metrics::histogram!("weir_call_seconds").record(d.as_secs_f64());

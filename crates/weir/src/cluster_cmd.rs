@@ -187,11 +187,11 @@ pub async fn run(args: ClusterArgs) -> anyhow::Result<u8> {
 /// 127.0.0.1 at the same port, so the address must be another one (and not every address,
 /// 0.0.0.0, which includes 127.0.0.1).
 fn exposed(flag: &str, host: &str, insecure: bool, guarded: crate::credential_args::Guarded) -> Result<(), UsageError> {
+    // (Both callers give an IP address: --bind is one, and an executor's --host is checked.)
     let ip = host.parse::<std::net::IpAddr>().ok();
-    let loopback = host == "localhost" || ip.is_some_and(|ip| ip.is_loopback());
+    let loopback = ip.is_some_and(|ip| ip.is_loopback());
     if guarded.any() {
-        let taken = host == "localhost"
-            || ip.is_some_and(|ip| ip.is_unspecified() || ip == std::net::IpAddr::from([127, 0, 0, 1]));
+        let taken = ip.is_some_and(|ip| ip.is_unspecified() || ip == std::net::IpAddr::from([127, 0, 0, 1]));
         if taken {
             return Err(UsageError(format!(
                 "{flag} {host}: with TLS or a token, give this machine's own address (the plain server behind \

@@ -1154,7 +1154,7 @@ pub async fn run(
     let mut kept_seen: Vec<String> = settings.keep_columns.clone().unwrap_or_default();
     let mut rows_with_input = 0u64;
     // Tokens paid for (not from the cache), by the model that answered: with --model-field a run
-    // calls several models, each at its own price.
+    // calls several models, each at its own price (kept only then: one model needs no tally).
     let mut paid_by_model: BTreeMap<Arc<str>, (u64, u64)> = BTreeMap::new();
     loop {
         let outcome = tokio::select! {
@@ -1194,7 +1194,7 @@ pub async fn run(
         // Rows are written (and made durable) by the writer thread, off this task.
         let row = match outcome {
             Ok(Outcome::Success(mut s)) => {
-                if s.attempts > 0 {
+                if settings.model_field.is_some() && s.attempts > 0 {
                     let paid = paid_by_model.entry(s.model.clone()).or_default();
                     paid.0 += s.response.usage.prompt_tokens;
                     paid.1 += s.response.usage.output_tokens;
@@ -1363,10 +1363,7 @@ pub async fn run(
         .filter(|t| *t != crate::batch_front::JobsTally::default());
     let batch_tokens = jobs.as_ref().map_or((0, 0), |j| j.tokens);
     // Tokens paid for by this run: not those of answers from the cache.
-    let paid = (
-        metrics.tokens_in.load(std::sync::atomic::Ordering::Relaxed).saturating_sub(metrics.cache_tokens_in()),
-        metrics.tokens_out.load(std::sync::atomic::Ordering::Relaxed).saturating_sub(metrics.cache_tokens_out()),
-    );
+    let paid = metrics.paid_tokens();
     let online = (paid.0.saturating_sub(batch_tokens.0), paid.1.saturating_sub(batch_tokens.1));
     report.other_limits = endpoints.other_limits();
     report.costs = match settings.model_field {

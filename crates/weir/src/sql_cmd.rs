@@ -601,8 +601,7 @@ pub(crate) fn summary(functions: &Engine, elapsed: std::time::Duration, who: &st
     );
     for (model, m) in &models {
         // Tokens paid for: not those of answers from the cache.
-        let tin = m.tokens_in.load(Relaxed).saturating_sub(m.cache_tokens_in());
-        let tout = m.tokens_out.load(Relaxed).saturating_sub(m.cache_tokens_out());
+        let (tin, tout) = m.paid_tokens();
         let hits = m.cache_hits.load(Relaxed);
         s.push_str(&format!(
             "  {model}: calls {} ({} retries, {} rate-limited, {:.1} s throttled); tokens {} in, {} out{}\n",
