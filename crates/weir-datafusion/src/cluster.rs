@@ -27,7 +27,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use crate::tables::Stores;
-use weir_engine::Engine;
+use weir_runtime::Runtime;
 
 /// Seconds without a heartbeat after which the scheduler takes an executor for lost.
 const EXECUTOR_TIMEOUT_SECS: u64 = 30;
@@ -45,7 +45,11 @@ fn runtime(allowed: Option<&crate::fence::Allowed>) -> datafusion::common::Resul
 
 /// Runs a scheduler on `bind` until it fails. `functions` only plans (a scheduler makes no
 /// calls), so its settings do not matter.
-pub async fn scheduler(bind: SocketAddr, functions: Arc<Engine>, allowed: crate::fence::Allowed) -> Result<(), String> {
+pub async fn scheduler(
+    bind: SocketAddr,
+    functions: Arc<Runtime>,
+    allowed: crate::fence::Allowed,
+) -> Result<(), String> {
     let udfs = crate::udf::all(&functions);
     let builder = Arc::new(move |config: SessionConfig| {
         let mut state = SessionStateBuilder::new()
@@ -226,7 +230,7 @@ impl QueryStageExecutor for CancellableStage {
 }
 
 /// Runs an executor until it stops; its tasks call the endpoints through `functions`.
-pub async fn executor(place: ExecutorPlace, functions: Arc<Engine>) -> Result<(), String> {
+pub async fn executor(place: ExecutorPlace, functions: Arc<Runtime>) -> Result<(), String> {
     let mut registry = BallistaFunctionRegistry::default();
     // Ballista's registry holds DataFusion's core functions only; the array functions
     // (`array_length`, `make_array`, `unnest`'s helpers, `v[1]`) are what embeddings need.
@@ -338,7 +342,7 @@ const SCHEDULER_GONE: std::time::Duration = std::time::Duration::from_secs(15);
 /// A session whose queries run on the cluster behind `url` (`df://HOST:PORT`), with weir's
 /// functions known for planning. They are registered after connecting: setting up a Ballista
 /// session starts from a fresh function registry.
-pub async fn connect(url: &str, config: SessionConfig, functions: &Arc<Engine>) -> Result<SessionContext, String> {
+pub async fn connect(url: &str, config: SessionConfig, functions: &Arc<Runtime>) -> Result<SessionContext, String> {
     let config = match crate::guard::installed() {
         Some(creds) => {
             use ballista_core::extension::SessionConfigExt;

@@ -34,7 +34,7 @@ mod udf;
 pub use hoist::{optimizer_rules, HoistModelCalls, MOVES_CALLS};
 pub use options::{CallOptions, OptionsError};
 pub use udf::{LlmUdf, UdfKind};
-pub use weir_engine::{Connector, Engine, EngineSettings};
+pub use weir_runtime::{Connector, Runtime, RuntimeSettings};
 
 pub use datafusion;
 
@@ -45,7 +45,7 @@ use std::sync::Arc;
 /// `llm_embed_result`) on `ctx`, all sharing `functions` (its throttles, counters and
 /// settings), and sets its optimizer rules so that each call is made once per row and after
 /// the filters under it (see [`HoistModelCalls`]).
-pub fn register(ctx: &SessionContext, functions: &Arc<Engine>) {
+pub fn register(ctx: &SessionContext, functions: &Arc<Runtime>) {
     for udf in udf::all(functions) {
         ctx.register_udf(udf);
     }

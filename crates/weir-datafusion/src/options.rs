@@ -5,7 +5,7 @@
 use serde_json::{Map, Value};
 use std::sync::Arc;
 use weir_core::GenParams;
-use weir_engine::Call;
+use weir_runtime::Call;
 
 /// One row's call options, parsed from its `options` argument.
 #[derive(Debug, Clone, Default, PartialEq)]

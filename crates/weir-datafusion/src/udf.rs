@@ -20,7 +20,7 @@ use std::sync::Arc;
 use weir_core::Outcome;
 
 use crate::options::CallOptions;
-use weir_engine::{Engine, Row, RowResult};
+use weir_runtime::{Row, RowResult, Runtime};
 
 /// Which of the four functions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -78,11 +78,11 @@ fn result_fields(embed: bool) -> Fields {
     Fields::from_iter(answer.into_iter().chain(rest))
 }
 
-/// One of weir's functions over the process's [`Engine`].
+/// One of weir's functions over the process's [`Runtime`].
 #[derive(Debug)]
 pub struct LlmUdf {
     kind: UdfKind,
-    functions: Arc<Engine>,
+    functions: Arc<Runtime>,
     signature: Signature,
 }
 
@@ -102,7 +102,7 @@ impl Hash for LlmUdf {
 
 impl LlmUdf {
     /// The function `kind` over `functions`.
-    pub fn new(kind: UdfKind, functions: Arc<Engine>) -> Self {
+    pub fn new(kind: UdfKind, functions: Arc<Runtime>) -> Self {
         // Volatile: two calls of the same prompt may answer differently, and a call must never
         // be folded into a constant at planning time (nor made at all then).
         // Text arguments; a number, a date or a time as a prompt is cast to text
@@ -137,7 +137,7 @@ impl LlmUdf {
 }
 
 /// All four functions over `functions`.
-pub(crate) fn all(functions: &Arc<Engine>) -> Vec<ScalarUDF> {
+pub(crate) fn all(functions: &Arc<Runtime>) -> Vec<ScalarUDF> {
     UdfKind::ALL.into_iter().map(|k| LlmUdf::new(k, functions.clone()).into_udf()).collect()
 }
 

@@ -7,7 +7,7 @@ use datafusion::datasource::MemTable;
 use datafusion::prelude::{SessionConfig, SessionContext};
 use std::sync::Arc;
 use weir_core::{RetryPolicy, ThrottleSettings};
-use weir_datafusion::{Engine, EngineSettings};
+use weir_datafusion::{Runtime, RuntimeSettings};
 use weir_providers::ProviderOptions;
 use weir_sim::{SimConfig, SimServer};
 
@@ -41,18 +41,18 @@ fn table(n: u32, parts: usize, tag: &str, faults: &[(u32, &str)]) -> MemTable {
     MemTable::try_new(schema, batches).unwrap()
 }
 
-async fn setup(shape: impl FnOnce(&mut SimConfig), max_retries: u32) -> (SimServer, Arc<Engine>, SessionContext) {
+async fn setup(shape: impl FnOnce(&mut SimConfig), max_retries: u32) -> (SimServer, Arc<Runtime>, SessionContext) {
     let mut config = SimConfig::default();
     shape(&mut config);
     let sim = SimServer::start(config, "127.0.0.1:0".parse().unwrap()).await.unwrap();
-    let mut settings = EngineSettings {
+    let mut settings = RuntimeSettings {
         provider: ProviderOptions { base_url: Some(sim.url()), ..Default::default() },
         throttle: ThrottleSettings::default(),
         ..Default::default()
     };
     settings.driver.retry = RetryPolicy { max_retries, ..RetryPolicy::default() };
     settings.driver.retry.base = std::time::Duration::from_millis(5);
-    let functions = Engine::new(settings);
+    let functions = Runtime::new(settings);
     let ctx = SessionContext::new_with_config(SessionConfig::new().with_target_partitions(4));
     weir_datafusion::register(&ctx, &functions);
     (sim, functions, ctx)

@@ -2,7 +2,7 @@
 //!
 //! The Python half (`python/weir/`) turns prompts and records into plain tuples and results
 //! back into `weir.Result` objects; this half owns the engine. Every engine of a process with
-//! the same settings is one [`weir_engine::Engine`] — one connection and one throttle per
+//! the same settings is one [`weir_runtime::Runtime`] — one connection and one throttle per
 //! endpoint — so all threads of a process (a Beam worker's bundles, say) reach the endpoint's
 //! quota together, whatever number of `weir.Engine` objects they made. Calls run on one tokio
 //! runtime per process with the GIL released; a blocking call still answers Ctrl-C.
@@ -16,8 +16,8 @@ use std::sync::mpsc::RecvTimeoutError;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 use weir_core::{GenParams, Outcome, RecordId, ResponseCache, RetryHint, RunMetrics};
-use weir_engine::{Call, EndpointArgs, Engine, EngineSettings, Row, RowResult};
 use weir_io::DiskCache;
+use weir_runtime::{Call, EndpointArgs, Row, RowResult, Runtime, RuntimeSettings};
 
 // Named as `weir.ConfigError` (where the package re-exports it), so that it pickles: Beam
 // sends a failed batch's exception to its dead-letter output.
@@ -39,7 +39,7 @@ struct Settings {
 /// What engines with the same settings share: the engine, the cache it writes, and what of
 /// its counters has been handed out as deltas (to Beam's counters).
 struct Shared {
-    engine: Arc<Engine>,
+    engine: Arc<Runtime>,
     cache: Option<Arc<DiskCache>>,
     reported: Mutex<HashMap<&'static str, f64>>,
 }
@@ -272,7 +272,7 @@ impl PyEngine {
     }
 }
 
-fn sum_metrics(engine: &Engine) -> HashMap<&'static str, f64> {
+fn sum_metrics(engine: &Runtime) -> HashMap<&'static str, f64> {
     let mut out: HashMap<&'static str, f64> = HashMap::new();
     for m in engine.metrics_by_model().values() {
         let get = RunMetrics::get;
@@ -324,7 +324,7 @@ impl PyEngine {
             Some(s) => s,
             None => {
                 let e = &parsed.endpoint;
-                let engine = Engine::new(EngineSettings {
+                let engine = Runtime::new(RuntimeSettings {
                     provider: e.provider(),
                     throttle: e.throttle(),
                     driver: e.driver(),

@@ -6,10 +6,10 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Instant;
 use weir_datafusion::cluster::ExecutorPlace;
-use weir_datafusion::{Engine, EngineSettings};
+use weir_datafusion::{Runtime, RuntimeSettings};
 
 use crate::UsageError;
-use weir_engine::EndpointArgs;
+use weir_runtime::EndpointArgs;
 
 /// Options of `weir cluster`.
 #[derive(Debug, Args)]
@@ -170,7 +170,7 @@ pub async fn run(args: ClusterArgs) -> anyhow::Result<u8> {
             let allowed = a.places.allowed()?;
             free_port("--bind", &a.bind.ip().to_string(), a.bind.port(), guarded)?;
             // The scheduler plans only: its functions are never called.
-            let functions = Engine::new(EngineSettings::default());
+            let functions = Runtime::new(RuntimeSettings::default());
             let scheme = if guarded.tls { "dfs" } else { "df" };
             eprintln!("weir: scheduler listening on {} (clients: weir sql --cluster {scheme}://{})", a.bind, a.bind);
             weir_datafusion::cluster::scheduler(a.bind, functions, allowed).await.map_err(|e| anyhow::anyhow!(e))?;
@@ -254,14 +254,14 @@ async fn executor(a: ExecutorArgs) -> anyhow::Result<u8> {
     }
     let provider = a.endpoint.provider();
     if let Some(path) = &a.sim_config {
-        weir_engine::sim::install(Some(weir_sim::SimConfig::from_file(path).map_err(|e| UsageError(e.to_string()))?));
+        weir_runtime::sim::install(Some(weir_sim::SimConfig::from_file(path).map_err(|e| UsageError(e.to_string()))?));
     }
     if let Some(addr) = a.metrics_listen {
         weir::metrics_server::install(addr).map_err(|e| UsageError(format!("--metrics-listen {addr}: {e}")))?;
     }
     let settings =
-        EngineSettings { provider, throttle: a.endpoint.throttle(), driver: a.endpoint.driver(), cache: None };
-    let functions = Engine::new(settings);
+        RuntimeSettings { provider, throttle: a.endpoint.throttle(), driver: a.endpoint.driver(), cache: None };
+    let functions = Runtime::new(settings);
     let work = private_work_dir(a.work_dir.as_deref())?;
     let place = ExecutorPlace {
         scheduler: a.scheduler,

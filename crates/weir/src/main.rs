@@ -67,8 +67,8 @@ impl std::fmt::Display for UsageError {
 
 impl std::error::Error for UsageError {}
 
-impl From<weir_engine::SettingsError> for UsageError {
-    fn from(e: weir_engine::SettingsError) -> Self {
+impl From<weir_runtime::SettingsError> for UsageError {
+    fn from(e: weir_runtime::SettingsError) -> Self {
         Self(e.0)
     }
 }

@@ -167,7 +167,7 @@ async fn connect_model(
     options: &ProviderOptions,
     env: &(dyn Fn(&str) -> Option<String> + Sync),
 ) -> Result<weir_providers::Endpoint, ProviderError> {
-    weir_engine::connect(spec, options, env).await
+    weir_runtime::connect(spec, options, env).await
 }
 
 /// Output files this run created, each with a handle that keeps its lock: removed on drop
@@ -591,7 +591,7 @@ pub async fn run(
         None => Ok(table_count),
     };
     let mut total = if settings.progress { count()? } else { None };
-    weir_engine::sim::install(settings.sim_config.clone());
+    weir_runtime::sim::install(settings.sim_config.clone());
     let endpoint = connect_model(&settings.model, &settings.provider, env).await?;
     let jobs_api = match &settings.batch_mode {
         // --mode auto runs online what cannot go to jobs.

@@ -13,7 +13,7 @@ use weir_sim::SimConfig;
 use weir_tables::{Format, Location};
 
 use crate::UsageError;
-use weir_engine::{ConcurrencyMode, EndpointArgs};
+use weir_runtime::{ConcurrencyMode, EndpointArgs};
 
 /// When to draw a progress bar.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

@@ -11,14 +11,14 @@ use std::sync::Arc;
 use std::time::Instant;
 use weir::report::thousands;
 use weir_datafusion::datafusion;
-use weir_datafusion::{Engine, EngineSettings};
+use weir_datafusion::{Runtime, RuntimeSettings};
 
 use datafusion::common::DataFusionError;
 use datafusion::execution::runtime_env::RuntimeEnvBuilder;
 use datafusion::prelude::{SessionConfig, SessionContext};
 
 use crate::UsageError;
-use weir_engine::EndpointArgs;
+use weir_runtime::EndpointArgs;
 
 /// How result rows are printed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -85,18 +85,23 @@ pub struct SqlArgs {
 
 impl SqlArgs {
     /// The functions' settings from the flags.
-    fn settings(&self) -> Result<EngineSettings, UsageError> {
+    fn settings(&self) -> Result<RuntimeSettings, UsageError> {
         self.endpoint.check()?;
         if self.partitions == Some(0) {
             return Err(UsageError("--partitions must be at least 1".into()));
         }
         let provider = self.endpoint.provider();
         if let Some(path) = &self.sim_config {
-            weir_engine::sim::install(Some(
+            weir_runtime::sim::install(Some(
                 weir_sim::SimConfig::from_file(path).map_err(|e| UsageError(e.to_string()))?,
             ));
         }
-        Ok(EngineSettings { provider, throttle: self.endpoint.throttle(), driver: self.endpoint.driver(), cache: None })
+        Ok(RuntimeSettings {
+            provider,
+            throttle: self.endpoint.throttle(),
+            driver: self.endpoint.driver(),
+            cache: None,
+        })
     }
 
     /// The SQL text, from the argument or stdin.
@@ -128,7 +133,7 @@ fn cluster_tls(_credentials: &crate::credential_args::CredentialArgs) -> Result<
 
 /// A session on the cluster at `url`.
 #[cfg(feature = "cluster")]
-async fn cluster_session(url: &str, config: SessionConfig, functions: &Arc<Engine>) -> anyhow::Result<SessionContext> {
+async fn cluster_session(url: &str, config: SessionConfig, functions: &Arc<Runtime>) -> anyhow::Result<SessionContext> {
     let port = url.strip_prefix("df://").and_then(|rest| rest.rsplit_once(':')).map(|(_, port)| port);
     if port.is_none_or(|p| p.parse::<u16>().is_err()) {
         return Err(UsageError(format!(
@@ -154,7 +159,7 @@ async fn cluster_session(url: &str, config: SessionConfig, functions: &Arc<Engin
 async fn cluster_session(
     url: &str,
     _config: SessionConfig,
-    _functions: &Arc<Engine>,
+    _functions: &Arc<Runtime>,
 ) -> anyhow::Result<SessionContext> {
     Err(UsageError(format!(
         "--cluster {url}: this weir was built without the cluster; build it with: cargo build --release -p weir --features cluster"
@@ -355,8 +360,8 @@ pub async fn run(mut args: SqlArgs) -> anyhow::Result<u8> {
             None
         }
     };
-    let settings = EngineSettings { cache: cache.clone().map(|c| c as Arc<dyn weir_core::ResponseCache>), ..settings };
-    let functions = Engine::new(settings);
+    let settings = RuntimeSettings { cache: cache.clone().map(|c| c as Arc<dyn weir_core::ResponseCache>), ..settings };
+    let functions = Runtime::new(settings);
     let ctx = match &args.cluster {
         None => {
             let runtime = RuntimeEnvBuilder::new()
@@ -585,7 +590,7 @@ async fn print_rows(
 }
 
 /// The summary on stderr: per model, calls, refusals, tokens and cost.
-pub(crate) fn summary(functions: &Engine, elapsed: std::time::Duration, who: &str) -> String {
+pub(crate) fn summary(functions: &Runtime, elapsed: std::time::Duration, who: &str) -> String {
     let models = functions.metrics_by_model();
     if models.is_empty() {
         return String::new();

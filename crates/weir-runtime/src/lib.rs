@@ -1,6 +1,6 @@
-//! weir's engine for front ends that are handed rows to answer, rather than running over an
+//! weir's runtime, above the executor, for front ends that are handed rows to answer rather than running over an
 //! input of their own: the SQL functions (`weir-datafusion`) and the Python package
-//! (`weir-py`). One [`Engine`] per process holds one connection and one
+//! (`weir-py`). One [`Runtime`] per process holds one connection and one
 //! [`weir_core::Throttle`] per endpoint, so everything that process asks of an endpoint —
 //! every partition of a query, every thread of a Beam worker — reaches its quota together
 //! instead of each caller guessing its own share.
@@ -14,13 +14,13 @@
 
 #[cfg(feature = "cli")]
 pub mod args;
-mod engine;
+mod runtime;
 #[cfg(feature = "sim")]
 pub mod sim;
 
 #[cfg(feature = "cli")]
 pub use args::{ConcurrencyMode, EndpointArgs, SettingsError};
-pub use engine::{Call, Connector, Engine, EngineSettings, Row, RowResult};
+pub use runtime::{Call, Connector, Row, RowResult, Runtime, RuntimeSettings};
 
 /// Sets up the client for `spec`, as every front end connects a model: the providers of
 /// `weir_providers`, and the ones registered with its connectors (`sim/`, served by this

@@ -1,4 +1,4 @@
-//! The engine: one connection and one throttle per endpoint for the whole process, and a driver
+//! The runtime: one connection and one throttle per endpoint for the whole process, and a driver
 //! per request for answers (a batch of rows from SQL, a list from Python), so a stop — a dead
 //! endpoint, failing credentials, a spent daily quota — ends that request's rows without leaving
 //! the process unable to answer later ones.
@@ -13,10 +13,10 @@ use weir_core::{
 };
 use weir_providers::{Endpoint, ModelSpec, ProviderError, ProviderOptions, Task};
 
-/// How the engine reaches its endpoints, validated by the front end (`weir sql`, an executor,
+/// How the runtime reaches its endpoints, validated by the front end (`weir sql`, an executor,
 /// the Python package): the same settings as `weir run`'s.
 #[derive(Clone, Default)]
-pub struct EngineSettings {
+pub struct RuntimeSettings {
     /// Base URL, project, location (the task is set per request).
     pub provider: ProviderOptions,
     /// Concurrency and rate limits, per endpoint.
@@ -28,9 +28,9 @@ pub struct EngineSettings {
     pub cache: Option<Arc<dyn ResponseCache>>,
 }
 
-impl std::fmt::Debug for EngineSettings {
+impl std::fmt::Debug for RuntimeSettings {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("EngineSettings")
+        f.debug_struct("RuntimeSettings")
             .field("provider", &self.provider)
             .field("throttle", &self.throttle)
             .field("driver", &self.driver)
@@ -80,7 +80,7 @@ struct Site {
 }
 
 /// Every endpoint's throttle in this process, by the model and where it is served, with the
-/// settings it was made with: engines made with other settings (two Python engines, a SQL
+/// settings it was made with: runtimes made with other settings (two Python engines, a SQL
 /// session and a Beam worker's handler) that call one endpoint share its quota, instead of
 /// each learning it alone and together sending more than it allows.
 type Throttles = HashMap<String, (std::sync::Weak<Throttle>, ThrottleSettings)>;
@@ -144,21 +144,21 @@ fn record_of(i: usize, prompt: String, id: Option<RecordId>) -> Record {
 
 /// The process's endpoints, shared by every caller (every partition and query of SQL, every
 /// thread of a Python process).
-pub struct Engine {
-    settings: EngineSettings,
+pub struct Runtime {
+    settings: RuntimeSettings,
     connector: Connector,
     sites: tokio::sync::Mutex<HashMap<(bool, String), Arc<Site>>>,
     /// Every endpoint's counters, by model, for the summary and its cost.
     by_model: Mutex<BTreeMap<String, Arc<RunMetrics>>>,
-    /// Servers run in this process behind `sim/` models, kept alive while the engine is.
+    /// Servers run in this process behind `sim/` models, kept alive while the runtime is.
     residents: Mutex<Vec<weir_providers::Resident>>,
     /// Why a call of a function stopped early (the most recent reason).
     stopped: Mutex<Option<StopReason>>,
 }
 
-impl std::fmt::Debug for Engine {
+impl std::fmt::Debug for Runtime {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Engine").field("settings", &self.settings).finish_non_exhaustive()
+        f.debug_struct("Runtime").field("settings", &self.settings).finish_non_exhaustive()
     }
 }
 
@@ -167,14 +167,14 @@ fn default_connector() -> Connector {
     Arc::new(|spec, options| async move { crate::connect(&spec, &options, &|k| std::env::var(k).ok()).await }.boxed())
 }
 
-impl Engine {
-    /// An engine that connects with [`crate::connect`] and reads keys from the environment.
-    pub fn new(settings: EngineSettings) -> Arc<Self> {
+impl Runtime {
+    /// A runtime that connects with [`crate::connect`] and reads keys from the environment.
+    pub fn new(settings: RuntimeSettings) -> Arc<Self> {
         Self::with_connector(settings, default_connector())
     }
 
-    /// An engine that connects with `connector`.
-    pub fn with_connector(settings: EngineSettings, connector: Connector) -> Arc<Self> {
+    /// A runtime that connects with `connector`.
+    pub fn with_connector(settings: RuntimeSettings, connector: Connector) -> Arc<Self> {
         Arc::new(Self {
             settings,
             connector,
@@ -207,7 +207,7 @@ impl Engine {
         sites.iter().map(|((_, m), s)| (m.clone(), s.throttle.concurrency())).collect()
     }
 
-    /// The throttle of `model`'s endpoint, once connected (shared with every engine of this
+    /// The throttle of `model`'s endpoint, once connected (shared with every runtime of this
     /// process that calls the same endpoint).
     pub async fn throttle(&self, model: &str, embed: bool) -> Option<Arc<Throttle>> {
         let spec: ModelSpec = model.trim().parse().ok()?;
@@ -241,7 +241,7 @@ impl Engine {
         options.task = if embed { Task::Embed } else { Task::Generate };
         let endpoint = (self.connector)(spec.clone(), options).await.map_err(|e| format!("{spec}: {e}"))?;
         let metrics = self.metrics_of(&spec.to_string());
-        // A server of this engine's own (the simulator) is nobody else's endpoint.
+        // A server of this runtime's own (the simulator) is nobody else's endpoint.
         let throttle = match endpoint.resident {
             Some(_) => Arc::new(Throttle::new(&self.settings.throttle)),
             None => shared_throttle(endpoint.handler.as_ref(), &self.settings.throttle),
@@ -267,7 +267,7 @@ impl Engine {
         self.answer_or_stop(rows, embed).await.map(|(results, _)| results).map_err(|e| e.to_string())
     }
 
-    /// As [`Engine::answer`], and says whether a model's calls stopped early during this
+    /// As [`Runtime::answer`], and says whether a model's calls stopped early during this
     /// request (a rejected key, a spent daily quota, an endpoint that stopped answering): the
     /// rows left then failed without being tried, and a front end that writes all rows at once
     /// (a SQL `COPY`) should fail rather than write them.
@@ -422,20 +422,20 @@ impl Engine {
 mod tests {
     use super::*;
 
-    /// Two engines with different limits that call one endpoint share its throttle; a third on
+    /// Two runtimes with different limits that call one endpoint share its throttle; a third on
     /// another endpoint has its own.
     #[tokio::test]
-    async fn engines_calling_one_endpoint_share_its_throttle() {
+    async fn runtimes_calling_one_endpoint_share_its_throttle() {
         let sim = weir_sim::SimServer::start(Default::default(), ([127, 0, 0, 1], 0).into()).await.unwrap();
         let other = weir_sim::SimServer::start(Default::default(), ([127, 0, 0, 1], 0).into()).await.unwrap();
-        let engine = |url: String, concurrency: usize| {
-            Engine::new(EngineSettings {
+        let runtime = |url: String, concurrency: usize| {
+            Runtime::new(RuntimeSettings {
                 provider: ProviderOptions { base_url: Some(url), ..Default::default() },
                 throttle: ThrottleSettings { max_concurrency: concurrency, ..Default::default() },
                 ..Default::default()
             })
         };
-        let (a, b, c) = (engine(sim.url(), 8), engine(sim.url(), 16), engine(other.url(), 8));
+        let (a, b, c) = (runtime(sim.url(), 8), runtime(sim.url(), 16), runtime(other.url(), 8));
         let model = "gemini/gemini-2.5-flash";
         for e in [&a, &b, &c] {
             e.connect(model, false).await.unwrap();
@@ -456,7 +456,7 @@ mod tests {
     #[tokio::test]
     async fn batched_rows_are_cut_by_length_and_come_back_in_order() {
         let sim = weir_sim::SimServer::start(Default::default(), ([127, 0, 0, 1], 0).into()).await.unwrap();
-        let engine = Engine::new(EngineSettings {
+        let runtime = Runtime::new(RuntimeSettings {
             provider: ProviderOptions { base_url: Some(sim.url()), ..Default::default() },
             ..Default::default()
         });
@@ -472,14 +472,14 @@ mod tests {
             })
             .collect();
         let prompts: Vec<String> = rows.iter().map(|r| r.prompt.clone().unwrap()).collect();
-        let results = engine.answer(rows, true).await.unwrap();
+        let results = runtime.answer(rows, true).await.unwrap();
         for (i, r) in results.iter().enumerate() {
             let RowResult::Done(o, _) = r else { panic!("row {i}: no result") };
             let Outcome::Success(s) = o.as_ref() else { panic!("row {i}: {o:?}") };
             assert_eq!(s.record.prompt, prompts[i], "row {i} got another row's answer");
             assert!(s.response.embedding.is_some());
         }
-        let m = &engine.metrics_by_model()["gemini/gemini-embedding-001"];
+        let m = &runtime.metrics_by_model()["gemini/gemini-embedding-001"];
         let real = m.batch_tokens.load(std::sync::atomic::Ordering::Relaxed) as f64;
         let padded = m.batch_padded_tokens.load(std::sync::atomic::Ordering::Relaxed) as f64;
         assert!(real > 0.0 && padded / real < 1.2, "padding {:.2}× (real {real}, padded {padded})", padded / real);
@@ -493,7 +493,7 @@ mod tests {
         let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let url = format!("http://{}", closed.local_addr().unwrap());
         drop(closed);
-        let engine = Engine::new(EngineSettings {
+        let runtime = Runtime::new(RuntimeSettings {
             provider: ProviderOptions { base_url: Some(url), ..Default::default() },
             ..Default::default()
         });
@@ -510,7 +510,7 @@ mod tests {
         let mut took = Vec::new();
         for _ in 0..2 {
             let start = tokio::time::Instant::now();
-            let (_, stop) = engine.answer_or_stop(rows(), false).await.unwrap();
+            let (_, stop) = runtime.answer_or_stop(rows(), false).await.unwrap();
             assert!(stop.is_some_and(|s| s.kind == ErrorKind::Transport));
             took.push(start.elapsed());
         }
