@@ -17,9 +17,19 @@ fn epoch() -> tokio::time::Instant {
     *EPOCH.get_or_init(tokio::time::Instant::now)
 }
 
-/// Live counters of a run.
+/// Live counters of a run, or of one endpoint's model within it.
+///
+/// An endpoint's counters ([`RunMetrics::of_endpoint`]) carry its model and endpoint as labels
+/// of every exported series, and count everything into the run's counters too (the totals the
+/// progress bar and the summary read), which export nothing themselves: a series is reported
+/// once, by the endpoint it happened at.
 #[derive(Debug, Default)]
 pub struct RunMetrics {
+    /// The labels of every exported series (the model and endpoint; none for a run's totals
+    /// when they have no parts).
+    labels: Vec<metrics::Label>,
+    /// The run's counters, which count what these count but export nothing.
+    totals: Option<std::sync::Arc<RunMetrics>>,
     /// Records finished (either way).
     pub done: AtomicU64,
     /// Records that succeeded.
@@ -67,6 +77,8 @@ pub struct RunMetrics {
     first_token: Sketch,
     /// Streamed calls: time between one piece of text and the next.
     inter_token: Sketch,
+    /// An endpoint's counters count into these (so they are totals, and export nothing).
+    fed: std::sync::atomic::AtomicBool,
 }
 
 /// A distribution of durations in constant memory (a DDSketch: quantiles within 1 % of the
@@ -109,48 +121,104 @@ pub struct Percentiles {
 pub const WAIT_BOUNDS_MS: [u64; 12] = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000];
 
 impl RunMetrics {
+    /// The counters of `model` at `endpoint`: exported with those labels, and counted into
+    /// `totals` (the run's) as well.
+    pub fn of_endpoint(totals: Option<std::sync::Arc<RunMetrics>>, model: &str, endpoint: &str) -> Self {
+        Self {
+            labels: vec![
+                metrics::Label::new("model", model.to_string()),
+                metrics::Label::new("endpoint", endpoint.to_string()),
+            ],
+            totals,
+            ..Default::default()
+        }
+    }
+
+    /// The labels of an exported series: this endpoint's, and `extra`.
+    fn labels(&self, extra: &[(&'static str, &'static str)]) -> Vec<metrics::Label> {
+        let mut labels = self.labels.clone();
+        labels.extend(extra.iter().map(|(k, v)| metrics::Label::new(*k, *v)));
+        labels
+    }
+
+    /// Whether these counters export their series: an endpoint's do, and a run's totals only
+    /// when nothing counts into them (then they are the only counters there are).
+    fn exports(&self) -> bool {
+        !self.labels.is_empty() || !self.fed.load(Relaxed)
+    }
+
+    /// Counts `f` here and in the run's totals (marking them as fed, so they export nothing).
+    fn count(&self, f: &dyn Fn(&RunMetrics)) {
+        f(self);
+        if let Some(t) = &self.totals {
+            t.fed.store(true, Relaxed);
+            t.count(f);
+        }
+    }
     /// Counts a record's failure.
     pub fn record_failure(&self, kind: ErrorKind) {
-        self.failed.fetch_add(1, Relaxed);
-        self.done.fetch_add(1, Relaxed);
-        *self.failures_by_kind.lock().unwrap_or_else(|e| e.into_inner()).entry(kind).or_default() += 1;
-        metrics::counter!("weir_records_total", "outcome" => "failure").increment(1);
-        metrics::counter!("weir_failures_total", "kind" => kind.as_str()).increment(1);
+        self.count(&|m| {
+            m.failed.fetch_add(1, Relaxed);
+            m.done.fetch_add(1, Relaxed);
+            *m.failures_by_kind.lock().unwrap_or_else(|e| e.into_inner()).entry(kind).or_default() += 1;
+        });
+        if self.exports() {
+            metrics::counter!("weir_records_total", self.labels(&[("outcome", "failure")])).increment(1);
+            metrics::counter!("weir_failures_total", self.labels(&[("kind", kind.as_str())])).increment(1);
+        }
     }
 
     /// Counts a record's success.
     pub fn record_success(&self, tokens_in: u64, tokens_out: u64) {
-        self.succeeded.fetch_add(1, Relaxed);
-        self.done.fetch_add(1, Relaxed);
-        self.tokens_in.fetch_add(tokens_in, Relaxed);
-        self.tokens_out.fetch_add(tokens_out, Relaxed);
-        metrics::counter!("weir_records_total", "outcome" => "success").increment(1);
-        metrics::counter!("weir_tokens_total", "direction" => "in").increment(tokens_in);
-        metrics::counter!("weir_tokens_total", "direction" => "out").increment(tokens_out);
+        self.count(&|m| {
+            m.succeeded.fetch_add(1, Relaxed);
+            m.done.fetch_add(1, Relaxed);
+            m.tokens_in.fetch_add(tokens_in, Relaxed);
+            m.tokens_out.fetch_add(tokens_out, Relaxed);
+        });
+        if self.exports() {
+            metrics::counter!("weir_records_total", self.labels(&[("outcome", "success")])).increment(1);
+            metrics::counter!("weir_tokens_total", self.labels(&[("direction", "in")])).increment(tokens_in);
+            metrics::counter!("weir_tokens_total", self.labels(&[("direction", "out")])).increment(tokens_out);
+        }
     }
 
     /// Counts a call made; `retry` when it was not the first for its record or batch.
     pub fn record_call(&self, retry: bool) {
-        self.calls.fetch_add(1, Relaxed);
-        metrics::counter!("weir_calls_total").increment(1);
-        if retry {
-            self.retries.fetch_add(1, Relaxed);
-            metrics::counter!("weir_retries_total").increment(1);
+        self.count(&|m| {
+            m.calls.fetch_add(1, Relaxed);
+            if retry {
+                m.retries.fetch_add(1, Relaxed);
+            }
+        });
+        if self.exports() {
+            metrics::counter!("weir_calls_total", self.labels(&[])).increment(1);
+            if retry {
+                metrics::counter!("weir_retries_total", self.labels(&[])).increment(1);
+            }
         }
     }
 
     /// Counts a call answered with a rate-limit error.
     pub fn record_rate_limited(&self) {
-        self.rate_limited.fetch_add(1, Relaxed);
-        metrics::counter!("weir_rate_limited_total").increment(1);
+        self.count(&|m| {
+            m.rate_limited.fetch_add(1, Relaxed);
+        });
+        if self.exports() {
+            metrics::counter!("weir_rate_limited_total", self.labels(&[])).increment(1);
+        }
     }
 
     /// Counts a record answered from the response cache.
     pub fn record_cache_hit(&self, prompt_tokens: u64, output_tokens: u64) {
-        self.cache_tokens[0].fetch_add(prompt_tokens, Relaxed);
-        self.cache_tokens[1].fetch_add(output_tokens, Relaxed);
-        self.cache_hits.fetch_add(1, Relaxed);
-        metrics::counter!("weir_cache_hits_total").increment(1);
+        self.count(&|m| {
+            m.cache_tokens[0].fetch_add(prompt_tokens, Relaxed);
+            m.cache_tokens[1].fetch_add(output_tokens, Relaxed);
+            m.cache_hits.fetch_add(1, Relaxed);
+        });
+        if self.exports() {
+            metrics::counter!("weir_cache_hits_total", self.labels(&[])).increment(1);
+        }
     }
 
     /// Prompt tokens of answers from the cache.
@@ -173,19 +241,25 @@ impl RunMetrics {
 
     /// Records how long one call took, answered or not (a histogram when exported).
     pub fn record_latency(&self, d: Duration) {
-        metrics::histogram!("weir_call_seconds").record(d.as_secs_f64());
+        if self.exports() {
+            metrics::histogram!("weir_call_seconds", self.labels(&[])).record(d.as_secs_f64());
+        }
     }
 
     /// Records the time from sending a streamed call to its first text.
     pub fn record_first_token(&self, d: Duration) {
-        self.first_token.add(d);
-        metrics::histogram!("weir_time_to_first_token_seconds").record(d.as_secs_f64());
+        self.count(&|m| m.first_token.add(d));
+        if self.exports() {
+            metrics::histogram!("weir_time_to_first_token_seconds", self.labels(&[])).record(d.as_secs_f64());
+        }
     }
 
     /// Records the time between two pieces of a streamed answer.
     pub fn record_inter_token(&self, d: Duration) {
-        self.inter_token.add(d);
-        metrics::histogram!("weir_inter_token_seconds").record(d.as_secs_f64());
+        self.count(&|m| m.inter_token.add(d));
+        if self.exports() {
+            metrics::histogram!("weir_inter_token_seconds", self.labels(&[])).record(d.as_secs_f64());
+        }
     }
 
     /// Time to first token of the streamed calls so far (`None`: nothing streamed).
@@ -200,38 +274,50 @@ impl RunMetrics {
 
     /// Adds time spent held by the gate.
     pub fn add_throttled(&self, d: Duration) {
-        self.throttled_micros.fetch_add(d.as_micros() as u64, Relaxed);
         // The wait was [now - d, now]; only its part after the last counted wait's end is new.
         let now = tokio::time::Instant::now().saturating_duration_since(epoch()).as_micros() as u64;
         let start = now.saturating_sub(d.as_micros() as u64);
-        let prev = self.throttled_until.fetch_max(now, Relaxed);
-        let from = start.max(prev);
-        if now > from {
-            self.throttled_wall_micros.fetch_add(now - from, Relaxed);
+        self.count(&|m| {
+            m.throttled_micros.fetch_add(d.as_micros() as u64, Relaxed);
+            let prev = m.throttled_until.fetch_max(now, Relaxed);
+            let from = start.max(prev);
+            if now > from {
+                m.throttled_wall_micros.fetch_add(now - from, Relaxed);
+            }
+        });
+        if self.exports() {
+            metrics::counter!("weir_throttled_microseconds_total", self.labels(&[])).increment(d.as_micros() as u64);
         }
-        metrics::counter!("weir_throttled_microseconds_total").increment(d.as_micros() as u64);
     }
 
     /// Counts a batched call of records with these estimated token counts.
     pub fn record_batch(&self, tokens: &[u64]) {
         let real: u64 = tokens.iter().sum();
         let padded = tokens.iter().max().copied().unwrap_or(0) * tokens.len() as u64;
-        self.batches.fetch_add(1, Relaxed);
-        self.batch_items.fetch_add(tokens.len() as u64, Relaxed);
-        self.batch_tokens.fetch_add(real, Relaxed);
-        self.batch_padded_tokens.fetch_add(padded, Relaxed);
-        metrics::counter!("weir_batches_total").increment(1);
-        metrics::counter!("weir_batch_items_total").increment(tokens.len() as u64);
-        metrics::counter!("weir_batch_tokens_total", "kind" => "real").increment(real);
-        metrics::counter!("weir_batch_tokens_total", "kind" => "padded").increment(padded);
+        self.count(&|m| {
+            m.batches.fetch_add(1, Relaxed);
+            m.batch_items.fetch_add(tokens.len() as u64, Relaxed);
+            m.batch_tokens.fetch_add(real, Relaxed);
+            m.batch_padded_tokens.fetch_add(padded, Relaxed);
+        });
+        if self.exports() {
+            metrics::counter!("weir_batches_total", self.labels(&[])).increment(1);
+            metrics::counter!("weir_batch_items_total", self.labels(&[])).increment(tokens.len() as u64);
+            metrics::counter!("weir_batch_tokens_total", self.labels(&[("kind", "real")])).increment(real);
+            metrics::counter!("weir_batch_tokens_total", self.labels(&[("kind", "padded")])).increment(padded);
+        }
     }
 
     /// Records how long a record waited in the batching stage for its batch.
     pub fn record_batch_wait(&self, d: Duration) {
         let ms = d.as_millis() as u64;
         let i = WAIT_BOUNDS_MS.iter().position(|b| ms < *b).unwrap_or(WAIT_BOUNDS_MS.len());
-        self.batch_waits[i].fetch_add(1, Relaxed);
-        metrics::histogram!("weir_batch_wait_seconds").record(d.as_secs_f64());
+        self.count(&|m| {
+            m.batch_waits[i].fetch_add(1, Relaxed);
+        });
+        if self.exports() {
+            metrics::histogram!("weir_batch_wait_seconds", self.labels(&[])).record(d.as_secs_f64());
+        }
     }
 
     /// The upper bound of the bucket holding the 95th percentile of batch waits, in
@@ -252,8 +338,7 @@ impl RunMetrics {
         Some(None)
     }
 
-    /// Describes the exported metrics and makes every counter visible from the start (a
-    /// counter a scraper never saw cannot be told from one that is zero).
+    /// Describes the exported metrics (once, when the exporter is installed).
     pub fn describe() {
         metrics::describe_counter!("weir_records_total", "Records finished, by outcome.");
         metrics::describe_counter!("weir_failures_total", "Failed records, by kind.");
@@ -292,11 +377,19 @@ impl RunMetrics {
         metrics::describe_gauge!("weir_concurrency_limit", "Calls allowed in flight now.");
         metrics::describe_gauge!("weir_requests_per_second_limit", "Request rate allowed now.");
         metrics::describe_gauge!("weir_tokens_per_second_limit", "Token rate allowed now.");
+    }
+
+    /// Makes every counter of these counters' labels visible (a counter a scraper never saw
+    /// cannot be told from one that is zero): called for each endpoint once it is known.
+    pub fn announce(&self) {
+        if !self.exports() {
+            return;
+        }
         for outcome in ["success", "failure"] {
-            metrics::counter!("weir_records_total", "outcome" => outcome).increment(0);
+            metrics::counter!("weir_records_total", self.labels(&[("outcome", outcome)])).increment(0);
         }
         for direction in ["in", "out"] {
-            metrics::counter!("weir_tokens_total", "direction" => direction).increment(0);
+            metrics::counter!("weir_tokens_total", self.labels(&[("direction", direction)])).increment(0);
         }
         for name in [
             "weir_calls_total",
@@ -307,7 +400,7 @@ impl RunMetrics {
             "weir_batches_total",
             "weir_batch_items_total",
         ] {
-            metrics::counter!(name).increment(0);
+            metrics::counter!(name, self.labels(&[])).increment(0);
         }
     }
 
@@ -325,6 +418,27 @@ impl RunMetrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What an endpoint counts, the run's totals count too; each endpoint keeps its own.
+    #[test]
+    fn endpoints_count_into_the_totals() {
+        let totals = std::sync::Arc::new(RunMetrics::default());
+        let a = RunMetrics::of_endpoint(Some(totals.clone()), "sim/a", "http://a");
+        let b = RunMetrics::of_endpoint(Some(totals.clone()), "sim/b", "http://b");
+        a.record_success(10, 5);
+        a.record_call(false);
+        b.record_success(1, 1);
+        b.record_failure(ErrorKind::RateLimited);
+        b.record_cache_hit(1, 1);
+        assert_eq!(a.paid_tokens(), (10, 5));
+        assert_eq!(b.paid_tokens(), (0, 0));
+        assert_eq!(totals.paid_tokens(), (10, 5));
+        assert_eq!(RunMetrics::get(&totals.done), 3);
+        assert_eq!(RunMetrics::get(&totals.calls), 1);
+        assert_eq!(totals.failures_by_kind()[&ErrorKind::RateLimited], 1);
+        assert!(!totals.exports(), "totals fed by endpoints would export every series twice");
+        assert!(a.exports());
+    }
 
     #[tokio::test(start_paused = true)]
     async fn overlapping_waits_count_once_in_wall_time() {

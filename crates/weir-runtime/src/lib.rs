@@ -14,13 +14,17 @@
 
 #[cfg(feature = "cli")]
 pub mod args;
+pub mod dispatch;
+mod route;
 mod runtime;
 #[cfg(feature = "sim")]
 pub mod sim;
 
 #[cfg(feature = "cli")]
 pub use args::{ConcurrencyMode, EndpointArgs, SettingsError};
-pub use runtime::{Call, Connector, Row, RowResult, Runtime, RuntimeSettings};
+pub use dispatch::{DispatchSettings, Work};
+pub use route::Router;
+pub use runtime::{Call, Connector, EndpointState, Row, RowResult, Runtime, RuntimeSettings};
 
 /// Sets up the client for `spec`, as every front end connects a model: the providers of
 /// `weir_providers`, and the ones registered with its connectors (`sim/`, served by this

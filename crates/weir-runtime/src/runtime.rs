@@ -113,6 +113,21 @@ fn shared_throttle(handler: &dyn ModelHandler, settings: &ThrottleSettings) -> A
     throttle
 }
 
+/// One endpoint as a summary or `/metrics` shows it.
+#[derive(Debug, Clone)]
+pub struct EndpointState {
+    /// `provider/model`.
+    pub model: String,
+    /// Where it is served (a URL or a local path).
+    pub endpoint: String,
+    /// Calls its throttle allows in flight now.
+    pub concurrency: usize,
+    /// Its rate limits, told or learned, if any.
+    pub rate: Option<weir_core::RateSnapshot>,
+    /// Its counters.
+    pub metrics: Arc<RunMetrics>,
+}
+
 /// Rows that go through one driver: a model, the call they share, and whether they have ids.
 type Group = (String, Arc<Call>, bool);
 
@@ -148,6 +163,8 @@ pub struct Runtime {
     settings: RuntimeSettings,
     connector: Connector,
     sites: tokio::sync::Mutex<HashMap<(bool, String), Arc<Site>>>,
+    /// What every endpoint's counters count too: the process's (or run's) totals.
+    totals: Arc<RunMetrics>,
     /// Every endpoint's counters, by model, for the summary and its cost.
     by_model: Mutex<BTreeMap<String, Arc<RunMetrics>>>,
     /// Servers run in this process behind `sim/` models, kept alive while the runtime is.
@@ -179,6 +196,7 @@ impl Runtime {
             settings,
             connector,
             sites: tokio::sync::Mutex::new(HashMap::new()),
+            totals: Arc::new(RunMetrics::default()),
             by_model: Mutex::new(BTreeMap::new()),
             residents: Mutex::new(Vec::new()),
             stopped: Mutex::new(None),
@@ -190,10 +208,36 @@ impl Runtime {
         self.by_model.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    /// The counters of `model` (made on first use).
-    fn metrics_of(&self, model: &str) -> Arc<RunMetrics> {
+    /// Every model's counters together (what a run's progress bar and summary show).
+    pub fn totals(&self) -> &Arc<RunMetrics> {
+        &self.totals
+    }
+
+    /// The counters of `model` at `endpoint` (made on first use), counting into the totals.
+    fn metrics_of(&self, model: &str, endpoint: &str) -> Arc<RunMetrics> {
         let mut by_model = self.by_model.lock().unwrap_or_else(|e| e.into_inner());
-        by_model.entry(model.to_string()).or_insert_with(|| Arc::new(RunMetrics::default())).clone()
+        by_model
+            .entry(model.to_string())
+            .or_insert_with(|| Arc::new(RunMetrics::of_endpoint(Some(self.totals.clone()), model, endpoint)))
+            .clone()
+    }
+
+    /// Every endpoint connected so far: its model, where it is, the concurrency its throttle
+    /// allows now and its rate limits (told or learned), for summaries and `/metrics`.
+    pub async fn endpoints(&self) -> Vec<EndpointState> {
+        let sites = self.sites.lock().await;
+        let mut all: Vec<EndpointState> = sites
+            .iter()
+            .map(|((_, model), s)| EndpointState {
+                model: model.clone(),
+                endpoint: s.handler.endpoint().to_string(),
+                concurrency: s.throttle.concurrency(),
+                rate: Some(s.throttle.rates()),
+                metrics: s.metrics.clone(),
+            })
+            .collect();
+        all.sort_by(|a, b| a.model.cmp(&b.model));
+        all
     }
 
     /// The most recent reason a request for answers stopped early (its remaining rows failed).
@@ -232,6 +276,49 @@ impl Runtime {
     async fn site(&self, model: &str, embed: bool) -> Result<Arc<Site>, String> {
         let spec: ModelSpec =
             model.trim().parse().map_err(|e: ProviderError| e.to_string().replacen("--model ", "", 1))?;
+        self.site_of(&spec, embed).await.map_err(|e| format!("{spec}: {e}"))
+    }
+
+    /// A driver for `spec`'s endpoint: its client, its throttle (this process's one), its
+    /// counters; with `settings` (timeout, retries, system text, parameters), and the response
+    /// cache when `cached`. `Err` says why the model cannot be used (a usage error: an unknown
+    /// model, a missing key; or a failure to start what serves it).
+    pub async fn driver(
+        &self,
+        spec: &ModelSpec,
+        embed: bool,
+        settings: DriverSettings,
+        cache: Option<Arc<dyn ResponseCache>>,
+    ) -> Result<Driver, ProviderError> {
+        let site = self.site_of(spec, embed).await?;
+        Ok(Self::driver_at(&site, settings, cache))
+    }
+
+    /// Connects `spec`'s endpoint now (it is otherwise connected on first use): `Err` says why
+    /// the model cannot be used, before anything else is done.
+    pub async fn connect_spec(&self, spec: &ModelSpec, embed: bool) -> Result<(), ProviderError> {
+        self.site_of(spec, embed).await.map(|_| ())
+    }
+
+    /// A driver at `site` (see [`Runtime::driver`]).
+    fn driver_at(site: &Site, settings: DriverSettings, cache: Option<Arc<dyn ResponseCache>>) -> Driver {
+        let mut driver = Driver::new(site.handler.clone(), site.throttle.clone(), settings, site.metrics.clone());
+        if site.unreachable.load(std::sync::atomic::Ordering::Relaxed) {
+            driver = driver.presumed_unreachable();
+        }
+        if let Some(cache) = cache {
+            driver = driver.with_cache(cache);
+        }
+        driver
+    }
+
+    /// The settings every driver starts from.
+    pub fn settings(&self) -> &RuntimeSettings {
+        &self.settings
+    }
+
+    /// The endpoint of `spec` (connected on first use).
+    async fn site_of(&self, spec: &ModelSpec, embed: bool) -> Result<Arc<Site>, ProviderError> {
         let key = (embed, spec.to_string());
         let mut sites = self.sites.lock().await;
         if let Some(s) = sites.get(&key) {
@@ -239,8 +326,9 @@ impl Runtime {
         }
         let mut options = self.settings.provider.clone();
         options.task = if embed { Task::Embed } else { Task::Generate };
-        let endpoint = (self.connector)(spec.clone(), options).await.map_err(|e| format!("{spec}: {e}"))?;
-        let metrics = self.metrics_of(&spec.to_string());
+        let endpoint = (self.connector)(spec.clone(), options).await?;
+        let metrics = self.metrics_of(&spec.to_string(), endpoint.handler.endpoint());
+        metrics.announce();
         // A server of this runtime's own (the simulator) is nobody else's endpoint.
         let throttle = match endpoint.resident {
             Some(_) => Arc::new(Throttle::new(&self.settings.throttle)),
@@ -316,7 +404,7 @@ impl Runtime {
                     let error = ModelError::new(ErrorKind::InvalidInput, message.clone());
                     // Counted under the name as given, so a summary shows the rows a misspelt
                     // model failed.
-                    let metrics = self.metrics_of(&model);
+                    let metrics = self.metrics_of(&model, "");
                     for _ in 0..members.len() {
                         metrics.record_failure(ErrorKind::InvalidInput);
                     }
@@ -335,15 +423,10 @@ impl Runtime {
                 params: call.params.clone(),
                 ..self.settings.driver.clone()
             };
-            let mut driver = Driver::new(site.handler.clone(), site.throttle.clone(), settings, site.metrics.clone());
-            if site.unreachable.load(std::sync::atomic::Ordering::Relaxed) {
-                driver = driver.presumed_unreachable();
-            }
             // Without ids, a sampled answer belongs to no one: only deterministic requests are
             // cached (stored and reused).
-            if let Some(cache) = self.settings.cache.as_ref().filter(|_| keyed || is_deterministic(&call.params)) {
-                driver = driver.with_cache(cache.clone());
-            }
+            let cache = self.settings.cache.clone().filter(|_| keyed || is_deterministic(&call.params));
+            let driver = Arc::new(Self::driver_at(&site, settings, cache));
             let model_id: Arc<str> = Arc::from(driver.model_id());
             // An empty prompt asks nothing: it fails alone, without a call (a model would
             // answer it with something, and that would be paid for).
@@ -358,34 +441,22 @@ impl Runtime {
                 .collect();
             let (slots, records): (Vec<usize>, Vec<Record>) =
                 members.into_iter().map(|(i, prompt, id)| (i, record_of(i, prompt, id))).unzip();
-            let outcomes: Vec<Outcome> = if driver.max_batch() > 1 {
-                // Batches of like length, as `weir run` cuts them by default (buckets that
-                // double): where a batch is computed together its longest member sets its cost.
-                // Every row of the request is here, so nothing lingers: the stage flushes at the
-                // end of its input. Outcomes come back by batch, and are put back in the rows'
-                // order below.
-                let settings = weir_core::BatchSettings {
-                    max_items: driver.max_batch(),
-                    bucketing: weir_core::Bucketing::Doubling,
-                    ..Default::default()
-                };
-                let cut: Vec<Vec<Record>> = weir_core::batches(
-                    futures::stream::iter(records),
-                    settings,
-                    |r: &Record| driver.estimate(r),
-                    |_: &Record| Some(()),
-                )
-                .collect()
-                .await;
-                let mut outcomes: Vec<Outcome> =
-                    futures::future::join_all(cut.into_iter().map(|c| driver.run_batch(c))).await.concat();
-                outcomes.sort_by_key(outcome_line);
-                outcomes
-            } else {
-                // Every row at once: the throttle decides how many are in flight.
-                let n = records.len().max(1);
-                futures::stream::iter(records).map(|r| driver.run(r)).buffered(n).collect().await
+            // The request's rows through the same dispatch as `weir run`'s records: batches of
+            // like length (buckets that double) for an endpoint that takes many per call, every
+            // row at once (the throttle decides how many are in flight). Every row of the
+            // request is here, so nothing lingers: the stage flushes at the end of its input.
+            // Outcomes come back as they finish, and are put back in the rows' order.
+            let dispatch = crate::dispatch::DispatchSettings {
+                batch: weir_core::BatchSettings { bucketing: weir_core::Bucketing::Doubling, ..Default::default() },
+                width: records.len().max(1),
             };
+            let work = futures::stream::iter(records.into_iter().map(crate::Work::Call));
+            let mut outcomes: Vec<Outcome> =
+                crate::dispatch::outcomes(work, Arc::new(crate::Router::fixed(driver.clone())), dispatch, None)
+                    .filter_map(|o| futures::future::ready(o.ok()))
+                    .collect()
+                    .await;
+            outcomes.sort_by_key(outcome_line);
             // Nothing answered and connecting failed: the next request finds out at its first
             // call. An answer of any kind clears it.
             let dead = driver.stop_reason().is_some_and(|r| r.kind == ErrorKind::Transport);

@@ -19,7 +19,7 @@ use weir_batch::{BatchError, Item, Ledger};
 use weir_core::{Driver, ErrorKind, Failure, JobApi, ModelError, Outcome, Record, StopReason};
 
 use crate::report::thousands;
-use crate::work::Work;
+use weir_runtime::Work;
 
 /// How a batch run goes.
 #[derive(Debug, Clone)]

@@ -8,7 +8,6 @@ pub mod cost;
 pub mod metrics_server;
 pub mod pipeline;
 pub mod report;
-mod work;
 
 pub use pipeline::{run, EventsTo, RunError, RunSettings, StateMode, TableIn, TableOut};
 pub use report::RunReport;

@@ -11,16 +11,20 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
-use weir_core::{Driver, RunMetrics};
+use weir_core::RunMetrics;
+use weir_runtime::{EndpointState, Runtime};
 
-/// Installs the exporter on `addr` and starts the task that updates the gauges from `driver`
-/// (abort it when the run ends).
-pub fn serve(addr: SocketAddr, driver: Arc<Driver>) -> Result<tokio::task::JoinHandle<()>, String> {
+/// Installs the exporter on `addr` and starts the task that updates, once a second, the gauges
+/// of every endpoint `runtime` has connected, labelled by model and endpoint (abort it when the
+/// run ends).
+pub fn serve(addr: SocketAddr, runtime: Arc<Runtime>) -> Result<tokio::task::JoinHandle<()>, String> {
     install(addr)?;
     let started = Instant::now();
     Ok(tokio::spawn(async move {
         loop {
-            update_gauges(&driver, started);
+            for e in runtime.endpoints().await {
+                update_gauges(&e, started);
+            }
             tokio::time::sleep(Duration::from_secs(1)).await;
         }
     }))
@@ -53,16 +57,20 @@ pub fn install(addr: SocketAddr) -> Result<(), String> {
     Ok(())
 }
 
-fn update_gauges(driver: &Driver, started: Instant) {
-    metrics::gauge!("weir_concurrency_limit").set(driver.concurrency() as f64);
-    if let Some(r) = driver.rate_snapshot() {
+/// An endpoint's gauges: the limits in force and its success rate.
+fn update_gauges(e: &EndpointState, started: Instant) {
+    // Counters a scraper has not seen yet show as zero from the endpoint's first second.
+    e.metrics.announce();
+    let labels = [("model", e.model.clone()), ("endpoint", e.endpoint.clone())];
+    metrics::gauge!("weir_concurrency_limit", &labels).set(e.concurrency as f64);
+    if let Some(r) = &e.rate {
         if let Some((cap, window, _)) = r.requests {
-            metrics::gauge!("weir_requests_per_second_limit").set(cap / window.as_secs_f64());
+            metrics::gauge!("weir_requests_per_second_limit", &labels).set(cap / window.as_secs_f64());
         }
         if let Some((cap, window, _)) = r.tokens {
-            metrics::gauge!("weir_tokens_per_second_limit").set(cap / window.as_secs_f64());
+            metrics::gauge!("weir_tokens_per_second_limit", &labels).set(cap / window.as_secs_f64());
         }
     }
     let secs = started.elapsed().as_secs_f64().max(1e-6);
-    metrics::gauge!("weir_success_rate").set(driver.metrics().succeeded.load(Relaxed) as f64 / secs);
+    metrics::gauge!("weir_success_rate", &labels).set(e.metrics.succeeded.load(Relaxed) as f64 / secs);
 }

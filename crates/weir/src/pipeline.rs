@@ -9,21 +9,22 @@
 //! with the input. The state directory (see `weir_io::state`) makes a run resumable.
 
 use futures::StreamExt;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::Instant;
 use weir_core::{
-    Driver, DriverSettings, ErrorKind, Failure, ModelError, Outcome, PromptSource, RateSettings, Record, RecordSpec,
-    RunMetrics, StopReason, Throttle, ThrottleSettings,
+    DriverSettings, ErrorKind, Failure, ModelError, Outcome, PromptSource, RateSettings, RecordSpec, StopReason,
+    ThrottleSettings,
 };
 use weir_io::state::{self, finished_key, id_key, RunIdentity};
-use weir_io::{DiskCache, EventRow, InputPath, JsonlWriter, OutputPath};
+use weir_io::{DiskCache, InputPath, JsonlWriter, OutputPath};
 use weir_providers::{ModelSpec, ProviderError, ProviderOptions};
 
 use crate::report::{Progress, RunReport};
+use weir_runtime::{Router, Work};
 
 /// Where a run keeps what makes it resumable.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -160,16 +161,6 @@ impl From<ProviderError> for RunError {
     }
 }
 
-/// Sets up the client for `spec` (`local/…` models are registered by `main` when this build
-/// has them; `sim/…` ones run the run's scenario, installed at its start).
-async fn connect_model(
-    spec: &ModelSpec,
-    options: &ProviderOptions,
-    env: &(dyn Fn(&str) -> Option<String> + Sync),
-) -> Result<weir_providers::Endpoint, ProviderError> {
-    weir_runtime::connect(spec, options, env).await
-}
-
 /// Output files this run created, each with a handle that keeps its lock: removed on drop
 /// unless the run started (then it clears them), so a refused command leaves nothing behind.
 /// Only a file this run made and still holds is removed; a file another run made or holds is
@@ -194,98 +185,11 @@ impl Drop for Created {
     }
 }
 
-/// Routes each record to the driver (and so the throttle) of its model: the run's `--model`, or
-/// the model its `--model-field` names, connected the first time a record asks for it.
-struct Endpoints {
-    default: Arc<Driver>,
-    field: Option<String>,
-    provider: ProviderOptions,
-    env: HashMap<String, String>,
-    make: Box<dyn Fn(Arc<dyn weir_core::ModelHandler>) -> Arc<Driver> + Send + Sync>,
-    others: tokio::sync::Mutex<HashMap<String, Arc<Driver>>>,
-    residents: std::sync::Mutex<Vec<weir_providers::Resident>>,
-}
-
-impl Endpoints {
-    /// The driver for `record`, or why its model field cannot be used.
-    async fn driver_for(&self, record: &Record) -> Result<Arc<Driver>, String> {
-        let Some(field) = &self.field else { return Ok(self.default.clone()) };
-        let name = match record.input.get(field) {
-            None | Some(serde_json::Value::Null) => return Ok(self.default.clone()),
-            Some(serde_json::Value::String(s)) => s.trim().to_string(),
-            Some(_) => return Err(format!("line {}: model field '{field}' is not a string", record.line)),
-        };
-        let spec: ModelSpec = name.parse().map_err(|e: ProviderError| {
-            format!("line {}: model field '{field}': {}", record.line, e.to_string().replacen("--model ", "", 1))
-        })?;
-        if spec.to_string() == self.default.model_id() {
-            return Ok(self.default.clone());
-        }
-        let mut others = self.others.lock().await;
-        if let Some(d) = others.get(&spec.to_string()) {
-            return Ok(d.clone());
-        }
-        let env = |k: &str| self.env.get(k).cloned();
-        let endpoint = connect_model(&spec, &self.provider, &env)
-            .await
-            .map_err(|e| format!("line {}: model field '{field}': {e}", record.line))?;
-        let driver = (self.make)(endpoint.handler);
-        if self.default.is_stopped() {
-            // Interrupted before this model was first needed.
-            driver.stop(
-                self.default
-                    .stop_reason()
-                    .unwrap_or(StopReason { kind: ErrorKind::Aborted, message: "stopped".into() }),
-            );
-        }
-        if let Some(r) = endpoint.resident {
-            self.residents.lock().unwrap_or_else(|e| e.into_inner()).push(r);
-        }
-        others.insert(spec.to_string(), driver.clone());
-        Ok(driver)
-    }
-
-    /// The concurrency and rate limits of every model's endpoint but the default's, by model.
-    fn other_limits(&self) -> Vec<(String, usize, Option<weir_core::RateSnapshot>)> {
-        let Ok(others) = self.others.try_lock() else { return Vec::new() };
-        let mut limits: Vec<_> =
-            others.iter().map(|(model, d)| (model.clone(), d.concurrency(), d.rate_snapshot())).collect();
-        limits.sort_by(|a, b| a.0.cmp(&b.0));
-        limits
-    }
-
-    /// Stops every model's driver (an interrupt).
-    fn stop(&self, reason: StopReason) {
-        self.default.stop(reason.clone());
-        if let Ok(others) = self.others.try_lock() {
-            for d in others.values() {
-                d.stop(reason.clone());
-            }
-        }
-    }
-
-    /// Why some model's driver stopped, if one did.
-    fn stop_reason(&self) -> Option<StopReason> {
-        self.default
-            .stop_reason()
-            .or_else(|| self.others.try_lock().ok().and_then(|o| o.values().find_map(|d| d.stop_reason())))
-    }
-}
-
-use crate::work::Work;
-
-/// A [`Work`] item with its endpoint's driver found (and when, to time its wait for a batch).
-enum Routed {
-    Call(Arc<Driver>, Record, Instant),
-    Done(Box<Failure>),
-    ReadError(std::io::Error),
-}
-
 /// Starts a run's drain, wherever it is waiting (for an outcome, on a blocked writer, for the
 /// writer to finish): no new calls, for `why` (the stop reason the report tells it by), and
 /// the calls in flight get `drain` more time.
-fn start_drain(endpoints: &Endpoints, deadline: std::pin::Pin<&mut tokio::time::Sleep>, drain: Duration, why: &str) {
-    endpoints.stop(StopReason { kind: ErrorKind::Aborted, message: why.into() });
+fn start_drain(router: &Router, deadline: std::pin::Pin<&mut tokio::time::Sleep>, drain: Duration, why: &str) {
+    router.stop(StopReason { kind: ErrorKind::Aborted, message: why.into() });
     deadline.reset(Instant::now() + drain);
 }
 
@@ -405,53 +309,6 @@ async fn wait_for_first_line(path: &std::path::Path, interrupts: &watch::Receive
             .map_err(|e| RunError::Usage(format!("cannot read --follow {}: {e}", path.display())))
     })
     .await
-}
-
-/// A boxed future of a stream event's delivery.
-type Delivery = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
-
-/// One record's events: each piece of its streamed call becomes an event row, numbered from 0
-/// in the order the writer receives them; a record that fails ends with an `error` event.
-#[derive(Clone)]
-struct StreamTo {
-    tx: weir_io::EventSender,
-    id: weir_core::RecordId,
-    seq: Arc<std::sync::atomic::AtomicU64>,
-}
-
-impl StreamTo {
-    fn new(tx: weir_io::EventSender, id: &weir_core::RecordId) -> Self {
-        Self { tx, id: id.clone(), seq: Default::default() }
-    }
-
-    fn row(&self, delta: Option<String>, restart: bool, error: Option<weir_io::EventError>) -> EventRow {
-        let seq = self.seq.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        EventRow { id: self.id.clone(), seq, delta, restart, error }
-    }
-
-    /// The consumer of the record's streamed call.
-    fn consumer(&self) -> impl FnMut(weir_core::StreamEvent) -> Delivery {
-        let me = self.clone();
-        move |event| {
-            let row = match event {
-                weir_core::StreamEvent::Text(t) => me.row(Some(t), false, None),
-                weir_core::StreamEvent::Restart => me.row(None, true, None),
-            };
-            let tx = me.tx.clone();
-            Box::pin(async move { tx.send(row).await })
-        }
-    }
-
-    /// The whole answer of a call that did not stream, as one event.
-    async fn whole(&self, text: &str) {
-        self.tx.send(self.row(Some(text.to_string()), false, None)).await;
-    }
-
-    /// Ends the events of a record that failed.
-    async fn failed(&self, error: &ModelError) {
-        let e = weir_io::EventError { kind: error.kind.as_str().to_string(), message: error.message.clone() };
-        self.tx.send(self.row(None, false, Some(e))).await;
-    }
 }
 
 /// Refuses to replace files that hold rows this run did not write (a file weir is resuming is
@@ -592,7 +449,32 @@ pub async fn run(
     };
     let mut total = if settings.progress { count()? } else { None };
     weir_runtime::sim::install(settings.sim_config.clone());
-    let endpoint = connect_model(&settings.model, &settings.provider, env).await?;
+    // The process's endpoints (their throttles, health and counters), with the run's limits;
+    // the run's model is connected now, so that a bad model or a missing key is said before
+    // any file is written.
+    let runtime = {
+        let env: HashMap<String, String> =
+            weir_providers::ENV_VARS.iter().filter_map(|k| env(k).map(|v| (k.to_string(), v))).collect();
+        let connector: weir_runtime::Connector = Arc::new(move |spec, options| {
+            let env = env.clone();
+            Box::pin(async move { weir_runtime::connect(&spec, &options, &|k| env.get(k).cloned()).await })
+        });
+        let throttle = ThrottleSettings {
+            max_concurrency: settings.max_concurrency,
+            adaptive: settings.adaptive,
+            rate: settings.rate.clone(),
+            sre_k: settings.sre_k,
+        };
+        let runtime_settings = weir_runtime::RuntimeSettings {
+            provider: settings.provider.clone(),
+            throttle,
+            driver: settings.driver.clone(),
+            cache: None,
+        };
+        weir_runtime::Runtime::with_connector(runtime_settings, connector)
+    };
+    let embed = settings.provider.task == weir_providers::Task::Embed;
+    runtime.connect_spec(&settings.model, embed).await?;
     let jobs_api = match &settings.batch_mode {
         // --mode auto runs online what cannot go to jobs.
         Some(b)
@@ -863,38 +745,21 @@ pub async fn run(
         (Some(_), None) => writer.events(),
     };
 
-    let metrics = Arc::new(RunMetrics::default());
-    let throttle_settings = ThrottleSettings {
-        max_concurrency: settings.max_concurrency,
-        adaptive: settings.adaptive,
-        rate: settings.rate.clone(),
-        sre_k: settings.sre_k,
-    };
-    let make_driver = {
-        let (metrics, cache, driver_settings) = (metrics.clone(), cache.clone(), settings.driver.clone());
-        move |handler: Arc<dyn weir_core::ModelHandler>| {
-            // One throttle per endpoint: every record of one model shares it.
-            let throttle = Arc::new(Throttle::new(&throttle_settings));
-            let mut d = Driver::new(handler, throttle, driver_settings.clone(), metrics.clone());
-            if let Some(c) = &cache {
-                d = d.with_cache(c.clone());
-            }
-            Arc::new(d)
-        }
-    };
-    let driver = make_driver(endpoint.handler.clone());
-    let endpoints = Arc::new(Endpoints {
-        default: driver.clone(),
-        field: settings.model_field.clone(),
-        provider: settings.provider.clone(),
-        env: weir_providers::ENV_VARS.iter().filter_map(|k| env(k).map(|v| (k.to_string(), v))).collect(),
-        make: Box::new(make_driver),
-        others: tokio::sync::Mutex::new(HashMap::new()),
-        residents: std::sync::Mutex::new(Vec::new()),
-    });
+    let metrics = runtime.totals().clone();
+    let router = Arc::new(
+        Router::new(
+            runtime.clone(),
+            &settings.model,
+            settings.model_field.clone(),
+            embed,
+            cache.clone().map(|c| c as Arc<dyn weir_core::ResponseCache>),
+        )
+        .await?,
+    );
+    let driver = router.default_driver().clone();
     let metrics_task = match settings.metrics_listen {
         Some(addr) => {
-            let task = crate::metrics_server::serve(addr, driver.clone())
+            let task = crate::metrics_server::serve(addr, runtime.clone())
                 .map_err(|e| RunError::Usage(format!("--metrics-listen {addr}: {e}")))?;
             tracing::info!("metrics on http://{addr}/metrics");
             Some(task)
@@ -1031,112 +896,17 @@ pub async fn run(
                 },
             )
             .boxed_local(),
-            _ => {
-                let routed = work.then({
-                    let endpoints = endpoints.clone();
-                    move |w| {
-                        let endpoints = endpoints.clone();
-                        async move {
-                            match w {
-                                Work::Call(record) => match endpoints.driver_for(&record).await {
-                                    Ok(d) => Routed::Call(d, record, Instant::now()),
-                                    Err(msg) => Routed::Done(Box::new(Failure::of(
-                                        record,
-                                        ModelError::new(ErrorKind::InvalidInput, msg),
-                                        0,
-                                    ))),
-                                },
-                                Work::Done(failure) => Routed::Done(failure),
-                                Work::ReadError(e) => Routed::ReadError(e),
-                            }
-                        }
-                    }
-                });
-                let mut batch_settings = settings.batch.clone();
-                batch_settings.max_items = driver.max_batch();
-                let batched = weir_core::batches(
-                    Box::pin(routed),
-                    batch_settings,
-                    |r: &Routed| match r {
-                        Routed::Call(d, record, _) => d.estimate(record),
-                        _ => 0,
-                    },
-                    |r: &Routed| match r {
-                        // One batch per endpoint; an endpoint that takes one record per call is not batched.
-                        Routed::Call(d, _, _) if d.max_batch() > 1 => Some(Arc::as_ptr(d) as usize),
-                        _ => None,
-                    },
-                );
-                let width = settings.max_concurrency.max(1) * 4;
-                batched
-                    .map(|mut batch| {
-                        let driver = driver.clone();
-                        let events = events.clone();
-                        // Sent now: how long each record waited for its batch.
-                        for r in &batch {
-                            if let Routed::Call(d, _, arrived) = r {
-                                if d.max_batch() > 1 {
-                                    d.metrics().record_batch_wait(arrived.elapsed());
-                                }
-                            }
-                        }
-                        async move {
-                            match batch.first() {
-                                // A batch for an endpoint that takes many records per call (perhaps of one).
-                                Some(Routed::Call(d, _, _)) if d.max_batch() > 1 => {
-                                    let d = d.clone();
-                                    let records = batch
-                                        .into_iter()
-                                        .filter_map(|r| match r {
-                                            Routed::Call(_, record, _) => Some(record),
-                                            _ => None,
-                                        })
-                                        .collect();
-                                    let outcomes = d.run_batch(records).await;
-                                    // An endpoint that answers many records per call cannot
-                                    // stream: each answer is one piece.
-                                    if let Some(tx) = &events {
-                                        for o in &outcomes {
-                                            match o {
-                                                Outcome::Success(s) => {
-                                                    StreamTo::new(tx.clone(), &s.record.id)
-                                                        .whole(&s.response.text)
-                                                        .await
-                                                }
-                                                Outcome::Failure(f) => {
-                                                    if let Some(id) = &f.id {
-                                                        StreamTo::new(tx.clone(), id).failed(&f.error).await
-                                                    }
-                                                }
-                                            }
-                                        }
-                                    }
-                                    outcomes.into_iter().map(Ok).collect()
-                                }
-                                // Anything else comes alone.
-                                _ => match batch.pop() {
-                                    Some(Routed::Call(d, record, _)) => match events {
-                                        Some(tx) => {
-                                            let to = StreamTo::new(tx, &record.id);
-                                            let outcome = d.run_streamed(record, to.consumer()).await;
-                                            if let Outcome::Failure(f) = &outcome {
-                                                to.failed(&f.error).await;
-                                            }
-                                            vec![Ok(outcome)]
-                                        }
-                                        None => vec![Ok(d.run(record).await)],
-                                    },
-                                    Some(Routed::Done(failure)) => vec![Ok(driver.reject(failure))],
-                                    Some(Routed::ReadError(e)) => vec![Err(e)],
-                                    None => Vec::new(),
-                                },
-                            }
-                        }
-                    })
-                    .buffer_unordered(width)
-                    .flat_map(futures::stream::iter)
-                    .boxed_local()
-            }
+            // Each record to its model's driver, gathered into batches for endpoints that take
+            // many records per call; everything else alone.
+            _ => weir_runtime::dispatch::outcomes(
+                work,
+                router.clone(),
+                weir_runtime::DispatchSettings {
+                    batch: settings.batch.clone(),
+                    width: settings.max_concurrency.max(1) * 4,
+                },
+                events.clone(),
+            ),
         };
     // Boxed, so it can be dropped before the writer finishes: a call it still holds may hold a
     // sender of stream events, and the writer ends only when every sender is gone.
@@ -1153,9 +923,6 @@ pub async fn run(
     // have no columns until they are read): any left at the end are named.
     let mut kept_seen: Vec<String> = settings.keep_columns.clone().unwrap_or_default();
     let mut rows_with_input = 0u64;
-    // Tokens paid for (not from the cache), by the model that answered: with --model-field a run
-    // calls several models, each at its own price (kept only then: one model needs no tally).
-    let mut paid_by_model: BTreeMap<Arc<str>, (u64, u64)> = BTreeMap::new();
     loop {
         let outcome = tokio::select! {
             o = outcomes.next() => match o {
@@ -1169,7 +936,7 @@ pub async fn run(
                         "weir: interrupted; letting calls in flight finish (up to {} s). Press Ctrl-C again to stop at once.",
                         settings.drain.as_secs()
                     ));
-                    start_drain(&endpoints, drain_deadline.as_mut(), settings.drain, "interrupted");
+                    start_drain(&router, drain_deadline.as_mut(), settings.drain, "interrupted");
                 }
                 continue;
             }
@@ -1180,7 +947,7 @@ pub async fn run(
                      the errors file as not finished.",
                     settings.drain.as_secs()
                 ));
-                start_drain(&endpoints, drain_deadline.as_mut(), settings.drain, OUTPUT_CLOSED);
+                start_drain(&router, drain_deadline.as_mut(), settings.drain, OUTPUT_CLOSED);
                 continue;
             }
             // Only a resumable run cuts calls still in flight at the drain deadline (their
@@ -1194,11 +961,6 @@ pub async fn run(
         // Rows are written (and made durable) by the writer thread, off this task.
         let row = match outcome {
             Ok(Outcome::Success(mut s)) => {
-                if settings.model_field.is_some() && s.attempts > 0 {
-                    let paid = paid_by_model.entry(s.model.clone()).or_default();
-                    paid.0 += s.response.usage.prompt_tokens;
-                    paid.1 += s.response.usage.output_tokens;
-                }
                 if let Some(keep) = &settings.keep_columns {
                     rows_with_input += 1;
                     kept_seen.retain(|k| !s.record.input.contains_key(k));
@@ -1254,7 +1016,7 @@ pub async fn run(
                                  Press Ctrl-C again to stop at once (they are lost then)."
                             ));
                         }
-                        start_drain(&endpoints, drain_deadline.as_mut(), settings.drain, "interrupted");
+                        start_drain(&router, drain_deadline.as_mut(), settings.drain, "interrupted");
                     }
                 }
                 // Only a resumable run gives up on a reader: its unwritten records are simply
@@ -1276,7 +1038,7 @@ pub async fn run(
     // once) before the loop saw it: the run was interrupted all the same.
     if !interrupted && *interrupts.borrow() >= 1 {
         interrupted = true;
-        endpoints.stop(StopReason { kind: ErrorKind::Aborted, message: "interrupted".into() });
+        router.stop(StopReason { kind: ErrorKind::Aborted, message: "interrupted".into() });
     }
     drop(outcomes);
     if !kept_seen.is_empty() && rows_with_input > 0 {
@@ -1295,7 +1057,7 @@ pub async fn run(
             changed = interrupts.changed(), if !interrupted => {
                 if changed.is_ok() && *interrupts.borrow() >= 1 {
                     interrupted = true;
-                    start_drain(&endpoints, drain_deadline.as_mut(), settings.drain, "interrupted");
+                    start_drain(&router, drain_deadline.as_mut(), settings.drain, "interrupted");
                 }
             }
             // A deadline already past (calls that outlived it) still leaves the writer a moment.
@@ -1311,13 +1073,7 @@ pub async fn run(
     if let Some(task) = metrics_task {
         task.abort();
     }
-    if let Some(r) = endpoint.resident {
-        r.shutdown().await;
-    }
-    let residents = std::mem::take(&mut *endpoints.residents.lock().unwrap_or_else(|e| e.into_inner()));
-    for r in residents {
-        r.shutdown().await;
-    }
+    runtime.shutdown().await;
     drop(cache);
     let state_path = state_dir.take().map(|s| s.dir.display().to_string());
     if let Err(e) = flushed {
@@ -1328,7 +1084,7 @@ pub async fn run(
     }
     // What a resume has left to do: every record of the input not in either file. Counted from
     // the input when it is a file; a stream cannot be counted again.
-    let stopped = interrupted || endpoints.stop_reason().is_some();
+    let stopped = interrupted || router.stop_reason().is_some();
     let unfinished = if !stopped {
         Some(0)
     } else if journal {
@@ -1340,7 +1096,7 @@ pub async fn run(
     let mut report = RunReport::new(
         &metrics,
         started.elapsed().max(Duration::from_micros(1)),
-        endpoints.stop_reason(),
+        router.stop_reason(),
         report_places(&settings),
         (result_rows, error_rows),
         (recovered.results, recovered.errors),
@@ -1365,10 +1121,19 @@ pub async fn run(
     // Tokens paid for by this run: not those of answers from the cache.
     let paid = metrics.paid_tokens();
     let online = (paid.0.saturating_sub(batch_tokens.0), paid.1.saturating_sub(batch_tokens.1));
-    report.other_limits = endpoints.other_limits();
+    // Every model's endpoint but the run's own, and what each model's tokens cost.
+    let endpoints = runtime.endpoints().await;
+    report.other_limits = endpoints
+        .iter()
+        .filter(|e| e.model != settings.model.to_string())
+        .map(|e| (e.model.clone(), e.concurrency, e.rate))
+        .collect();
     report.costs = match settings.model_field {
         // Records go to several models (never to jobs): each model's tokens at its price.
-        Some(_) => paid_by_model.iter().filter_map(|(m, t)| crate::cost::Cost::estimate(m, *t, (0, 0))).collect(),
+        Some(_) => endpoints
+            .iter()
+            .filter_map(|e| crate::cost::Cost::estimate(&e.model, e.metrics.paid_tokens(), (0, 0)))
+            .collect(),
         None => crate::cost::Cost::estimate(&settings.model.to_string(), online, batch_tokens).into_iter().collect(),
     };
     report.jobs = jobs;

@@ -9,8 +9,13 @@ use util::*;
 use weir_sim::{SimConfig, SimServer};
 
 /// A counter's value in a Prometheus text page.
-fn counter(page: &str, name: &str) -> u64 {
-    page.lines().find_map(|l| l.strip_prefix(name)?.trim().parse::<f64>().ok()).unwrap_or(0.0) as u64
+/// The sum of the series of counter `name` whose labels include `label` (every model's and
+/// endpoint's series of it).
+fn counter(page: &str, name: &str, label: &str) -> u64 {
+    page.lines()
+        .filter(|l| l.starts_with(&format!("{name}{{")) && l.contains(label))
+        .filter_map(|l| l.rsplit_once(' ')?.1.trim().parse::<f64>().ok())
+        .sum::<f64>() as u64
 }
 
 async fn metrics(port: u16) -> String {
@@ -113,7 +118,7 @@ async fn two_executors_answer_every_row_once() {
     // Both executors answered rows, and together they made one call per row.
     let mut per_executor = Vec::new();
     for p in &metric_ports {
-        per_executor.push(counter(&metrics(*p).await, "weir_records_total{outcome=\"success\"}"));
+        per_executor.push(counter(&metrics(*p).await, "weir_records_total", "outcome=\"success\""));
     }
     assert!(per_executor.iter().all(|n| *n > 0), "rows per executor: {per_executor:?}");
     assert_eq!(per_executor.iter().sum::<u64>(), 800, "rows per executor: {per_executor:?}");

@@ -442,14 +442,20 @@ async fn daily_quota_stops_the_run_and_the_next_day_resumes() {
     server.shutdown().await;
 }
 
+/// `/metrics` during a run: every series labelled by the model and the endpoint it is about,
+/// so a run that calls two models (`--model-field`) shows each one's calls and limits.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_are_served_in_the_prometheus_format_during_a_run() {
     let mut config = SimConfig::default();
     config.latency.fixed_ms = 100.0;
     let server = sim(config).await;
     let dir = Dir::new("metrics");
-    let (data, _) = prompts(300);
-    let input = dir.write("in.jsonl", &data);
+    let mut data = String::new();
+    for i in 0..300 {
+        let model = if i % 2 == 0 { "gemini/m" } else { "gemini/n" };
+        data.push_str(&format!("{{\"id\":\"r{i}\",\"prompt\":\"p {i}\",\"m\":\"{model}\"}}\n"));
+    }
+    let input = dir.write("in.jsonl", data.as_bytes());
     let out = dir.path("out.jsonl");
     let port = util::free_port().to_string();
     let listen = format!("127.0.0.1:{port}");
@@ -458,6 +464,8 @@ async fn metrics_are_served_in_the_prometheus_format_during_a_run() {
             "run",
             "--model",
             "gemini/m",
+            "--model-field",
+            "m",
             "--base-url",
             &server.url(),
             "--input",
@@ -474,19 +482,36 @@ async fn metrics_are_served_in_the_prometheus_format_during_a_run() {
     tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
     let text = reqwest::get(format!("http://{listen}/metrics")).await.unwrap().text().await.unwrap();
     for name in [
-        "weir_records_total{outcome=\"success\"}",
-        "weir_calls_total",
-        "weir_throttled_microseconds_total",
-        "weir_rate_limited_total",
-        "weir_concurrency_limit",
         "# TYPE weir_tokens_total counter",
         "# TYPE weir_call_seconds histogram",
-        "weir_call_seconds_bucket{le=\"0.25\"}",
+        "weir_call_seconds_bucket{",
+        "weir_throttled_microseconds_total{",
+        "weir_rate_limited_total{",
     ] {
         assert!(text.contains(name), "{name} missing from:\n{text}");
     }
-    let calls: f64 = text.lines().find(|l| l.starts_with("weir_calls_total ")).unwrap()[17..].trim().parse().unwrap();
-    assert!(calls > 0.0);
+    let endpoint = format!("endpoint=\"{}", server.url());
+    // A series of `name` about `model`, labelled with the endpoint too, and its value.
+    let series = |name: &str, model: &str, more: &str| -> Option<f64> {
+        text.lines()
+            .filter(|l| l.starts_with(&format!("{name}{{")))
+            .find(|l| l.contains(&format!("model=\"{model}\"")) && l.contains(&endpoint) && l.contains(more))?
+            .rsplit_once(' ')?
+            .1
+            .trim()
+            .parse()
+            .ok()
+    };
+    for model in ["gemini/m", "gemini/n"] {
+        let calls = series("weir_calls_total", model, "").unwrap_or_else(|| panic!("{model}: no calls in:\n{text}"));
+        assert!(calls > 0.0, "{model}: {calls} calls");
+        assert!(series("weir_records_total", model, "outcome=\"success\"").is_some(), "{model}:\n{text}");
+        assert!(series("weir_concurrency_limit", model, "").is_some(), "{model}: no gauge in:\n{text}");
+    }
+    // Every series says which model it is about: none is left without the labels.
+    for l in text.lines().filter(|l| l.starts_with("weir_") && !l.starts_with("weir_call_seconds_")) {
+        assert!(l.contains("model=\"") && l.contains("endpoint=\""), "a series without its model: {l}");
+    }
     let o = child.wait_with_output().await.unwrap();
     assert_eq!(o.status.code(), Some(0));
     server.shutdown().await;

@@ -538,7 +538,8 @@ async fn stream_latencies_are_histograms_at_metrics() {
     let _ = child.start_kill();
     let bucket = |name: &str, le: &str| {
         text.lines()
-            .find(|l| l.starts_with(&format!("{name}_bucket{{le=\"{le}\"}}")))
+            // The run's one model: its series (labelled by model and endpoint) for bucket `le`.
+            .find(|l| l.starts_with(&format!("{name}_bucket{{")) && l.contains(&format!("le=\"{le}\"}}")))
             .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
             .unwrap_or_else(|| panic!("no {name} bucket {le} in {text}"))
     };
