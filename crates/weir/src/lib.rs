@@ -5,6 +5,7 @@
 
 pub mod batch_front;
 pub mod cost;
+mod input;
 pub mod metrics_server;
 pub mod pipeline;
 pub mod report;

@@ -16,15 +16,15 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::Instant;
 use weir_core::{
-    DriverSettings, ErrorKind, Failure, ModelError, Outcome, PromptSource, RateSettings, RecordSpec, StopReason,
-    ThrottleSettings,
+    DriverSettings, ErrorKind, Outcome, PromptSource, RateSettings, RecordSpec, StopReason, ThrottleSettings,
 };
-use weir_io::state::{self, finished_key, id_key, RunIdentity};
+use weir_io::state::{self, RunIdentity};
 use weir_io::{DiskCache, InputPath, JsonlWriter, OutputPath};
 use weir_providers::{ModelSpec, ProviderError, ProviderOptions};
 
+use crate::input::Input;
 use crate::report::{Progress, RunReport};
-use weir_runtime::{Router, Work};
+use weir_runtime::Router;
 
 /// Where a run keeps what makes it resumable.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -389,93 +389,233 @@ pub async fn run(
     interrupts: watch::Receiver<u32>,
 ) -> Result<RunReport, RunError> {
     // Everything that can be wrong with the command is checked before any file is written.
-    let input_name = match &settings.input {
-        InputPath::File(p) => p.display().to_string(),
-        InputPath::Stdin => "-".to_string(),
-    };
-    // A stream (stdin, a FIFO, `<(cmd)`, /dev/stdin) can be read only once: it is never read to
-    // be identified or counted, and an earlier run's state is not resumed from it silently.
-    // A table (CSV, Parquet, many files, an object store) is read through weir-tables; a local
-    // JSONL file or stdin directly.
-    let table_input = match &settings.table_input {
-        Some(t) => {
-            let mut input =
-                weir_tables::TableInput::open(&t.spec, t.format, &text_columns(&settings), t.csv_delimiter, env)
-                    .await
-                    .map_err(table_error)?;
-            // A directory or glob may hold this run's own outputs and state (`--input data/
-            // --output data/results.jsonl`): they are never read as input, or a resumed run
-            // would read its own results.
-            let own = own_paths(&settings);
-            let inside = |url: &str, o: &String| url == o || url.starts_with(&format!("{}/", o.trim_end_matches('/')));
-            input.retain(|url| !own.iter().any(|o| inside(url, o))).map_err(table_error)?;
-            Some(input)
-        }
-        None => None,
-    };
-    let input_file = match &settings.input {
-        InputPath::File(p) if table_input.is_none() && !settings.follow && !weir_io::paths::is_stream(p) => {
-            Some(p.clone())
-        }
-        _ => None,
-    };
-    // Input that may never end (stdin, a FIFO, a followed file): every row is handed on as soon
-    // as it is known, not when a buffer fills.
-    let live_input = table_input.is_none() && input_file.is_none();
-    let source = match (&table_input, &settings.input) {
-        (Some(t), _) => t.lines(),
-        (None, InputPath::File(p)) if settings.follow => {
-            weir_io::source::follow(p.clone(), weir_io::source::FOLLOW_POLL).boxed()
-        }
-        (None, _) => weir_io::source::lines(
-            weir_io::source::open(&settings.input)
-                .await
-                .map_err(|e| RunError::Usage(format!("cannot read --input {input_name}: {e}")))?,
-        )
-        .boxed(),
-    };
-    // The number of records is an extra pass over the input: made only when something shows it
-    // (the progress bar, the resume message, an interrupted run's summary). A table's is
-    // counted once, here, if anything may show it (Parquet footers say it at once).
-    let table_count = match &table_input {
-        Some(t) if settings.progress || settings.state != StateMode::Off => t.count().await,
-        _ => None,
-    };
-    let count = || match &input_file {
-        Some(p) => weir_io::count_records(p)
-            .map(Some)
-            .map_err(|e| RunError::Usage(format!("cannot read --input {}: {e}", p.display()))),
-        None => Ok(table_count),
-    };
-    let mut total = if settings.progress { count()? } else { None };
+    let mut input = Input::open(&settings, env).await?;
+    let live_input = input.live;
+    let total = if settings.progress { input.count()? } else { None };
     weir_runtime::sim::install(settings.sim_config.clone());
     // The process's endpoints (their throttles, health and counters), with the run's limits;
     // the run's model is connected now, so that a bad model or a missing key is said before
     // any file is written.
-    let runtime = {
-        let env: HashMap<String, String> =
-            weir_providers::ENV_VARS.iter().filter_map(|k| env(k).map(|v| (k.to_string(), v))).collect();
-        let connector: weir_runtime::Connector = Arc::new(move |spec, options| {
-            let env = env.clone();
-            Box::pin(async move { weir_runtime::connect(&spec, &options, &|k| env.get(k).cloned()).await })
-        });
-        let throttle = ThrottleSettings {
-            max_concurrency: settings.max_concurrency,
-            adaptive: settings.adaptive,
-            rate: settings.rate.clone(),
-            sre_k: settings.sre_k,
-        };
-        let runtime_settings = weir_runtime::RuntimeSettings {
-            provider: settings.provider.clone(),
-            throttle,
-            driver: settings.driver.clone(),
-            cache: None,
-        };
-        weir_runtime::Runtime::with_connector(runtime_settings, connector)
-    };
+    let runtime = runtime_for(&settings, env);
     let embed = settings.provider.task == weir_providers::Task::Embed;
     runtime.connect_spec(&settings.model, embed).await?;
-    let jobs_api = match &settings.batch_mode {
+    let jobs_api = jobs_api(&settings, env)?;
+
+    // The output files claimed and the state directory opened: what an earlier run finished.
+    let mut resumed = resume(&settings, &input, jobs_api.as_ref(), &interrupts, env, total).await?;
+    // The writers: rows to files, or to a table's parts; events beside them.
+    let (writer, events_writer) = start_writers(&settings, &input, env, &mut resumed).await?;
+    // The table locks are held (and the state directory's lock) until the run ends.
+    let Resumed {
+        mut state_dir, mut recovered, cache, resuming, jobs_ledger, journal, total, table_locks: _locks, ..
+    } = resumed;
+    let events = match (&settings.stream, &events_writer) {
+        (None, _) => None,
+        (Some(_), Some(w)) => w.events(),
+        (Some(_), None) => writer.events(),
+    };
+
+    let metrics = runtime.totals().clone();
+    let router = Arc::new(
+        Router::new(
+            runtime.clone(),
+            &settings.model,
+            settings.model_field.clone(),
+            embed,
+            cache.clone().map(|c| c as Arc<dyn weir_core::ResponseCache>),
+        )
+        .await?,
+    );
+    let driver = router.default_driver().clone();
+    let metrics_task = match settings.metrics_listen {
+        Some(addr) => {
+            let task = crate::metrics_server::serve(addr, runtime.clone())
+                .map_err(|e| RunError::Usage(format!("--metrics-listen {addr}: {e}")))?;
+            tracing::info!("metrics on http://{addr}/metrics");
+            Some(task)
+        }
+        None => None,
+    };
+    let remaining = total.map(|t| t.saturating_sub(recovered.finished_count()));
+    let progress = Progress::start(settings.progress, remaining, metrics.clone());
+    let started = Instant::now();
+
+    // Fed again with --resume-stream, the same records may come in another order or with
+    // others between them: with --id-field, the id alone says a record is finished.
+    let skip = crate::input::Skip {
+        finished: std::mem::take(&mut recovered.finished),
+        finished_ids: std::mem::take(&mut recovered.finished_ids),
+        by_id: settings.resume_stream && settings.records.id_field.is_some(),
+    };
+    let mut first_interrupt = interrupts.clone();
+    // The results' reader going away (`--output - | head`) ends the run as an interrupt does.
+    let output_closed = writer.output_closed();
+    let mut closed_input = output_closed.clone();
+    // With a journal, an interrupted run stops reading: what it did not read, the next run does.
+    // Without one, it reads on, and every record left gets an `aborted` row, so none is dropped
+    // — unless the input may never end (an open pipe, a followed file): then it stops reading
+    // too, and what it did not read stays unread, as with any consumer of a pipe that stops.
+    let input_stop = async move {
+        if journal || live_input {
+            tokio::select! {
+                _ = first_interrupt.wait_for(|n| *n >= 1) => {}
+                _ = closed_input.wait_for(|c| *c) => {}
+            }
+        } else {
+            std::future::pending::<()>().await;
+        }
+    };
+    let work = input.records(settings.records.clone(), skip, input_stop);
+    let tally = Arc::new(std::sync::Mutex::new(crate::batch_front::JobsTally::default()));
+    // --mode auto: jobs for a large input (or to re-attach to an earlier run's jobs), else online.
+    let jobs_api =
+        choose_jobs(&settings, jobs_api, &input, total, resuming && jobs_ledger.as_deref().is_some_and(has_jobs))
+            .await?;
+    let used_jobs = jobs_api.is_some();
+    let outcomes: futures::stream::LocalBoxStream<'_, Result<Outcome, std::io::Error>> =
+        match (jobs_api, &settings.batch_mode, jobs_ledger.clone()) {
+            (Some(api), Some(mode), Some(ledger)) => crate::batch_front::outcomes(
+                work,
+                crate::batch_front::JobsRun {
+                    driver: driver.clone(),
+                    api,
+                    ledger,
+                    fresh: !resuming,
+                    mode: mode.clone(),
+                    interrupts: interrupts.clone(),
+                    progress: settings.progress,
+                    max_concurrency: settings.max_concurrency,
+                    tally: tally.clone(),
+                },
+            )
+            .boxed_local(),
+            // Each record to its model's driver, gathered into batches for endpoints that take
+            // many records per call; everything else alone.
+            _ => weir_runtime::dispatch::outcomes(
+                work,
+                router.clone(),
+                weir_runtime::DispatchSettings {
+                    batch: settings.batch.clone(),
+                    width: settings.max_concurrency.max(1) * 4,
+                },
+                events.clone(),
+            ),
+        };
+
+    // Outcomes to rows, until the input ends or the run is stopped, and the writers finished.
+    let Drained { rows: (result_rows, error_rows), flushed, interrupted, not_written, mut fatal } = drain(
+        outcomes,
+        writer,
+        Stops { interrupts, output_closed, router: &router, progress: &progress, journal },
+        &settings,
+    )
+    .await?;
+    let flushed = match events_writer {
+        Some(w) => flushed.and(w.finish().await.1),
+        None => flushed,
+    };
+    progress.finish();
+    if let Some(task) = metrics_task {
+        task.abort();
+    }
+    runtime.shutdown().await;
+    drop(cache);
+    let state_path = state_dir.take().map(|s| s.dir.display().to_string());
+    if let Err(e) = flushed {
+        fatal.get_or_insert(format!("writing rows failed: {e}"));
+    }
+    if let Some(msg) = fatal {
+        return Err(RunError::Fatal(msg));
+    }
+    // What a resume has left to do: every record of the input not in either file. Counted from
+    // the input when it is a file; a stream cannot be counted again.
+    let stopped = interrupted || router.stop_reason().is_some();
+    let unfinished = if !stopped {
+        Some(0)
+    } else if journal {
+        let done = recovered.results + recovered.errors + result_rows + error_rows;
+        input.count()?.map(|t| t.saturating_sub(done))
+    } else {
+        Some(not_written)
+    };
+    let mut report = RunReport::new(
+        &metrics,
+        started.elapsed().max(Duration::from_micros(1)),
+        router.stop_reason(),
+        report_places(&settings),
+        (result_rows, error_rows),
+        (recovered.results, recovered.errors),
+        unfinished,
+        state_path,
+        driver.concurrency(),
+        driver.rate_snapshot(),
+    );
+    // Answers written as error rows once the output's reader went away are not failures the
+    // calls counted: counted here, so the summary's kinds add up to its failed records.
+    if report.output_closed() {
+        let counted: u64 = report.failures.values().sum();
+        if report.failed > counted {
+            *report.failures.entry(ErrorKind::Aborted).or_default() += report.failed - counted;
+        }
+    }
+    // Shown when records went to jobs (not when the cache answered them all).
+    let jobs = used_jobs
+        .then(|| tally.lock().unwrap_or_else(|e| e.into_inner()).clone())
+        .filter(|t| *t != crate::batch_front::JobsTally::default());
+    let batch_tokens = jobs.as_ref().map_or((0, 0), |j| j.tokens);
+    // Tokens paid for by this run: not those of answers from the cache.
+    let paid = metrics.paid_tokens();
+    let online = (paid.0.saturating_sub(batch_tokens.0), paid.1.saturating_sub(batch_tokens.1));
+    // Every model's endpoint but the run's own, and what each model's tokens cost.
+    let endpoints = runtime.endpoints().await;
+    report.other_limits = endpoints
+        .iter()
+        .filter(|e| e.model != settings.model.to_string())
+        .map(|e| (e.model.clone(), e.concurrency, e.rate))
+        .collect();
+    report.costs = match settings.model_field {
+        // Records go to several models (never to jobs): each model's tokens at its price.
+        Some(_) => endpoints
+            .iter()
+            .filter_map(|e| crate::cost::Cost::estimate(&e.model, e.metrics.paid_tokens(), (0, 0)))
+            .collect(),
+        None => crate::cost::Cost::estimate(&settings.model.to_string(), online, batch_tokens).into_iter().collect(),
+    };
+    report.jobs = jobs;
+    Ok(report)
+}
+
+/// The process's endpoints (`weir_runtime`), with the run's limits and timeouts, connecting
+/// with the keys `env` holds.
+fn runtime_for(settings: &RunSettings, env: &(dyn Fn(&str) -> Option<String> + Sync)) -> Arc<weir_runtime::Runtime> {
+    let env: HashMap<String, String> =
+        weir_providers::ENV_VARS.iter().filter_map(|k| env(k).map(|v| (k.to_string(), v))).collect();
+    let connector: weir_runtime::Connector = Arc::new(move |spec, options| {
+        let env = env.clone();
+        Box::pin(async move { weir_runtime::connect(&spec, &options, &|k| env.get(k).cloned()).await })
+    });
+    let throttle = ThrottleSettings {
+        max_concurrency: settings.max_concurrency,
+        adaptive: settings.adaptive,
+        rate: settings.rate.clone(),
+        sre_k: settings.sre_k,
+    };
+    let runtime_settings = weir_runtime::RuntimeSettings {
+        provider: settings.provider.clone(),
+        throttle,
+        driver: settings.driver.clone(),
+        cache: None,
+    };
+    weir_runtime::Runtime::with_connector(runtime_settings, connector)
+}
+
+/// The provider's batch-job API when the run asks for jobs (`--mode batch`, or `--mode auto`
+/// where jobs are possible), after checking the command can use them.
+fn jobs_api(
+    settings: &RunSettings,
+    env: &(dyn Fn(&str) -> Option<String> + Sync),
+) -> Result<Option<Arc<dyn weir_core::JobApi>>, RunError> {
+    Ok(match &settings.batch_mode {
         // --mode auto runs online what cannot go to jobs.
         Some(b)
             if b.auto_min_records.is_some() && (settings.model_field.is_some() || settings.state == StateMode::Off) =>
@@ -512,163 +652,77 @@ pub async fn run(
             }
         }
         None => None,
-    };
+    })
+}
 
-    // The output files, opened (never truncated yet) and locked against other weir processes.
-    let tables_out = settings.table_output.clone();
-    // A followed file that a resumable run will know again: by its first line, so an empty one
-    // is waited on until that line is written.
-    let followed = match &settings.input {
-        InputPath::File(p) if settings.follow && settings.state != StateMode::Off => {
-            Some(wait_for_first_line(p, &interrupts).await?)
-        }
-        _ => None,
-    };
-    let events_path = match &settings.stream {
-        Some(EventsTo::Path(p)) => Some(p.clone()),
-        _ => None,
-    };
-    // Files this run creates are removed again if the command is refused before it starts, so
-    // that a refused command leaves nothing behind.
-    let mut created = Created::default();
-    // A table output is written through weir-tables, not opened here.
-    let (mut out_file, mut err_file) = match &tables_out {
-        Some(_) => (None, None),
-        None => (
-            claim_path(&settings.output, "--output", &interrupts, &mut created).await?,
-            claim_path(&settings.errors, "--errors", &interrupts, &mut created).await?,
-        ),
-    };
-    let mut events_file = match &events_path {
-        Some(p) => claim_path(p, "--events", &interrupts, &mut created).await?,
-        None => None,
-    };
-
-    // The state directory: identity check, lock, recovery of an earlier run's outputs.
-    let mut state_dir = None;
-    let mut recovered = state::Recovered::default();
-    let mut cache = None;
-    let mut resuming = false;
-    let mut table_journal = None;
-    let mut table_locks: Vec<TableLock> = Vec::new();
-    let mut next_part = 0;
-    let mut jobs_ledger: Option<PathBuf> = None;
-    let journal = match (&settings.state, &settings.output, &settings.errors) {
-        (state_mode, _, _) if tables_out.is_some() => {
-            let t = tables_out.as_ref().expect("a table output");
-            // The errors table too: another run's output or errors table named as this run's
-            // errors is refused, not cleared and overwritten.
-            for (location, flag) in [(&t.results, "--output"), (&t.errors, "--errors")] {
-                table_locks.extend(TableLock::take(location, flag)?);
-            }
-            let mut committed = weir_tables::Committed::default();
-            let mut run_id = None;
-            let journaled = if let StateMode::Dir(dir) = state_mode {
-                let name = table_state_name(&t.results);
-                let id = identity(&settings, None, table_input.as_ref(), followed.as_deref())?;
-                let ledger = weir_batch::Ledger::path_in(dir, &name);
-                guard_jobs(&ledger, jobs_api.as_ref(), &settings, &t.results.display).await?;
-                let (sd, resume) =
-                    state::open(dir, &name, &id, settings.fresh).map_err(|e| refused_with_jobs(e, &ledger))?;
-                resuming = resume;
-                if resuming && live_input && !settings.follow && !settings.resume_stream {
-                    return Err(stream_resume_refused(&t.results.display, &input_name));
+/// `--mode auto`: jobs for a large input (or to re-attach to an earlier run's jobs), else
+/// online calls; without `--mode`, a run whose earlier run left jobs is refused (they hold its
+/// records).
+async fn choose_jobs(
+    settings: &RunSettings,
+    jobs_api: Option<Arc<dyn weir_core::JobApi>>,
+    input: &Input,
+    total: Option<u64>,
+    earlier_jobs: bool,
+) -> Result<Option<Arc<dyn weir_core::JobApi>>, RunError> {
+    Ok(match (&settings.batch_mode, jobs_api) {
+        (Some(b), Some(api)) if b.auto_min_records.is_some() => {
+            let min = b.auto_min_records.unwrap_or(0);
+            let known = if total.is_none() { input.count()? } else { total };
+            // A server without the Batch API (vLLM's OpenAI server, say) answers its routes 404.
+            let available = match api.find("weir-probe").await {
+                Err(e) if e.kind == ErrorKind::BadRequest => {
+                    tracing::info!("--mode auto: no batch jobs at this endpoint ({e})");
+                    false
                 }
-                jobs_ledger = Some(ledger);
-                let path = dir.join("runs").join(format!("{name}.journal"));
-                let (j, c) = weir_tables::Journal::open(&path, !resuming)
-                    .map_err(|e| RunError::Fatal(format!("the journal {}: {e}", path.display())))?;
-                committed = c;
-                table_journal = Some(j);
-                state_dir = Some(sd);
-                run_id = Some(id);
-                true
-            } else {
-                false
+                _ => true,
             };
-            let replace = settings.overwrite || settings.fresh;
-            for (location, table) in
-                [(&t.results, weir_tables::journal::Table::Results), (&t.errors, weir_tables::journal::Table::Errors)]
+            let large = available && known.is_some_and(|n| n >= min);
             {
-                weir_tables::prepare(location, table, &committed, resuming, replace, env).await.map_err(table_error)?;
+                let how = if large || earlier_jobs { "batch jobs" } else { "online calls" };
+                let n = known.map_or("a stream of".to_string(), crate::report::thousands);
+                eprintln!(
+                    "weir: --mode auto: {n} records → {how}{} (batch jobs from {} records)",
+                    if large || earlier_jobs { "" } else { " at the full price" },
+                    crate::report::thousands(min)
+                );
             }
-            if journaled {
-                if let (false, Some(sd), Some(id)) = (resuming, &state_dir, &run_id) {
-                    sd.record(id).map_err(|e| RunError::Usage(e.to_string()))?;
-                }
-                next_part = committed.next_part();
-                recovered.results = committed.rows(weir_tables::journal::Table::Results);
-                recovered.errors = committed.rows(weir_tables::journal::Table::Errors);
-                recovered.finished = committed.finished;
-                if resuming {
-                    if total.is_none() {
-                        total = count()?;
-                    }
-                    announce_resume(&recovered, total);
-                }
-                if let (true, StateMode::Dir(dir)) = (settings.cache, state_mode) {
-                    cache = Some(open_cache(dir)?);
-                }
-            }
-            journaled
+            (large || earlier_jobs).then_some(api)
         }
-        (StateMode::Dir(dir), OutputPath::File(out), OutputPath::File(errs)) => {
-            let name = state::output_state_name(out, dir);
-            let id = identity(&settings, input_file.as_deref(), table_input.as_ref(), followed.as_deref())?;
-            let ledger = weir_batch::Ledger::path_in(dir, &name);
-            guard_jobs(&ledger, jobs_api.as_ref(), &settings, &out.display().to_string()).await?;
-            let (sd, resume) =
-                state::open(dir, &name, &id, settings.fresh).map_err(|e| refused_with_jobs(e, &ledger))?;
-            resuming = resume;
-            jobs_ledger = Some(ledger);
-            if resuming && live_input && !settings.follow && !settings.resume_stream {
-                return Err(stream_resume_refused(&out.display().to_string(), &input_name));
-            }
-            check_not_foreign(
-                &[&out_file, &err_file, &events_file],
-                resuming || settings.fresh || settings.overwrite,
-                false,
-            )?;
-            if !resuming {
-                sd.record(&id).map_err(|e| RunError::Usage(e.to_string()))?;
-            }
-            if resuming {
-                recovered = state::recover(out, errs, settings.retry_errors).map_err(|e| {
-                    let msg = format!("recovering the earlier run's outputs: {e}");
-                    // A line that is not a row is the user's to fix; other failures are I/O.
-                    if e.kind() == std::io::ErrorKind::InvalidData {
-                        RunError::Usage(msg)
-                    } else {
-                        RunError::Fatal(msg)
-                    }
-                })?;
-                if recovered.requeued > 0 {
-                    // The errors file was replaced by a rewritten one: write (and lock) that one.
-                    err_file = claim_path(&settings.errors, "--errors", &interrupts, &mut created).await?;
-                }
-                if total.is_none() {
-                    total = count()?;
-                }
-                announce_resume(&recovered, total);
-            } else if settings.retry_errors {
-                return Err(RunError::Usage(
-                    "--retry-errors needs the state of an earlier run of the same command (none found)".into(),
-                ));
-            }
-            if settings.cache {
-                cache = Some(open_cache(dir)?);
-            }
-            state_dir = Some(sd);
-            true
+        (None, _) if earlier_jobs => {
+            return Err(RunError::Usage(
+                "an earlier run of this command submitted batch jobs, which hold its records: resume with \
+                 --mode batch (it re-attaches to them), or start over with --fresh (and `weir batch cancel` the \
+                 old jobs)"
+                    .into(),
+            ))
         }
-        _ => {
-            check_not_foreign(&[&out_file, &err_file, &events_file], settings.overwrite, true)?;
-            false
-        }
-    };
-    if tables_out.is_some() {
-        check_not_foreign(&[&events_file], resuming || settings.fresh || settings.overwrite, false)?;
-    }
+        (_, api) => api,
+    })
+}
+
+/// The files the resume stage claimed.
+#[derive(Default)]
+struct Claimed {
+    out_file: Option<(PathBuf, std::fs::File)>,
+    err_file: Option<(PathBuf, std::fs::File)>,
+    events_file: Option<(PathBuf, std::fs::File)>,
+    /// Files this run made, removed again if it is refused before it starts.
+    created: Created,
+}
+
+/// Starts the writer threads: the rows to the claimed files (truncated now, unless resumed) or
+/// to a table's parts, and the events to a writer of their own where they are not lines of
+/// the results. From here on, a table directory the run made stays.
+async fn start_writers(
+    settings: &RunSettings,
+    input: &Input,
+    env: &(dyn Fn(&str) -> Option<String> + Sync),
+    resumed: &mut Resumed,
+) -> Result<(weir_io::RowWriter, Option<weir_io::RowWriter>), RunError> {
+    let tables_out = &settings.table_output;
+    let Claimed { mut out_file, mut err_file, mut events_file, mut created } = std::mem::take(&mut resumed.files);
+    let (resuming, journal, live_input) = (resumed.resuming, resumed.journal, input.live);
     let open = |claimed: &mut Option<(PathBuf, std::fs::File)>| match claimed.take() {
         None => Ok(JsonlWriter::stdout()),
         Some((path, f)) => {
@@ -679,7 +733,8 @@ pub async fn run(
                 .map_err(|e| RunError::Usage(format!("cannot write {}: {e}", path.display())))
         }
     };
-    let on_sync: Option<Box<dyn Fn() + Send + Sync>> = cache.clone().map(|c| Box::new(move || c.checkpoint()) as _);
+    let on_sync: Option<Box<dyn Fn() + Send + Sync>> =
+        resumed.cache.clone().map(|c| Box::new(move || c.checkpoint()) as _);
     // A table's rows are not lines of a file: its events get a writer thread of their own.
     let mut events_writer = None;
     let writer = match &tables_out {
@@ -704,7 +759,7 @@ pub async fn run(
                 .map_err(|e| RunError::Fatal(format!("cannot start the writer thread: {e}")))?
         }
         Some(t) => {
-            let input_schema = table_columns(&settings, t, table_input.as_ref(), input_file.as_deref(), env).await?;
+            let input_schema = table_columns(settings, t, input.table.as_ref(), input.file.as_deref(), env).await?;
             let table_settings = weir_tables::TableSettings {
                 results: t.results.clone(),
                 results_format: t.results_format,
@@ -713,7 +768,7 @@ pub async fn run(
                 input_schema,
                 keep: settings.keep_columns.clone(),
                 id_field: settings.records.id_field.clone(),
-                task: table_task(&settings),
+                task: table_task(settings),
                 part_bytes: t.part_bytes,
                 checkpoint: t.checkpoint,
                 env: weir_tables::location::ENV_VARS
@@ -730,190 +785,57 @@ pub async fn run(
                         .map_err(|e| RunError::Fatal(format!("cannot start the events writer: {e}")))?,
                 );
             }
-            weir_tables::spawn(table_settings, table_journal.take(), next_part)
+            weir_tables::spawn(table_settings, resumed.table_journal.take(), resumed.next_part)
                 .map_err(|e| RunError::Fatal(format!("cannot start the table writer: {e}")))?
         }
     };
     // From here on the run writes: a table directory it made stays. (A usage error found
     // while setting up the writer, such as a --keep-columns the input lacks, leaves nothing.)
-    for l in &mut table_locks {
+    for l in &mut resumed.table_locks {
         l.started = true;
     }
-    let events = match (&settings.stream, &events_writer) {
-        (None, _) => None,
-        (Some(_), Some(w)) => w.events(),
-        (Some(_), None) => writer.events(),
-    };
+    Ok((writer, events_writer))
+}
 
-    let metrics = runtime.totals().clone();
-    let router = Arc::new(
-        Router::new(
-            runtime.clone(),
-            &settings.model,
-            settings.model_field.clone(),
-            embed,
-            cache.clone().map(|c| c as Arc<dyn weir_core::ResponseCache>),
-        )
-        .await?,
-    );
-    let driver = router.default_driver().clone();
-    let metrics_task = match settings.metrics_listen {
-        Some(addr) => {
-            let task = crate::metrics_server::serve(addr, runtime.clone())
-                .map_err(|e| RunError::Usage(format!("--metrics-listen {addr}: {e}")))?;
-            tracing::info!("metrics on http://{addr}/metrics");
-            Some(task)
-        }
-        None => None,
-    };
-    let remaining = total.map(|t| t.saturating_sub(recovered.finished_count()));
-    let progress = Progress::start(settings.progress, remaining, metrics.clone());
-    let started = Instant::now();
+/// What the drain stage hands on: the rows written, and how the run ended.
+struct Drained {
+    /// Result rows and error rows written by this run.
+    rows: (u64, u64),
+    /// Whether every row was made durable.
+    flushed: std::io::Result<()>,
+    /// The run was interrupted (Ctrl-C, or the output's reader went away).
+    interrupted: bool,
+    /// Records with no row, when the run keeps no journal (they are counted as unfinished).
+    not_written: u64,
+    /// Why the run failed, if it did (the input could not be read, rows could not be written).
+    fatal: Option<String>,
+}
 
-    let spec = settings.records.clone();
-    let check_duplicates = spec.id_field.is_some();
-    let finished = std::mem::take(&mut recovered.finished);
-    // Fed again with --resume-stream, the same records may come in another order or with
-    // others between them: with --id-field, the id alone says a record is finished.
-    let finished_ids = std::mem::take(&mut recovered.finished_ids);
-    let by_id = settings.resume_stream && settings.records.id_field.is_some();
-    // Ids are registered in input order, finished lines included, so "an earlier line has it"
-    // is true of the input whatever order the rows were written in (a first occurrence that an
-    // interruption left unfinished is still the first).
-    let mut seen = weir_io::KeySet::new();
-    let mut first_interrupt = interrupts.clone();
-    // The results' reader going away (`--output - | head`) ends the run as an interrupt does.
-    let mut output_closed = writer.output_closed();
-    let mut closed_input = output_closed.clone();
-    // With a journal, an interrupted run stops reading: what it did not read, the next run does.
-    // Without one, it reads on, and every record left gets an `aborted` row, so none is dropped
-    // — unless the input may never end (an open pipe, a followed file): then it stops reading
-    // too, and what it did not read stays unread, as with any consumer of a pipe that stops.
-    let input_stop = async move {
-        if journal || live_input {
-            tokio::select! {
-                _ = first_interrupt.wait_for(|n| *n >= 1) => {}
-                _ = closed_input.wait_for(|c| *c) => {}
-            }
-        } else {
-            std::future::pending::<()>().await;
-        }
-    };
-    let work = source.take_until(input_stop).filter_map(move |line| {
-        let item = match line {
-            Err(e) => Some(Work::ReadError(e)),
-            // A record that could not be read (a CSV line of the wrong width, an unreadable
-            // Parquet row group) is an error row naming where it was.
-            Ok(raw) if raw.malformed.is_some() => (!finished.contains(&finished_key(None, raw.line))).then(|| {
-                Work::Done(Box::new(Failure {
-                    id: None,
-                    line: raw.line,
-                    input: None,
-                    raw: (!raw.bytes.is_empty()).then(|| String::from_utf8_lossy(&raw.bytes).into_owned()),
-                    error: ModelError::new(ErrorKind::InvalidInput, raw.malformed.unwrap_or_default()),
-                    attempts: 0,
-                }))
-            }),
-            Ok(raw) => match spec.parse(raw.line, &raw.bytes) {
-                Err(failure) => (!finished.contains(&finished_key(failure.id.as_ref(), failure.line)))
-                    .then_some(Work::Done(failure)),
-                Ok(record) => {
-                    let first = !check_duplicates || seen.insert(id_key(&record.id));
-                    if finished.contains(&finished_key(Some(&record.id), record.line))
-                        || (by_id && finished_ids.contains(&id_key(&record.id)))
-                    {
-                        None
-                    } else if !first {
-                        let msg =
-                            format!("line {}: duplicate id '{}' (an earlier line has it)", record.line, record.id);
-                        Some(Work::Done(Box::new(Failure::of(
-                            record,
-                            ModelError::new(ErrorKind::InvalidInput, msg),
-                            0,
-                        ))))
-                    } else {
-                        Some(Work::Call(record))
-                    }
-                }
-            },
-        };
-        futures::future::ready(item)
-    });
-    // Each record is routed to its endpoint's driver, then gathered into batches for endpoints
-    // that take many records per call; everything else passes through alone.
-    let tally = Arc::new(std::sync::Mutex::new(crate::batch_front::JobsTally::default()));
-    // --mode auto: jobs for a large input (or to re-attach to an earlier run's jobs), else online.
-    let jobs_api = match (&settings.batch_mode, jobs_api) {
-        (Some(b), Some(api)) if b.auto_min_records.is_some() => {
-            let min = b.auto_min_records.unwrap_or(0);
-            let known = if total.is_none() { count()? } else { total };
-            let earlier_jobs = resuming && jobs_ledger.as_deref().is_some_and(has_jobs);
-            // A server without the Batch API (vLLM's OpenAI server, say) answers its routes 404.
-            let available = match api.find("weir-probe").await {
-                Err(e) if e.kind == ErrorKind::BadRequest => {
-                    tracing::info!("--mode auto: no batch jobs at this endpoint ({e})");
-                    false
-                }
-                _ => true,
-            };
-            let large = available && known.is_some_and(|n| n >= min);
-            {
-                let how = if large || earlier_jobs { "batch jobs" } else { "online calls" };
-                let n = known.map_or("a stream of".to_string(), crate::report::thousands);
-                eprintln!(
-                    "weir: --mode auto: {n} records → {how}{} (batch jobs from {} records)",
-                    if large || earlier_jobs { "" } else { " at the full price" },
-                    crate::report::thousands(min)
-                );
-            }
-            (large || earlier_jobs).then_some(api)
-        }
-        (None, _) if resuming && jobs_ledger.as_deref().is_some_and(has_jobs) => {
-            return Err(RunError::Usage(
-                "an earlier run of this command submitted batch jobs, which hold its records: resume with \
-                 --mode batch (it re-attaches to them), or start over with --fresh (and `weir batch cancel` the \
-                 old jobs)"
-                    .into(),
-            ))
-        }
-        (_, api) => api,
-    };
-    let used_jobs = jobs_api.is_some();
-    let outcomes: futures::stream::LocalBoxStream<'_, Result<Outcome, std::io::Error>> =
-        match (jobs_api, &settings.batch_mode, jobs_ledger.clone()) {
-            (Some(api), Some(mode), Some(ledger)) => crate::batch_front::outcomes(
-                work,
-                crate::batch_front::JobsRun {
-                    driver: driver.clone(),
-                    api,
-                    ledger,
-                    fresh: !resuming,
-                    mode: mode.clone(),
-                    interrupts: interrupts.clone(),
-                    progress: settings.progress,
-                    max_concurrency: settings.max_concurrency,
-                    tally: tally.clone(),
-                },
-            )
-            .boxed_local(),
-            // Each record to its model's driver, gathered into batches for endpoints that take
-            // many records per call; everything else alone.
-            _ => weir_runtime::dispatch::outcomes(
-                work,
-                router.clone(),
-                weir_runtime::DispatchSettings {
-                    batch: settings.batch.clone(),
-                    width: settings.max_concurrency.max(1) * 4,
-                },
-                events.clone(),
-            ),
-        };
+/// What can stop the drain stage: an interrupt, the output's reader going away, and what it
+/// stops (the router's calls; the progress bar it speaks over).
+struct Stops<'a> {
+    interrupts: watch::Receiver<u32>,
+    output_closed: watch::Receiver<bool>,
+    router: &'a Router,
+    progress: &'a Progress,
+    /// The run is resumable: records it stops on are simply not finished.
+    journal: bool,
+}
+
+/// Takes outcomes to rows and hands them to the writer until the outcomes end, or the run
+/// stops (an interrupt drains the calls in flight for `--drain` at most); then finishes the
+/// writer. A reader that stops reading still lets Ctrl-C be heard.
+async fn drain(
     // Boxed, so it can be dropped before the writer finishes: a call it still holds may hold a
     // sender of stream events, and the writer ends only when every sender is gone.
-    let mut outcomes = outcomes;
-
+    mut outcomes: futures::stream::LocalBoxStream<'_, Result<Outcome, std::io::Error>>,
+    writer: weir_io::RowWriter,
+    stops: Stops<'_>,
+    settings: &RunSettings,
+) -> Result<Drained, RunError> {
+    let Stops { mut interrupts, mut output_closed, router, progress, journal } = stops;
+    let tables_out = &settings.table_output;
     let mut fatal = None;
-    let mut interrupts = interrupts;
     let mut interrupted = false;
     let far = Instant::now() + Duration::from_secs(86_400 * 365);
     let drain_deadline = tokio::time::sleep_until(far);
@@ -936,7 +858,7 @@ pub async fn run(
                         "weir: interrupted; letting calls in flight finish (up to {} s). Press Ctrl-C again to stop at once.",
                         settings.drain.as_secs()
                     ));
-                    start_drain(&router, drain_deadline.as_mut(), settings.drain, "interrupted");
+                    start_drain(router, drain_deadline.as_mut(), settings.drain, "interrupted");
                 }
                 continue;
             }
@@ -947,7 +869,7 @@ pub async fn run(
                      the errors file as not finished.",
                     settings.drain.as_secs()
                 ));
-                start_drain(&router, drain_deadline.as_mut(), settings.drain, OUTPUT_CLOSED);
+                start_drain(router, drain_deadline.as_mut(), settings.drain, OUTPUT_CLOSED);
                 continue;
             }
             // Only a resumable run cuts calls still in flight at the drain deadline (their
@@ -1016,7 +938,7 @@ pub async fn run(
                                  Press Ctrl-C again to stop at once (they are lost then)."
                             ));
                         }
-                        start_drain(&router, drain_deadline.as_mut(), settings.drain, "interrupted");
+                        start_drain(router, drain_deadline.as_mut(), settings.drain, "interrupted");
                     }
                 }
                 // Only a resumable run gives up on a reader: its unwritten records are simply
@@ -1057,7 +979,7 @@ pub async fn run(
             changed = interrupts.changed(), if !interrupted => {
                 if changed.is_ok() && *interrupts.borrow() >= 1 {
                     interrupted = true;
-                    start_drain(&router, drain_deadline.as_mut(), settings.drain, "interrupted");
+                    start_drain(router, drain_deadline.as_mut(), settings.drain, "interrupted");
                 }
             }
             // A deadline already past (calls that outlived it) still leaves the writer a moment.
@@ -1065,79 +987,208 @@ pub async fn run(
                 if interrupted && journal => return Err(reader_not_reading()),
         }
     };
-    let flushed = match events_writer {
-        Some(w) => flushed.and(w.finish().await.1),
-        None => flushed,
-    };
-    progress.finish();
-    if let Some(task) = metrics_task {
-        task.abort();
-    }
-    runtime.shutdown().await;
-    drop(cache);
-    let state_path = state_dir.take().map(|s| s.dir.display().to_string());
-    if let Err(e) = flushed {
-        fatal.get_or_insert(format!("writing rows failed: {e}"));
-    }
-    if let Some(msg) = fatal {
-        return Err(RunError::Fatal(msg));
-    }
-    // What a resume has left to do: every record of the input not in either file. Counted from
-    // the input when it is a file; a stream cannot be counted again.
-    let stopped = interrupted || router.stop_reason().is_some();
-    let unfinished = if !stopped {
-        Some(0)
-    } else if journal {
-        let done = recovered.results + recovered.errors + result_rows + error_rows;
-        count()?.map(|t| t.saturating_sub(done))
-    } else {
-        Some(not_written)
-    };
-    let mut report = RunReport::new(
-        &metrics,
-        started.elapsed().max(Duration::from_micros(1)),
-        router.stop_reason(),
-        report_places(&settings),
-        (result_rows, error_rows),
-        (recovered.results, recovered.errors),
-        unfinished,
-        state_path,
-        driver.concurrency(),
-        driver.rate_snapshot(),
-    );
-    // Answers written as error rows once the output's reader went away are not failures the
-    // calls counted: counted here, so the summary's kinds add up to its failed records.
-    if report.output_closed() {
-        let counted: u64 = report.failures.values().sum();
-        if report.failed > counted {
-            *report.failures.entry(ErrorKind::Aborted).or_default() += report.failed - counted;
+    Ok(Drained { rows: (result_rows, error_rows), flushed, interrupted, not_written, fatal })
+}
+
+/// What the resume stage hands on: the output files claimed (locked, not yet truncated), and
+/// what an earlier run of the same command left — its finished records, its cache, its jobs.
+struct Resumed {
+    files: Claimed,
+    state_dir: Option<state::StateDir>,
+    recovered: state::Recovered,
+    cache: Option<Arc<DiskCache>>,
+    /// An earlier run's state is resumed.
+    resuming: bool,
+    table_journal: Option<weir_tables::Journal>,
+    table_locks: Vec<TableLock>,
+    next_part: u32,
+    jobs_ledger: Option<PathBuf>,
+    /// The run is resumable (it keeps a journal of what it finished).
+    journal: bool,
+    /// The number of records, when it was counted.
+    total: Option<u64>,
+}
+
+/// Claims the output files and opens the state directory: the identity check (an earlier run
+/// of another command is refused), the lock, and the recovery of what an earlier run of this
+/// one finished. A refusal leaves nothing behind.
+async fn resume(
+    settings: &RunSettings,
+    input: &Input,
+    jobs_api: Option<&Arc<dyn weir_core::JobApi>>,
+    interrupts: &watch::Receiver<u32>,
+    env: &(dyn Fn(&str) -> Option<String> + Sync),
+    mut total: Option<u64>,
+) -> Result<Resumed, RunError> {
+    let (input_file, live_input, input_name) = (&input.file, input.live, &input.name);
+    // The output files, opened (never truncated yet) and locked against other weir processes.
+    let tables_out = settings.table_output.clone();
+    // A followed file that a resumable run will know again: by its first line, so an empty one
+    // is waited on until that line is written.
+    let followed = match &settings.input {
+        InputPath::File(p) if settings.follow && settings.state != StateMode::Off => {
+            Some(wait_for_first_line(p, interrupts).await?)
         }
-    }
-    // Shown when records went to jobs (not when the cache answered them all).
-    let jobs = used_jobs
-        .then(|| tally.lock().unwrap_or_else(|e| e.into_inner()).clone())
-        .filter(|t| *t != crate::batch_front::JobsTally::default());
-    let batch_tokens = jobs.as_ref().map_or((0, 0), |j| j.tokens);
-    // Tokens paid for by this run: not those of answers from the cache.
-    let paid = metrics.paid_tokens();
-    let online = (paid.0.saturating_sub(batch_tokens.0), paid.1.saturating_sub(batch_tokens.1));
-    // Every model's endpoint but the run's own, and what each model's tokens cost.
-    let endpoints = runtime.endpoints().await;
-    report.other_limits = endpoints
-        .iter()
-        .filter(|e| e.model != settings.model.to_string())
-        .map(|e| (e.model.clone(), e.concurrency, e.rate))
-        .collect();
-    report.costs = match settings.model_field {
-        // Records go to several models (never to jobs): each model's tokens at its price.
-        Some(_) => endpoints
-            .iter()
-            .filter_map(|e| crate::cost::Cost::estimate(&e.model, e.metrics.paid_tokens(), (0, 0)))
-            .collect(),
-        None => crate::cost::Cost::estimate(&settings.model.to_string(), online, batch_tokens).into_iter().collect(),
+        _ => None,
     };
-    report.jobs = jobs;
-    Ok(report)
+    let events_path = match &settings.stream {
+        Some(EventsTo::Path(p)) => Some(p.clone()),
+        _ => None,
+    };
+    // Files this run creates are removed again if the command is refused before it starts, so
+    // that a refused command leaves nothing behind.
+    let mut created = Created::default();
+    // A table output is written through weir-tables, not opened here.
+    let (out_file, mut err_file) = match &tables_out {
+        Some(_) => (None, None),
+        None => (
+            claim_path(&settings.output, "--output", interrupts, &mut created).await?,
+            claim_path(&settings.errors, "--errors", interrupts, &mut created).await?,
+        ),
+    };
+    let events_file = match &events_path {
+        Some(p) => claim_path(p, "--events", interrupts, &mut created).await?,
+        None => None,
+    };
+
+    // The state directory: identity check, lock, recovery of an earlier run's outputs.
+    let mut state_dir = None;
+    let mut recovered = state::Recovered::default();
+    let mut cache = None;
+    let mut resuming = false;
+    let mut table_journal = None;
+    let mut table_locks: Vec<TableLock> = Vec::new();
+    let mut next_part = 0;
+    let mut jobs_ledger: Option<PathBuf> = None;
+    let journal = match (&settings.state, &settings.output, &settings.errors) {
+        (state_mode, _, _) if tables_out.is_some() => {
+            let t = tables_out.as_ref().expect("a table output");
+            // The errors table too: another run's output or errors table named as this run's
+            // errors is refused, not cleared and overwritten.
+            for (location, flag) in [(&t.results, "--output"), (&t.errors, "--errors")] {
+                table_locks.extend(TableLock::take(location, flag)?);
+            }
+            let mut committed = weir_tables::Committed::default();
+            let mut run_id = None;
+            let journaled = if let StateMode::Dir(dir) = state_mode {
+                let name = table_state_name(&t.results);
+                let id = identity(settings, None, input.table.as_ref(), followed.as_deref())?;
+                let ledger = weir_batch::Ledger::path_in(dir, &name);
+                guard_jobs(&ledger, jobs_api, settings, &t.results.display).await?;
+                let (sd, resume) =
+                    state::open(dir, &name, &id, settings.fresh).map_err(|e| refused_with_jobs(e, &ledger))?;
+                resuming = resume;
+                if resuming && live_input && !settings.follow && !settings.resume_stream {
+                    return Err(stream_resume_refused(&t.results.display, input_name));
+                }
+                jobs_ledger = Some(ledger);
+                let path = dir.join("runs").join(format!("{name}.journal"));
+                let (j, c) = weir_tables::Journal::open(&path, !resuming)
+                    .map_err(|e| RunError::Fatal(format!("the journal {}: {e}", path.display())))?;
+                committed = c;
+                table_journal = Some(j);
+                state_dir = Some(sd);
+                run_id = Some(id);
+                true
+            } else {
+                false
+            };
+            let replace = settings.overwrite || settings.fresh;
+            for (location, table) in
+                [(&t.results, weir_tables::journal::Table::Results), (&t.errors, weir_tables::journal::Table::Errors)]
+            {
+                weir_tables::prepare(location, table, &committed, resuming, replace, env).await.map_err(table_error)?;
+            }
+            if journaled {
+                if let (false, Some(sd), Some(id)) = (resuming, &state_dir, &run_id) {
+                    sd.record(id).map_err(|e| RunError::Usage(e.to_string()))?;
+                }
+                next_part = committed.next_part();
+                recovered.results = committed.rows(weir_tables::journal::Table::Results);
+                recovered.errors = committed.rows(weir_tables::journal::Table::Errors);
+                recovered.finished = committed.finished;
+                if resuming {
+                    if total.is_none() {
+                        total = input.count()?;
+                    }
+                    announce_resume(&recovered, total);
+                }
+                if let (true, StateMode::Dir(dir)) = (settings.cache, state_mode) {
+                    cache = Some(open_cache(dir)?);
+                }
+            }
+            journaled
+        }
+        (StateMode::Dir(dir), OutputPath::File(out), OutputPath::File(errs)) => {
+            let name = state::output_state_name(out, dir);
+            let id = identity(settings, input_file.as_deref(), input.table.as_ref(), followed.as_deref())?;
+            let ledger = weir_batch::Ledger::path_in(dir, &name);
+            guard_jobs(&ledger, jobs_api, settings, &out.display().to_string()).await?;
+            let (sd, resume) =
+                state::open(dir, &name, &id, settings.fresh).map_err(|e| refused_with_jobs(e, &ledger))?;
+            resuming = resume;
+            jobs_ledger = Some(ledger);
+            if resuming && live_input && !settings.follow && !settings.resume_stream {
+                return Err(stream_resume_refused(&out.display().to_string(), input_name));
+            }
+            check_not_foreign(
+                &[&out_file, &err_file, &events_file],
+                resuming || settings.fresh || settings.overwrite,
+                false,
+            )?;
+            if !resuming {
+                sd.record(&id).map_err(|e| RunError::Usage(e.to_string()))?;
+            }
+            if resuming {
+                recovered = state::recover(out, errs, settings.retry_errors).map_err(|e| {
+                    let msg = format!("recovering the earlier run's outputs: {e}");
+                    // A line that is not a row is the user's to fix; other failures are I/O.
+                    if e.kind() == std::io::ErrorKind::InvalidData {
+                        RunError::Usage(msg)
+                    } else {
+                        RunError::Fatal(msg)
+                    }
+                })?;
+                if recovered.requeued > 0 {
+                    // The errors file was replaced by a rewritten one: write (and lock) that one.
+                    err_file = claim_path(&settings.errors, "--errors", interrupts, &mut created).await?;
+                }
+                if total.is_none() {
+                    total = input.count()?;
+                }
+                announce_resume(&recovered, total);
+            } else if settings.retry_errors {
+                return Err(RunError::Usage(
+                    "--retry-errors needs the state of an earlier run of the same command (none found)".into(),
+                ));
+            }
+            if settings.cache {
+                cache = Some(open_cache(dir)?);
+            }
+            state_dir = Some(sd);
+            true
+        }
+        _ => {
+            check_not_foreign(&[&out_file, &err_file, &events_file], settings.overwrite, true)?;
+            false
+        }
+    };
+    if tables_out.is_some() {
+        check_not_foreign(&[&events_file], resuming || settings.fresh || settings.overwrite, false)?;
+    }
+    Ok(Resumed {
+        files: Claimed { out_file, err_file, events_file, created },
+        state_dir,
+        recovered,
+        cache,
+        resuming,
+        table_journal,
+        table_locks,
+        next_part,
+        jobs_ledger,
+        journal,
+        total,
+    })
 }
 
 /// Where the run's rows went, as its summary says it. A table output is a directory (or
@@ -1227,7 +1278,7 @@ fn table_task(settings: &RunSettings) -> weir_tables::Task {
 /// Columns a CSV input keeps as text: the id field (`007` and `7` are different ids), and the
 /// prompt and system fields (a prompt column whose values look like numbers is still text,
 /// sent as written).
-fn text_columns(settings: &RunSettings) -> Vec<String> {
+pub(crate) fn text_columns(settings: &RunSettings) -> Vec<String> {
     let prompt = match &settings.records.prompt {
         weir_core::record::PromptSource::Field(f) => Some(f.clone()),
         weir_core::record::PromptSource::Template(_) => None,
@@ -1244,7 +1295,7 @@ fn stream_resume_refused(output: &str, input: &str) -> RunError {
     ))
 }
 
-fn table_error(e: weir_tables::TableError) -> RunError {
+pub(crate) fn table_error(e: weir_tables::TableError) -> RunError {
     match e {
         weir_tables::TableError::Usage(m) => RunError::Usage(m),
         weir_tables::TableError::Unavailable(m) => RunError::Fatal(m),
@@ -1347,7 +1398,7 @@ async fn table_columns(
 /// Where a run writes (outputs, errors, and a local state directory), as the full names a
 /// table input lists its files by (`/abs/path`, `s3://bucket/key`), to keep them out of a
 /// directory or prefix input.
-fn own_paths(settings: &RunSettings) -> Vec<String> {
+pub(crate) fn own_paths(settings: &RunSettings) -> Vec<String> {
     let full = |p: &str| weir_tables::Location::parse(p).ok().map(|l| l.with_path(l.path.clone()).display);
     let mut own: Vec<String> = match &settings.table_output {
         Some(t) => [&t.results, &t.errors].iter().map(|l| l.with_path(l.path.clone()).display).collect(),

@@ -1,0 +1,164 @@
+//! The first stage of `weir run`: the input opened (a JSONL file or stdin, a followed file, a
+//! table through weir-tables), counted when something shows the count, and read as
+//! [`Work`] — records to call for, and lines that are already failures — with what an earlier
+//! run finished skipped.
+
+use futures::stream::BoxStream;
+use futures::{Stream, StreamExt};
+use std::path::PathBuf;
+use weir_core::{ErrorKind, Failure, ModelError, RecordSpec};
+use weir_io::source::RawLine;
+use weir_io::state::{finished_key, id_key};
+use weir_io::InputPath;
+use weir_runtime::Work;
+
+use crate::pipeline::{own_paths, table_error, text_columns, RunError, RunSettings, StateMode};
+
+/// The run's input, opened.
+pub(crate) struct Input {
+    /// As the summary and messages name it (`-` for stdin).
+    pub name: String,
+    /// The input when it is a table.
+    pub table: Option<weir_tables::TableInput>,
+    /// The input when it is a local file that can be read twice (to be identified, counted).
+    pub file: Option<PathBuf>,
+    /// An input that may never end (stdin, a FIFO, a followed file): every row is handed on as
+    /// soon as it is known, not when a buffer fills.
+    pub live: bool,
+    source: BoxStream<'static, std::io::Result<RawLine>>,
+    /// A table's number of records, counted once at opening if anything may show it.
+    table_count: Option<u64>,
+}
+
+/// What an earlier run finished, skipped when read again.
+pub(crate) struct Skip {
+    /// Records finished, by id and line.
+    pub finished: weir_io::KeySet,
+    /// Ids finished, for an input fed again in another order (`--resume-stream --id-field`).
+    pub finished_ids: weir_io::KeySet,
+    /// Whether the id alone says a record is finished.
+    pub by_id: bool,
+}
+
+impl Input {
+    /// Opens the input `settings` name. A stream (stdin, a FIFO, `<(cmd)`, /dev/stdin) can be
+    /// read only once: it is never read to be identified or counted.
+    pub async fn open(settings: &RunSettings, env: &(dyn Fn(&str) -> Option<String> + Sync)) -> Result<Self, RunError> {
+        let name = match &settings.input {
+            InputPath::File(p) => p.display().to_string(),
+            InputPath::Stdin => "-".to_string(),
+        };
+        let table = match &settings.table_input {
+            Some(t) => {
+                let mut input =
+                    weir_tables::TableInput::open(&t.spec, t.format, &text_columns(settings), t.csv_delimiter, env)
+                        .await
+                        .map_err(table_error)?;
+                // A directory or glob may hold this run's own outputs and state (`--input data/
+                // --output data/results.jsonl`): they are never read as input, or a resumed run
+                // would read its own results.
+                let own = own_paths(settings);
+                let inside =
+                    |url: &str, o: &String| url == o || url.starts_with(&format!("{}/", o.trim_end_matches('/')));
+                input.retain(|url| !own.iter().any(|o| inside(url, o))).map_err(table_error)?;
+                Some(input)
+            }
+            None => None,
+        };
+        let file = match &settings.input {
+            InputPath::File(p) if table.is_none() && !settings.follow && !weir_io::paths::is_stream(p) => {
+                Some(p.clone())
+            }
+            _ => None,
+        };
+        let live = table.is_none() && file.is_none();
+        let source = match (&table, &settings.input) {
+            (Some(t), _) => t.lines(),
+            (None, InputPath::File(p)) if settings.follow => {
+                weir_io::source::follow(p.clone(), weir_io::source::FOLLOW_POLL).boxed()
+            }
+            (None, _) => weir_io::source::lines(
+                weir_io::source::open(&settings.input)
+                    .await
+                    .map_err(|e| RunError::Usage(format!("cannot read --input {name}: {e}")))?,
+            )
+            .boxed(),
+        };
+        // The number of records is an extra pass over the input: made only when something
+        // shows it (the progress bar, the resume message, an interrupted run's summary). A
+        // table's is counted once, here, if anything may show it (Parquet footers say it at once).
+        let table_count = match &table {
+            Some(t) if settings.progress || settings.state != StateMode::Off => t.count().await,
+            _ => None,
+        };
+        Ok(Self { name, table, file, live, source, table_count })
+    }
+
+    /// The number of records, when the input can be counted (a file read again, a table).
+    pub fn count(&self) -> Result<Option<u64>, RunError> {
+        match &self.file {
+            Some(p) => weir_io::count_records(p)
+                .map(Some)
+                .map_err(|e| RunError::Usage(format!("cannot read --input {}: {e}", p.display()))),
+            None => Ok(self.table_count),
+        }
+    }
+
+    /// The input read as work until `stop`: each line parsed into a record by `spec` (a line
+    /// that does not parse, a record whose id an earlier line has, becomes a failure naming
+    /// its line), without what `skip` says is finished.
+    pub fn records(
+        &mut self,
+        spec: RecordSpec,
+        skip: Skip,
+        stop: impl std::future::Future<Output = ()> + Send + 'static,
+    ) -> impl Stream<Item = Work> + Send + 'static {
+        let source = std::mem::replace(&mut self.source, futures::stream::empty().boxed());
+        let check_duplicates = spec.id_field.is_some();
+        // Ids are registered in input order, finished lines included, so "an earlier line has
+        // it" is true of the input whatever order the rows were written in (a first occurrence
+        // that an interruption left unfinished is still the first).
+        let mut seen = weir_io::KeySet::new();
+        let Skip { finished, finished_ids, by_id } = skip;
+        source.take_until(stop).filter_map(move |line| {
+            let item = match line {
+                Err(e) => Some(Work::ReadError(e)),
+                // A record that could not be read (a CSV line of the wrong width, an unreadable
+                // Parquet row group) is an error row naming where it was.
+                Ok(raw) if raw.malformed.is_some() => (!finished.contains(&finished_key(None, raw.line))).then(|| {
+                    Work::Done(Box::new(Failure {
+                        id: None,
+                        line: raw.line,
+                        input: None,
+                        raw: (!raw.bytes.is_empty()).then(|| String::from_utf8_lossy(&raw.bytes).into_owned()),
+                        error: ModelError::new(ErrorKind::InvalidInput, raw.malformed.unwrap_or_default()),
+                        attempts: 0,
+                    }))
+                }),
+                Ok(raw) => match spec.parse(raw.line, &raw.bytes) {
+                    Err(failure) => (!finished.contains(&finished_key(failure.id.as_ref(), failure.line)))
+                        .then_some(Work::Done(failure)),
+                    Ok(record) => {
+                        let first = !check_duplicates || seen.insert(id_key(&record.id));
+                        if finished.contains(&finished_key(Some(&record.id), record.line))
+                            || (by_id && finished_ids.contains(&id_key(&record.id)))
+                        {
+                            None
+                        } else if !first {
+                            let msg =
+                                format!("line {}: duplicate id '{}' (an earlier line has it)", record.line, record.id);
+                            Some(Work::Done(Box::new(Failure::of(
+                                record,
+                                ModelError::new(ErrorKind::InvalidInput, msg),
+                                0,
+                            ))))
+                        } else {
+                            Some(Work::Call(record))
+                        }
+                    }
+                },
+            };
+            futures::future::ready(item)
+        })
+    }
+}
