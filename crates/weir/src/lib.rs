@@ -5,10 +5,13 @@
 
 pub mod batch_front;
 pub mod cost;
+mod drain;
 mod input;
 pub mod metrics_server;
+mod output;
 pub mod pipeline;
 pub mod report;
+mod resume;
 
 pub use pipeline::{run, EventsTo, RunError, RunSettings, StateMode, TableIn, TableOut};
 pub use report::RunReport;
