@@ -6,7 +6,7 @@
 //! lines as a job under a name weir chooses (so that a run that died between submitting and
 //! recording the job's id can find it again instead of paying twice), reports the job's state,
 //! and reads back one result per key. Waiting, splitting, resuming and falling back belong to
-//! the caller (`weir-batch`), as retrying belongs to the executor for online calls.
+//! the caller (`weir-jobs`), as retrying belongs to the executor for online calls.
 
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;

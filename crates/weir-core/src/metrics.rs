@@ -301,10 +301,10 @@ impl RunMetrics {
             m.batch_padded_tokens.fetch_add(padded, Relaxed);
         });
         if self.exports() {
-            metrics::counter!("weir_batches_total", self.labels(&[])).increment(1);
-            metrics::counter!("weir_batch_items_total", self.labels(&[])).increment(tokens.len() as u64);
-            metrics::counter!("weir_batch_tokens_total", self.labels(&[("kind", "real")])).increment(real);
-            metrics::counter!("weir_batch_tokens_total", self.labels(&[("kind", "padded")])).increment(padded);
+            metrics::counter!("weir_jobses_total", self.labels(&[])).increment(1);
+            metrics::counter!("weir_jobs_items_total", self.labels(&[])).increment(tokens.len() as u64);
+            metrics::counter!("weir_jobs_tokens_total", self.labels(&[("kind", "real")])).increment(real);
+            metrics::counter!("weir_jobs_tokens_total", self.labels(&[("kind", "padded")])).increment(padded);
         }
     }
 
@@ -316,7 +316,7 @@ impl RunMetrics {
             m.batch_waits[i].fetch_add(1, Relaxed);
         });
         if self.exports() {
-            metrics::histogram!("weir_batch_wait_seconds", self.labels(&[])).record(d.as_secs_f64());
+            metrics::histogram!("weir_jobs_wait_seconds", self.labels(&[])).record(d.as_secs_f64());
         }
     }
 
@@ -363,14 +363,14 @@ impl RunMetrics {
             metrics::Unit::Seconds,
             "Time between one piece of a streamed answer and the next."
         );
-        metrics::describe_counter!("weir_batches_total", "Batched calls sent (retries and split halves included).");
-        metrics::describe_counter!("weir_batch_items_total", "Records carried by batched calls.");
+        metrics::describe_counter!("weir_jobses_total", "Batched calls sent (retries and split halves included).");
+        metrics::describe_counter!("weir_jobs_items_total", "Records carried by batched calls.");
         metrics::describe_counter!(
-            "weir_batch_tokens_total",
+            "weir_jobs_tokens_total",
             "Estimated tokens of batched records: real, and padded to the longest of each call."
         );
         metrics::describe_histogram!(
-            "weir_batch_wait_seconds",
+            "weir_jobs_wait_seconds",
             metrics::Unit::Seconds,
             "Time a record waited in the batching stage for its batch."
         );
@@ -397,8 +397,8 @@ impl RunMetrics {
             "weir_rate_limited_total",
             "weir_cache_hits_total",
             "weir_throttled_microseconds_total",
-            "weir_batches_total",
-            "weir_batch_items_total",
+            "weir_jobses_total",
+            "weir_jobs_items_total",
         ] {
             metrics::counter!(name, self.labels(&[])).increment(0);
         }

@@ -30,7 +30,7 @@ use crate::sink::{ErrorRow, EventRow, JsonlWriter, ResultRow};
 #[derive(Default)]
 pub struct WriterSettings {
     /// Make rows durable about once a second (`fdatasync`), for a resumable run.
-    pub journal: bool,
+    pub resumable: bool,
     /// Called after each durable sync (e.g. to make the response cache durable too).
     pub on_sync: Option<Box<dyn Fn() + Send + Sync>>,
     /// Hand rows to the kernel as soon as no other row is waiting, also without a journal: a
@@ -260,13 +260,13 @@ impl RowWriter {
             let mut unflushed = 0usize;
             let mut error: Option<io::Error> = None;
             let on_sync = settings.on_sync.map(Arc::new);
-            let flush_when_idle = settings.journal || settings.flush_when_idle;
+            let flush_when_idle = settings.resumable || settings.flush_when_idle;
             let (mut events, events_with_results) = match settings.events {
                 Some(Events::File(f)) => (Some(f), false),
                 Some(Events::WithResults) => (None, true),
                 None => (None, false),
             };
-            let background = if settings.journal {
+            let background = if settings.resumable {
                 match Syncer::spawn(&results, &errors, on_sync.clone(), failed_in.clone()) {
                     Ok(s) => Some(s),
                     Err(e) => {
@@ -279,7 +279,7 @@ impl RowWriter {
                 None
             };
             let sync = |results: &mut JsonlWriter, errors: &mut JsonlWriter| -> io::Result<()> {
-                if settings.journal {
+                if settings.resumable {
                     results.sync()?;
                     errors.sync()?;
                     if let Some(f) = &on_sync {

@@ -49,7 +49,7 @@ fn json_of(reply: &Reply) -> Result<Value, ModelError> {
 fn multipart(purpose: &str, filename: &str, file: &[u8]) -> (Vec<u8>, String) {
     let mut n = 0u64;
     let boundary = loop {
-        let b = format!("weir-batch-{:016x}-{n}", file.len() as u64 ^ 0x9e37_79b9_7f4a_7c15);
+        let b = format!("weir-jobs-{:016x}-{n}", file.len() as u64 ^ 0x9e37_79b9_7f4a_7c15);
         if !file.windows(b.len()).any(|w| w == b.as_bytes()) {
             break b;
         }
@@ -682,7 +682,7 @@ mod tests {
         assert!(text.ends_with(&format!("\r\n--{boundary}--\r\n")));
         assert!(text.contains("name=\"purpose\"\r\n\r\nbatch\r\n"));
         // A file that contains the first boundary gets another.
-        let first = format!("weir-batch-{:016x}-0", 40u64 ^ 0x9e37_79b9_7f4a_7c15);
+        let first = format!("weir-jobs-{:016x}-0", 40u64 ^ 0x9e37_79b9_7f4a_7c15);
         let file = format!("{first}{}", "x".repeat(40 - first.len()));
         assert_eq!(file.len(), 40);
         let (_, ct) = multipart("batch", "a.jsonl", file.as_bytes());

@@ -108,7 +108,7 @@ fn ledgers(t: &Target) -> anyhow::Result<Vec<PathBuf>> {
             if let Ok(location) = weir_tables::Location::parse(o) {
                 names.push(weir::pipeline::table_state_name(&location));
             }
-            names.iter().map(|n| weir_batch::Ledger::path_in(&dir, n)).filter(|p| p.is_file()).collect()
+            names.iter().map(|n| weir_jobs::Ledger::path_in(&dir, n)).filter(|p| p.is_file()).collect()
         }
         None => {
             let mut all: Vec<PathBuf> = std::fs::read_dir(&runs)
@@ -177,7 +177,7 @@ async fn each_job(t: &Target, cancel: bool) -> anyhow::Result<u8> {
     let mut failed = false;
     for path in ledgers(t)? {
         // Read only: the run may be appending to it.
-        let chunks = weir_batch::Ledger::read(&path).map_err(|e| anyhow::anyhow!(e))?;
+        let chunks = weir_jobs::Ledger::read(&path).map_err(|e| anyhow::anyhow!(e))?;
         println!("{}:", path.display());
         for chunk in &chunks {
             let Some(job) = &chunk.job else {

@@ -57,7 +57,7 @@ pub(crate) struct Stops<'a> {
     pub(crate) router: &'a Router,
     pub(crate) progress: &'a Progress,
     /// The run is resumable: records it stops on are simply not finished.
-    pub(crate) journal: bool,
+    pub(crate) resumable: bool,
 }
 
 /// Takes outcomes to rows and hands them to the writer until the outcomes end, or the run
@@ -71,7 +71,7 @@ pub(crate) async fn drain(
     stops: Stops<'_>,
     settings: &RunSettings,
 ) -> Result<Drained, RunError> {
-    let Stops { mut interrupts, mut output_closed, router, progress, journal } = stops;
+    let Stops { mut interrupts, mut output_closed, router, progress, resumable } = stops;
     let tables_out = &settings.table_output;
     let mut fatal = None;
     let mut interrupted = false;
@@ -113,7 +113,7 @@ pub(crate) async fn drain(
             // Only a resumable run cuts calls still in flight at the drain deadline (their
             // records are simply not finished); without a journal each must end in a row, and
             // the calls end by their own timeout at the latest.
-            _ = &mut drain_deadline, if journal => {
+            _ = &mut drain_deadline, if resumable => {
                 tracing::warn!("calls still in flight after the drain deadline were cancelled");
                 break;
             }
@@ -133,7 +133,7 @@ pub(crate) async fn drain(
             // table's parts cannot be rewritten on resume, so there the other errors that are
             // about the run (a spent quota, rejected credentials) are not written either.
             Ok(Outcome::Failure(f))
-                if journal
+                if resumable
                     && (f.error.kind == ErrorKind::Aborted
                         || (tables_out.is_some() && f.error.kind.is_about_the_run())) =>
             {
@@ -163,7 +163,7 @@ pub(crate) async fn drain(
                 changed = interrupts.changed(), if !interrupted => {
                     if changed.is_ok() && *interrupts.borrow() >= 1 {
                         interrupted = true;
-                        if journal {
+                        if resumable {
                             progress.suspend(|| eprintln!(
                                 "weir: interrupted while a reader (of the output or of --events) is not reading; \
                                  waiting for it up to {} s. Press Ctrl-C again to stop at once.",
@@ -181,7 +181,7 @@ pub(crate) async fn drain(
                 }
                 // Only a resumable run gives up on a reader: its unwritten records are simply
                 // not finished. Without a journal they would have no row at all.
-                _ = &mut drain_deadline, if journal => break None,
+                _ = &mut drain_deadline, if resumable => break None,
             }
         };
         match written {
@@ -222,7 +222,7 @@ pub(crate) async fn drain(
             }
             // A deadline already past (calls that outlived it) still leaves the writer a moment.
             _ = tokio::time::sleep_until(drain_deadline.deadline().max(Instant::now() + Duration::from_secs(1))),
-                if interrupted && journal => return Err(reader_not_reading()),
+                if interrupted && resumable => return Err(reader_not_reading()),
         }
     };
     Ok(Drained { rows: (result_rows, error_rows), flushed, interrupted, not_written, fatal })

@@ -3,10 +3,10 @@
 
 #![warn(missing_docs)]
 
-pub mod batch_front;
 pub mod cost;
 mod drain;
 mod input;
+pub mod jobs;
 pub mod metrics_server;
 mod output;
 pub mod pipeline;

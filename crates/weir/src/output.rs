@@ -19,7 +19,7 @@ pub(crate) async fn start_writers(
 ) -> Result<(weir_io::RowWriter, Option<weir_io::RowWriter>), RunError> {
     let tables_out = &settings.table_output;
     let Claimed { mut out_file, mut err_file, mut events_file, mut created } = std::mem::take(&mut resumed.files);
-    let (resuming, journal, live_input) = (resumed.resuming, resumed.journal, input.live);
+    let (resuming, resumable, live_input) = (resumed.resuming, resumed.resumable, input.live);
     let open = |claimed: &mut Option<(PathBuf, std::fs::File)>| match claimed.take() {
         None => Ok(JsonlWriter::stdout()),
         Some((path, f)) => {
@@ -45,7 +45,7 @@ pub(crate) async fn start_writers(
             };
             created.0.clear();
             let writer_settings = weir_io::WriterSettings {
-                journal,
+                resumable,
                 on_sync,
                 // A reader of a pipe or a terminal gets each row as soon as it is known (and a
                 // reader that went away is noticed while there are rows left to account for).

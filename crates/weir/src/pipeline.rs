@@ -4,7 +4,7 @@
 //! resume (`resume`: output files claimed, the state directory opened, an earlier run's rows
 //! recovered) → runtime (`weir_runtime`: each record routed to its model's endpoint, batched
 //! by length for endpoints that take many per call, through the cache, the throttle and the
-//! executor; or provider jobs, `batch_front`) → drain (`drain`: outcomes to rows until the
+//! executor; or provider jobs, `jobs`) → drain (`drain`: outcomes to rows until the
 //! input ends or the run is stopped) → output (`output`: the writer threads, JSONL files or a
 //! table's parts) → the summary (`report`).
 //!
@@ -125,7 +125,7 @@ pub struct RunSettings {
     /// Input columns to carry to the output (all when `None`).
     pub keep_columns: Option<Vec<String>>,
     /// Answer the records through the provider's batch jobs instead of online calls.
-    pub batch_mode: Option<crate::batch_front::BatchMode>,
+    pub jobs: Option<crate::jobs::JobsMode>,
     /// Stream the answers, writing their pieces as events here.
     pub stream: Option<EventsTo>,
     /// The input is a file that keeps growing: follow it (`tail -f`) until interrupted.
@@ -194,7 +194,15 @@ pub async fn run(
     let (writer, events_writer) = start_writers(&settings, &input, env, &mut resumed).await?;
     // The table locks are held (and the state directory's lock) until the run ends.
     let Resumed {
-        mut state_dir, mut recovered, cache, resuming, jobs_ledger, journal, total, table_locks: _locks, ..
+        mut state_dir,
+        mut recovered,
+        cache,
+        resuming,
+        jobs_ledger,
+        resumable,
+        total,
+        table_locks: _locks,
+        ..
     } = resumed;
     let events = match (&settings.stream, &events_writer) {
         (None, _) => None,
@@ -243,7 +251,7 @@ pub async fn run(
     // — unless the input may never end (an open pipe, a followed file): then it stops reading
     // too, and what it did not read stays unread, as with any consumer of a pipe that stops.
     let input_stop = async move {
-        if journal || live_input {
+        if resumable || live_input {
             tokio::select! {
                 _ = first_interrupt.wait_for(|n| *n >= 1) => {}
                 _ = closed_input.wait_for(|c| *c) => {}
@@ -253,17 +261,17 @@ pub async fn run(
         }
     };
     let work = input.records(settings.records.clone(), skip, input_stop);
-    let tally = Arc::new(std::sync::Mutex::new(crate::batch_front::JobsTally::default()));
+    let tally = Arc::new(std::sync::Mutex::new(crate::jobs::JobsTally::default()));
     // --mode auto: jobs for a large input (or to re-attach to an earlier run's jobs), else online.
     let jobs_api =
         choose_jobs(&settings, jobs_api, &input, total, resuming && jobs_ledger.as_deref().is_some_and(has_jobs))
             .await?;
     let used_jobs = jobs_api.is_some();
     let outcomes: futures::stream::LocalBoxStream<'_, Result<Outcome, std::io::Error>> =
-        match (jobs_api, &settings.batch_mode, jobs_ledger.clone()) {
-            (Some(api), Some(mode), Some(ledger)) => crate::batch_front::outcomes(
+        match (jobs_api, &settings.jobs, jobs_ledger.clone()) {
+            (Some(api), Some(mode), Some(ledger)) => crate::jobs::outcomes(
                 work,
-                crate::batch_front::JobsRun {
+                crate::jobs::JobsRun {
                     driver: driver.clone(),
                     api,
                     ledger,
@@ -293,7 +301,7 @@ pub async fn run(
     let Drained { rows: (result_rows, error_rows), flushed, interrupted, not_written, mut fatal } = drain(
         outcomes,
         writer,
-        Stops { interrupts, output_closed, router: &router, progress: &progress, journal },
+        Stops { interrupts, output_closed, router: &router, progress: &progress, resumable },
         &settings,
     )
     .await?;
@@ -319,7 +327,7 @@ pub async fn run(
     let stopped = interrupted || router.stop_reason().is_some();
     let unfinished = if !stopped {
         Some(0)
-    } else if journal {
+    } else if resumable {
         let done = recovered.results + recovered.errors + result_rows + error_rows;
         input.count()?.map(|t| t.saturating_sub(done))
     } else {
@@ -348,7 +356,7 @@ pub async fn run(
     // Shown when records went to jobs (not when the cache answered them all).
     let jobs = used_jobs
         .then(|| tally.lock().unwrap_or_else(|e| e.into_inner()).clone())
-        .filter(|t| *t != crate::batch_front::JobsTally::default());
+        .filter(|t| *t != crate::jobs::JobsTally::default());
     let batch_tokens = jobs.as_ref().map_or((0, 0), |j| j.tokens);
     // Tokens paid for by this run: not those of answers from the cache.
     let paid = metrics.paid_tokens();
@@ -402,7 +410,7 @@ fn jobs_api(
     settings: &RunSettings,
     env: &(dyn Fn(&str) -> Option<String> + Sync),
 ) -> Result<Option<Arc<dyn weir_core::JobApi>>, RunError> {
-    Ok(match &settings.batch_mode {
+    Ok(match &settings.jobs {
         // --mode auto runs online what cannot go to jobs.
         Some(b)
             if b.auto_min_records.is_some() && (settings.model_field.is_some() || settings.state == StateMode::Off) =>
@@ -452,7 +460,7 @@ async fn choose_jobs(
     total: Option<u64>,
     earlier_jobs: bool,
 ) -> Result<Option<Arc<dyn weir_core::JobApi>>, RunError> {
-    Ok(match (&settings.batch_mode, jobs_api) {
+    Ok(match (&settings.jobs, jobs_api) {
         (Some(b), Some(api)) if b.auto_min_records.is_some() => {
             let min = b.auto_min_records.unwrap_or(0);
             let known = if total.is_none() { input.count()? } else { total };

@@ -241,7 +241,7 @@ pub(crate) struct Resumed {
     pub(crate) next_part: u32,
     pub(crate) jobs_ledger: Option<PathBuf>,
     /// The run is resumable (it keeps a journal of what it finished).
-    pub(crate) journal: bool,
+    pub(crate) resumable: bool,
     /// The number of records, when it was counted.
     pub(crate) total: Option<u64>,
 }
@@ -297,7 +297,7 @@ pub(crate) async fn resume(
     let mut table_locks: Vec<TableLock> = Vec::new();
     let mut next_part = 0;
     let mut jobs_ledger: Option<PathBuf> = None;
-    let journal = match (&settings.state, &settings.output, &settings.errors) {
+    let resumable = match (&settings.state, &settings.output, &settings.errors) {
         (state_mode, _, _) if tables_out.is_some() => {
             let t = tables_out.as_ref().expect("a table output");
             // The errors table too: another run's output or errors table named as this run's
@@ -310,7 +310,7 @@ pub(crate) async fn resume(
             let journaled = if let StateMode::Dir(dir) = state_mode {
                 let name = table_state_name(&t.results);
                 let id = identity(settings, None, input.table.as_ref(), followed.as_deref())?;
-                let ledger = weir_batch::Ledger::path_in(dir, &name);
+                let ledger = weir_jobs::Ledger::path_in(dir, &name);
                 guard_jobs(&ledger, jobs_api, settings, &t.results.display).await?;
                 let (sd, resume) =
                     state::open(dir, &name, &id, settings.fresh).map_err(|e| refused_with_jobs(e, &ledger))?;
@@ -359,7 +359,7 @@ pub(crate) async fn resume(
         (StateMode::Dir(dir), OutputPath::File(out), OutputPath::File(errs)) => {
             let name = state::output_state_name(out, dir);
             let id = identity(settings, input_file.as_deref(), input.table.as_ref(), followed.as_deref())?;
-            let ledger = weir_batch::Ledger::path_in(dir, &name);
+            let ledger = weir_jobs::Ledger::path_in(dir, &name);
             guard_jobs(&ledger, jobs_api, settings, &out.display().to_string()).await?;
             let (sd, resume) =
                 state::open(dir, &name, &id, settings.fresh).map_err(|e| refused_with_jobs(e, &ledger))?;
@@ -423,7 +423,7 @@ pub(crate) async fn resume(
         table_locks,
         next_part,
         jobs_ledger,
-        journal,
+        resumable,
         total,
     })
 }
@@ -550,7 +550,7 @@ pub(crate) async fn guard_jobs(
     if !settings.fresh {
         return Ok(());
     }
-    let jobs: Vec<weir_core::JobRef> = match weir_batch::Ledger::read(ledger) {
+    let jobs: Vec<weir_core::JobRef> = match weir_jobs::Ledger::read(ledger) {
         Ok(chunks) => chunks.into_iter().filter_map(|c| c.job).collect(),
         Err(e) => return Err(RunError::Usage(format!("{e}; remove it only after checking its jobs"))),
     };
@@ -605,5 +605,5 @@ pub(crate) fn refused_with_jobs(e: state::StateError, ledger: &std::path::Path) 
 
 /// Whether the job ledger at `path` records a submitted job.
 pub(crate) fn has_jobs(path: &std::path::Path) -> bool {
-    weir_batch::Ledger::read(path).is_ok_and(|chunks| chunks.iter().any(|c| c.job.is_some()))
+    weir_jobs::Ledger::read(path).is_ok_and(|chunks| chunks.iter().any(|c| c.job.is_some()))
 }

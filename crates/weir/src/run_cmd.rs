@@ -576,15 +576,15 @@ impl RunArgs {
             }),
             follow: self.follow.is_some(),
             // --mode auto with --stream: streamed answers are online calls.
-            batch_mode: (self.mode == ModeArg::Batch || (self.mode == ModeArg::Auto && !self.streaming())).then(|| {
-                weir::batch_front::BatchMode {
+            jobs: (self.mode == ModeArg::Batch || (self.mode == ModeArg::Auto && !self.streaming())).then(|| {
+                weir::jobs::JobsMode {
                     fallback_online: self.fallback == FallbackArg::Online,
-                    jobs: weir_batch::BatchSettings {
+                    jobs: weir_jobs::JobSettings {
                         rounds: self.job_rounds,
                         poll_first: Duration::from_secs_f64(self.poll_secs),
                         poll_max: Duration::from_secs_f64(self.poll_secs.max(60.0)),
                         name_prefix: job_prefix(&self.output),
-                        ..weir_batch::BatchSettings::default()
+                        ..weir_jobs::JobSettings::default()
                     },
                     max_requests: self.job_max_requests,
                     job_bucket: self.job_bucket.clone(),

@@ -2,7 +2,7 @@
 //! answered by the provider's batch-prediction jobs (about half the price, hours of latency).
 //!
 //! The input is read whole first (records the cache can answer are answered at once), then
-//! [`weir_batch::run`] splits, submits, records, waits and collects; each settled record
+//! [`weir_jobs::run`] splits, submits, records, waits and collects; each settled record
 //! becomes the same outcome an online call would give, written by the same writer. What no
 //! job answered goes online with `--fallback online`, or is written as an error row.
 
@@ -15,19 +15,19 @@ use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use weir_batch::{BatchError, Item, Ledger};
 use weir_core::{Driver, ErrorKind, Failure, JobApi, ModelError, Outcome, Record, StopReason};
+use weir_jobs::{BatchError, Item, Ledger};
 
 use crate::report::thousands;
 use weir_runtime::Work;
 
 /// How a batch run goes.
 #[derive(Debug, Clone)]
-pub struct BatchMode {
+pub struct JobsMode {
     /// Records no job answered are sent online instead of written as errors.
     pub fallback_online: bool,
     /// Rounds, polling, names.
-    pub jobs: weir_batch::BatchSettings,
+    pub jobs: weir_jobs::JobSettings,
     /// Requests per job at most (the provider's limit when `None`).
     pub max_requests: Option<usize>,
     /// Where a Vertex AI model's jobs are staged (`gs://BUCKET/PREFIX`).
@@ -63,7 +63,7 @@ pub(crate) struct JobsRun {
     pub api: Arc<dyn JobApi>,
     pub ledger: PathBuf,
     pub fresh: bool,
-    pub mode: BatchMode,
+    pub mode: JobsMode,
     pub interrupts: watch::Receiver<u32>,
     pub progress: bool,
     pub max_concurrency: usize,
@@ -168,7 +168,7 @@ async fn drive(work: impl futures::Stream<Item = Work> + Send + 'static, run: Jo
     let first_new = ledger.next_number();
     let result = {
         let mut last = (String::new(), Instant::now() - Duration::from_secs(3600));
-        let mut on_progress = |p: &weir_batch::Progress| {
+        let mut on_progress = |p: &weir_jobs::Progress| {
             if !progress || p.jobs.is_empty() {
                 return;
             }
@@ -197,7 +197,7 @@ async fn drive(work: impl futures::Stream<Item = Work> + Send + 'static, run: Jo
                 let _ = tx.send(Ok(driver.settle_answer(record, result, since)));
             }
         };
-        weir_batch::run(&*api, &mut ledger, items, &mode.jobs, &cancel, &mut on_progress, &mut deliver).await
+        weir_jobs::run(&*api, &mut ledger, items, &mode.jobs, &cancel, &mut on_progress, &mut deliver).await
     };
     let result = result.map(|f| {
         let mut t = tally.lock().unwrap_or_else(|e| e.into_inner());

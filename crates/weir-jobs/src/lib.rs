@@ -1,11 +1,11 @@
-//! weir-batch: runs records through a provider's batch-prediction jobs.
+//! weir-jobs: runs records through a provider's batch-prediction jobs.
 //!
 //! The requests are split into chunks within the provider's limits ([`JobLimits`]); each
 //! chunk is recorded in the [`Ledger`] before it is submitted and its job id as soon as the
 //! provider gives it; the jobs are polled with a growing interval; a terminal job's results
 //! are matched to their records by key (never by order) and handed to the caller. Requests a
 //! job left unanswered (an expired, failed or cancelled job, a retryable error of one request)
-//! go into a follow-up job, up to [`BatchSettings::rounds`]; what is left after that goes back
+//! go into a follow-up job, up to [`JobSettings::rounds`]; what is left after that goes back
 //! to the caller, who writes it as errors or sends it online. A resumed run re-attaches to the
 //! jobs of its ledger and submits only what no job holds.
 
@@ -22,7 +22,7 @@ pub use ledger::{Chunk, Ledger, LedgerError};
 
 /// How jobs are run.
 #[derive(Debug, Clone)]
-pub struct BatchSettings {
+pub struct JobSettings {
     /// Jobs made of one record at most: the first and the follow-ups (at least 1).
     pub rounds: u32,
     /// The first wait between two polls of a job; it doubles up to `poll_max`.
@@ -35,7 +35,7 @@ pub struct BatchSettings {
     pub api_tries: u32,
 }
 
-impl Default for BatchSettings {
+impl Default for JobSettings {
     fn default() -> Self {
         Self {
             rounds: 3,
@@ -178,7 +178,7 @@ pub async fn run(
     api: &dyn JobApi,
     ledger: &mut Ledger,
     items: Vec<Item>,
-    settings: &BatchSettings,
+    settings: &JobSettings,
     cancel: &CancellationToken,
     progress: &mut (dyn FnMut(&Progress) + Send),
     deliver: &mut (dyn FnMut(Item, Result<ModelResponse, ModelError>) + Send),
