@@ -158,6 +158,8 @@ pub struct CacheError {
     pub path: String,
     /// What failed.
     pub message: String,
+    /// Another process holds the cache (one process holds a cache directory at a time).
+    pub in_use: bool,
 }
 
 impl Shared {
@@ -191,7 +193,11 @@ impl Shared {
 impl DiskCache {
     /// Opens or creates the cache directory, and starts the thread that commits to it.
     pub fn open(path: &Path) -> Result<Self, CacheError> {
-        let err = |e: &dyn std::fmt::Display| CacheError { path: path.display().to_string(), message: e.to_string() };
+        let err = |e: &dyn std::fmt::Display| CacheError {
+            path: path.display().to_string(),
+            message: e.to_string(),
+            in_use: false,
+        };
         // Commits reach the disk when the writer thread asks (`persist`), not with each batch.
         let db = Database::builder(path)
             .cache_size(CACHE_BYTES)
@@ -199,8 +205,11 @@ impl DiskCache {
             .worker_threads(1)
             .open()
             .map_err(|e| match e {
-                fjall::Error::Locked => err(&"is in use by another weir process (runs that share a state directory \
-                     share its cache; let that one finish, give this run another --state DIR"),
+                fjall::Error::Locked => CacheError {
+                    in_use: true,
+                    ..err(&"is in use by another weir process (runs that share a state directory share its cache; \
+                         let that one finish, give this run another --state DIR")
+                },
                 e => err(&e),
             })?;
         let table = db

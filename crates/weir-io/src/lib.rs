@@ -10,7 +10,7 @@ pub mod source;
 pub mod state;
 pub mod writer;
 
-pub use cache::DiskCache;
+pub use cache::{CacheError, DiskCache};
 pub use keyset::KeySet;
 pub use sink::{default_errors_path, ErrorRow, EventError, EventRow, JsonlWriter, OutputPath, ResultRow};
 pub use source::{count_records, InputPath, RawLine};

@@ -11,7 +11,6 @@ use clap::{CommandFactory, Parser};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::mpsc::RecvTimeoutError;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
@@ -44,32 +43,20 @@ struct Shared {
     reported: Mutex<HashMap<&'static str, f64>>,
 }
 
-/// The process's open caches by directory: engines with other settings share one (a cache
-/// directory can be opened once per process).
-fn caches() -> &'static Mutex<HashMap<PathBuf, Weak<DiskCache>>> {
-    static CACHES: OnceLock<Mutex<HashMap<PathBuf, Weak<DiskCache>>>> = OnceLock::new();
-    CACHES.get_or_init(|| Mutex::new(HashMap::new()))
-}
-
-/// The cache in `dir`, opened once per process.
+/// The cache in `dir`, opened once per process (engines with other settings share it).
 fn open_cache(dir: &str) -> PyResult<Arc<DiskCache>> {
-    let fail = |message: String| ConfigError::new_err(format!("cache_dir {dir}: {message}"));
-    std::fs::create_dir_all(dir).map_err(|e| fail(e.to_string()))?;
-    let path = std::fs::canonicalize(dir).map_err(|e| fail(e.to_string()))?;
-    let mut open = caches().lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(c) = open.get(&path).and_then(Weak::upgrade) {
-        return Ok(c);
-    }
-    let cache = Arc::new(DiskCache::open(&path).map_err(|e| {
-        fail(if e.message.contains("in use by another") {
-            "is in use by another process (a cache directory is one process's at a time: give each process its own, or none)".to_string()
-        } else {
-            e.message.clone()
-        })
-    })?);
-    open.retain(|_, w| w.strong_count() > 0);
-    open.insert(path, Arc::downgrade(&cache));
-    Ok(cache)
+    weir_runtime::open_cache(std::path::Path::new(dir)).map_err(|e| {
+        ConfigError::new_err(format!(
+            "cache_dir {dir}: {}",
+            if e.in_use {
+                "is in use by another process (a cache directory is one process's at a time: give each process its \
+                 own, or none)"
+                    .to_string()
+            } else {
+                e.message
+            }
+        ))
+    })
 }
 
 /// The process's runtime for every engine's calls.
@@ -299,13 +286,15 @@ impl PyEngine {
     /// An engine for `model` (`provider/model`); `settings` are `weir run`'s endpoint flags as
     /// arguments (`["--rpm=100", "--limit-window=5"]`), `params` a JSON object.
     #[new]
-    #[pyo3(signature = (model, settings, system=None, params=None, cache_dir=None))]
+    #[pyo3(signature = (model, settings, system=None, params=None, cache_dir=None, default_cache=false))]
     fn new(
+        py: Python<'_>,
         model: String,
         settings: Vec<String>,
         system: Option<String>,
         params: Option<String>,
         cache_dir: Option<String>,
+        default_cache: bool,
     ) -> PyResult<Self> {
         let spec: weir_providers::ModelSpec = model.trim().parse().map_err(|e: weir_providers::ProviderError| {
             ConfigError::new_err(e.to_string().replacen("--model ", "model ", 1))
@@ -317,7 +306,25 @@ impl PyEngine {
         // default spelt out make no second engine (and no second throttle on one quota).
         let mut endpoint = parsed.endpoint.clone();
         endpoint.base_url = endpoint.base_url.map(|u| u.trim_end_matches('/').to_string());
-        let cache = cache_dir.as_deref().map(open_cache).transpose()?;
+        let cache = match (cache_dir.as_deref(), default_cache) {
+            (None, _) => None,
+            // The default cache (`.weir/cache` of the working directory, as `weir sql`'s): a
+            // process that finds it held by another goes on without it, and says so.
+            (Some(dir), true) => match weir_runtime::open_cache(std::path::Path::new(dir)) {
+                Ok(c) => Some(c),
+                Err(e) => {
+                    let why = if e.in_use { "is in use by another process".to_string() } else { e.message };
+                    let message = std::ffi::CString::new(format!(
+                        "weir: the response cache in {dir} {why}; this engine runs without it (give it \
+                         cache_dir=... of its own, or cache=False)"
+                    ))
+                    .unwrap_or_default();
+                    PyErr::warn(py, &py.get_type::<pyo3::exceptions::PyUserWarning>(), &message, 1)?;
+                    None
+                }
+            },
+            (Some(dir), false) => Some(open_cache(dir)?),
+        };
         let key = format!("{endpoint:?}\u{0}{:?}", cache.as_ref().map(Arc::as_ptr));
         let mut engines = registry().lock().unwrap_or_else(|e| e.into_inner());
         let shared = match engines.get(&key).and_then(Weak::upgrade) {

@@ -54,6 +54,13 @@ class Sim:
         self.proc.wait(timeout=10)
 
 
+@pytest.fixture(autouse=True)
+def _own_working_directory(tmp_path, monkeypatch):
+    """Each test in a directory of its own: engines keep their default cache in `.weir/` of the
+    working directory, and one test's answers must not answer another's calls."""
+    monkeypatch.chdir(tmp_path)
+
+
 @pytest.fixture
 def sim_factory():
     started = []

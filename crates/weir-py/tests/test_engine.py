@@ -178,6 +178,42 @@ def test_cache_reuses_an_items_own_answer_and_only_deterministic_ones_without_id
     assert sim.stats()["requests"] == requests
 
 
+def test_answers_are_cached_by_default_in_the_working_directory(sim, tmp_path):
+    """As `weir sql` does: `.weir/cache` of the working directory; asked again, no call is
+    made. cache=False asks every time; a second process finds the cache held and goes on
+    without it, with a warning, instead of failing."""
+    keyed = [{"id": f"d{i}", "prompt": p} for i, p in enumerate(prompts(8, "default"))]
+    engine = weir.Engine(MODEL, sim.url)
+    first = engine.generate(keyed)
+    assert not any(r.cached for r in first)
+    requests = sim.stats()["requests"]
+    again = engine.generate(keyed)
+    assert all(r.cached for r in again) and [r.text for r in again] == [r.text for r in first]
+    assert sim.stats()["requests"] == requests
+    assert (tmp_path / ".weir" / "cache").is_dir()
+    # Without the cache, every item is asked again.
+    uncached = weir.Engine(MODEL, sim.url, cache=False)
+    assert not any(r.cached for r in uncached.generate(keyed))
+    assert sim.stats()["requests"] == requests + len(keyed)
+    with pytest.raises(weir.ConfigError, match="drop one of them"):
+        weir.Engine(MODEL, sim.url, cache=False, cache_dir=str(tmp_path / "c"))
+    # Another process in the same directory while this one holds the cache.
+    import subprocess
+    import sys
+
+    code = (
+        "import warnings, weir\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        f"    e = weir.Engine({MODEL!r}, {sim.url!r})\n"
+        "    print(sum('in use by another process' in str(x.message) for x in w))\n"
+        "    print(len([r for r in e.generate(['p1', 'p2']) if r.ok]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "2"], (out.stdout, out.stderr)
+
+
 def test_an_unusable_model_fails_its_items_alone_and_all_unusable_is_an_error(sim):
     engine = weir.Engine(MODEL, sim.url)
     r = engine.generate([f"p{i}" for i in range(20)] + [{"prompt": "x", "model": "nope/x"}])

@@ -14,6 +14,7 @@
 
 #[cfg(feature = "cli")]
 pub mod args;
+mod cache;
 pub mod dispatch;
 mod route;
 mod runtime;
@@ -22,6 +23,7 @@ pub mod sim;
 
 #[cfg(feature = "cli")]
 pub use args::{ConcurrencyMode, EndpointArgs, SettingsError};
+pub use cache::open_cache;
 pub use dispatch::{DispatchSettings, Work};
 pub use route::Router;
 pub use runtime::{Call, Connector, EndpointState, Row, RowResult, Runtime, RuntimeSettings};

@@ -500,9 +500,7 @@ pub(crate) fn stream_resume_refused(output: &str, input: &str) -> RunError {
 
 /// Opens the response cache in the state directory.
 pub(crate) fn open_cache(dir: &std::path::Path) -> Result<Arc<DiskCache>, RunError> {
-    DiskCache::open(&dir.join("cache"))
-        .map(Arc::new)
-        .map_err(|e| RunError::Usage(format!("{e}; or run with --no-cache")))
+    weir_runtime::open_cache(&dir.join("cache")).map_err(|e| RunError::Usage(format!("{e}; or run with --no-cache")))
 }
 
 /// Says what an earlier run finished, on stderr.

@@ -275,9 +275,9 @@ fn open_cache(state: Option<&std::path::Path>) -> Result<Option<Arc<weir_io::Dis
     let dir = state.map(PathBuf::from).unwrap_or_else(|| PathBuf::from(".weir"));
     let flag = if state.is_some() { "--state" } else { "the default state directory" };
     std::fs::create_dir_all(&dir).map_err(|e| UsageError(format!("{flag} {}: {e}", dir.display())))?;
-    match weir_io::DiskCache::open(&dir.join("cache")) {
-        Ok(c) => Ok(Some(Arc::new(c))),
-        Err(e) if e.message.contains("in use by another") => {
+    match weir_runtime::open_cache(&dir.join("cache")) {
+        Ok(c) => Ok(Some(c)),
+        Err(e) if e.in_use => {
             eprintln!(
                 "weir sql: the response cache in {} is in use by another weir process; this query runs without it",
                 dir.display()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from dataclasses import dataclass
 from typing import Any, Iterable, List, Mapping, Optional, Union
 
@@ -154,10 +155,13 @@ class Engine:
     ``openai/...``, ``sim/...``); ``base_url`` replaces the provider's. ``system`` and
     ``params`` (``{"temperature": 0.2, "max_output_tokens": 256, ...}``, the keys of
     ``weir run --param``) apply to every item unless an item or a call sets its own.
-    ``cache_dir`` keeps answers on disk and reuses them: an item with an ``id`` gets its own
-    answer back; one without only a deterministic request's (temperature 0 or a seed). A cache
-    directory belongs to one process at a time. Other keyword arguments are endpoint settings
-    (see :func:`setting_names`); an unknown one raises :class:`ConfigError`.
+    Answers are kept on disk and reused, as ``weir sql`` keeps them: an item with an ``id``
+    gets its own answer back; one without only a deterministic request's (temperature 0 or a
+    seed). By default in ``.weir/cache`` of the working directory (a process that finds it held
+    by another process goes on without it, with a warning); ``cache_dir`` names another
+    directory (which must be free), ``cache=False`` keeps nothing. A cache directory belongs to
+    one process at a time. Other keyword arguments are endpoint settings (see
+    :func:`setting_names`); an unknown one raises :class:`ConfigError`.
     """
 
     def __init__(
@@ -168,14 +172,19 @@ class Engine:
         system: Optional[str] = None,
         params: Optional[Mapping[str, Any]] = None,
         cache_dir: Optional[str] = None,
+        cache: bool = True,
         **settings: Any,
     ):
         argv = _settings_argv(settings)
         if base_url is not None:
             argv.append(f"--base-url={base_url}")
-        self._native = _weir.Engine(
-            model, argv, system, _json_or_none(params, "engine"), None if cache_dir is None else str(cache_dir)
-        )
+        if not isinstance(cache, bool):
+            raise ConfigError(f"cache: expected True or False, not {type(cache).__name__}")
+        if cache_dir is not None and not cache:
+            raise ConfigError("cache=False with a cache_dir: drop one of them")
+        default = cache and cache_dir is None
+        where = os.path.join(".weir", "cache") if default else (None if cache_dir is None else os.fspath(cache_dir))
+        self._native = _weir.Engine(model, argv, system, _json_or_none(params, "engine"), where, default)
 
     @property
     def model(self) -> str:

@@ -79,8 +79,11 @@ class WeirModelHandler(ModelHandler):
     """A ``RunInference`` model handler that calls ``model`` through weir.
 
     ``model`` and ``base_url`` are as for ``weir run``; ``task`` is ``"generate"`` or
-    ``"embed"``; ``system``, ``params`` and ``cache_dir`` as for :class:`weir.Engine`, and so
-    are the endpoint settings (``rpm``, ``tpm``, ``limit_window``, ``max_concurrency``,
+    ``"embed"``; ``system`` and ``params`` as for :class:`weir.Engine`. Answers are cached
+    as by :class:`weir.Engine`, each worker process in a slot of its own (``worker-0``,
+    ``worker-1``, ...) under ``cache_dir``, by default ``.weir/beam`` of the working directory;
+    ``cache=False`` keeps none. The endpoint settings are as for :class:`weir.Engine` too
+    (``rpm``, ``tpm``, ``limit_window``, ``max_concurrency``,
     ``timeout``, ``max_retries``, ...), checked when the handler is made. Batching is Beam's:
     ``min_batch_size``, ``max_batch_size``, ``max_batch_duration_secs`` and
     ``element_size_fn`` go to ``BatchElements`` (a batch's calls run at once, so large batches
@@ -98,6 +101,7 @@ class WeirModelHandler(ModelHandler):
         system: Optional[str] = None,
         params: Optional[Mapping[str, Any]] = None,
         cache_dir: Optional[str] = None,
+        cache: bool = True,
         errors: str = "dead_letter",
         min_batch_size: int = 256,
         max_batch_size: int = 1024,
@@ -113,6 +117,10 @@ class WeirModelHandler(ModelHandler):
             raise ConfigError(f"errors {errors!r}: expected 'dead_letter' or 'result'")
         if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
             raise ConfigError(f"cache_dir: expected a path, not {type(cache_dir).__name__}")
+        if not isinstance(cache, bool):
+            raise ConfigError(f"cache: expected True or False, not {type(cache).__name__}")
+        if cache_dir is not None and not cache:
+            raise ConfigError("cache=False with a cache_dir: drop one of them")
         if not (isinstance(min_batch_size, int) and isinstance(max_batch_size, int) and 1 <= min_batch_size <= max_batch_size):
             raise ConfigError("min_batch_size and max_batch_size: expected whole numbers with 1 <= min <= max")
         # Refused settings fail the pipeline's construction, not a worker hours later.
@@ -122,7 +130,14 @@ class WeirModelHandler(ModelHandler):
         self._task = task
         self._system = system
         self._params = dict(params) if params is not None else None
-        self._cache_dir = None if cache_dir is None else os.fspath(cache_dir)
+        # By default each worker process keeps its answers under `.weir/beam` of its working
+        # directory (one slot each, as with a cache_dir); cache=False keeps none.
+        if not cache:
+            self._cache_dir = None
+        elif cache_dir is None:
+            self._cache_dir = os.path.join(".weir", "beam")
+        else:
+            self._cache_dir = os.fspath(cache_dir)
         self._errors = errors
         self._settings = dict(settings)
         self._batching = {"min_batch_size": min_batch_size, "max_batch_size": max_batch_size}
@@ -135,7 +150,7 @@ class WeirModelHandler(ModelHandler):
     def load_model(self) -> Engine:
         kwargs = dict(system=self._system, params=self._params, **self._settings)
         if self._cache_dir is None:
-            return Engine(self._model, self._base_url, **kwargs)
+            return Engine(self._model, self._base_url, cache=False, **kwargs)
         # A cache directory is one process's at a time: each worker process of the pipeline
         # takes the first free slot under it (worker-0, worker-1, ...), the same ones run after run.
         for slot in range(1024):
