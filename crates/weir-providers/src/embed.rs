@@ -65,6 +65,22 @@ impl EmbedHandler {
         Self { client, api, url, endpoint, model, model_id, credential, max_batch: max_batch.max(1), bpe }
     }
 
+    /// The Gemini API's embedding client for `spec` at `base` (the API, or a server that
+    /// speaks it), with its key when it needs one, `max_batch` texts per call at most (else
+    /// the API's default).
+    pub fn gemini(
+        client: reqwest::Client,
+        base: &reqwest::Url,
+        spec: &crate::ModelSpec,
+        key: Option<crate::Secret>,
+        max_batch: Option<usize>,
+    ) -> Self {
+        let url = format!("{}/v1beta/models/{}:batchEmbedContents", base.as_str().trim_end_matches('/'), spec.model);
+        let credential = key.map_or(Credential::None, |k| Credential::Key(k, Some("x-goog-api-key")));
+        let batch = max_batch.unwrap_or_else(|| default_batch(EmbedApi::Gemini));
+        Self::new(client, EmbedApi::Gemini, url, spec.model.clone(), spec.to_string(), credential, batch)
+    }
+
     /// Names the endpoint `name` instead of its URL (the in-process simulator).
     pub fn named(mut self, name: &str) -> Self {
         self.endpoint = format!("{name} (embeddings)");

@@ -350,10 +350,7 @@ async fn connect_embed(
         Provider::Gemini => {
             let base = options.base_url.clone().unwrap_or_else(|| "https://generativelanguage.googleapis.com".into());
             let base = http::check_base_url(&base)?;
-            let credential = gemini_key(&base, env)?
-                .map_or(http::Credential::None, |k| http::Credential::Key(k, Some("x-goog-api-key")));
-            let url = format!("{}/v1beta/models/{}:batchEmbedContents", trim(&base), spec.model);
-            make(EmbedApi::Gemini, url, credential)
+            EmbedHandler::gemini(client.clone(), &base, spec, gemini_key(&base, env)?, options.max_batch)
         }
         Provider::Vertex => {
             let site = VertexSite::find(options, env)?;

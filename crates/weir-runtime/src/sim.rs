@@ -5,7 +5,7 @@
 use async_trait::async_trait;
 use std::sync::Arc;
 use weir_core::ModelHandler;
-use weir_providers::embed::{default_batch, EmbedApi, EmbedHandler};
+use weir_providers::embed::EmbedHandler;
 use weir_providers::{
     connectors, Connect, Endpoint, GeminiHandler, ModelSpec, Provider, ProviderError, ProviderOptions, Resident,
     Secret, Task,
@@ -43,22 +43,7 @@ impl Connect for SimConnector {
         let key = Secret::new("sim".into());
         let handler: Arc<dyn ModelHandler> = match options.task {
             Task::Embed => {
-                let url =
-                    format!("{}/v1beta/models/{}:batchEmbedContents", base.as_str().trim_end_matches('/'), spec.model);
-                let credential = weir_providers::http::Credential::Key(key, Some("x-goog-api-key"));
-                let batch = options.max_batch.unwrap_or_else(|| default_batch(EmbedApi::Gemini));
-                Arc::new(
-                    EmbedHandler::new(
-                        client,
-                        EmbedApi::Gemini,
-                        url,
-                        spec.model.clone(),
-                        spec.to_string(),
-                        credential,
-                        batch,
-                    )
-                    .named(NAME),
-                )
+                Arc::new(EmbedHandler::gemini(client, &base, spec, Some(key), options.max_batch).named(NAME))
             }
             Task::Generate => {
                 Arc::new(GeminiHandler::new(client, &base, &spec.model, Some(key), spec.to_string()).named(NAME))
