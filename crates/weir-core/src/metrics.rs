@@ -11,6 +11,11 @@ use std::time::Duration;
 
 use crate::error::ErrorKind;
 
+/// Set once an exporter is installed ([`RunMetrics::describe`]): until then no series is
+/// reported through the `metrics` facade (it would go nowhere, and cost a few allocations per
+/// record).
+static EXPORTING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 /// The moment wall-time counters are measured from (the first time one is asked for).
 fn epoch() -> tokio::time::Instant {
     static EPOCH: std::sync::OnceLock<tokio::time::Instant> = std::sync::OnceLock::new();
@@ -141,10 +146,11 @@ impl RunMetrics {
         labels
     }
 
-    /// Whether these counters export their series: an endpoint's do, and a run's totals only
+    /// Whether these counters export their series: only once an exporter is installed (a
+    /// series is not built for nothing), and then an endpoint's do, and a run's totals only
     /// when nothing counts into them (then they are the only counters there are).
     fn exports(&self) -> bool {
-        !self.labels.is_empty() || !self.fed.load(Relaxed)
+        EXPORTING.load(Relaxed) && (!self.labels.is_empty() || !self.fed.load(Relaxed))
     }
 
     /// Counts `f` here and in the run's totals (marking them as fed, so they export nothing).
@@ -301,10 +307,10 @@ impl RunMetrics {
             m.batch_padded_tokens.fetch_add(padded, Relaxed);
         });
         if self.exports() {
-            metrics::counter!("weir_jobses_total", self.labels(&[])).increment(1);
-            metrics::counter!("weir_jobs_items_total", self.labels(&[])).increment(tokens.len() as u64);
-            metrics::counter!("weir_jobs_tokens_total", self.labels(&[("kind", "real")])).increment(real);
-            metrics::counter!("weir_jobs_tokens_total", self.labels(&[("kind", "padded")])).increment(padded);
+            metrics::counter!("weir_batches_total", self.labels(&[])).increment(1);
+            metrics::counter!("weir_batch_items_total", self.labels(&[])).increment(tokens.len() as u64);
+            metrics::counter!("weir_batch_tokens_total", self.labels(&[("kind", "real")])).increment(real);
+            metrics::counter!("weir_batch_tokens_total", self.labels(&[("kind", "padded")])).increment(padded);
         }
     }
 
@@ -316,7 +322,7 @@ impl RunMetrics {
             m.batch_waits[i].fetch_add(1, Relaxed);
         });
         if self.exports() {
-            metrics::histogram!("weir_jobs_wait_seconds", self.labels(&[])).record(d.as_secs_f64());
+            metrics::histogram!("weir_batch_wait_seconds", self.labels(&[])).record(d.as_secs_f64());
         }
     }
 
@@ -338,8 +344,10 @@ impl RunMetrics {
         Some(None)
     }
 
-    /// Describes the exported metrics (once, when the exporter is installed).
+    /// Describes the exported metrics, and has every count reported through the facade from
+    /// now on: called once, when an exporter is installed.
     pub fn describe() {
+        EXPORTING.store(true, Relaxed);
         metrics::describe_counter!("weir_records_total", "Records finished, by outcome.");
         metrics::describe_counter!("weir_failures_total", "Failed records, by kind.");
         metrics::describe_counter!("weir_calls_total", "Calls made to the endpoint.");
@@ -363,14 +371,14 @@ impl RunMetrics {
             metrics::Unit::Seconds,
             "Time between one piece of a streamed answer and the next."
         );
-        metrics::describe_counter!("weir_jobses_total", "Batched calls sent (retries and split halves included).");
-        metrics::describe_counter!("weir_jobs_items_total", "Records carried by batched calls.");
+        metrics::describe_counter!("weir_batches_total", "Batched calls sent (retries and split halves included).");
+        metrics::describe_counter!("weir_batch_items_total", "Records carried by batched calls.");
         metrics::describe_counter!(
-            "weir_jobs_tokens_total",
+            "weir_batch_tokens_total",
             "Estimated tokens of batched records: real, and padded to the longest of each call."
         );
         metrics::describe_histogram!(
-            "weir_jobs_wait_seconds",
+            "weir_batch_wait_seconds",
             metrics::Unit::Seconds,
             "Time a record waited in the batching stage for its batch."
         );
@@ -397,8 +405,8 @@ impl RunMetrics {
             "weir_rate_limited_total",
             "weir_cache_hits_total",
             "weir_throttled_microseconds_total",
-            "weir_jobses_total",
-            "weir_jobs_items_total",
+            "weir_batches_total",
+            "weir_batch_items_total",
         ] {
             metrics::counter!(name, self.labels(&[])).increment(0);
         }
@@ -436,6 +444,7 @@ mod tests {
         assert_eq!(RunMetrics::get(&totals.done), 3);
         assert_eq!(RunMetrics::get(&totals.calls), 1);
         assert_eq!(totals.failures_by_kind()[&ErrorKind::RateLimited], 1);
+        RunMetrics::describe();
         assert!(!totals.exports(), "totals fed by endpoints would export every series twice");
         assert!(a.exports());
     }

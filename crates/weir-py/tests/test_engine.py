@@ -214,6 +214,24 @@ def test_answers_are_cached_by_default_in_the_working_directory(sim, tmp_path):
     assert out.stdout.split() == ["1", "2"], (out.stdout, out.stderr)
 
 
+def test_local_models_embed_in_python_too():
+    """`local/` models (candle, in the process) work in Python as in `weir run` and SQL, in a
+    wheel built with the `local` feature (scripts/test-python builds it so)."""
+    import os
+
+    models = os.environ.get("WEIR_MODELS")
+    if not models or not os.path.isdir(os.path.join(models, "all-minilm-l6-v2")):
+        if os.environ.get("WEIR_REQUIRE_PEERS"):
+            pytest.fail("WEIR_MODELS has no all-minilm-l6-v2: run scripts/setup-peers")
+        pytest.skip("no local model (run scripts/setup-peers)")
+    engine = weir.Engine("local/all-minilm-l6-v2")
+    results = engine.embed(["a river in spring", "bread from the oven", "a river in spring"])
+    assert all(r.ok for r in results), [r.error_message for r in results]
+    assert [len(r.embedding) for r in results] == [384, 384, 384]
+    assert results[0].embedding == results[2].embedding
+    assert results[0].embedding != results[1].embedding
+
+
 def test_an_unusable_model_fails_its_items_alone_and_all_unusable_is_an_error(sim):
     engine = weir.Engine(MODEL, sim.url)
     r = engine.generate([f"p{i}" for i in range(20)] + [{"prompt": "x", "model": "nope/x"}])

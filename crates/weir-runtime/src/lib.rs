@@ -16,6 +16,8 @@
 pub mod args;
 mod cache;
 pub mod dispatch;
+#[cfg(feature = "local")]
+mod local;
 mod route;
 mod runtime;
 #[cfg(feature = "sim")]
@@ -39,5 +41,7 @@ pub async fn connect(
 ) -> Result<weir_providers::Endpoint, weir_providers::ProviderError> {
     #[cfg(feature = "sim")]
     sim::ensure();
+    #[cfg(feature = "local")]
+    local::ensure();
     weir_providers::connect(spec, options, env).await
 }

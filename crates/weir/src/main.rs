@@ -6,8 +6,6 @@ mod batch_cmd;
 mod cluster_cmd;
 #[cfg(feature = "sql")]
 mod credential_args;
-#[cfg(feature = "local")]
-mod local_models;
 mod run_cmd;
 mod signals;
 mod sim_cmd;
@@ -82,8 +80,6 @@ fn main() -> ExitCode {
         }
     };
     init_logging();
-    #[cfg(feature = "local")]
-    local_models::register();
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {

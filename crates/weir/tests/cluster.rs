@@ -8,7 +8,6 @@ use serde_json::Value;
 use util::*;
 use weir_sim::{SimConfig, SimServer};
 
-/// A counter's value in a Prometheus text page.
 /// The sum of the series of counter `name` whose labels include `label` (every model's and
 /// endpoint's series of it).
 fn counter(page: &str, name: &str, label: &str) -> u64 {
@@ -73,18 +72,92 @@ impl Cluster {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_executors_answer_every_row_once() {
-    let dir = Dir::new("cluster");
-    let (data, keys) = prompts(800);
+/// A cluster on 127.0.0.2 behind its guards, for the tests of who gets in: the scheduler and
+/// each executor started in `dir` with their own credentials (TLS flags, or a token).
+struct Guarded {
+    scheduler: u16,
+    /// The last executor's Flight port.
+    flight: u16,
+    /// Held so that the executors end with the cluster.
+    _executors: Vec<tokio::process::Child>,
+    _scheduler: tokio::process::Child,
+}
+
+impl Guarded {
+    /// The scheduler with `scheduler_args`; an executor for each of `executors`: its flags,
+    /// and its token in `WEIR_CLUSTER_TOKEN` (as a service manager would give it) if any.
+    async fn start(
+        dir: &std::path::Path,
+        sim: &SimServer,
+        scheduler_args: &[String],
+        executors: &[(Vec<String>, Option<&str>)],
+    ) -> Guarded {
+        let scheduler = free_port();
+        let sched = weir()
+            .current_dir(dir)
+            .args(["cluster", "scheduler", "--bind", &format!("127.0.0.2:{scheduler}")])
+            .args(scheduler_args)
+            .stderr(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        wait_for_port(scheduler).await;
+        let (mut children, mut flight) = (Vec::new(), 0);
+        for (args, token) in executors {
+            let (port, grpc) = (free_port(), free_port());
+            flight = port;
+            let mut cmd = weir();
+            cmd.current_dir(dir)
+                .args(["cluster", "executor", "--scheduler", &format!("127.0.0.2:{scheduler}"), "--host", "127.0.0.2"])
+                .args(["--port", &port.to_string(), "--grpc-port", &grpc.to_string(), "--slots", "2"])
+                .args(["--base-url", &sim.url()])
+                .args(args)
+                .stderr(std::process::Stdio::null())
+                .kill_on_drop(true);
+            if let Some(t) = token {
+                cmd.env("WEIR_CLUSTER_TOKEN", t);
+            }
+            children.push(cmd.spawn().unwrap());
+            wait_for_port(port).await;
+        }
+        Guarded { scheduler, flight, _executors: children, _scheduler: sched }
+    }
+}
+
+/// `n` prompts in `dir`/in.jsonl, split by `weir sql` into `parts` Parquet files under
+/// `dir`/parts; the prompts' keys.
+async fn parted_input(dir: &Dir, n: usize, parts: usize) -> Vec<String> {
+    let (data, keys) = prompts(n);
     dir.write("in.jsonl", &data);
     std::fs::create_dir(dir.path("parts")).unwrap();
-    // Four files, so the scan has partitions to spread.
-    for i in 0..4 {
-        let copy = format!("COPY (SELECT * FROM 'in.jsonl' WHERE n % 4 = {i}) TO 'parts/p{i}.parquet'");
+    for i in 0..parts {
+        let copy = format!("COPY (SELECT * FROM 'in.jsonl' WHERE n % {parts} = {i}) TO 'parts/p{i}.parquet'");
         let out = weir().current_dir(&dir.0).args(["sql", &copy]).output().await.unwrap();
         assert!(out.status.success(), "{}", stderr(&out));
     }
+    keys
+}
+
+/// Runs `cmd` to its end; over 60 s fails the test (a hang, not a slow run).
+async fn bounded(cmd: &mut tokio::process::Command) -> std::process::Output {
+    let run = cmd.kill_on_drop(true).output();
+    tokio::time::timeout(std::time::Duration::from_secs(60), run).await.expect("hung").unwrap()
+}
+
+/// The rows of `path` answer every key of `keys` exactly once.
+fn assert_every_row_once(path: &std::path::Path, keys: &[String]) {
+    let mut seen: Vec<String> = rows(path).iter().map(|r| r["key"].as_str().unwrap().to_string()).collect();
+    seen.sort();
+    let mut expected = keys.to_vec();
+    expected.sort();
+    assert_eq!(seen, expected, "every row exactly once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_executors_answer_every_row_once() {
+    let dir = Dir::new("cluster");
+    // Four files, so the scan has partitions to spread.
+    let keys = parted_input(&dir, 800, 4).await;
     let sim = SimServer::start(SimConfig::default(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
     let Cluster { scheduler, mut executors, metric_ports, _scheduler: _sched } = Cluster::start(&sim, 2, &dir.0).await;
     let out = weir()
@@ -427,14 +500,7 @@ async fn executors_stop_calling_when_their_scheduler_is_gone() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_mutual_tls_only_holders_of_the_clusters_certificates_get_in() {
     let dir = Dir::new("cluster-tls");
-    let (data, keys) = prompts(400);
-    dir.write("in.jsonl", &data);
-    std::fs::create_dir(dir.path("parts")).unwrap();
-    for i in 0..4 {
-        let copy = format!("COPY (SELECT * FROM 'in.jsonl' WHERE n % 4 = {i}) TO 'parts/p{i}.parquet'");
-        let out = weir().current_dir(&dir.0).args(["sql", &copy]).output().await.unwrap();
-        assert!(out.status.success(), "{}", stderr(&out));
-    }
+    let keys = parted_input(&dir, 400, 4).await;
     for (out, names) in [("certs", vec!["scheduler", "e1", "e2", "client"]), ("other", vec!["client"])] {
         let mut cmd = weir();
         cmd.current_dir(&dir.0).args(["cluster", "certs", "--out", out]);
@@ -455,33 +521,14 @@ async fn with_mutual_tls_only_holders_of_the_clusters_certificates_get_in() {
         ]
     };
     let sim = SimServer::start(SimConfig::default(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
-    let scheduler = free_port();
-    let _sched = weir()
-        .current_dir(&dir.0)
-        .args(["cluster", "scheduler", "--bind", &format!("127.0.0.2:{scheduler}")])
-        .args(tls("certs", "scheduler"))
-        .stderr(std::process::Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    wait_for_port(scheduler).await;
-    let mut executors = Vec::new();
-    for name in ["e1", "e2"] {
-        let (port, grpc) = (free_port(), free_port());
-        executors.push(
-            weir()
-                .current_dir(&dir.0)
-                .args(["cluster", "executor", "--scheduler", &format!("127.0.0.2:{scheduler}"), "--host", "127.0.0.2"])
-                .args(["--port", &port.to_string(), "--grpc-port", &grpc.to_string(), "--slots", "2"])
-                .args(["--base-url", &sim.url()])
-                .args(tls("certs", name))
-                .stderr(std::process::Stdio::null())
-                .kill_on_drop(true)
-                .spawn()
-                .unwrap(),
-        );
-        wait_for_port(port).await;
-    }
+    let cluster = Guarded::start(
+        &dir.0,
+        &sim,
+        &tls("certs", "scheduler"),
+        &[(tls("certs", "e1"), None), (tls("certs", "e2"), None)],
+    )
+    .await;
+    let scheduler = cluster.scheduler;
     let url = format!("dfs://127.0.0.2:{scheduler}");
     let query = "COPY (SELECT key, llm_generate('gemini/gemini-2.5-flash', prompt) AS answer FROM reviews) \
                  TO 'answers.jsonl'";
@@ -505,28 +552,18 @@ async fn with_mutual_tls_only_holders_of_the_clusters_certificates_get_in() {
     for args in &strangers {
         // A plain client once hung here against the TLS listener (not understood yet): bounded,
         // so that a hang fails the test instead of stalling the run.
-        let run = weir()
-            .current_dir(&dir.0)
-            .arg("sql")
-            .args(args)
-            .args(["--table", "reviews=parts", query])
-            .kill_on_drop(true)
-            .output();
-        let out = tokio::time::timeout(std::time::Duration::from_secs(60), run)
-            .await
-            .unwrap_or_else(|_| panic!("{args:?}: the client hung"))
-            .unwrap();
+        let out =
+            bounded(weir().current_dir(&dir.0).arg("sql").args(args).args(["--table", "reviews=parts", query])).await;
         assert_ne!(out.status.code(), Some(0), "{args:?}: {}", stderr(&out));
     }
-    let rogue = weir()
-        .current_dir(&dir.0)
-        .args(["cluster", "executor", "--scheduler", &format!("127.0.0.2:{scheduler}"), "--host", "127.0.0.3"])
-        .args(["--port", &free_port().to_string(), "--grpc-port", &free_port().to_string()])
-        .args(["--base-url", &sim.url()])
-        .kill_on_drop(true)
-        .output();
-    let rogue =
-        tokio::time::timeout(std::time::Duration::from_secs(60), rogue).await.expect("the rogue gave up").unwrap();
+    let rogue = bounded(
+        weir()
+            .current_dir(&dir.0)
+            .args(["cluster", "executor", "--scheduler", &format!("127.0.0.2:{scheduler}"), "--host", "127.0.0.3"])
+            .args(["--port", &free_port().to_string(), "--grpc-port", &free_port().to_string()])
+            .args(["--base-url", &sim.url()]),
+    )
+    .await;
     assert_ne!(rogue.status.code(), Some(0), "a rogue executor registered");
     assert_eq!(sim.stats().requests, 0, "a stranger's query was run");
     assert!(!dir.path("answers.jsonl").exists());
@@ -540,12 +577,7 @@ async fn with_mutual_tls_only_holders_of_the_clusters_certificates_get_in() {
         .await
         .unwrap();
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
-    let rows = rows(&dir.path("answers.jsonl"));
-    let mut seen: Vec<String> = rows.iter().map(|r| r["key"].as_str().unwrap().to_string()).collect();
-    seen.sort();
-    let mut expected = keys.clone();
-    expected.sort();
-    assert_eq!(seen, expected, "every row exactly once");
+    assert_every_row_once(&dir.path("answers.jsonl"), &keys);
     assert_eq!(sim.stats().requests, 400);
     // With TLS, the address must leave 127.0.0.1 to the plain server behind it.
     let out = weir()
@@ -556,21 +588,14 @@ async fn with_mutual_tls_only_holders_of_the_clusters_certificates_get_in() {
         .await
         .unwrap();
     assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
-    drop(executors);
+    drop(cluster);
     sim.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_a_shared_token_only_its_holders_get_in() {
     let dir = Dir::new("cluster-token");
-    let (data, keys) = prompts(200);
-    dir.write("in.jsonl", &data);
-    std::fs::create_dir(dir.path("parts")).unwrap();
-    for i in 0..2 {
-        let copy = format!("COPY (SELECT * FROM 'in.jsonl' WHERE n % 2 = {i}) TO 'parts/p{i}.parquet'");
-        let out = weir().current_dir(&dir.0).args(["sql", &copy]).output().await.unwrap();
-        assert!(out.status.success(), "{}", stderr(&out));
-    }
+    let keys = parted_input(&dir, 200, 2).await;
     for name in ["token", "other"] {
         let made = weir().current_dir(&dir.0).args(["cluster", "token", "--out", name]).output().await.unwrap();
         assert!(made.status.success(), "{}", stderr(&made));
@@ -585,15 +610,10 @@ async fn with_a_shared_token_only_its_holders_get_in() {
     assert_eq!(again.status.code(), Some(2), "an existing token was replaced");
     let secret = std::fs::read_to_string(dir.path("token")).unwrap();
     let sim = SimServer::start(SimConfig::default(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
-    let scheduler = free_port();
-    let _sched = weir()
-        .current_dir(&dir.0)
-        .args(["cluster", "scheduler", "--bind", &format!("127.0.0.2:{scheduler}"), "--token-file", "token"])
-        .stderr(std::process::Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    wait_for_port(scheduler).await;
+    let executor = (Vec::new(), Some(secret.trim()));
+    let cluster =
+        Guarded::start(&dir.0, &sim, &["--token-file".into(), "token".into()], &[executor.clone(), executor]).await;
+    let (scheduler, flight) = (cluster.scheduler, cluster.flight);
     // A stranger who connects and says nothing is shown the door (checked at the end).
     let mut idle = tokio::net::TcpStream::connect(("127.0.0.2", scheduler)).await.unwrap();
     // A stranger (from 127.0.0.9) holding more silent connections than the guard holds in all
@@ -606,33 +626,9 @@ async fn with_a_shared_token_only_its_holders_get_in() {
             flood.push(s);
         }
     }
-    let mut executors = Vec::new();
-    let mut flight = 0;
-    for _ in 0..2 {
-        let (port, grpc) = (free_port(), free_port());
-        flight = port;
-        executors.push(
-            weir()
-                .current_dir(&dir.0)
-                // The token from the environment, as a service manager would give it.
-                .env("WEIR_CLUSTER_TOKEN", secret.trim())
-                .args(["cluster", "executor", "--scheduler", &format!("127.0.0.2:{scheduler}"), "--host", "127.0.0.2"])
-                .args(["--port", &port.to_string(), "--grpc-port", &grpc.to_string(), "--slots", "2"])
-                .args(["--base-url", &sim.url()])
-                .stderr(std::process::Stdio::null())
-                .kill_on_drop(true)
-                .spawn()
-                .unwrap(),
-        );
-        wait_for_port(port).await;
-    }
     let url = format!("df://127.0.0.2:{scheduler}");
     let query = "COPY (SELECT key, llm_generate('gemini/gemini-2.5-flash', prompt) AS answer FROM reviews) \
                  TO 'answers.jsonl'";
-    let bounded = |cmd: &mut tokio::process::Command| {
-        let run = cmd.kill_on_drop(true).output();
-        async move { tokio::time::timeout(std::time::Duration::from_secs(60), run).await.expect("hung").unwrap() }
-    };
     // Strangers: no token, another token — to the scheduler and to an executor's Flight port.
     for (target, token) in
         [(url.clone(), None), (url.clone(), Some("other")), (format!("df://127.0.0.2:{flight}"), None)]
@@ -679,12 +675,7 @@ async fn with_a_shared_token_only_its_holders_get_in() {
     )
     .await;
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
-    let rows = rows(&dir.path("answers.jsonl"));
-    let mut seen: Vec<String> = rows.iter().map(|r| r["key"].as_str().unwrap().to_string()).collect();
-    seen.sort();
-    let mut expected = keys.clone();
-    expected.sort();
-    assert_eq!(seen, expected, "every row exactly once");
+    assert_every_row_once(&dir.path("answers.jsonl"), &keys);
     assert_eq!(sim.stats().requests, 200);
     drop(flood);
     // The stranger's silent connection was closed (not held open until the process runs out
@@ -740,6 +731,6 @@ async fn with_a_shared_token_only_its_holders_get_in() {
         assert_eq!(open.status.code(), Some(2), "{}", stderr(&open));
         assert!(stderr(&open).contains("chmod 600"), "{}", stderr(&open));
     }
-    drop(executors);
+    drop(cluster);
     sim.shutdown().await;
 }

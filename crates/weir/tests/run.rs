@@ -487,6 +487,8 @@ async fn metrics_are_served_in_the_prometheus_format_during_a_run() {
         "weir_call_seconds_bucket{",
         "weir_throttled_microseconds_total{",
         "weir_rate_limited_total{",
+        "weir_batches_total{",
+        "weir_batch_items_total{",
     ] {
         assert!(text.contains(name), "{name} missing from:\n{text}");
     }

@@ -1,6 +1,7 @@
-//! `local/…` models — sentence embeddings run in this process (the `local` feature) —
-//! registered with the providers' connectors at start, so that every command serves them:
-//! `weir run`, `weir sql` and cluster executors alike.
+//! `local/…` models — sentence embeddings run in this process with candle (the `local`
+//! feature) — registered with the providers' connectors the first time [`crate::connect`] runs,
+//! so that every front end that links them serves them: `weir run`, `weir sql`, cluster
+//! executors and Python alike.
 
 use async_trait::async_trait;
 use std::sync::Arc;
@@ -28,7 +29,9 @@ impl Connect for LocalConnector {
     }
 }
 
-/// Serves `local/` models in this process.
-pub(crate) fn register() {
-    weir_providers::connectors::register(Provider::Local, Arc::new(LocalConnector));
+/// Serves `local/` models in this process, unless something else already does.
+pub(crate) fn ensure() {
+    if !weir_providers::connectors::registered(Provider::Local) {
+        weir_providers::connectors::register(Provider::Local, Arc::new(LocalConnector));
+    }
 }
