@@ -94,6 +94,21 @@ pub struct ModelSpec {
     pub model: String,
 }
 
+impl ModelSpec {
+    /// Whether calls for this model carry many records each (so that batching flags apply):
+    /// embeddings (`task` embed), and `vertex_endpoint/` models called through `:predict` with
+    /// raw instances. The providers know this, not the front ends.
+    pub fn takes_batches(&self, task: Task, format: EndpointFormat) -> bool {
+        task == Task::Embed || (self.provider == Provider::VertexEndpoint && format == EndpointFormat::Raw)
+    }
+
+    /// Whether a request for this model can carry a response schema or MIME type: not a
+    /// `vertex_endpoint/` `:predict` instance (raw or chat), whose body has no place for one.
+    pub fn takes_response_schema(&self, format: EndpointFormat) -> bool {
+        !(self.provider == Provider::VertexEndpoint && matches!(format, EndpointFormat::Raw | EndpointFormat::Chat))
+    }
+}
+
 impl FromStr for ModelSpec {
     type Err = ProviderError;
 

@@ -297,9 +297,8 @@ impl RunArgs {
             return Err(UsageError("--endpoint-format only applies to vertex_endpoint/ models".into()));
         }
         let embed = self.task == TaskArg::Embed;
-        let batchable = embed
-            || (model.provider == weir_providers::Provider::VertexEndpoint
-                && endpoint_format == weir_providers::EndpointFormat::Raw);
+        let task = if embed { weir_providers::Task::Embed } else { weir_providers::Task::Generate };
+        let batchable = model.takes_batches(task, endpoint_format);
         if embed {
             for (flag, given) in [
                 ("--param", !self.params.is_empty()),
@@ -337,8 +336,7 @@ impl RunArgs {
                 }
             }
         }
-        if model.provider == weir_providers::Provider::VertexEndpoint
-            && matches!(endpoint_format, weir_providers::EndpointFormat::Raw | weir_providers::EndpointFormat::Chat)
+        if !model.takes_response_schema(endpoint_format)
             && (params.response_schema.is_some() || params.response_mime_type.is_some())
         {
             return Err(UsageError(
