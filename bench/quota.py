@@ -166,9 +166,14 @@ def random_faults_case():
 
 def coarse_case():
     R, W, N = 100, 5, 2000
-    sim, url = start_sim("--rpm", str(R), "--window-secs", str(W), "--latency-ms", "50", "--jitter-ms", "20", "--round-advice")
-    ideal = ((N - 1) // R) * W + 0.05
-    print(f"== 6. advice in whole seconds: quota {R} requests per {W} s, latency 50±10 ms, {N} records, nothing told")
+    # LATENCY_MS=300 is issue #32's case (0.3 s calls); SIM_ARGS adds simulator flags.
+    lat = int(os.environ.get("LATENCY_MS", "50"))
+    extra = os.environ.get("SIM_ARGS", "").split()
+    sim, url = start_sim("--rpm", str(R), "--window-secs", str(W), "--latency-ms", str(lat), "--jitter-ms", "20",
+                         "--round-advice", *extra)
+    ideal = ((N - 1) // R) * W + lat / 1000
+    print(f"== 6. advice in whole seconds: quota {R} requests per {W} s, latency {lat}±10 ms, {N} records, "
+          f"nothing told{' (' + ' '.join(extra) + ')' if extra else ''}")
     try:
         for procs in [int(p) for p in os.environ.get("PROCS", "1 2").split()]:
             # The ideal starts from an empty window: let the last run's sends leave it.

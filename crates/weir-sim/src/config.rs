@@ -160,6 +160,33 @@ pub struct QuotaConfig {
     /// Round every advised delay up to whole seconds, as real servers do (OpenAI's
     /// `retry-after: 2`, Gemini's `retryDelay: "13s"`), instead of advising it exactly.
     pub round_advice: bool,
+    /// How the window moves: sliding (a request leaves it `window_secs` after it came), or
+    /// fixed (counts start again at each multiple of `window_secs` since the server started,
+    /// and a refusal advises the time until then, as a per-minute quota reset on the minute).
+    pub window: WindowKind,
+}
+
+/// How a quota window moves.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum WindowKind {
+    /// Each request counts for `window_secs` after it came.
+    #[default]
+    Sliding,
+    /// Counts start again at every multiple of `window_secs`.
+    Fixed,
+}
+
+impl std::str::FromStr for WindowKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "sliding" => Ok(Self::Sliding),
+            "fixed" => Ok(Self::Fixed),
+            other => Err(format!("window '{other}': expected sliding or fixed")),
+        }
+    }
 }
 
 impl Default for QuotaConfig {
@@ -171,6 +198,7 @@ impl Default for QuotaConfig {
             requests_per_day: 0,
             day_secs: 86_400.0,
             round_advice: false,
+            window: WindowKind::Sliding,
         }
     }
 }

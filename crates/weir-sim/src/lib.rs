@@ -22,7 +22,9 @@ mod serve;
 mod server;
 pub mod stats;
 
-pub use config::{AuthConfig, BatchJobConfig, ConfigError, EmbeddingConfig, OverloadMode, PredictConfig, SimConfig};
+pub use config::{
+    AuthConfig, BatchJobConfig, ConfigError, EmbeddingConfig, OverloadMode, PredictConfig, SimConfig, WindowKind,
+};
 pub use gcs::GcsServer;
 pub use server::{Captured, SimServer, StartError, StreamTiming};
 pub use stats::StatsSnapshot;

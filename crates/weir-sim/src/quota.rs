@@ -1,5 +1,5 @@
-//! Quota enforcement, as providers do it: requests and tokens over a sliding window, and a
-//! per-day request count, all per API key.
+//! Quota enforcement, as providers do it: requests and tokens over a sliding or a fixed
+//! window, and a per-day request count, all per API key.
 //!
 //! The logic is pure (time is passed in) so it can be driven step by step in tests and reused by
 //! deterministic scenario simulations that never open a socket.
@@ -8,7 +8,7 @@ use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 use tokio::time::Instant;
 
-use crate::config::QuotaConfig;
+use crate::config::{QuotaConfig, WindowKind};
 
 /// Which quota refused a request; it decides the error body (`quotaId`) and the advised delay.
 #[derive(Debug, Clone, PartialEq)]
@@ -73,19 +73,21 @@ struct KeyState {
     day_count: u64,
 }
 
-/// Per-key sliding-window quotas.
+/// Per-key window quotas.
 #[derive(Debug)]
 pub struct Quotas {
     config: QuotaConfig,
     window: Duration,
     keys: HashMap<String, KeyState>,
+    /// Where fixed windows are counted from (the first request seen).
+    origin: Option<Instant>,
 }
 
 impl Quotas {
     /// Quotas as configured.
     pub fn new(config: QuotaConfig) -> Self {
         let window = Duration::from_secs_f64(config.window_secs);
-        Self { config, window, keys: HashMap::new() }
+        Self { config, window, keys: HashMap::new(), origin: None }
     }
 
     /// Changes the per-window limits from now on (what was admitted stays counted), as when a
@@ -121,15 +123,31 @@ impl Quotas {
         let c = &self.config;
         let window = self.window;
         let day = Duration::from_secs_f64(c.day_secs);
+        // A fixed window: the one `now` is in, and requests before it no longer count.
+        let fixed = (c.window == WindowKind::Fixed).then(|| {
+            let origin = *self.origin.get_or_insert(now);
+            let n = (now.duration_since(origin).as_secs_f64() / window.as_secs_f64()).floor();
+            origin + window.mul_f64(n)
+        });
         let state = self.keys.entry(key.to_string()).or_default();
         while let Some(&(t, n)) = state.events.front() {
-            if now.duration_since(t) >= window {
+            let gone = match fixed {
+                Some(start) => t < start,
+                None => now.duration_since(t) >= window,
+            };
+            if gone {
                 state.events.pop_front();
                 state.tokens -= n;
             } else {
                 break;
             }
         }
+        // When what is in the window now leaves it: the sliding window's oldest request's
+        // expiry, or the fixed window's end.
+        let leaves = |t: Instant| match fixed {
+            Some(start) => start + window,
+            None => t + window,
+        };
         if c.requests_per_day > 0 {
             let start = *state.day_start.get_or_insert(now);
             if now.duration_since(start) >= day {
@@ -146,7 +164,7 @@ impl Quotas {
         }
         if c.requests_per_window > 0 && state.events.len() as u64 >= c.requests_per_window {
             let oldest = state.events.front().map(|e| e.0).unwrap_or(now);
-            return Err(Rejection::Requests { limit: c.requests_per_window, retry_after: (oldest + window) - now });
+            return Err(Rejection::Requests { limit: c.requests_per_window, retry_after: leaves(oldest) - now });
         }
         if c.tokens_per_window > 0 && state.tokens + tokens > c.tokens_per_window {
             // Walk forward until enough tokens have expired.
@@ -155,7 +173,7 @@ impl Quotas {
             let mut at = now;
             for &(t, n) in &state.events {
                 freed += n;
-                at = t + window;
+                at = leaves(t);
                 if freed >= need {
                     break;
                 }
@@ -170,7 +188,7 @@ impl Quotas {
         state.events.push_back((now, tokens));
         state.tokens += tokens;
         state.day_count += 1;
-        let newest_reset = state.events.back().map(|e| (e.0 + window) - now).unwrap_or_default();
+        let newest_reset = state.events.back().map(|e| leaves(e.0) - now).unwrap_or_default();
         Ok(Usage {
             request_limit: c.requests_per_window,
             requests_remaining: c.requests_per_window.saturating_sub(state.events.len() as u64),
@@ -188,6 +206,26 @@ mod tests {
 
     fn cfg(rpw: u64, tpw: u64, window: f64) -> QuotaConfig {
         QuotaConfig { requests_per_window: rpw, tokens_per_window: tpw, window_secs: window, ..QuotaConfig::default() }
+    }
+
+    /// A fixed window counts from its start: R requests in it, whenever they came, then
+    /// refusals advising the time to the window's end; the next window starts empty.
+    #[test]
+    fn a_fixed_window_starts_again_at_its_end() {
+        let mut q = Quotas::new(QuotaConfig { window: WindowKind::Fixed, ..cfg(5, 0, 1.0) });
+        let t0 = Instant::now();
+        assert!(q.admit("k", 1, t0).is_ok());
+        let late = t0 + Duration::from_millis(900);
+        let admitted = (0..10).filter(|_| q.admit("k", 1, late).is_ok()).count();
+        assert_eq!(admitted, 4);
+        match q.admit("k", 1, late) {
+            Err(Rejection::Requests { retry_after, .. }) => assert_eq!(retry_after, Duration::from_millis(100)),
+            other => panic!("{other:?}"),
+        }
+        // 1.0 s: a new window, although the four late ones came 100 ms ago (a sliding window
+        // would still hold them).
+        let next = t0 + Duration::from_millis(1000);
+        assert_eq!((0..10).filter(|_| q.admit("k", 1, next).is_ok()).count(), 5);
     }
 
     #[test]

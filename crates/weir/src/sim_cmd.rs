@@ -57,7 +57,7 @@ pub struct SimArgs {
     /// Tokens (prompt + generated) accepted per quota window, per key (0 = unlimited).
     #[arg(long, value_name = "N")]
     tpm: Option<u64>,
-    /// Length of the sliding quota window in seconds (60 is a real minute).
+    /// Length of the quota window in seconds (60 is a real minute).
     #[arg(long, value_name = "SECS")]
     window_secs: Option<f64>,
     /// Requests accepted per day, per key; once spent it stays spent (0 = unlimited).
@@ -69,6 +69,10 @@ pub struct SimArgs {
     /// Round advised delays (retry-after, retryDelay) up to whole seconds, as real servers do.
     #[arg(long)]
     round_advice: bool,
+    /// How the quota window moves: sliding (each request counts for --window-secs after it
+    /// came) or fixed (counts start again every --window-secs, as a quota reset on the minute).
+    #[arg(long, value_name = "KIND")]
+    window: Option<weir_sim::WindowKind>,
     /// Hidden concurrency cap: requests in flight above this are overloaded (0 = none).
     #[arg(long, value_name = "N")]
     max_in_flight: Option<u64>,
@@ -119,6 +123,7 @@ impl SimArgs {
         if self.round_advice {
             c.quota.round_advice = true;
         }
+        set!(c.quota.window, self.window);
         set!(c.concurrency.max_in_flight, self.max_in_flight);
         set!(c.faults.hang_secs, self.hang_secs);
         set!(c.output.min_tokens, self.min_tokens);
