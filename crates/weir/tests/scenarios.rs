@@ -256,6 +256,7 @@ async fn run_scenario(name: &str) -> Vec<String> {
         requests_per_day: sc.endpoint.requests_per_day,
         day_secs: 86_400.0,
         round_advice: sc.endpoint.round_advice,
+        ..QuotaConfig::default()
     };
     let endpoint = Arc::new(SimEndpoint {
         cfg: sc.endpoint.clone(),
