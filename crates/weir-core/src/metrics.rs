@@ -354,11 +354,14 @@ impl RunMetrics {
         metrics::describe_counter!("weir_retries_total", "Calls beyond each record's first.");
         metrics::describe_counter!("weir_rate_limited_total", "Calls answered with a rate-limit error (429).");
         metrics::describe_counter!("weir_cache_hits_total", "Records answered from the response cache.");
-        metrics::describe_counter!("weir_tokens_total", "Tokens reported by successful calls.");
+        metrics::describe_counter!(
+            "weir_tokens_total",
+            "Tokens of answered records, those answered from the cache included (not paid for again: see weir_cache_hits_total)."
+        );
         metrics::describe_counter!(
             "weir_throttled_microseconds_total",
             metrics::Unit::Microseconds,
-            "Time calls were held by the throttle (Beam: cumulativeThrottlingSeconds)."
+            "Time calls were held by the throttle, summed over calls (concurrent waits each count; the summary's 'throttled' is wall time, as Beam's cumulativeThrottlingSeconds)."
         );
         metrics::describe_histogram!("weir_call_seconds", metrics::Unit::Seconds, "Latency of each call.");
         metrics::describe_histogram!(

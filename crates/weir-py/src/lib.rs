@@ -45,7 +45,7 @@ struct Shared {
 
 /// The cache in `dir`, opened once per process (engines with other settings share it).
 fn open_cache(dir: &str) -> PyResult<Arc<DiskCache>> {
-    weir_runtime::open_cache(std::path::Path::new(dir)).map_err(|e| {
+    weir_runtime::open_cache(&std::path::Path::new(dir).join("cache")).map_err(|e| {
         ConfigError::new_err(format!(
             "cache_dir {dir}: {}",
             if e.in_use {
@@ -310,12 +310,16 @@ impl PyEngine {
             (None, _) => None,
             // The default cache (`.weir/cache` of the working directory, as `weir sql`'s): a
             // process that finds it held by another goes on without it, and says so.
-            (Some(dir), true) => match weir_runtime::open_cache(std::path::Path::new(dir)) {
+            (Some(dir), true) => match weir_runtime::open_cache(&std::path::Path::new(dir).join("cache")) {
                 Ok(c) => Some(c),
                 Err(e) => {
-                    let why = if e.in_use { "is in use by another process".to_string() } else { e.message };
+                    let why = if e.in_use {
+                        "is in use by another process".to_string()
+                    } else {
+                        format!("cannot be opened ({})", e.message)
+                    };
                     let message = std::ffi::CString::new(format!(
-                        "weir: the response cache in {dir} {why}; this engine runs without it (give it \
+                        "weir: the response cache in {dir}/cache {why}; this engine runs without it (give it \
                          cache_dir=... of its own, or cache=False)"
                     ))
                     .unwrap_or_default();

@@ -191,7 +191,18 @@ def test_answers_are_cached_by_default_in_the_working_directory(sim, tmp_path):
     assert all(r.cached for r in again) and [r.text for r in again] == [r.text for r in first]
     assert sim.stats()["requests"] == requests
     assert (tmp_path / ".weir" / "cache").is_dir()
+    # An embedding is the same whenever it is asked: cached without an id too.
+    texts = [f"embed {i}" for i in range(4)]
+    assert not any(r.cached for r in engine.embed(texts))
+    assert all(r.cached for r in engine.embed(texts))
+    # A cache_dir keeps its files inside it (a `cache` directory), `~` is the home directory.
+    inside = tmp_path / "mine"
+    weir.Engine(MODEL, sim.url, cache_dir=inside).generate(["x"])
+    assert {p.name for p in inside.iterdir()} <= {"cache", "cache.keys"} and not (tmp_path / "mine.keys").exists()
+    with pytest.raises(weir.ConfigError, match="empty"):
+        weir.Engine(MODEL, sim.url, cache_dir="")
     # Without the cache, every item is asked again.
+    requests = sim.stats()["requests"]
     uncached = weir.Engine(MODEL, sim.url, cache=False)
     assert not any(r.cached for r in uncached.generate(keyed))
     assert sim.stats()["requests"] == requests + len(keyed)

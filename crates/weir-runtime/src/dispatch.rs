@@ -149,7 +149,7 @@ async fn answer(
                 }
                 None => vec![Ok(d.run(record).await)],
             },
-            Some(Routed::Done(failure)) => vec![Ok(router.default_driver().reject(failure))],
+            Some(Routed::Done(failure)) => vec![Ok(router.reject(failure))],
             Some(Routed::ReadError(e)) => vec![Err(e)],
             None => Vec::new(),
         },

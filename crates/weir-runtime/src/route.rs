@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use weir_core::{Driver, ErrorKind, Record, ResponseCache, StopReason};
+use weir_core::{Driver, ErrorKind, Failure, Outcome, Record, ResponseCache, StopReason};
 use weir_providers::{ModelSpec, ProviderError};
 
 use crate::Runtime;
@@ -80,6 +80,19 @@ impl Router {
         let driver = Arc::new(driver);
         others.insert(spec.to_string(), driver.clone());
         Ok(driver)
+    }
+
+    /// The outcome of a record that ends without a call (a line that did not parse, a model
+    /// field naming no usable model): counted as a failure of no model (`model="none"` at
+    /// `/metrics`), not of the run's model, and in the run's totals.
+    pub fn reject(&self, failure: Box<Failure>) -> Outcome {
+        match &self.runtime {
+            Some(runtime) => {
+                runtime.unrouted().record_failure(failure.error.kind);
+                Outcome::Failure(failure)
+            }
+            None => self.default.reject(failure),
+        }
     }
 
     /// Stops every model's driver (an interrupt): no new calls.

@@ -165,6 +165,8 @@ pub struct Runtime {
     sites: tokio::sync::Mutex<HashMap<(bool, String), Arc<Site>>>,
     /// What every endpoint's counters count too: the process's (or run's) totals.
     totals: Arc<RunMetrics>,
+    /// The counters of records that reach no model.
+    unrouted: std::sync::OnceLock<Arc<RunMetrics>>,
     /// Every endpoint's counters, by model, for the summary and its cost.
     by_model: Mutex<BTreeMap<String, Arc<RunMetrics>>>,
     /// Servers run in this process behind `sim/` models, kept alive while the runtime is.
@@ -197,6 +199,7 @@ impl Runtime {
             connector,
             sites: tokio::sync::Mutex::new(HashMap::new()),
             totals: Arc::new(RunMetrics::default()),
+            unrouted: std::sync::OnceLock::new(),
             by_model: Mutex::new(BTreeMap::new()),
             residents: Mutex::new(Vec::new()),
             stopped: Mutex::new(None),
@@ -206,6 +209,12 @@ impl Runtime {
     /// Counters of every model called so far, by `provider/model`.
     pub fn metrics_by_model(&self) -> BTreeMap<String, Arc<RunMetrics>> {
         self.by_model.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// The counters of records that end without reaching any model (a line that did not
+    /// parse, a model field naming no usable model): labelled `model="none"`.
+    pub fn unrouted(&self) -> Arc<RunMetrics> {
+        self.unrouted.get_or_init(|| Arc::new(RunMetrics::of_endpoint(Some(self.totals.clone()), "none", ""))).clone()
     }
 
     /// Every model's counters together (what a run's progress bar and summary show).
@@ -425,7 +434,8 @@ impl Runtime {
             };
             // Without ids, a sampled answer belongs to no one: only deterministic requests are
             // cached (stored and reused).
-            let cache = self.settings.cache.clone().filter(|_| keyed || is_deterministic(&call.params));
+            // An embedding is the same whenever it is asked: always reused.
+            let cache = self.settings.cache.clone().filter(|_| keyed || embed || is_deterministic(&call.params));
             let driver = Arc::new(Self::driver_at(&site, settings, cache));
             let model_id: Arc<str> = Arc::from(driver.model_id());
             // An empty prompt asks nothing: it fails alone, without a call (a model would

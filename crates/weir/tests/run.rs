@@ -451,6 +451,9 @@ async fn metrics_are_served_in_the_prometheus_format_during_a_run() {
     let server = sim(config).await;
     let dir = Dir::new("metrics");
     let mut data = String::new();
+    // Records no model answers (first, so they are done when /metrics is read): counted as no
+    // model's failures, not the run's model's.
+    data.push_str("{\"id\":\"bad1\",\"prompt\":\"x\",\"m\":\"nosuch/x\"}\n{\"id\":\"bad2\",\"prompt\":\"x\",\"m\":7}\n");
     for i in 0..300 {
         let model = if i % 2 == 0 { "gemini/m" } else { "gemini/n" };
         data.push_str(&format!("{{\"id\":\"r{i}\",\"prompt\":\"p {i}\",\"m\":\"{model}\"}}\n"));
@@ -510,12 +513,19 @@ async fn metrics_are_served_in_the_prometheus_format_during_a_run() {
         assert!(series("weir_records_total", model, "outcome=\"success\"").is_some(), "{model}:\n{text}");
         assert!(series("weir_concurrency_limit", model, "").is_some(), "{model}: no gauge in:\n{text}");
     }
+    assert_eq!(series("weir_records_total", "gemini/m", "outcome=\"failure\""), Some(0.0), "{text}");
+    let unrouted = text
+        .lines()
+        .find(|l| l.starts_with("weir_records_total{") && l.contains("model=\"none\"") && l.contains("failure"))
+        .unwrap_or_else(|| panic!("no model=\"none\" failures in:\n{text}"));
+    assert!(unrouted.ends_with(" 2"), "{unrouted}");
     // Every series says which model it is about: none is left without the labels.
     for l in text.lines().filter(|l| l.starts_with("weir_") && !l.starts_with("weir_call_seconds_")) {
         assert!(l.contains("model=\"") && l.contains("endpoint=\""), "a series without its model: {l}");
     }
     let o = child.wait_with_output().await.unwrap();
-    assert_eq!(o.status.code(), Some(0));
+    // Exit 1: the two records no model answers failed.
+    assert_eq!(o.status.code(), Some(1));
     server.shutdown().await;
 }
 

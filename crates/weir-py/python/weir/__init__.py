@@ -157,9 +157,10 @@ class Engine:
     ``weir run --param``) apply to every item unless an item or a call sets its own.
     Answers are kept on disk and reused, as ``weir sql`` keeps them: an item with an ``id``
     gets its own answer back; one without only a deterministic request's (temperature 0 or a
-    seed). By default in ``.weir/cache`` of the working directory (a process that finds it held
-    by another process goes on without it, with a warning); ``cache_dir`` names another
-    directory (which must be free), ``cache=False`` keeps nothing. A cache directory belongs to
+    seed; an embedding always). By default in ``.weir/cache`` of the working directory (a
+    process that finds it held by another process goes on without it, with a warning);
+    ``cache_dir`` names another directory (its files go in ``cache_dir/cache``; it must be
+    free), ``cache=False`` keeps nothing. A cache directory belongs to
     one process at a time. Other keyword arguments are endpoint settings (see
     :func:`setting_names`); an unknown one raises :class:`ConfigError`.
     """
@@ -182,8 +183,15 @@ class Engine:
             raise ConfigError(f"cache: expected True or False, not {type(cache).__name__}")
         if cache_dir is not None and not cache:
             raise ConfigError("cache=False with a cache_dir: drop one of them")
+        if cache_dir is not None:
+            if not isinstance(cache_dir, (str, os.PathLike)):
+                raise ConfigError(f"cache_dir: expected a path, not {type(cache_dir).__name__}")
+            cache_dir = os.path.expanduser(os.fspath(cache_dir))
+            if not cache_dir:
+                raise ConfigError("cache_dir: empty; name a directory, or drop it for the default (.weir)")
         default = cache and cache_dir is None
-        where = os.path.join(".weir", "cache") if default else (None if cache_dir is None else os.fspath(cache_dir))
+        # The cache's files go in a `cache` directory inside the one named (or .weir).
+        where = ".weir" if default else cache_dir
         self._native = _weir.Engine(model, argv, system, _json_or_none(params, "engine"), where, default)
 
     @property

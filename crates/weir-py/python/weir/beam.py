@@ -124,7 +124,7 @@ class WeirModelHandler(ModelHandler):
         if not (isinstance(min_batch_size, int) and isinstance(max_batch_size, int) and 1 <= min_batch_size <= max_batch_size):
             raise ConfigError("min_batch_size and max_batch_size: expected whole numbers with 1 <= min <= max")
         # Refused settings fail the pipeline's construction, not a worker hours later.
-        Engine(model, base_url, system=system, params=params, **settings)
+        Engine(model, base_url, system=system, params=params, cache=False, **settings)
         self._model = model
         self._base_url = base_url
         self._task = task
@@ -204,7 +204,7 @@ class WeirModelHandler(ModelHandler):
         if inference_args:
             args = dict(inference_args)
             system = args.pop("system", None)
-            Engine(self._model, self._base_url, system=system, params=args or None, **self._settings)
+            Engine(self._model, self._base_url, system=system, params=args or None, cache=False, **self._settings)
 
     def get_postprocess_fns(self):
         own = [_raise_failed] if self._errors == "dead_letter" else []
