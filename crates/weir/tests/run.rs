@@ -453,7 +453,9 @@ async fn metrics_are_served_in_the_prometheus_format_during_a_run() {
     let mut data = String::new();
     // Records no model answers (first, so they are done when /metrics is read): counted as no
     // model's failures, not the run's model's.
-    data.push_str("{\"id\":\"bad1\",\"prompt\":\"x\",\"m\":\"nosuch/x\"}\n{\"id\":\"bad2\",\"prompt\":\"x\",\"m\":7}\n");
+    data.push_str(
+        "{\"id\":\"bad1\",\"prompt\":\"x\",\"m\":\"nosuch/x\"}\n{\"id\":\"bad2\",\"prompt\":\"x\",\"m\":7}\n",
+    );
     for i in 0..300 {
         let model = if i % 2 == 0 { "gemini/m" } else { "gemini/n" };
         data.push_str(&format!("{{\"id\":\"r{i}\",\"prompt\":\"p {i}\",\"m\":\"{model}\"}}\n"));
