@@ -31,14 +31,22 @@ fn table() -> &'static BTreeMap<String, Price> {
     TABLE.get_or_init(|| toml::from_str::<Table>(PRICES).map(|t| t.models).expect("prices.toml is valid"))
 }
 
-/// The price of `model` (`provider/name` or a bare name): the longest listed name that the
-/// model's name starts with, so that dated versions take their family's price.
+/// The price of `model` (`provider/name` or a bare name): its own, or a listed name's that it
+/// extends with a version (`-2024-07-18`, `-001`, `-latest`), so that dated versions take
+/// their family's price while other models of a family (`-lite`, `-realtime`, `-preview-tts`)
+/// get none rather than a wrong one.
 pub fn price_of(model: &str) -> Option<(&'static str, Price)> {
     let name = model.split_once('/').map_or(model, |(_, n)| n);
     let name = name.rsplit('/').next().unwrap_or(name);
     table()
         .iter()
-        .filter(|(k, _)| name == k.as_str() || name.strip_prefix(k.as_str()).is_some_and(|rest| rest.starts_with('-')))
+        .filter(|(k, _)| {
+            name == k.as_str()
+                || name
+                    .strip_prefix(k.as_str())
+                    .and_then(|rest| rest.strip_prefix('-'))
+                    .is_some_and(|v| v == "latest" || v.starts_with(|c: char| c.is_ascii_digit()))
+        })
         .max_by_key(|(k, _)| k.len())
         .map(|(k, p)| (k.as_str(), *p))
 }
@@ -114,6 +122,12 @@ mod tests {
         assert!(price_of("sim/demo").is_none());
         assert!(price_of("openai/gpt-4odd").is_none());
         assert!(price_of("openai/meta-llama/Llama-3.1-8B").is_none());
+        // Another model of a family is not priced as the family (a hostile helper's finding).
+        assert!(price_of("gemini/gemini-2.0-flash-lite").is_none());
+        assert!(price_of("openai/gpt-4o-mini-realtime").is_none());
+        assert!(price_of("gemini/gemini-2.5-pro-preview-tts").is_none());
+        assert_eq!(price_of("gemini/gemini-2.5-flash-001").unwrap().0, "gemini-2.5-flash");
+        assert_eq!(price_of("openai/gpt-4o-latest").unwrap().0, "gpt-4o");
     }
 
     #[test]
