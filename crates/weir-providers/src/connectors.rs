@@ -33,9 +33,14 @@ pub fn register(provider: Provider, connector: Arc<dyn Connect>) {
     registry.push((provider, connector));
 }
 
-/// Whether `provider` has a connector.
-pub fn registered(provider: Provider) -> bool {
-    find(provider).is_some()
+/// Serves `provider`'s models with the connector `make` builds, unless one is registered
+/// already (a program's own, such as a `--sim-config` scenario): checked and registered under
+/// one lock, so that a default never replaces a connector registered at the same moment.
+pub fn register_default(provider: Provider, make: impl FnOnce() -> Arc<dyn Connect>) {
+    let mut registry = REGISTRY.lock().unwrap_or_else(|e| e.into_inner());
+    if !registry.iter().any(|(p, _)| *p == provider) {
+        registry.push((provider, make()));
+    }
 }
 
 /// The connector of `provider`, if one is registered.

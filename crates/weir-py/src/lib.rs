@@ -43,20 +43,10 @@ struct Shared {
     reported: Mutex<HashMap<&'static str, f64>>,
 }
 
-/// The cache in `dir`, opened once per process (engines with other settings share it).
-fn open_cache(dir: &str) -> PyResult<Arc<DiskCache>> {
-    weir_runtime::open_cache(&std::path::Path::new(dir).join("cache")).map_err(|e| {
-        ConfigError::new_err(format!(
-            "cache_dir {dir}: {}",
-            if e.in_use {
-                "is in use by another process (a cache directory is one process's at a time: give each process its \
-                 own, or none)"
-                    .to_string()
-            } else {
-                e.message
-            }
-        ))
-    })
+/// The cache of a `cache_dir` (or of the default `.weir`): its files in `dir/cache`, opened
+/// once per process (engines with other settings share it).
+fn cache_in(dir: &str) -> Result<Arc<DiskCache>, weir_io::CacheError> {
+    weir_runtime::open_cache(&std::path::Path::new(dir).join("cache"))
 }
 
 /// The process's runtime for every engine's calls.
@@ -306,28 +296,38 @@ impl PyEngine {
         // default spelt out make no second engine (and no second throttle on one quota).
         let mut endpoint = parsed.endpoint.clone();
         endpoint.base_url = endpoint.base_url.map(|u| u.trim_end_matches('/').to_string());
-        let cache = match (cache_dir.as_deref(), default_cache) {
-            (None, _) => None,
+        let cache = match cache_dir.as_deref().map(|dir| (dir, cache_in(dir))) {
+            None => None,
+            Some((_, Ok(c))) => Some(c),
             // The default cache (`.weir/cache` of the working directory, as `weir sql`'s): a
             // process that finds it held by another goes on without it, and says so.
-            (Some(dir), true) => match weir_runtime::open_cache(&std::path::Path::new(dir).join("cache")) {
-                Ok(c) => Some(c),
-                Err(e) => {
-                    let why = if e.in_use {
-                        "is in use by another process".to_string()
+            Some((dir, Err(e))) if default_cache => {
+                let why = if e.in_use {
+                    "is in use by another process".to_string()
+                } else {
+                    format!("cannot be opened ({})", e.message)
+                };
+                let message = std::ffi::CString::new(format!(
+                    "weir: the response cache in {dir}/cache {why}; this engine runs without it (give it \
+                     cache_dir=... of its own, or cache=False)"
+                ))
+                .unwrap_or_default();
+                PyErr::warn(py, &py.get_type::<pyo3::exceptions::PyUserWarning>(), &message, 1)?;
+                None
+            }
+            // A cache_dir asked for is that directory or an error.
+            Some((dir, Err(e))) => {
+                return Err(ConfigError::new_err(format!(
+                    "cache_dir {dir}: {}",
+                    if e.in_use {
+                        "is in use by another process (a cache directory is one process's at a time: give each \
+                         process its own, or none)"
+                            .to_string()
                     } else {
-                        format!("cannot be opened ({})", e.message)
-                    };
-                    let message = std::ffi::CString::new(format!(
-                        "weir: the response cache in {dir}/cache {why}; this engine runs without it (give it \
-                         cache_dir=... of its own, or cache=False)"
-                    ))
-                    .unwrap_or_default();
-                    PyErr::warn(py, &py.get_type::<pyo3::exceptions::PyUserWarning>(), &message, 1)?;
-                    None
-                }
-            },
-            (Some(dir), false) => Some(open_cache(dir)?),
+                        e.message
+                    }
+                )))
+            }
         };
         let key = format!("{endpoint:?}\u{0}{:?}", cache.as_ref().map(Arc::as_ptr));
         let mut engines = registry().lock().unwrap_or_else(|e| e.into_inner());

@@ -31,7 +31,5 @@ impl Connect for LocalConnector {
 
 /// Serves `local/` models in this process, unless something else already does.
 pub(crate) fn ensure() {
-    if !weir_providers::connectors::registered(Provider::Local) {
-        weir_providers::connectors::register(Provider::Local, Arc::new(LocalConnector));
-    }
+    weir_providers::connectors::register_default(Provider::Local, || Arc::new(LocalConnector));
 }

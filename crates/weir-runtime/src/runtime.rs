@@ -254,12 +254,6 @@ impl Runtime {
         self.stopped.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    /// The concurrency each endpoint's throttle allows now, by model (for progress displays).
-    pub async fn concurrency(&self) -> BTreeMap<String, usize> {
-        let sites = self.sites.lock().await;
-        sites.iter().map(|((_, m), s)| (m.clone(), s.throttle.concurrency())).collect()
-    }
-
     /// The throttle of `model`'s endpoint, once connected (shared with every runtime of this
     /// process that calls the same endpoint).
     pub async fn throttle(&self, model: &str, embed: bool) -> Option<Arc<Throttle>> {

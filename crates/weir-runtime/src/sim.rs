@@ -61,7 +61,5 @@ pub fn install(config: Option<SimConfig>) {
 
 /// Installs the default scenario unless one is installed.
 pub(crate) fn ensure() {
-    if !connectors::registered(Provider::Sim) {
-        install(None);
-    }
+    connectors::register_default(Provider::Sim, || Arc::new(SimConnector { config: SimConfig::default() }));
 }
