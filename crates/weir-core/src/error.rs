@@ -4,11 +4,11 @@
 //! [`RetryHint`] (what the provider's answer says about trying again, including any delay it
 //! advised). The retry policy reads the hint; it never re-parses status codes or bodies.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::time::Duration;
 
 /// What went wrong with a record. The snake-case name is what the errors file shows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, PartialOrd, Ord)]
 #[serde(rename_all = "snake_case")]
 pub enum ErrorKind {
     /// The input row cannot be turned into a request (bad JSON, missing field, duplicate id).
@@ -107,7 +107,7 @@ impl std::fmt::Display for ErrorKind {
 }
 
 /// What the provider's answer says about trying again.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum RetryHint {
     /// A transient failure: retry with exponential backoff.
     Backoff,
@@ -139,7 +139,7 @@ pub struct ModelError {
 }
 
 /// Which quota a rate-limit error is about.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum QuotaScope {
     /// Requests per window.
     Requests,

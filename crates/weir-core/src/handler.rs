@@ -69,6 +69,14 @@ pub trait ModelHandler: Send + Sync {
         self.model_id()
     }
 
+    /// What tells apart the quotas of calls to the same endpoint: the API key the calls carry,
+    /// for providers whose quota is per key (`None`: the endpoint's URL says it all, as Vertex
+    /// AI's names the project). Only ever hashed, into the name under which this machine's
+    /// processes share the quota; never written or shown.
+    fn quota_credential(&self) -> Option<&str> {
+        None
+    }
+
     /// How many tokens the model reads for `text`, when the handler knows the model's tokenizer
     /// (weights and batches are then exact); `None`: estimated from its length.
     fn count_tokens(&self, _text: &str) -> Option<u64> {

@@ -36,6 +36,6 @@ pub use params::{GenParams, ParamError};
 pub use record::{PromptSource, Record, RecordId, RecordSpec, Template, TemplateError};
 pub use retry::{Decision, RetryPolicy};
 pub use throttle::{
-    is_pushback, Admitted, RateLimiter, RateSettings, RateSnapshot, SreThrottler, Throttle, ThrottleSettings, Ticket,
-    Weight,
+    is_pushback, Admitted, Delegate, Grant, QuotaStore, RateLimiter, RateSettings, RateSnapshot, Sharing, SreThrottler,
+    Throttle, ThrottleSettings, Ticket, Weight,
 };

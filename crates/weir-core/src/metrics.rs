@@ -386,6 +386,10 @@ impl RunMetrics {
             "Time a record waited in the batching stage for its batch."
         );
         metrics::describe_gauge!("weir_concurrency_limit", "Calls allowed in flight now.");
+        metrics::describe_gauge!(
+            "weir_quota_processes",
+            "The most processes on this machine that shared the endpoint's quota at once (1: this one alone)."
+        );
         metrics::describe_gauge!("weir_requests_per_second_limit", "Request rate allowed now.");
         metrics::describe_gauge!("weir_tokens_per_second_limit", "Token rate allowed now.");
     }

@@ -38,7 +38,7 @@ pub struct ModelResponse {
 }
 
 /// Rate limits as reported by response headers (OpenAI's `x-ratelimit-*`).
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct LimitInfo {
     /// Requests per window.
     pub requests: Option<u64>,

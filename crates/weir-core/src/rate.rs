@@ -39,7 +39,7 @@ const MAX_LOG: usize = 50_000;
 const HORIZON: Duration = Duration::from_secs(3600);
 
 /// How a budget decides.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum Mode {
     /// No limit known.
     Unlimited,
@@ -122,6 +122,19 @@ pub struct Budget {
     refusals: u64,
     /// The window assumed when a refusal does not say when to come back.
     default_window: Duration,
+}
+
+/// What a budget knew, handed from a process that held a shared quota to the one that takes
+/// it over.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Seed {
+    mode: Mode,
+    window: Option<Duration>,
+    lower: Option<Duration>,
+    probe: f64,
+    capacity: f64,
+    /// Each send of the last window: seconds before the export, and its weight.
+    sends: Vec<(f64, f64)>,
 }
 
 /// True for advice in whole seconds (`retry-after: 2`, `retryDelay: "13s"`): rounded up, so the
@@ -665,6 +678,77 @@ impl Budget {
         }
     }
 
+    /// What this budget knows, to hand to another process that takes over the quota: its mode,
+    /// window and capacity, and the sends of the last window (as ages at `now`).
+    pub fn export(&mut self, now: Instant) -> Seed {
+        self.expire(now);
+        let sends = match self.mode {
+            Mode::Unlimited => Vec::new(),
+            _ => self.log.iter().map(|e| (now.saturating_duration_since(e.at).as_secs_f64(), e.weight)).collect(),
+        };
+        Seed {
+            mode: self.mode,
+            window: self.window,
+            lower: self.lower,
+            probe: self.probe,
+            capacity: self.effective_capacity().unwrap_or(0.0),
+            sends,
+        }
+    }
+
+    /// Takes over what another process's budget knew (see [`Budget::export`]), `age` after it
+    /// was exported: its sends still count against the window here, and a learned quota is not
+    /// learned again. `ids` gives each of those sends an id older than any to come. A budget
+    /// given a limit keeps its own; one that learned something itself keeps what it learned.
+    pub fn seed(&mut self, seed: &Seed, age: Duration, now: Instant, ids: &mut dyn FnMut() -> u64) {
+        if self.mode == Mode::Learned || seed.mode == Mode::Unlimited {
+            return;
+        }
+        let mut sends: Vec<Instant> = seed
+            .sends
+            .iter()
+            .filter_map(|&(ago, _)| now.checked_sub(age + Duration::from_secs_f64(ago.max(0.0))))
+            .collect();
+        sends.sort();
+        let weights = seed.sends.iter().map(|s| s.1);
+        match (self.mode, seed.mode) {
+            (Mode::Static { .. }, _) => {
+                for (at, weight) in sends.into_iter().zip(weights) {
+                    self.log.push_back(Entry { id: ids(), at, weight, state: State::Ok });
+                    self.in_window += weight;
+                }
+            }
+            (Mode::Unlimited, Mode::Static { capacity }) => {
+                self.mode = Mode::Static { capacity };
+                self.window = seed.window;
+                self.in_window = 0.0;
+                self.log.clear();
+                for (at, weight) in sends.into_iter().zip(weights) {
+                    self.log.push_back(Entry { id: ids(), at, weight, state: State::Ok });
+                    self.in_window += weight;
+                }
+            }
+            (Mode::Unlimited, Mode::Learned) => {
+                self.mode = Mode::Learned;
+                self.window = seed.window;
+                self.lower = seed.lower;
+                self.probe = seed.probe;
+                self.log.clear();
+                self.overdue.clear();
+                let mut out = 0.0;
+                for (at, weight) in sends.into_iter().zip(weights) {
+                    self.log.push_back(Entry { id: ids(), at, weight, state: State::Ok });
+                    out += weight;
+                }
+                self.credits = (seed.capacity - out).max(0.0);
+                // Probing starts afresh from here, not from a refusal the other process saw.
+                self.last_refusal = Some(now);
+            }
+            _ => {}
+        }
+        self.expire(now);
+    }
+
     /// Sets a capacity and window learned from response headers (unless the user gave one).
     pub fn learn_capacity(&mut self, capacity: u64, window: Option<Duration>) {
         if capacity == 0 {
@@ -1014,6 +1098,39 @@ mod tests {
         b.try_take(4, 1.0, t1).unwrap();
         b.refused(4, t1, Some(ms(999)));
         assert_eq!((b.mode(), b.window()), (Mode::Learned, Some(ms(999))));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_seeded_budget_goes_on_where_the_other_left_off() {
+        // One process learned 4 per ~1 s and sent 4; the process that takes the quota over
+        // neither learns it again (no burst of refusals) nor sends while those 4 hold it.
+        let mut a = Budget::unlimited();
+        let t0 = Instant::now();
+        for id in 0..4u64 {
+            a.try_take(id, 1.0, t0).unwrap();
+            a.admitted(id, 1.0);
+        }
+        a.try_take(4, 1.0, t0).unwrap();
+        a.refused(4, t0, Some(ms(999)));
+        let seed = a.export(t0 + ms(100));
+        let mut b = Budget::unlimited();
+        let mut next = 100;
+        b.seed(&seed, ms(50), t0 + ms(150), &mut || {
+            next += 1;
+            next
+        });
+        assert_eq!((b.mode(), b.window()), (Mode::Learned, a.window()));
+        assert!(b.try_take(200, 1.0, t0 + ms(200)).is_err(), "the other's sends still hold the window");
+        let later = t0 + ms(999) + ms(30);
+        assert_eq!((200..210u64).filter(|&id| b.try_take(id, 1.0, later).is_ok()).count(), 4);
+        // A told limit stays, with the other's sends counted against it.
+        let mut told = Budget::fixed(5.0, Duration::from_secs(1));
+        told.seed(&seed, ms(50), t0 + ms(150), &mut || {
+            next += 1;
+            next
+        });
+        assert_eq!(told.mode(), Mode::Static { capacity: 5.0 });
+        assert_eq!((300..310u64).filter(|&id| told.try_take(id, 1.0, t0 + ms(200)).is_ok()).count(), 1);
     }
 
     #[tokio::test(start_paused = true)]

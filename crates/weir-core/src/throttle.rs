@@ -31,12 +31,73 @@ pub struct ThrottleSettings {
     pub rate: RateSettings,
     /// Beam's SRE client-side throttler with this overload ratio, when wanted.
     pub sre_k: Option<f64>,
+    /// Where the throttle meets the other processes that call the same endpoint with the same
+    /// key, so that together they keep to its quota.
+    pub store: QuotaStore,
 }
 
 impl Default for ThrottleSettings {
     fn default() -> Self {
-        Self { max_concurrency: 64, adaptive: true, rate: RateSettings::default(), sre_k: None }
+        Self {
+            max_concurrency: 64,
+            adaptive: true,
+            rate: RateSettings::default(),
+            sre_k: None,
+            store: QuotaStore::Local,
+        }
     }
+}
+
+/// Where processes that share an endpoint's quota coordinate (`--quota-store`).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum QuotaStore {
+    /// Through this machine alone: the processes of this user that call the same endpoint with
+    /// the same key share one throttle, held by one of them (see weir-runtime's `share`).
+    #[default]
+    Local,
+    /// No coordination: this process learns and keeps the quota alone.
+    Off,
+}
+
+/// A call admitted by a shared throttle in another process.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Grant {
+    /// The admission's number, to report the call's result with.
+    pub id: u64,
+    /// How long the shared throttle held the call.
+    pub waited: Duration,
+    /// The shared throttle's concurrency limit.
+    pub concurrency: usize,
+    /// The shared throttle's rate limits.
+    pub rates: RateSnapshot,
+    /// Processes sharing it now, its holder included.
+    pub processes: usize,
+    /// Calls it has admitted in all, this one included.
+    pub admitted: u64,
+}
+
+/// How an endpoint's quota was shared with other processes, as seen from this one.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Sharing {
+    /// The most processes that shared the quota at once (1: this one alone).
+    pub processes: usize,
+    /// Calls the shared throttle admitted, from this process's first admission to its last
+    /// (every sharing process's calls; this process's own are in its counters).
+    pub admitted: u64,
+}
+
+/// A throttle that another process holds for this one: when several processes call one
+/// endpoint with one key, one of them keeps the endpoint's throttle and the others ask it
+/// for every call, so that together they behave as one client (one learned quota, one
+/// concurrency limit, one advised pause). The transport is the runtime's business.
+pub trait Delegate: Send + Sync {
+    /// Waits until the shared throttle admits a call of `weight`. `None`: it is gone (its
+    /// process ended), and this process's own throttle decides.
+    fn admit(&self, weight: Weight) -> futures::future::BoxFuture<'static, Option<Grant>>;
+    /// Reports how an admitted call went, and how long it took (to first token, when streamed).
+    fn finish(&self, grant: u64, result: Result<(Usage, Option<LimitInfo>), &ModelError>, latency: Duration);
+    /// An admitted call ended unreported (cancelled): the shared throttle keeps it counted.
+    fn abandon(&self, grant: u64);
 }
 
 /// The admission control of one endpoint (one URL and key), shared through an `Arc` by every
@@ -53,6 +114,17 @@ pub struct Throttle {
     rate: RateLimiter,
     sre: Option<Mutex<SreThrottler>>,
     throttled_micros: AtomicU64,
+    /// The shared throttle this one defers to, while another process holds it.
+    delegate: std::sync::RwLock<Option<Arc<dyn Delegate>>>,
+    /// The shared throttle's limits, as its last grant told them.
+    shared_view: Mutex<Option<(usize, RateSnapshot)>>,
+    /// Calls this throttle admitted (for processes it serves as well as its own).
+    admitted: AtomicU64,
+    /// Processes sharing this throttle (1 unless it serves others; see [`Throttle::set_processes`]).
+    processes: std::sync::atomic::AtomicUsize,
+    /// Sharing as seen from this process: the most processes, and the shared throttle's
+    /// admission count at this process's first and last admission.
+    sharing: Mutex<(usize, Option<u64>, u64)>,
 }
 
 /// How long a call rejected by the SRE throttler waits before asking again.
@@ -79,6 +151,8 @@ pub struct Admitted<'a> {
     permit: Option<Permit>,
     level: usize,
     ticket: Option<Ticket>,
+    /// Admitted by a shared throttle in another process: where to report.
+    remote: Option<(Arc<dyn Delegate>, u64)>,
     sent: Instant,
     /// Time the call was held by a server-advised pause, the SRE throttler and the budgets
     /// (not counting the wait for a concurrency slot).
@@ -99,7 +173,55 @@ impl Throttle {
             rate: RateLimiter::new(settings.rate.clone()),
             sre: settings.sre_k.map(|k| Mutex::new(SreThrottler::new(k, settings.rate.window, 0x5e))),
             throttled_micros: AtomicU64::new(0),
+            delegate: std::sync::RwLock::new(None),
+            shared_view: Mutex::new(None),
+            admitted: AtomicU64::new(0),
+            processes: std::sync::atomic::AtomicUsize::new(1),
+            sharing: Mutex::new((1, None, 0)),
         }
+    }
+
+    /// Says how many processes this throttle serves, itself included (set by the process that
+    /// holds an endpoint's shared throttle, as others join and leave).
+    pub fn set_processes(&self, n: usize) {
+        self.processes.store(n.max(1), Relaxed);
+        let mut s = self.sharing.lock().unwrap_or_else(|e| e.into_inner());
+        s.0 = s.0.max(n);
+    }
+
+    /// Calls this throttle has admitted in all (its own process's and, when it serves others,
+    /// theirs).
+    pub fn admitted(&self) -> u64 {
+        self.admitted.load(Relaxed)
+    }
+
+    /// How the quota was shared, as this process saw it.
+    pub fn sharing(&self) -> Sharing {
+        let s = *self.sharing.lock().unwrap_or_else(|e| e.into_inner());
+        Sharing { processes: s.0, admitted: s.1.map_or(0, |first| s.2.saturating_sub(first)) }
+    }
+
+    /// Notes one admission by the shared throttle: `processes` share it, and it has admitted
+    /// `total` calls, this one included.
+    fn observe(&self, processes: usize, total: u64) {
+        let mut s = self.sharing.lock().unwrap_or_else(|e| e.into_inner());
+        s.0 = s.0.max(processes);
+        s.1.get_or_insert(total.saturating_sub(1));
+        s.2 = s.2.max(total);
+    }
+
+    /// Defers every admission to `delegate` (a shared throttle another process holds), or, with
+    /// `None`, decides here again.
+    pub fn delegate_to(&self, delegate: Option<Arc<dyn Delegate>>) {
+        if delegate.is_none() {
+            *self.shared_view.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        }
+        *self.delegate.write().unwrap_or_else(|e| e.into_inner()) = delegate;
+    }
+
+    /// True while another process's throttle decides for this one.
+    pub fn is_delegated(&self) -> bool {
+        self.delegate.read().unwrap_or_else(|e| e.into_inner()).is_some()
     }
 
     /// Estimates the tokens of a call with `prompt_chars` characters of input.
@@ -124,6 +246,24 @@ impl Throttle {
 
     async fn admit_inner(&self, weight: Weight) -> Admitted<'_> {
         let start = Instant::now();
+        let delegate = self.delegate.read().unwrap_or_else(|e| e.into_inner()).clone();
+        if let Some(d) = delegate {
+            if let Some(g) = d.admit(weight).await {
+                *self.shared_view.lock().unwrap_or_else(|e| e.into_inner()) = Some((g.concurrency, g.rates));
+                self.observe(g.processes, g.admitted);
+                self.throttled_micros.fetch_add(g.waited.as_micros() as u64, Relaxed);
+                return Admitted {
+                    throttle: self,
+                    permit: None,
+                    level: 0,
+                    ticket: None,
+                    remote: Some((d, g.id)),
+                    sent: Instant::now(),
+                    waited: g.waited,
+                };
+            }
+            // The shared throttle is gone: this one decides until the runtime finds another.
+        }
         self.gate.wait().await;
         if let Some(sre) = &self.sre {
             while sre.lock().unwrap_or_else(|e| e.into_inner()).throttle(Instant::now()) {
@@ -165,7 +305,17 @@ impl Throttle {
         // wait for a concurrency slot is the endpoint's pace, not throttling.
         let waited = held + sre_held;
         self.throttled_micros.fetch_add(waited.as_micros() as u64, Relaxed);
-        Admitted { throttle: self, permit: Some(permit), level, ticket: Some(ticket), sent: Instant::now(), waited }
+        let total = self.admitted.fetch_add(1, Relaxed) + 1;
+        self.observe(self.processes.load(Relaxed), total);
+        Admitted {
+            throttle: self,
+            permit: Some(permit),
+            level,
+            ticket: Some(ticket),
+            remote: None,
+            sent: Instant::now(),
+            waited,
+        }
     }
 
     /// Holds every new call for `delay` (a server-advised pause; never shortens one in force).
@@ -173,14 +323,25 @@ impl Throttle {
         self.gate.hold(delay);
     }
 
-    /// The concurrency limit in force.
+    /// The concurrency limit in force (the shared throttle's, while deferring to one).
     pub fn concurrency(&self) -> usize {
-        self.limit.current()
+        match *self.shared_view.lock().unwrap_or_else(|e| e.into_inner()) {
+            Some((c, _)) => c,
+            None => self.limit.current(),
+        }
     }
 
-    /// The rate limits in force.
+    /// The rate limits in force (the shared throttle's, while deferring to one).
     pub fn rates(&self) -> RateSnapshot {
-        self.rate.snapshot()
+        match *self.shared_view.lock().unwrap_or_else(|e| e.into_inner()) {
+            Some((_, r)) => r,
+            None => self.rate.snapshot(),
+        }
+    }
+
+    /// The rate budgets, to hand over or take over a shared quota.
+    pub fn rate_limiter(&self) -> &RateLimiter {
+        &self.rate
     }
 
     /// Total time calls waited to be admitted (Beam's `cumulativeThrottlingSeconds`).
@@ -201,6 +362,10 @@ impl Admitted<'_> {
     /// endpoint's load, where the whole call's time mostly tracks the answer's length.
     pub fn finish_timed(mut self, result: Result<(Usage, Option<LimitInfo>), &ModelError>, latency: Option<Duration>) {
         let latency = latency.unwrap_or_else(|| self.sent.elapsed());
+        if let Some((d, id)) = self.remote.take() {
+            d.finish(id, result, latency);
+            return;
+        }
         drop(self.permit.take());
         let t = self.throttle;
         if let Some(ticket) = self.ticket.take() {
@@ -230,6 +395,9 @@ impl Drop for Admitted<'_> {
     fn drop(&mut self) {
         // Not reported (the call was cancelled): the server may have counted it, so the budgets
         // keep it; the slot is freed without teaching the concurrency limit anything.
+        if let Some((d, id)) = self.remote.take() {
+            d.abandon(id);
+        }
         if let Some(ticket) = self.ticket.take() {
             let e = ModelError::new(ErrorKind::Aborted, "cancelled");
             self.throttle.rate.complete_with(ticket, Err(&e));
@@ -277,7 +445,7 @@ pub struct RateLimiter {
 }
 
 /// What the rate limiter knows, for the summary.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct RateSnapshot {
     /// Requests per window in force, if any, and whether it was learned.
     pub requests: Option<(f64, Duration, bool)>,
@@ -460,6 +628,25 @@ impl RateLimiter {
         } else {
             advised
         }
+    }
+
+    /// What both budgets know, for a process taking the quota over (see [`Budget::seed`]).
+    pub fn export(&self) -> (crate::rate::Seed, crate::rate::Seed) {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        (s.0.export(now), s.1.export(now))
+    }
+
+    /// Takes over what another process's budgets knew, `age` after they were exported.
+    pub fn seed(&self, seeds: &(crate::rate::Seed, crate::rate::Seed), age: Duration) {
+        {
+            let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            let now = Instant::now();
+            let mut ids = || self.next_id.fetch_add(1, Relaxed);
+            s.0.seed(&seeds.0, age, now, &mut ids);
+            s.1.seed(&seeds.1, age, now, &mut ids);
+        }
+        self.changed.notify_waiters();
     }
 
     /// The limits in force.

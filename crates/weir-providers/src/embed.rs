@@ -179,6 +179,10 @@ impl ModelHandler for EmbedHandler {
         &self.endpoint
     }
 
+    fn quota_credential(&self) -> Option<&str> {
+        self.credential.quota_id()
+    }
+
     fn max_batch(&self) -> usize {
         self.max_batch
     }

@@ -327,6 +327,10 @@ impl ModelHandler for GeminiHandler {
     fn endpoint(&self) -> &str {
         &self.endpoint
     }
+
+    fn quota_credential(&self) -> Option<&str> {
+        self.credential.quota_id()
+    }
 }
 
 #[cfg(test)]

@@ -53,6 +53,14 @@ pub trait AccessTokens: Send + Sync + std::fmt::Debug {
 }
 
 impl Credential {
+    /// The key, when the credential is a fixed key (what a quota per key is counted against).
+    pub fn quota_id(&self) -> Option<&str> {
+        match self {
+            Credential::Key(k, _) => Some(k.expose()),
+            _ => None,
+        }
+    }
+
     /// The credential to send now (an access token is fetched or taken from the cache).
     async fn secret(&self) -> Result<Option<Secret>, ModelError> {
         match self {

@@ -324,6 +324,10 @@ impl ModelHandler for OpenAiHandler {
     fn endpoint(&self) -> &str {
         &self.endpoint
     }
+
+    fn quota_credential(&self) -> Option<&str> {
+        self.credential.quota_id()
+    }
 }
 
 #[cfg(test)]

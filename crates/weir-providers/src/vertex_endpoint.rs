@@ -154,6 +154,10 @@ impl ModelHandler for PredictHandler {
         &self.url
     }
 
+    fn quota_credential(&self) -> Option<&str> {
+        self.credential.quota_id()
+    }
+
     fn max_batch(&self) -> usize {
         self.max_batch
     }

@@ -5,7 +5,7 @@
 
 use clap::{Args, ValueEnum};
 use std::time::Duration;
-use weir_core::{DriverSettings, RateSettings, RetryPolicy, ThrottleSettings};
+use weir_core::{DriverSettings, QuotaStore, RateSettings, RetryPolicy, ThrottleSettings};
 use weir_providers::ProviderOptions;
 
 /// Settings that cannot be used, with what to fix (the CLI exits with status 2 on it).
@@ -67,6 +67,22 @@ pub struct EndpointArgs {
     /// Retries per record after its first call (retryable errors only).
     #[arg(long, value_name = "N", default_value_t = 8)]
     pub max_retries: u32,
+    /// Where processes that call the same endpoint with the same key share its quota: `local`
+    /// (this machine's processes of this user, through a socket in a private runtime
+    /// directory: they learn and keep one quota together), or `off` (this process alone).
+    #[arg(long, value_name = "STORE", default_value = "local")]
+    pub quota_store: String,
+}
+
+/// The store `--quota-store` names.
+pub fn quota_store(s: &str) -> Result<QuotaStore, SettingsError> {
+    match s {
+        "local" => Ok(QuotaStore::Local),
+        "off" => Ok(QuotaStore::Off),
+        other => Err(SettingsError(format!(
+            "--quota-store {other:?}: say `local` (share the quota with this machine's processes) or `off`"
+        ))),
+    }
 }
 
 impl EndpointArgs {
@@ -97,6 +113,7 @@ impl EndpointArgs {
                 return Err(SettingsError(format!("--sre-throttle {k}: K must be a number ≥ 1 (Beam's default is 2)")));
             }
         }
+        quota_store(&self.quota_store)?;
         if !(self.timeout.is_finite() && self.timeout > 0.0 && self.timeout <= MAX_SECS) {
             return Err(SettingsError(format!(
                 "--timeout {}: must be a number of seconds > 0 and at most a week (604800)",
@@ -123,6 +140,7 @@ impl EndpointArgs {
             adaptive: self.concurrency == ConcurrencyMode::Adaptive,
             rate: self.rate(),
             sre_k: self.sre_throttle,
+            store: quota_store(&self.quota_store).unwrap_or_default(),
         }
     }
 

@@ -20,6 +20,7 @@ pub mod dispatch;
 mod local;
 mod route;
 mod runtime;
+pub mod share;
 #[cfg(feature = "sim")]
 pub mod sim;
 

@@ -108,6 +108,12 @@ fn shared_throttle(handler: &dyn ModelHandler, settings: &ThrottleSettings) -> A
         }
     }
     let throttle = Arc::new(Throttle::new(settings));
+    if settings.store == weir_core::QuotaStore::Local {
+        crate::share::join(
+            &throttle,
+            crate::share::quota_name(handler.model_id(), handler.endpoint(), handler.quota_credential()),
+        );
+    }
     all.retain(|_, (w, _)| w.strong_count() > 0);
     all.insert(key, (Arc::downgrade(&throttle), settings.clone()));
     throttle
@@ -124,6 +130,8 @@ pub struct EndpointState {
     pub concurrency: usize,
     /// Its rate limits, told or learned, if any.
     pub rate: Option<weir_core::RateSnapshot>,
+    /// How its quota was shared with this machine's other processes.
+    pub sharing: weir_core::Sharing,
     /// Its counters.
     pub metrics: Arc<RunMetrics>,
 }
@@ -242,6 +250,7 @@ impl Runtime {
                 endpoint: s.handler.endpoint().to_string(),
                 concurrency: s.throttle.concurrency(),
                 rate: Some(s.throttle.rates()),
+                sharing: s.throttle.sharing(),
                 metrics: s.metrics.clone(),
             })
             .collect();

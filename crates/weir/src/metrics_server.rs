@@ -71,6 +71,7 @@ fn update_gauges(e: &EndpointState, started: Instant) {
             metrics::gauge!("weir_tokens_per_second_limit", &labels).set(cap / window.as_secs_f64());
         }
     }
+    metrics::gauge!("weir_quota_processes", &labels).set(e.sharing.processes.max(1) as f64);
     let secs = started.elapsed().as_secs_f64().max(1e-6);
     metrics::gauge!("weir_success_rate", &labels).set(e.metrics.succeeded.load(Relaxed) as f64 / secs);
 }

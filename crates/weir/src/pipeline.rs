@@ -116,6 +116,8 @@ pub struct RunSettings {
     pub adaptive: bool,
     /// Beam's SRE throttler with this overload ratio.
     pub sre_k: Option<f64>,
+    /// Where this process shares the endpoint's quota with others.
+    pub store: weir_core::QuotaStore,
     /// Serve Prometheus metrics on this address during the run.
     pub metrics_listen: Option<std::net::SocketAddr>,
     /// The input, when it is a table (then `input` only names it).
@@ -363,6 +365,9 @@ pub async fn run(
     let online = (paid.0.saturating_sub(batch_tokens.0), paid.1.saturating_sub(batch_tokens.1));
     // Every model's endpoint but the run's own, and what each model's tokens cost.
     let endpoints = runtime.endpoints().await;
+    if let Some(own) = endpoints.iter().find(|e| e.model == settings.model.to_string()) {
+        report.sharing = own.sharing;
+    }
     report.other_limits = endpoints
         .iter()
         .filter(|e| e.model != settings.model.to_string())
@@ -394,6 +399,7 @@ fn runtime_for(settings: &RunSettings, env: &(dyn Fn(&str) -> Option<String> + S
         adaptive: settings.adaptive,
         rate: settings.rate.clone(),
         sre_k: settings.sre_k,
+        store: settings.store.clone(),
     };
     let runtime_settings = weir_runtime::RuntimeSettings {
         provider: settings.provider.clone(),

@@ -52,6 +52,8 @@ pub struct RunReport {
     pub concurrency: usize,
     /// The rate limits in force at the end.
     pub rates: Option<RateSnapshot>,
+    /// How the endpoint's quota was shared with other processes on this machine.
+    pub sharing: weir_core::Sharing,
     /// The same for each other model's endpoint (`--model-field`), by model.
     pub other_limits: Vec<(String, usize, Option<RateSnapshot>)>,
     /// Batching, when the endpoint takes many records per call.
@@ -184,6 +186,7 @@ impl RunReport {
             jobs: None,
             costs: Vec::new(),
             other_limits: Vec::new(),
+            sharing: weir_core::Sharing::default(),
             first_token: m.first_token(),
             inter_token: m.inter_token(),
             followed: places.followed,
@@ -242,6 +245,9 @@ impl RunReport {
             limits_text(self.concurrency, self.rates.as_ref()),
             thousands((self.succeeded as f64 / self.elapsed.as_secs_f64()).round() as u64)
         ));
+        if self.sharing.processes > 1 {
+            s.push_str(&format!("  {}\n", sharing_text(&self.sharing, self.calls)));
+        }
         for (model, concurrency, rates) in &self.other_limits {
             s.push_str(&format!("  limits of {model}: {}\n", limits_text(*concurrency, rates.as_ref())));
         }
@@ -428,6 +434,23 @@ impl Progress {
             b.finish_and_clear();
         }
     }
+}
+
+/// How a quota was shared: with how many processes, and what this one got of it.
+fn sharing_text(sharing: &weir_core::Sharing, calls: u64) -> String {
+    let mut s = format!(
+        "quota shared by {} processes on this machine (one throttle for all: --quota-store local)",
+        sharing.processes
+    );
+    if sharing.admitted > 0 {
+        s.push_str(&format!(
+            "; this process made {} of the {} calls the shared throttle admitted while it ran ({:.0} %)",
+            thousands(calls.min(sharing.admitted)),
+            thousands(sharing.admitted),
+            100.0 * calls.min(sharing.admitted) as f64 / sharing.admitted as f64
+        ));
+    }
+    s
 }
 
 #[cfg(test)]

@@ -564,6 +564,7 @@ impl RunArgs {
             rate: self.endpoint.rate(),
             adaptive: self.endpoint.concurrency == ConcurrencyMode::Adaptive,
             sre_k: self.endpoint.sre_throttle,
+            store: self.endpoint.throttle().store,
             metrics_listen: self.metrics_listen,
             table_input,
             table_output,

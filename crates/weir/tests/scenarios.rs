@@ -285,6 +285,7 @@ async fn run_scenario(name: &str) -> Vec<String> {
                 adaptive: !sc.client.fixed_concurrency,
                 rate: rate.clone(),
                 sre_k: sc.client.sre_k,
+                store: weir_core::QuotaStore::Off,
             }));
             Arc::new(Driver::new(endpoint.clone(), throttle, settings.clone(), metrics.clone()))
         })

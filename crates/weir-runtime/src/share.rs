@@ -1,0 +1,509 @@
+//! Many processes, one quota: the processes of one user on one machine that call the same
+//! endpoint with the same key share one throttle, and so behave as one client.
+//!
+//! A quota belongs to a key, not to a process: two `weir run`s, the workers of a Beam
+//! pipeline or the executors of a cluster on one machine that each learned the quota alone
+//! would together send more than it allows, be refused, and split it unfairly. Here the first
+//! process to call an endpoint takes a lock file named by a digest of the model, the endpoint
+//! and the key (never the key itself) in a private runtime directory, and serves its throttle
+//! on a Unix socket beside it: it *holds* the quota. Every other process connects, asks the
+//! holder to admit each of its calls and reports each call's result, so the holder's throttle
+//! learns the quota, the concurrency the endpoint takes and the pauses the server advises from
+//! every process's calls, and admits them together as one client's (told limits too: four
+//! processes told `--rpm 100` send 100 a minute together).
+//!
+//! Nothing is left behind to block a run: the lock is the kernel's (`flock`), released when
+//! the holder's process ends however it ends. Then one of the others takes it and serves, its
+//! throttle seeded with the limits the holder last wrote down, so the quota is not learned
+//! again from a burst of refusals. A process that ends while it is served gives its calls'
+//! slots back as the holder's throttle frees them (one window after they were sent). A process
+//! that cannot reach the holder decides alone until it can.
+
+use futures::future::BoxFuture;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+use weir_core::{
+    Delegate, ErrorKind, Grant, LimitInfo, ModelError, QuotaScope, RateSnapshot, RetryHint, Throttle, Usage, Weight,
+};
+
+/// The environment variable that names the directory where processes meet (default: the
+/// user's runtime directory, `$XDG_RUNTIME_DIR/weir`, else `/tmp/weir-<uid>`).
+pub const DIR_VAR: &str = "WEIR_QUOTA_DIR";
+
+/// The name under which processes share the quota of `model` at `endpoint` called with
+/// `credential`: a digest, so that neither the key nor the URL can be read from it.
+pub fn quota_name(model: &str, endpoint: &str, credential: Option<&str>) -> String {
+    let mut h = Sha256::new();
+    for part in [model, endpoint, credential.unwrap_or("")] {
+        h.update((part.len() as u64).to_le_bytes());
+        h.update(part.as_bytes());
+    }
+    h.finalize()[..12].iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The directory where processes meet, made private to this user if new. `Err` says why it
+/// cannot be used (then each process keeps the quota alone).
+fn meeting_dir() -> Result<PathBuf, String> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+    // SAFETY: getuid cannot fail and touches no memory.
+    let uid = unsafe { libc::getuid() };
+    let dir = match std::env::var_os(DIR_VAR) {
+        Some(d) => PathBuf::from(d),
+        None => match std::env::var_os("XDG_RUNTIME_DIR") {
+            Some(d) if !d.is_empty() => PathBuf::from(d).join("weir"),
+            _ => std::env::temp_dir().join(format!("weir-{uid}")),
+        },
+    };
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&dir)
+        .map_err(|e| format!("cannot make {}: {e}", dir.display()))?;
+    // Another user's directory (made first, in a shared /tmp) must not be trusted: whoever
+    // owns it could answer for the holder.
+    let meta = std::fs::symlink_metadata(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    if !meta.is_dir() || meta.uid() != uid || meta.permissions().mode() & 0o077 != 0 {
+        return Err(format!(
+            "{} is not a directory of this user's alone (mode 700); set {DIR_VAR} to one that is",
+            dir.display()
+        ));
+    }
+    Ok(dir)
+}
+
+/// Joins the processes that share `throttle`'s quota under `name`: from now on, while another
+/// process holds the quota, `throttle` defers to it; otherwise this process holds it and serves
+/// the others. Does nothing outside a tokio runtime or when the meeting directory cannot be
+/// used (said once, as a warning).
+pub fn join(throttle: &Arc<Throttle>, name: String) {
+    let Ok(handle) = tokio::runtime::Handle::try_current() else { return };
+    let dir = match meeting_dir() {
+        Ok(d) => d,
+        Err(why) => {
+            static SAID: AtomicBool = AtomicBool::new(false);
+            if !SAID.swap(true, Relaxed) {
+                tracing::warn!("the quota is not shared with other processes on this machine: {why}");
+            }
+            return;
+        }
+    };
+    let place = Place {
+        lock: dir.join(format!("{name}.lock")),
+        socket: dir.join(format!("{name}.sock")),
+        state: dir.join(format!("{name}.state")),
+    };
+    // A Unix socket's path is limited to 107 bytes.
+    if place.socket.as_os_str().len() > 100 {
+        tracing::warn!(
+            "the quota is not shared with other processes: {} is too long a path for a socket; set {DIR_VAR} to a shorter one",
+            place.socket.display()
+        );
+        return;
+    }
+    handle.spawn(supervise(Arc::downgrade(throttle), place));
+}
+
+/// Where the processes sharing one quota meet.
+#[derive(Debug, Clone)]
+struct Place {
+    lock: PathBuf,
+    socket: PathBuf,
+    /// What the holder's budgets know, written down as it goes, for the next holder.
+    state: PathBuf,
+}
+
+/// How long what a holder wrote down is worth taking over: a quota learned ten minutes ago
+/// is still the quota; one from yesterday may not be.
+const STATE_TTL: Duration = Duration::from_secs(600);
+/// How often the holder writes down what its budgets know (when it admitted calls since).
+const STATE_EVERY: Duration = Duration::from_millis(100);
+
+/// What a holder wrote down.
+#[derive(Debug, Serialize, Deserialize)]
+struct Written {
+    /// When, in seconds since the Unix epoch.
+    at: f64,
+    budgets: (weir_core::rate::Seed, weir_core::rate::Seed),
+}
+
+fn unix_now() -> f64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// Seeds `throttle` with what the last holder wrote down, if it is recent.
+fn take_over(throttle: &Throttle, place: &Place) {
+    let Ok(bytes) = std::fs::read(&place.state) else { return };
+    let Ok(w) = serde_json::from_slice::<Written>(&bytes) else { return };
+    let age = Duration::from_secs_f64((unix_now() - w.at).max(0.0));
+    if age < STATE_TTL {
+        throttle.rate_limiter().seed(&w.budgets, age);
+        tracing::debug!(age = ?age, "took over the limits the last holder knew");
+    }
+}
+
+/// Writes down what the holder's budgets know, whenever it admitted calls since last time.
+async fn write_down(throttle: Weak<Throttle>, path: PathBuf) {
+    let mut last = u64::MAX;
+    let tmp = path.with_extension("state.tmp");
+    loop {
+        tokio::time::sleep(STATE_EVERY).await;
+        let Some(t) = throttle.upgrade() else { return };
+        let admitted = t.admitted();
+        if admitted == last {
+            continue;
+        }
+        last = admitted;
+        let w = Written { at: unix_now(), budgets: t.rate_limiter().export() };
+        let bytes = serde_json::to_vec(&w).expect("the budgets serialise");
+        if std::fs::write(&tmp, bytes).and_then(|()| std::fs::rename(&tmp, &path)).is_err() {
+            tracing::debug!("could not write down the shared quota's limits");
+        }
+    }
+}
+
+/// Holds the quota when no one else does, else follows the holder; again whenever the holder
+/// goes away.
+async fn supervise(throttle: Weak<Throttle>, place: Place) {
+    let mut quiet = false;
+    loop {
+        let Some(t) = throttle.upgrade() else { return };
+        match try_hold(&place) {
+            Ok(Some((lock, listener))) => {
+                t.delegate_to(None);
+                take_over(&t, &place);
+                tracing::debug!(socket = %place.socket.display(), "holding the shared quota");
+                tokio::spawn(write_down(Arc::downgrade(&t), place.state.clone()));
+                serve(t, listener, lock).await;
+                return;
+            }
+            Ok(None) => {}
+            Err(e) => {
+                tracing::warn!("the quota is not shared with other processes: {e}");
+                return;
+            }
+        }
+        match UnixStream::connect(&place.socket).await {
+            Ok(stream) => {
+                let ended = Arc::new(tokio::sync::Notify::new());
+                let peer = Peer::start(stream, ended.clone());
+                let notified = ended.notified();
+                t.delegate_to(Some(peer.clone()));
+                tracing::debug!(socket = %place.socket.display(), "sharing the quota held by another process");
+                drop(t);
+                notified.await;
+                if let Some(t) = throttle.upgrade() {
+                    t.delegate_to(None);
+                }
+                quiet = false;
+            }
+            Err(e) => {
+                // The holder is starting (it has the lock, not yet the socket), or just ended.
+                if !quiet {
+                    tracing::debug!("no holder to share the quota with yet: {e}");
+                    quiet = true;
+                }
+                drop(t);
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+/// Takes the lock and the socket if no process holds the quota: `None` when one does.
+fn try_hold(place: &Place) -> std::io::Result<Option<(std::fs::File, UnixListener)>> {
+    let lock = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&place.lock)?;
+    match lock.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => return Ok(None),
+        Err(std::fs::TryLockError::Error(e)) => return Err(e),
+    }
+    // A socket left by a holder that ended: nobody listens on it, and the lock says nobody will.
+    match std::fs::remove_file(&place.socket) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    let listener = UnixListener::bind(&place.socket)?;
+    Ok(Some((lock, listener)))
+}
+
+/// What a process asks of the holder.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum Ask {
+    /// Admit call `id` of `tokens` estimated tokens.
+    Admit { id: u64, tokens: u64 },
+    /// Call `id` went this way.
+    Finish { id: u64, latency_us: u64, result: Reported },
+    /// Call `id` is no longer wanted (it was cancelled), admitted or not.
+    Abandon { id: u64 },
+}
+
+/// What the holder answers.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum Answer {
+    /// Call `id` may go.
+    Granted { id: u64, waited_us: u64, concurrency: usize, rates: RateSnapshot, processes: usize, admitted: u64 },
+}
+
+/// A call's result, as the throttle learns from it.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum Reported {
+    Ok { usage: Usage, limits: Option<LimitInfo> },
+    Err { kind: ErrorKind, hint: RetryHint, status: Option<u16>, quota: Option<QuotaScope>, unreachable: bool },
+}
+
+impl Reported {
+    fn of(result: Result<(Usage, Option<LimitInfo>), &ModelError>) -> Self {
+        match result {
+            Ok((usage, limits)) => Reported::Ok { usage, limits },
+            Err(e) => Reported::Err {
+                kind: e.kind,
+                hint: e.hint,
+                status: e.status,
+                quota: e.quota,
+                unreachable: e.unreachable,
+            },
+        }
+    }
+
+    fn teach(self, admitted: weir_core::Admitted<'_>, latency: Duration) {
+        match self {
+            Reported::Ok { usage, limits } => admitted.finish_timed(Ok((usage, limits)), Some(latency)),
+            Reported::Err { kind, hint, status, quota, unreachable } => {
+                let e = ModelError {
+                    kind,
+                    hint,
+                    message: "reported by a process sharing the quota".into(),
+                    status,
+                    quota,
+                    unreachable,
+                };
+                admitted.finish_timed(Err(&e), Some(latency));
+            }
+        }
+    }
+}
+
+fn line<T: Serialize>(msg: &T) -> Vec<u8> {
+    let mut l = serde_json::to_vec(msg).expect("messages serialise");
+    l.push(b'\n');
+    l
+}
+
+/// Serves the throttle to the processes that share its quota, for as long as this process
+/// lives (the lock is held as long as `_lock` is open).
+async fn serve(throttle: Arc<Throttle>, listener: UnixListener, _lock: std::fs::File) {
+    let peers = Arc::new(AtomicUsize::new(0));
+    loop {
+        let stream = match listener.accept().await {
+            Ok((s, _)) => s,
+            Err(e) => {
+                tracing::debug!("shared quota: accept failed: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        // Only this user's processes may share (the directory is private; this checks anyway).
+        if !same_user(&stream) {
+            continue;
+        }
+        let n = peers.fetch_add(1, Relaxed) + 1;
+        throttle.set_processes(n + 1);
+        let (throttle, peers) = (throttle.clone(), peers.clone());
+        tokio::spawn(async move {
+            serve_peer(&throttle, stream, &peers).await;
+            let n = peers.fetch_sub(1, Relaxed) - 1;
+            throttle.set_processes(n + 1);
+        });
+    }
+}
+
+fn same_user(stream: &UnixStream) -> bool {
+    // SAFETY: getuid cannot fail and touches no memory.
+    let uid = unsafe { libc::getuid() };
+    stream.peer_cred().map(|c| c.uid() == uid).unwrap_or(false)
+}
+
+/// A call of a served process: how to cancel it while it waits, and where its result goes once
+/// it is admitted.
+struct Served {
+    cancel: CancellationToken,
+    result: Option<oneshot::Sender<(Reported, Duration)>>,
+}
+
+/// Admits one process's calls until it goes. Calls it leaves admitted and unreported stay
+/// counted (they may have been sent), and free their slots as the throttle frees them.
+async fn serve_peer(throttle: &Arc<Throttle>, stream: UnixStream, peers: &Arc<AtomicUsize>) {
+    let (read, mut write) = stream.into_split();
+    let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
+    let writer = tokio::spawn(async move {
+        while let Some(l) = rx.recv().await {
+            if write.write_all(&l).await.is_err() {
+                break;
+            }
+        }
+    });
+    let gone = CancellationToken::new();
+    let calls: Arc<Mutex<HashMap<u64, Served>>> = Arc::default();
+    let mut lines = BufReader::new(read).lines();
+    while let Ok(Some(l)) = lines.next_line().await {
+        let ask = match serde_json::from_str::<Ask>(&l) {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!("shared quota: a process sent what this one cannot read ({e}); dropping it");
+                break;
+            }
+        };
+        match ask {
+            Ask::Admit { id, tokens } => {
+                let cancel = gone.child_token();
+                let (result_tx, result_rx) = oneshot::channel();
+                calls
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(id, Served { cancel: cancel.clone(), result: Some(result_tx) });
+                let (throttle, tx, peers) = (throttle.clone(), tx.clone(), peers.clone());
+                tokio::spawn(async move {
+                    let Some(admitted) = throttle.admit(Weight { tokens }, &cancel).await else { return };
+                    let granted = Answer::Granted {
+                        id,
+                        waited_us: admitted.waited.as_micros() as u64,
+                        concurrency: throttle.concurrency(),
+                        rates: throttle.rates(),
+                        processes: peers.load(Relaxed) + 1,
+                        admitted: throttle.admitted(),
+                    };
+                    if tx.send(line(&granted)).is_err() {
+                        return;
+                    }
+                    // Dropped unreported (the process went, or abandoned it): kept counted.
+                    if let Ok((reported, latency)) = result_rx.await {
+                        reported.teach(admitted, latency);
+                    }
+                });
+            }
+            Ask::Finish { id, latency_us, result } => {
+                let served = calls.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+                if let Some(tx) = served.and_then(|mut s| s.result.take()) {
+                    let _ = tx.send((result, Duration::from_micros(latency_us)));
+                }
+            }
+            Ask::Abandon { id } => {
+                if let Some(s) = calls.lock().unwrap_or_else(|e| e.into_inner()).remove(&id) {
+                    s.cancel.cancel();
+                }
+            }
+        }
+    }
+    gone.cancel();
+    calls.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    writer.abort();
+}
+
+/// This process's side of a shared quota: asks the holder to admit each call.
+struct Peer {
+    tx: mpsc::UnboundedSender<Vec<u8>>,
+    waiting: Mutex<HashMap<u64, oneshot::Sender<Grant>>>,
+    next: AtomicU64,
+    open: AtomicBool,
+}
+
+impl Peer {
+    /// Starts talking to the holder over `stream`; `ended` is notified when the connection ends.
+    fn start(stream: UnixStream, ended: Arc<tokio::sync::Notify>) -> Arc<Self> {
+        let (read, mut write) = stream.into_split();
+        let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
+        let peer =
+            Arc::new(Peer { tx, waiting: Mutex::default(), next: AtomicU64::new(0), open: AtomicBool::new(true) });
+        tokio::spawn(async move {
+            while let Some(l) = rx.recv().await {
+                if write.write_all(&l).await.is_err() {
+                    break;
+                }
+            }
+        });
+        let reader = peer.clone();
+        tokio::spawn(async move {
+            let mut lines = BufReader::new(read).lines();
+            while let Ok(Some(l)) = lines.next_line().await {
+                let Ok(Answer::Granted { id, waited_us, concurrency, rates, processes, admitted }) =
+                    serde_json::from_str::<Answer>(&l)
+                else {
+                    tracing::warn!("shared quota: the holder sent what this process cannot read; deciding alone");
+                    break;
+                };
+                let grant =
+                    Grant { id, waited: Duration::from_micros(waited_us), concurrency, rates, processes, admitted };
+                let waiter = reader.waiting.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+                if let Some(Err(_)) = waiter.map(|w| w.send(grant)) {
+                    // Nobody waits for it any more (cancelled as it was granted).
+                    let _ = reader.tx.send(line(&Ask::Abandon { id }));
+                }
+            }
+            // The holder went: calls still waiting decide alone (their senders are dropped).
+            reader.open.store(false, Relaxed);
+            reader.waiting.lock().unwrap_or_else(|e| e.into_inner()).clear();
+            ended.notify_one();
+        });
+        peer
+    }
+}
+
+/// Abandons a call whose admission is no longer awaited (the caller was cancelled).
+struct Awaiting {
+    id: u64,
+    tx: mpsc::UnboundedSender<Vec<u8>>,
+    done: bool,
+}
+
+impl Drop for Awaiting {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = self.tx.send(line(&Ask::Abandon { id: self.id }));
+        }
+    }
+}
+
+impl Delegate for Peer {
+    fn admit(&self, weight: Weight) -> BoxFuture<'static, Option<Grant>> {
+        if !self.open.load(Relaxed) {
+            return Box::pin(async { None });
+        }
+        let id = self.next.fetch_add(1, Relaxed);
+        let (tx, rx) = oneshot::channel();
+        self.waiting.lock().unwrap_or_else(|e| e.into_inner()).insert(id, tx);
+        if self.tx.send(line(&Ask::Admit { id, tokens: weight.tokens })).is_err() {
+            self.waiting.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+            return Box::pin(async { None });
+        }
+        let awaiting = Awaiting { id, tx: self.tx.clone(), done: false };
+        Box::pin(async move {
+            // The whole guard moves in (not just its field), so it is dropped with the future.
+            let mut awaiting = awaiting;
+            let grant = rx.await.ok();
+            awaiting.done = true;
+            grant
+        })
+    }
+
+    fn finish(&self, grant: u64, result: Result<(Usage, Option<LimitInfo>), &ModelError>, latency: Duration) {
+        let ask = Ask::Finish { id: grant, latency_us: latency.as_micros() as u64, result: Reported::of(result) };
+        let _ = self.tx.send(line(&ask));
+    }
+
+    fn abandon(&self, grant: u64) {
+        let _ = self.tx.send(line(&Ask::Abandon { id: grant }));
+    }
+}

@@ -1,0 +1,133 @@
+//! Many processes, one quota: `weir run` processes that call the same endpoint share one
+//! throttle through the machine (issue #32), and a process that ends leaves no lock behind.
+
+mod util;
+
+use std::time::Duration;
+use util::{prompts, rows, sim, weir, Dir};
+use weir_sim::config::LatencyConfig;
+use weir_sim::SimConfig;
+
+/// A simulator answering in a steady 20 ms, with no quota of its own: only what the clients
+/// enforce limits them, so the successes per second show what they sent.
+async fn steady_sim() -> weir_sim::SimServer {
+    sim(SimConfig {
+        latency: LatencyConfig { fixed_ms: 20.0, per_token_ms: 0.0, jitter_ms: 0.0 },
+        ..SimConfig::default()
+    })
+    .await
+}
+
+/// `weir run` over `input`, told `--rpm 10 --limit-window 1`, meeting others in `meet`.
+fn told_run(
+    url: &str,
+    dir: &Dir,
+    input: &std::path::Path,
+    out: &str,
+    meet: &std::path::Path,
+    store: &str,
+) -> tokio::process::Command {
+    let mut c = weir();
+    c.env("WEIR_QUOTA_DIR", meet).args([
+        "run",
+        "--model",
+        "gemini/gemini-2.5-flash",
+        "--base-url",
+        url,
+        "--input",
+        input.to_str().unwrap(),
+        "--output",
+        dir.path(out).to_str().unwrap(),
+        "--id-field",
+        "key",
+        "--no-state",
+        "--progress",
+        "never",
+        "--rpm",
+        "10",
+        "--limit-window",
+        "1",
+        "--quota-store",
+        store,
+    ]);
+    c
+}
+
+/// Runs two processes at once; returns the most successes the server saw in one second and
+/// both processes' stderr.
+async fn two_at_once(store: &str) -> (u64, Vec<String>) {
+    let server = steady_sim().await;
+    let url = server.url();
+    let dir = Dir::new(&format!("share-{store}"));
+    let meet = dir.path("meet");
+    let (a, ids_a) = prompts(30);
+    let input_a = dir.write("a.jsonl", &a);
+    let input_b = dir.write("b.jsonl", &a);
+    let (mut ra, mut rb) =
+        (told_run(&url, &dir, &input_a, "a.out", &meet, store), told_run(&url, &dir, &input_b, "b.out", &meet, store));
+    let (oa, ob) = tokio::join!(ra.output(), rb.output());
+    let (oa, ob) = (oa.unwrap(), ob.unwrap());
+    let mut errs = Vec::new();
+    for (o, out) in [(oa, "a.out"), (ob, "b.out")] {
+        let err = String::from_utf8_lossy(&o.stderr).to_string();
+        assert!(o.status.success(), "{err}");
+        let got: Vec<String> = rows(&dir.path(out)).iter().map(|r| r["id"].as_str().unwrap().to_string()).collect();
+        assert_eq!(got.len(), ids_a.len(), "{err}");
+        errs.push(err);
+    }
+    let busiest = server.stats().successes_per_second.iter().copied().max().unwrap_or(0);
+    (busiest, errs)
+}
+
+#[tokio::test]
+async fn processes_told_a_limit_keep_it_together() {
+    // Each told 10 per second: shared, the two send 10 a second between them, not 20.
+    let (busiest, errs) = two_at_once("local").await;
+    assert!(busiest <= 11, "{busiest} answers in one second: the told limit was not shared");
+    for err in &errs {
+        assert!(err.contains("quota shared by 2 processes on this machine"), "{err}");
+    }
+    // The same without sharing: each keeps its own 10, and the server sees about 20.
+    let (alone, errs) = two_at_once("off").await;
+    assert!(alone >= 16, "{alone} answers in one second without sharing");
+    assert!(errs.iter().all(|e| !e.contains("quota shared")), "{errs:?}");
+}
+
+#[tokio::test]
+async fn the_quota_passes_on_when_its_holder_is_killed() {
+    let server = steady_sim().await;
+    let url = server.url();
+    let dir = Dir::new("share-kill");
+    let meet = dir.path("meet");
+    let (data, ids) = prompts(40);
+    let input_a = dir.write("a.jsonl", &data);
+    let input_b = dir.write("b.jsonl", &data);
+    // The first process holds the quota (it starts alone); the second joins it.
+    let mut holder = told_run(&url, &dir, &input_a, "a.out", &meet, "local").spawn().unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while !std::fs::read_dir(&meet)
+        .map(|d| d.flatten().any(|e| e.path().extension().is_some_and(|x| x == "sock")))
+        .unwrap_or(false)
+    {
+        assert!(tokio::time::Instant::now() < deadline, "no holder's socket in {}", meet.display());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut follower = told_run(&url, &dir, &input_b, "b.out", &meet, "local");
+    follower.env("WEIR_LOG", "weir_runtime=debug").stderr(std::process::Stdio::piped());
+    let follower = follower.spawn().unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    holder.start_kill().unwrap();
+    holder.wait().await.unwrap();
+    let o = follower.wait_with_output().await.unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    // It followed, then held the quota itself once the holder was gone, and finished.
+    let joined = err.find("sharing the quota held by another process").unwrap_or_else(|| panic!("{err}"));
+    let held = err.find("holding the shared quota").unwrap_or_else(|| panic!("{err}"));
+    assert!(joined < held, "{err}");
+    let got = rows(&dir.path("b.out"));
+    util::assert_each_id_once(&ids, &got, &[]);
+    // Still within the told limit after the hand-over.
+    let busiest = server.stats().successes_per_second.iter().copied().max().unwrap_or(0);
+    assert!(busiest <= 11, "{busiest} answers in one second");
+}
