@@ -166,14 +166,19 @@ def random_faults_case():
 
 def coarse_case():
     R, W, N = 100, 5, 2000
-    # LATENCY_MS=300 is issue #32's case (0.3 s calls); SIM_ARGS adds simulator flags.
+    # LATENCY_MS=300 is issue #32's case (0.3 s calls); SIM_ARGS adds simulator flags; WEIR_ARGS
+    # adds flags to every weir process (--quota-store off; --rpm 100 --limit-window 5);
+    # KILL_AT=S kills the first process with SIGKILL S seconds in (the others must take its share).
     lat = int(os.environ.get("LATENCY_MS", "50"))
     extra = os.environ.get("SIM_ARGS", "").split()
+    weir_args = os.environ.get("WEIR_ARGS", "").split()
+    kill_at = float(os.environ.get("KILL_AT", "0"))
     sim, url = start_sim("--rpm", str(R), "--window-secs", str(W), "--latency-ms", str(lat), "--jitter-ms", "20",
                          "--round-advice", *extra)
     ideal = ((N - 1) // R) * W + lat / 1000
+    told = " ".join(weir_args) if weir_args else "nothing told"
     print(f"== 6. advice in whole seconds: quota {R} requests per {W} s, latency {lat}±10 ms, {N} records, "
-          f"nothing told{' (' + ' '.join(extra) + ')' if extra else ''}")
+          f"{told}{' (' + ' '.join(extra) + ')' if extra else ''}{f'; first process killed at {kill_at:g} s' if kill_at else ''}")
     try:
         for procs in [int(p) for p in os.environ.get("PROCS", "1 2").split()]:
             # The ideal starts from an empty window: let the last run's sends leave it.
@@ -183,23 +188,35 @@ def coarse_case():
             paths = [dataset(f"c{procs}-{i}.jsonl", share) for i in range(procs)]
             t0 = time.monotonic()
             ps = [subprocess.Popen([BIN, "run", "--model", "gemini/gemini-2.5-flash", "--base-url", url, "--input", p,
-                                    "--output", p + ".out", "--id-field", "id", "--no-state", "--progress", "never",
-                                    "--max-retries", "50"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                    "--output", p + f".{time.monotonic_ns()}.out", "--id-field", "id", "--no-state",
+                                    "--progress", "never", "--max-retries", "50", *weir_args],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                   for p in paths]
             done = [None] * len(ps)
+            killed = False
             while None in done:
+                if kill_at and not killed and time.monotonic() - t0 >= kill_at:
+                    ps[0].kill()
+                    killed = True
                 for i, p in enumerate(ps):
                     if done[i] is None and p.poll() is not None:
                         done[i] = time.monotonic() - t0
                 time.sleep(0.05)
             errs = [p.communicate()[1] for p in ps]
             secs = max(done)
-            if any(p.returncode != 0 for p in ps):
+            if any(p.returncode != 0 for i, p in enumerate(ps) if not (killed and i == 0)):
                 sys.exit(f"weir run failed: {errs}")
             s = stats(url)
-            print(f"   {procs} process{'es' if procs > 1 else ''}: {secs:5.1f} s against {ideal:.1f} s ideal "
-                  f"({ideal / secs:.1%}); 429s {s['rate_limited']} of {s['requests']} ({s['rate_limited'] / s['requests']:.2%})"
-                  + (f"; each ended at {', '.join(f'{d:.1f}' for d in done)} s" if procs > 1 else ""))
+            line = (f"   {procs} process{'es' if procs > 1 else ''}: {secs:5.1f} s against {ideal:.1f} s ideal "
+                    f"({ideal / secs:.1%}); 429s {s['rate_limited']} of {s['requests']} ({s['rate_limited'] / s['requests']:.2%})"
+                    + (f"; each ended at {', '.join(f'{d:.1f}' for d in done)} s" if procs > 1 else ""))
+            print(line)
+            if kill_at:
+                per_window = windows(s["successes_per_second"], W, skip_first=False)
+                print(f"   successes per {W} s window: {per_window} (killed at {kill_at:g} s)")
+            shared = [l.strip() for l in errs[-1].splitlines() if "quota shared" in l]
+            if shared:
+                print(f"   last process: {shared[0]}")
     finally:
         sim.terminate()
 

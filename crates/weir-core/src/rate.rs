@@ -90,6 +90,8 @@ struct Entry {
     at: Instant,
     weight: f64,
     state: State,
+    /// When the send whose credit this one spent was sent (learned mode; not for probes).
+    from: Option<Instant>,
 }
 
 /// One dimension (requests or tokens) of a rate budget.
@@ -122,6 +124,14 @@ pub struct Budget {
     refusals: u64,
     /// The window assumed when a refusal does not say when to come back.
     default_window: Duration,
+    /// When the sends whose credits came back were sent, and when they came back, oldest first
+    /// (one per credit): a send that spends a credit as it comes back remembers it, so that if
+    /// it is refused, the window is known to be longer than from that send to the refusal.
+    returned: VecDeque<(Instant, Instant)>,
+    /// The shortest the window can be, from refused sends that spent a credit: no probe narrows
+    /// it below. A server whose window is fixed (all slots free at its end, not one window after
+    /// each send) admits window and edge probes early, which alone would take it too short.
+    floor: Duration,
 }
 
 /// What a budget knew, handed from a process that held a shared quota to the one that takes
@@ -135,6 +145,13 @@ pub struct Seed {
     capacity: f64,
     /// Each send of the last window: seconds before the export, and its weight.
     sends: Vec<(f64, f64)>,
+}
+
+impl Seed {
+    /// The window the budget counted over, if it knew one.
+    pub fn window(&self) -> Option<Duration> {
+        (self.mode != Mode::Unlimited).then_some(self.window).flatten()
+    }
 }
 
 /// True for advice in whole seconds (`retry-after: 2`, `retryDelay: "13s"`): rounded up, so the
@@ -191,6 +208,8 @@ impl Budget {
             come_back: None,
             refusals: 0,
             default_window: DEFAULT_WINDOW,
+            returned: VecDeque::new(),
+            floor: Duration::ZERO,
         }
     }
 
@@ -266,7 +285,13 @@ impl Budget {
                     }
                     let e = self.log.pop_front().expect("front exists");
                     match e.state {
-                        State::Ok => self.credits += e.weight,
+                        State::Ok => {
+                            self.credits += e.weight;
+                            self.returned.push_back((e.at, now));
+                            while self.returned.len() as f64 > self.credits.max(0.0).ceil() + 1.0 {
+                                self.returned.pop_front();
+                            }
+                        }
                         // Its credit comes back when it turns out to have been admitted.
                         State::Pending => {
                             self.overdue.insert(e.id, e.weight);
@@ -295,9 +320,21 @@ impl Budget {
             }
         };
         if ok {
+            let mut from = None;
             match self.mode {
                 Mode::Static { .. } => self.in_window += weight,
                 Mode::Learned => {
+                    let probing = self.unspent_probe.0 > 0.0;
+                    if self.credits >= weight && !probing {
+                        // Only a credit spent as it came back says when its slot should have
+                        // freed (one that waited says nothing of the window).
+                        let w = self.window.unwrap_or(DEFAULT_WINDOW);
+                        from = self
+                            .returned
+                            .pop_front()
+                            .filter(|&(_, back)| now.saturating_duration_since(back) <= Self::margin(w) * 2)
+                            .map(|(at, _)| at);
+                    }
                     // Let through with nothing out (and no credit), a send still comes back as a
                     // credit, but the budget does not go into debt for it.
                     self.credits = if self.credits >= weight { self.credits - weight } else { self.credits.min(0.0) };
@@ -310,7 +347,7 @@ impl Budget {
                 }
                 Mode::Unlimited => {}
             }
-            self.log.push_back(Entry { id, at: now, weight, state: State::Pending });
+            self.log.push_back(Entry { id, at: now, weight, state: State::Pending, from });
             return Ok(());
         }
         let w = self.window.unwrap_or(DEFAULT_WINDOW);
@@ -499,7 +536,7 @@ impl Budget {
                 // Room once `oldest` plus `mid` had passed: the window is no longer than that.
                 Probe::Edge { mid, .. } => {
                     if self.mode == Mode::Learned && self.lower.is_some_and(|lo| lo <= mid) {
-                        self.window = self.window.map(|w| w.min(mid));
+                        self.window = self.window.map(|w| w.min(mid.max(self.floor)));
                         tracing::debug!(window = ?self.window, lower = ?self.lower, "edge probe admitted");
                     }
                     u64::MAX
@@ -584,6 +621,27 @@ impl Budget {
                 self.epoch += 1;
                 self.credits -= self.unspent_probe.0.clamp(0.0, self.credits.max(0.0));
                 self.unspent_probe = (0.0, None);
+                // A send that spent the credit of an earlier send `from` found its slot still
+                // taken: the window is longer than from `from` to the refusal (plus the part of
+                // the advice that is sure). With a sliding window this only happens when the
+                // window was taken too short; with a fixed one, to sends made early in a window
+                // when the window was measured from a later send. Lengthen it to that, and keep
+                // probes from narrowing it below again.
+                if let (None, Some(from)) = (probe, removed.as_ref().and_then(|e| e.from)) {
+                    let floor = (now + delay.map_or(Duration::ZERO, surely_busy)).saturating_duration_since(from);
+                    let w = self.window.unwrap_or(self.default_window);
+                    // Not from a refusal that says the window is far longer (more than whole-second
+                    // advice leaves open): that is another client's send holding the slot, or a
+                    // quota that changed.
+                    if floor > self.floor && floor < w + Duration::from_secs(1) {
+                        self.floor = floor;
+                        if floor > w {
+                            self.window = Some(floor);
+                            tracing::debug!(window = ?self.window, "a replayed send was refused: the window is longer");
+                        }
+                        self.lower = self.lower.map(|lo| lo.max(floor));
+                    }
+                }
                 let oldest = match probe {
                     Some(Probe::Window { oldest }) | Some(Probe::Edge { oldest, .. }) => Some(oldest),
                     _ => None,
@@ -605,9 +663,9 @@ impl Budget {
                             // a window taken too short would send before slots free.
                             (old_lo, old_hi)
                         };
-                        let hi = hi.max(Duration::from_millis(500));
+                        let hi = hi.max(Duration::from_millis(500)).max(self.floor);
                         self.window = Some(hi);
-                        self.lower = Some(lo.min(hi));
+                        self.lower = Some(lo.max(self.floor).min(hi));
                         self.last_refusal = Some(now);
                         tracing::debug!(window = ?self.window, lower = ?self.lower, advised = ?delay, "window probe refused");
                         return;
@@ -714,7 +772,7 @@ impl Budget {
         match (self.mode, seed.mode) {
             (Mode::Static { .. }, _) => {
                 for (at, weight) in sends.into_iter().zip(weights) {
-                    self.log.push_back(Entry { id: ids(), at, weight, state: State::Ok });
+                    self.log.push_back(Entry { id: ids(), at, weight, state: State::Ok, from: None });
                     self.in_window += weight;
                 }
             }
@@ -724,7 +782,7 @@ impl Budget {
                 self.in_window = 0.0;
                 self.log.clear();
                 for (at, weight) in sends.into_iter().zip(weights) {
-                    self.log.push_back(Entry { id: ids(), at, weight, state: State::Ok });
+                    self.log.push_back(Entry { id: ids(), at, weight, state: State::Ok, from: None });
                     self.in_window += weight;
                 }
             }
@@ -737,7 +795,7 @@ impl Budget {
                 self.overdue.clear();
                 let mut out = 0.0;
                 for (at, weight) in sends.into_iter().zip(weights) {
-                    self.log.push_back(Entry { id: ids(), at, weight, state: State::Ok });
+                    self.log.push_back(Entry { id: ids(), at, weight, state: State::Ok, from: None });
                     out += weight;
                 }
                 self.credits = (seed.capacity - out).max(0.0);
@@ -892,10 +950,28 @@ mod tests {
         window: Duration,
         coarse: bool,
         log: VecDeque<Instant>,
+        /// A fixed window instead: counts start again at every multiple of the window from the
+        /// first request (this is its start), and a refusal advises the time to the window's end.
+        fixed: Option<Instant>,
     }
 
     impl Server {
+        fn sliding(capacity: usize, window: Duration) -> Self {
+            Server { capacity, window, coarse: true, log: VecDeque::new(), fixed: None }
+        }
+
         fn admit(&mut self, now: Instant) -> Result<(), Duration> {
+            if let Some(origin) = self.fixed {
+                let n = (now.duration_since(origin).as_secs_f64() / self.window.as_secs_f64()).floor();
+                let start = origin + self.window.mul_f64(n);
+                self.log.retain(|&t| t >= start);
+                if self.log.len() < self.capacity {
+                    self.log.push_back(now);
+                    return Ok(());
+                }
+                let d = start + self.window - now;
+                return Err(if self.coarse { Duration::from_secs(d.as_secs_f64().ceil().max(1.0) as u64) } else { d });
+            }
             while self.log.front().is_some_and(|&t| now.duration_since(t) >= self.window) {
                 self.log.pop_front();
             }
@@ -957,7 +1033,7 @@ mod tests {
     async fn whole_second_advice_is_narrowed_to_the_window_by_probes() {
         // 50 per 5 s, advice in whole seconds: the first refusal leaves the window between
         // 4.x and 5.x s; window probes narrow it until a window's sends fit 5 s plus the margin.
-        let mut server = Server { capacity: 50, window: Duration::from_secs(5), coarse: true, log: VecDeque::new() };
+        let mut server = Server::sliding(50, Duration::from_secs(5));
         let mut b = [Budget::unlimited()];
         let (per_window, refusals) = drive(&mut b, &mut server, Instant::now(), 200, 10, ms(1));
         let w = b[0].window().unwrap();
@@ -970,13 +1046,28 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn a_fixed_window_is_kept_full_with_few_refusals() {
+        // 50 per 5 s, counted in fixed windows (all slots free at the window's end), advice in
+        // whole seconds. Edge and window probes, measured from a send made after the window
+        // began, take the window too short; the sends that spend those early credits are
+        // refused, and each says the window is longer than from the credit's send to then.
+        let t0 = Instant::now();
+        let mut server = Server { fixed: Some(t0), ..Server::sliding(50, Duration::from_secs(5)) };
+        let mut b = [Budget::unlimited()];
+        let (per_window, refusals) = drive(&mut b, &mut server, t0, 300, 20, ms(1));
+        assert!(per_window.iter().all(|&n| n >= 49), "{per_window:?}");
+        // About one a window (the probe for more), and the first window's few.
+        assert!(refusals <= 60 + 15, "{refusals} refusals");
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn edge_probes_narrow_the_window_in_the_gap_after_it_was_learned() {
         // 50 per 5 s; the window fills at t0 and the next send, 0.3 s later, is refused with
         // "5s" (4.7 s rounded up): the window is between 4.3 and 5.3 s. Taken at 5.3 s, the
         // second window would open 0.3 s late (and every later one too) until a quiet window
         // let window probes narrow it; edge probes, sent into the gap, narrow it before the
         // second window opens.
-        let mut server = Server { capacity: 50, window: Duration::from_secs(5), coarse: true, log: VecDeque::new() };
+        let mut server = Server::sliding(50, Duration::from_secs(5));
         let mut b = Budget::unlimited();
         let t0 = Instant::now();
         for id in 0..50u64 {
@@ -1013,7 +1104,7 @@ mod tests {
         // How the quota is split between them is not fair: here the first to send each step
         // wins freed slots; what is kept is the total, and a client left alone takes it all
         // (the next test).
-        let mut server = Server { capacity: 60, window: Duration::from_secs(5), coarse: true, log: VecDeque::new() };
+        let mut server = Server::sliding(60, Duration::from_secs(5));
         let mut b = [Budget::unlimited(), Budget::unlimited()];
         let (per_window, refusals) = drive(&mut b, &mut server, Instant::now(), 300, 10, ms(1));
         assert!(per_window.iter().all(|&n| n >= 58), "{per_window:?}");
@@ -1029,7 +1120,7 @@ mod tests {
     async fn a_client_left_alone_claims_the_whole_quota_quickly() {
         // Two clients share 60 per 5 s; then one stops. The other's probes are admitted and
         // double each round trip, so it holds the whole quota within a few windows.
-        let mut server = Server { capacity: 60, window: Duration::from_secs(5), coarse: true, log: VecDeque::new() };
+        let mut server = Server::sliding(60, Duration::from_secs(5));
         let mut both = [Budget::unlimited(), Budget::unlimited()];
         let t0 = Instant::now();
         drive(&mut both, &mut server, t0, 100, 1, ms(1));

@@ -72,8 +72,6 @@ pub struct Grant {
     pub rates: RateSnapshot,
     /// Processes sharing it now, its holder included.
     pub processes: usize,
-    /// Calls it has admitted in all, this one included.
-    pub admitted: u64,
 }
 
 /// How an endpoint's quota was shared with other processes, as seen from this one.
@@ -81,9 +79,6 @@ pub struct Grant {
 pub struct Sharing {
     /// The most processes that shared the quota at once (1: this one alone).
     pub processes: usize,
-    /// Calls the shared throttle admitted, from this process's first admission to its last
-    /// (every sharing process's calls; this process's own are in its counters).
-    pub admitted: u64,
 }
 
 /// A throttle that another process holds for this one: when several processes call one
@@ -116,16 +111,26 @@ pub struct Throttle {
     throttled_micros: AtomicU64,
     /// The shared throttle this one defers to, while another process holds it.
     delegate: std::sync::RwLock<Option<Arc<dyn Delegate>>>,
+    /// Since when the runtime has been looking for the shared throttle (at start, or after its
+    /// holder went), when it is: calls wait for it rather than go alone.
+    deciding: Mutex<Option<Instant>>,
+    /// Told whenever the delegate changes.
+    delegate_changed: Notify,
+    /// Calls wait for the budgets one at a time, in the order they came: a call (of this
+    /// process, or of a process this throttle serves) is admitted before any that came after
+    /// it, so processes sharing a quota share it evenly.
+    turn: tokio::sync::Mutex<()>,
     /// The shared throttle's limits, as its last grant told them.
     shared_view: Mutex<Option<(usize, RateSnapshot)>>,
     /// Calls this throttle admitted (for processes it serves as well as its own).
     admitted: AtomicU64,
-    /// Processes sharing this throttle (1 unless it serves others; see [`Throttle::set_processes`]).
-    processes: std::sync::atomic::AtomicUsize,
-    /// Sharing as seen from this process: the most processes, and the shared throttle's
-    /// admission count at this process's first and last admission.
-    sharing: Mutex<(usize, Option<u64>, u64)>,
+    /// The most processes seen sharing the quota at once.
+    most_processes: std::sync::atomic::AtomicUsize,
 }
+
+/// The longest calls wait for the runtime to find an endpoint's shared throttle before this
+/// process's own decides.
+pub const DECIDING_AT_MOST: Duration = Duration::from_secs(2);
 
 /// How long a call rejected by the SRE throttler waits before asking again.
 const SRE_DELAY: Duration = Duration::from_millis(500);
@@ -174,19 +179,19 @@ impl Throttle {
             sre: settings.sre_k.map(|k| Mutex::new(SreThrottler::new(k, settings.rate.window, 0x5e))),
             throttled_micros: AtomicU64::new(0),
             delegate: std::sync::RwLock::new(None),
+            deciding: Mutex::new(None),
+            delegate_changed: Notify::new(),
+            turn: tokio::sync::Mutex::new(()),
             shared_view: Mutex::new(None),
             admitted: AtomicU64::new(0),
-            processes: std::sync::atomic::AtomicUsize::new(1),
-            sharing: Mutex::new((1, None, 0)),
+            most_processes: std::sync::atomic::AtomicUsize::new(1),
         }
     }
 
     /// Says how many processes this throttle serves, itself included (set by the process that
     /// holds an endpoint's shared throttle, as others join and leave).
     pub fn set_processes(&self, n: usize) {
-        self.processes.store(n.max(1), Relaxed);
-        let mut s = self.sharing.lock().unwrap_or_else(|e| e.into_inner());
-        s.0 = s.0.max(n);
+        self.most_processes.fetch_max(n, Relaxed);
     }
 
     /// Calls this throttle has admitted in all (its own process's and, when it serves others,
@@ -197,17 +202,7 @@ impl Throttle {
 
     /// How the quota was shared, as this process saw it.
     pub fn sharing(&self) -> Sharing {
-        let s = *self.sharing.lock().unwrap_or_else(|e| e.into_inner());
-        Sharing { processes: s.0, admitted: s.1.map_or(0, |first| s.2.saturating_sub(first)) }
-    }
-
-    /// Notes one admission by the shared throttle: `processes` share it, and it has admitted
-    /// `total` calls, this one included.
-    fn observe(&self, processes: usize, total: u64) {
-        let mut s = self.sharing.lock().unwrap_or_else(|e| e.into_inner());
-        s.0 = s.0.max(processes);
-        s.1.get_or_insert(total.saturating_sub(1));
-        s.2 = s.2.max(total);
+        Sharing { processes: self.most_processes.load(Relaxed) }
     }
 
     /// Defers every admission to `delegate` (a shared throttle another process holds), or, with
@@ -217,6 +212,17 @@ impl Throttle {
             *self.shared_view.lock().unwrap_or_else(|e| e.into_inner()) = None;
         }
         *self.delegate.write().unwrap_or_else(|e| e.into_inner()) = delegate;
+        *self.deciding.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        self.delegate_changed.notify_waiters();
+    }
+
+    /// Says the runtime is looking for the shared throttle (at start, or after its holder
+    /// went): calls wait, up to [`DECIDING_AT_MOST`], until [`Throttle::delegate_to`] says
+    /// where they are decided, instead of each going alone in a burst the quota would refuse.
+    pub fn await_delegate(&self) {
+        *self.delegate.write().unwrap_or_else(|e| e.into_inner()) = None;
+        *self.deciding.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+        self.delegate_changed.notify_waiters();
     }
 
     /// True while another process's throttle decides for this one.
@@ -246,11 +252,22 @@ impl Throttle {
 
     async fn admit_inner(&self, weight: Weight) -> Admitted<'_> {
         let start = Instant::now();
-        let delegate = self.delegate.read().unwrap_or_else(|e| e.into_inner()).clone();
-        if let Some(d) = delegate {
+        loop {
+            let changed = self.delegate_changed.notified();
+            let delegate = self.delegate.read().unwrap_or_else(|e| e.into_inner()).clone();
+            let Some(d) = delegate else {
+                let deciding = *self.deciding.lock().unwrap_or_else(|e| e.into_inner());
+                match deciding {
+                    Some(since) if since.elapsed() < DECIDING_AT_MOST => {
+                        let _ = tokio::time::timeout(Duration::from_millis(100), changed).await;
+                        continue;
+                    }
+                    _ => break,
+                }
+            };
             if let Some(g) = d.admit(weight).await {
                 *self.shared_view.lock().unwrap_or_else(|e| e.into_inner()) = Some((g.concurrency, g.rates));
-                self.observe(g.processes, g.admitted);
+                self.most_processes.fetch_max(g.processes, Relaxed);
                 self.throttled_micros.fetch_add(g.waited.as_micros() as u64, Relaxed);
                 return Admitted {
                     throttle: self,
@@ -262,7 +279,9 @@ impl Throttle {
                     waited: g.waited,
                 };
             }
-            // The shared throttle is gone: this one decides until the runtime finds another.
+            // The shared throttle is gone: ask the next one the runtime finds (or this one, if
+            // it takes the quota over).
+            let _ = tokio::time::timeout(Duration::from_millis(100), changed).await;
         }
         self.gate.wait().await;
         if let Some(sre) = &self.sre {
@@ -275,6 +294,7 @@ impl Throttle {
         // while it waits, so waiting for budget never holds a slot, and the budgets count a
         // send only at the moment it really goes out.
         let mut held = Duration::ZERO;
+        let turn = self.turn.lock().await;
         let (permit, level, ticket) = loop {
             let (permit, level) = self.limit.acquire().await;
             // A pause the server asked for while this call waited for its slot holds it too.
@@ -301,12 +321,12 @@ impl Throttle {
                 }
             }
         };
+        drop(turn);
         // Throttled time is what the pause, the SRE throttler and the budgets held the call; a
         // wait for a concurrency slot is the endpoint's pace, not throttling.
         let waited = held + sre_held;
         self.throttled_micros.fetch_add(waited.as_micros() as u64, Relaxed);
-        let total = self.admitted.fetch_add(1, Relaxed) + 1;
-        self.observe(self.processes.load(Relaxed), total);
+        self.admitted.fetch_add(1, Relaxed);
         Admitted {
             throttle: self,
             permit: Some(permit),

@@ -109,6 +109,7 @@ pub fn join(throttle: &Arc<Throttle>, name: String) {
         );
         return;
     }
+    throttle.await_delegate();
     handle.spawn(supervise(Arc::downgrade(throttle), place));
 }
 
@@ -121,11 +122,13 @@ struct Place {
     state: PathBuf,
 }
 
-/// How long what a holder wrote down is worth taking over: a quota learned ten minutes ago
-/// is still the quota; one from yesterday may not be.
-const STATE_TTL: Duration = Duration::from_secs(600);
-/// How often the holder writes down what its budgets know (when it admitted calls since).
-const STATE_EVERY: Duration = Duration::from_millis(100);
+/// How long after its window what a holder wrote down is still taken over: long enough for the
+/// next holder to take it (it tries every 50 ms), short enough that a run started later, or a
+/// new server on the same port, learns its quota afresh.
+const STATE_GRACE: Duration = Duration::from_secs(2);
+/// How often, at most, the holder writes down what its budgets know (when it admitted calls
+/// since).
+const STATE_EVERY: Duration = Duration::from_millis(20);
 
 /// What a holder wrote down.
 #[derive(Debug, Serialize, Deserialize)]
@@ -144,29 +147,49 @@ fn take_over(throttle: &Throttle, place: &Place) {
     let Ok(bytes) = std::fs::read(&place.state) else { return };
     let Ok(w) = serde_json::from_slice::<Written>(&bytes) else { return };
     let age = Duration::from_secs_f64((unix_now() - w.at).max(0.0));
-    if age < STATE_TTL {
+    let window = w.budgets.0.window().max(w.budgets.1.window()).unwrap_or_default();
+    if age < window + STATE_GRACE {
         throttle.rate_limiter().seed(&w.budgets, age);
         tracing::debug!(age = ?age, "took over the limits the last holder knew");
     }
 }
 
-/// Writes down what the holder's budgets know, whenever it admitted calls since last time.
+/// Writes down what the holder's budgets know whenever it admitted calls since last time: every
+/// 20 ms, or less often when writing takes long (a window of many calls), and once more when
+/// the task ends with the process (a normal exit hands over everything; a kill, all but the
+/// last few milliseconds).
 async fn write_down(throttle: Weak<Throttle>, path: PathBuf) {
+    struct Last(Weak<Throttle>, PathBuf);
+    impl Drop for Last {
+        fn drop(&mut self) {
+            if let Some(t) = self.0.upgrade() {
+                write_state(&t, &self.1);
+            }
+        }
+    }
+    let _last = Last(throttle.clone(), path.clone());
     let mut last = u64::MAX;
-    let tmp = path.with_extension("state.tmp");
+    let mut pause = STATE_EVERY;
     loop {
-        tokio::time::sleep(STATE_EVERY).await;
+        tokio::time::sleep(pause).await;
         let Some(t) = throttle.upgrade() else { return };
         let admitted = t.admitted();
         if admitted == last {
             continue;
         }
         last = admitted;
-        let w = Written { at: unix_now(), budgets: t.rate_limiter().export() };
-        let bytes = serde_json::to_vec(&w).expect("the budgets serialise");
-        if std::fs::write(&tmp, bytes).and_then(|()| std::fs::rename(&tmp, &path)).is_err() {
-            tracing::debug!("could not write down the shared quota's limits");
-        }
+        let took = std::time::Instant::now();
+        write_state(&t, &path);
+        pause = STATE_EVERY.max(took.elapsed() * 20);
+    }
+}
+
+fn write_state(t: &Throttle, path: &std::path::Path) {
+    let w = Written { at: unix_now(), budgets: t.rate_limiter().export() };
+    let bytes = serde_json::to_vec(&w).expect("the budgets serialise");
+    let tmp = path.with_extension("state.tmp");
+    if std::fs::write(&tmp, bytes).and_then(|()| std::fs::rename(&tmp, path)).is_err() {
+        tracing::debug!("could not write down the shared quota's limits");
     }
 }
 
@@ -178,8 +201,9 @@ async fn supervise(throttle: Weak<Throttle>, place: Place) {
         let Some(t) = throttle.upgrade() else { return };
         match try_hold(&place) {
             Ok(Some((lock, listener))) => {
-                t.delegate_to(None);
+                // Seeded first: calls waiting for a decision go as soon as it is made.
                 take_over(&t, &place);
+                t.delegate_to(None);
                 tracing::debug!(socket = %place.socket.display(), "holding the shared quota");
                 tokio::spawn(write_down(Arc::downgrade(&t), place.state.clone()));
                 serve(t, listener, lock).await;
@@ -188,6 +212,7 @@ async fn supervise(throttle: Weak<Throttle>, place: Place) {
             Ok(None) => {}
             Err(e) => {
                 tracing::warn!("the quota is not shared with other processes: {e}");
+                t.delegate_to(None);
                 return;
             }
         }
@@ -197,11 +222,13 @@ async fn supervise(throttle: Weak<Throttle>, place: Place) {
                 let peer = Peer::start(stream, ended.clone());
                 let notified = ended.notified();
                 t.delegate_to(Some(peer.clone()));
+                // The holder and this one, at least (its grants tell how many more).
+                t.set_processes(2);
                 tracing::debug!(socket = %place.socket.display(), "sharing the quota held by another process");
                 drop(t);
                 notified.await;
                 if let Some(t) = throttle.upgrade() {
-                    t.delegate_to(None);
+                    t.await_delegate();
                 }
                 quiet = false;
             }
@@ -253,7 +280,7 @@ enum Ask {
 #[serde(rename_all = "snake_case")]
 enum Answer {
     /// Call `id` may go.
-    Granted { id: u64, waited_us: u64, concurrency: usize, rates: RateSnapshot, processes: usize, admitted: u64 },
+    Granted { id: u64, waited_us: u64, concurrency: usize, rates: RateSnapshot, processes: usize },
 }
 
 /// A call's result, as the throttle learns from it.
@@ -383,7 +410,6 @@ async fn serve_peer(throttle: &Arc<Throttle>, stream: UnixStream, peers: &Arc<At
                         concurrency: throttle.concurrency(),
                         rates: throttle.rates(),
                         processes: peers.load(Relaxed) + 1,
-                        admitted: throttle.admitted(),
                     };
                     if tx.send(line(&granted)).is_err() {
                         return;
@@ -438,14 +464,13 @@ impl Peer {
         tokio::spawn(async move {
             let mut lines = BufReader::new(read).lines();
             while let Ok(Some(l)) = lines.next_line().await {
-                let Ok(Answer::Granted { id, waited_us, concurrency, rates, processes, admitted }) =
+                let Ok(Answer::Granted { id, waited_us, concurrency, rates, processes }) =
                     serde_json::from_str::<Answer>(&l)
                 else {
                     tracing::warn!("shared quota: the holder sent what this process cannot read; deciding alone");
                     break;
                 };
-                let grant =
-                    Grant { id, waited: Duration::from_micros(waited_us), concurrency, rates, processes, admitted };
+                let grant = Grant { id, waited: Duration::from_micros(waited_us), concurrency, rates, processes };
                 let waiter = reader.waiting.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
                 if let Some(Err(_)) = waiter.map(|w| w.send(grant)) {
                     // Nobody waits for it any more (cancelled as it was granted).

@@ -246,7 +246,7 @@ impl RunReport {
             thousands((self.succeeded as f64 / self.elapsed.as_secs_f64()).round() as u64)
         ));
         if self.sharing.processes > 1 {
-            s.push_str(&format!("  {}\n", sharing_text(&self.sharing, self.calls)));
+            s.push_str(&format!("  {}\n", sharing_text(&self.sharing)));
         }
         for (model, concurrency, rates) in &self.other_limits {
             s.push_str(&format!("  limits of {model}: {}\n", limits_text(*concurrency, rates.as_ref())));
@@ -436,21 +436,12 @@ impl Progress {
     }
 }
 
-/// How a quota was shared: with how many processes, and what this one got of it.
-fn sharing_text(sharing: &weir_core::Sharing, calls: u64) -> String {
-    let mut s = format!(
-        "quota shared by {} processes on this machine (one throttle for all: --quota-store local)",
+/// How a quota was shared: with how many processes (this one's calls are on the line above).
+fn sharing_text(sharing: &weir_core::Sharing) -> String {
+    format!(
+        "quota shared by {} processes on this machine (one throttle for all, calls admitted in turn: --quota-store local)",
         sharing.processes
-    );
-    if sharing.admitted > 0 {
-        s.push_str(&format!(
-            "; this process made {} of the {} calls the shared throttle admitted while it ran ({:.0} %)",
-            thousands(calls.min(sharing.admitted)),
-            thousands(sharing.admitted),
-            100.0 * calls.min(sharing.admitted) as f64 / sharing.admitted as f64
-        ));
-    }
-    s
+    )
 }
 
 #[cfg(test)]

@@ -53,9 +53,9 @@ fn told_run(
     c
 }
 
-/// Runs two processes at once; returns the most successes the server saw in one second and
-/// both processes' stderr.
-async fn two_at_once(store: &str) -> (u64, Vec<String>) {
+/// Runs two processes at once; returns how long until both ended, the most successes the
+/// server saw in one second, and both processes' stderr.
+async fn two_at_once(store: &str) -> (Duration, u64, Vec<String>) {
     let server = steady_sim().await;
     let url = server.url();
     let dir = Dir::new(&format!("share-{store}"));
@@ -65,7 +65,9 @@ async fn two_at_once(store: &str) -> (u64, Vec<String>) {
     let input_b = dir.write("b.jsonl", &a);
     let (mut ra, mut rb) =
         (told_run(&url, &dir, &input_a, "a.out", &meet, store), told_run(&url, &dir, &input_b, "b.out", &meet, store));
+    let started = std::time::Instant::now();
     let (oa, ob) = tokio::join!(ra.output(), rb.output());
+    let took = started.elapsed();
     let (oa, ob) = (oa.unwrap(), ob.unwrap());
     let mut errs = Vec::new();
     for (o, out) in [(oa, "a.out"), (ob, "b.out")] {
@@ -76,19 +78,24 @@ async fn two_at_once(store: &str) -> (u64, Vec<String>) {
         errs.push(err);
     }
     let busiest = server.stats().successes_per_second.iter().copied().max().unwrap_or(0);
-    (busiest, errs)
+    (took, busiest, errs)
 }
 
 #[tokio::test]
 async fn processes_told_a_limit_keep_it_together() {
-    // Each told 10 per second: shared, the two send 10 a second between them, not 20.
-    let (busiest, errs) = two_at_once("local").await;
-    assert!(busiest <= 11, "{busiest} answers in one second: the told limit was not shared");
+    // Each told 10 per second: shared, the two send 10 a second between them, not 20 — 60
+    // calls take six windows (the first at once, five more a second and 20 ms apart). (The
+    // answers a second holds are checked loosely: a burst's answers delayed by a busy machine
+    // can share a second with the next burst's.)
+    let (took, busiest, errs) = two_at_once("local").await;
+    assert!(took >= Duration::from_secs(5), "done in {took:?}: the told limit was not shared: {errs:?}");
+    assert!(busiest <= 15, "{busiest} answers in one second: {errs:?}");
     for err in &errs {
         assert!(err.contains("quota shared by 2 processes on this machine"), "{err}");
     }
     // The same without sharing: each keeps its own 10, and the server sees about 20.
-    let (alone, errs) = two_at_once("off").await;
+    let (took, alone, errs) = two_at_once("off").await;
+    assert!(took < Duration::from_secs(4), "{took:?} without sharing");
     assert!(alone >= 16, "{alone} answers in one second without sharing");
     assert!(errs.iter().all(|e| !e.contains("quota shared")), "{errs:?}");
 }
@@ -127,7 +134,7 @@ async fn the_quota_passes_on_when_its_holder_is_killed() {
     assert!(joined < held, "{err}");
     let got = rows(&dir.path("b.out"));
     util::assert_each_id_once(&ids, &got, &[]);
-    // Still within the told limit after the hand-over.
+    // Still within the told limit after the hand-over (loosely: see above).
     let busiest = server.stats().successes_per_second.iter().copied().max().unwrap_or(0);
-    assert!(busiest <= 11, "{busiest} answers in one second");
+    assert!(busiest <= 15, "{busiest} answers in one second");
 }
