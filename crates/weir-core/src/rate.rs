@@ -90,8 +90,6 @@ struct Entry {
     at: Instant,
     weight: f64,
     state: State,
-    /// When the send whose credit this one spent was sent (learned mode; not for probes).
-    from: Option<Instant>,
 }
 
 /// One dimension (requests or tokens) of a rate budget.
@@ -124,14 +122,6 @@ pub struct Budget {
     refusals: u64,
     /// The window assumed when a refusal does not say when to come back.
     default_window: Duration,
-    /// When the sends whose credits came back were sent, and when they came back, oldest first
-    /// (one per credit): a send that spends a credit as it comes back remembers it, so that if
-    /// it is refused, the window is known to be longer than from that send to the refusal.
-    returned: VecDeque<(Instant, Instant)>,
-    /// The shortest the window can be, from refused sends that spent a credit: no probe narrows
-    /// it below. A server whose window is fixed (all slots free at its end, not one window after
-    /// each send) admits window and edge probes early, which alone would take it too short.
-    floor: Duration,
 }
 
 /// What a budget knew, handed from a process that held a shared quota to the one that takes
@@ -208,8 +198,6 @@ impl Budget {
             come_back: None,
             refusals: 0,
             default_window: DEFAULT_WINDOW,
-            returned: VecDeque::new(),
-            floor: Duration::ZERO,
         }
     }
 
@@ -285,13 +273,7 @@ impl Budget {
                     }
                     let e = self.log.pop_front().expect("front exists");
                     match e.state {
-                        State::Ok => {
-                            self.credits += e.weight;
-                            self.returned.push_back((e.at, now));
-                            while self.returned.len() as f64 > self.credits.max(0.0).ceil() + 1.0 {
-                                self.returned.pop_front();
-                            }
-                        }
+                        State::Ok => self.credits += e.weight,
                         // Its credit comes back when it turns out to have been admitted.
                         State::Pending => {
                             self.overdue.insert(e.id, e.weight);
@@ -320,21 +302,9 @@ impl Budget {
             }
         };
         if ok {
-            let mut from = None;
             match self.mode {
                 Mode::Static { .. } => self.in_window += weight,
                 Mode::Learned => {
-                    let probing = self.unspent_probe.0 > 0.0;
-                    if self.credits >= weight && !probing {
-                        // Only a credit spent as it came back says when its slot should have
-                        // freed (one that waited says nothing of the window).
-                        let w = self.window.unwrap_or(DEFAULT_WINDOW);
-                        from = self
-                            .returned
-                            .pop_front()
-                            .filter(|&(_, back)| now.saturating_duration_since(back) <= Self::margin(w) * 2)
-                            .map(|(at, _)| at);
-                    }
                     // Let through with nothing out (and no credit), a send still comes back as a
                     // credit, but the budget does not go into debt for it.
                     self.credits = if self.credits >= weight { self.credits - weight } else { self.credits.min(0.0) };
@@ -347,7 +317,7 @@ impl Budget {
                 }
                 Mode::Unlimited => {}
             }
-            self.log.push_back(Entry { id, at: now, weight, state: State::Pending, from });
+            self.log.push_back(Entry { id, at: now, weight, state: State::Pending });
             return Ok(());
         }
         let w = self.window.unwrap_or(DEFAULT_WINDOW);
@@ -536,7 +506,7 @@ impl Budget {
                 // Room once `oldest` plus `mid` had passed: the window is no longer than that.
                 Probe::Edge { mid, .. } => {
                     if self.mode == Mode::Learned && self.lower.is_some_and(|lo| lo <= mid) {
-                        self.window = self.window.map(|w| w.min(mid.max(self.floor)));
+                        self.window = self.window.map(|w| w.min(mid));
                         tracing::debug!(window = ?self.window, lower = ?self.lower, "edge probe admitted");
                     }
                     u64::MAX
@@ -621,27 +591,6 @@ impl Budget {
                 self.epoch += 1;
                 self.credits -= self.unspent_probe.0.clamp(0.0, self.credits.max(0.0));
                 self.unspent_probe = (0.0, None);
-                // A send that spent the credit of an earlier send `from` found its slot still
-                // taken: the window is longer than from `from` to the refusal (plus the part of
-                // the advice that is sure). With a sliding window this only happens when the
-                // window was taken too short; with a fixed one, to sends made early in a window
-                // when the window was measured from a later send. Lengthen it to that, and keep
-                // probes from narrowing it below again.
-                if let (None, Some(from)) = (probe, removed.as_ref().and_then(|e| e.from)) {
-                    let floor = (now + delay.map_or(Duration::ZERO, surely_busy)).saturating_duration_since(from);
-                    let w = self.window.unwrap_or(self.default_window);
-                    // Not from a refusal that says the window is far longer (more than whole-second
-                    // advice leaves open): that is another client's send holding the slot, or a
-                    // quota that changed.
-                    if floor > self.floor && floor < w + Duration::from_secs(1) {
-                        self.floor = floor;
-                        if floor > w {
-                            self.window = Some(floor);
-                            tracing::debug!(window = ?self.window, "a replayed send was refused: the window is longer");
-                        }
-                        self.lower = self.lower.map(|lo| lo.max(floor));
-                    }
-                }
                 let oldest = match probe {
                     Some(Probe::Window { oldest }) | Some(Probe::Edge { oldest, .. }) => Some(oldest),
                     _ => None,
@@ -663,9 +612,9 @@ impl Budget {
                             // a window taken too short would send before slots free.
                             (old_lo, old_hi)
                         };
-                        let hi = hi.max(Duration::from_millis(500)).max(self.floor);
+                        let hi = hi.max(Duration::from_millis(500));
                         self.window = Some(hi);
-                        self.lower = Some(lo.max(self.floor).min(hi));
+                        self.lower = Some(lo.min(hi));
                         self.last_refusal = Some(now);
                         tracing::debug!(window = ?self.window, lower = ?self.lower, advised = ?delay, "window probe refused");
                         return;
@@ -772,7 +721,7 @@ impl Budget {
         match (self.mode, seed.mode) {
             (Mode::Static { .. }, _) => {
                 for (at, weight) in sends.into_iter().zip(weights) {
-                    self.log.push_back(Entry { id: ids(), at, weight, state: State::Ok, from: None });
+                    self.log.push_back(Entry { id: ids(), at, weight, state: State::Ok });
                     self.in_window += weight;
                 }
             }
@@ -782,7 +731,7 @@ impl Budget {
                 self.in_window = 0.0;
                 self.log.clear();
                 for (at, weight) in sends.into_iter().zip(weights) {
-                    self.log.push_back(Entry { id: ids(), at, weight, state: State::Ok, from: None });
+                    self.log.push_back(Entry { id: ids(), at, weight, state: State::Ok });
                     self.in_window += weight;
                 }
             }
@@ -795,7 +744,7 @@ impl Budget {
                 self.overdue.clear();
                 let mut out = 0.0;
                 for (at, weight) in sends.into_iter().zip(weights) {
-                    self.log.push_back(Entry { id: ids(), at, weight, state: State::Ok, from: None });
+                    self.log.push_back(Entry { id: ids(), at, weight, state: State::Ok });
                     out += weight;
                 }
                 self.credits = (seed.capacity - out).max(0.0);
@@ -1048,9 +997,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_fixed_window_is_kept_full_with_few_refusals() {
         // 50 per 5 s, counted in fixed windows (all slots free at the window's end), advice in
-        // whole seconds. Edge and window probes, measured from a send made after the window
-        // began, take the window too short; the sends that spend those early credits are
-        // refused, and each says the window is longer than from the credit's send to then.
+        // whole seconds, answers at once: every window full, about one refusal each.
         let t0 = Instant::now();
         let mut server = Server { fixed: Some(t0), ..Server::sliding(50, Duration::from_secs(5)) };
         let mut b = [Budget::unlimited()];

@@ -252,6 +252,7 @@ impl Throttle {
 
     async fn admit_inner(&self, weight: Weight) -> Admitted<'_> {
         let start = Instant::now();
+        let mut lost_at = None;
         loop {
             let changed = self.delegate_changed.notified();
             let delegate = self.delegate.read().unwrap_or_else(|e| e.into_inner()).clone();
@@ -280,7 +281,12 @@ impl Throttle {
                 };
             }
             // The shared throttle is gone: ask the next one the runtime finds (or this one, if
-            // it takes the quota over).
+            // it takes the quota over) — unless none is found in time (the runtime that looked
+            // for it has ended): then this process decides alone.
+            let lost = *lost_at.get_or_insert_with(Instant::now);
+            if lost.elapsed() >= DECIDING_AT_MOST {
+                break;
+            }
             let _ = tokio::time::timeout(Duration::from_millis(100), changed).await;
         }
         self.gate.wait().await;
