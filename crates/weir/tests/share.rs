@@ -138,3 +138,23 @@ async fn the_quota_passes_on_when_its_holder_is_killed() {
     let busiest = server.stats().successes_per_second.iter().copied().max().unwrap_or(0);
     assert!(busiest <= 15, "{busiest} answers in one second");
 }
+
+#[tokio::test]
+async fn a_meeting_place_others_can_write_to_is_not_used() {
+    // Whoever can write to the directory could answer for the holder: weir says so and keeps
+    // the quota alone.
+    use std::os::unix::fs::PermissionsExt;
+    let server = steady_sim().await;
+    let dir = Dir::new("share-open");
+    let meet = dir.path("meet");
+    std::fs::create_dir(&meet).unwrap();
+    std::fs::set_permissions(&meet, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let (data, ids) = prompts(5);
+    let input = dir.write("in.jsonl", &data);
+    let o = told_run(&server.url(), &dir, &input, "out", &meet, "local").output().await.unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("is not a directory of this user's alone (mode 700)"), "{err}");
+    assert_eq!(rows(&dir.path("out")).len(), ids.len());
+    assert!(std::fs::read_dir(&meet).unwrap().next().is_none(), "nothing written in an open directory");
+}
