@@ -116,16 +116,36 @@ pub struct Throttle {
     deciding: Mutex<Option<Instant>>,
     /// Told whenever the delegate changes.
     delegate_changed: Notify,
-    /// Calls wait for the budgets one at a time, in the order they came: a call (of this
-    /// process, or of a process this throttle serves) is admitted before any that came after
-    /// it, so processes sharing a quota share it evenly.
-    turn: tokio::sync::Mutex<()>,
+    /// Calls wait for the budgets one at a time, taking turns: in the order they came within
+    /// one process, and round the processes this throttle serves, so that processes sharing a
+    /// quota share it evenly whichever asked first.
+    turns: Mutex<Turns>,
     /// The shared throttle's limits, as its last grant told them.
     shared_view: Mutex<Option<(usize, RateSnapshot)>>,
     /// Calls this throttle admitted (for processes it serves as well as its own).
     admitted: AtomicU64,
     /// The most processes seen sharing the quota at once.
     most_processes: std::sync::atomic::AtomicUsize,
+}
+
+/// Calls waiting their turn for the budgets, by process.
+#[derive(Debug, Default)]
+struct Turns {
+    /// A call holds the turn.
+    busy: bool,
+    /// The process whose call had the turn last.
+    last: u64,
+    /// Each process's calls waiting, in the order they came.
+    queues: std::collections::BTreeMap<u64, std::collections::VecDeque<tokio::sync::oneshot::Sender<()>>>,
+}
+
+/// The turn to wait for the budgets; passed on when dropped.
+struct Turn<'a>(&'a Throttle);
+
+impl Drop for Turn<'_> {
+    fn drop(&mut self) {
+        self.0.pass_turn();
+    }
 }
 
 /// The longest calls wait for the runtime to find an endpoint's shared throttle before this
@@ -181,7 +201,7 @@ impl Throttle {
             delegate: std::sync::RwLock::new(None),
             deciding: Mutex::new(None),
             delegate_changed: Notify::new(),
-            turn: tokio::sync::Mutex::new(()),
+            turns: Mutex::new(Turns::default()),
             shared_view: Mutex::new(None),
             admitted: AtomicU64::new(0),
             most_processes: std::sync::atomic::AtomicUsize::new(1),
@@ -243,14 +263,83 @@ impl Throttle {
 
     /// Waits until a call of `weight` may start; `None` if `cancel` fires first.
     pub async fn admit(&self, weight: Weight, cancel: &CancellationToken) -> Option<Admitted<'_>> {
+        self.admit_for(0, weight, cancel).await
+    }
+
+    /// As [`Throttle::admit`], for a call of process `member` (0: this one; the runtime numbers
+    /// the processes this throttle serves): processes with calls waiting take turns.
+    pub async fn admit_for(&self, member: u64, weight: Weight, cancel: &CancellationToken) -> Option<Admitted<'_>> {
         tokio::select! {
             biased;
             _ = cancel.cancelled() => None,
-            a = self.admit_inner(weight) => Some(a),
+            a = self.admit_inner(member, weight) => Some(a),
         }
     }
 
-    async fn admit_inner(&self, weight: Weight) -> Admitted<'_> {
+    /// Waits for `member`'s turn to wait for the budgets.
+    async fn turn(&self, member: u64) -> Turn<'_> {
+        let rx = {
+            let mut t = self.turns.lock().unwrap_or_else(|e| e.into_inner());
+            if !t.busy {
+                t.busy = true;
+                t.last = member;
+                return Turn(self);
+            }
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            t.queues.entry(member).or_default().push_back(tx);
+            rx
+        };
+        // A call cancelled while it waits must not take a turn handed to it along: it passes it
+        // on.
+        struct Waiting<'a>(Option<tokio::sync::oneshot::Receiver<()>>, &'a Throttle);
+        impl Drop for Waiting<'_> {
+            fn drop(&mut self) {
+                if let Some(mut rx) = self.0.take() {
+                    rx.close();
+                    if rx.try_recv().is_ok() {
+                        self.1.pass_turn();
+                    }
+                }
+            }
+        }
+        let mut waiting = Waiting(Some(rx), self);
+        // Handed the turn by the call before (a dropped sender means the throttle is gone,
+        // which cannot happen while `self` is borrowed).
+        let _ = waiting.0.as_mut().expect("set above").await;
+        waiting.0 = None;
+        Turn(self)
+    }
+
+    /// Passes the turn on: to the next process after the last one served that has a call
+    /// waiting, round the processes.
+    fn pass_turn(&self) {
+        let mut t = self.turns.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            let next = t
+                .queues
+                .range(t.last + 1..)
+                .chain(t.queues.range(..=t.last))
+                .find(|(_, q)| !q.is_empty())
+                .map(|(&m, _)| m);
+            let Some(member) = next else {
+                t.busy = false;
+                t.queues.clear();
+                return;
+            };
+            let q = t.queues.get_mut(&member).expect("found above");
+            let tx = q.pop_front().expect("not empty");
+            if q.is_empty() {
+                t.queues.remove(&member);
+            }
+            t.last = member;
+            // A call that stopped waiting (cancelled) passes its turn on at once.
+            if tx.send(()).is_ok() {
+                return;
+            }
+        }
+    }
+
+    async fn admit_inner(&self, member: u64, weight: Weight) -> Admitted<'_> {
         let start = Instant::now();
         let mut lost_at = None;
         loop {
@@ -300,7 +389,7 @@ impl Throttle {
         // while it waits, so waiting for budget never holds a slot, and the budgets count a
         // send only at the moment it really goes out.
         let mut held = Duration::ZERO;
-        let turn = self.turn.lock().await;
+        let turn = self.turn(member).await;
         let (permit, level, ticket) = loop {
             let (permit, level) = self.limit.acquire().await;
             // A pause the server asked for while this call waited for its slot holds it too.
@@ -798,6 +887,49 @@ mod tests {
         Err(ModelError::new(ErrorKind::RateLimited, "429")
             .with_hint(RetryHint::Later(Some(delay)))
             .with_quota(QuotaScope::Requests))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn processes_take_turns_whichever_asked_first() {
+        // Two per second. Process 1's twenty calls all ask before process 0's; still, from the
+        // first grant on, the two alternate (fairness by process, not by arrival), and a call
+        // cancelled while it waits passes its turn on.
+        let throttle = Arc::new(Throttle::new(&ThrottleSettings {
+            rate: RateSettings { requests: Some(2), window: Duration::from_secs(1), ..RateSettings::default() },
+            adaptive: false,
+            store: QuotaStore::Off,
+            ..ThrottleSettings::default()
+        }));
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let cancel = CancellationToken::new();
+        let mut tasks = Vec::new();
+        let gone = CancellationToken::new();
+        for member in [1u64, 0] {
+            for i in 0..20 {
+                let (throttle, order) = (throttle.clone(), order.clone());
+                let cancel = if member == 1 && i == 5 { gone.clone() } else { cancel.clone() };
+                tasks.push(tokio::spawn(async move {
+                    if let Some(a) = throttle.admit_for(member, Weight::default(), &cancel).await {
+                        order.lock().unwrap().push(member);
+                        a.finish(Ok((Usage::default(), None)));
+                    }
+                }));
+                tokio::task::yield_now().await;
+            }
+        }
+        gone.cancel();
+        for t in tasks {
+            t.await.unwrap();
+        }
+        let order = order.lock().unwrap().clone();
+        assert_eq!(order.len(), 39, "the cancelled call is not admitted, and nothing is stuck");
+        // Once both have calls waiting (after process 1's first few), they alternate: never
+        // three in a row from one (two where the cancelled call passed its turn on), even
+        // shares.
+        let both = &order[3..31];
+        assert!(both.windows(3).all(|w| !(w[0] == w[1] && w[1] == w[2])), "{order:?}");
+        let zeros = both.iter().filter(|&&m| m == 0).count();
+        assert!(zeros.abs_diff(both.len() - zeros) <= 2, "{order:?}");
     }
 
     #[tokio::test(start_paused = true)]

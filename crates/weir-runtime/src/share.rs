@@ -333,6 +333,8 @@ fn line<T: Serialize>(msg: &T) -> Vec<u8> {
 /// lives (the lock is held as long as `_lock` is open).
 async fn serve(throttle: Arc<Throttle>, listener: UnixListener, _lock: std::fs::File) {
     let peers = Arc::new(AtomicUsize::new(0));
+    // Each served process's number for the throttle's turns (this one is 0).
+    let mut member = 0u64;
     loop {
         let stream = match listener.accept().await {
             Ok((s, _)) => s,
@@ -348,9 +350,10 @@ async fn serve(throttle: Arc<Throttle>, listener: UnixListener, _lock: std::fs::
         }
         let n = peers.fetch_add(1, Relaxed) + 1;
         throttle.set_processes(n + 1);
+        member += 1;
         let (throttle, peers) = (throttle.clone(), peers.clone());
         tokio::spawn(async move {
-            serve_peer(&throttle, stream, &peers).await;
+            serve_peer(&throttle, stream, &peers, member).await;
             let n = peers.fetch_sub(1, Relaxed) - 1;
             throttle.set_processes(n + 1);
         });
@@ -372,7 +375,7 @@ struct Served {
 
 /// Admits one process's calls until it goes. Calls it leaves admitted and unreported stay
 /// counted (they may have been sent), and free their slots as the throttle frees them.
-async fn serve_peer(throttle: &Arc<Throttle>, stream: UnixStream, peers: &Arc<AtomicUsize>) {
+async fn serve_peer(throttle: &Arc<Throttle>, stream: UnixStream, peers: &Arc<AtomicUsize>, member: u64) {
     let (read, mut write) = stream.into_split();
     let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
     let writer = tokio::spawn(async move {
@@ -403,7 +406,7 @@ async fn serve_peer(throttle: &Arc<Throttle>, stream: UnixStream, peers: &Arc<At
                     .insert(id, Served { cancel: cancel.clone(), result: Some(result_tx) });
                 let (throttle, tx, peers) = (throttle.clone(), tx.clone(), peers.clone());
                 tokio::spawn(async move {
-                    let Some(admitted) = throttle.admit(Weight { tokens }, &cancel).await else { return };
+                    let Some(admitted) = throttle.admit_for(member, Weight { tokens }, &cancel).await else { return };
                     let granted = Answer::Granted {
                         id,
                         waited_us: admitted.waited.as_micros() as u64,
