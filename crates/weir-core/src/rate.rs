@@ -845,17 +845,23 @@ mod tests {
         assert!(b.try_take(id + 1, 1.0, t + ms(5)).is_err());
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn a_shrinking_quota_is_followed_and_a_growing_one_probed() {
+    /// A budget that sent four at `t0`, all admitted, and had a fifth refused with exact advice
+    /// (not whole seconds, so the window is taken as told): four per 999 ms, learned.
+    fn learned_four(t0: Instant) -> Budget {
         let mut b = Budget::unlimited();
-        let t0 = Instant::now();
         for id in 0..4u64 {
             b.try_take(id, 1.0, t0).unwrap();
             b.admitted(id, 1.0);
         }
-        // Exact advice (not whole seconds), so the window is taken as told.
         b.try_take(4, 1.0, t0).unwrap();
         b.refused(4, t0, Some(ms(999)));
+        b
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_shrinking_quota_is_followed_and_a_growing_one_probed() {
+        let t0 = Instant::now();
+        let mut b = learned_four(t0);
         assert_eq!(b.effective_capacity(), Some(4.0));
         // Next window: one of the four is refused (the quota dropped to 3).
         let t1 = t0 + Duration::from_secs(2);
@@ -1142,14 +1148,8 @@ mod tests {
     async fn a_seeded_budget_goes_on_where_the_other_left_off() {
         // One process learned 4 per ~1 s and sent 4; the process that takes the quota over
         // neither learns it again (no burst of refusals) nor sends while those 4 hold it.
-        let mut a = Budget::unlimited();
         let t0 = Instant::now();
-        for id in 0..4u64 {
-            a.try_take(id, 1.0, t0).unwrap();
-            a.admitted(id, 1.0);
-        }
-        a.try_take(4, 1.0, t0).unwrap();
-        a.refused(4, t0, Some(ms(999)));
+        let mut a = learned_four(t0);
         let seed = a.export(t0 + ms(100));
         let mut b = Budget::unlimited();
         let mut next = 100;

@@ -109,12 +109,9 @@ pub struct Throttle {
     rate: RateLimiter,
     sre: Option<Mutex<SreThrottler>>,
     throttled_micros: AtomicU64,
-    /// The shared throttle this one defers to, while another process holds it.
-    delegate: std::sync::RwLock<Option<Arc<dyn Delegate>>>,
-    /// Since when the runtime has been looking for the shared throttle (at start, or after its
-    /// holder went), when it is: calls wait for it rather than go alone.
-    deciding: Mutex<Option<Instant>>,
-    /// Told whenever the delegate changes.
+    /// Where admissions are decided: here, or by a shared throttle another process holds.
+    route: std::sync::RwLock<Route>,
+    /// Told whenever the route changes.
     delegate_changed: Notify,
     /// Calls wait for the budgets one at a time, taking turns: in the order they came within
     /// one process, and round the processes this throttle serves, so that processes sharing a
@@ -126,6 +123,18 @@ pub struct Throttle {
     admitted: AtomicU64,
     /// The most processes seen sharing the quota at once.
     most_processes: std::sync::atomic::AtomicUsize,
+}
+
+/// Where a throttle's admissions are decided.
+#[derive(Clone)]
+enum Route {
+    /// By this throttle.
+    Here,
+    /// The runtime is looking for the shared throttle (since then: at start, or after its
+    /// holder went); calls wait for it rather than go alone.
+    Finding(Instant),
+    /// By the shared throttle another process holds.
+    There(Arc<dyn Delegate>),
 }
 
 /// Calls waiting their turn for the budgets, by process.
@@ -198,8 +207,7 @@ impl Throttle {
             rate: RateLimiter::new(settings.rate.clone()),
             sre: settings.sre_k.map(|k| Mutex::new(SreThrottler::new(k, settings.rate.window, 0x5e))),
             throttled_micros: AtomicU64::new(0),
-            delegate: std::sync::RwLock::new(None),
-            deciding: Mutex::new(None),
+            route: std::sync::RwLock::new(Route::Here),
             delegate_changed: Notify::new(),
             turns: Mutex::new(Turns::default()),
             shared_view: Mutex::new(None),
@@ -228,11 +236,18 @@ impl Throttle {
     /// Defers every admission to `delegate` (a shared throttle another process holds), or, with
     /// `None`, decides here again.
     pub fn delegate_to(&self, delegate: Option<Arc<dyn Delegate>>) {
-        if delegate.is_none() {
-            *self.shared_view.lock().unwrap_or_else(|e| e.into_inner()) = None;
-        }
-        *self.delegate.write().unwrap_or_else(|e| e.into_inner()) = delegate;
-        *self.deciding.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        let route = match delegate {
+            Some(d) => Route::There(d),
+            None => {
+                *self.shared_view.lock().unwrap_or_else(|e| e.into_inner()) = None;
+                Route::Here
+            }
+        };
+        self.reroute(route);
+    }
+
+    fn reroute(&self, route: Route) {
+        *self.route.write().unwrap_or_else(|e| e.into_inner()) = route;
         self.delegate_changed.notify_waiters();
     }
 
@@ -240,14 +255,7 @@ impl Throttle {
     /// went): calls wait, up to [`DECIDING_AT_MOST`], until [`Throttle::delegate_to`] says
     /// where they are decided, instead of each going alone in a burst the quota would refuse.
     pub fn await_delegate(&self) {
-        *self.delegate.write().unwrap_or_else(|e| e.into_inner()) = None;
-        *self.deciding.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
-        self.delegate_changed.notify_waiters();
-    }
-
-    /// True while another process's throttle decides for this one.
-    pub fn is_delegated(&self) -> bool {
-        self.delegate.read().unwrap_or_else(|e| e.into_inner()).is_some()
+        self.reroute(Route::Finding(Instant::now()));
     }
 
     /// Estimates the tokens of a call with `prompt_chars` characters of input.
@@ -344,16 +352,15 @@ impl Throttle {
         let mut lost_at = None;
         loop {
             let changed = self.delegate_changed.notified();
-            let delegate = self.delegate.read().unwrap_or_else(|e| e.into_inner()).clone();
-            let Some(d) = delegate else {
-                let deciding = *self.deciding.lock().unwrap_or_else(|e| e.into_inner());
-                match deciding {
-                    Some(since) if since.elapsed() < DECIDING_AT_MOST => {
-                        let _ = tokio::time::timeout(Duration::from_millis(100), changed).await;
-                        continue;
-                    }
-                    _ => break,
+            let route = self.route.read().unwrap_or_else(|e| e.into_inner()).clone();
+            let d = match route {
+                Route::Here => break,
+                Route::Finding(since) if since.elapsed() >= DECIDING_AT_MOST => break,
+                Route::Finding(_) => {
+                    let _ = tokio::time::timeout(Duration::from_millis(100), changed).await;
+                    continue;
                 }
+                Route::There(d) => d,
             };
             if let Some(g) = d.admit(weight).await {
                 *self.shared_view.lock().unwrap_or_else(|e| e.into_inner()) = Some((g.concurrency, g.rates));

@@ -54,8 +54,7 @@ pub fn quota_name(model: &str, endpoint: &str, credential: Option<&str>) -> Stri
 /// cannot be used (then each process keeps the quota alone).
 fn meeting_dir() -> Result<PathBuf, String> {
     use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
-    // SAFETY: getuid cannot fail and touches no memory.
-    let uid = unsafe { libc::getuid() };
+    let uid = uid();
     let dir = match std::env::var_os(DIR_VAR) {
         Some(d) => PathBuf::from(d),
         None => match std::env::var_os("XDG_RUNTIME_DIR") {
@@ -184,6 +183,9 @@ async fn write_down(throttle: Weak<Throttle>, path: PathBuf) {
     }
 }
 
+/// Replaced whole (a new file renamed over the old), so a reader never sees half of it; not
+/// synced to disk as `weir_io::state::write_atomic` does: it is only for the process that takes
+/// over next, seconds from now, and an fsync every 20 ms would cost more than it is worth.
 fn write_state(t: &Throttle, path: &std::path::Path) {
     let w = Written { at: unix_now(), budgets: t.rate_limiter().export() };
     let bytes = serde_json::to_vec(&w).expect("the budgets serialise");
@@ -361,30 +363,43 @@ async fn serve(throttle: Arc<Throttle>, listener: UnixListener, _lock: std::fs::
 }
 
 fn same_user(stream: &UnixStream) -> bool {
+    stream.peer_cred().map(|c| c.uid() == uid()).unwrap_or(false)
+}
+
+/// This process's user.
+fn uid() -> u32 {
     // SAFETY: getuid cannot fail and touches no memory.
-    let uid = unsafe { libc::getuid() };
-    stream.peer_cred().map(|c| c.uid() == uid).unwrap_or(false)
+    unsafe { libc::getuid() }
 }
 
-/// A call of a served process: how to cancel it while it waits, and where its result goes once
-/// it is admitted.
-struct Served {
-    cancel: CancellationToken,
-    result: Option<oneshot::Sender<(Reported, Duration)>>,
-}
-
-/// Admits one process's calls until it goes. Calls it leaves admitted and unreported stay
-/// counted (they may have been sent), and free their slots as the throttle frees them.
-async fn serve_peer(throttle: &Arc<Throttle>, stream: UnixStream, peers: &Arc<AtomicUsize>, member: u64) {
-    let (read, mut write) = stream.into_split();
+/// Writes the lines sent to the returned channel to `write`, in order, until the channel
+/// closes or the connection breaks.
+fn writer(
+    mut write: tokio::net::unix::OwnedWriteHalf,
+) -> (mpsc::UnboundedSender<Vec<u8>>, tokio::task::JoinHandle<()>) {
     let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
-    let writer = tokio::spawn(async move {
+    let task = tokio::spawn(async move {
         while let Some(l) = rx.recv().await {
             if write.write_all(&l).await.is_err() {
                 break;
             }
         }
     });
+    (tx, task)
+}
+
+/// A call of a served process: how to cancel it while it waits, and where its result goes once
+/// it is admitted.
+struct Served {
+    cancel: CancellationToken,
+    result: oneshot::Sender<(Reported, Duration)>,
+}
+
+/// Admits one process's calls until it goes. Calls it leaves admitted and unreported stay
+/// counted (they may have been sent), and free their slots as the throttle frees them.
+async fn serve_peer(throttle: &Arc<Throttle>, stream: UnixStream, peers: &Arc<AtomicUsize>, member: u64) {
+    let (read, write) = stream.into_split();
+    let (tx, writer) = writer(write);
     let gone = CancellationToken::new();
     let calls: Arc<Mutex<HashMap<u64, Served>>> = Arc::default();
     let mut lines = BufReader::new(read).lines();
@@ -403,7 +418,7 @@ async fn serve_peer(throttle: &Arc<Throttle>, stream: UnixStream, peers: &Arc<At
                 calls
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
-                    .insert(id, Served { cancel: cancel.clone(), result: Some(result_tx) });
+                    .insert(id, Served { cancel: cancel.clone(), result: result_tx });
                 let (throttle, tx, peers) = (throttle.clone(), tx.clone(), peers.clone());
                 tokio::spawn(async move {
                     let Some(admitted) = throttle.admit_for(member, Weight { tokens }, &cancel).await else { return };
@@ -425,8 +440,8 @@ async fn serve_peer(throttle: &Arc<Throttle>, stream: UnixStream, peers: &Arc<At
             }
             Ask::Finish { id, latency_us, result } => {
                 let served = calls.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
-                if let Some(tx) = served.and_then(|mut s| s.result.take()) {
-                    let _ = tx.send((result, Duration::from_micros(latency_us)));
+                if let Some(s) = served {
+                    let _ = s.result.send((result, Duration::from_micros(latency_us)));
                 }
             }
             Ask::Abandon { id } => {
@@ -452,17 +467,10 @@ struct Peer {
 impl Peer {
     /// Starts talking to the holder over `stream`; `ended` is notified when the connection ends.
     fn start(stream: UnixStream, ended: Arc<tokio::sync::Notify>) -> Arc<Self> {
-        let (read, mut write) = stream.into_split();
-        let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
+        let (read, write) = stream.into_split();
+        let (tx, _) = writer(write);
         let peer =
             Arc::new(Peer { tx, waiting: Mutex::default(), next: AtomicU64::new(0), open: AtomicBool::new(true) });
-        tokio::spawn(async move {
-            while let Some(l) = rx.recv().await {
-                if write.write_all(&l).await.is_err() {
-                    break;
-                }
-            }
-        });
         let reader = peer.clone();
         tokio::spawn(async move {
             let mut lines = BufReader::new(read).lines();
