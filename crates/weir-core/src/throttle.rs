@@ -55,6 +55,10 @@ pub enum QuotaStore {
     /// the same key share one throttle, held by one of them (see weir-runtime's `share`).
     #[default]
     Local,
+    /// Through a weir cluster's scheduler: every executor of the cluster that calls the same
+    /// endpoint with the same key, on whichever machine, shares one throttle the scheduler
+    /// keeps (executors only; see weir-runtime's `share`).
+    Cluster,
     /// No coordination: this process learns and keeps the quota alone.
     Off,
 }

@@ -4,9 +4,8 @@
 //! Plans name the functions only; each process brings its own implementation. The scheduler's
 //! copy plans and is never called. Each executor's copy calls the endpoints with that
 //! executor's settings and credentials (keys never travel in plans), and all the tasks an
-//! executor runs share one throttle per endpoint. Executors do not talk to each other about
-//! the quota: each learns it from the endpoint's 429s and rate-limit headers, as separate
-//! `weir run` processes sharing a key do.
+//! executor runs share one throttle per endpoint, and the executors share one per endpoint and
+//! key that the scheduler keeps (see [`crate::quota`]), so that together they keep to the quota.
 
 use ballista::prelude::SessionContextExt;
 use ballista_core::registry::BallistaFunctionRegistry;
@@ -84,13 +83,21 @@ pub async fn scheduler(
     }
     .with_override_session_builder(builder);
     let cluster = BallistaCluster::new_from_config(&config).await.map_err(|e| e.to_string())?;
+    let quota_addr = crate::quota::service_addr(bind).ok_or_else(|| format!("{bind}: the port must be at least 2"))?;
+    let quota_listener =
+        tokio::net::TcpListener::bind(quota_addr).await.map_err(|e| format!("{quota_addr} (quota service): {e}"))?;
+    let quotas = crate::quota::serve(quota_listener, creds.clone());
     let server = async { start_server(cluster, inner, Arc::new(config)).await.map_err(|e| e.to_string()) };
     match creds {
-        None => server.await,
+        None => tokio::select! {
+            r = server => r,
+            r = quotas => r,
+        },
         Some(creds) => {
             let listener = tokio::net::TcpListener::bind(bind).await.map_err(|e| format!("{bind}: {e}"))?;
             tokio::select! {
                 r = server => r,
+                r = quotas => r,
                 r = crate::guard::serve(creds, listener, inner) => r,
             }
         }
@@ -245,6 +252,11 @@ pub async fn executor(place: ExecutorPlace, functions: Arc<Runtime>) -> Result<(
     // the same ports (which is what the executor tells the scheduler); its clients, its tasks'
     // too (reading other executors' shuffle files), connect with the credentials.
     let creds = crate::guard::installed();
+    // Calls of every executor that share an endpoint and key are admitted by one throttle, the
+    // scheduler's (see crate::quota).
+    if let Some(hub) = crate::quota::SchedulerHub::new(place.scheduler, creds.clone()) {
+        weir_runtime::share::use_hub(Arc::new(hub));
+    }
     let bind_host = if creds.is_some() { "127.0.0.1".to_string() } else { place.host.clone() };
     let producer: Option<ballista_core::ConfigProducer> = creds.as_ref().map(|c| {
         let endpoint = c.endpoint_override();

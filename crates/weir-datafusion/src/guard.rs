@@ -74,6 +74,17 @@ impl Token {
         format!("{AGENT}/{}", self.proof)
     }
 
+    /// The line a connection that is not gRPC opens with (the scheduler's quota service).
+    pub(crate) fn proof_line(&self) -> String {
+        format!("{}\n", self.agent())
+    }
+
+    /// Whether `line` is this token's [`Token::proof_line`], compared in constant time.
+    pub(crate) fn proves(&self, line: &[u8]) -> bool {
+        use subtle::ConstantTimeEq;
+        bool::from(line.ct_eq(self.proof_line().as_bytes()))
+    }
+
     /// Whether `headers` carry this token's proof; compared in constant time, so that the time
     /// of a refusal tells nothing about how much of a guess was right.
     fn admits(&self, headers: &hyper::HeaderMap) -> bool {

@@ -26,6 +26,8 @@ mod flight_guard;
 pub mod guard;
 mod hoist;
 mod options;
+#[cfg(feature = "cluster")]
+pub mod quota;
 pub mod tables;
 #[cfg(feature = "cluster")]
 pub mod tls;

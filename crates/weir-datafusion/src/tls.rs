@@ -33,6 +33,8 @@ pub struct ClusterTls {
     cert_pem: Vec<u8>,
     key_pem: Vec<u8>,
     pub(crate) acceptor: tokio_rustls::TlsAcceptor,
+    /// For connections that are not gRPC (the scheduler's quota service, see [`crate::quota`]).
+    pub(crate) connector: tokio_rustls::TlsConnector,
 }
 
 impl std::fmt::Debug for ClusterTls {
@@ -69,9 +71,17 @@ impl ClusterTls {
             return Err(format!("--tls-ca {}: no certificate in it", files.ca.display()));
         }
         let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone())
-            .build()
-            .map_err(|e| bad("--tls-ca", &files.ca, &e))?;
+        let verifier =
+            rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots.clone()), provider.clone())
+                .build()
+                .map_err(|e| bad("--tls-ca", &files.ca, &e))?;
+        let client = rustls::ClientConfig::builder_with_provider(provider.clone())
+            .with_safe_default_protocol_versions()
+            .map_err(|e| e.to_string())?
+            .with_root_certificates(roots.clone())
+            .with_client_auth_cert(certs.clone(), key.clone_key())
+            .map_err(|e| bad("--tls-cert", &files.cert, &e))?;
+        let connector = tokio_rustls::TlsConnector::from(Arc::new(client));
         let mut config = rustls::ServerConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()
             .map_err(|e| e.to_string())?
@@ -81,7 +91,7 @@ impl ClusterTls {
         // gRPC is HTTP/2, which TLS clients ask for by ALPN.
         config.alpn_protocols = vec![b"h2".to_vec()];
         let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
-        Ok(Arc::new(Self { ca_pem, cert_pem, key_pem, acceptor }))
+        Ok(Arc::new(Self { ca_pem, cert_pem, key_pem, acceptor, connector }))
     }
 
     /// A hook for Ballista's clients: the same endpoint, over TLS, presenting this process's

@@ -108,11 +108,11 @@ fn shared_throttle(handler: &dyn ModelHandler, settings: &ThrottleSettings) -> A
         }
     }
     let throttle = Arc::new(Throttle::new(settings));
-    if settings.store == weir_core::QuotaStore::Local {
-        crate::share::join(
-            &throttle,
-            crate::share::quota_name(handler.model_id(), handler.endpoint(), handler.quota_credential()),
-        );
+    let name = || crate::share::quota_name(handler.model_id(), handler.endpoint(), handler.quota_credential());
+    match settings.store {
+        weir_core::QuotaStore::Local => crate::share::join(&throttle, name()),
+        weir_core::QuotaStore::Cluster => crate::share::follow_hub(&throttle, name(), settings),
+        weir_core::QuotaStore::Off => {}
     }
     all.retain(|_, (w, _)| w.strong_count() > 0);
     all.insert(key, (Arc::downgrade(&throttle), settings.clone()));

@@ -25,15 +25,21 @@ use sha2::{Digest, Sha256};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufRead, AsyncBufReadExt, AsyncRead, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use weir_core::{
-    Delegate, ErrorKind, Grant, LimitInfo, ModelError, QuotaScope, RateSnapshot, RetryHint, Throttle, Usage, Weight,
+    Delegate, ErrorKind, Grant, LimitInfo, ModelError, QuotaScope, RateSettings, RateSnapshot, RetryHint, Throttle,
+    ThrottleSettings, Usage, Weight,
 };
+
+/// A connection that carries the protocol: a Unix socket between the processes of one machine,
+/// or a connection to a cluster's scheduler (TLS or TCP, as the cluster's credentials say).
+pub trait Link: AsyncRead + AsyncWrite + Send + Unpin + 'static {}
+impl<T: AsyncRead + AsyncWrite + Send + Unpin + 'static> Link for T {}
 
 /// The environment variable that names the directory where processes meet (default: the
 /// user's runtime directory, `$XDG_RUNTIME_DIR/weir`, else `/tmp/weir-<uid>`).
@@ -355,7 +361,8 @@ async fn serve(throttle: Arc<Throttle>, listener: UnixListener, _lock: std::fs::
         member += 1;
         let (throttle, peers) = (throttle.clone(), peers.clone());
         tokio::spawn(async move {
-            serve_peer(&throttle, stream, &peers, member).await;
+            let (read, write) = tokio::io::split(stream);
+            serve_peer(&throttle, BufReader::new(read).lines(), write, &peers, member, 1).await;
             let n = peers.fetch_sub(1, Relaxed) - 1;
             throttle.set_processes(n + 1);
         });
@@ -375,7 +382,7 @@ fn uid() -> u32 {
 /// Writes the lines sent to the returned channel to `write`, in order, until the channel
 /// closes or the connection breaks.
 fn writer(
-    mut write: tokio::net::unix::OwnedWriteHalf,
+    mut write: impl AsyncWrite + Send + Unpin + 'static,
 ) -> (mpsc::UnboundedSender<Vec<u8>>, tokio::task::JoinHandle<()>) {
     let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
     let task = tokio::spawn(async move {
@@ -397,12 +404,19 @@ struct Served {
 
 /// Admits one process's calls until it goes. Calls it leaves admitted and unreported stay
 /// counted (they may have been sent), and free their slots as the throttle frees them.
-async fn serve_peer(throttle: &Arc<Throttle>, stream: UnixStream, peers: &Arc<AtomicUsize>, member: u64) {
-    let (read, write) = stream.into_split();
+/// `others`: the processes sharing the quota besides those served (1 when the holder calls the
+/// endpoint too, 0 for a scheduler's).
+async fn serve_peer(
+    throttle: &Arc<Throttle>,
+    mut lines: tokio::io::Lines<impl AsyncBufRead + Unpin>,
+    write: impl AsyncWrite + Send + Unpin + 'static,
+    peers: &Arc<AtomicUsize>,
+    member: u64,
+    others: usize,
+) {
     let (tx, writer) = writer(write);
     let gone = CancellationToken::new();
     let calls: Arc<Mutex<HashMap<u64, Served>>> = Arc::default();
-    let mut lines = BufReader::new(read).lines();
     while let Ok(Some(l)) = lines.next_line().await {
         let ask = match serde_json::from_str::<Ask>(&l) {
             Ok(a) => a,
@@ -427,7 +441,7 @@ async fn serve_peer(throttle: &Arc<Throttle>, stream: UnixStream, peers: &Arc<At
                         waited_us: admitted.waited.as_micros() as u64,
                         concurrency: throttle.concurrency(),
                         rates: throttle.rates(),
-                        processes: peers.load(Relaxed) + 1,
+                        processes: peers.load(Relaxed) + others,
                     };
                     if tx.send(line(&granted)).is_err() {
                         return;
@@ -466,8 +480,8 @@ struct Peer {
 
 impl Peer {
     /// Starts talking to the holder over `stream`; `ended` is notified when the connection ends.
-    fn start(stream: UnixStream, ended: Arc<tokio::sync::Notify>) -> Arc<Self> {
-        let (read, write) = stream.into_split();
+    fn start(link: impl Link, ended: Arc<tokio::sync::Notify>) -> Arc<Self> {
+        let (read, write) = tokio::io::split(link);
         let (tx, _) = writer(write);
         let peer =
             Arc::new(Peer { tx, waiting: Mutex::default(), next: AtomicU64::new(0), open: AtomicBool::new(true) });
@@ -541,5 +555,226 @@ impl Delegate for Peer {
 
     fn abandon(&self, grant: u64) {
         let _ = self.tx.send(line(&Ask::Abandon { id: grant }));
+    }
+}
+
+/// How an executor reaches the throttles its cluster's scheduler keeps: a connection made with
+/// the cluster's credentials (weir-datafusion's, installed with [`use_hub`]).
+pub trait Hub: Send + Sync {
+    /// A new connection to the scheduler's quota service, already past its guard.
+    fn connect(&self) -> BoxFuture<'static, std::io::Result<Box<dyn Link>>>;
+    /// Where it is, for messages.
+    fn describe(&self) -> String;
+}
+
+static HUB: OnceLock<Arc<dyn Hub>> = OnceLock::new();
+
+/// Makes this process's endpoints with [`weir_core::QuotaStore::Cluster`] share their quota
+/// through `hub` (set once, when an executor starts; a process belongs to one cluster).
+pub fn use_hub(hub: Arc<dyn Hub>) {
+    let _ = HUB.set(hub);
+}
+
+/// The limits a process was told, as it tells the scheduler with its first line, so that the
+/// throttle kept there is made as the process would have made its own.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Told {
+    max_concurrency: usize,
+    adaptive: bool,
+    requests: Option<u64>,
+    tokens: Option<u64>,
+    window_ms: u64,
+    learn: bool,
+    sre_k: Option<f64>,
+}
+
+impl Told {
+    fn of(s: &ThrottleSettings) -> Self {
+        Told {
+            max_concurrency: s.max_concurrency,
+            adaptive: s.adaptive,
+            requests: s.rate.requests,
+            tokens: s.rate.tokens,
+            window_ms: s.rate.window.as_millis() as u64,
+            learn: s.rate.learn,
+            sre_k: s.sre_k,
+        }
+    }
+
+    /// The settings, if they are ones a process could have been given (an executor's flags are
+    /// checked where it starts; this keeps a bad line from making a throttle that cannot work).
+    fn settings(&self) -> Option<ThrottleSettings> {
+        const WEEK_MS: u64 = 7 * 86_400_000;
+        let ok = (1..=1_000_000).contains(&self.max_concurrency)
+            && (1..=WEEK_MS).contains(&self.window_ms)
+            && self.requests != Some(0)
+            && self.tokens != Some(0)
+            && self.sre_k.is_none_or(|k| k.is_finite() && k >= 1.0);
+        ok.then(|| ThrottleSettings {
+            max_concurrency: self.max_concurrency,
+            adaptive: self.adaptive,
+            rate: RateSettings {
+                requests: self.requests,
+                tokens: self.tokens,
+                window: Duration::from_millis(self.window_ms),
+                learn: self.learn,
+            },
+            sre_k: self.sre_k,
+            store: weir_core::QuotaStore::Off,
+        })
+    }
+}
+
+/// An executor's first line to its scheduler's quota service: which quota, and its limits.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Hello {
+    quota: String,
+    told: Told,
+}
+
+/// Shares `throttle`'s quota under `name` with every executor of the cluster, through the
+/// throttle the scheduler keeps for it; without a hub (not an executor), with this machine's
+/// processes instead.
+pub fn follow_hub(throttle: &Arc<Throttle>, name: String, settings: &ThrottleSettings) {
+    let Some(hub) = HUB.get().cloned() else { return join(throttle, name) };
+    if tokio::runtime::Handle::try_current().is_err() {
+        return;
+    }
+    let hello = line(&Hello { quota: name, told: Told::of(settings) });
+    throttle.await_delegate();
+    tokio::spawn(follow(Arc::downgrade(throttle), hub, hello));
+}
+
+/// Follows the scheduler's throttle for as long as it can be reached; decides alone while it
+/// cannot, and tries again every second.
+async fn follow(throttle: Weak<Throttle>, hub: Arc<dyn Hub>, hello: Vec<u8>) {
+    let mut said = false;
+    loop {
+        let connected = hub.connect().await;
+        let Some(t) = throttle.upgrade() else { return };
+        let link = match connected {
+            Ok(mut link) => match link.write_all(&hello).await {
+                Ok(()) => Ok(link),
+                Err(e) => Err(e),
+            },
+            Err(e) => Err(e),
+        };
+        match link {
+            Ok(link) => {
+                let ended = Arc::new(tokio::sync::Notify::new());
+                let peer = Peer::start(link, ended.clone());
+                let notified = ended.notified();
+                t.delegate_to(Some(peer));
+                tracing::debug!("sharing the quota kept by the scheduler at {}", hub.describe());
+                if said {
+                    tracing::warn!(
+                        "reached the scheduler's quota service at {} again; sharing the quota",
+                        hub.describe()
+                    );
+                    said = false;
+                }
+                drop(t);
+                notified.await;
+                // Its calls decide alone until it is reached again (or for at most 2 s).
+                if let Some(t) = throttle.upgrade() {
+                    t.await_delegate();
+                }
+            }
+            Err(e) => {
+                t.delegate_to(None);
+                if !said {
+                    tracing::warn!(
+                        "cannot reach the scheduler's quota service at {} ({e}); this executor keeps the quota alone \
+                         until it can",
+                        hub.describe()
+                    );
+                    said = true;
+                }
+                drop(t);
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    }
+}
+
+/// The throttles a cluster's scheduler keeps for its executors, one per quota (endpoint and
+/// key), each learned from every executor's calls and admitting them together as one client's.
+/// The scheduler makes no calls itself.
+#[derive(Default)]
+pub struct Keeper {
+    quotas: Mutex<HashMap<String, Kept>>,
+}
+
+/// One quota a [`Keeper`] keeps.
+struct Kept {
+    throttle: Arc<Throttle>,
+    peers: Arc<AtomicUsize>,
+    members: u64,
+    told: Told,
+}
+
+/// How long the scheduler keeps a quota's throttle after its last executor left: an executor
+/// that reconnects, or the next query's, finds what was learned; a run started much later
+/// learns afresh.
+const KEEP_AFTER_LAST: Duration = Duration::from_secs(60);
+
+/// How soon a connection must say which quota it shares.
+const HELLO_WITHIN: Duration = Duration::from_secs(10);
+
+impl Keeper {
+    /// A keeper with no quotas yet.
+    pub fn new() -> Arc<Self> {
+        Arc::default()
+    }
+
+    /// Serves one executor's connection (already past the cluster's guard) until it ends.
+    pub async fn serve(self: &Arc<Self>, link: impl Link) {
+        let (read, write) = tokio::io::split(link);
+        let mut lines = BufReader::new(read).lines();
+        let hello = match tokio::time::timeout(HELLO_WITHIN, lines.next_line()).await {
+            Ok(Ok(Some(l))) => serde_json::from_str::<Hello>(&l).ok(),
+            _ => None,
+        };
+        let Some(hello) = hello else {
+            tracing::warn!("quota service: a connection did not say which quota it shares; closed it");
+            return;
+        };
+        let valid_name = hello.quota.len() == 24 && hello.quota.bytes().all(|b| b.is_ascii_hexdigit());
+        let (Some(settings), true) = (hello.told.settings(), valid_name) else {
+            tracing::warn!("quota service: a connection named a quota or limits no executor could have; closed it");
+            return;
+        };
+        let (throttle, peers, member) = {
+            let mut all = self.quotas.lock().unwrap_or_else(|e| e.into_inner());
+            let kept = all.entry(hello.quota.clone()).or_insert_with(|| Kept {
+                throttle: Arc::new(Throttle::new(&settings)),
+                peers: Arc::default(),
+                members: 0,
+                told: hello.told.clone(),
+            });
+            if kept.told != hello.told {
+                tracing::warn!(
+                    "quota service: an executor was told other limits for a quota than the first one; the first ones \
+                     stay in force for every executor (one throttle per quota)"
+                );
+            }
+            kept.members += 1;
+            (kept.throttle.clone(), kept.peers.clone(), kept.members)
+        };
+        let n = peers.fetch_add(1, Relaxed) + 1;
+        throttle.set_processes(n);
+        serve_peer(&throttle, lines, write, &peers, member, 0).await;
+        if peers.fetch_sub(1, Relaxed) == 1 {
+            let me = self.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(KEEP_AFTER_LAST).await;
+                let mut all = me.quotas.lock().unwrap_or_else(|e| e.into_inner());
+                if all.get(&hello.quota).is_some_and(|k| k.peers.load(Relaxed) == 0) {
+                    all.remove(&hello.quota);
+                }
+            });
+        }
     }
 }

@@ -169,6 +169,17 @@ pub async fn run(args: ClusterArgs) -> anyhow::Result<u8> {
             exposed("--bind", &a.bind.ip().to_string(), a.insecure, guarded)?;
             let allowed = a.places.allowed()?;
             free_port("--bind", &a.bind.ip().to_string(), a.bind.port(), guarded)?;
+            // The quota service the executors share their endpoints' quotas through.
+            let quota = weir_datafusion::quota::service_addr(a.bind)
+                .ok_or_else(|| UsageError(format!("--bind {}: the port must be at least 2", a.bind)))?;
+            if let Err(e) = std::net::TcpListener::bind(quota) {
+                return Err(UsageError(format!(
+                    "--bind {}: the quota service needs the port below the scheduler's, {quota}, and it is taken ({e}); \
+                     pick another scheduler port",
+                    a.bind
+                ))
+                .into());
+            }
             // The scheduler plans only: its functions are never called.
             let functions = Runtime::new(RuntimeSettings::default());
             let scheme = if guarded.tls { "dfs" } else { "df" };
@@ -256,12 +267,23 @@ async fn executor(a: ExecutorArgs) -> anyhow::Result<u8> {
     if let Some(path) = &a.sim_config {
         weir_runtime::sim::install(Some(weir_sim::SimConfig::from_file(path).map_err(|e| UsageError(e.to_string()))?));
     }
-    if let Some(addr) = a.metrics_listen {
-        weir::metrics_server::install(addr).map_err(|e| UsageError(format!("--metrics-listen {addr}: {e}")))?;
+    let mut throttle = a.endpoint.throttle();
+    // An executor shares its quotas with every executor of the cluster, through the scheduler
+    // (those on this machine included).
+    if throttle.store == weir_core::QuotaStore::Local {
+        throttle.store = weir_core::QuotaStore::Cluster;
     }
-    let settings =
-        RuntimeSettings { provider, throttle: a.endpoint.throttle(), driver: a.endpoint.driver(), cache: None };
+    let settings = RuntimeSettings { provider, throttle, driver: a.endpoint.driver(), cache: None };
     let functions = Runtime::new(settings);
+    // The gauges (limits in force, processes sharing each quota) of every endpoint the
+    // executor's tasks call.
+    let _gauges = match a.metrics_listen {
+        Some(addr) => Some(
+            weir::metrics_server::serve(addr, functions.clone())
+                .map_err(|e| UsageError(format!("--metrics-listen {addr}: {e}")))?,
+        ),
+        None => None,
+    };
     let work = private_work_dir(a.work_dir.as_deref())?;
     let place = ExecutorPlace {
         scheduler: a.scheduler,

@@ -16,7 +16,7 @@ use weir_runtime::{EndpointState, Runtime};
 
 /// Installs the exporter on `addr` and starts the task that updates, once a second, the gauges
 /// of every endpoint `runtime` has connected, labelled by model and endpoint (abort it when the
-/// run ends).
+/// run ends; a cluster executor keeps it for as long as it serves).
 pub fn serve(addr: SocketAddr, runtime: Arc<Runtime>) -> Result<tokio::task::JoinHandle<()>, String> {
     install(addr)?;
     let started = Instant::now();
@@ -30,9 +30,8 @@ pub fn serve(addr: SocketAddr, runtime: Arc<Runtime>) -> Result<tokio::task::Joi
     }))
 }
 
-/// Installs the exporter on `addr`: the counters and histograms, without the gauges of one
-/// driver (a process that serves many runs, such as a cluster executor).
-pub fn install(addr: SocketAddr) -> Result<(), String> {
+/// Installs the exporter on `addr`: the counters and histograms (the gauges are [`serve`]'s).
+fn install(addr: SocketAddr) -> Result<(), String> {
     metrics_exporter_prometheus::PrometheusBuilder::new()
         .with_http_listener(addr)
         .set_buckets_for_metric(

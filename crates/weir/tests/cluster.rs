@@ -17,6 +17,60 @@ fn counter(page: &str, name: &str, label: &str) -> u64 {
         .sum::<f64>() as u64
 }
 
+/// How many processes the executor serving metrics on `port` saw sharing its quota.
+async fn quota_shared_by(port: u16) -> Option<f64> {
+    metrics(port)
+        .await
+        .lines()
+        .find(|l| l.starts_with("weir_quota_processes{"))
+        .and_then(|l| l.rsplit_once(' ')?.1.trim().parse::<f64>().ok())
+}
+
+/// The most processes any of the executors serving metrics on `ports` saw sharing a quota
+/// (an executor that ran no task has called no endpoint, and shows none), once their gauges
+/// (updated every second) show it: for up to 3 s.
+async fn most_sharing(ports: &[u16]) -> Option<f64> {
+    let mut most = None;
+    for _ in 0..30 {
+        for p in ports {
+            if let Some(n) = quota_shared_by(*p).await {
+                most = Some(most.map_or(n, |m: f64| m.max(n)));
+            }
+        }
+        if most.is_some_and(|m| m >= 2.0) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    most
+}
+
+/// A stranger who asks the scheduler's quota service (at `addr`) to admit a call, as an
+/// executor would but without the cluster's credentials, is answered nothing and closed.
+async fn stranger_gets_nothing_from_quota_service(addr: &str) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let hello = r#"{"quota":"00000000000000000000abcd","told":{"max_concurrency":4,"adaptive":false,"requests":null,"tokens":null,"window_ms":60000,"learn":true,"sre_k":null}}"#;
+    let _ = s.write_all(format!("{hello}\n{{\"admit\":{{\"id\":0,\"tokens\":1}}}}\n").as_bytes()).await;
+    let mut got = Vec::new();
+    let read = tokio::time::timeout(std::time::Duration::from_secs(15), s.read_to_end(&mut got)).await;
+    assert!(read.is_ok(), "the quota service held a stranger's connection open");
+    assert!(!String::from_utf8_lossy(&got).contains("granted"), "a stranger was granted a call: {got:?}");
+}
+
+/// A free port for a scheduler whose quota service (the port below) is free too.
+fn scheduler_port() -> u16 {
+    loop {
+        let p = free_port();
+        if p > 2
+            && std::net::TcpListener::bind(("127.0.0.1", p - 1)).is_ok()
+            && std::net::TcpListener::bind(("127.0.0.2", p - 1)).is_ok()
+        {
+            return p;
+        }
+    }
+}
+
 async fn metrics(port: u16) -> String {
     let url = format!("http://127.0.0.1:{port}/metrics");
     reqwest::get(&url).await.unwrap().text().await.unwrap()
@@ -38,7 +92,7 @@ impl Cluster {
 
     /// As [`Cluster::start`], with more flags for each executor.
     async fn start_with(sim: &SimServer, executors: usize, dir: &std::path::Path, extra: &[&str]) -> Cluster {
-        let scheduler = free_port();
+        let scheduler = scheduler_port();
         let sched = weir()
             .current_dir(dir)
             .args(["cluster", "scheduler", "--bind", &format!("127.0.0.1:{scheduler}")])
@@ -92,7 +146,7 @@ impl Guarded {
         scheduler_args: &[String],
         executors: &[(Vec<String>, Option<&str>)],
     ) -> Guarded {
-        let scheduler = free_port();
+        let scheduler = scheduler_port();
         let sched = weir()
             .current_dir(dir)
             .args(["cluster", "scheduler", "--bind", &format!("127.0.0.2:{scheduler}")])
@@ -521,14 +575,25 @@ async fn with_mutual_tls_only_holders_of_the_clusters_certificates_get_in() {
         ]
     };
     let sim = SimServer::start(SimConfig::default(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let tls_metrics = [free_port(), free_port()];
     let cluster = Guarded::start(
         &dir.0,
         &sim,
         &tls("certs", "scheduler"),
-        &[(tls("certs", "e1"), None), (tls("certs", "e2"), None)],
+        &[
+            (
+                [tls("certs", "e1"), vec!["--metrics-listen".into(), format!("127.0.0.1:{}", tls_metrics[0])]].concat(),
+                None,
+            ),
+            (
+                [tls("certs", "e2"), vec!["--metrics-listen".into(), format!("127.0.0.1:{}", tls_metrics[1])]].concat(),
+                None,
+            ),
+        ],
     )
     .await;
     let scheduler = cluster.scheduler;
+    stranger_gets_nothing_from_quota_service(&format!("127.0.0.2:{}", scheduler - 1)).await;
     let url = format!("dfs://127.0.0.2:{scheduler}");
     let query = "COPY (SELECT key, llm_generate('gemini/gemini-2.5-flash', prompt) AS answer FROM reviews) \
                  TO 'answers.jsonl'";
@@ -579,6 +644,8 @@ async fn with_mutual_tls_only_holders_of_the_clusters_certificates_get_in() {
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     assert_every_row_once(&dir.path("answers.jsonl"), &keys);
     assert_eq!(sim.stats().requests, 400);
+    // The executors shared the quota through the scheduler's guarded quota service.
+    assert_eq!(most_sharing(&tls_metrics).await, Some(2.0));
     // With TLS, the address must leave 127.0.0.1 to the plain server behind it.
     let out = weir()
         .current_dir(&dir.0)
@@ -610,10 +677,17 @@ async fn with_a_shared_token_only_its_holders_get_in() {
     assert_eq!(again.status.code(), Some(2), "an existing token was replaced");
     let secret = std::fs::read_to_string(dir.path("token")).unwrap();
     let sim = SimServer::start(SimConfig::default(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
-    let executor = (Vec::new(), Some(secret.trim()));
-    let cluster =
-        Guarded::start(&dir.0, &sim, &["--token-file".into(), "token".into()], &[executor.clone(), executor]).await;
+    let token_metrics = [free_port(), free_port()];
+    let watched = |port: u16| (vec!["--metrics-listen".to_string(), format!("127.0.0.1:{port}")], Some(secret.trim()));
+    let cluster = Guarded::start(
+        &dir.0,
+        &sim,
+        &["--token-file".into(), "token".into()],
+        &[watched(token_metrics[0]), watched(token_metrics[1])],
+    )
+    .await;
     let (scheduler, flight) = (cluster.scheduler, cluster.flight);
+    stranger_gets_nothing_from_quota_service(&format!("127.0.0.2:{}", scheduler - 1)).await;
     // A stranger who connects and says nothing is shown the door (checked at the end).
     let mut idle = tokio::net::TcpStream::connect(("127.0.0.2", scheduler)).await.unwrap();
     // A stranger (from 127.0.0.9) holding more silent connections than the guard holds in all
@@ -677,6 +751,7 @@ async fn with_a_shared_token_only_its_holders_get_in() {
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     assert_every_row_once(&dir.path("answers.jsonl"), &keys);
     assert_eq!(sim.stats().requests, 200);
+    assert_eq!(most_sharing(&token_metrics).await, Some(2.0), "the executors did not share the quota");
     drop(flood);
     // The stranger's silent connection was closed (not held open until the process runs out
     // of files), while the cluster's own connections, idle as long, still work.
@@ -731,6 +806,55 @@ async fn with_a_shared_token_only_its_holders_get_in() {
         assert_eq!(open.status.code(), Some(2), "{}", stderr(&open));
         assert!(stderr(&open).contains("chmod 600"), "{}", stderr(&open));
     }
+    drop(cluster);
+    sim.shutdown().await;
+}
+
+/// Executors share one quota through their scheduler (issue #32): two executors each told
+/// `--rpm 10 --limit-window 1` send 10 a second together, not 20, and each counts two
+/// processes sharing it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn executors_keep_one_quota_through_their_scheduler() {
+    let dir = Dir::new("cluster-quota");
+    let keys = parted_input(&dir, 60, 2).await;
+    let sim = SimServer::start(
+        SimConfig {
+            latency: weir_sim::config::LatencyConfig { fixed_ms: 20.0, per_token_ms: 0.0, jitter_ms: 0.0 },
+            ..SimConfig::default()
+        },
+        "127.0.0.1:0".parse().unwrap(),
+    )
+    .await
+    .unwrap();
+    let cluster = Cluster::start_with(&sim, 2, &dir.0, &["--rpm", "10", "--limit-window", "1"]).await;
+    let started = std::time::Instant::now();
+    let out = bounded(
+        weir()
+            .current_dir(&dir.0)
+            .args(["sql", "--cluster", &format!("df://127.0.0.1:{}", cluster.scheduler), "--partitions", "2"])
+            .args(["--table", "reviews=parts"])
+            .arg(
+                "COPY (SELECT key, llm_generate('gemini/gemini-2.5-flash', prompt) AS answer FROM reviews) \
+                 TO 'answers.jsonl'",
+            ),
+    )
+    .await;
+    let took = started.elapsed();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert_every_row_once(&dir.path("answers.jsonl"), &keys);
+    let busiest = sim.stats().successes_per_second.iter().copied().max().unwrap_or(0);
+    // A second of the server's clock may hold a little more than one of the clients' windows.
+    assert!(busiest <= 12, "{busiest} calls in one second from two executors told 10 a second together");
+    assert!(took >= std::time::Duration::from_secs(4), "60 calls at 10 a second took {took:?}");
+    let mut both_executors_called = 0;
+    for p in &cluster.metric_ports {
+        assert_eq!(quota_shared_by(*p).await, Some(2.0));
+        let page = metrics(*p).await;
+        if counter(&page, "weir_records_total", "outcome=\"success\"") > 0 {
+            both_executors_called += 1;
+        }
+    }
+    assert_eq!(both_executors_called, 2);
     drop(cluster);
     sim.shutdown().await;
 }
