@@ -11,7 +11,9 @@ Cases (simulated quota windows of a few seconds, so each case runs in about a mi
      with the same quota and no faults: the faults must cost about 5 %, not half the quota;
   6. advice rounded to whole seconds (as real servers give it), 5-second windows: one weir
      process, then two weir processes sharing one key; completion time against the ideal
-     (every window full from the start) and the share of 429s.
+     (every window full from the start) and the share of 429s;
+  7. a hidden concurrency cap shared by four processes on one key (issue #32), against a sweep
+     of fixed totals run in the same invocation.
 Usage: bench/quota.py [CASE...]   (default: all). Needs a release build (it makes one, unless
 WEIR_BIN names the binary to measure).
 """
@@ -164,6 +166,57 @@ def random_faults_case():
           f"(the simulator counts a faulted call against the quota, so 95 % is the physical limit)")
 
 
+def run_many(url, paths, weir_args, kill_at=0.0):
+    """Runs one `weir run` per input in `paths` at once; when each ended (seconds from the start),
+    their stderr, and whether the first was killed with SIGKILL at `kill_at` seconds."""
+    t0 = time.monotonic()
+    ps = [subprocess.Popen([BIN, "run", "--model", "gemini/gemini-2.5-flash", "--base-url", url, "--input", p,
+                            "--output", p + f".{time.monotonic_ns()}.out", "--id-field", "id", "--no-state",
+                            "--progress", "never", "--max-retries", "50", *weir_args],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+          for p in paths]
+    done = [None] * len(ps)
+    killed = False
+    while None in done:
+        if kill_at and not killed and time.monotonic() - t0 >= kill_at:
+            ps[0].kill()
+            killed = True
+        for i, p in enumerate(ps):
+            if done[i] is None and p.poll() is not None:
+                done[i] = time.monotonic() - t0
+        time.sleep(0.05)
+    errs = [p.communicate()[1] for p in ps]
+    if any(p.returncode != 0 for i, p in enumerate(ps) if not (killed and i == 0)):
+        sys.exit(f"weir run failed: {errs}")
+    return done, errs, killed
+
+
+def shared_cap_case():
+    C, K, N = 16, 4, 4000
+    sim, url = start_sim("--max-in-flight", str(C), "--overload", "503", "--latency-ms", "100", "--jitter-ms", "20")
+    results = {}
+    try:
+        sweep = [(f"fixed {n}", ["--concurrency", "fixed", "--max-concurrency", str(n)]) for n in (12, 16, 20)]
+        for mode, extra in sweep + [("adaptive", [])]:
+            reset(url)
+            paths = [dataset(f"k{i}-{mode.replace(' ', '')}.jsonl", N // K) for i in range(K)]
+            done, errs, _ = run_many(url, paths, extra)
+            s = stats(url)
+            results[mode] = (N / max(done), s["unavailable"] / s["requests"], s["requests"], done, errs)
+    finally:
+        sim.terminate()
+    best = max(v[0] for k, v in results.items() if k != "adaptive")
+    print(f"== 7. hidden concurrency cap shared by {K} processes: {C} in flight (503 above), latency 110±10 ms, "
+          f"{N} records split evenly, nothing told (fixed N: each process given --max-concurrency N, which the "
+          f"shared throttle applies to all)")
+    for k, (rate, rej, req, done, _) in results.items():
+        print(f"   {k:9s} {rate:7.1f} records/s  rejected {rej:6.2%} of {req} requests; each ended at "
+              f"{', '.join(f'{d:.1f}' for d in done)} s")
+    a = results["adaptive"]
+    print(f"   adaptive: {a[0] / best:.1%} of the best fixed setting; rejected {a[1]:.2%}")
+    print("   last process: " + ([l for l in a[4][-1].splitlines() if "limits:" in l] or ["?"])[0].strip())
+
+
 def coarse_case():
     R, W, N = 100, 5, 2000
     # LATENCY_MS=300 is issue #32's case (0.3 s calls); SIM_ARGS adds simulator flags; WEIR_ARGS
@@ -186,26 +239,8 @@ def coarse_case():
             reset(url)
             share = N // procs
             paths = [dataset(f"c{procs}-{i}.jsonl", share) for i in range(procs)]
-            t0 = time.monotonic()
-            ps = [subprocess.Popen([BIN, "run", "--model", "gemini/gemini-2.5-flash", "--base-url", url, "--input", p,
-                                    "--output", p + f".{time.monotonic_ns()}.out", "--id-field", "id", "--no-state",
-                                    "--progress", "never", "--max-retries", "50", *weir_args],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-                  for p in paths]
-            done = [None] * len(ps)
-            killed = False
-            while None in done:
-                if kill_at and not killed and time.monotonic() - t0 >= kill_at:
-                    ps[0].kill()
-                    killed = True
-                for i, p in enumerate(ps):
-                    if done[i] is None and p.poll() is not None:
-                        done[i] = time.monotonic() - t0
-                time.sleep(0.05)
-            errs = [p.communicate()[1] for p in ps]
+            done, errs, killed = run_many(url, paths, weir_args, kill_at)
             secs = max(done)
-            if any(p.returncode != 0 for i, p in enumerate(ps) if not (killed and i == 0)):
-                sys.exit(f"weir run failed: {errs}")
             s = stats(url)
             line = (f"   {procs} process{'es' if procs > 1 else ''}: {secs:5.1f} s against {ideal:.1f} s ideal "
                     f"({ideal / secs:.1%}); 429s {s['rate_limited']} of {s['requests']} ({s['rate_limited'] / s['requests']:.2%})"
@@ -221,8 +256,8 @@ def coarse_case():
         sim.terminate()
 
 
-cases = sys.argv[1:] or ["1", "2", "3", "4", "5", "6"]
+cases = sys.argv[1:] or ["1", "2", "3", "4", "5", "6", "7"]
 for c in cases:
     {"1": lambda: quota_case("1. request quota, nothing told", False),
      "2": lambda: quota_case("2. request quota, --rpm given", True),
-     "3": token_case, "4": cap_case, "5": random_faults_case, "6": coarse_case}[c]()
+     "3": token_case, "4": cap_case, "5": random_faults_case, "6": coarse_case, "7": shared_cap_case}[c]()

@@ -2,10 +2,12 @@
 """`weir sql` benchmarks, against `weir sim` on loopback (truth read from its /stats).
 
 Cases:
-  1. cluster: a Ballista scheduler and two weir executors answer one query against one
-     simulated quota (R requests per W-second window, advice rounded to whole seconds, latency
-     50±10 ms), nothing told: completion time against the ideal (every window full from the
-     start), the share of 429s, and the rows each executor answered;
+  1. cluster: a Ballista scheduler and EXECUTORS (default 2) weir executors answer one query
+     against one simulated quota (R requests per W-second window, advice rounded to whole
+     seconds, latency LATENCY_MS, default 50, ±10 ms; SIM_ARGS adds simulator flags, e.g.
+     `--window fixed`; WEIR_ARGS adds executor flags, e.g. `--quota-store off`), nothing told:
+     completion time against the ideal (every window full from the start), the share of 429s,
+     the rows each executor answered and how many shared the quota (issue #32);
   2. overhead: the same N rows (zero latency) through `weir sql` (COPY … TO a JSONL file) and
      `weir run --no-state`, side by side, ROUNDS rounds alternating; medians.
   3. credentials: case 1 without credentials, with mutual TLS, and with mutual TLS and a shared
@@ -34,6 +36,17 @@ MODEL = "gemini/gemini-2.5-flash"
 
 def free_port():
     s = socket.socket(); s.bind(("127.0.0.1", 0)); p = s.getsockname()[1]; s.close(); return p
+
+
+def scheduler_port(host):
+    """A free port for a scheduler whose quota service (the port below) is free too."""
+    while True:
+        p = free_port()
+        try:
+            s = socket.socket(); s.bind((host, p - 1)); s.close()
+            return p
+        except OSError:
+            pass
 
 
 def wait_port(port):
@@ -96,45 +109,54 @@ def cluster_case(tls=False, token=False):
         if token:
             f += ["--token-file", token_file]
         return f
-    sim, url = start_sim("--rpm", str(R), "--window-secs", str(W), "--latency-ms", "50", "--jitter-ms", "20", "--round-advice")
+    lat = int(os.environ.get("LATENCY_MS", "50"))
+    n_exec = int(os.environ.get("EXECUTORS", "2"))
+    sim_args = os.environ.get("SIM_ARGS", "").split()
+    weir_args = os.environ.get("WEIR_ARGS", "").split()
+    sim, url = start_sim("--rpm", str(R), "--window-secs", str(W), "--latency-ms", str(lat), "--jitter-ms", "20",
+                         "--round-advice", *sim_args)
     procs = [sim]
     try:
-        sched = free_port()
+        sched = scheduler_port(host)
         procs.append(subprocess.Popen([BIN, "cluster", "scheduler", "--bind", f"{host}:{sched}", *flags("s")],
                                       stderr=subprocess.DEVNULL, cwd=WORK))
         wait_port(sched)
         metrics = []
-        for e in range(2):
+        for e in range(n_exec):
             port, grpc, mport = free_port(), free_port(), free_port()
             procs.append(subprocess.Popen(
                 [BIN, "cluster", "executor", "--scheduler", f"{host}:{sched}", "--host", host, "--port", str(port),
                  "--grpc-port", str(grpc), "--slots", "2", "--metrics-listen", f"127.0.0.1:{mport}", "--base-url", url,
-                 "--max-retries", "50", *flags(f"e{e}")],
+                 "--max-retries", "50", *flags(f"e{e % 2}"), *weir_args],
                 stderr=subprocess.DEVNULL, cwd=WORK))
             wait_port(port); wait_port(mport)
             metrics.append(mport)
-        dataset("cluster", N, parts=4)
-        ideal = ((N - 1) // R) * W + 0.05
+        parts = max(4, n_exec)
+        dataset("cluster", N, parts=parts)
+        ideal = ((N - 1) // R) * W + lat / 1000
         time.sleep(W + 1)  # the ideal starts from an empty window
         urllib.request.urlopen(urllib.request.Request(url + "/stats/reset", method="POST"))
         t0 = time.monotonic()
-        sql("--cluster", f"{'dfs' if tls else 'df'}://{host}:{sched}", *flags("c"), "--partitions", "4", "--table", "t=cluster",
+        sql("--cluster", f"{'dfs' if tls else 'df'}://{host}:{sched}", *flags("c"), "--partitions", str(parts), "--table", "t=cluster",
             f"COPY (SELECT id, llm_generate('{MODEL}', prompt) AS answer FROM t) TO 'cluster-out.parquet'")
         secs = time.monotonic() - t0
         s = json.loads(get(url + "/stats"))
-        rows = []
+        time.sleep(1.2)  # the executors' gauges are updated every second
+        rows, shared = [], []
         for m in metrics:
-            page = get(f"http://127.0.0.1:{m}/metrics")
-            rows.append(next(int(float(l.split()[-1])) for l in page.splitlines()
-                             if l.startswith('weir_records_total{outcome="success"}')))
+            page = get(f"http://127.0.0.1:{m}/metrics").splitlines()
+            rows.append(sum(int(float(l.split()[-1])) for l in page
+                            if l.startswith("weir_records_total{") and 'outcome="success"' in l))
+            shared.append(max([int(float(l.split()[-1])) for l in page if l.startswith("weir_quota_processes{")] or [0]))
         answered = int(sql("--format", "jsonl", "SELECT count(answer) AS n FROM 'cluster-out.parquet'").stdout.split(":")[1].strip(" }\n"))
         how = " over mutual TLS" if tls else ""
         how += (" and" if tls else " with") + " a shared token" if token else ""
-        print(f"== 1. two executors{how}, one quota of {R} requests per {W} s (advice in "
-              f"whole seconds), latency 50±10 ms, {N} rows")
+        told = f", executors given {' '.join(weir_args)}" if weir_args else ""
+        print(f"== 1. {n_exec} executors{how}, one quota of {R} requests per {W} s (advice in "
+              f"whole seconds{', ' + ' '.join(sim_args) if sim_args else ''}), latency {lat}±10 ms, {N} rows{told}")
         print(f"   {secs:5.1f} s against {ideal:.1f} s ideal ({ideal / secs:.1%} of the quota); 429s {s['rate_limited']} of "
               f"{s['requests']} ({s['rate_limited'] / s['requests']:.2%}); rows answered per executor {rows}; "
-              f"non-null answers {answered} of {N}")
+              f"processes sharing the quota, as each executor saw it {shared}; non-null answers {answered} of {N}")
         return secs
     finally:
         for p in procs:

@@ -59,6 +59,10 @@ pub enum QuotaStore {
     /// endpoint with the same key, on whichever machine, shares one throttle the scheduler
     /// keeps (executors only; see weir-runtime's `share`).
     Cluster,
+    /// Through the Redis server at this URL (`redis://` on this machine, `rediss://` elsewhere):
+    /// processes on any machine that name it and call the same endpoint with the same key share
+    /// one throttle, held by one of them.
+    Redis(String),
     /// No coordination: this process learns and keeps the quota alone.
     Off,
 }

@@ -69,7 +69,9 @@ pub struct EndpointArgs {
     pub max_retries: u32,
     /// Where processes that call the same endpoint with the same key share its quota: `local`
     /// (this machine's processes of this user, through a socket in a private runtime
-    /// directory: they learn and keep one quota together), or `off` (this process alone).
+    /// directory: they learn and keep one quota together), `redis://HOST:PORT` (every process,
+    /// on any machine, naming that Redis server; `rediss://` for TLS, required off this
+    /// machine), or `off` (this process alone).
     #[arg(long, value_name = "STORE", default_value = "local")]
     pub quota_store: String,
 }
@@ -79,8 +81,21 @@ pub fn quota_store(s: &str) -> Result<QuotaStore, SettingsError> {
     match s {
         "local" => Ok(QuotaStore::Local),
         "off" => Ok(QuotaStore::Off),
+        url if url.starts_with("redis://") || url.starts_with("rediss://") => {
+            #[cfg(feature = "redis")]
+            {
+                crate::share_redis::check_url(url).map_err(SettingsError)?;
+                Ok(QuotaStore::Redis(url.to_string()))
+            }
+            #[cfg(not(feature = "redis"))]
+            Err(SettingsError(
+                "--quota-store redis://…: this build of weir has no Redis client (feature `redis`)".into(),
+            ))
+        }
         other => Err(SettingsError(format!(
-            "--quota-store {other:?}: say `local` (share the quota with this machine's processes) or `off`"
+            "--quota-store {other:?}: say `local` (share the quota with this machine's processes), a Redis URL \
+             (redis://HOST:PORT, or rediss:// for TLS: share it with every process that names the same server) or \
+             `off`"
         ))),
     }
 }

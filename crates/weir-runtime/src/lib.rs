@@ -21,6 +21,8 @@ mod local;
 mod route;
 mod runtime;
 pub mod share;
+#[cfg(feature = "redis")]
+pub mod share_redis;
 #[cfg(feature = "sim")]
 pub mod sim;
 

@@ -109,9 +109,15 @@ fn shared_throttle(handler: &dyn ModelHandler, settings: &ThrottleSettings) -> A
     }
     let throttle = Arc::new(Throttle::new(settings));
     let name = || crate::share::quota_name(handler.model_id(), handler.endpoint(), handler.quota_credential());
-    match settings.store {
+    match &settings.store {
         weir_core::QuotaStore::Local => crate::share::join(&throttle, name()),
         weir_core::QuotaStore::Cluster => crate::share::follow_hub(&throttle, name(), settings),
+        #[cfg(feature = "redis")]
+        weir_core::QuotaStore::Redis(url) => crate::share_redis::join(&throttle, name(), url.as_str()),
+        #[cfg(not(feature = "redis"))]
+        weir_core::QuotaStore::Redis(_) => {
+            tracing::warn!("the quota is not shared: this build of weir has no Redis client (feature `redis`)")
+        }
         weir_core::QuotaStore::Off => {}
     }
     all.retain(|_, (w, _)| w.strong_count() > 0);

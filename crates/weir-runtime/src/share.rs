@@ -130,7 +130,7 @@ struct Place {
 /// How long after its window what a holder wrote down is still taken over: long enough for the
 /// next holder to take it (it tries every 50 ms), short enough that a run started later, or a
 /// new server on the same port, learns its quota afresh.
-const STATE_GRACE: Duration = Duration::from_secs(2);
+pub(crate) const STATE_GRACE: Duration = Duration::from_secs(2);
 /// How often, at most, the holder writes down what its budgets know (when it admitted calls
 /// since).
 const STATE_EVERY: Duration = Duration::from_millis(20);
@@ -406,7 +406,7 @@ struct Served {
 /// counted (they may have been sent), and free their slots as the throttle frees them.
 /// `others`: the processes sharing the quota besides those served (1 when the holder calls the
 /// endpoint too, 0 for a scheduler's).
-async fn serve_peer(
+pub(crate) async fn serve_peer(
     throttle: &Arc<Throttle>,
     mut lines: tokio::io::Lines<impl AsyncBufRead + Unpin>,
     write: impl AsyncWrite + Send + Unpin + 'static,
@@ -471,7 +471,7 @@ async fn serve_peer(
 }
 
 /// This process's side of a shared quota: asks the holder to admit each call.
-struct Peer {
+pub(crate) struct Peer {
     tx: mpsc::UnboundedSender<Vec<u8>>,
     waiting: Mutex<HashMap<u64, oneshot::Sender<Grant>>>,
     next: AtomicU64,
@@ -480,7 +480,7 @@ struct Peer {
 
 impl Peer {
     /// Starts talking to the holder over `stream`; `ended` is notified when the connection ends.
-    fn start(link: impl Link, ended: Arc<tokio::sync::Notify>) -> Arc<Self> {
+    pub(crate) fn start(link: impl Link, ended: Arc<tokio::sync::Notify>) -> Arc<Self> {
         let (read, write) = tokio::io::split(link);
         let (tx, _) = writer(write);
         let peer =

@@ -367,6 +367,7 @@ pub async fn run(
     let endpoints = runtime.endpoints().await;
     if let Some(own) = endpoints.iter().find(|e| e.model == settings.model.to_string()) {
         report.sharing = own.sharing;
+        report.shared_through = crate::report::shared_through(&settings.store);
     }
     report.other_limits = endpoints
         .iter()

@@ -52,8 +52,10 @@ pub struct RunReport {
     pub concurrency: usize,
     /// The rate limits in force at the end.
     pub rates: Option<RateSnapshot>,
-    /// How the endpoint's quota was shared with other processes on this machine.
+    /// How the endpoint's quota was shared with other processes, and where they met.
     pub sharing: weir_core::Sharing,
+    /// Where: a summary of `--quota-store`.
+    pub shared_through: String,
     /// The same for each other model's endpoint (`--model-field`), by model.
     pub other_limits: Vec<(String, usize, Option<RateSnapshot>)>,
     /// Batching, when the endpoint takes many records per call.
@@ -187,6 +189,7 @@ impl RunReport {
             costs: Vec::new(),
             other_limits: Vec::new(),
             sharing: weir_core::Sharing::default(),
+            shared_through: String::new(),
             first_token: m.first_token(),
             inter_token: m.inter_token(),
             followed: places.followed,
@@ -246,7 +249,7 @@ impl RunReport {
             thousands((self.succeeded as f64 / self.elapsed.as_secs_f64()).round() as u64)
         ));
         if self.sharing.processes > 1 {
-            s.push_str(&format!("  {}\n", sharing_text(&self.sharing)));
+            s.push_str(&format!("  {}\n", sharing_text(&self.sharing, &self.shared_through)));
         }
         for (model, concurrency, rates) in &self.other_limits {
             s.push_str(&format!("  limits of {model}: {}\n", limits_text(*concurrency, rates.as_ref())));
@@ -436,12 +439,20 @@ impl Progress {
     }
 }
 
-/// How a quota was shared: with how many processes (this one's calls are on the line above).
-fn sharing_text(sharing: &weir_core::Sharing) -> String {
-    format!(
-        "quota shared by {} processes on this machine (one throttle for all, calls admitted in turn: --quota-store local)",
-        sharing.processes
-    )
+/// How a quota was shared: with how many processes, met where (this one's calls are on the
+/// line above).
+fn sharing_text(sharing: &weir_core::Sharing, through: &str) -> String {
+    format!("quota shared by {} processes {through} (one throttle for all, calls admitted in turn)", sharing.processes)
+}
+
+/// Where processes met to share a quota, as the summary says it.
+pub fn shared_through(store: &weir_core::QuotaStore) -> String {
+    match store {
+        weir_core::QuotaStore::Local => "on this machine (--quota-store local)".into(),
+        weir_core::QuotaStore::Cluster => "through the cluster's scheduler".into(),
+        weir_core::QuotaStore::Redis(url) => format!("through {}", weir_runtime::share_redis::describe(url)),
+        weir_core::QuotaStore::Off => "(--quota-store off)".into(),
+    }
 }
 
 #[cfg(test)]

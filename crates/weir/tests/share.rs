@@ -158,3 +158,115 @@ async fn a_meeting_place_others_can_write_to_is_not_used() {
     assert_eq!(rows(&dir.path("out")).len(), ids.len());
     assert!(std::fs::read_dir(&meet).unwrap().next().is_none(), "nothing written in an open directory");
 }
+
+/// A Redis server of its own on 127.0.0.1 (the Debian package's `redis-server`, found through
+/// `WEIR_REDIS_SERVER`), stopped with the test; its URL.
+async fn redis() -> Option<(tokio::process::Child, String)> {
+    let bin = util::peer("WEIR_REDIS_SERVER")?;
+    let port = util::free_port();
+    let child = tokio::process::Command::new(bin)
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+        .stdout(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_err() {
+        assert!(tokio::time::Instant::now() < deadline, "redis-server did not start");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Some((child, format!("redis://127.0.0.1:{port}")))
+}
+
+#[tokio::test]
+async fn processes_that_name_one_redis_server_keep_a_told_limit_together() {
+    let Some((_redis, store)) = redis().await else { return };
+    // Each process meets others in a directory of its own: only Redis joins them, as it joins
+    // processes on different machines.
+    let server = steady_sim().await;
+    let url = server.url();
+    let dir = Dir::new("share-redis");
+    let (data, ids) = prompts(30);
+    let inputs = [dir.write("a.jsonl", &data), dir.write("b.jsonl", &data)];
+    let mut runs: Vec<_> = ["a", "b"]
+        .iter()
+        .zip(&inputs)
+        .map(|(n, input)| told_run(&url, &dir, input, &format!("{n}.out"), &dir.path(&format!("meet-{n}")), &store))
+        .collect();
+    let started = std::time::Instant::now();
+    let (oa, ob) = tokio::join!(runs[0].output(), runs[1].output());
+    let took = started.elapsed();
+    for (o, out) in [(oa.unwrap(), "a.out"), (ob.unwrap(), "b.out")] {
+        let err = String::from_utf8_lossy(&o.stderr).to_string();
+        assert!(o.status.success(), "{err}");
+        util::assert_each_id_once(&ids, &rows(&dir.path(out)), &[]);
+        assert!(err.contains(&format!("quota shared by 2 processes through {store}")), "{err}");
+    }
+    let busiest = server.stats().successes_per_second.iter().copied().max().unwrap_or(0);
+    assert!(took >= Duration::from_secs(5), "done in {took:?}: the told limit was not shared");
+    assert!(busiest <= 15, "{busiest} answers in one second");
+}
+
+#[tokio::test]
+async fn the_quota_held_through_redis_passes_on_when_its_holder_is_killed() {
+    let Some((_redis, store)) = redis().await else { return };
+    let server = steady_sim().await;
+    let url = server.url();
+    let dir = Dir::new("share-redis-kill");
+    let (data, ids) = prompts(40);
+    let input_a = dir.write("a.jsonl", &data);
+    let input_b = dir.write("b.jsonl", &data);
+    let mut holder = told_run(&url, &dir, &input_a, "a.out", &dir.path("meet-a"), &store);
+    holder.env("WEIR_LOG", "weir_runtime=debug").stderr(std::process::Stdio::piped());
+    let mut holder = holder.spawn().unwrap();
+    // Until it says it holds the quota.
+    let mut lines = tokio::io::AsyncBufReadExt::lines(tokio::io::BufReader::new(holder.stderr.take().unwrap()));
+    let held = tokio::time::timeout(Duration::from_secs(20), async {
+        while let Ok(Some(l)) = lines.next_line().await {
+            if l.contains("holding the quota shared through") {
+                return;
+            }
+        }
+        panic!("the first process never held the quota");
+    });
+    held.await.expect("the first process never said it held the quota");
+    let mut follower = told_run(&url, &dir, &input_b, "b.out", &dir.path("meet-b"), &store);
+    follower.env("WEIR_LOG", "weir_runtime=debug").stderr(std::process::Stdio::piped());
+    let follower = follower.spawn().unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    holder.start_kill().unwrap();
+    holder.wait().await.unwrap();
+    let o = follower.wait_with_output().await.unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    let joined = err.find("sharing the quota held by another process, through").unwrap_or_else(|| panic!("{err}"));
+    let took_over = err.find("holding the quota shared through").unwrap_or_else(|| panic!("{err}"));
+    assert!(joined < took_over, "{err}");
+    util::assert_each_id_once(&ids, &rows(&dir.path("b.out")), &[]);
+    let busiest = server.stats().successes_per_second.iter().copied().max().unwrap_or(0);
+    assert!(busiest <= 15, "{busiest} answers in one second");
+}
+
+#[tokio::test]
+async fn a_redis_store_that_cannot_be_used_is_said_so() {
+    let server = steady_sim().await;
+    let dir = Dir::new("share-redis-bad");
+    let (data, ids) = prompts(5);
+    let input = dir.write("in.jsonl", &data);
+    // Off this machine without TLS, or not a store at all: refused before anything runs.
+    for (store, says) in [("redis://10.1.2.3:6379", "rediss://"), ("memcached://x", "Redis URL")] {
+        let o = told_run(&server.url(), &dir, &input, "out", &dir.path("meet"), store).output().await.unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{store}: {err}");
+        assert!(err.contains(says), "{store}: {err}");
+    }
+    assert_eq!(server.stats().requests, 0);
+    // A server that does not answer: the run goes on alone, and says so (with no password).
+    let nobody = format!("redis://:hunter2hunter2@127.0.0.1:{}", util::free_port());
+    let o = told_run(&server.url(), &dir, &input, "out", &dir.path("meet"), &nobody).output().await.unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("cannot reach redis://127.0.0.1:"), "{err}");
+    assert!(!err.contains("hunter2"), "the password was shown: {err}");
+    assert_eq!(rows(&dir.path("out")).len(), ids.len());
+}

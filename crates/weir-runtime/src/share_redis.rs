@@ -1,0 +1,420 @@
+//! `--quota-store redis://HOST:PORT` (or `rediss://` with TLS): processes on machines that share
+//! nothing else — a Beam pipeline's workers, `weir run`s on several hosts — share one quota
+//! through a Redis server the user already runs.
+//!
+//! It is the same sharing as on one machine ([`crate::share`]): one of the processes holds the
+//! quota's throttle and the others ask it to admit each call and report each result. Redis
+//! only elects the holder and carries the lines:
+//! - the holder is whoever set `weir:quota:<name>:holder` (`SET NX` with a 3-second lease it
+//!   renews every second): a holder that dies is replaced within the lease;
+//! - a process asks by pushing `{"from": its id, "line": …}` to `…:in:<holder>`, and reads the
+//!   holder's answers from `…:out:<its id>`; it says it is alive every second, and the holder
+//!   drops (and frees the calls of) a process it has not heard from for 5 s;
+//! - the holder writes down what its budgets know under `…:state`, with an expiry of its window
+//!   plus 2 s, so that the next holder goes on from there rather than relearning the quota.
+//!
+//! Every list expires on its own (10 s after the last push), so nothing outlives the processes.
+//! The quota's name is a digest of model, endpoint and key: neither the key nor the endpoint is
+//! written to Redis.
+
+use redis::AsyncCommands;
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use weir_core::Throttle;
+
+use crate::share::{serve_peer, Peer, STATE_GRACE};
+
+/// How long a holder's lease lasts without renewal.
+const LEASE: Duration = Duration::from_secs(3);
+/// How often the holder renews its lease.
+const RENEW_EVERY: Duration = Duration::from_secs(1);
+/// How often a process says it is alive, and checks that its holder still holds the quota.
+const BEAT_EVERY: Duration = Duration::from_millis(500);
+/// Silence after which the holder drops a process.
+const SILENT_FOR: Duration = Duration::from_secs(5);
+/// Lists expire this long after their last push.
+const LIST_TTL_MS: i64 = 10_000;
+/// How often, at most, the holder writes down its budgets.
+const STATE_EVERY: Duration = Duration::from_millis(250);
+
+/// A message on a holder's list.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Note {
+    /// The sending process's id for this holder.
+    from: String,
+    /// A line of the protocol; none: it is alive.
+    line: Option<String>,
+}
+
+/// What the holder writes down, and how long it was to live (its age is that less what is left).
+#[derive(Debug, Serialize, Deserialize)]
+struct Written {
+    ttl_ms: u64,
+    budgets: (weir_core::rate::Seed, weir_core::rate::Seed),
+}
+
+/// The host and port of `url`, for messages (never its password).
+pub fn describe(url: &str) -> String {
+    match redis::Client::open(url) {
+        Ok(c) => match c.get_connection_info().addr() {
+            redis::ConnectionAddr::Tcp(h, p) => format!("redis://{h}:{p}"),
+            redis::ConnectionAddr::TcpTls { host, port, .. } => format!("rediss://{host}:{port}"),
+            other => other.to_string(),
+        },
+        Err(_) => "the Redis server".into(),
+    }
+}
+
+/// Checks a `--quota-store` Redis URL: one the client takes, and TLS (`rediss://`) unless the
+/// server is on this machine (127.0.0.1, ::1 or localhost).
+pub fn check_url(url: &str) -> Result<(), String> {
+    let client = redis::Client::open(url).map_err(|e| {
+        format!("--quota-store: not a Redis URL ({:?}); say redis://HOST:PORT or rediss://HOST:PORT", e.kind())
+    })?;
+    match client.get_connection_info().addr() {
+        redis::ConnectionAddr::Tcp(host, _) => {
+            let loopback = host == "localhost" || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback());
+            if !loopback {
+                return Err(format!(
+                    "--quota-store {}: a Redis server on another machine is reached with TLS: say rediss://",
+                    describe(url)
+                ));
+            }
+            Ok(())
+        }
+        redis::ConnectionAddr::TcpTls { .. } => Ok(()),
+        _ => Err("--quota-store: say redis://HOST:PORT or rediss://HOST:PORT".into()),
+    }
+}
+
+/// Shares `throttle`'s quota under `name` with every process that names the same Redis server
+/// and calls the same endpoint with the same key.
+pub fn join(throttle: &Arc<Throttle>, name: String, url: &str) {
+    if tokio::runtime::Handle::try_current().is_err() {
+        return;
+    }
+    let client = match redis::Client::open(url) {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!("the quota is not shared: {} ({:?})", describe(url), e.kind());
+            return;
+        }
+    };
+    throttle.await_delegate();
+    tokio::spawn(supervise(Arc::downgrade(throttle), client, format!("weir:quota:{name}"), describe(url)));
+}
+
+fn random_id() -> String {
+    let mut b = [0u8; 8];
+    if getrandom::fill(&mut b).is_err() {
+        // Unique enough without the generator: the time and the process.
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        b = (t.as_nanos() as u64 ^ u64::from(std::process::id()) << 32).to_le_bytes();
+    }
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+async fn connect(client: &redis::Client) -> redis::RedisResult<redis::aio::MultiplexedConnection> {
+    let config = redis::AsyncConnectionConfig::new()
+        .set_connection_timeout(Some(Duration::from_secs(5)))
+        // Longer than the 1-s blocking pops.
+        .set_response_timeout(Some(Duration::from_secs(5)));
+    client.get_multiplexed_async_connection_with_config(&config).await
+}
+
+/// Holds the quota when nobody does, else follows the holder; again whenever that changes. While
+/// Redis cannot be reached, this process decides alone.
+async fn supervise(throttle: Weak<Throttle>, client: redis::Client, key: String, place: String) {
+    let mut said = false;
+    loop {
+        let attempt = async {
+            let mut conn = connect(&client).await?;
+            let me = random_id();
+            let took: bool = redis::cmd("SET")
+                .arg(format!("{key}:holder"))
+                .arg(&me)
+                .arg("NX")
+                .arg("PX")
+                .arg(LEASE.as_millis() as u64)
+                .query_async::<Option<String>>(&mut conn)
+                .await?
+                .is_some();
+            if took {
+                return Ok::<_, redis::RedisError>(Some((conn, me, true)));
+            }
+            let holder: Option<String> = conn.get(format!("{key}:holder")).await?;
+            Ok(holder.map(|h| (conn, h, false)))
+        };
+        let result = attempt.await;
+        let Some(t) = throttle.upgrade() else { return };
+        match result {
+            Ok(Some((conn, me, true))) => {
+                said = false;
+                take_over(&t, conn.clone(), &key).await;
+                t.delegate_to(None);
+                tracing::debug!("holding the quota shared through {place}");
+                drop(t);
+                hold(&throttle, &client, conn, &key, &me).await;
+            }
+            Ok(Some((conn, holder, false))) => {
+                said = false;
+                drop(t);
+                follow(&throttle, &client, conn, &key, &holder, &place).await;
+            }
+            // The holder's lease just ended: try again at once.
+            Ok(None) => continue,
+            Err(e) => {
+                t.delegate_to(None);
+                if !said {
+                    tracing::warn!(
+                        "cannot reach {place} to share the quota ({}); this process keeps it alone until it can",
+                        why(&e)
+                    );
+                    said = true;
+                }
+                drop(t);
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                continue;
+            }
+        }
+        if let Some(t) = throttle.upgrade() {
+            t.await_delegate();
+        }
+    }
+}
+
+/// Seeds `throttle` with what the last holder wrote down, if it has not expired.
+async fn take_over(throttle: &Throttle, mut conn: redis::aio::MultiplexedConnection, key: &str) {
+    let state = format!("{key}:state");
+    let got: redis::RedisResult<(Option<String>, i64)> =
+        redis::pipe().get(&state).cmd("PTTL").arg(&state).query_async(&mut conn).await;
+    let Ok((Some(text), left_ms)) = got else { return };
+    let Ok(w) = serde_json::from_str::<Written>(&text) else { return };
+    let age = Duration::from_millis(w.ttl_ms.saturating_sub(left_ms.max(0) as u64));
+    throttle.rate_limiter().seed(&w.budgets, age);
+    tracing::debug!(age = ?age, "took over the limits the last holder knew");
+}
+
+/// One process the holder serves: where its lines go in, and when it was last heard from.
+struct Member {
+    feed: tokio::io::WriteHalf<tokio::io::DuplexStream>,
+    seen: tokio::time::Instant,
+}
+
+/// Serves the quota to the processes that ask through Redis, for as long as the lease is this
+/// process's.
+async fn hold(
+    throttle: &Weak<Throttle>,
+    client: &redis::Client,
+    mut conn: redis::aio::MultiplexedConnection,
+    key: &str,
+    me: &str,
+) {
+    let Ok(mut pops) = connect(client).await else { return };
+    let holder_key = format!("{key}:holder");
+    let inbox = format!("{key}:in:{me}");
+    let peers = Arc::new(AtomicUsize::new(0));
+    let mut members: HashMap<String, Member> = HashMap::new();
+    let tasks = Aborting(tokio::spawn(write_down(throttle.clone(), conn.clone(), format!("{key}:state"))));
+    let renew = redis::Script::new(
+        "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) else return 0 end",
+    );
+    let mut next_renewal = tokio::time::Instant::now() + RENEW_EVERY;
+    let mut number = 0u64;
+    loop {
+        if tokio::time::Instant::now() >= next_renewal {
+            let renewed: redis::RedisResult<i64> =
+                renew.key(&holder_key).arg(me).arg(LEASE.as_millis() as u64).invoke_async(&mut conn).await;
+            if !matches!(renewed, Ok(1)) {
+                tracing::debug!("no longer holding the quota shared through Redis");
+                break;
+            }
+            next_renewal += RENEW_EVERY;
+            // Processes not heard from are dropped: their served calls end (kept counted).
+            let now = tokio::time::Instant::now();
+            members.retain(|_, m| now - m.seen < SILENT_FOR);
+        }
+        let Some(t) = throttle.upgrade() else { break };
+        let popped: redis::RedisResult<Option<(String, String)>> = pops.blpop(&inbox, 1.0).await;
+        let note = match popped {
+            Ok(Some((_, text))) => match serde_json::from_str::<Note>(&text) {
+                Ok(n) => n,
+                Err(_) => continue,
+            },
+            Ok(None) => continue,
+            Err(_) => break,
+        };
+        let member = members.entry(note.from.clone()).or_insert_with(|| {
+            // A process new to this holder: served as a connection of its own.
+            number += 1;
+            let (served, pump) = tokio::io::duplex(1 << 16);
+            let (served_read, served_write) = tokio::io::split(served);
+            let (pump_read, feed) = tokio::io::split(pump);
+            let n = peers.fetch_add(1, Relaxed) + 1;
+            t.set_processes(n + 1);
+            let (t2, peers2, no) = (t.clone(), peers.clone(), number);
+            tokio::spawn(async move {
+                serve_peer(&t2, BufReader::new(served_read).lines(), served_write, &peers2, no, 1).await;
+                peers2.fetch_sub(1, Relaxed);
+            });
+            tokio::spawn(send_out(pump_read, conn.clone(), format!("{key}:out:{}", note.from)));
+            Member { feed, seen: tokio::time::Instant::now() }
+        });
+        member.seen = tokio::time::Instant::now();
+        if let Some(line) = note.line {
+            let mut bytes = line.into_bytes();
+            bytes.push(b'\n');
+            // The served side reads as fast as the lines come; a full pipe would mean it ended.
+            let feed = &mut member.feed;
+            if tokio::time::timeout(Duration::from_millis(100), feed.write_all(&bytes)).await.is_err() {
+                members.remove(&note.from);
+            }
+        }
+    }
+    drop(tasks);
+}
+
+/// Pushes every line read from `from` onto the Redis list `to`, until `from` ends.
+async fn send_out(
+    from: tokio::io::ReadHalf<tokio::io::DuplexStream>,
+    mut conn: redis::aio::MultiplexedConnection,
+    to: String,
+) {
+    let mut lines = BufReader::new(from).lines();
+    while let Ok(Some(l)) = lines.next_line().await {
+        let pushed: redis::RedisResult<()> =
+            redis::pipe().rpush(&to, l).ignore().pexpire(&to, LIST_TTL_MS).ignore().query_async(&mut conn).await;
+        if pushed.is_err() {
+            return;
+        }
+    }
+}
+
+/// Writes down what the holder's budgets know whenever it admitted calls since.
+async fn write_down(throttle: Weak<Throttle>, mut conn: redis::aio::MultiplexedConnection, key: String) {
+    let mut last = u64::MAX;
+    loop {
+        tokio::time::sleep(STATE_EVERY).await;
+        let Some(t) = throttle.upgrade() else { return };
+        let admitted = t.admitted();
+        if admitted == last {
+            continue;
+        }
+        last = admitted;
+        let budgets = t.rate_limiter().export();
+        let window = budgets.0.window().max(budgets.1.window()).unwrap_or_default();
+        let ttl_ms = (window + STATE_GRACE).as_millis() as u64;
+        let text = serde_json::to_string(&Written { ttl_ms, budgets }).expect("the budgets serialise");
+        let _: redis::RedisResult<()> = conn.pset_ex(&key, text, ttl_ms).await;
+    }
+}
+
+/// Asks the holder `holder` to admit this process's calls, until it no longer holds the quota or
+/// Redis cannot be reached.
+async fn follow(
+    throttle: &Weak<Throttle>,
+    client: &redis::Client,
+    mut conn: redis::aio::MultiplexedConnection,
+    key: &str,
+    holder: &str,
+    place: &str,
+) {
+    let Ok(mut pops) = connect(client).await else { return };
+    let me = random_id();
+    let inbox = format!("{key}:in:{holder}");
+    let outbox = format!("{key}:out:{me}");
+    let (ours, pump) = tokio::io::duplex(1 << 16);
+    let (pump_read, mut feed) = tokio::io::split(pump);
+    let ended = Arc::new(tokio::sync::Notify::new());
+    let peer = Peer::start(ours, ended.clone());
+    let Some(t) = throttle.upgrade() else { return };
+    t.delegate_to(Some(peer));
+    // The holder and this one, at least (its grants tell how many more).
+    t.set_processes(2);
+    drop(t);
+    tracing::debug!("sharing the quota held by another process, through {place}");
+    // This process's lines to the holder.
+    let sending = {
+        let (mut conn, inbox, me) = (conn.clone(), inbox.clone(), me.clone());
+        Aborting(tokio::spawn(async move {
+            let mut lines = BufReader::new(pump_read).lines();
+            while let Ok(Some(l)) = lines.next_line().await {
+                let note = serde_json::to_string(&Note { from: me.clone(), line: Some(l) }).expect("a note serialises");
+                let pushed: redis::RedisResult<()> = redis::pipe()
+                    .rpush(&inbox, note)
+                    .ignore()
+                    .pexpire(&inbox, LIST_TTL_MS)
+                    .ignore()
+                    .query_async(&mut conn)
+                    .await;
+                if pushed.is_err() {
+                    return;
+                }
+            }
+        }))
+    };
+    let alive = serde_json::to_string(&Note { from: me.clone(), line: None }).expect("a note serialises");
+    let mut next_beat = tokio::time::Instant::now();
+    let mut finished = std::pin::pin!(ended.notified());
+    loop {
+        if tokio::time::Instant::now() >= next_beat {
+            next_beat += BEAT_EVERY;
+            let holds: redis::RedisResult<Option<String>> = conn.get(format!("{key}:holder")).await;
+            if holds.ok().flatten().as_deref() != Some(holder) {
+                break;
+            }
+            let beat: redis::RedisResult<()> = redis::pipe()
+                .rpush(&inbox, &alive)
+                .ignore()
+                .pexpire(&inbox, LIST_TTL_MS)
+                .ignore()
+                .query_async(&mut conn)
+                .await;
+            if beat.is_err() {
+                break;
+            }
+        }
+        let popped = tokio::select! {
+            p = pops.blpop::<_, Option<(String, String)>>(&outbox, BEAT_EVERY.as_secs_f64()) => p,
+            _ = &mut finished => break,
+        };
+        match popped {
+            Ok(Some((_, mut line))) => {
+                line.push('\n');
+                if feed.write_all(line.as_bytes()).await.is_err() {
+                    break;
+                }
+            }
+            Ok(None) => {}
+            Err(_) => break,
+        }
+    }
+    drop(sending);
+    // Ends the holder's side for this process (its waiting calls decide alone until the next
+    // holder is found).
+    drop(feed);
+}
+
+/// A task stopped when this is dropped.
+struct Aborting(tokio::task::JoinHandle<()>);
+
+impl Drop for Aborting {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// What went wrong talking to Redis: the I/O error when there was one (a refused connection, a
+/// time-out), else the kind of error — never the server's whole message, which could quote a
+/// command's arguments.
+fn why(e: &redis::RedisError) -> String {
+    match e.kind() {
+        redis::ErrorKind::Io => format!("{e}"),
+        kind => format!("{kind:?}"),
+    }
+}
