@@ -88,8 +88,10 @@ impl ConcurrencyLimit for FixedLimit {
 ///   calls) lowers the limit, by 10 %, without touching the ceiling.
 ///
 /// Below the ceiling the limit grows by one per round trip in which it was fully used; at the
-/// ceiling it probes one step higher only every 20 round trips, so a steady endpoint sees few
-/// refusals; a probe that goes through a whole round trip without push-back clears the ceiling.
+/// ceiling it probes one step higher after 20 round trips, and twice as long after each probe
+/// that finds the ceiling where it was (up to 320), so a steady endpoint sees few refusals; a
+/// probe that goes through a whole round trip without push-back clears the ceiling (and probing
+/// is frequent again).
 /// An endpoint that slows down instead of refusing is caught by latency: a round trip whose median
 /// latency (of successful calls) is twice the best seen, and 5 ms more, lowers the limit by 10 %.
 #[derive(Debug)]
@@ -119,7 +121,17 @@ struct Control {
     suspect: bool,
     /// Long-run share of calls pushed back (exponentially weighted over rounds).
     pushback_share: f64,
+    /// Rounds at the ceiling between probes above it: doubled each time a probe finds the same
+    /// ceiling, back to the first when one finds it gone.
+    probe_every: u32,
+    /// The limit is one above the ceiling, probing.
+    probing: bool,
 }
+
+/// Rounds at the ceiling before the first probe above it.
+const FIRST_PROBE_AFTER: u32 = 20;
+/// The most rounds between probes (about half a minute at a tenth of a second per round).
+const MOST_PROBE_AFTER: u32 = 320;
 
 struct AdaptivePermit {
     limit: Arc<AdaptiveLimit>,
@@ -163,6 +175,8 @@ impl AdaptiveLimit {
                 refused: Vec::new(),
                 suspect: false,
                 pushback_share: 0.0,
+                probe_every: FIRST_PROBE_AFTER,
+                probing: false,
             }),
         })
     }
@@ -204,6 +218,11 @@ impl AdaptiveLimit {
     /// starts, so the refusals that revealed it are not counted again.
     fn set_ceiling(&self, c: &mut Control, cap: usize) {
         let cap = cap.max(1).min(c.limit);
+        // A probe that found the cap where it was: probe half as often (each costs a refusal or
+        // two), so that a steady cap costs a few refusals a minute, not one every two seconds.
+        if std::mem::take(&mut c.probing) && c.ceiling == Some(cap) {
+            c.probe_every = (c.probe_every * 2).min(MOST_PROBE_AFTER);
+        }
         self.set_limit(c, cap);
         c.ceiling = Some(c.limit);
         c.slow_start = false;
@@ -317,6 +336,8 @@ impl ConcurrencyLimit for Adaptive {
         if c.ceiling.is_some_and(|ceiling| limit > ceiling) {
             // A probe above the ceiling went through a whole round: the ceiling is stale.
             c.ceiling = None;
+            c.probing = false;
+            c.probe_every = FIRST_PROBE_AFTER;
         }
         if c.slow_start {
             me.set_limit(&mut c, limit * 2);
@@ -324,8 +345,9 @@ impl ConcurrencyLimit for Adaptive {
             me.set_limit(&mut c, limit + 1);
         } else {
             c.rounds_at_ceiling += 1;
-            if c.rounds_at_ceiling >= 20 {
+            if c.rounds_at_ceiling >= c.probe_every {
                 c.rounds_at_ceiling = 0;
+                c.probing = true;
                 me.set_limit(&mut c, limit + 1);
             }
         }
@@ -443,6 +465,45 @@ mod tests {
         }
         drop(permits);
         assert!(a.current() < before);
+    }
+
+    /// Refusals over `calls` calls to an endpoint that refuses a call arriving when `cap` are in
+    /// flight, with calls always waiting: the oldest call ends (a refusal at once), and new ones
+    /// fill the limit again.
+    async fn refusals_under_a_cap(a: &Adaptive, cap: usize, calls: usize) -> usize {
+        let mut in_flight = std::collections::VecDeque::new();
+        let mut refused = 0;
+        for _ in 0..calls {
+            while in_flight.len() < a.current() {
+                let (permit, level) = a.acquire().await;
+                in_flight.push_back((permit, level, level > cap));
+            }
+            // A refused call comes back first; else the oldest answer.
+            let next = in_flight.iter().position(|(_, _, refused)| *refused).unwrap_or(0);
+            let (permit, level, was_refused) = in_flight.remove(next).expect("a call in flight");
+            let result = if was_refused { CallResult::Backpressure } else { CallResult::Ok };
+            refused += usize::from(was_refused);
+            a.feedback(level, Duration::from_millis(100), result);
+            drop(permit);
+        }
+        refused
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_steady_cap_is_probed_less_and_less_often() {
+        let a = Adaptive(AdaptiveLimit::new(16, 64));
+        // The start finds the cap of 12.
+        refusals_under_a_cap(&a, 12, 500).await;
+        assert_eq!(a.current(), 12);
+        // Probes above it find it again and again, each later than the last: over the next 600
+        // round trips (of 12 calls) only a few probes (20, 40, 80, 160, 320 round trips apart),
+        // of a few refusals each, refuse anything.
+        let later = refusals_under_a_cap(&a, 12, 600 * 12).await;
+        assert!(later <= 20, "{later} refusals in 600 round trips at a steady cap");
+        assert_eq!(a.current(), 12);
+        // A cap that rises is still found: the next probe goes through and the limit climbs.
+        refusals_under_a_cap(&a, 20, 400 * 12).await;
+        assert!(a.current() >= 19, "limit {} under a cap raised to 20", a.current());
     }
 
     #[tokio::test(start_paused = true)]
