@@ -37,6 +37,19 @@ pub trait ConcurrencyLimit: Send + Sync {
     fn feedback(&self, level: usize, latency: Duration, result: CallResult);
     /// The current limit.
     fn current(&self) -> usize;
+    /// Sets `n` slots aside for calls in flight that this limit did not admit (calls a shared
+    /// throttle that went away admitted): as far as the limit goes they are in flight until
+    /// [`ConcurrencyLimit::repay`]. Returns how many were set aside (no more than the limit).
+    fn borrow(&self, n: usize) -> usize;
+    /// Gives back `n` slots set aside by [`ConcurrencyLimit::borrow`].
+    fn repay(&self, n: usize);
+    /// What the limit learned, to hand to the process that takes a shared throttle over: the
+    /// limit and the ceiling found (none for a fixed limit).
+    fn export(&self) -> Option<(usize, Option<usize>)> {
+        None
+    }
+    /// Goes on from what another process's limit learned (see [`ConcurrencyLimit::export`]).
+    fn seed(&self, _limit: usize, _ceiling: Option<usize>) {}
 }
 
 /// A fixed number of calls in flight.
@@ -67,6 +80,15 @@ impl ConcurrencyLimit for FixedLimit {
 
     fn current(&self) -> usize {
         self.limit
+    }
+
+    fn borrow(&self, n: usize) -> usize {
+        // Only slots free now (calls admitted here and in flight keep theirs).
+        self.sem.forget_permits(n.min(self.limit))
+    }
+
+    fn repay(&self, n: usize) {
+        self.sem.add_permits(n);
     }
 }
 
@@ -355,6 +377,36 @@ impl ConcurrencyLimit for Adaptive {
 
     fn current(&self) -> usize {
         self.0.ctl.lock().unwrap_or_else(|e| e.into_inner()).limit
+    }
+
+    fn borrow(&self, n: usize) -> usize {
+        let mut c = self.0.ctl.lock().unwrap_or_else(|e| e.into_inner());
+        // Slots free now are taken at once; the rest as calls in flight end (the debt).
+        let n = n.min(c.limit);
+        let taken = self.0.sem.forget_permits(n);
+        c.debt += n - taken;
+        n
+    }
+
+    fn repay(&self, n: usize) {
+        let mut c = self.0.ctl.lock().unwrap_or_else(|e| e.into_inner());
+        let repaid = n.min(c.debt);
+        c.debt -= repaid;
+        self.0.sem.add_permits(n - repaid);
+    }
+
+    fn export(&self) -> Option<(usize, Option<usize>)> {
+        let c = self.0.ctl.lock().unwrap_or_else(|e| e.into_inner());
+        Some((c.limit, c.ceiling))
+    }
+
+    fn seed(&self, limit: usize, ceiling: Option<usize>) {
+        let me = &self.0;
+        let mut c = me.ctl.lock().unwrap_or_else(|e| e.into_inner());
+        me.set_limit(&mut c, limit);
+        c.ceiling = ceiling.map(|x| x.clamp(1, me.max));
+        // Found already: no slow start from the beginning (its doubling would overshoot a cap).
+        c.slow_start = false;
     }
 }
 

@@ -8,6 +8,7 @@
 
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -101,6 +102,14 @@ pub trait Delegate: Send + Sync {
     fn finish(&self, grant: u64, result: Result<(Usage, Option<LimitInfo>), &ModelError>, latency: Duration);
     /// An admitted call ended unreported (cancelled): the shared throttle keeps it counted.
     fn abandon(&self, grant: u64);
+    /// Whether the shared throttle can still be asked (its process and the way to it live).
+    fn is_open(&self) -> bool;
+    /// Tells the shared throttle that `n` calls of this process, admitted by one that went
+    /// away, are still in flight: it counts them against its concurrency until each
+    /// [`Delegate::landed`].
+    fn carry(&self, n: usize);
+    /// One of the calls [`Delegate::carry`] told of ended.
+    fn landed(&self);
 }
 
 /// The admission control of one endpoint (one URL and key), shared through an `Arc` by every
@@ -131,6 +140,12 @@ pub struct Throttle {
     admitted: AtomicU64,
     /// The most processes seen sharing the quota at once.
     most_processes: std::sync::atomic::AtomicUsize,
+    /// Calls of this process in flight that a shared throttle admitted, by a number of their
+    /// own, with the throttle that admitted them.
+    remote_calls: Mutex<(u64, HashMap<u64, Arc<dyn Delegate>>)>,
+    /// Calls in flight whose shared throttle went away, as counted by whoever decides now: set
+    /// aside here (`None`) or told to the shared throttle followed now.
+    carried: Mutex<(usize, Option<Arc<dyn Delegate>>)>,
 }
 
 /// Where a throttle's admissions are decided.
@@ -193,8 +208,9 @@ pub struct Admitted<'a> {
     permit: Option<Permit>,
     level: usize,
     ticket: Option<Ticket>,
-    /// Admitted by a shared throttle in another process: where to report.
-    remote: Option<(Arc<dyn Delegate>, u64)>,
+    /// Admitted by a shared throttle in another process: where to report, the grant's number
+    /// there, and the call's number here (in `Throttle::remote_calls`).
+    remote: Option<(Arc<dyn Delegate>, u64, u64)>,
     sent: Instant,
     /// Time the call was held by a server-advised pause, the SRE throttler and the budgets
     /// (not counting the wait for a concurrency slot).
@@ -221,6 +237,8 @@ impl Throttle {
             shared_view: Mutex::new(None),
             admitted: AtomicU64::new(0),
             most_processes: std::sync::atomic::AtomicUsize::new(1),
+            remote_calls: Mutex::default(),
+            carried: Mutex::new((0, None)),
         }
     }
 
@@ -244,6 +262,24 @@ impl Throttle {
     /// Defers every admission to `delegate` (a shared throttle another process holds), or, with
     /// `None`, decides here again.
     pub fn delegate_to(&self, delegate: Option<Arc<dyn Delegate>>) {
+        // This process's calls still in flight that a shared throttle now gone admitted count
+        // against whoever decides from now on, until they end: else a throttle taking over
+        // would admit a full limit of new calls beside them, and a hidden cap refuse the excess.
+        let orphans = {
+            let calls = self.remote_calls.lock().unwrap_or_else(|e| e.into_inner());
+            calls.1.values().filter(|d| !d.is_open()).count()
+        };
+        {
+            let mut carried = self.carried.lock().unwrap_or_else(|e| e.into_inner());
+            *carried = match &delegate {
+                _ if orphans == 0 => (0, None),
+                Some(d) => {
+                    d.carry(orphans);
+                    (orphans, Some(d.clone()))
+                }
+                None => (self.limit.borrow(orphans), None),
+            };
+        }
         let route = match delegate {
             Some(d) => Route::There(d),
             None => {
@@ -252,6 +288,47 @@ impl Throttle {
             }
         };
         self.reroute(route);
+    }
+
+    /// A call admitted by a shared throttle ended: if that throttle went away meanwhile, the
+    /// one deciding now no longer counts it.
+    fn remote_ended(&self, call: u64) {
+        let Some(d) = self.remote_calls.lock().unwrap_or_else(|e| e.into_inner()).1.remove(&call) else { return };
+        if d.is_open() {
+            return;
+        }
+        let mut carried = self.carried.lock().unwrap_or_else(|e| e.into_inner());
+        if carried.0 == 0 {
+            return;
+        }
+        carried.0 -= 1;
+        match &carried.1 {
+            Some(now) => now.landed(),
+            None => self.limit.repay(1),
+        }
+    }
+
+    /// Sets `n` concurrency slots aside for calls in flight that another process's shared
+    /// throttle admitted before it went (that process now asks this one); returns how many.
+    pub fn borrow_slots(&self, n: usize) -> usize {
+        self.limit.borrow(n)
+    }
+
+    /// Gives back slots set aside by [`Throttle::borrow_slots`].
+    pub fn repay_slots(&self, n: usize) {
+        if n > 0 {
+            self.limit.repay(n);
+        }
+    }
+
+    /// What the concurrency limit learned (see [`ConcurrencyLimit::export`]).
+    pub fn export_concurrency(&self) -> Option<(usize, Option<usize>)> {
+        self.limit.export()
+    }
+
+    /// Goes on from a concurrency limit another process learned.
+    pub fn seed_concurrency(&self, limit: usize, ceiling: Option<usize>) {
+        self.limit.seed(limit, ceiling);
     }
 
     fn reroute(&self, route: Route) {
@@ -374,12 +451,19 @@ impl Throttle {
                 *self.shared_view.lock().unwrap_or_else(|e| e.into_inner()) = Some((g.concurrency, g.rates));
                 self.most_processes.fetch_max(g.processes, Relaxed);
                 self.throttled_micros.fetch_add(g.waited.as_micros() as u64, Relaxed);
+                let call = {
+                    let mut calls = self.remote_calls.lock().unwrap_or_else(|e| e.into_inner());
+                    calls.0 += 1;
+                    let n = calls.0;
+                    calls.1.insert(n, d.clone());
+                    n
+                };
                 return Admitted {
                     throttle: self,
                     permit: None,
                     level: 0,
                     ticket: None,
-                    remote: Some((d, g.id)),
+                    remote: Some((d, g.id, call)),
                     sent: Instant::now(),
                     waited: g.waited,
                 };
@@ -492,8 +576,9 @@ impl Admitted<'_> {
     /// endpoint's load, where the whole call's time mostly tracks the answer's length.
     pub fn finish_timed(mut self, result: Result<(Usage, Option<LimitInfo>), &ModelError>, latency: Option<Duration>) {
         let latency = latency.unwrap_or_else(|| self.sent.elapsed());
-        if let Some((d, id)) = self.remote.take() {
+        if let Some((d, id, call)) = self.remote.take() {
             d.finish(id, result, latency);
+            self.throttle.remote_ended(call);
             return;
         }
         drop(self.permit.take());
@@ -525,8 +610,9 @@ impl Drop for Admitted<'_> {
     fn drop(&mut self) {
         // Not reported (the call was cancelled): the server may have counted it, so the budgets
         // keep it; the slot is freed without teaching the concurrency limit anything.
-        if let Some((d, id)) = self.remote.take() {
+        if let Some((d, id, call)) = self.remote.take() {
             d.abandon(id);
+            self.throttle.remote_ended(call);
         }
         if let Some(ticket) = self.ticket.take() {
             let e = ModelError::new(ErrorKind::Aborted, "cancelled");
@@ -902,6 +988,79 @@ mod tests {
         Err(ModelError::new(ErrorKind::RateLimited, "429")
             .with_hint(RetryHint::Later(Some(delay)))
             .with_quota(QuotaScope::Requests))
+    }
+
+    /// A shared throttle in another process that admits every call at once, until it is
+    /// closed (its process ended).
+    #[derive(Default)]
+    struct Elsewhere {
+        open: std::sync::atomic::AtomicBool,
+        next: AtomicU64,
+        carried: std::sync::atomic::AtomicUsize,
+    }
+
+    impl Delegate for Elsewhere {
+        fn admit(&self, _weight: Weight) -> futures::future::BoxFuture<'static, Option<Grant>> {
+            let id = self.next.fetch_add(1, Relaxed);
+            let open = self.open.load(Relaxed);
+            Box::pin(async move {
+                open.then(|| Grant {
+                    id,
+                    waited: Duration::ZERO,
+                    concurrency: 4,
+                    rates: RateSnapshot { requests: None, tokens: None },
+                    processes: 2,
+                })
+            })
+        }
+        fn finish(&self, _: u64, _: Result<(Usage, Option<LimitInfo>), &ModelError>, _: Duration) {}
+        fn abandon(&self, _: u64) {}
+        fn is_open(&self) -> bool {
+            self.open.load(Relaxed)
+        }
+        fn carry(&self, n: usize) {
+            self.carried.fetch_add(n, Relaxed);
+        }
+        fn landed(&self) {
+            self.carried.fetch_sub(1, Relaxed);
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn calls_a_gone_holder_admitted_count_against_whoever_decides_next() {
+        let t = Throttle::new(&ThrottleSettings {
+            max_concurrency: 4,
+            adaptive: false,
+            store: QuotaStore::Off,
+            ..ThrottleSettings::default()
+        });
+        let never = CancellationToken::new();
+        let old = Arc::new(Elsewhere::default());
+        old.open.store(true, Relaxed);
+        t.delegate_to(Some(old.clone()));
+        let mut flying = Vec::new();
+        for _ in 0..3 {
+            flying.push(t.admit(Weight::default(), &never).await.unwrap());
+        }
+        // The holder's process ends with three of this process's calls in flight; this one
+        // takes the quota over: one slot of four is free until they land.
+        old.open.store(false, Relaxed);
+        t.delegate_to(None);
+        let mine = t.admit(Weight::default(), &never).await.unwrap();
+        let second = tokio::time::timeout(Duration::from_secs(1), t.admit(Weight::default(), &never)).await;
+        assert!(second.is_err(), "a fifth call in flight");
+        flying.pop().unwrap().finish(Ok((Usage::default(), None)));
+        let second = tokio::time::timeout(Duration::from_secs(1), t.admit(Weight::default(), &never)).await;
+        assert!(second.is_ok(), "a landed call's slot was not given back");
+        drop((mine, second));
+        // Following another holder instead, the calls still in flight are told to it, and each
+        // that lands is told too.
+        let next = Arc::new(Elsewhere::default());
+        next.open.store(true, Relaxed);
+        t.delegate_to(Some(next.clone()));
+        assert_eq!(next.carried.load(Relaxed), 2);
+        flying.pop().unwrap().finish(Ok((Usage::default(), None)));
+        assert_eq!(next.carried.load(Relaxed), 1);
     }
 
     #[tokio::test(start_paused = true)]

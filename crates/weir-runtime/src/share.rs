@@ -141,6 +141,9 @@ struct Written {
     /// When, in seconds since the Unix epoch.
     at: f64,
     budgets: (weir_core::rate::Seed, weir_core::rate::Seed),
+    /// The concurrency limit and the ceiling it found (adaptive concurrency only).
+    #[serde(default)]
+    concurrency: Option<(usize, Option<usize>)>,
 }
 
 fn unix_now() -> f64 {
@@ -155,6 +158,9 @@ fn take_over(throttle: &Throttle, place: &Place) {
     let window = w.budgets.0.window().max(w.budgets.1.window()).unwrap_or_default();
     if age < window + STATE_GRACE {
         throttle.rate_limiter().seed(&w.budgets, age);
+        if let Some((limit, ceiling)) = w.concurrency {
+            throttle.seed_concurrency(limit, ceiling);
+        }
         tracing::debug!(age = ?age, "took over the limits the last holder knew");
     }
 }
@@ -193,7 +199,7 @@ async fn write_down(throttle: Weak<Throttle>, path: PathBuf) {
 /// synced to disk as `weir_io::state::write_atomic` does: it is only for the process that takes
 /// over next, seconds from now, and an fsync every 20 ms would cost more than it is worth.
 fn write_state(t: &Throttle, path: &std::path::Path) {
-    let w = Written { at: unix_now(), budgets: t.rate_limiter().export() };
+    let w = Written { at: unix_now(), budgets: t.rate_limiter().export(), concurrency: t.export_concurrency() };
     let bytes = serde_json::to_vec(&w).expect("the budgets serialise");
     let tmp = path.with_extension("state.tmp");
     if std::fs::write(&tmp, bytes).and_then(|()| std::fs::rename(&tmp, path)).is_err() {
@@ -281,6 +287,11 @@ enum Ask {
     Finish { id: u64, latency_us: u64, result: Reported },
     /// Call `id` is no longer wanted (it was cancelled), admitted or not.
     Abandon { id: u64 },
+    /// `n` calls of this process, admitted by a holder that went away, are still in flight:
+    /// count them against the concurrency until each lands.
+    Carry { n: usize },
+    /// One of the carried calls ended.
+    Landed,
 }
 
 /// What the holder answers.
@@ -417,6 +428,8 @@ pub(crate) async fn serve_peer(
     let (tx, writer) = writer(write);
     let gone = CancellationToken::new();
     let calls: Arc<Mutex<HashMap<u64, Served>>> = Arc::default();
+    // Slots set aside for the process's calls that the last holder admitted.
+    let mut carried = 0usize;
     while let Ok(Some(l)) = lines.next_line().await {
         let ask = match serde_json::from_str::<Ask>(&l) {
             Ok(a) => a,
@@ -463,8 +476,16 @@ pub(crate) async fn serve_peer(
                     s.cancel.cancel();
                 }
             }
+            Ask::Carry { n } => carried += throttle.borrow_slots(n.min(100_000)),
+            Ask::Landed => {
+                if carried > 0 {
+                    carried -= 1;
+                    throttle.repay_slots(1);
+                }
+            }
         }
     }
+    throttle.repay_slots(carried);
     gone.cancel();
     calls.lock().unwrap_or_else(|e| e.into_inner()).clear();
     writer.abort();
@@ -555,6 +576,18 @@ impl Delegate for Peer {
 
     fn abandon(&self, grant: u64) {
         let _ = self.tx.send(line(&Ask::Abandon { id: grant }));
+    }
+
+    fn is_open(&self) -> bool {
+        self.open.load(Relaxed)
+    }
+
+    fn carry(&self, n: usize) {
+        let _ = self.tx.send(line(&Ask::Carry { n }));
+    }
+
+    fn landed(&self) {
+        let _ = self.tx.send(line(&Ask::Landed));
     }
 }
 

@@ -56,6 +56,8 @@ struct Note {
 struct Written {
     ttl_ms: u64,
     budgets: (weir_core::rate::Seed, weir_core::rate::Seed),
+    #[serde(default)]
+    concurrency: Option<(usize, Option<usize>)>,
 }
 
 /// The host and port of `url`, for messages (never its password).
@@ -197,6 +199,9 @@ async fn take_over(throttle: &Throttle, mut conn: redis::aio::MultiplexedConnect
     let Ok(w) = serde_json::from_str::<Written>(&text) else { return };
     let age = Duration::from_millis(w.ttl_ms.saturating_sub(left_ms.max(0) as u64));
     throttle.rate_limiter().seed(&w.budgets, age);
+    if let Some((limit, ceiling)) = w.concurrency {
+        throttle.seed_concurrency(limit, ceiling);
+    }
     tracing::debug!(age = ?age, "took over the limits the last holder knew");
 }
 
@@ -309,7 +314,8 @@ async fn write_down(throttle: Weak<Throttle>, mut conn: redis::aio::MultiplexedC
         let budgets = t.rate_limiter().export();
         let window = budgets.0.window().max(budgets.1.window()).unwrap_or_default();
         let ttl_ms = (window + STATE_GRACE).as_millis() as u64;
-        let text = serde_json::to_string(&Written { ttl_ms, budgets }).expect("the budgets serialise");
+        let written = Written { ttl_ms, budgets, concurrency: t.export_concurrency() };
+        let text = serde_json::to_string(&written).expect("the budgets serialise");
         let _: redis::RedisResult<()> = conn.pset_ex(&key, text, ttl_ms).await;
     }
 }
