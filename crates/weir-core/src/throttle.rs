@@ -142,11 +142,15 @@ pub struct Throttle {
     most_processes: std::sync::atomic::AtomicUsize,
     /// Calls of this process in flight that a shared throttle admitted, by a number of their
     /// own, with the throttle that admitted them.
-    remote_calls: Mutex<(u64, HashMap<u64, Arc<dyn Delegate>>)>,
+    remote_calls: Mutex<RemoteCalls>,
     /// Calls in flight whose shared throttle went away, as counted by whoever decides now: set
     /// aside here (`None`) or told to the shared throttle followed now.
     carried: Mutex<(usize, Option<Arc<dyn Delegate>>)>,
 }
+
+/// Calls in flight that a shared throttle admitted: the last number given, and each call's
+/// throttle by its number.
+type RemoteCalls = (u64, HashMap<u64, Arc<dyn Delegate>>);
 
 /// Where a throttle's admissions are decided.
 #[derive(Clone)]
@@ -1004,7 +1008,7 @@ mod tests {
             let id = self.next.fetch_add(1, Relaxed);
             let open = self.open.load(Relaxed);
             Box::pin(async move {
-                open.then(|| Grant {
+                open.then_some(Grant {
                     id,
                     waited: Duration::ZERO,
                     concurrency: 4,
