@@ -138,6 +138,12 @@ pub struct Throttle {
     shared_view: Mutex<Option<(usize, RateSnapshot)>>,
     /// Calls this throttle admitted (for processes it serves as well as its own).
     admitted: AtomicU64,
+    /// Calls this throttle admitted that are in flight (its process's and those it serves).
+    in_flight: std::sync::atomic::AtomicUsize,
+    /// Slots set aside when this throttle took a shared quota over, for calls the last holder
+    /// admitted that are still in flight, until their processes say how many are theirs
+    /// ([`Throttle::borrow_slots`]) or a grace period ends.
+    unclaimed: Mutex<usize>,
     /// The most processes seen sharing the quota at once.
     most_processes: std::sync::atomic::AtomicUsize,
     /// Calls of this process in flight that a shared throttle admitted, by a number of their
@@ -240,6 +246,8 @@ impl Throttle {
             turns: Mutex::new(Turns::default()),
             shared_view: Mutex::new(None),
             admitted: AtomicU64::new(0),
+            in_flight: std::sync::atomic::AtomicUsize::new(0),
+            unclaimed: Mutex::new(0),
             most_processes: std::sync::atomic::AtomicUsize::new(1),
             remote_calls: Mutex::default(),
             carried: Mutex::new((0, None)),
@@ -315,7 +323,46 @@ impl Throttle {
     /// Sets `n` concurrency slots aside for calls in flight that another process's shared
     /// throttle admitted before it went (that process now asks this one); returns how many.
     pub fn borrow_slots(&self, n: usize) -> usize {
-        self.limit.borrow(n)
+        let claimed = {
+            let mut unclaimed = self.unclaimed.lock().unwrap_or_else(|e| e.into_inner());
+            let c = n.min(*unclaimed);
+            *unclaimed -= c;
+            c
+        };
+        claimed + self.limit.borrow(n - claimed)
+    }
+
+    /// Calls in flight as far as this throttle's concurrency goes: those it admitted, and those
+    /// it set slots aside for (to write down for the next holder).
+    pub fn in_flight(&self) -> usize {
+        let carried = self.carried.lock().unwrap_or_else(|e| e.into_inner());
+        let set_aside = if carried.1.is_none() { carried.0 } else { 0 };
+        self.in_flight.load(Relaxed) + set_aside + *self.unclaimed.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Taking a shared quota over from a holder that had `in_flight` calls in flight: the ones
+    /// that are not this process's own are set aside at once (their processes reconnect and
+    /// claim theirs with [`Throttle::borrow_slots`] a moment later, while this one's waiting
+    /// calls would go at once); what is unclaimed after `grace` is given back.
+    pub fn take_over_in_flight(self: &Arc<Self>, in_flight: usize, grace: Duration) {
+        let own = {
+            let calls = self.remote_calls.lock().unwrap_or_else(|e| e.into_inner());
+            calls.1.values().filter(|d| !d.is_open()).count()
+        };
+        let others = in_flight.saturating_sub(own);
+        if others == 0 {
+            return;
+        }
+        let set_aside = self.limit.borrow(others);
+        *self.unclaimed.lock().unwrap_or_else(|e| e.into_inner()) += set_aside;
+        let me = Arc::downgrade(self);
+        tokio::spawn(async move {
+            tokio::time::sleep(grace).await;
+            if let Some(t) = me.upgrade() {
+                let left = std::mem::take(&mut *t.unclaimed.lock().unwrap_or_else(|e| e.into_inner()));
+                t.repay_slots(left);
+            }
+        });
     }
 
     /// Gives back slots set aside by [`Throttle::borrow_slots`].
@@ -525,6 +572,7 @@ impl Throttle {
         let waited = held + sre_held;
         self.throttled_micros.fetch_add(waited.as_micros() as u64, Relaxed);
         self.admitted.fetch_add(1, Relaxed);
+        self.in_flight.fetch_add(1, Relaxed);
         Admitted {
             throttle: self,
             permit: Some(permit),
@@ -585,7 +633,9 @@ impl Admitted<'_> {
             self.throttle.remote_ended(call);
             return;
         }
-        drop(self.permit.take());
+        if self.permit.take().is_some() {
+            self.throttle.in_flight.fetch_sub(1, Relaxed);
+        }
         let t = self.throttle;
         if let Some(ticket) = self.ticket.take() {
             t.rate.complete_with(ticket, result);
@@ -617,6 +667,9 @@ impl Drop for Admitted<'_> {
         if let Some((d, id, call)) = self.remote.take() {
             d.abandon(id);
             self.throttle.remote_ended(call);
+        }
+        if self.permit.take().is_some() {
+            self.throttle.in_flight.fetch_sub(1, Relaxed);
         }
         if let Some(ticket) = self.ticket.take() {
             let e = ModelError::new(ErrorKind::Aborted, "cancelled");

@@ -144,14 +144,21 @@ struct Written {
     /// The concurrency limit and the ceiling it found (adaptive concurrency only).
     #[serde(default)]
     concurrency: Option<(usize, Option<usize>)>,
+    /// Calls in flight that the holder admitted.
+    #[serde(default)]
+    in_flight: usize,
 }
+
+/// How long a new holder keeps slots aside for the calls its predecessor admitted, waiting for
+/// their processes to reconnect and say how many are theirs.
+pub(crate) const CLAIM_WITHIN: Duration = Duration::from_secs(2);
 
 fn unix_now() -> f64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
 }
 
 /// Seeds `throttle` with what the last holder wrote down, if it is recent.
-fn take_over(throttle: &Throttle, place: &Place) {
+fn take_over(throttle: &Arc<Throttle>, place: &Place) {
     let Ok(bytes) = std::fs::read(&place.state) else { return };
     let Ok(w) = serde_json::from_slice::<Written>(&bytes) else { return };
     let age = Duration::from_secs_f64((unix_now() - w.at).max(0.0));
@@ -161,6 +168,7 @@ fn take_over(throttle: &Throttle, place: &Place) {
         if let Some((limit, ceiling)) = w.concurrency {
             throttle.seed_concurrency(limit, ceiling);
         }
+        throttle.take_over_in_flight(w.in_flight, CLAIM_WITHIN);
         tracing::debug!(age = ?age, "took over the limits the last holder knew");
     }
 }
@@ -199,7 +207,12 @@ async fn write_down(throttle: Weak<Throttle>, path: PathBuf) {
 /// synced to disk as `weir_io::state::write_atomic` does: it is only for the process that takes
 /// over next, seconds from now, and an fsync every 20 ms would cost more than it is worth.
 fn write_state(t: &Throttle, path: &std::path::Path) {
-    let w = Written { at: unix_now(), budgets: t.rate_limiter().export(), concurrency: t.export_concurrency() };
+    let w = Written {
+        at: unix_now(),
+        budgets: t.rate_limiter().export(),
+        concurrency: t.export_concurrency(),
+        in_flight: t.in_flight(),
+    };
     let bytes = serde_json::to_vec(&w).expect("the budgets serialise");
     let tmp = path.with_extension("state.tmp");
     if std::fs::write(&tmp, bytes).and_then(|()| std::fs::rename(&tmp, path)).is_err() {

@@ -58,6 +58,8 @@ struct Written {
     budgets: (weir_core::rate::Seed, weir_core::rate::Seed),
     #[serde(default)]
     concurrency: Option<(usize, Option<usize>)>,
+    #[serde(default)]
+    in_flight: usize,
 }
 
 /// The host and port of `url`, for messages (never its password).
@@ -191,7 +193,7 @@ async fn supervise(throttle: Weak<Throttle>, client: redis::Client, key: String,
 }
 
 /// Seeds `throttle` with what the last holder wrote down, if it has not expired.
-async fn take_over(throttle: &Throttle, mut conn: redis::aio::MultiplexedConnection, key: &str) {
+async fn take_over(throttle: &Arc<Throttle>, mut conn: redis::aio::MultiplexedConnection, key: &str) {
     let state = format!("{key}:state");
     let got: redis::RedisResult<(Option<String>, i64)> =
         redis::pipe().get(&state).cmd("PTTL").arg(&state).query_async(&mut conn).await;
@@ -202,6 +204,7 @@ async fn take_over(throttle: &Throttle, mut conn: redis::aio::MultiplexedConnect
     if let Some((limit, ceiling)) = w.concurrency {
         throttle.seed_concurrency(limit, ceiling);
     }
+    throttle.take_over_in_flight(w.in_flight, crate::share::CLAIM_WITHIN);
     tracing::debug!(age = ?age, "took over the limits the last holder knew");
 }
 
@@ -314,7 +317,7 @@ async fn write_down(throttle: Weak<Throttle>, mut conn: redis::aio::MultiplexedC
         let budgets = t.rate_limiter().export();
         let window = budgets.0.window().max(budgets.1.window()).unwrap_or_default();
         let ttl_ms = (window + STATE_GRACE).as_millis() as u64;
-        let written = Written { ttl_ms, budgets, concurrency: t.export_concurrency() };
+        let written = Written { ttl_ms, budgets, concurrency: t.export_concurrency(), in_flight: t.in_flight() };
         let text = serde_json::to_string(&written).expect("the budgets serialise");
         let _: redis::RedisResult<()> = conn.pset_ex(&key, text, ttl_ms).await;
     }
