@@ -122,11 +122,6 @@ pub struct Budget {
     refusals: u64,
     /// The window assumed when a refusal does not say when to come back.
     default_window: Duration,
-    /// Quiet windows before a capacity probe: one, doubled each time a capacity probe is refused
-    /// (up to [`MOST_PROBE_AFTER_WINDOWS`]), back to one when one is admitted. A quota that is
-    /// full — this process's alone, or shared with others that each probe — is then probed a
-    /// few times a minute rather than every other window, each probe costing a refusal.
-    probe_after: u32,
 }
 
 /// What a budget knew, handed from a process that held a shared quota to the one that takes
@@ -168,8 +163,6 @@ pub fn surely_busy(d: Duration) -> Duration {
 
 /// Windows without a refusal, while sends wait, before a capacity probe.
 const PROBE_AFTER_WINDOWS: u32 = 1;
-/// The most quiet windows before a capacity probe, after probes were refused.
-const MOST_PROBE_AFTER_WINDOWS: u32 = 4;
 
 /// The default window when a refusal does not say when to come back.
 pub const DEFAULT_WINDOW: Duration = Duration::from_secs(60);
@@ -205,7 +198,6 @@ impl Budget {
             come_back: None,
             refusals: 0,
             default_window: DEFAULT_WINDOW,
-            probe_after: PROBE_AFTER_WINDOWS,
         }
     }
 
@@ -378,7 +370,7 @@ impl Budget {
     fn probes_due(&self, now: Instant) -> (Instant, Instant) {
         let w = self.window.unwrap_or(DEFAULT_WINDOW);
         let quiet_since = self.last_refusal.max(self.last_probe).unwrap_or(now);
-        (quiet_since + w, quiet_since + w * (self.probe_after + u32::from(self.uncertain())))
+        (quiet_since + w, quiet_since + w * (PROBE_AFTER_WINDOWS + u32::from(self.uncertain())))
     }
 
     /// When a send may go with no credit, if nothing is out to bring one back.
@@ -520,9 +512,6 @@ impl Budget {
                     u64::MAX
                 }
             };
-            if matches!(probe, Probe::Capacity { .. }) {
-                self.probe_after = PROBE_AFTER_WINDOWS;
-            }
             if epoch == self.epoch && self.mode == Mode::Learned {
                 // No refusal since: the window has room to spare, so probe twice as hard.
                 self.credits += 2.0 * self.probe;
@@ -553,9 +542,6 @@ impl Budget {
         let removed = self.position(id).map(|i| self.log.remove(i).expect("index is valid"));
         self.overdue.remove(&id);
         let probe = self.probes.remove(&id);
-        if matches!(probe, Some(Probe::Capacity { .. })) {
-            self.probe_after = (self.probe_after * 2).min(MOST_PROBE_AFTER_WINDOWS);
-        }
         match self.mode {
             Mode::Static { .. } => {
                 if let Some(e) = &removed {
