@@ -61,18 +61,20 @@ pub fn quota_name(model: &str, endpoint: &str, credential: Option<&str>) -> Stri
 fn meeting_dir() -> Result<PathBuf, String> {
     use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
     let uid = uid();
+    // Empty is unset. Only the meeting directory itself is made, never its parents: a
+    // mistyped path must not grow a tree of directories from the root.
     let dir = match std::env::var_os(DIR_VAR) {
-        Some(d) => PathBuf::from(d),
-        None => match std::env::var_os("XDG_RUNTIME_DIR") {
+        Some(d) if !d.is_empty() => PathBuf::from(d),
+        _ => match std::env::var_os("XDG_RUNTIME_DIR") {
             Some(d) if !d.is_empty() => PathBuf::from(d).join("weir"),
             _ => std::env::temp_dir().join(format!("weir-{uid}")),
         },
     };
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(&dir)
-        .map_err(|e| format!("cannot make {}: {e}", dir.display()))?;
+    match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(format!("cannot make {}: {e}", dir.display())),
+    }
     // Another user's directory (made first, in a shared /tmp) must not be trusted: whoever
     // owns it could answer for the holder.
     let meta = std::fs::symlink_metadata(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
@@ -380,15 +382,11 @@ async fn serve(throttle: Arc<Throttle>, listener: UnixListener, _lock: std::fs::
         if !same_user(&stream) {
             continue;
         }
-        let n = peers.fetch_add(1, Relaxed) + 1;
-        throttle.set_processes(n + 1);
         member += 1;
         let (throttle, peers) = (throttle.clone(), peers.clone());
         tokio::spawn(async move {
             let (read, write) = tokio::io::split(stream);
             serve_peer(&throttle, BufReader::new(read).lines(), write, &peers, member, 1).await;
-            let n = peers.fetch_sub(1, Relaxed) - 1;
-            throttle.set_processes(n + 1);
         });
     }
 }
@@ -443,6 +441,9 @@ pub(crate) async fn serve_peer(
     let calls: Arc<Mutex<HashMap<u64, Served>>> = Arc::default();
     // Slots set aside for the process's calls that the last holder admitted.
     let mut carried = 0usize;
+    // A process counts as sharing the quota from its first call (a connection that asks
+    // nothing — a port check, a stranger — is no process sharing it).
+    let mut counted = false;
     while let Ok(Some(l)) = lines.next_line().await {
         let ask = match serde_json::from_str::<Ask>(&l) {
             Ok(a) => a,
@@ -451,6 +452,11 @@ pub(crate) async fn serve_peer(
                 break;
             }
         };
+        if !counted && matches!(ask, Ask::Admit { .. }) {
+            counted = true;
+            let n = peers.fetch_add(1, Relaxed) + 1;
+            throttle.set_processes(n + others);
+        }
         match ask {
             Ask::Admit { id, tokens } => {
                 let cancel = gone.child_token();
@@ -499,6 +505,9 @@ pub(crate) async fn serve_peer(
         }
     }
     throttle.repay_slots(carried);
+    if counted {
+        peers.fetch_sub(1, Relaxed);
+    }
     gone.cancel();
     calls.lock().unwrap_or_else(|e| e.into_inner()).clear();
     writer.abort();
@@ -784,7 +793,15 @@ impl Keeper {
             _ => None,
         };
         let Some(hello) = hello else {
-            tracing::warn!("quota service: a connection did not say which quota it shares; closed it");
+            // Said at most every 10 s: a stranger's flood of connections must not flood the log.
+            static LAST: Mutex<Option<std::time::Instant>> = Mutex::new(None);
+            let mut last = LAST.lock().unwrap_or_else(|e| e.into_inner());
+            if last.is_none_or(|t| t.elapsed() >= Duration::from_secs(10)) {
+                *last = Some(std::time::Instant::now());
+                tracing::warn!(
+                    "quota service: a connection did not say which quota it shares; closed it (said once in 10 s)"
+                );
+            }
             return;
         };
         let valid_name = hello.quota.len() == 24 && hello.quota.bytes().all(|b| b.is_ascii_hexdigit());
@@ -809,10 +826,8 @@ impl Keeper {
             kept.members += 1;
             (kept.throttle.clone(), kept.peers.clone(), kept.members)
         };
-        let n = peers.fetch_add(1, Relaxed) + 1;
-        throttle.set_processes(n);
         serve_peer(&throttle, lines, write, &peers, member, 0).await;
-        if peers.fetch_sub(1, Relaxed) == 1 {
+        if peers.load(Relaxed) == 0 {
             let me = self.clone();
             tokio::spawn(async move {
                 tokio::time::sleep(KEEP_AFTER_LAST).await;

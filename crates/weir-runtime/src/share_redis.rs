@@ -20,7 +20,7 @@
 use redis::AsyncCommands;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
@@ -38,6 +38,11 @@ const BEAT_EVERY: Duration = Duration::from_millis(500);
 const SILENT_FOR: Duration = Duration::from_secs(5);
 /// Lists expire this long after their last push.
 const LIST_TTL_MS: i64 = 10_000;
+/// How long a process goes without any answer from its holder (which echoes every "alive")
+/// before it leaves it for another.
+const UNANSWERED_FOR: Duration = Duration::from_secs(5);
+/// The holder's answer to a process's "alive": not a line of the protocol.
+const ECHO: &str = "alive";
 /// How often, at most, the holder writes down its budgets.
 const STATE_EVERY: Duration = Duration::from_millis(250);
 
@@ -66,11 +71,20 @@ struct Written {
 pub fn describe(url: &str) -> String {
     match redis::Client::open(url) {
         Ok(c) => match c.get_connection_info().addr() {
-            redis::ConnectionAddr::Tcp(h, p) => format!("redis://{h}:{p}"),
-            redis::ConnectionAddr::TcpTls { host, port, .. } => format!("rediss://{host}:{port}"),
+            redis::ConnectionAddr::Tcp(h, p) => format!("redis://{}:{p}", bracketed(h)),
+            redis::ConnectionAddr::TcpTls { host, port, .. } => format!("rediss://{}:{port}", bracketed(host)),
             other => other.to_string(),
         },
         Err(_) => "the Redis server".into(),
+    }
+}
+
+/// A host as a URL writes it: an IPv6 address in brackets.
+fn bracketed(host: &str) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]")
+    } else {
+        host.to_string()
     }
 }
 
@@ -210,7 +224,7 @@ async fn take_over(throttle: &Arc<Throttle>, mut conn: redis::aio::MultiplexedCo
 
 /// One process the holder serves: where its lines go in, and when it was last heard from.
 struct Member {
-    feed: tokio::io::WriteHalf<tokio::io::DuplexStream>,
+    feed: tokio::io::DuplexStream,
     seen: tokio::time::Instant,
 }
 
@@ -260,20 +274,31 @@ async fn hold(
         let member = members.entry(note.from.clone()).or_insert_with(|| {
             // A process new to this holder: served as a connection of its own.
             number += 1;
-            let (served, pump) = tokio::io::duplex(1 << 16);
-            let (served_read, served_write) = tokio::io::split(served);
-            let (pump_read, feed) = tokio::io::split(pump);
-            let n = peers.fetch_add(1, Relaxed) + 1;
-            t.set_processes(n + 1);
+            // One pipe each way, so that dropping `feed` (the process went silent, or this one
+            // stopped holding) ends the serving: its waiting calls are cancelled and the ones
+            // it let out are given back as the throttle frees them. (One two-way pipe split in
+            // halves stays open while the half that sends out waits for the serving to end.)
+            let (feed, served_in) = tokio::io::duplex(1 << 16);
+            let (served_out, from_served) = tokio::io::duplex(1 << 16);
             let (t2, peers2, no) = (t.clone(), peers.clone(), number);
             tokio::spawn(async move {
-                serve_peer(&t2, BufReader::new(served_read).lines(), served_write, &peers2, no, 1).await;
-                peers2.fetch_sub(1, Relaxed);
+                serve_peer(&t2, BufReader::new(served_in).lines(), served_out, &peers2, no, 1).await;
             });
-            tokio::spawn(send_out(pump_read, conn.clone(), format!("{key}:out:{}", note.from)));
+            tokio::spawn(send_out(from_served, conn.clone(), format!("{key}:out:{}", note.from)));
             Member { feed, seen: tokio::time::Instant::now() }
         });
         member.seen = tokio::time::Instant::now();
+        if note.line.is_none() {
+            // Answered, so that the process knows this holder still reads its list.
+            let out = format!("{key}:out:{}", note.from);
+            let _: redis::RedisResult<()> = redis::pipe()
+                .rpush(&out, ECHO)
+                .ignore()
+                .pexpire(&out, LIST_TTL_MS)
+                .ignore()
+                .query_async(&mut conn)
+                .await;
+        }
         if let Some(line) = note.line {
             let mut bytes = line.into_bytes();
             bytes.push(b'\n');
@@ -288,11 +313,7 @@ async fn hold(
 }
 
 /// Pushes every line read from `from` onto the Redis list `to`, until `from` ends.
-async fn send_out(
-    from: tokio::io::ReadHalf<tokio::io::DuplexStream>,
-    mut conn: redis::aio::MultiplexedConnection,
-    to: String,
-) {
+async fn send_out(from: tokio::io::DuplexStream, mut conn: redis::aio::MultiplexedConnection, to: String) {
     let mut lines = BufReader::new(from).lines();
     while let Ok(Some(l)) = lines.next_line().await {
         let pushed: redis::RedisResult<()> =
@@ -370,7 +391,18 @@ async fn follow(
     let alive = serde_json::to_string(&Note { from: me.clone(), line: None }).expect("a note serialises");
     let mut next_beat = tokio::time::Instant::now();
     let mut finished = std::pin::pin!(ended.notified());
+    let mut last_heard = tokio::time::Instant::now();
     loop {
+        // A holder that has answered nothing for a while although this process has calls
+        // waiting (its lists lost — a FLUSHALL — or its process stuck) is left: the calls decide
+        // alone, and the holder is looked for again.
+        if last_heard.elapsed() > UNANSWERED_FOR {
+            tracing::warn!(
+                "the process holding the quota shared through {place} has not answered for {} s; looking for another",
+                UNANSWERED_FOR.as_secs()
+            );
+            break;
+        }
         if tokio::time::Instant::now() >= next_beat {
             next_beat += BEAT_EVERY;
             let holds: redis::RedisResult<Option<String>> = conn.get(format!("{key}:holder")).await;
@@ -394,6 +426,10 @@ async fn follow(
         };
         match popped {
             Ok(Some((_, mut line))) => {
+                last_heard = tokio::time::Instant::now();
+                if line == ECHO {
+                    continue;
+                }
                 line.push('\n');
                 if feed.write_all(line.as_bytes()).await.is_err() {
                     break;
@@ -422,8 +458,10 @@ impl Drop for Aborting {
 /// time-out), else the kind of error — never the server's whole message, which could quote a
 /// command's arguments.
 fn why(e: &redis::RedisError) -> String {
-    match e.kind() {
-        redis::ErrorKind::Io => format!("{e}"),
-        kind => format!("{kind:?}"),
+    match (e.kind(), e.code()) {
+        (redis::ErrorKind::Io, _) => format!("{e}"),
+        (_, Some("NOAUTH")) => "the server wants a password: put it in the URL, rediss://:PASSWORD@HOST:PORT".into(),
+        (_, Some(code)) => format!("the server answered {code}"),
+        (kind, None) => format!("{kind:?}"),
     }
 }

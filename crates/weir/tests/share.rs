@@ -270,3 +270,38 @@ async fn a_redis_store_that_cannot_be_used_is_said_so() {
     assert!(!err.contains("hunter2"), "the password was shown: {err}");
     assert_eq!(rows(&dir.path("out")).len(), ids.len());
 }
+
+#[tokio::test]
+async fn processes_sharing_through_redis_go_on_when_its_keys_are_flushed() {
+    // A FLUSHALL mid-run (an operator, or a Redis restarted empty) takes the holder's lease and
+    // lists away: the processes elect a holder again and finish. Before, the holder that lost
+    // its lease kept serving the others' calls that nobody collected, and their slots never
+    // came back: it stalled until killed.
+    let Some((_redis, store)) = redis().await else { return };
+    let server = steady_sim().await;
+    let url = server.url();
+    let dir = Dir::new("share-redis-flush");
+    let (data, ids) = prompts(40);
+    let names = ["a", "b", "c"];
+    let mut runs = Vec::new();
+    for n in names {
+        let input = dir.write(&format!("{n}.jsonl"), &data);
+        let mut run = told_run(&url, &dir, &input, &format!("{n}.out"), &dir.path(&format!("meet-{n}")), &store);
+        runs.push(run.kill_on_drop(true).spawn().unwrap());
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let port: u16 = store.rsplit(':').next().unwrap().parse().unwrap();
+    let mut redis = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    tokio::io::AsyncWriteExt::write_all(&mut redis, b"*1\r\n$8\r\nFLUSHALL\r\n").await.unwrap();
+    let mut ok = [0u8; 5];
+    tokio::io::AsyncReadExt::read_exact(&mut redis, &mut ok).await.unwrap();
+    assert_eq!(&ok, b"+OK\r\n");
+    for (n, run) in names.iter().zip(runs) {
+        let o = tokio::time::timeout(Duration::from_secs(60), run.wait_with_output())
+            .await
+            .unwrap_or_else(|_| panic!("{n} stalled after the flush"))
+            .unwrap();
+        assert!(o.status.success(), "{n}: {}", String::from_utf8_lossy(&o.stderr));
+        util::assert_each_id_once(&ids, &rows(&dir.path(&format!("{n}.out"))), &[]);
+    }
+}
