@@ -277,10 +277,7 @@ impl Throttle {
         // This process's calls still in flight that a shared throttle now gone admitted count
         // against whoever decides from now on, until they end: else a throttle taking over
         // would admit a full limit of new calls beside them, and a hidden cap refuse the excess.
-        let orphans = {
-            let calls = self.remote_calls.lock().unwrap_or_else(|e| e.into_inner());
-            calls.1.values().filter(|d| !d.is_open()).count()
-        };
+        let orphans = self.orphans();
         {
             let mut carried = self.carried.lock().unwrap_or_else(|e| e.into_inner());
             *carried = match &delegate {
@@ -300,6 +297,12 @@ impl Throttle {
             }
         };
         self.reroute(route);
+    }
+
+    /// This process's calls in flight whose shared throttle went away.
+    fn orphans(&self) -> usize {
+        let calls = self.remote_calls.lock().unwrap_or_else(|e| e.into_inner());
+        calls.1.values().filter(|d| !d.is_open()).count()
     }
 
     /// A call admitted by a shared throttle ended: if that throttle went away meanwhile, the
@@ -345,10 +348,7 @@ impl Throttle {
     /// claim theirs with [`Throttle::borrow_slots`] a moment later, while this one's waiting
     /// calls would go at once); what is unclaimed after `grace` is given back.
     pub fn take_over_in_flight(self: &Arc<Self>, in_flight: usize, grace: Duration) {
-        let own = {
-            let calls = self.remote_calls.lock().unwrap_or_else(|e| e.into_inner());
-            calls.1.values().filter(|d| !d.is_open()).count()
-        };
+        let own = self.orphans();
         let others = in_flight.saturating_sub(own);
         if others == 0 {
             return;

@@ -137,11 +137,9 @@ pub(crate) const STATE_GRACE: Duration = Duration::from_secs(2);
 /// since).
 const STATE_EVERY: Duration = Duration::from_millis(20);
 
-/// What a holder wrote down.
+/// What a holder hands to the next (written down as it goes, wherever the processes meet).
 #[derive(Debug, Serialize, Deserialize)]
-struct Written {
-    /// When, in seconds since the Unix epoch.
-    at: f64,
+pub(crate) struct Handed {
     budgets: (weir_core::rate::Seed, weir_core::rate::Seed),
     /// The concurrency limit and the ceiling it found (adaptive concurrency only).
     #[serde(default)]
@@ -149,6 +147,36 @@ struct Written {
     /// Calls in flight that the holder admitted.
     #[serde(default)]
     in_flight: usize,
+}
+
+impl Handed {
+    /// What `t` knows now.
+    pub(crate) fn of(t: &Throttle) -> Self {
+        Handed { budgets: t.rate_limiter().export(), concurrency: t.export_concurrency(), in_flight: t.in_flight() }
+    }
+
+    /// The longest window the budgets count over.
+    pub(crate) fn window(&self) -> Duration {
+        self.budgets.0.window().max(self.budgets.1.window()).unwrap_or_default()
+    }
+
+    /// Makes `throttle` go on from here, `age` after it was written down.
+    pub(crate) fn take_over(&self, throttle: &Arc<Throttle>, age: Duration) {
+        throttle.rate_limiter().seed(&self.budgets, age);
+        if let Some((limit, ceiling)) = self.concurrency {
+            throttle.seed_concurrency(limit, ceiling);
+        }
+        throttle.take_over_in_flight(self.in_flight, CLAIM_WITHIN);
+        tracing::debug!(age = ?age, "took over the limits the last holder knew");
+    }
+}
+
+/// What a holder wrote down in the meeting directory.
+#[derive(Debug, Serialize, Deserialize)]
+struct Written {
+    /// When, in seconds since the Unix epoch.
+    at: f64,
+    handed: Handed,
 }
 
 /// How long a new holder keeps slots aside for the calls its predecessor admitted, waiting for
@@ -164,14 +192,8 @@ fn take_over(throttle: &Arc<Throttle>, place: &Place) {
     let Ok(bytes) = std::fs::read(&place.state) else { return };
     let Ok(w) = serde_json::from_slice::<Written>(&bytes) else { return };
     let age = Duration::from_secs_f64((unix_now() - w.at).max(0.0));
-    let window = w.budgets.0.window().max(w.budgets.1.window()).unwrap_or_default();
-    if age < window + STATE_GRACE {
-        throttle.rate_limiter().seed(&w.budgets, age);
-        if let Some((limit, ceiling)) = w.concurrency {
-            throttle.seed_concurrency(limit, ceiling);
-        }
-        throttle.take_over_in_flight(w.in_flight, CLAIM_WITHIN);
-        tracing::debug!(age = ?age, "took over the limits the last holder knew");
+    if age < w.handed.window() + STATE_GRACE {
+        w.handed.take_over(throttle, age);
     }
 }
 
@@ -209,12 +231,7 @@ async fn write_down(throttle: Weak<Throttle>, path: PathBuf) {
 /// synced to disk as `weir_io::state::write_atomic` does: it is only for the process that takes
 /// over next, seconds from now, and an fsync every 20 ms would cost more than it is worth.
 fn write_state(t: &Throttle, path: &std::path::Path) {
-    let w = Written {
-        at: unix_now(),
-        budgets: t.rate_limiter().export(),
-        concurrency: t.export_concurrency(),
-        in_flight: t.in_flight(),
-    };
+    let w = Written { at: unix_now(), handed: Handed::of(t) };
     let bytes = serde_json::to_vec(&w).expect("the budgets serialise");
     let tmp = path.with_extension("state.tmp");
     if std::fs::write(&tmp, bytes).and_then(|()| std::fs::rename(&tmp, path)).is_err() {

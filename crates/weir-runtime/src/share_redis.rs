@@ -26,7 +26,7 @@ use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use weir_core::Throttle;
 
-use crate::share::{serve_peer, Peer, STATE_GRACE};
+use crate::share::{serve_peer, Handed, Peer, STATE_GRACE};
 
 /// How long a holder's lease lasts without renewal.
 const LEASE: Duration = Duration::from_secs(3);
@@ -60,11 +60,7 @@ struct Note {
 #[derive(Debug, Serialize, Deserialize)]
 struct Written {
     ttl_ms: u64,
-    budgets: (weir_core::rate::Seed, weir_core::rate::Seed),
-    #[serde(default)]
-    concurrency: Option<(usize, Option<usize>)>,
-    #[serde(default)]
-    in_flight: usize,
+    handed: Handed,
 }
 
 /// The host and port of `url`, for messages (never its password).
@@ -214,12 +210,7 @@ async fn take_over(throttle: &Arc<Throttle>, mut conn: redis::aio::MultiplexedCo
     let Ok((Some(text), left_ms)) = got else { return };
     let Ok(w) = serde_json::from_str::<Written>(&text) else { return };
     let age = Duration::from_millis(w.ttl_ms.saturating_sub(left_ms.max(0) as u64));
-    throttle.rate_limiter().seed(&w.budgets, age);
-    if let Some((limit, ceiling)) = w.concurrency {
-        throttle.seed_concurrency(limit, ceiling);
-    }
-    throttle.take_over_in_flight(w.in_flight, crate::share::CLAIM_WITHIN);
-    tracing::debug!(age = ?age, "took over the limits the last holder knew");
+    w.handed.take_over(throttle, age);
 }
 
 /// One process the holder serves: where its lines go in, and when it was last heard from.
@@ -290,14 +281,7 @@ async fn hold(
         member.seen = tokio::time::Instant::now();
         if note.line.is_none() {
             // Answered, so that the process knows this holder still reads its list.
-            let out = format!("{key}:out:{}", note.from);
-            let _: redis::RedisResult<()> = redis::pipe()
-                .rpush(&out, ECHO)
-                .ignore()
-                .pexpire(&out, LIST_TTL_MS)
-                .ignore()
-                .query_async(&mut conn)
-                .await;
+            let _ = push(&mut conn, &format!("{key}:out:{}", note.from), ECHO).await;
         }
         if let Some(line) = note.line {
             let mut bytes = line.into_bytes();
@@ -312,13 +296,16 @@ async fn hold(
     drop(tasks);
 }
 
+/// Pushes `line` onto the list `list`, which expires [`LIST_TTL_MS`] after its last push.
+async fn push(conn: &mut redis::aio::MultiplexedConnection, list: &str, line: &str) -> redis::RedisResult<()> {
+    redis::pipe().rpush(list, line).ignore().pexpire(list, LIST_TTL_MS).ignore().query_async(conn).await
+}
+
 /// Pushes every line read from `from` onto the Redis list `to`, until `from` ends.
 async fn send_out(from: tokio::io::DuplexStream, mut conn: redis::aio::MultiplexedConnection, to: String) {
     let mut lines = BufReader::new(from).lines();
     while let Ok(Some(l)) = lines.next_line().await {
-        let pushed: redis::RedisResult<()> =
-            redis::pipe().rpush(&to, l).ignore().pexpire(&to, LIST_TTL_MS).ignore().query_async(&mut conn).await;
-        if pushed.is_err() {
+        if push(&mut conn, &to, &l).await.is_err() {
             return;
         }
     }
@@ -335,10 +322,9 @@ async fn write_down(throttle: Weak<Throttle>, mut conn: redis::aio::MultiplexedC
             continue;
         }
         last = admitted;
-        let budgets = t.rate_limiter().export();
-        let window = budgets.0.window().max(budgets.1.window()).unwrap_or_default();
-        let ttl_ms = (window + STATE_GRACE).as_millis() as u64;
-        let written = Written { ttl_ms, budgets, concurrency: t.export_concurrency(), in_flight: t.in_flight() };
+        let handed = Handed::of(&t);
+        let ttl_ms = (handed.window() + STATE_GRACE).as_millis() as u64;
+        let written = Written { ttl_ms, handed };
         let text = serde_json::to_string(&written).expect("the budgets serialise");
         let _: redis::RedisResult<()> = conn.pset_ex(&key, text, ttl_ms).await;
     }
@@ -375,14 +361,7 @@ async fn follow(
             let mut lines = BufReader::new(pump_read).lines();
             while let Ok(Some(l)) = lines.next_line().await {
                 let note = serde_json::to_string(&Note { from: me.clone(), line: Some(l) }).expect("a note serialises");
-                let pushed: redis::RedisResult<()> = redis::pipe()
-                    .rpush(&inbox, note)
-                    .ignore()
-                    .pexpire(&inbox, LIST_TTL_MS)
-                    .ignore()
-                    .query_async(&mut conn)
-                    .await;
-                if pushed.is_err() {
+                if push(&mut conn, &inbox, &note).await.is_err() {
                     return;
                 }
             }
@@ -409,14 +388,7 @@ async fn follow(
             if holds.ok().flatten().as_deref() != Some(holder) {
                 break;
             }
-            let beat: redis::RedisResult<()> = redis::pipe()
-                .rpush(&inbox, &alive)
-                .ignore()
-                .pexpire(&inbox, LIST_TTL_MS)
-                .ignore()
-                .query_async(&mut conn)
-                .await;
-            if beat.is_err() {
+            if push(&mut conn, &inbox, &alive).await.is_err() {
                 break;
             }
         }

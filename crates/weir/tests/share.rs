@@ -110,7 +110,7 @@ async fn the_quota_passes_on_when_its_holder_is_killed() {
     let input_a = dir.write("a.jsonl", &data);
     let input_b = dir.write("b.jsonl", &data);
     // The first process holds the quota (it starts alone); the second joins it.
-    let mut holder = told_run(&url, &dir, &input_a, "a.out", &meet, "local").spawn().unwrap();
+    let holder = told_run(&url, &dir, &input_a, "a.out", &meet, "local").spawn().unwrap();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     while !std::fs::read_dir(&meet)
         .map(|d| d.flatten().any(|e| e.path().extension().is_some_and(|x| x == "sock")))
@@ -119,7 +119,22 @@ async fn the_quota_passes_on_when_its_holder_is_killed() {
         assert!(tokio::time::Instant::now() < deadline, "no holder's socket in {}", meet.display());
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let mut follower = told_run(&url, &dir, &input_b, "b.out", &meet, "local");
+    let follower = told_run(&url, &dir, &input_b, "b.out", &meet, "local");
+    let says = ("sharing the quota held by another process", "holding the shared quota");
+    follower_takes_over(holder, follower, &server, &dir, &ids, says).await;
+}
+
+/// Starts `follower` (writing `b.out` in `dir`, with the runtime's debug log) beside `holder`,
+/// kills the holder 1.5 s later, and checks that the follower said it followed, then held the
+/// quota itself (`says`), answered every id of `ids` once, and kept within the told limit.
+async fn follower_takes_over(
+    mut holder: tokio::process::Child,
+    mut follower: tokio::process::Command,
+    server: &weir_sim::SimServer,
+    dir: &Dir,
+    ids: &[String],
+    says: (&str, &str),
+) {
     follower.env("WEIR_LOG", "weir_runtime=debug").stderr(std::process::Stdio::piped());
     let follower = follower.spawn().unwrap();
     tokio::time::sleep(Duration::from_millis(1500)).await;
@@ -128,12 +143,10 @@ async fn the_quota_passes_on_when_its_holder_is_killed() {
     let o = follower.wait_with_output().await.unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{err}");
-    // It followed, then held the quota itself once the holder was gone, and finished.
-    let joined = err.find("sharing the quota held by another process").unwrap_or_else(|| panic!("{err}"));
-    let held = err.find("holding the shared quota").unwrap_or_else(|| panic!("{err}"));
+    let joined = err.find(says.0).unwrap_or_else(|| panic!("{err}"));
+    let held = err.find(says.1).unwrap_or_else(|| panic!("{err}"));
     assert!(joined < held, "{err}");
-    let got = rows(&dir.path("b.out"));
-    util::assert_each_id_once(&ids, &got, &[]);
+    util::assert_each_id_once(ids, &rows(&dir.path("b.out")), &[]);
     // Still within the told limit after the hand-over (loosely: see above).
     let busiest = server.stats().successes_per_second.iter().copied().max().unwrap_or(0);
     assert!(busiest <= 15, "{busiest} answers in one second");
@@ -230,21 +243,9 @@ async fn the_quota_held_through_redis_passes_on_when_its_holder_is_killed() {
         panic!("the first process never held the quota");
     });
     held.await.expect("the first process never said it held the quota");
-    let mut follower = told_run(&url, &dir, &input_b, "b.out", &dir.path("meet-b"), &store);
-    follower.env("WEIR_LOG", "weir_runtime=debug").stderr(std::process::Stdio::piped());
-    let follower = follower.spawn().unwrap();
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    holder.start_kill().unwrap();
-    holder.wait().await.unwrap();
-    let o = follower.wait_with_output().await.unwrap();
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.success(), "{err}");
-    let joined = err.find("sharing the quota held by another process, through").unwrap_or_else(|| panic!("{err}"));
-    let took_over = err.find("holding the quota shared through").unwrap_or_else(|| panic!("{err}"));
-    assert!(joined < took_over, "{err}");
-    util::assert_each_id_once(&ids, &rows(&dir.path("b.out")), &[]);
-    let busiest = server.stats().successes_per_second.iter().copied().max().unwrap_or(0);
-    assert!(busiest <= 15, "{busiest} answers in one second");
+    let follower = told_run(&url, &dir, &input_b, "b.out", &dir.path("meet-b"), &store);
+    let says = ("sharing the quota held by another process, through", "holding the quota shared through");
+    follower_takes_over(holder, follower, &server, &dir, &ids, says).await;
 }
 
 #[tokio::test]
