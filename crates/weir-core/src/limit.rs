@@ -94,10 +94,11 @@ impl ConcurrencyLimit for FixedLimit {
 
 /// Adaptive concurrency: finds how many calls the endpoint takes at once, with nothing told.
 ///
-/// It starts at `initial` and doubles every round trip (slow start) until the server pushes
-/// back. Push-back (HTTP 503, or a 429 that names no quota and no delay) is judged once per
-/// round trip, when every call of the round has reported, because only then is it known whether
-/// calls at the same levels succeeded:
+/// It starts at `initial` and grows by one with each success while it is used, so doubling
+/// every round trip (slow start), until the server pushes back. Push-back (HTTP 503, or a 429
+/// that names no quota and no delay) is judged once per round trip, when every call of the
+/// round has reported, because only then is it known whether calls at the same levels
+/// succeeded:
 ///
 /// - **A capacity signal** is push-back *above every level that succeeded* in this round and the
 ///   last: a hidden cap refuses every call above it and none below. Two such refusals in a
@@ -129,6 +130,9 @@ struct Control {
     debt: usize,
     in_flight: usize,
     slow_start: bool,
+    /// The limit when the round began: a round is that many calls answered (slow start grows
+    /// the limit during it, by at most as much again).
+    round_limit: usize,
     ceiling: Option<usize>,
     rounds_at_ceiling: u32,
     done_in_round: usize,
@@ -186,6 +190,7 @@ impl AdaptiveLimit {
                 debt: 0,
                 in_flight: 0,
                 slow_start: true,
+                round_limit: initial,
                 ceiling: None,
                 rounds_at_ceiling: 0,
                 done_in_round: 0,
@@ -278,6 +283,10 @@ impl ConcurrencyLimit for Adaptive {
     fn feedback(&self, level: usize, latency: Duration, result: CallResult) {
         let me = &self.0;
         let mut c = me.ctl.lock().unwrap_or_else(|e| e.into_inner());
+        if c.done_in_round == 0 && c.refused.is_empty() {
+            // A round begins.
+            c.round_limit = c.limit;
+        }
         match result {
             CallResult::Backpressure => {
                 c.refused.push(level);
@@ -288,7 +297,17 @@ impl ConcurrencyLimit for Adaptive {
                     return;
                 }
             }
-            CallResult::Ok => c.ok_level_cur = c.ok_level_cur.max(level),
+            CallResult::Ok => {
+                c.ok_level_cur = c.ok_level_cur.max(level);
+                // Slow start grows by one per success while the limit is used: it doubles every
+                // round trip, but a step at a time, so calls above a cap are refused one or two
+                // at a time as it reaches it, where doubling at the round's end sent a whole
+                // limit's worth above it at once.
+                if c.slow_start && c.bound && c.limit < 2 * c.round_limit {
+                    let grown = c.limit + 1;
+                    me.set_limit(&mut c, grown);
+                }
+            }
             CallResult::Other => {}
         }
         if result != CallResult::Backpressure {
@@ -300,7 +319,7 @@ impl ConcurrencyLimit for Adaptive {
         // A round trip: as many calls answered as the limit allows in flight. Refusals come back
         // at once and would fill a round before any answer does, so they do not count towards
         // it — unless nothing else comes back (an outage), when twice the limit of them ends it.
-        if c.done_in_round < c.limit && c.refused.len() < 2 * c.limit {
+        if c.done_in_round < c.round_limit && c.refused.len() < 2 * c.round_limit {
             return;
         }
         // The median of the round's successful calls: a few hung or timed-out calls are not load.
@@ -362,7 +381,7 @@ impl ConcurrencyLimit for Adaptive {
             c.probe_every = FIRST_PROBE_AFTER;
         }
         if c.slow_start {
-            me.set_limit(&mut c, limit * 2);
+            // Grown with each success (above).
         } else if c.ceiling.is_none_or(|ceiling| limit < ceiling) {
             me.set_limit(&mut c, limit + 1);
         } else {

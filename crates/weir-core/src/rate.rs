@@ -16,13 +16,15 @@
 //!   more (doubling every round trip until a refusal), so a quota that grows, or that another
 //!   process stopped using, is taken up within a window or two.
 //!   The window's length comes from the first 429's advised delay (the oldest admitted send
-//!   plus the window is when the server said to come back) and is refined by later ones. Advice
-//!   in whole seconds leaves a second open; the window is taken at its longest (never send
-//!   before a slot frees) and narrowed by window probes, each sent so that the second its
-//!   refusal advises halves what is open. In the gap right after the window was first learned,
-//!   before the sends that filled it hand their credits back, edge probes narrow it at once: a
-//!   single send at the oldest send plus the middle of what is open, admitted only if the
-//!   window is no longer than that.
+//!   plus the window is when the server said to come back) and is refined by later ones.
+//!   Advice in whole seconds (`retry-after: 5`, rounded up) leaves a second open; quota windows
+//!   advised that way are whole seconds themselves (a second, a minute), so the window is the
+//!   one whole second in what is open. A fixed window — counts start again at set times, and a
+//!   refusal advises the time to the window's end — looks shorter than it is from a send made
+//!   after it started; credits then come back before the server's window ends, the burst they
+//!   fund is refused, and that refusal says how much longer the window is (from the last
+//!   advised time that passed): the window is lengthened, in whole seconds, and the credits in
+//!   hand are held until the server said to come back.
 //!
 //! Weights are 1 per request for the request budget, and counted tokens for the token budget:
 //! an estimate at send time, replaced by the usage the answer reports. Time comes from
@@ -64,24 +66,6 @@ enum Probe {
     /// More capacity: admitted, it keeps its credit and mints two more probes (so probing
     /// doubles every round trip until a refusal), unless a refusal came since (`epoch`).
     Capacity { epoch: u64 },
-    /// The window's length, when the server's advice is in whole seconds: sent while `oldest`
-    /// (our oldest send the server still counts) holds the window full, its refusal's advice
-    /// tells in which second after `oldest` the window ends.
-    Window { oldest: Instant },
-    /// The window's length, in the gap right after the window was learned: sent at `oldest`
-    /// plus `mid` (the middle of the bounds), when only `oldest` leaving can make room. Admitted,
-    /// the window is at most `mid`; refused, its advice tells as a window probe's does.
-    Edge { oldest: Instant, mid: Duration },
-}
-
-/// A window probe planned for a moment chosen so that its advice (or, for an edge probe, its
-/// admission) halves the window's bounds.
-#[derive(Debug, Clone, Copy)]
-struct Plan {
-    at: Instant,
-    oldest: Instant,
-    /// For an edge probe, the middle of the bounds it tests.
-    edge: Option<Duration>,
 }
 
 #[derive(Debug, Clone)]
@@ -110,15 +94,20 @@ pub struct Budget {
     probes: HashMap<u64, Probe>,
     /// Counts refusals, so a probe admitted after a refusal mints nothing.
     epoch: u64,
-    /// The shortest the window can be, when the advice is in whole seconds (the window itself
-    /// is the longest it can be).
-    lower: Option<Duration>,
-    plan: Option<Plan>,
-    /// Until when edge probes may go: the end of the gap after the window was learned (later,
-    /// window probes narrow it; edge probes in every window would cost a refusal each).
-    edges_until: Option<Instant>,
     /// When the last refusal advised to come back.
     come_back: Option<Instant>,
+    /// When the last capacity probe was sent that the server admitted with no refusal since:
+    /// refusals soon after it are the capacity's, not the window's.
+    grew_at: Option<Instant>,
+    /// The last time a refusal advised to come back that has passed: on a fixed window, within
+    /// a second of the start of the window that followed.
+    reset_at: Option<Instant>,
+    /// The only client of its quota this process knows of (see [`Budget::sole`]).
+    sole: bool,
+    /// Until when refusals are of the burst that showed the window too short.
+    short_until: Option<Instant>,
+    /// Credits held back until the server has room for them: when, and how much.
+    deferred: Vec<(Instant, f64)>,
     refusals: u64,
     /// The window assumed when a refusal does not say when to come back.
     default_window: Duration,
@@ -130,7 +119,6 @@ pub struct Budget {
 pub struct Seed {
     mode: Mode,
     window: Option<Duration>,
-    lower: Option<Duration>,
     probe: f64,
     capacity: f64,
     /// Each send of the last window: seconds before the export, and its weight.
@@ -148,6 +136,13 @@ impl Seed {
 /// real delay may be up to a second shorter.
 fn is_coarse(d: Duration) -> bool {
     d.subsec_nanos() == 0 && d >= Duration::from_secs(1)
+}
+
+/// The shortest whole number of seconds longer than `lo`: a quota window counted in whole
+/// seconds and known to be longer than `lo` (advice rounded up to `d` seconds means more than
+/// `d - 1` are left).
+fn whole_seconds(lo: Duration) -> Duration {
+    Duration::from_secs(lo.as_secs() + 1)
 }
 
 /// The part of an advised delay during which the server surely refuses: all of exact advice,
@@ -192,13 +187,25 @@ impl Budget {
             unspent_probe: (0.0, None),
             probes: HashMap::new(),
             epoch: 0,
-            lower: None,
-            plan: None,
-            edges_until: None,
             come_back: None,
             refusals: 0,
             default_window: DEFAULT_WINDOW,
+            grew_at: None,
+            reset_at: None,
+            short_until: None,
+            sole: false,
+            deferred: Vec::new(),
         }
+    }
+
+    /// Marks the budget as the only client of its quota that this process knows of: the
+    /// processes on this machine that call the endpoint with the key go through it (a quota
+    /// store is on). Only then does a refusal lengthen a window learned from whole-second
+    /// advice (see [`Budget::refused`]): where other processes take slots unseen, the server's
+    /// window looks longer than it is, seen from this one's sends.
+    pub fn sole(mut self, sole: bool) -> Self {
+        self.sole = sole;
+        self
     }
 
     /// Assumes `window` when a refusal does not say when to come back (a provider whose 429s
@@ -232,6 +239,7 @@ impl Budget {
             Mode::Learned => Some(
                 self.credits.max(0.0)
                     + self.log.iter().map(|e| e.weight).sum::<f64>()
+                    + self.deferred.iter().map(|d| d.1).sum::<f64>()
                     + self.overdue.values().sum::<f64>(),
             ),
         }
@@ -267,6 +275,14 @@ impl Budget {
             Mode::Learned => {
                 let w = self.window.unwrap_or(DEFAULT_WINDOW);
                 let span = w + Self::margin(w);
+                let credits = &mut self.credits;
+                self.deferred.retain(|&(at, weight)| {
+                    let due = at <= now;
+                    if due {
+                        *credits += weight;
+                    }
+                    !due
+                });
                 while let Some(e) = self.log.front() {
                     if e.at + span > now {
                         break;
@@ -340,15 +356,7 @@ impl Budget {
                 // The earliest of: a credit coming back, a probe falling due, a lone send. Only
                 // moments still ahead count (one already past did not let this send through, and
                 // waking for it again would spin); with none, a completing send wakes it.
-                let (quiet_at, capacity_at) = self.probes_due(now);
-                // While the window is uncertain and no window probe is planned, one is planned
-                // after a quiet window.
-                // (A planned one is the only probe until it goes.)
-                let (plan_at, capacity_at) = match self.plan {
-                    Some(p) => (Some(p.at), None),
-                    None => (self.uncertain().then_some(quiet_at), Some(capacity_at)),
-                };
-                [plan_at, capacity_at, self.next_credit_at(), self.lone_send_at(now)]
+                [Some(self.probe_due(now)), self.next_credit_at(), self.lone_send_at(now)]
                     .into_iter()
                     .flatten()
                     .filter(|&at| at > now)
@@ -361,43 +369,24 @@ impl Budget {
     /// When the oldest admitted send in the log hands back its credit.
     fn next_credit_at(&self) -> Option<Instant> {
         let w = self.window.unwrap_or(DEFAULT_WINDOW);
-        self.log.iter().find(|e| e.state == State::Ok).map(|e| e.at + w + Self::margin(w))
+        let logged = self.log.iter().find(|e| e.state == State::Ok).map(|e| e.at + w + Self::margin(w));
+        logged.into_iter().chain(self.deferred.iter().map(|d| d.0)).min()
     }
 
-    /// When probes fall due, counted from the last refusal or probe: the end of a quiet window
-    /// (window probes, while the window is uncertain, go no earlier), and when a capacity probe
-    /// is minted (a window later while the window is uncertain, to leave room for window probes).
-    fn probes_due(&self, now: Instant) -> (Instant, Instant) {
+    /// When a capacity probe falls due: windows after the last refusal or probe.
+    fn probe_due(&self, now: Instant) -> Instant {
         let w = self.window.unwrap_or(DEFAULT_WINDOW);
-        let quiet_since = self.last_refusal.max(self.last_probe).unwrap_or(now);
-        (quiet_since + w, quiet_since + w * (PROBE_AFTER_WINDOWS + u32::from(self.uncertain())))
+        self.last_refusal.max(self.last_probe).unwrap_or(now) + w * PROBE_AFTER_WINDOWS
     }
 
     /// When a send may go with no credit, if nothing is out to bring one back.
     fn lone_send_at(&self, now: Instant) -> Option<Instant> {
-        (self.log.is_empty() && self.overdue.is_empty()).then(|| self.come_back.unwrap_or(now).max(now))
+        (self.log.is_empty() && self.overdue.is_empty() && self.deferred.is_empty())
+            .then(|| self.come_back.unwrap_or(now).max(now))
     }
 
-    /// How close the window's bounds must come before it counts as known.
-    fn tolerance(w: Duration) -> Duration {
-        (w / 200).max(Duration::from_millis(10))
-    }
-
-    /// True while whole-second advice leaves the window's length open by more than the
-    /// tolerance: the window used is the longest it can be, which wastes the difference every
-    /// window, so it is narrowed by window probes.
-    fn uncertain(&self) -> bool {
-        match (self.lower, self.window) {
-            (Some(lo), Some(w)) => w.saturating_sub(lo) > Self::tolerance(w),
-            _ => false,
-        }
-    }
-
-    /// Called while sends wait for a credit: mints a probe when it is due. With the window known,
-    /// a capacity probe after two windows without a refusal. While the window is uncertain, a
-    /// window probe after one quiet window, sent at a moment chosen so that the second in which
-    /// the server says its window frees tells on which side of the middle of the bounds the
-    /// window's length lies (advice `k` means the window is at most the middle, `k + 1` more).
+    /// Called while sends wait for a credit: mints a capacity probe after two windows without a
+    /// refusal.
     fn maybe_probe(&mut self, now: Instant) {
         if self.unspent_probe.0 > 0.0 {
             return;
@@ -408,70 +397,7 @@ impl Budget {
         if self.next_credit_at().is_some_and(|at| at <= now + Self::margin(w) * 2) {
             return;
         }
-        let (quiet_at, capacity_at) = self.probes_due(now);
-        if self.uncertain() {
-            let lo = self.lower.unwrap_or(w);
-            if now < quiet_at && self.edges_until.is_some_and(|until| now < until) {
-                // Right after the window was learned, the sends that filled it hand their
-                // credits back from `oldest` plus the longest window, while the server frees
-                // their slots anywhere from `oldest` plus the shortest: a second of every window
-                // would go unused. Edge probes, sent into that gap one after another, halve it
-                // each (the first costs at most one refusal of a single send).
-                if self.plan.is_none() {
-                    if let Some(oldest) = self.log.front().map(|e| e.at) {
-                        let mid = (lo + w) / 2;
-                        if oldest + mid > now {
-                            self.plan = Some(Plan { at: oldest + mid, oldest, edge: Some(mid) });
-                        }
-                    }
-                }
-                match self.plan {
-                    Some(p) if p.edge.is_some() && now >= p.at => {
-                        self.plan = None;
-                        if self.log.front().is_some_and(|e| e.at == p.oldest) {
-                            let mid = p.edge.expect("an edge plan has its middle");
-                            self.mint(now, self.probe, Probe::Edge { oldest: p.oldest, mid });
-                        }
-                    }
-                    _ => {}
-                }
-                return;
-            }
-            if now < quiet_at {
-                return;
-            }
-            if self.plan.is_some_and(|p| p.edge.is_some()) {
-                self.plan = None;
-            }
-            if self.plan.is_none() {
-                // Our oldest send the server still counts holds its window full until `oldest`
-                // plus the window; the probe goes a whole number of seconds before `oldest` plus
-                // the middle of the bounds, and while `oldest` is surely counted (before
-                // `oldest + lo`). Anything of ours older has left our log, so the server's window
-                // too.
-                if let Some(oldest) = self.log.front().map(|e| e.at) {
-                    let mid = (lo + w) / 2;
-                    let k = (oldest + mid).saturating_duration_since(now).as_secs();
-                    let min_k = mid.saturating_sub(lo).as_secs() + 1;
-                    if k >= min_k {
-                        self.plan = Some(Plan { at: oldest + mid - Duration::from_secs(k), oldest, edge: None });
-                    }
-                }
-            }
-            match self.plan {
-                Some(p) if now >= p.at => {
-                    self.plan = None;
-                    if now < p.oldest + lo && self.log.front().is_some_and(|e| e.at == p.oldest) {
-                        self.mint(now, self.probe, Probe::Window { oldest: p.oldest });
-                    }
-                }
-                Some(_) => {}
-                // No moment to plan a window probe for (our oldest send leaves the window too
-                // soon): once a capacity probe is due, probe for capacity instead.
-                None if now >= capacity_at => self.mint(now, self.probe, Probe::Capacity { epoch: self.epoch }),
-                None => {}
-            }
-        } else if now >= capacity_at {
+        if now >= self.probe_due(now) {
             self.mint(now, self.probe, Probe::Capacity { epoch: self.epoch });
         }
     }
@@ -480,7 +406,7 @@ impl Budget {
         self.credits += amount;
         self.unspent_probe = (self.unspent_probe.0 + amount, Some(kind));
         self.last_probe = Some(now);
-        tracing::debug!(credits = self.credits, window = ?self.window, lower = ?self.lower, ?kind, "budget probes");
+        tracing::debug!(credits = self.credits, window = ?self.window, ?kind, "budget probes");
     }
 
     fn position(&self, id: u64) -> Option<usize> {
@@ -498,21 +424,9 @@ impl Budget {
 
     /// The send was admitted; its real weight is `weight`.
     pub fn admitted(&mut self, id: u64, weight: f64) {
-        if let Some(probe) = self.probes.remove(&id) {
-            let epoch = match probe {
-                Probe::Capacity { epoch } => epoch,
-                // Room while our oldest send held the window full: there is more capacity.
-                Probe::Window { .. } => self.epoch,
-                // Room once `oldest` plus `mid` had passed: the window is no longer than that.
-                Probe::Edge { mid, .. } => {
-                    if self.mode == Mode::Learned && self.lower.is_some_and(|lo| lo <= mid) {
-                        self.window = self.window.map(|w| w.min(mid));
-                        tracing::debug!(window = ?self.window, lower = ?self.lower, "edge probe admitted");
-                    }
-                    u64::MAX
-                }
-            };
+        if let Some(Probe::Capacity { epoch }) = self.probes.remove(&id) {
             if epoch == self.epoch && self.mode == Mode::Learned {
+                self.grew_at = self.position(id).map(|i| self.log[i].at).or(self.grew_at);
                 // No refusal since: the window has room to spare, so probe twice as hard.
                 self.credits += 2.0 * self.probe;
                 self.unspent_probe = (self.unspent_probe.0 + 2.0 * self.probe, Some(Probe::Capacity { epoch }));
@@ -536,6 +450,9 @@ impl Budget {
     /// The send was refused by this quota at `now`; the server advised `delay`, if it did.
     pub fn refused(&mut self, id: u64, now: Instant, delay: Option<Duration>) {
         self.refusals += 1;
+        if let Some(c) = self.come_back.filter(|&c| c <= now) {
+            self.reset_at = Some(c);
+        }
         if let Some(d) = delay {
             self.come_back = Some(now + d);
         }
@@ -569,15 +486,17 @@ impl Budget {
                     _ => self.default_window,
                 });
                 // Advice in whole seconds was rounded up by up to a second: the window is at
-                // most this long and at least a second shorter.
-                self.lower = match (delay, self.window) {
-                    (Some(d), Some(w)) if is_coarse(d) => {
-                        Some(w.saturating_sub(Duration::from_secs(1)).max(Duration::from_millis(500)))
+                // most this long and at least a second shorter. Quota windows given in whole
+                // seconds are themselves whole seconds (a second, a minute): the one whole
+                // second in that range is the window, where a sliding window is counted from our
+                // oldest send. A fixed window (counts start again at set times) is shorter seen
+                // from a send made after it started: later refusals lengthen it (below).
+                if let (Some(d), Some(w)) = (delay, self.window) {
+                    if is_coarse(d) {
+                        self.window = Some(whole_seconds(w.saturating_sub(Duration::from_secs(1))));
                     }
-                    _ => None,
-                };
+                }
                 self.mode = Mode::Learned;
-                self.edges_until = oldest.zip(self.window).map(|(at, w)| at + w);
                 self.credits = 0.0;
                 let admitted: Vec<f64> = self.log.iter().filter(|e| e.state == State::Ok).map(|e| e.weight).collect();
                 if !admitted.is_empty() {
@@ -591,59 +510,21 @@ impl Budget {
                 self.epoch += 1;
                 self.credits -= self.unspent_probe.0.clamp(0.0, self.credits.max(0.0));
                 self.unspent_probe = (0.0, None);
-                let oldest = match probe {
-                    Some(Probe::Window { oldest }) | Some(Probe::Edge { oldest, .. }) => Some(oldest),
-                    _ => None,
-                };
-                if let (Some(oldest), Some(e), Some(d)) = (oldest, &removed, delay) {
-                    if is_coarse(d) {
-                        // The server frees the slot of `oldest` within the second before `d`.
-                        let hi = (e.at + d).saturating_duration_since(oldest);
-                        let lo = hi.saturating_sub(Duration::from_secs(1));
-                        let (old_lo, old_hi) = (self.lower.unwrap_or(lo), self.window.unwrap_or(hi));
-                        let (lo, hi) = if lo.max(old_lo) <= hi.min(old_hi) {
-                            (lo.max(old_lo), hi.min(old_hi))
-                        } else if lo > old_hi {
-                            // Longer than thought: the quota's window changed. Follow it.
-                            (lo, hi)
-                        } else {
-                            // Shorter than it can be: another process's send was the oldest in
-                            // the server's window, and the advice measured from it. Ignore it;
-                            // a window taken too short would send before slots free.
-                            (old_lo, old_hi)
-                        };
-                        let hi = hi.max(Duration::from_millis(500));
-                        self.window = Some(hi);
-                        self.lower = Some(lo.min(hi));
-                        self.last_refusal = Some(now);
-                        tracing::debug!(window = ?self.window, lower = ?self.lower, advised = ?delay, "window probe refused");
-                        return;
-                    }
-                }
                 if let (Some(d), Some(w)) = (delay, self.window) {
-                    if let Some(e) = self.log.iter().find(|e| e.state == State::Ok) {
+                    if is_coarse(d) {
+                        let weight = removed.as_ref().map_or(0.0, |e| e.weight);
+                        if self.lengthen_whole(now, d, w, probe) {
+                            // Refused for the window, not the capacity: its slot is back when
+                            // the server said.
+                            self.deferred.push((now + d, weight));
+                        }
+                    } else if let Some(e) = self.log.iter().find(|e| e.state == State::Ok) {
                         let predicted =
                             (e.at + w).duration_since(now).as_secs_f64() - now.duration_since(e.at + w).as_secs_f64();
-                        // Advice in whole seconds (`retry-after: 2`) says only that the slot
-                        // frees within the second before `d`; a prediction inside that second is
-                        // not an error (taking `d` as exact would lengthen the window each time).
-                        let hi = d.as_secs_f64();
-                        let lo = if is_coarse(d) { (hi - 1.0).max(0.0) } else { hi };
-                        let err = if predicted < lo {
-                            lo - predicted
-                        } else if predicted > hi {
-                            hi - predicted
-                        } else {
-                            0.0
-                        };
-                        // Whole-second advice only lengthens the window here: measured from our
-                        // oldest credit, it reads too short whenever another process's send is
-                        // the oldest in the server's window (window probes shorten it, with care).
-                        let err = if is_coarse(d) { err.max(0.0) } else { err };
+                        let err = d.as_secs_f64() - predicted;
                         if err != 0.0 && err.abs() < w.as_secs_f64() / 2.0 {
                             let w = Duration::from_secs_f64((w.as_secs_f64() + err / 2.0).max(0.5));
                             self.window = Some(w);
-                            self.lower = self.lower.map(|lo| lo.min(w));
                         }
                     }
                 }
@@ -658,6 +539,45 @@ impl Budget {
             advised = ?delay,
             "budget refused"
         );
+    }
+
+    /// A send our credits let through was refused, told `d` in whole seconds, with the window
+    /// taken as `w` whole seconds: the window is longer than that, unless the refusal is a
+    /// capacity probe's or follows one (then the capacity was too high, and the refusal already
+    /// took it back). This is how a fixed window first measured from a send well after its
+    /// start (so too short) is found: it is longer than from the last advised time that has
+    /// passed to the second before `d`. It only ever lengthens, to whole seconds, so it never
+    /// goes past a whole-second window; a window long enough refuses nothing of ours but probes.
+    ///
+    /// Returns true when the refusal was the window's: it lengthened the window, or came in the
+    /// same burst as the refusal that did. The credits in hand then came back too early: they
+    /// are held until the server's advised time, when its window has room for them.
+    fn lengthen_whole(&mut self, now: Instant, d: Duration, w: Duration, probe: Option<Probe>) -> bool {
+        if self.short_until.is_some_and(|until| now < until) {
+            return true;
+        }
+        if !self.sole || probe.is_some() || self.grew_at.is_some_and(|at| now < at + w * 2) {
+            return false;
+        }
+        // The last advised time that has passed is no earlier than the start of the window it
+        // advised (the advice was rounded up), and that window ends more than `d - 1` from
+        // now, if it is still the server's current one: if our sends since then are no more
+        // than one window admits.
+        let Some(since) = self.reset_at else { return false };
+        let since_then: f64 = self.log.iter().filter(|e| e.state == State::Ok && e.at >= since).map(|e| e.weight).sum();
+        if self.effective_capacity().is_none_or(|c| since_then > c) {
+            return false;
+        }
+        let longer = whole_seconds((now + d).saturating_duration_since(since + Duration::from_secs(1))).min(w * 2);
+        if longer <= w {
+            return false;
+        }
+        self.window = Some(longer);
+        self.short_until = Some(now + d);
+        self.deferred.push((now + d, self.credits.max(0.0)));
+        self.credits = self.credits.min(0.0);
+        tracing::debug!(window = ?self.window, advised = ?d, "whole-second window lengthened");
+        true
     }
 
     /// The send failed for another reason; the server may have counted it, so keep it.
@@ -696,7 +616,6 @@ impl Budget {
         Seed {
             mode: self.mode,
             window: self.window,
-            lower: self.lower,
             probe: self.probe,
             capacity: self.effective_capacity().unwrap_or(0.0),
             sends,
@@ -738,7 +657,6 @@ impl Budget {
             (Mode::Unlimited, Mode::Learned) => {
                 self.mode = Mode::Learned;
                 self.window = seed.window;
-                self.lower = seed.lower;
                 self.probe = seed.probe;
                 self.log.clear();
                 self.overdue.clear();
@@ -985,15 +903,14 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn whole_second_advice_is_narrowed_to_the_window_by_probes() {
+    async fn whole_second_advice_is_taken_as_a_whole_second_window() {
         // 50 per 5 s, advice in whole seconds: the first refusal leaves the window between
-        // 4.x and 5.x s; window probes narrow it until a window's sends fit 5 s plus the margin.
+        // 4.x and 5.x s, and the window is the whole second in that range.
         let mut server = Server::sliding(50, Duration::from_secs(5));
         let mut b = [Budget::unlimited()];
         let (per_window, refusals) = drive(&mut b, &mut server, Instant::now(), 200, 10, ms(1));
         let w = b[0].window().unwrap();
-        assert!(w >= Duration::from_secs(5) && w <= ms(5025), "window {w:?}");
-        assert!(!b[0].uncertain());
+        assert_eq!(w, Duration::from_secs(5));
         // Every window full; about one refusal per window (the probe for more capacity), and
         // the few of the first window.
         assert!(per_window.iter().all(|&n| n >= 49), "{per_window:?}");
@@ -1014,12 +931,34 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn edge_probes_narrow_the_window_in_the_gap_after_it_was_learned() {
+    async fn a_fixed_window_entered_late_is_kept_full_with_few_refusals() {
+        // 50 per 5 s in fixed windows, advice in whole seconds; the client starts 0.5 .. 4.7 s
+        // into a window, so its first refusal measures the window from its own first send,
+        // which is that much after the window's start: too short. The burst its early credits
+        // fund is refused, and says how much longer the window is.
+        for late in [500u64, 1200, 1700, 2300, 2900, 3500, 4100, 4700] {
+            let t0 = Instant::now();
+            let mut server = Server { fixed: Some(t0 - ms(late)), ..Server::sliding(50, Duration::from_secs(5)) };
+            let mut b = [Budget::unlimited().sole(true)];
+            let (per_window, refusals) = drive(&mut b, &mut server, t0, 300, 50, ms(1));
+            // Counted in windows of the client's clock, not the server's: the total is what counts.
+            let total: usize = per_window.iter().sum();
+            assert!(
+                total >= 50 * 49,
+                "late {late} ms: {total} in 50 windows, window {:?} refusals {refusals}",
+                b[0].window()
+            );
+            // About one a window (the probe for more), and a few while the window is found.
+            assert_eq!(b[0].window(), Some(Duration::from_secs(5)), "late {late} ms");
+            assert!(refusals <= 60 + 10, "late {late} ms: {refusals} refusals, window {:?}", b[0].window());
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn whole_second_advice_gives_the_window_at_once() {
         // 50 per 5 s; the window fills at t0 and the next send, 0.3 s later, is refused with
-        // "5s" (4.7 s rounded up): the window is between 4.3 and 5.3 s. Taken at 5.3 s, the
-        // second window would open 0.3 s late (and every later one too) until a quiet window
-        // let window probes narrow it; edge probes, sent into the gap, narrow it before the
-        // second window opens.
+        // "5s" (4.7 s rounded up): the window is longer than 4.3 s and at most 5.3 s, so 5 s,
+        // and the second window opens on time with no probing.
         let mut server = Server::sliding(50, Duration::from_secs(5));
         let mut b = Budget::unlimited();
         let t0 = Instant::now();
@@ -1033,18 +972,12 @@ mod tests {
         let d = server.admit(t).unwrap_err();
         assert_eq!(d, Duration::from_secs(5));
         b.refused(50, t, Some(d));
-        assert_eq!((b.lower, b.window), (Some(ms(4300)), Some(ms(5300))));
+        assert_eq!(b.window, Some(Duration::from_secs(5)));
         let mut b = [b];
         // The rest of the first window and the start of the second.
         let (_, refusals) = drive(&mut b, &mut server, t, 5, 0, ms(1));
-        let w = b[0].window().unwrap();
-        assert!(
-            w >= Duration::from_secs(5) && w <= ms(5050),
-            "window {w:?} lower {:?} refusals {refusals}",
-            b[0].lower
-        );
-        assert!(refusals <= 3, "{refusals} refusals");
-        // The second window was full by t0 + 5 s plus the margin and the probes' narrowing.
+        assert_eq!(b[0].window(), Some(Duration::from_secs(5)));
+        assert!(refusals <= 1, "{refusals} refusals");
         let second = server.log.iter().filter(|&&a| a >= t0 + Duration::from_secs(5)).count();
         assert!(second >= 49, "{second} sends in the second window");
     }
@@ -1060,7 +993,12 @@ mod tests {
         let mut server = Server::sliding(60, Duration::from_secs(5));
         let mut b = [Budget::unlimited(), Budget::unlimited()];
         let (per_window, refusals) = drive(&mut b, &mut server, Instant::now(), 300, 10, ms(1));
-        assert!(per_window.iter().all(|&n| n >= 58), "{per_window:?}");
+        assert!(
+            per_window.iter().all(|&n| n >= 58),
+            "{per_window:?} windows {:?} {:?} refusals {refusals}",
+            b[0].window(),
+            b[1].window()
+        );
         for (i, b) in b.iter().enumerate() {
             let w = b.window().unwrap();
             assert!(w >= ms(4950), "client {i} window {w:?}");
@@ -1111,10 +1049,11 @@ mod tests {
             b.try_take(id, 1.0, t0).unwrap();
             b.admitted(id, 1.0);
         }
-        // Refused at 200 ms with "retry-after: 5": the window looks like 5.2 s.
         b.try_take(2, 1.0, t0 + ms(200)).unwrap();
         b.refused(2, t0 + ms(200), Some(Duration::from_secs(5)));
-        assert_eq!(b.window(), Some(ms(5200)));
+        // Refused at 200 ms with "retry-after: 5": the window is longer than 4.2 s and at most
+        // 5.2 s; counted in whole seconds, 5 s.
+        assert_eq!(b.window(), Some(Duration::from_secs(5)));
         // The next window: a send refused 0.6 s before our oldest credit returns, told "1 s"
         // (rounded up from anything in 0..1 s): consistent, so the window stays.
         let t1 = t0 + ms(5300);
@@ -1122,7 +1061,7 @@ mod tests {
         b.admitted(3, 1.0);
         assert!(b.try_take(4, 1.0, t1).is_ok());
         b.refused(4, t1 + ms(4600), Some(Duration::from_secs(1)));
-        assert_eq!(b.window(), Some(ms(5200)));
+        assert_eq!(b.window(), Some(Duration::from_secs(5)));
     }
 
     #[tokio::test(start_paused = true)]

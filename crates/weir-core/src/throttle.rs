@@ -152,6 +152,9 @@ pub struct Throttle {
     /// Calls in flight whose shared throttle went away, as counted by whoever decides now: set
     /// aside here (`None`) or told to the shared throttle followed now.
     carried: Mutex<(usize, Option<Arc<dyn Delegate>>)>,
+    /// Set once this process has said that the shared throttle keeps other limits than it was
+    /// told.
+    warned_limits: std::sync::atomic::AtomicBool,
 }
 
 /// Calls in flight that a shared throttle admitted: the last number given, and each call's
@@ -238,7 +241,9 @@ impl Throttle {
         Self {
             gate: Gate::default(),
             limit,
-            rate: RateLimiter::new(settings.rate.clone()),
+            // With a quota store on, every process here that shares the quota goes through one
+            // throttle.
+            rate: RateLimiter::with_clients(settings.rate.clone(), settings.store != QuotaStore::Off),
             sre: settings.sre_k.map(|k| Mutex::new(SreThrottler::new(k, settings.rate.window, 0x5e))),
             throttled_micros: AtomicU64::new(0),
             route: std::sync::RwLock::new(Route::Here),
@@ -250,6 +255,7 @@ impl Throttle {
             unclaimed: Mutex::new(0),
             most_processes: std::sync::atomic::AtomicUsize::new(1),
             remote_calls: Mutex::default(),
+            warned_limits: std::sync::atomic::AtomicBool::new(false),
             carried: Mutex::new((0, None)),
         }
     }
@@ -483,6 +489,39 @@ impl Throttle {
         }
     }
 
+    /// Warns, once, when this process was told limits (`--rpm`, `--tpm`, `--limit-window`) that
+    /// the shared throttle admitting its calls does not keep: the process that holds a shared
+    /// quota decides with the limits it was told, and a user who gave this one others should
+    /// know which are in force.
+    fn check_told(&self, shared: &RateSnapshot) {
+        let told = self.rate.told();
+        let differs = |mine: Option<u64>, theirs: Option<(f64, Duration, bool)>| match (mine, theirs) {
+            (None, _) => false,
+            (Some(n), Some((c, w, false))) => n as f64 != c || w != told.window,
+            (Some(_), _) => true,
+        };
+        if (differs(told.requests, shared.requests) || differs(told.tokens, shared.tokens))
+            && !self.warned_limits.swap(true, Relaxed)
+        {
+            let show = |l: Option<(f64, Duration, bool)>, what: &str| match l {
+                Some((c, w, learned)) => {
+                    format!("{c:.0} {what} per {:.0} s{}", w.as_secs_f64(), if learned { " (learned)" } else { "" })
+                }
+                None => format!("no {what} limit"),
+            };
+            let mine = |n: Option<u64>| n.map(|n| (n as f64, told.window, false));
+            tracing::warn!(
+                "this process was told {} and {}, but the process holding the shared quota keeps {} and {}: \
+                 those are in force for every process that shares it. Give them all the same --rpm/--tpm/--limit-window, \
+                 or --quota-store off to keep this one apart",
+                show(mine(told.requests), "requests"),
+                show(mine(told.tokens), "tokens"),
+                show(shared.requests, "requests"),
+                show(shared.tokens, "tokens"),
+            );
+        }
+    }
+
     async fn admit_inner(&self, member: u64, weight: Weight) -> Admitted<'_> {
         let start = Instant::now();
         let mut lost_at = None;
@@ -499,6 +538,7 @@ impl Throttle {
                 Route::There(d) => d,
             };
             if let Some(g) = d.admit(weight).await {
+                self.check_told(&g.rates);
                 *self.shared_view.lock().unwrap_or_else(|e| e.into_inner()) = Some((g.concurrency, g.rates));
                 self.most_processes.fetch_max(g.processes, Relaxed);
                 self.throttled_micros.fetch_add(g.waited.as_micros() as u64, Relaxed);
@@ -727,9 +767,20 @@ pub struct RateSnapshot {
 }
 
 impl RateLimiter {
+    /// The limits this limiter was told.
+    pub fn told(&self) -> &RateSettings {
+        &self.settings
+    }
+
     /// A limiter with the given static limits.
     pub fn new(settings: RateSettings) -> Self {
-        let unlimited = || Budget::unlimited().with_default_window(settings.window);
+        Self::with_clients(settings, false)
+    }
+
+    /// A limiter with the given static limits; `sole` when it is the only client of its quota
+    /// that this process knows of (see [`Budget::sole`]).
+    pub fn with_clients(settings: RateSettings, sole: bool) -> Self {
+        let unlimited = || Budget::unlimited().with_default_window(settings.window).sole(sole);
         let req = settings.requests.map_or_else(unlimited, |r| Budget::fixed(r as f64, settings.window));
         let tok = settings.tokens.map_or_else(unlimited, |t| Budget::fixed(t as f64, settings.window));
         Self {
@@ -1161,6 +1212,34 @@ mod tests {
         assert!(both.windows(3).all(|w| !(w[0] == w[1] && w[1] == w[2])), "{order:?}");
         let zeros = both.iter().filter(|&&m| m == 0).count();
         assert!(zeros.abs_diff(both.len() - zeros) <= 2, "{order:?}");
+    }
+
+    #[test]
+    fn a_process_told_other_limits_than_the_shared_throttle_keeps_is_warned_once() {
+        let told = |requests| ThrottleSettings {
+            rate: RateSettings { requests, window: Duration::from_secs(60), ..RateSettings::default() },
+            ..ThrottleSettings::default()
+        };
+        let keeps = |requests| RateSnapshot { requests, tokens: None };
+        let minute = Duration::from_secs(60);
+        // Told the limit the holder keeps, or nothing: no warning.
+        let t = Throttle::new(&told(Some(100)));
+        t.check_told(&keeps(Some((100.0, minute, false))));
+        assert!(!t.warned_limits.load(Relaxed));
+        let t = Throttle::new(&told(None));
+        t.check_told(&keeps(Some((100.0, minute, false))));
+        assert!(!t.warned_limits.load(Relaxed));
+        // Told 50 a minute while the holder keeps 100, or 100 over another window, or learns.
+        for kept in [
+            Some((100.0, minute, false)),
+            Some((50.0, Duration::from_secs(5), false)),
+            Some((48.0, minute, true)),
+            None,
+        ] {
+            let t = Throttle::new(&told(Some(50)));
+            t.check_told(&keeps(kept));
+            assert!(t.warned_limits.load(Relaxed), "{kept:?}");
+        }
     }
 
     #[tokio::test(start_paused = true)]

@@ -149,7 +149,16 @@ pub fn parse(api: EmbedApi, body: &[u8], texts: &[&str]) -> BatchAnswer {
         }
         EmbedApi::Gemini => {
             let Some(Value::Array(items)) = v.get("embeddings") else { return Err(malformed("has no embeddings")) };
-            items.iter().map(|e| vector(e.get("values")).map(|x| embedding(x, 0))).collect()
+            // The Gemini API reports no usage for embeddings, yet bills their input tokens:
+            // about four characters a token, as the throttle estimates them before a call.
+            items
+                .iter()
+                .enumerate()
+                .map(|(i, e)| {
+                    let tokens = texts.get(i).map_or(0, |t| t.chars().count().div_ceil(4)) as u64;
+                    vector(e.get("values")).map(|x| embedding(x, tokens))
+                })
+                .collect()
         }
         EmbedApi::Vertex => {
             let Some(Value::Array(items)) = v.get("predictions") else { return Err(malformed("has no predictions")) };
@@ -229,8 +238,9 @@ mod tests {
 
     #[test]
     fn a_short_answer_fails_only_the_texts_left_out() {
-        let a = parse(EmbedApi::Gemini, br#"{"embeddings":[{"values":[1,2]}]}"#, &["a", "b"]).unwrap();
-        assert!(a[0].is_ok());
+        let a = parse(EmbedApi::Gemini, br#"{"embeddings":[{"values":[1,2]}]}"#, &["a river", "b"]).unwrap();
+        // No usage in the Gemini API's answer: the input tokens are estimated (7 characters).
+        assert_eq!(a[0].as_ref().unwrap().usage.prompt_tokens, 2);
         assert_eq!(a[1].as_ref().unwrap_err().kind, ErrorKind::MalformedResponse);
         let v = br#"{"predictions":[{"embeddings":{"values":[1],"statistics":{"token_count":4}}}]}"#;
         let a = parse(EmbedApi::Vertex, v, &["a"]).unwrap();

@@ -395,8 +395,15 @@ impl PyEngine {
 
     /// Counters summed over the engine's endpoints (shared with every engine of the process
     /// that has the same settings).
-    fn metrics(&self) -> HashMap<&'static str, f64> {
-        sum_metrics(&self.shared.engine)
+    fn metrics(&self, py: Python<'_>) -> HashMap<&'static str, f64> {
+        let mut out = sum_metrics(&self.shared.engine);
+        // How many processes shared an endpoint's quota at most (1: this one alone), the most
+        // over the endpoints: processes on one machine that call one endpoint with one key meet.
+        let engine = &self.shared.engine;
+        let endpoints = py.detach(|| runtime().block_on(engine.endpoints()));
+        let processes = endpoints.iter().map(|e| e.sharing.processes).max().unwrap_or(1);
+        out.insert("quota_processes", processes as f64);
+        out
     }
 
     /// Makes every answer cached so far durable (it is otherwise handed to the kernel within

@@ -96,17 +96,25 @@ def test_failed_records_fail_the_pipeline_without_exception_handling(sim, tmp_pa
 def test_errors_as_results(sim, tmp_path):
     handler = WeirModelHandler(MODEL, sim.url, errors="result")
     out = str(tmp_path / "out")
-    with beam.Pipeline() as p:
-        _ = (
-            p
-            | beam.Create(["fine", "no [sim:block_prompt]", 42])
-            | RunInference(handler)
-            | beam.Map(lambda r: json.dumps([r.example, r.inference.ok]))
-            | beam.io.WriteToText(out)
-        )
+    p = beam.Pipeline()
+    _ = (
+        p
+        | beam.Create(["fine", "no [sim:block_prompt]", 42])
+        | RunInference(handler)
+        | beam.Map(lambda r: json.dumps([r.example, r.inference.ok]))
+        | beam.io.WriteToText(out)
+    )
+    outcome = p.run()
+    outcome.wait_until_finish()
     rows = sorted((json.loads(l) for path in glob.glob(out + "*") for l in open(path)), key=json.dumps)
     # The element weir cannot read (42) fails alone; its batch-mates are answered.
     assert rows == sorted([[42, False], ["fine", True], ["no [sim:block_prompt]", False]], key=json.dumps)
+    # Both failures are counted: the blocked prompt and the element weir could not read.
+    counters = {
+        r.key.metric.name: r.committed
+        for r in outcome.metrics().query(MetricsFilter().with_namespace("RunInference"))["counters"]
+    }
+    assert counters["weir_failed_records"] == 2, counters
 
 
 def test_bad_settings_fail_when_the_handler_is_made():

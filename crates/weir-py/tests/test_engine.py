@@ -152,6 +152,36 @@ def test_engines_with_the_same_settings_share_one_throttle(sim_factory):
     assert s["rate_limited"] <= 0.25 * s["requests"], s
 
 
+WORKER = """
+import json, sys, weir
+url, tag = sys.argv[1], sys.argv[2]
+engine = weir.Engine("gemini/gemini-2.5-flash", url, max_retries=50, cache=False)
+rows = engine.generate([f"{tag} {i:05d} tell me about rivers" for i in range(int(sys.argv[3]))])
+print(json.dumps({"ok": sum(r.ok for r in rows), **engine.metrics()}))
+"""
+
+
+def test_python_processes_on_one_key_share_one_quota(sim_factory, tmp_path):
+    # Two Python processes (as two Beam workers would be) on one key: they meet through the
+    # machine and keep to the quota together, each seeing the other.
+    import json, os, subprocess, sys
+
+    sim = sim_factory("--rpm", "40", "--window-secs", "2", "--latency-ms", "20", "--round-advice")
+    env = {**os.environ, "WEIR_QUOTA_DIR": str(tmp_path / "quota")}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", WORKER, sim.url, f"p{i}", "120"], stdout=subprocess.PIPE, env=env)
+        for i in range(2)
+    ]
+    out = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
+    assert [o["ok"] for o in out] == [120, 120], out
+    assert [o["quota_processes"] for o in out] == [2, 2], out
+    s = sim.stats()
+    assert s["successes"] == 240
+    # One learned budget for both: 240 calls over 12 windows of 40, few refused (two processes
+    # each learning alone refuse far more of each other's calls).
+    assert s["rate_limited"] <= 0.1 * s["requests"], s
+
+
 def test_cache_reuses_an_items_own_answer_and_only_deterministic_ones_without_id(sim, tmp_path):
     cache = str(tmp_path / "cache")
     engine = weir.Engine(MODEL, sim.url, cache_dir=cache)
@@ -273,6 +303,12 @@ def test_hurried_user_edges(sim):
         weir.Engine(MODEL, sim.url, rmp=None)
     with pytest.raises(TypeError, match="under 'params'"):
         a.generate([{"prompt": "x", "temperature": 0.1}])
+    # A near miss of an item key is refused; other keys are the record's own data.
+    with pytest.raises(TypeError, match="'sytem' is not an item key; did you mean 'system'"):
+        a.generate([{"prompt": "x", "sytem": "be brief"}])
+    with pytest.raises(TypeError, match="did you mean 'params'"):
+        a.generate([{"prompt": "x", "parms": {"temperature": 0}}])
+    assert a.generate([{"prompt": "x", "category": "rivers", "row": 3}])[0].ok
     before = sim.stats()["requests"]
     r = a.generate(["", "   ", "real"])
     assert [x.ok for x in r] == [False, False, True] and r[0].error_kind == "invalid_input"

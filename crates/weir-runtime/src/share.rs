@@ -693,7 +693,9 @@ impl Told {
                 learn: self.learn,
             },
             sre_k: self.sre_k,
-            store: weir_core::QuotaStore::Off,
+            // The scheduler's throttle is the one every executor goes through (it joins
+            // nothing itself: only the runtime's throttles do).
+            store: weir_core::QuotaStore::Cluster,
         })
     }
 }

@@ -126,7 +126,7 @@ struct ExecutorArgs {
     credentials: crate::credential_args::CredentialArgs,
     /// Serve this executor's counters (calls, 429s, tokens, latency) in the Prometheus text
     /// format at http://ADDR/metrics.
-    #[arg(long, value_name = "ADDR")]
+    #[arg(long, value_name = "ADDR", value_parser = weir::metrics_server::listen_addr)]
     metrics_listen: Option<SocketAddr>,
     #[command(flatten)]
     endpoint: EndpointArgs,

@@ -14,6 +14,19 @@ use tokio::time::Instant;
 use weir_core::RunMetrics;
 use weir_runtime::{EndpointState, Runtime};
 
+/// Reads `--metrics-listen`'s address: an IP address and port, or `localhost:PORT` (this
+/// machine's loopback, as most tools take it; other names are not looked up, so the address
+/// served is the one written).
+pub fn listen_addr(s: &str) -> Result<SocketAddr, String> {
+    if let Ok(addr) = s.parse() {
+        return Ok(addr);
+    }
+    match s.strip_prefix("localhost:").map(str::parse::<u16>) {
+        Some(Ok(port)) => Ok(SocketAddr::from(([127, 0, 0, 1], port))),
+        _ => Err(format!("'{s}': expected IP:PORT (127.0.0.1:9464, [::1]:9464) or localhost:PORT")),
+    }
+}
+
 /// Installs the exporter on `addr` and starts the task that updates, once a second, the gauges
 /// of every endpoint `runtime` has connected, labelled by model and endpoint (abort it when the
 /// run ends; a cluster executor keeps it for as long as it serves).
@@ -73,4 +86,18 @@ fn update_gauges(e: &EndpointState, started: Instant) {
     metrics::gauge!("weir_quota_processes", &labels).set(e.sharing.processes.max(1) as f64);
     let secs = started.elapsed().as_secs_f64().max(1e-6);
     metrics::gauge!("weir_success_rate", &labels).set(e.metrics.succeeded.load(Relaxed) as f64 / secs);
+}
+
+#[cfg(test)]
+mod listen_tests {
+    use super::listen_addr;
+
+    #[test]
+    fn listen_addresses_take_ips_and_localhost() {
+        assert_eq!(listen_addr("127.0.0.1:0").unwrap().port(), 0);
+        assert_eq!(listen_addr("localhost:9464").unwrap(), "127.0.0.1:9464".parse().unwrap());
+        assert!(listen_addr("[::1]:1").is_ok());
+        assert!(listen_addr("localhost").is_err());
+        assert!(listen_addr("example.com:80").unwrap_err().contains("localhost:PORT"));
+    }
 }

@@ -212,7 +212,7 @@ pub struct RunArgs {
     #[arg(long, conflicts_with = "fresh")]
     retry_errors: bool,
     /// Serve the run's counters in the Prometheus text format at http://ADDR/metrics.
-    #[arg(long, value_name = "ADDR")]
+    #[arg(long, value_name = "ADDR", value_parser = weir::metrics_server::listen_addr)]
     metrics_listen: Option<std::net::SocketAddr>,
     /// Scenario (TOML, as for `weir sim --config`) of the built-in simulator behind sim/ models.
     #[arg(long, value_name = "FILE")]

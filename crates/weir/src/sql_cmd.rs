@@ -624,7 +624,7 @@ pub(crate) fn summary(functions: &Runtime, elapsed: std::time::Duration, who: &s
         let kinds: Vec<String> = m.failures_by_kind().iter().map(|(k, n)| format!("{k} {}", thousands(*n))).collect();
         if !kinds.is_empty() {
             s.push_str(&format!(
-                "  failed rows by kind: {} (llm_generate_result says why per row)\n",
+                "  failed rows by kind: {} (llm_generate_result or llm_embed_result says why per row)\n",
                 kinds.join(", ")
             ));
         }

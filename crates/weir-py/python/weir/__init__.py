@@ -19,6 +19,7 @@ unknown model, a missing API key, settings weir does not take).
 from __future__ import annotations
 
 import asyncio
+import difflib
 import json
 import os
 from dataclasses import dataclass
@@ -112,6 +113,14 @@ def _item(label: str, item: Any, embed: bool):
     misplaced = sorted(_MISPLACED.intersection(item))
     if misplaced:
         raise TypeError(f"{label}: {misplaced[0]!r} is not an item key; put generation parameters under 'params', e.g. {{'params': {{'temperature': 0.2}}}}")
+    # Other keys are the record's own data and are left alone, but one that is a near miss of
+    # an item key ('sytem', 'parms') would silently run the item without what it meant.
+    known = (text_key, "prompt" if embed else "text", "id", "model", "system", "params")
+    for key in item:
+        if isinstance(key, str) and key not in known:
+            near = difflib.get_close_matches(key, known, n=1, cutoff=0.9)
+            if near:
+                raise TypeError(f"{label}: {key!r} is not an item key; did you mean {near[0]!r}?")
     rid = item.get("id")
     if rid is not None and (isinstance(rid, bool) or not isinstance(rid, (str, int))):
         raise TypeError(f"{label}: 'id' must be a str or an int, not {type(rid).__name__}")
@@ -241,7 +250,9 @@ class Engine:
         (429s), ``cache_hits``, ``prompt_tokens``, ``output_tokens``, ``throttled_seconds`` (wall
         time during which calls were held by the throttle) and ``throttled_call_seconds`` (the
         same summed over calls); summed over the endpoints, and shared with every engine of this
-        process with the same settings."""
+        process with the same settings. ``quota_processes`` is the most processes seen sharing an
+        endpoint's quota at once (1: this one alone; processes of this user on this machine that
+        call one endpoint with one key share it, see ``quota_store``)."""
         return {k: (v if k.endswith("seconds") else int(v)) for k, v in self._native.metrics().items()}
 
     def flush(self) -> None:

@@ -187,6 +187,9 @@ class WeirModelHandler(ModelHandler):
         for i, r in zip(good, model._answer(native, ids, embed, system, args or None)):
             results[i] = r
         self._report(model)
+        if len(good) < len(batch):
+            # Failed before the engine saw them, so not in its counts.
+            Metrics.counter(self.get_metrics_namespace(), _COUNTERS["failed"]).inc(len(batch) - len(good))
         return [PredictionResult(example, r, r.model) for example, r in zip(batch, results)]
 
     def _report(self, model: Engine) -> None:
