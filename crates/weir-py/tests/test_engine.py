@@ -308,6 +308,10 @@ def test_hurried_user_edges(sim):
         a.generate([{"prompt": "x", "sytem": "be brief"}])
     with pytest.raises(TypeError, match="did you mean 'params'"):
         a.generate([{"prompt": "x", "parms": {"temperature": 0}}])
+    with pytest.raises(TypeError, match="'temprature' is not an item key; did you mean 'temperature', under 'params'"):
+        a.generate([{"prompt": "x", "temprature": 0}])
+    with pytest.raises(TypeError, match="'promt' is not an item key; did you mean 'prompt'"):
+        a.generate([{"promt": "x"}])
     assert a.generate([{"prompt": "x", "category": "rivers", "row": 3}])[0].ok
     before = sim.stats()["requests"]
     r = a.generate(["", "   ", "real"])

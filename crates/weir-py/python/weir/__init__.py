@@ -107,20 +107,25 @@ def _item(label: str, item: Any, embed: bool):
         return (None, False, item if item.strip() else None, None, None, None), None
     if not isinstance(item, Mapping):
         raise TypeError(f"{label}: expected a str or a dict with {text_key!r}, not {type(item).__name__}")
-    prompt = item.get(text_key, item.get("prompt" if embed else "text"))
-    if not isinstance(prompt, str):
-        raise TypeError(f"{label}: {text_key!r} must be a str, not {type(prompt).__name__}")
     misplaced = sorted(_MISPLACED.intersection(item))
     if misplaced:
         raise TypeError(f"{label}: {misplaced[0]!r} is not an item key; put generation parameters under 'params', e.g. {{'params': {{'temperature': 0.2}}}}")
     # Other keys are the record's own data and are left alone, but one that is a near miss of
-    # an item key ('sytem', 'parms') would silently run the item without what it meant.
+    # an item key ('sytem', 'promt') or of a generation parameter ('temprature') would
+    # silently run the item without what it meant.
     known = (text_key, "prompt" if embed else "text", "id", "model", "system", "params")
     for key in item:
         if isinstance(key, str) and key not in known:
-            near = difflib.get_close_matches(key, known, n=1, cutoff=0.9)
+            near = difflib.get_close_matches(key, known, n=1, cutoff=0.9) or difflib.get_close_matches(
+                key, ("prompt", "system", "params"), n=1, cutoff=0.8)
             if near:
                 raise TypeError(f"{label}: {key!r} is not an item key; did you mean {near[0]!r}?")
+            near = difflib.get_close_matches(key, sorted(_MISPLACED), n=1, cutoff=0.85)
+            if near:
+                raise TypeError(f"{label}: {key!r} is not an item key; did you mean {near[0]!r}, under 'params'?")
+    prompt = item.get(text_key, item.get("prompt" if embed else "text"))
+    if not isinstance(prompt, str):
+        raise TypeError(f"{label}: {text_key!r} must be a str, not {type(prompt).__name__}")
     rid = item.get("id")
     if rid is not None and (isinstance(rid, bool) or not isinstance(rid, (str, int))):
         raise TypeError(f"{label}: 'id' must be a str or an int, not {type(rid).__name__}")
