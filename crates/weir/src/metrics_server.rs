@@ -27,7 +27,9 @@ pub fn listen_addr(s: &str) -> Result<SocketAddr, String> {
         },
     };
     if addr.port() == 0 {
-        return Err(format!("'{s}': name a port (port 0 would be one picked at random, which a scraper could not find)"));
+        return Err(format!(
+            "'{s}': name a port (port 0 would be one picked at random, which a scraper could not find)"
+        ));
     }
     Ok(addr)
 }
