@@ -494,6 +494,10 @@ impl Throttle {
     /// quota decides with the limits it was told, and a user who gave this one others should
     /// know which are in force.
     fn check_told(&self, shared: &RateSnapshot) {
+        // Every admitted call of a follower comes here: once said, nothing more to compare.
+        if self.warned_limits.load(Relaxed) {
+            return;
+        }
         let told = self.rate.told();
         let differs = |mine: Option<u64>, theirs: Option<(f64, Duration, bool)>| match (mine, theirs) {
             (None, _) => false,

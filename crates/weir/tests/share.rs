@@ -191,6 +191,19 @@ async fn redis() -> Option<(tokio::process::Child, String)> {
     Some((child, format!("redis://127.0.0.1:{port}")))
 }
 
+/// One told run per name (input `NAME.jsonl` of `data`, output `NAME.out`), each meeting others
+/// in a directory of its own: only the store named joins them, as it joins processes on
+/// different machines.
+fn runs_through(store: &str, url: &str, dir: &Dir, names: &[&str], data: &[u8]) -> Vec<tokio::process::Command> {
+    names
+        .iter()
+        .map(|n| {
+            let input = dir.write(&format!("{n}.jsonl"), data);
+            told_run(url, dir, &input, &format!("{n}.out"), &dir.path(&format!("meet-{n}")), store)
+        })
+        .collect()
+}
+
 #[tokio::test]
 async fn processes_that_name_one_redis_server_keep_a_told_limit_together() {
     let Some((_redis, store)) = redis().await else { return };
@@ -200,12 +213,7 @@ async fn processes_that_name_one_redis_server_keep_a_told_limit_together() {
     let url = server.url();
     let dir = Dir::new("share-redis");
     let (data, ids) = prompts(30);
-    let inputs = [dir.write("a.jsonl", &data), dir.write("b.jsonl", &data)];
-    let mut runs: Vec<_> = ["a", "b"]
-        .iter()
-        .zip(&inputs)
-        .map(|(n, input)| told_run(&url, &dir, input, &format!("{n}.out"), &dir.path(&format!("meet-{n}")), &store))
-        .collect();
+    let mut runs = runs_through(&store, &url, &dir, &["a", "b"], &data);
     let started = std::time::Instant::now();
     let (oa, ob) = tokio::join!(runs[0].output(), runs[1].output());
     let took = started.elapsed();
@@ -284,12 +292,10 @@ async fn processes_sharing_through_redis_go_on_when_its_keys_are_flushed() {
     let dir = Dir::new("share-redis-flush");
     let (data, ids) = prompts(40);
     let names = ["a", "b", "c"];
-    let mut runs = Vec::new();
-    for n in names {
-        let input = dir.write(&format!("{n}.jsonl"), &data);
-        let mut run = told_run(&url, &dir, &input, &format!("{n}.out"), &dir.path(&format!("meet-{n}")), &store);
-        runs.push(run.kill_on_drop(true).spawn().unwrap());
-    }
+    let runs: Vec<_> = runs_through(&store, &url, &dir, &names, &data)
+        .into_iter()
+        .map(|mut run| run.kill_on_drop(true).spawn().unwrap())
+        .collect();
     tokio::time::sleep(Duration::from_secs(2)).await;
     let port: u16 = store.rsplit(':').next().unwrap().parse().unwrap();
     let mut redis = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
