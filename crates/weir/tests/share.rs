@@ -8,6 +8,12 @@ use util::{prompts, rows, sim, weir, Dir};
 use weir_sim::config::LatencyConfig;
 use weir_sim::SimConfig;
 
+/// Held by each test for its whole run: every test starts two to four `weir` processes whose
+/// timing it checks (a told limit over seconds, a hand-over within a window), and several at
+/// once on a 2-core machine delay a process's joining the others past the moment it decides
+/// alone.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// A simulator answering in a steady 20 ms, with no quota of its own: only what the clients
 /// enforce limits them, so the successes per second show what they sent.
 async fn steady_sim() -> weir_sim::SimServer {
@@ -83,6 +89,7 @@ async fn two_at_once(store: &str) -> (Duration, u64, Vec<String>) {
 
 #[tokio::test]
 async fn processes_told_a_limit_keep_it_together() {
+    let _one = ONE_AT_A_TIME.lock().await;
     // Each told 10 per second: shared, the two send 10 a second between them, not 20 — 60
     // calls take six windows (the first at once, five more a second and 20 ms apart). (The
     // answers a second holds are checked loosely: a burst's answers delayed by a busy machine
@@ -102,6 +109,7 @@ async fn processes_told_a_limit_keep_it_together() {
 
 #[tokio::test]
 async fn the_quota_passes_on_when_its_holder_is_killed() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let server = steady_sim().await;
     let url = server.url();
     let dir = Dir::new("share-kill");
@@ -154,6 +162,7 @@ async fn follower_takes_over(
 
 #[tokio::test]
 async fn a_meeting_place_others_can_write_to_is_not_used() {
+    let _one = ONE_AT_A_TIME.lock().await;
     // Whoever can write to the directory could answer for the holder: weir says so and keeps
     // the quota alone.
     use std::os::unix::fs::PermissionsExt;
@@ -206,6 +215,7 @@ fn runs_through(store: &str, url: &str, dir: &Dir, names: &[&str], data: &[u8]) 
 
 #[tokio::test]
 async fn processes_that_name_one_redis_server_keep_a_told_limit_together() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let Some((_redis, store)) = redis().await else { return };
     // Each process meets others in a directory of its own: only Redis joins them, as it joins
     // processes on different machines.
@@ -230,6 +240,7 @@ async fn processes_that_name_one_redis_server_keep_a_told_limit_together() {
 
 #[tokio::test]
 async fn the_quota_held_through_redis_passes_on_when_its_holder_is_killed() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let Some((_redis, store)) = redis().await else { return };
     let server = steady_sim().await;
     let url = server.url();
@@ -258,6 +269,7 @@ async fn the_quota_held_through_redis_passes_on_when_its_holder_is_killed() {
 
 #[tokio::test]
 async fn a_redis_store_that_cannot_be_used_is_said_so() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let server = steady_sim().await;
     let dir = Dir::new("share-redis-bad");
     let (data, ids) = prompts(5);
@@ -282,6 +294,7 @@ async fn a_redis_store_that_cannot_be_used_is_said_so() {
 
 #[tokio::test]
 async fn processes_sharing_through_redis_go_on_when_its_keys_are_flushed() {
+    let _one = ONE_AT_A_TIME.lock().await;
     // A FLUSHALL mid-run (an operator, or a Redis restarted empty) takes the holder's lease and
     // lists away: the processes elect a holder again and finish. Before, the holder that lost
     // its lease kept serving the others' calls that nobody collected, and their slots never
