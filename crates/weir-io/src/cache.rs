@@ -208,7 +208,7 @@ impl DiskCache {
                 fjall::Error::Locked => CacheError {
                     in_use: true,
                     ..err(&"is in use by another weir process (runs that share a state directory share its cache; \
-                         let that one finish, give this run another --state DIR")
+                         let that one finish, or give this run another --state DIR)")
                 },
                 e => err(&e),
             })?;

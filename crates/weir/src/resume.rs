@@ -351,7 +351,7 @@ pub(crate) async fn resume(
                     announce_resume(&recovered, total);
                 }
                 if let (true, StateMode::Dir(dir)) = (settings.cache, state_mode) {
-                    cache = Some(open_cache(dir)?);
+                    cache = open_cache(dir)?;
                 }
             }
             journaled
@@ -400,7 +400,7 @@ pub(crate) async fn resume(
                 ));
             }
             if settings.cache {
-                cache = Some(open_cache(dir)?);
+                cache = open_cache(dir)?;
             }
             state_dir = Some(sd);
             true
@@ -498,9 +498,24 @@ pub(crate) fn stream_resume_refused(output: &str, input: &str) -> RunError {
     ))
 }
 
-/// Opens the response cache in the state directory.
-pub(crate) fn open_cache(dir: &std::path::Path) -> Result<Arc<DiskCache>, RunError> {
-    weir_runtime::open_cache(&dir.join("cache")).map_err(|e| RunError::Usage(format!("{e}; or run with --no-cache")))
+/// Opens the response cache in the state directory. Runs started side by side in one
+/// directory (the common way to split a job over several processes) find it held by the
+/// first: they go on without it and say so, as `weir sql` and Python do, rather than refuse
+/// to run. Their answers then reach no cache, which costs a later run of the same records its
+/// hits, never a record.
+pub(crate) fn open_cache(dir: &std::path::Path) -> Result<Option<Arc<DiskCache>>, RunError> {
+    match weir_runtime::open_cache(&dir.join("cache")) {
+        Ok(c) => Ok(Some(c)),
+        Err(e) if e.in_use => {
+            eprintln!(
+                "weir: the response cache in {} is in use by another weir process; this run goes on without it \
+                 (its answers are not cached for later runs: give it its own --state DIR to keep them)",
+                dir.display()
+            );
+            Ok(None)
+        }
+        Err(e) => Err(RunError::Usage(format!("{e}; or run with --no-cache"))),
+    }
 }
 
 /// Says what an earlier run finished, on stderr.

@@ -194,6 +194,46 @@ async fn two_runs_never_write_one_output_whatever_their_state_dirs() {
     server.shutdown().await;
 }
 
+/// 4b. Splitting a job over several processes the obvious way — two `weir run`s of two inputs
+///     started together in one directory — runs both: the second finds the directory's response
+///     cache held by the first and goes on without it, saying so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_runs_side_by_side_in_one_directory_both_finish() {
+    let mut config = SimConfig::default();
+    config.latency.fixed_ms = 200.0;
+    let server = sim(config).await;
+    let dir = Dir::new("side-by-side");
+    let (data, ids) = prompts(60);
+    let text = String::from_utf8(data).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    dir.write("a.jsonl", format!("{}\n", lines[..30].join("\n")).as_bytes());
+    dir.write("b.jsonl", format!("{}\n", lines[30..].join("\n")).as_bytes());
+    let url = server.url();
+    let cmd = |name: &str, output: &str| {
+        let mut c = weir();
+        c.current_dir(&dir.0)
+            .args(["run", "--model", "gemini/m", "--base-url", &url, "--input", &format!("{name}.jsonl")])
+            .args(["--output", output, "--id-field", "key", "--progress", "never"])
+            .args(["--max-concurrency", "2"]);
+        c
+    };
+    let first = cmd("a", "out-a.jsonl").stderr(Stdio::piped()).spawn().unwrap();
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let second = cmd("b", "out-b.jsonl").output().await.unwrap();
+    let first = first.wait_with_output().await.unwrap();
+    assert_eq!(first.status.code(), Some(0), "{}", stderr(&first));
+    assert_eq!(second.status.code(), Some(0), "{}", stderr(&second));
+    assert!(stderr(&second).contains("goes on without it"), "{}", stderr(&second));
+    let mut results = rows(&dir.path("out-a.jsonl"));
+    results.extend(rows(&dir.path("out-b.jsonl")));
+    assert_each_id_once(&ids, &results, &[]);
+    // The first run's answers are in the cache: run again under another output, all hits.
+    let o = cmd("a", "again.jsonl").output().await.unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stderr(&o).contains("30 from cache"), "{}", stderr(&o));
+    server.shutdown().await;
+}
+
 /// 5. With `--output -` errors go to ./weir.errors.jsonl (documented), and a later run does
 ///    not truncate one that holds rows.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
