@@ -208,6 +208,13 @@ impl Budget {
         self
     }
 
+    /// Says, after the fact, whether the budget is its quota's only client here (see
+    /// [`Budget::sole`]): a process that loses its quota store decides alone beside others
+    /// that may too, and is no longer the only one.
+    pub fn set_sole(&mut self, sole: bool) {
+        self.sole = sole;
+    }
+
     /// Assumes `window` when a refusal does not say when to come back (a provider whose 429s
     /// advise nothing, such as Vertex AI; `--limit-window` says how long its quota window is).
     pub fn with_default_window(mut self, window: Duration) -> Self {
@@ -1005,6 +1012,23 @@ mod tests {
         }
         // About four per window: each client's probe for more, and the replay it displaced.
         assert!(refusals < 300 / 5 * 9 / 2, "{refusals} refusals");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_budget_that_is_no_longer_sole_does_not_lengthen_its_window() {
+        // A process whose quota store is lost decides alone beside others that may too
+        // (`set_sole(false)`): it no longer reads a refusal as a fixed window entered late, as
+        // the throttle every process went through does (`set_sole(true)` again once it holds
+        // the quota). Entered 2.3 s into a fixed window, only the sole one finds the 5 s.
+        for sole in [false, true] {
+            let t0 = Instant::now();
+            let mut server = Server { fixed: Some(t0 - ms(2300)), ..Server::sliding(50, Duration::from_secs(5)) };
+            let mut b = [Budget::unlimited().sole(!sole)];
+            b[0].set_sole(sole);
+            drive(&mut b, &mut server, t0, 60, 1, ms(1));
+            let w = b[0].window().unwrap();
+            assert_eq!(w == Duration::from_secs(5), sole, "sole {sole}: window {w:?}");
+        }
     }
 
     #[tokio::test(start_paused = true)]

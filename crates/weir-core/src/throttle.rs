@@ -260,6 +260,14 @@ impl Throttle {
         }
     }
 
+    /// Says whether every process here that shares this quota goes through this throttle: true
+    /// while its quota store works (it holds the quota, or has it held for it), false while the
+    /// store cannot be reached and the processes each decide alone. Only a throttle every call
+    /// goes through may read a refusal as the quota's own window (see [`crate::rate::Budget::sole`]).
+    pub fn set_sole(&self, sole: bool) {
+        self.rate.set_sole(sole);
+    }
+
     /// Says how many processes this throttle serves, itself included (set by the process that
     /// holds an endpoint's shared throttle, as others join and leave).
     pub fn set_processes(&self, n: usize) {
@@ -794,6 +802,13 @@ impl RateLimiter {
             next_id: AtomicU64::new(0),
             mean_output: Mutex::new((0.0, 0)),
         }
+    }
+
+    /// Says whether this limiter is its quota's only client here (see [`Budget::sole`]).
+    pub fn set_sole(&self, sole: bool) {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        s.0.set_sole(sole);
+        s.1.set_sole(sole);
     }
 
     /// Estimates the tokens a request will be counted for: about four characters a token for the

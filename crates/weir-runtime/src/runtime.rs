@@ -276,12 +276,16 @@ impl Runtime {
         self.sites.lock().await.get(&(embed, spec.to_string())).map(|s| s.throttle.clone())
     }
 
-    /// Stops what its endpoints run in this process (the simulators behind `sim/` models).
+    /// Stops what its endpoints run in this process (the simulators behind `sim/` models), and
+    /// leaves the quotas it shares through Redis (for a run that is ending: the process's last
+    /// runtime), so that a run started next does not wait for its lease to run out.
     pub async fn shutdown(&self) {
         let residents = std::mem::take(&mut *self.residents.lock().unwrap_or_else(|e| e.into_inner()));
         for r in residents {
             r.shutdown().await;
         }
+        #[cfg(feature = "redis")]
+        crate::share_redis::leave_all().await;
     }
 
     /// Connects to `model`'s endpoint now (it is otherwise connected on first use), so that a

@@ -100,6 +100,7 @@ pub fn join(throttle: &Arc<Throttle>, name: String) {
             if !SAID.swap(true, Relaxed) {
                 tracing::warn!("the quota is not shared with other processes on this machine: {why}");
             }
+            throttle.set_sole(false);
             return;
         }
     };
@@ -114,6 +115,7 @@ pub fn join(throttle: &Arc<Throttle>, name: String) {
             "the quota is not shared with other processes: {} is too long a path for a socket; set {DIR_VAR} to a shorter one",
             place.socket.display()
         );
+        throttle.set_sole(false);
         return;
     }
     throttle.await_delegate();
@@ -258,6 +260,7 @@ async fn supervise(throttle: Weak<Throttle>, place: Place) {
             Ok(None) => {}
             Err(e) => {
                 tracing::warn!("the quota is not shared with other processes: {e}");
+                t.set_sole(false);
                 t.delegate_to(None);
                 return;
             }
@@ -740,6 +743,7 @@ async fn follow(throttle: Weak<Throttle>, hub: Arc<dyn Hub>, hello: Vec<u8>) {
                 let ended = Arc::new(tokio::sync::Notify::new());
                 let peer = Peer::start(link, ended.clone());
                 let notified = ended.notified();
+                t.set_sole(true);
                 t.delegate_to(Some(peer));
                 tracing::debug!("sharing the quota kept by the scheduler at {}", hub.describe());
                 if said {
@@ -757,6 +761,7 @@ async fn follow(throttle: Weak<Throttle>, hub: Arc<dyn Hub>, hello: Vec<u8>) {
                 }
             }
             Err(e) => {
+                t.set_sole(false);
                 t.delegate_to(None);
                 if !said {
                     tracing::warn!(

@@ -54,6 +54,72 @@ struct Note {
     from: String,
     /// A line of the protocol; none: it is alive.
     line: Option<String>,
+    /// The process is leaving: it is counted no more (rather than for [`SILENT_FOR`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    bye: bool,
+}
+
+/// What a process that holds or follows a quota through Redis does when its run ends cleanly,
+/// so that the next run started at once neither waits out a lease nobody renews (up to
+/// [`LEASE`]) nor counts a process that has gone (for [`SILENT_FOR`]).
+enum Leaving {
+    /// Give up the lease, if it is still this process's.
+    Holder { conn: redis::aio::MultiplexedConnection, holder_key: String, me: String },
+    /// Tell the holder this process has gone.
+    Follower { conn: redis::aio::MultiplexedConnection, inbox: String, me: String },
+}
+
+/// The quotas this process holds or follows through Redis now, by a number of their own.
+fn leaving() -> &'static std::sync::Mutex<HashMap<u64, Leaving>> {
+    static LEAVING: std::sync::OnceLock<std::sync::Mutex<HashMap<u64, Leaving>>> = std::sync::OnceLock::new();
+    LEAVING.get_or_init(Default::default)
+}
+
+/// Set once this process has left its quotas: it takes no lease again.
+static LEFT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// An entry of [`leaving`], removed when the holding or following it stands for ends.
+struct Registered(u64);
+
+impl Registered {
+    fn new(l: Leaving) -> Self {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) as u64;
+        leaving().lock().unwrap_or_else(|e| e.into_inner()).insert(n, l);
+        Registered(n)
+    }
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        leaving().lock().unwrap_or_else(|e| e.into_inner()).remove(&self.0);
+    }
+}
+
+/// Leaves every quota this process shares through Redis: gives up the leases it holds and says
+/// goodbye to the holders it follows. Called when a run ends; a second of Redis at most.
+pub async fn leave_all() {
+    LEFT.store(true, std::sync::atomic::Ordering::SeqCst);
+    let all: Vec<Leaving> = leaving().lock().unwrap_or_else(|e| e.into_inner()).drain().map(|(_, l)| l).collect();
+    let release = redis::Script::new(
+        "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end",
+    );
+    let each = all.into_iter().map(|l| {
+        let release = &release;
+        async move {
+            match l {
+                Leaving::Holder { mut conn, holder_key, me } => {
+                    let _: redis::RedisResult<i64> = release.key(&holder_key).arg(&me).invoke_async(&mut conn).await;
+                }
+                Leaving::Follower { mut conn, inbox, me } => {
+                    let note =
+                        serde_json::to_string(&Note { from: me, line: None, bye: true }).expect("a note serialises");
+                    let _ = push(&mut conn, &inbox, &note).await;
+                }
+            }
+        }
+    });
+    let _ = tokio::time::timeout(Duration::from_secs(1), futures::future::join_all(each)).await;
 }
 
 /// What the holder writes down, and how long it was to live (its age is that less what is left).
@@ -146,6 +212,9 @@ async fn connect(client: &redis::Client) -> redis::RedisResult<redis::aio::Multi
 async fn supervise(throttle: Weak<Throttle>, client: redis::Client, key: String, place: String) {
     let mut said = false;
     loop {
+        if LEFT.load(std::sync::atomic::Ordering::SeqCst) {
+            return;
+        }
         let attempt = async {
             let mut conn = connect(&client).await?;
             let me = random_id();
@@ -170,6 +239,7 @@ async fn supervise(throttle: Weak<Throttle>, client: redis::Client, key: String,
             Ok(Some((conn, me, true))) => {
                 said = false;
                 take_over(&t, conn.clone(), &key).await;
+                t.set_sole(true);
                 t.delegate_to(None);
                 tracing::debug!("holding the quota shared through {place}");
                 drop(t);
@@ -183,6 +253,8 @@ async fn supervise(throttle: Weak<Throttle>, client: redis::Client, key: String,
             // The holder's lease just ended: try again at once.
             Ok(None) => continue,
             Err(e) => {
+                // Others may be deciding alone too: their sends make the window look longer.
+                t.set_sole(false);
                 t.delegate_to(None);
                 if !said {
                     tracing::warn!(
@@ -239,6 +311,8 @@ async fn hold(
     );
     let mut next_renewal = tokio::time::Instant::now() + RENEW_EVERY;
     let mut number = 0u64;
+    let _leaving =
+        Registered::new(Leaving::Holder { conn: conn.clone(), holder_key: holder_key.clone(), me: me.into() });
     loop {
         if tokio::time::Instant::now() >= next_renewal {
             let renewed: redis::RedisResult<i64> =
@@ -262,6 +336,11 @@ async fn hold(
             Ok(None) => continue,
             Err(_) => break,
         };
+        if note.bye {
+            // Its serving ends with its pipe: the calls it had let out are given back.
+            members.remove(&note.from);
+            continue;
+        }
         let member = members.entry(note.from.clone()).or_insert_with(|| {
             // A process new to this holder: served as a connection of its own.
             number += 1;
@@ -360,14 +439,16 @@ async fn follow(
         Aborting(tokio::spawn(async move {
             let mut lines = BufReader::new(pump_read).lines();
             while let Ok(Some(l)) = lines.next_line().await {
-                let note = serde_json::to_string(&Note { from: me.clone(), line: Some(l) }).expect("a note serialises");
+                let note = serde_json::to_string(&Note { from: me.clone(), line: Some(l), bye: false })
+                    .expect("a note serialises");
                 if push(&mut conn, &inbox, &note).await.is_err() {
                     return;
                 }
             }
         }))
     };
-    let alive = serde_json::to_string(&Note { from: me.clone(), line: None }).expect("a note serialises");
+    let alive = serde_json::to_string(&Note { from: me.clone(), line: None, bye: false }).expect("a note serialises");
+    let _leaving = Registered::new(Leaving::Follower { conn: conn.clone(), inbox: inbox.clone(), me: me.clone() });
     let mut next_beat = tokio::time::Instant::now();
     let mut finished = std::pin::pin!(ended.notified());
     let mut last_heard = tokio::time::Instant::now();

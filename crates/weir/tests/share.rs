@@ -325,3 +325,38 @@ async fn processes_sharing_through_redis_go_on_when_its_keys_are_flushed() {
         util::assert_each_id_once(&ids, &rows(&dir.path(&format!("{n}.out"))), &[]);
     }
 }
+
+/// One command to the Redis server on `port`, in its wire format; the first reply's bytes.
+async fn redis_command(port: u16, args: &[&str]) -> String {
+    let mut wire = format!("*{}\r\n", args.len());
+    for a in args {
+        wire.push_str(&format!("${}\r\n{a}\r\n", a.len()));
+    }
+    let mut redis = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    tokio::io::AsyncWriteExt::write_all(&mut redis, wire.as_bytes()).await.unwrap();
+    let mut reply = vec![0u8; 4096];
+    let n = tokio::io::AsyncReadExt::read(&mut redis, &mut reply).await.unwrap();
+    String::from_utf8_lossy(&reply[..n]).to_string()
+}
+
+#[tokio::test]
+async fn a_run_that_ends_leaves_the_quota_shared_through_redis_at_once() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    // A run that ends gives up its lease: the next run started at once holds the quota itself
+    // rather than following a holder that has gone (for up to the 3-s lease) and counting it.
+    let Some((_redis, store)) = redis().await else { return };
+    let port: u16 = store.rsplit(':').next().unwrap().parse().unwrap();
+    let server = steady_sim().await;
+    let url = server.url();
+    let dir = Dir::new("share-redis-leave");
+    let (data, ids) = prompts(5);
+    for n in ["a", "b"] {
+        let mut run = runs_through(&store, &url, &dir, &[n], &data).remove(0);
+        let o = run.output().await.unwrap();
+        let err = String::from_utf8_lossy(&o.stderr).to_string();
+        assert!(o.status.success(), "{n}: {err}");
+        util::assert_each_id_once(&ids, &rows(&dir.path(&format!("{n}.out"))), &[]);
+        assert!(!err.contains("shared by 2 processes"), "{n} counted a process that had gone: {err}");
+        assert_eq!(redis_command(port, &["KEYS", "weir:quota:*:holder"]).await, "*0\r\n", "{n} left its lease");
+    }
+}
