@@ -64,7 +64,9 @@ fn meeting_dir() -> Result<PathBuf, String> {
     // Empty is unset. Only the meeting directory itself is made, never its parents: a
     // mistyped path must not grow a tree of directories from the root.
     let dir = match std::env::var_os(DIR_VAR) {
-        Some(d) if !d.is_empty() => PathBuf::from(d),
+        // Relative to the working directory when it was read (sockets are bound and met by
+        // the path as written, so processes started in one directory meet there).
+        Some(d) if !d.is_empty() => std::path::absolute(PathBuf::from(d)).map_err(|e| format!("{DIR_VAR}: {e}"))?,
         _ => match std::env::var_os("XDG_RUNTIME_DIR") {
             Some(d) if !d.is_empty() => PathBuf::from(d).join("weir"),
             _ => std::env::temp_dir().join(format!("weir-{uid}")),
@@ -241,10 +243,16 @@ fn write_state(t: &Throttle, path: &std::path::Path) {
     }
 }
 
+/// How long calls wait for a process that holds a quota's lock to listen on its socket before
+/// this process decides alone (a holder that never listens is stuck, not starting).
+const HOLDER_STARTS_WITHIN: Duration = Duration::from_secs(10);
+
 /// Holds the quota when no one else does, else follows the holder; again whenever the holder
 /// goes away.
 async fn supervise(throttle: Weak<Throttle>, place: Place) {
     let mut quiet = false;
+    // Since when a holder has had the lock but no socket yet.
+    let mut starting_since: Option<tokio::time::Instant> = None;
     loop {
         let Some(t) = throttle.upgrade() else { return };
         match try_hold(&place) {
@@ -267,6 +275,7 @@ async fn supervise(throttle: Weak<Throttle>, place: Place) {
         }
         match UnixStream::connect(&place.socket).await {
             Ok(stream) => {
+                starting_since = None;
                 let ended = Arc::new(tokio::sync::Notify::new());
                 let peer = Peer::start(stream, ended.clone());
                 let notified = ended.notified();
@@ -286,6 +295,13 @@ async fn supervise(throttle: Weak<Throttle>, place: Place) {
                 if !quiet {
                     tracing::debug!("no holder to share the quota with yet: {e}");
                     quiet = true;
+                }
+                // A live process holds the lock: this one's calls wait for it (on a loaded
+                // machine it can take longer than `DECIDING_AT_MOST` to listen) rather than
+                // go alone beside it, for up to `HOLDER_STARTS_WITHIN`.
+                let since = *starting_since.get_or_insert_with(tokio::time::Instant::now);
+                if since.elapsed() < HOLDER_STARTS_WITHIN {
+                    t.await_delegate();
                 }
                 drop(t);
                 tokio::time::sleep(Duration::from_millis(50)).await;

@@ -31,7 +31,9 @@ pub fn listen_addr(s: &str) -> Result<SocketAddr, String> {
 /// of every endpoint `runtime` has connected, labelled by model and endpoint (abort it when the
 /// run ends; a cluster executor keeps it for as long as it serves).
 pub fn serve(addr: SocketAddr, runtime: Arc<Runtime>) -> Result<tokio::task::JoinHandle<()>, String> {
+    let addr = chosen_port(addr)?;
     install(addr)?;
+    tracing::info!("metrics on http://{addr}/metrics");
     let started = Instant::now();
     Ok(tokio::spawn(async move {
         loop {
@@ -41,6 +43,19 @@ pub fn serve(addr: SocketAddr, runtime: Arc<Runtime>) -> Result<tokio::task::Joi
             tokio::time::sleep(Duration::from_secs(1)).await;
         }
     }))
+}
+
+/// `addr` with port 0 ("any free port") made a port that is free now, and said on stderr, since
+/// a scraper has to be told where to look. (The exporter binds its own listener: the port is
+/// found by binding one and letting it go, which another program could take in between; the
+/// exporter's bind then fails with a message rather than serving elsewhere.)
+fn chosen_port(addr: SocketAddr) -> Result<SocketAddr, String> {
+    if addr.port() != 0 {
+        return Ok(addr);
+    }
+    let picked = std::net::TcpListener::bind(addr).and_then(|l| l.local_addr()).map_err(|e| e.to_string())?;
+    eprintln!("weir: metrics on http://{picked}/metrics");
+    Ok(picked)
 }
 
 /// Installs the exporter on `addr`: the counters and histograms (the gauges are [`serve`]'s).

@@ -228,7 +228,6 @@ pub async fn run(
         Some(addr) => {
             let task = crate::metrics_server::serve(addr, runtime.clone())
                 .map_err(|e| RunError::Usage(format!("--metrics-listen {addr}: {e}")))?;
-            tracing::info!("metrics on http://{addr}/metrics");
             Some(task)
         }
         None => None,

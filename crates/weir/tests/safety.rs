@@ -526,6 +526,13 @@ async fn smaller_edges() {
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     assert!(stderr(&o).contains("INFO") && stderr(&o).contains("metrics on"), "logs were written: {}", stderr(&o));
     assert!(!stderr(&o).contains('\x1b'), "no ANSI codes: {:?}", stderr(&o));
+    // Port 0 ("any free port") says which port it took.
+    let port = stderr(&o)
+        .split("weir: metrics on http://127.0.0.1:")
+        .nth(1)
+        .and_then(|rest| rest.split('/').next())
+        .and_then(|p| p.parse::<u16>().ok());
+    assert!(port.is_some_and(|p| p != 0), "the port taken is said: {}", stderr(&o));
     // A same-size edit in the middle of a (small) input is noticed on resume.
     let (data, _) = prompts(50);
     dir.write("edit.jsonl", &data);

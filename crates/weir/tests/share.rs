@@ -132,6 +132,40 @@ async fn the_quota_passes_on_when_its_holder_is_killed() {
     follower_takes_over(holder, follower, &server, &dir, &ids, says).await;
 }
 
+#[tokio::test]
+async fn calls_wait_for_a_holder_that_is_slow_to_start() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    // On a loaded machine the process that took the quota's lock can take seconds to listen.
+    // Another process's calls wait for it rather than go alone beside it after 2 s.
+    let server = steady_sim().await;
+    let url = server.url();
+    let dir = Dir::new("share-slow-holder");
+    let meet = dir.path("meet");
+    let (data, ids) = prompts(5);
+    let input = dir.write("a.jsonl", &data);
+    // A first run leaves the quota's lock file in the meeting directory.
+    let o = told_run(&url, &dir, &input, "first.out", &meet, "local").output().await.unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let lock_path = std::fs::read_dir(&meet)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|x| x == "lock"))
+        .expect("a lock file");
+    // A holder starting: the lock taken, no socket yet.
+    let lock = std::fs::OpenOptions::new().write(true).open(&lock_path).unwrap();
+    lock.lock().unwrap();
+    let before = server.stats().requests;
+    let run = told_run(&url, &dir, &input, "second.out", &meet, "local").spawn().unwrap();
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    assert_eq!(server.stats().requests, before, "calls went alone while a holder was starting");
+    // The holder never comes: released, the lock is the run's own.
+    drop(lock);
+    let o = tokio::time::timeout(Duration::from_secs(30), run.wait_with_output()).await.unwrap().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    util::assert_each_id_once(&ids, &rows(&dir.path("second.out")), &[]);
+}
+
 /// Starts `follower` (writing `b.out` in `dir`, with the runtime's debug log) beside `holder`,
 /// kills the holder 1.5 s later, and checks that the follower said it followed, then held the
 /// quota itself (`says`), answered every id of `ids` once, and kept within the told limit.
