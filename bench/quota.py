@@ -249,6 +249,8 @@ def coarse_case():
             if kill_at:
                 per_window = windows(s["successes_per_second"], W, skip_first=False)
                 print(f"   successes per {W} s window: {per_window} (killed at {kill_at:g} s)")
+            refused = windows(s.get("rate_limited_per_second", []), W, skip_first=False)
+            print(f"   429s per {W} s window: {refused}")
             shared = [l.strip() for l in errs[-1].splitlines() if "quota shared" in l]
             if shared:
                 print(f"   last process: {shared[0]}")

@@ -45,6 +45,8 @@ struct Timeline {
     per_second: Vec<u64>,
     /// Tokens (prompt + generated) of those successes.
     tokens_per_second: Vec<u64>,
+    /// 429s per whole second since `start` (bounded as `per_second`).
+    refused_per_second: Vec<u64>,
 }
 
 /// A snapshot of the counters, as served by `/stats`.
@@ -112,6 +114,10 @@ pub struct StatsSnapshot {
     pub successes_per_second: Vec<u64>,
     /// Tokens (prompt + generated) of the successes in each whole second.
     pub tokens_per_second: Vec<u64>,
+    /// 429s in each whole second since start or the last reset: when a client is refused, not
+    /// only how often.
+    #[serde(default)]
+    pub rate_limited_per_second: Vec<u64>,
 }
 
 impl Default for Stats {
@@ -143,6 +149,7 @@ impl Default for Stats {
                 last_success: None,
                 per_second: Vec::new(),
                 tokens_per_second: Vec::new(),
+                refused_per_second: Vec::new(),
             }),
         }
     }
@@ -194,6 +201,16 @@ impl Stats {
 
     /// Counts an answer by its HTTP status.
     pub fn status(&self, status: u16) {
+        if status == 429 {
+            let mut t = self.timeline.lock().unwrap_or_else(|e| e.into_inner());
+            let sec = t.start.elapsed().as_secs() as usize;
+            if sec < 3600 {
+                if t.refused_per_second.len() <= sec {
+                    t.refused_per_second.resize(sec + 1, 0);
+                }
+                t.refused_per_second[sec] += 1;
+            }
+        }
         match status {
             429 => self.rate_limited.fetch_add(1, Relaxed),
             503 => self.unavailable.fetch_add(1, Relaxed),
@@ -284,6 +301,7 @@ impl Stats {
             successes_per_sec,
             successes_per_second: t.per_second.clone(),
             tokens_per_second: t.tokens_per_second.clone(),
+            rate_limited_per_second: t.refused_per_second.clone(),
         }
     }
 
@@ -321,6 +339,7 @@ impl Stats {
             last_success: None,
             per_second: Vec::new(),
             tokens_per_second: Vec::new(),
+            refused_per_second: Vec::new(),
         };
     }
 }
