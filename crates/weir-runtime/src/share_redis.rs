@@ -64,7 +64,13 @@ struct Note {
 /// [`LEASE`]) nor counts a process that has gone (for [`SILENT_FOR`]).
 enum Leaving {
     /// Give up the lease, if it is still this process's.
-    Holder { conn: redis::aio::MultiplexedConnection, holder_key: String, me: String },
+    Holder {
+        conn: redis::aio::MultiplexedConnection,
+        holder_key: String,
+        me: String,
+        state_key: String,
+        throttle: Weak<Throttle>,
+    },
     /// Tell the holder this process has gone.
     Follower { conn: redis::aio::MultiplexedConnection, inbox: String, me: String },
 }
@@ -108,7 +114,12 @@ pub async fn leave_all() {
         let release = &release;
         async move {
             match l {
-                Leaving::Holder { mut conn, holder_key, me } => {
+                Leaving::Holder { mut conn, holder_key, me, state_key, throttle } => {
+                    // What the budgets know as of now (the last write may be 250 ms old), so
+                    // that the next holder, taking over at once, counts every send of ours.
+                    if let Some(t) = throttle.upgrade() {
+                        write_state(&t, &mut conn, &state_key).await;
+                    }
                     let _: redis::RedisResult<i64> = release.key(&holder_key).arg(&me).invoke_async(&mut conn).await;
                 }
                 Leaving::Follower { mut conn, inbox, me } => {
@@ -311,8 +322,13 @@ async fn hold(
     );
     let mut next_renewal = tokio::time::Instant::now() + RENEW_EVERY;
     let mut number = 0u64;
-    let _leaving =
-        Registered::new(Leaving::Holder { conn: conn.clone(), holder_key: holder_key.clone(), me: me.into() });
+    let _leaving = Registered::new(Leaving::Holder {
+        conn: conn.clone(),
+        holder_key: holder_key.clone(),
+        me: me.into(),
+        state_key: format!("{key}:state"),
+        throttle: throttle.clone(),
+    });
     loop {
         if tokio::time::Instant::now() >= next_renewal {
             let renewed: redis::RedisResult<i64> =
@@ -401,12 +417,17 @@ async fn write_down(throttle: Weak<Throttle>, mut conn: redis::aio::MultiplexedC
             continue;
         }
         last = admitted;
-        let handed = Handed::of(&t);
-        let ttl_ms = (handed.window() + STATE_GRACE).as_millis() as u64;
-        let written = Written { ttl_ms, handed };
-        let text = serde_json::to_string(&written).expect("the budgets serialise");
-        let _: redis::RedisResult<()> = conn.pset_ex(&key, text, ttl_ms).await;
+        write_state(&t, &mut conn, &key).await;
     }
+}
+
+/// Writes down what `throttle`'s budgets know under `key`, to expire a window after.
+async fn write_state(throttle: &Throttle, conn: &mut redis::aio::MultiplexedConnection, key: &str) {
+    let handed = Handed::of(throttle);
+    let ttl_ms = (handed.window() + STATE_GRACE).as_millis() as u64;
+    let written = Written { ttl_ms, handed };
+    let text = serde_json::to_string(&written).expect("the budgets serialise");
+    let _: redis::RedisResult<()> = conn.pset_ex(key, text, ttl_ms).await;
 }
 
 /// Asks the holder `holder` to admit this process's calls, until it no longer holds the quota or
