@@ -89,8 +89,8 @@ struct Registered(u64);
 
 impl Registered {
     fn new(l: Leaving) -> Self {
-        static NEXT: AtomicUsize = AtomicUsize::new(0);
-        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) as u64;
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         leaving().lock().unwrap_or_else(|e| e.into_inner()).insert(n, l);
         Registered(n)
     }
