@@ -25,6 +25,15 @@
 //!   fund is refused, and that refusal says how much longer the window is (from the last
 //!   advised time that passed): the window is lengthened, in whole seconds, and the credits in
 //!   hand are held until the server said to come back.
+//!   So that such a round costs one refusal rather than every call it funds, the only client
+//!   of a quota (see [`Budget::sole`]) sends a *scout* ahead of the first credits that come
+//!   back after the window was learned or changed, until scouts of two rounds in a row are
+//!   admitted: the other sends wait for its answer, and a refused scout holds every send until
+//!   the advised time. The window opens anew then (it is fixed), with nothing of ours sent
+//!   since the scout, so the next refusal measures both the window and what it admits. A
+//!   window learned across a reset (from sends of the window before, too long and too large)
+//!   is found by a refusal that advises a later end than a sliding window of that length
+//!   would, and is shortened to what the last reset allows.
 //!
 //! Weights are 1 per request for the request budget, and counted tokens for the token budget:
 //! an estimate at send time, replaced by the usage the answer reports. Time comes from
@@ -68,6 +77,37 @@ enum Probe {
     Capacity { epoch: u64 },
 }
 
+/// Whether credits that come back on the budget's own schedule are trusted to find the server's
+/// window open. A window learned from advice in whole seconds may be too short (a fixed window
+/// entered late looks shorter than it is): until a send funded by returning credits has been
+/// admitted, the first such send goes alone — a scout — and the others wait for its answer, so
+/// a window measured short costs one refusal instead of every call its early credits fund.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Scout {
+    /// Scouts of two rounds in a row were admitted since the window was last learned or
+    /// changed. (One proves nothing: the first credits back after learning come back when the
+    /// server's window, measured up to its end, starts again — whatever its length.)
+    Trusted,
+    /// The first send at or after this moment scouts.
+    After(Instant),
+    /// The scout of this id, sent at this moment, is out: other sends wait for its answer.
+    Out(u64, Instant),
+}
+
+/// A fixed window's opening, bracketed by a refused scout and the end of the hold that followed
+/// (the server's advised time): nothing of ours was sent in between.
+#[derive(Debug, Clone)]
+struct Opened {
+    /// When the scout was refused: the window had not opened anew yet.
+    earliest: Instant,
+    /// When the hold ended: the window had opened anew.
+    latest: Instant,
+    /// What we sent before the scout and the server counted: `before[k]` is the weight of the
+    /// sends made from `k + 1` seconds before `latest` on, which the window before held in full
+    /// if it was `k + 1` seconds long (it ended after `earliest` and no later than `latest`).
+    before: Vec<f64>,
+}
+
 #[derive(Debug, Clone)]
 struct Entry {
     id: u64,
@@ -108,6 +148,17 @@ pub struct Budget {
     short_until: Option<Instant>,
     /// Credits held back until the server has room for them: when, and how much.
     deferred: Vec<(Instant, f64)>,
+    /// Whether returning credits are trusted yet, or a scout goes first (see [`Scout`]).
+    scout: Scout,
+    /// Scouts admitted since the window was last learned or changed.
+    scouts_admitted: u8,
+    /// No send before then: a scout was refused, and the server's window is not open again
+    /// until the time it advised.
+    hold_until: Option<Instant>,
+    /// A hold that followed a refused scout (see [`Opened`]): the server's window opened anew
+    /// or a little before (a fixed window), and nothing of ours was sent in between, so the
+    /// next refusal in that window measures both its length and its capacity.
+    opened: Option<Opened>,
     refusals: u64,
     /// The window assumed when a refusal does not say when to come back.
     default_window: Duration,
@@ -195,6 +246,10 @@ impl Budget {
             short_until: None,
             sole: false,
             deferred: Vec::new(),
+            scout: Scout::Trusted,
+            scouts_admitted: 0,
+            hold_until: None,
+            opened: None,
         }
     }
 
@@ -213,6 +268,9 @@ impl Budget {
     /// that may too, and is no longer the only one.
     pub fn set_sole(&mut self, sole: bool) {
         self.sole = sole;
+        if !sole {
+            self.scout = Scout::Trusted;
+        }
     }
 
     /// Assumes `window` when a refusal does not say when to come back (a provider whose 429s
@@ -315,6 +373,13 @@ impl Budget {
             Mode::Unlimited => true,
             Mode::Static { capacity } => self.in_window + weight <= capacity || self.log.is_empty(),
             Mode::Learned => {
+                if let Some(until) = self.hold_until.filter(|&until| now < until) {
+                    return Err(Some(until));
+                }
+                if matches!(self.scout, Scout::Out(..)) {
+                    // Its answer wakes the waiting sends.
+                    return Err(None);
+                }
                 if self.credits < weight {
                     self.maybe_probe(now);
                 }
@@ -331,6 +396,9 @@ impl Budget {
                     // Let through with nothing out (and no credit), a send still comes back as a
                     // credit, but the budget does not go into debt for it.
                     self.credits = if self.credits >= weight { self.credits - weight } else { self.credits.min(0.0) };
+                    if matches!(self.scout, Scout::After(from) if from <= now) {
+                        self.scout = Scout::Out(id, now);
+                    }
                     if self.unspent_probe.0 > 0.0 {
                         self.unspent_probe.0 -= weight;
                         if let Some(kind) = self.unspent_probe.1 {
@@ -431,6 +499,16 @@ impl Budget {
 
     /// The send was admitted; its real weight is `weight`.
     pub fn admitted(&mut self, id: u64, weight: f64) {
+        if let Scout::Out(scout, at) = self.scout {
+            if scout == id {
+                self.scouts_admitted += 1;
+                // The next round's scout: the first send funded by a credit back from this round.
+                self.scout = match self.window {
+                    Some(w) if self.scouts_admitted < 2 => Scout::After(at + w),
+                    _ => Scout::Trusted,
+                };
+            }
+        }
         if let Some(Probe::Capacity { epoch }) = self.probes.remove(&id) {
             if epoch == self.epoch && self.mode == Mode::Learned {
                 self.grew_at = self.position(id).map(|i| self.log[i].at).or(self.grew_at);
@@ -461,7 +539,13 @@ impl Budget {
             self.reset_at = Some(c);
         }
         if let Some(d) = delay {
-            self.come_back = Some(now + d);
+            let fresh = now + d;
+            self.come_back = Some(match self.come_back {
+                // Still ahead, and within the second that advice in whole seconds leaves open:
+                // the same end of the server's window, known more closely than either says.
+                Some(c) if c > now && is_coarse(d) && c < fresh && c + Duration::from_secs(1) > fresh => c,
+                _ => fresh,
+            });
         }
         let removed = self.position(id).map(|i| self.log.remove(i).expect("index is valid"));
         self.overdue.remove(&id);
@@ -505,6 +589,13 @@ impl Budget {
                 }
                 self.mode = Mode::Learned;
                 self.credits = 0.0;
+                if self.sole && delay.is_some_and(is_coarse) {
+                    // Measured from our oldest send, which may be well after a fixed window
+                    // started: the first credits that come back send a scout ahead. (Only the
+                    // quota's sole client here: beside others, a scout's wait hands them its
+                    // share, and their sends make its answers say nothing of the window.)
+                    self.distrust(now);
+                }
                 let admitted: Vec<f64> = self.log.iter().filter(|e| e.state == State::Ok).map(|e| e.weight).collect();
                 if !admitted.is_empty() {
                     self.probe = (admitted.iter().sum::<f64>() / admitted.len() as f64).max(1.0);
@@ -517,10 +608,11 @@ impl Budget {
                 self.epoch += 1;
                 self.credits -= self.unspent_probe.0.clamp(0.0, self.credits.max(0.0));
                 self.unspent_probe = (0.0, None);
+                let scouted = matches!(self.scout, Scout::Out(scout, _) if scout == id);
                 if let (Some(d), Some(w)) = (delay, self.window) {
                     if is_coarse(d) {
                         let weight = removed.as_ref().map_or(0.0, |e| e.weight);
-                        if self.lengthen_whole(now, d, w, probe) {
+                        if self.lengthen_whole(id, now, d, w, probe, scouted) {
                             // Refused for the window, not the capacity: its slot is back when
                             // the server said.
                             self.deferred.push((now + d, weight));
@@ -535,6 +627,26 @@ impl Budget {
                         }
                     }
                 }
+                if scouted {
+                    // The credits came back before the server's window opened again: every
+                    // send waits until the time it advised, and the credits that come back a
+                    // window after that burst send a scout ahead again.
+                    match (self.come_back.filter(|&c| c > now), self.window) {
+                        (Some(until), Some(w)) => {
+                            self.hold_until = Some(until);
+                            // Refused now, the window had not opened anew yet.
+                            let before = (1..=w.as_secs() as u32 + 2)
+                                .map(|k| {
+                                    let from = until.checked_sub(Duration::from_secs(k.into()));
+                                    self.log.iter().filter(|e| from.is_none_or(|f| e.at >= f)).map(|e| e.weight).sum()
+                                })
+                                .collect();
+                            self.opened = Some(Opened { earliest: now, latest: until, before });
+                            self.distrust(until + w);
+                        }
+                        _ => self.distrust(now),
+                    }
+                }
             }
         }
         self.last_refusal = Some(now);
@@ -544,6 +656,16 @@ impl Budget {
             credits = self.credits,
             capacity = ?self.effective_capacity(),
             advised = ?delay,
+            id,
+            probe = probe.is_some(),
+            scout = ?match self.scout {
+                Scout::Trusted => None,
+                Scout::After(at) => Some(at.saturating_duration_since(now).as_secs_f64()),
+                Scout::Out(..) => Some(0.0),
+            },
+            hold = ?self.hold_until.map(|h| h.saturating_duration_since(now).as_secs_f64()),
+            reset_ago = ?self.reset_at.map(|r| now.saturating_duration_since(r).as_secs_f64()),
+            come_back = ?self.come_back.map(|c| c.saturating_duration_since(now).as_secs_f64()),
             "budget refused"
         );
     }
@@ -559,11 +681,39 @@ impl Budget {
     /// Returns true when the refusal was the window's: it lengthened the window, or came in the
     /// same burst as the refusal that did. The credits in hand then came back too early: they
     /// are held until the server's advised time, when its window has room for them.
-    fn lengthen_whole(&mut self, now: Instant, d: Duration, w: Duration, probe: Option<Probe>) -> bool {
+    fn lengthen_whole(
+        &mut self,
+        id: u64,
+        now: Instant,
+        d: Duration,
+        w: Duration,
+        probe: Option<Probe>,
+        scouted: bool,
+    ) -> bool {
         if self.short_until.is_some_and(|until| now < until) {
             return true;
         }
-        if !self.sole || probe.is_some() || self.grew_at.is_some_and(|at| now < at + w * 2) {
+        if let Some(opened) = self.opened.take_if(|o| now < o.latest + w + Self::margin(w)) {
+            if self.sole && probe.is_none() && !scouted && self.reset_at == Some(opened.latest) {
+                return self.measure_opened(opened, id, now, d, w);
+            }
+            self.opened = Some(opened);
+        }
+        if self.sole && probe.is_none() && !scouted {
+            if let Some(shorter) = self.fixed_and_shorter(id, now, d, w) {
+                // The window that refused started after the second before the last reset.
+                let since = self.reset_at.and_then(|r| r.checked_sub(Duration::from_secs(1)));
+                let admitted: f64 =
+                    self.log.iter().filter(|e| e.id < id && since.is_none_or(|s| e.at >= s)).map(|e| e.weight).sum();
+                self.settle_fixed(shorter, admitted, id, now, d);
+                self.distrust(now);
+                return false;
+            }
+        }
+        // A scout went alone, funded by the first credits back from sends the server admitted
+        // since the last reset: refused, the window that admitted them has not ended, whatever
+        // probes did before it.
+        if !self.sole || (!scouted && (probe.is_some() || self.grew_at.is_some_and(|at| now < at + w * 2))) {
             return false;
         }
         // The last advised time that has passed is no earlier than the start of the window it
@@ -572,7 +722,7 @@ impl Budget {
         // than one window admits.
         let Some(since) = self.reset_at else { return false };
         let since_then: f64 = self.log.iter().filter(|e| e.state == State::Ok && e.at >= since).map(|e| e.weight).sum();
-        if self.effective_capacity().is_none_or(|c| since_then > c) {
+        if !scouted && self.effective_capacity().is_none_or(|c| since_then > c) {
             return false;
         }
         let longer = whole_seconds((now + d).saturating_duration_since(since + Duration::from_secs(1))).min(w * 2);
@@ -581,15 +731,89 @@ impl Budget {
         }
         self.window = Some(longer);
         self.short_until = Some(now + d);
+        // Not trusted until a scout finds the lengthened window open: the next send, funded
+        // by a credit back on the new schedule or held back until the advised time, goes alone.
+        if self.sole && !matches!(self.scout, Scout::Out(..)) {
+            self.distrust(now);
+        }
         self.deferred.push((now + d, self.credits.max(0.0)));
         self.credits = self.credits.min(0.0);
         tracing::debug!(window = ?self.window, advised = ?d, "whole-second window lengthened");
         true
     }
 
+    /// A send that is no probe was refused in a fixed window that opened between the two
+    /// moments of `opened` (see [`Opened`]), nothing of ours sent in between. The window admits
+    /// what we sent since, before this send. It is longer than from its latest opening to the
+    /// second before the advised end, shorter than from its earliest opening to the advised
+    /// end, and — its capacity being the same each time — not so long that the window before
+    /// held more of our sends than that (a window measured across a reset, from sends of the
+    /// window before, was taken too long and too large). `w` is kept if it fits; otherwise the
+    /// shortest whole second that fits is taken (a scout finds a window too short at the cost
+    /// of one refusal, while one too long lets probes grow the budget past the quota). The credits in hand wait for
+    /// the advised end, and the refusals of the sends still out are the window's.
+    fn measure_opened(&mut self, opened: Opened, id: u64, now: Instant, d: Duration, w: Duration) -> bool {
+        let Opened { earliest, latest, before } = opened;
+        let admitted: f64 = self.log.iter().filter(|e| e.at >= latest && e.id < id).map(|e| e.weight).sum();
+        let longer_than = whole_seconds((now + d).saturating_duration_since(latest + Duration::from_secs(1)));
+        let shorter_than = (now + d).saturating_duration_since(earliest);
+        let fits = |window: Duration| {
+            window >= longer_than
+                && window < shorter_than
+                && before.get(window.as_secs() as usize - 1).is_none_or(|&sent| sent <= admitted * 1.02 + 1.0)
+        };
+        let window = if fits(w) {
+            w
+        } else {
+            (longer_than.as_secs()..shorter_than.as_secs_f64().ceil() as u64)
+                .map(Duration::from_secs)
+                .find(|&c| fits(c))
+                .unwrap_or(longer_than)
+        };
+        self.settle_fixed(window, admitted, id, now, d);
+        self.distrust(latest + window);
+        false
+    }
+
+    /// A refusal of a send `id` that is no probe says the window is too long, if the quota is
+    /// counted in fixed windows and `w` is: the end it advises is later than a sliding window
+    /// of `w` over our oldest send still counted would free a slot (so the window is fixed, or
+    /// sliding and longer than learned — which the first refusal ruled out, counting from our
+    /// first send), and the window that refused started after the second before the last
+    /// advised time that passed (the end of the window before), so it is shorter than from then
+    /// to the advised end. Returns the longest whole second shorter than that.
+    fn fixed_and_shorter(&self, id: u64, now: Instant, d: Duration, w: Duration) -> Option<Duration> {
+        let reset = self.reset_at?;
+        let oldest = self.log.iter().find(|e| e.id < id)?.at;
+        let end_lo = (now + d).checked_sub(Duration::from_secs(1))?;
+        if end_lo <= oldest + w + Self::margin(w) * 2 {
+            return None;
+        }
+        let below = (now + d + Duration::from_secs(1)).saturating_duration_since(reset);
+        let above = end_lo.saturating_duration_since(reset);
+        let shorter = Duration::from_secs((below.as_secs_f64().ceil() as u64).saturating_sub(1));
+        (w >= below && shorter > above && shorter >= Duration::from_secs(1)).then_some(shorter)
+    }
+
+    /// Takes the quota as `window` long, admitting `admitted` (what we sent in it before the
+    /// refused send `id`) and the sends still out after it; the credits in hand wait for the
+    /// advised end (`now + d`), and the refusals of the sends still out are the window's.
+    fn settle_fixed(&mut self, window: Duration, admitted: f64, id: u64, now: Instant, d: Duration) {
+        let after: f64 = self.log.iter().filter(|e| e.id > id).map(|e| e.weight).sum();
+        if let Some(capacity) = self.effective_capacity() {
+            self.credits -= (capacity - admitted - after).max(0.0);
+        }
+        self.window = Some(window);
+        self.short_until = Some(now + d);
+        self.deferred.push((now + d, self.credits.max(0.0)));
+        self.credits = self.credits.min(0.0);
+        tracing::debug!(window = ?self.window, capacity = ?self.effective_capacity(), "fixed window measured");
+    }
+
     /// The send failed for another reason; the server may have counted it, so keep it.
     pub fn failed(&mut self, id: u64) {
         self.probes.remove(&id);
+        self.scout_gone(id);
         if let Some(i) = self.position(id) {
             self.log[i].state = State::Ok;
         } else if let Some(w) = self.overdue.remove(&id) {
@@ -597,9 +821,27 @@ impl Budget {
         }
     }
 
+    /// Scouts go ahead again from `from` on: the window was learned or changed, or a scout was
+    /// refused.
+    fn distrust(&mut self, from: Instant) {
+        self.scout = Scout::After(from);
+        self.scouts_admitted = 0;
+    }
+
+    /// The send of `id` says nothing about the window (it failed otherwise, or did not happen):
+    /// if it was the scout, the next send scouts instead.
+    fn scout_gone(&mut self, id: u64) {
+        if let Scout::Out(scout, at) = self.scout {
+            if scout == id {
+                self.scout = Scout::After(at);
+            }
+        }
+    }
+
     /// Removes a send that did not happen or was not counted by this quota.
     pub(crate) fn forget(&mut self, id: u64) {
         self.probes.remove(&id);
+        self.scout_gone(id);
         if let Some(i) = self.position(id) {
             let e = self.log.remove(i).expect("index is valid");
             match self.mode {
@@ -907,6 +1149,76 @@ mod tests {
             .map(|i| admitted.iter().filter(|&&a| a >= start + w * i && a < start + w * (i + 1)).count())
             .collect();
         (per_window, refusals)
+    }
+
+    /// Drives one client against `server` for `secs` as a run does: at most `in_flight` calls
+    /// out, an admitted call answered `latency` after it was sent, a refusal at once (the server
+    /// counted nothing). Returns the sends admitted and refused.
+    fn drive_latent(
+        b: &mut Budget,
+        server: &mut Server,
+        t0: Instant,
+        secs: u64,
+        latency: Duration,
+        in_flight: usize,
+    ) -> (u64, u64) {
+        let mut id = b.log.back().map_or(0, |e| e.id + 1);
+        let (mut admitted, mut refusals) = (0, 0);
+        // Calls out: when their answer comes, their id, and the refusal's advice if refused.
+        let mut out: Vec<(Instant, u64, Option<Duration>)> = Vec::new();
+        let mut hold = t0;
+        let mut t = t0;
+        let step = ms(1);
+        while t < t0 + Duration::from_secs(secs) {
+            out.sort_by_key(|o| std::cmp::Reverse(o.0));
+            while out.last().is_some_and(|o| o.0 <= t) {
+                let (_, done, refused) = out.pop().expect("not empty");
+                match refused {
+                    None => {
+                        b.admitted(done, 1.0);
+                        admitted += 1;
+                    }
+                    Some(d) => {
+                        b.refused(done, t, Some(d));
+                        refusals += 1;
+                        hold = hold.max(t + if b.mode() == Mode::Learned { surely_busy(d) } else { d });
+                    }
+                }
+            }
+            while hold <= t && out.len() < in_flight && b.try_take(id, 1.0, t).is_ok() {
+                match server.admit(t) {
+                    Ok(()) => out.push((t + latency, id, None)),
+                    Err(d) => out.push((t + ms(2), id, Some(d))),
+                }
+                id += 1;
+            }
+            t += step;
+        }
+        (admitted, refusals)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_fixed_window_entered_late_with_slow_answers_is_found_with_few_refusals() {
+        // As a run meets it: 100 per 5 s in fixed windows, whole-second advice, answers 0.3 s
+        // after the send, up to 16 calls out. Entered late, the first refusal measures the
+        // window from a send made after the window started (too short), or across a reset, from
+        // sends of the window before (too long and too large). Before scouts, the sends that
+        // early credits funded were refused round after round (743 refused entered 0.5 s late,
+        // 562 entered 4.4 s late, the window left at 6 s): now the window is found within a few
+        // windows, for the first burst's refusals (up to 16) and about three a window (a probe
+        // for more and the sends beside it).
+        let mut bad = Vec::new();
+        for late in [500u64, 1300, 2200, 3000, 3700, 4400] {
+            let t0 = Instant::now();
+            let mut server = Server { fixed: Some(t0 - ms(late)), ..Server::sliding(100, Duration::from_secs(5)) };
+            let mut b = Budget::unlimited().sole(true);
+            let (admitted, refusals) = drive_latent(&mut b, &mut server, t0, 75, ms(300), 16);
+            let seen = format!("late {late} ms: {admitted} admitted, {refusals} refused, window {:?}", b.window());
+            bad.extend(
+                (admitted < 1450 || refusals > 60 || b.window() != Some(Duration::from_secs(5))).then_some(seen),
+            );
+        }
+        assert!(bad.is_empty(), "{bad:#?}");
     }
 
     #[tokio::test(start_paused = true)]

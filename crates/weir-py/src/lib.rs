@@ -444,6 +444,28 @@ fn init_logging() {
     }
 }
 
+/// Leaves every quota this process shares with others (registered with `atexit` by the Python
+/// package): the engines end their shared throttles and give up the Redis leases they hold, so
+/// a process started next holds the quota at once instead of following one that has gone until
+/// its lease runs out. Bounded to a few seconds; the interpreter exits after it whatever Redis
+/// does.
+#[pyfunction]
+fn leave_quotas(py: Python<'_>) {
+    let engines: Vec<Arc<Shared>> =
+        registry().lock().unwrap_or_else(|e| e.into_inner()).values().filter_map(Weak::upgrade).collect();
+    py.detach(|| {
+        runtime().block_on(async {
+            let all = async {
+                for s in &engines {
+                    s.engine.shutdown().await;
+                }
+                weir_runtime::share_redis::leave_all().await;
+            };
+            let _ = tokio::time::timeout(std::time::Duration::from_secs(3), all).await;
+        })
+    });
+}
+
 #[pymodule]
 fn _weir(m: &Bound<'_, PyModule>) -> PyResult<()> {
     init_logging();
@@ -451,5 +473,6 @@ fn _weir(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Pending>()?;
     m.add("ConfigError", m.py().get_type::<ConfigError>())?;
     m.add_function(wrap_pyfunction!(setting_names, m)?)?;
+    m.add_function(wrap_pyfunction!(leave_quotas, m)?)?;
     Ok(())
 }

@@ -1,5 +1,9 @@
 """weir's Python engine against `weir sim` on 127.0.0.1."""
 import asyncio
+import os
+import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -349,3 +353,51 @@ def test_ctrl_c_stops_a_blocking_call(sim_factory):
     out = p.stdout.strip()
     assert out.startswith("interrupted"), (out, p.stderr[-500:])
     assert float(out.split()[1]) < 2.0, out  # not the 5 s the calls take
+
+
+def _free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def _redis(port, *args):
+    """One command to the Redis server on `port`, in its wire protocol: the raw reply."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
+        c.sendall(("*%d\r\n" % len(args) + "".join("$%d\r\n%s\r\n" % (len(a), a) for a in args)).encode())
+        return c.recv(65536).decode()
+
+
+def test_a_process_that_exits_leaves_the_quota_it_shared_through_redis(sim):
+    # A Python process that shared its quota through Redis gives up the lease it held when it
+    # exits, so the next process holds the quota at once (before, Python never did: the lease
+    # stayed until it ran out, and the next process followed a holder that had gone).
+    server = os.environ.get("WEIR_REDIS_SERVER")
+    if not server:
+        if os.environ.get("WEIR_REQUIRE_PEERS"):
+            pytest.fail("WEIR_REDIS_SERVER is not set: run scripts/setup-peers")
+        pytest.skip("no redis-server (WEIR_REDIS_SERVER)")
+    port = _free_port()
+    redis = subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(100):
+            try:
+                if _redis(port, "PING").startswith("+PONG"):
+                    break
+            except OSError:
+                time.sleep(0.05)
+        code = (
+            "import weir\n"
+            f"e = weir.Engine('gemini/gemini-2.5-flash', base_url={sim.url!r}, quota_store='redis://127.0.0.1:{port}')\n"
+            "print(sum(r.ok for r in e.generate(['a', 'b', 'c'])))\n"
+        )
+        out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, GEMINI_API_KEY="k"),
+                             capture_output=True, text=True, timeout=120)
+        assert out.stdout.strip() == "3", out.stderr
+        assert _redis(port, "KEYS", "weir:quota:*:holder") == "*0\r\n", "the lease was left behind"
+    finally:
+        redis.terminate()
+        redis.wait(timeout=10)

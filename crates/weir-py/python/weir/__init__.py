@@ -19,6 +19,7 @@ unknown model, a missing API key, settings weir does not take).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import difflib
 import json
 import os
@@ -29,6 +30,10 @@ from . import _weir
 from ._weir import ConfigError
 
 __all__ = ["Engine", "Result", "ConfigError", "setting_names"]
+
+# At exit, the quotas this process shares with others are left at once (a Redis lease given
+# up), not when their leases run out.
+atexit.register(_weir.leave_quotas)
 
 Item = Union[str, Mapping[str, Any]]
 
