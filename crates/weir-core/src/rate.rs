@@ -79,9 +79,10 @@ enum Probe {
 
 /// Whether credits that come back on the budget's own schedule are trusted to find the server's
 /// window open. A window learned from advice in whole seconds may be too short (a fixed window
-/// entered late looks shorter than it is): until a send funded by returning credits has been
-/// admitted, the first such send goes alone — a scout — and the others wait for its answer, so
-/// a window measured short costs one refusal instead of every call its early credits fund.
+/// entered late looks shorter than it is): until sends funded by returning credits have been
+/// admitted in two rounds in a row, the first such send of a round goes alone — a scout — and
+/// the others wait for its answer, so a window measured short costs one refusal instead of
+/// every call its early credits fund.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Scout {
     /// Scouts of two rounds in a row were admitted since the window was last learned or
@@ -750,8 +751,9 @@ impl Budget {
     /// held more of our sends than that (a window measured across a reset, from sends of the
     /// window before, was taken too long and too large). `w` is kept if it fits; otherwise the
     /// shortest whole second that fits is taken (a scout finds a window too short at the cost
-    /// of one refusal, while one too long lets probes grow the budget past the quota). The credits in hand wait for
-    /// the advised end, and the refusals of the sends still out are the window's.
+    /// of one refusal, while one too long lets probes grow the budget past the quota). The
+    /// credits in hand wait for the advised end, and the refusals of the sends still out are
+    /// the window's.
     fn measure_opened(&mut self, opened: Opened, id: u64, now: Instant, d: Duration, w: Duration) -> bool {
         let Opened { earliest, latest, before } = opened;
         let admitted: f64 = self.log.iter().filter(|e| e.at >= latest && e.id < id).map(|e| e.weight).sum();

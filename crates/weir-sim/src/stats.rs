@@ -49,6 +49,19 @@ struct Timeline {
     refused_per_second: Vec<u64>,
 }
 
+/// Seconds a timeline counts, from its start: bounds its memory in a simulator left running.
+const TIMELINE_SECONDS: usize = 3600;
+
+/// Adds `n` to second `sec` of a per-second count (nothing past [`TIMELINE_SECONDS`]).
+fn count_at(per_second: &mut Vec<u64>, sec: usize, n: u64) {
+    if sec < TIMELINE_SECONDS {
+        if per_second.len() <= sec {
+            per_second.resize(sec + 1, 0);
+        }
+        per_second[sec] += n;
+    }
+}
+
 /// A snapshot of the counters, as served by `/stats`.
 #[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq)]
 pub struct StatsSnapshot {
@@ -189,14 +202,8 @@ impl Stats {
         t.first_success.get_or_insert(now);
         t.last_success = Some(now);
         let sec = now.duration_since(t.start).as_secs() as usize;
-        if sec < 3600 {
-            if t.per_second.len() <= sec {
-                t.per_second.resize(sec + 1, 0);
-                t.tokens_per_second.resize(sec + 1, 0);
-            }
-            t.per_second[sec] += 1;
-            t.tokens_per_second[sec] += tokens_in + tokens_out;
-        }
+        count_at(&mut t.per_second, sec, 1);
+        count_at(&mut t.tokens_per_second, sec, tokens_in + tokens_out);
     }
 
     /// Counts an answer by its HTTP status.
@@ -204,12 +211,7 @@ impl Stats {
         if status == 429 {
             let mut t = self.timeline.lock().unwrap_or_else(|e| e.into_inner());
             let sec = t.start.elapsed().as_secs() as usize;
-            if sec < 3600 {
-                if t.refused_per_second.len() <= sec {
-                    t.refused_per_second.resize(sec + 1, 0);
-                }
-                t.refused_per_second[sec] += 1;
-            }
+            count_at(&mut t.refused_per_second, sec, 1);
         }
         match status {
             429 => self.rate_limited.fetch_add(1, Relaxed),
