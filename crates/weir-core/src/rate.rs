@@ -34,6 +34,15 @@
 //!   window learned across a reset (from sends of the window before, too long and too large)
 //!   is found by a refusal that advises a later end than a sliding window of that length
 //!   would, and is shortened to what the last reset allows.
+//!   Scouts prove a window only when a round's sends go out together: spread over the window
+//!   (fewer calls out than the quota's rate needs), they find it open while it is still taken a
+//!   second or three too long. What settles it is where the server's windows end: each refusal
+//!   in whole seconds brackets an end within a second, and refused and admitted sends around it
+//!   narrow the bracket; a fixed window's ends fall on a lattice of its period, so once three
+//!   ends agree on one (see [`Budget::lattice`]), the window is taken as that period, its
+//!   capacity as what we sent in the window that refused, and no other rule changes it after.
+//!   Probes for more grow by one each there, not doubling: a fixed window admits every probe
+//!   sent soon after it opens, full or not.
 //!
 //! Weights are 1 per request for the request budget, and counted tokens for the token budget:
 //! an estimate at send time, replaced by the usage the answer reports. Time comes from
