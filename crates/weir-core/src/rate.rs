@@ -39,7 +39,7 @@
 //!   second or three too long. What settles it is where the server's windows end: each refusal
 //!   in whole seconds brackets an end within a second, and refused and admitted sends around it
 //!   narrow the bracket; a fixed window's ends fall on a lattice of its period, so once three
-//!   ends agree on one (see [`Budget::lattice`]), the window is taken as that period, its
+//!   ends agree on one (`Budget::lattice`), the window is taken as that period, its
 //!   capacity as what we sent in the window that refused, and no other rule changes it after.
 //!   Probes for more grow by one each there, not doubling: a fixed window admits every probe
 //!   sent soon after it opens, full or not.
