@@ -186,6 +186,11 @@ def run_many(url, paths, weir_args, kill_at=0.0):
                 done[i] = time.monotonic() - t0
         time.sleep(0.05)
     errs = [p.communicate()[1] for p in ps]
+    if os.environ.get("TRACE") == "1":
+        # TRACE=1 with WEIR_LOG=weir_core::rate=debug: each process's log, to read afterwards.
+        for i, e in enumerate(errs):
+            with open(f"/tmp/weir-quota-{int(t0)}-{len(ps)}-{i}.log", "w") as f:
+                f.write(e)
     if any(p.returncode != 0 for i, p in enumerate(ps) if not (killed and i == 0)):
         sys.exit(f"weir run failed: {errs}")
     return done, errs, killed

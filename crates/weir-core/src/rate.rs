@@ -738,7 +738,15 @@ impl Budget {
         new_end: bool,
     ) -> bool {
         if self.sole && new_end {
-            if let Some(period) = self.lattice(w).filter(|&p| p != w) {
+            let found = self.lattice(w);
+            if found == Some((w, true)) && self.period.is_none() {
+                // The window was right (learned, or handed over by a process before): kept at
+                // it, and probed for more one at a time.
+                self.period = Some(w);
+                tracing::debug!(window = ?w, "window's ends agree with it");
+            }
+            // Not while `w` fits the ends too (they do not tell the two apart yet).
+            if let Some((period, _)) = found.filter(|&(p, fits)| p != w && !fits) {
                 // The window that refused started a period before its end: placed by every end
                 // kept, each a whole number of periods before it.
                 let start = self.phase(period).and_then(|end| end.checked_sub(period));
@@ -902,8 +910,9 @@ impl Budget {
     /// second long), but a window taken too short sends more than the quota, where one taken a
     /// multiple too long is refused within a window and its ends show the shorter period.
     /// A sliding window's ends are not bound to a lattice, but the sends of a budget that
-    /// keeps to it repeat with its period, and so do the ends of its refusals.
-    fn lattice(&self, w: Duration) -> Option<Duration> {
+    /// keeps to it repeat with its period, and so do the ends of its refusals. Also says
+    /// whether `w`, the window in force, fits the ends too: then they do not tell the two apart.
+    fn lattice(&self, w: Duration) -> Option<(Duration, bool)> {
         if self.ends.len() < 3 {
             return None;
         }
@@ -919,16 +928,14 @@ impl Budget {
             let p = p.as_secs_f64();
             gaps.iter().all(|&((lo, hi), most)| (1..=most).any(|k| (lo..=hi).contains(&(k as f64 * p))))
         };
-        if fits(w) {
-            return Some(w);
-        }
         let shortest_gap = self
             .ends
             .iter()
             .zip(self.ends.iter().skip(1))
             .map(|(a, b)| b.1.duration_since(a.0).as_secs_f64())
             .fold(f64::INFINITY, f64::min);
-        (1..=shortest_gap.floor() as u64).rev().map(Duration::from_secs).find(|&p| fits(p))
+        let longest = (1..=shortest_gap.floor() as u64).rev().map(Duration::from_secs).find(|&p| fits(p))?;
+        Some((longest, fits(w)))
     }
 
     /// The last end kept, placed as closely as every end kept allows with a fixed window of
