@@ -589,9 +589,10 @@ impl Budget {
                 _ => fresh,
             });
         }
-        let new_end = delay.filter(|&d| is_coarse(d)).is_some_and(|d| self.note_end(now + d));
+        let coarse = delay.filter(|&d| is_coarse(d));
+        let new_end = coarse.is_some_and(|d| self.note_end(now + d));
         let removed = self.position(id).map(|i| self.log.remove(i).expect("index is valid"));
-        if let (true, Some(e), Some(last)) = (delay.is_some_and(is_coarse), &removed, self.ends.back_mut()) {
+        if let (Some(_), Some(e), Some(last)) = (coarse, &removed, self.ends.back_mut()) {
             // Refused when it arrived, a little after it was sent: the window had not ended.
             if e.at > last.0 && e.at < last.1 {
                 last.0 = e.at;
@@ -661,7 +662,10 @@ impl Budget {
                 if let (Some(d), Some(w)) = (delay, self.window) {
                     if is_coarse(d) {
                         let weight = removed.as_ref().map_or(0.0, |e| e.weight);
-                        if self.lengthen_whole(id, now, d, w, probe, scouted, new_end) {
+                        if self.sole && new_end && self.settle_period(id, now, d, w) {
+                            // The window changed to a fixed window's period; the refusal shrank
+                            // its capacity (measured from what it admitted).
+                        } else if self.lengthen_whole(id, now, d, w, probe, scouted) {
                             // Refused for the window, not the capacity: its slot is back when
                             // the server said.
                             self.deferred.push((now + d, weight));
@@ -730,7 +734,6 @@ impl Budget {
     /// Returns true when the refusal was the window's: it lengthened the window, or came in the
     /// same burst as the refusal that did. The credits in hand then came back too early: they
     /// are held until the server's advised time, when its window has room for them.
-    #[allow(clippy::too_many_arguments)]
     fn lengthen_whole(
         &mut self,
         id: u64,
@@ -739,30 +742,7 @@ impl Budget {
         w: Duration,
         probe: Option<Probe>,
         scouted: bool,
-        new_end: bool,
     ) -> bool {
-        if self.sole && new_end {
-            let found = self.lattice(w);
-            if found == Some((w, true)) && self.period.is_none() {
-                // The window was right (learned, or handed over by a process before): kept at
-                // it, and probed for more one at a time.
-                self.period = Some(w);
-                tracing::debug!(window = ?w, "window's ends agree with it");
-            }
-            // Not while `w` fits the ends too (they do not tell the two apart yet).
-            if let Some((period, _)) = found.filter(|&(p, fits)| p != w && !fits) {
-                // The window that refused started a period before its end: placed by every end
-                // kept, each a whole number of periods before it.
-                let start = self.phase(period).and_then(|end| end.checked_sub(period));
-                let admitted: f64 =
-                    self.log.iter().filter(|e| e.id < id && start.is_none_or(|s| e.at >= s)).map(|e| e.weight).sum();
-                self.period = Some(period);
-                self.settle_fixed(period, admitted, id, now, d);
-                self.distrust(now);
-                tracing::debug!(window = ?period, "fixed window's period found from its ends");
-                return false;
-            }
-        }
         if self.short_until.is_some_and(|until| now < until) {
             return true;
         }
@@ -888,6 +868,32 @@ impl Budget {
         tracing::debug!(window = ?self.window, capacity = ?self.effective_capacity(), "fixed window measured");
     }
 
+    /// A refusal of send `id`, told `d` in whole seconds with the window taken as `w`, started a
+    /// new bracket of ends (see [`Budget::note_end`]): if the ends kept agree with `w`, it is
+    /// kept as a fixed window's period, probed for more one at a time; if they show another
+    /// period that `w` does not fit, the window becomes that period, admitting what we sent in
+    /// the window that refused. Returns true when the window changed.
+    fn settle_period(&mut self, id: u64, now: Instant, d: Duration, w: Duration) -> bool {
+        let found = self.lattice(w);
+        if found == Some((w, true)) && self.period.is_none() {
+            // The window was right (learned, or handed over by a process before).
+            self.period = Some(w);
+            tracing::debug!(window = ?w, "window's ends agree with it");
+        }
+        // Not while `w` fits the ends too (they do not tell the two apart yet).
+        let Some((period, _)) = found.filter(|&(p, fits)| p != w && !fits) else { return false };
+        // The window that refused started a period before its end: placed by every end kept,
+        // each a whole number of periods before it.
+        let start = self.phase(period).and_then(|end| end.checked_sub(period));
+        let admitted: f64 =
+            self.log.iter().filter(|e| e.id < id && start.is_none_or(|s| e.at >= s)).map(|e| e.weight).sum();
+        self.period = Some(period);
+        self.settle_fixed(period, admitted, id, now, d);
+        self.distrust(now);
+        tracing::debug!(window = ?period, "fixed window's period found from its ends");
+        true
+    }
+
     /// Notes the end of the server's window that a refusal advised in whole seconds: `end` is
     /// now plus the advice, which was rounded up, so the end is in `(end - 1 s, end]` (a little
     /// earlier still, by the time the refusal took to come back). Refusals in one server window
@@ -908,8 +914,8 @@ impl Budget {
     }
 
     /// The period of a fixed window, if the ends that refusals advised fall on one: a fixed
-    /// window's ends are whole periods apart, so between each two brackets in a row the gap
-    /// holds a multiple of it (refusals in one window out of up to four). Three ends at least,
+    /// window's ends are whole periods apart, so the gap between any two brackets holds a
+    /// multiple of it (refusals in at least one window out of four between). Three ends at least,
     /// and the longest whole second that fits every gap: a shorter one fits too (any does, a
     /// second long), but a window taken too short sends more than the quota, where one taken a
     /// multiple too long is refused within a window and its ends show the shorter period.
@@ -932,12 +938,8 @@ impl Budget {
             let p = p.as_secs_f64();
             gaps.iter().all(|&((lo, hi), most)| (1..=most).any(|k| (lo..=hi).contains(&(k as f64 * p))))
         };
-        let shortest_gap = self
-            .ends
-            .iter()
-            .zip(self.ends.iter().skip(1))
-            .map(|(a, b)| b.1.duration_since(a.0).as_secs_f64())
-            .fold(f64::INFINITY, f64::min);
+        // The shortest gap is between two ends in a row (zero if any two are out of order).
+        let shortest_gap = gaps.iter().map(|g| g.0 .1).fold(f64::INFINITY, f64::min);
         let longest = (1..=shortest_gap.floor() as u64).rev().map(Duration::from_secs).find(|&p| fits(p))?;
         Some((longest, fits(w)))
     }
@@ -945,11 +947,9 @@ impl Budget {
     /// The last end kept, placed as closely as every end kept allows with a fixed window of
     /// `period` (each a whole number of periods before it): the middle of what is left open.
     fn phase(&self, period: Duration) -> Option<Instant> {
-        let &(lo, hi) = self.ends.back()?;
-        let p = period.as_secs_f64();
-        let (mut lo, mut hi) = (lo, hi);
+        let &(mut lo, mut hi) = self.ends.back()?;
         for &(a, b) in &self.ends {
-            let k = (lo.duration_since(a).as_secs_f64() / p).round();
+            let k = (lo.duration_since(a).as_secs_f64() / period.as_secs_f64()).round();
             let shift = period.mul_f64(k);
             lo = lo.max(a + shift);
             hi = hi.min(b + shift);
