@@ -181,9 +181,15 @@ def test_python_processes_on_one_key_share_one_quota(sim_factory, tmp_path):
     assert [o["quota_processes"] for o in out] == [2, 2], out
     s = sim.stats()
     assert s["successes"] == 240
-    # One learned budget for both: 240 calls over 12 windows of 40, few refused (two processes
-    # each learning alone refuse far more of each other's calls).
-    assert s["rate_limited"] <= 0.1 * s["requests"], s
+    # One learned budget for both: 240 calls over 12 windows of 40. Before the first 429 comes
+    # back nothing is known, and what is sent blind depends on how fast the answers come (12 to
+    # 23 refused on a loaded machine); two processes each learning alone would each send that
+    # blind, and refuse half of each other's calls after.
+    first, later = s["rate_limited_per_second"][0], sum(s["rate_limited_per_second"][1:])
+    assert first <= 32, s
+    # After it, about one probe a window, also when the process that held the quota ends and
+    # the other takes over (it counts every send of the last window, the last burst included).
+    assert later <= 0.06 * s["requests"], s
 
 
 def test_cache_reuses_an_items_own_answer_and_only_deterministic_ones_without_id(sim, tmp_path):

@@ -276,7 +276,8 @@ impl Runtime {
         self.sites.lock().await.get(&(embed, spec.to_string())).map(|s| s.throttle.clone())
     }
 
-    /// Stops what its endpoints run in this process (the simulators behind `sim/` models), and
+    /// Stops what its endpoints run in this process (the simulators behind `sim/` models), writes
+    /// down what the quotas it holds on this machine know for the process that takes over, and
     /// leaves the quotas it shares through Redis (for a run that is ending: the process's last
     /// runtime), so that a run started next does not wait for its lease to run out.
     pub async fn shutdown(&self) {
@@ -284,6 +285,7 @@ impl Runtime {
         for r in residents {
             r.shutdown().await;
         }
+        crate::share::leave_all();
         #[cfg(feature = "redis")]
         crate::share_redis::leave_all().await;
     }

@@ -231,6 +231,29 @@ async fn write_down(throttle: Weak<Throttle>, path: PathBuf) {
     }
 }
 
+/// A quota this process holds on this machine, and the file it writes down what its budgets
+/// know in.
+type Held = (Weak<Throttle>, PathBuf);
+
+/// The quotas this process holds on this machine.
+fn held() -> &'static Mutex<Vec<Held>> {
+    static HELD: OnceLock<Mutex<Vec<Held>>> = OnceLock::new();
+    HELD.get_or_init(Mutex::default)
+}
+
+/// Writes down, once more and as of now, what every quota this process holds knows. Called when
+/// a run ends: the last periodic write may be up to 20 ms old and miss the last burst of sends,
+/// and the write a task makes when it is dropped does not happen when the process exits with
+/// its tasks still running. The process that takes over next then counts every send of ours.
+pub fn leave_all() {
+    let held: Vec<_> = held().lock().unwrap_or_else(|e| e.into_inner()).drain(..).collect();
+    for (throttle, path) in held {
+        if let Some(t) = throttle.upgrade() {
+            write_state(&t, &path);
+        }
+    }
+}
+
 /// Replaced whole (a new file renamed over the old), so a reader never sees half of it; not
 /// synced to disk as `weir_io::state::write_atomic` does: it is only for the process that takes
 /// over next, seconds from now, and an fsync every 20 ms would cost more than it is worth.
@@ -261,6 +284,7 @@ async fn supervise(throttle: Weak<Throttle>, place: Place) {
                 take_over(&t, &place);
                 t.delegate_to(None);
                 tracing::debug!(socket = %place.socket.display(), "holding the shared quota");
+                held().lock().unwrap_or_else(|e| e.into_inner()).push((Arc::downgrade(&t), place.state.clone()));
                 tokio::spawn(write_down(Arc::downgrade(&t), place.state.clone()));
                 serve(t, listener, lock).await;
                 return;
@@ -877,5 +901,47 @@ impl Keeper {
                 }
             });
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use weir_core::QuotaStore;
+
+    fn told(requests: u64) -> Arc<Throttle> {
+        Arc::new(Throttle::new(&ThrottleSettings {
+            rate: RateSettings { requests: Some(requests), window: Duration::from_secs(60), ..RateSettings::default() },
+            adaptive: false,
+            store: QuotaStore::Off,
+            ..ThrottleSettings::default()
+        }))
+    }
+
+    #[tokio::test]
+    async fn a_run_that_ends_writes_down_its_last_sends_for_the_next_holder() {
+        // A holder admits four calls of its ten a minute and its run ends before the periodic
+        // write saw them: the process taking over must count them, and admit six, not ten.
+        let dir = std::env::temp_dir().join(format!("weir-leave-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let state = dir.join("q.state");
+        let holder = told(10);
+        held().lock().unwrap().push((Arc::downgrade(&holder), state.clone()));
+        let never = CancellationToken::new();
+        for _ in 0..4 {
+            holder.admit(Weight::default(), &never).await.unwrap().finish(Ok(Default::default()));
+        }
+        assert!(!state.exists());
+        leave_all();
+        let next = told(10);
+        next.await_delegate();
+        take_over(&next, &Place { lock: dir.join("q.lock"), socket: dir.join("q.sock"), state: state.clone() });
+        next.delegate_to(None);
+        let mut admitted = 0;
+        while tokio::time::timeout(Duration::from_millis(50), next.admit(Weight::default(), &never)).await.is_ok() {
+            admitted += 1;
+        }
+        assert_eq!(admitted, 6);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
