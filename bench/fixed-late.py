@@ -8,7 +8,8 @@ made after it started. For each offset: completion time against the ideal, and t
 
 Usage: bench/fixed-late.py [LATE...]   (default 0.5 1.3 2.2 3.0 3.7 4.4)
 Env: WEIR_BIN (default: the release build in CARGO_TARGET_DIR), N (records, default 2000),
-K (processes sharing one key, default 1), TRACE=1 (debug logs of the rate budget in
+K (processes sharing one key, default 1), KILL_AT (seconds after the processes start when the
+first, which holds the shared quota, is killed with SIGKILL; default never), TRACE=1 (debug logs of the rate budget in
 /tmp/weir-fixed-late-*.log).
 """
 import json, os, socket, subprocess, sys, tempfile, time, urllib.request
@@ -18,6 +19,7 @@ TARGET = os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target"))
 BIN = os.environ.get("WEIR_BIN") or os.path.join(TARGET, "release", "weir")
 N = int(os.environ.get("N", "2000"))
 K = int(os.environ.get("K", "1"))
+KILL_AT = float(os.environ.get("KILL_AT", "0"))
 WORK = tempfile.mkdtemp()
 
 
@@ -55,15 +57,21 @@ def one(late):
                                         "--progress", "never", "--max-retries", "50", "--overwrite"],
                                        stdout=subprocess.DEVNULL, stderr=log, env=env))
         t0 = time.monotonic()
-        for p in ps:
-            if p.wait() != 0:
+        if KILL_AT:
+            time.sleep(KILL_AT)
+            ps[0].kill()
+            ps[0].wait()
+        for i, p in enumerate(ps):
+            if p.wait() != 0 and not (KILL_AT and i == 0):
                 sys.exit("weir run failed")
         took = time.monotonic() - t0
         s = json.load(urllib.request.urlopen(url + "/stats"))
     finally:
         sim.terminate()
-    # Ideal: the rest of the entered window, then every window full.
-    ideal = (5 - late) + ((N - 101) // 100) * 5 + 0.3 if N > 100 else 0.3
+    # Ideal: the rest of the entered window, then every window full, for the records answered
+    # (with a kill, the killed process's unanswered records are not counted).
+    done = s["successes"] if KILL_AT else N
+    ideal = (5 - late) + ((done - 101) // 100) * 5 + 0.3 if done > 100 else 0.3
     return took, ideal, s
 
 
@@ -73,3 +81,6 @@ for late in [float(x) for x in (sys.argv[1:] or "0.5 1.3 2.2 3.0 3.7 4.4".split(
     took, ideal, s = one(late)
     print(f"   late {late:3.1f} s: {took:5.1f} s against {ideal:.1f} s ideal ({ideal / took:.1%}); "
           f"429s {s['rate_limited']} of {s['requests']} ({s['rate_limited'] / s['requests']:.2%})", flush=True)
+    if KILL_AT:
+        per = s.get("rate_limited_per_second", [])
+        print(f"     first process killed at {KILL_AT:g} s; 429s per second: {per}", flush=True)
