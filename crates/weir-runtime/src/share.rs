@@ -274,6 +274,8 @@ const HOLDER_STARTS_WITHIN: Duration = Duration::from_secs(10);
 /// goes away.
 async fn supervise(throttle: Weak<Throttle>, place: Place) {
     let mut quiet = false;
+    // Since when the holder has not answered (this process deciding alone meanwhile).
+    let mut silent_since: Option<tokio::time::Instant> = None;
     // Since when a holder has had the lock but no socket yet.
     let mut starting_since: Option<tokio::time::Instant> = None;
     loop {
@@ -282,6 +284,8 @@ async fn supervise(throttle: Weak<Throttle>, place: Place) {
             Ok(Some((lock, listener))) => {
                 // Seeded first: calls waiting for a decision go as soon as it is made.
                 take_over(&t, &place);
+                // Every process of this machine on the quota goes through this one now.
+                t.set_sole(true);
                 t.delegate_to(None);
                 tracing::debug!(socket = %place.socket.display(), "holding the shared quota");
                 held().lock().unwrap_or_else(|e| e.into_inner()).push((Arc::downgrade(&t), place.state.clone()));
@@ -303,14 +307,39 @@ async fn supervise(throttle: Weak<Throttle>, place: Place) {
                 let ended = Arc::new(tokio::sync::Notify::new());
                 let peer = Peer::start(stream, ended.clone());
                 let notified = ended.notified();
+                drop(t);
+                match peer.answers().await {
+                    Answered::Yes => {}
+                    // Ending: whoever holds the quota next is found at once.
+                    Answered::Closed => {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                    Answered::Silent => {
+                        let Some(t) = throttle.upgrade() else { return };
+                        alone_beside_a_silent_holder(&t, &mut silent_since);
+                        drop(t);
+                        tokio::time::sleep(HOLDER_SILENT).await;
+                        continue;
+                    }
+                }
+                let Some(t) = throttle.upgrade() else { return };
+                t.set_sole(true);
                 t.delegate_to(Some(peer.clone()));
                 // The holder and this one, at least (its grants tell how many more).
                 t.set_processes(2);
                 tracing::debug!(socket = %place.socket.display(), "sharing the quota held by another process");
+                if silent_since.take().is_some() {
+                    tracing::warn!("the process holding the shared quota answers again; sharing the quota");
+                }
                 drop(t);
                 notified.await;
                 if let Some(t) = throttle.upgrade() {
-                    t.await_delegate();
+                    if peer.went_silent() {
+                        alone_beside_a_silent_holder(&t, &mut silent_since);
+                    } else {
+                        t.await_delegate();
+                    }
                 }
                 quiet = false;
             }
@@ -331,6 +360,22 @@ async fn supervise(throttle: Weak<Throttle>, place: Place) {
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
         }
+    }
+}
+
+/// Makes `throttle` decide alone while the process holding its quota says nothing (stopped or
+/// hung, with the lock still held): its calls go on beside it instead of waiting for it, as
+/// when processes share nothing. Said once, until the holder answers again.
+fn alone_beside_a_silent_holder(throttle: &Throttle, silent_since: &mut Option<tokio::time::Instant>) {
+    throttle.set_sole(false);
+    throttle.delegate_to(None);
+    if silent_since.is_none() {
+        *silent_since = Some(tokio::time::Instant::now());
+        tracing::warn!(
+            "the process holding the shared quota has not answered for {} s (stopped, or hung?); this process \
+             decides alone until it answers",
+            HOLDER_SILENT.as_secs()
+        );
     }
 }
 
@@ -375,7 +420,18 @@ enum Ask {
 enum Answer {
     /// Call `id` may go.
     Granted { id: u64, waited_us: u64, concurrency: usize, rates: RateSnapshot, processes: usize },
+    /// The holder is alive: sent on connecting and every [`HEARTBEAT`], so that a process
+    /// waiting for a grant tells a holder that has nothing to grant yet (its window is full)
+    /// from one that no longer answers (stopped with Ctrl-Z or SIGSTOP, or hung).
+    Alive,
 }
+
+/// How often the holder says it is alive to each process it serves.
+const HEARTBEAT: Duration = Duration::from_secs(1);
+
+/// How long a holder may say nothing before the processes it serves decide alone (and try it
+/// again later): five heartbeats, so that a holder slowed down by a busy machine is not left.
+pub(crate) const HOLDER_SILENT: Duration = Duration::from_secs(5);
 
 /// A call's result, as the throttle learns from it.
 #[derive(Debug, Serialize, Deserialize)]
@@ -498,6 +554,17 @@ pub(crate) async fn serve_peer(
 ) {
     let (tx, writer) = writer(write);
     let gone = CancellationToken::new();
+    {
+        let (tx, gone) = (tx.clone(), gone.clone());
+        tokio::spawn(async move {
+            while tx.send(line(&Answer::Alive)).is_ok() {
+                tokio::select! {
+                    () = gone.cancelled() => return,
+                    () = tokio::time::sleep(HEARTBEAT) => {}
+                }
+            }
+        });
+    }
     let calls: Arc<Mutex<HashMap<u64, Served>>> = Arc::default();
     // Slots set aside for the process's calls that the last holder admitted.
     let mut carried = 0usize;
@@ -579,24 +646,53 @@ pub(crate) struct Peer {
     waiting: Mutex<HashMap<u64, oneshot::Sender<Grant>>>,
     next: AtomicU64,
     open: AtomicBool,
+    /// The holder has said something since the connection opened.
+    heard: AtomicBool,
+    /// The connection was left because the holder said nothing for [`HOLDER_SILENT`].
+    silent: AtomicBool,
+    /// Notified when the holder is first heard, or the connection ends.
+    first: tokio::sync::Notify,
 }
 
 impl Peer {
-    /// Starts talking to the holder over `stream`; `ended` is notified when the connection ends.
+    /// Starts talking to the holder over `stream`; `ended` is notified when the connection ends:
+    /// closed, or silent for [`HOLDER_SILENT`].
     pub(crate) fn start(link: impl Link, ended: Arc<tokio::sync::Notify>) -> Arc<Self> {
         let (read, write) = tokio::io::split(link);
         let (tx, _) = writer(write);
-        let peer =
-            Arc::new(Peer { tx, waiting: Mutex::default(), next: AtomicU64::new(0), open: AtomicBool::new(true) });
+        let peer = Arc::new(Peer {
+            tx,
+            waiting: Mutex::default(),
+            next: AtomicU64::new(0),
+            open: AtomicBool::new(true),
+            heard: AtomicBool::new(false),
+            silent: AtomicBool::new(false),
+            first: tokio::sync::Notify::new(),
+        });
         let reader = peer.clone();
         tokio::spawn(async move {
             let mut lines = BufReader::new(read).lines();
-            while let Ok(Some(l)) = lines.next_line().await {
-                let Ok(Answer::Granted { id, waited_us, concurrency, rates, processes }) =
-                    serde_json::from_str::<Answer>(&l)
-                else {
-                    tracing::warn!("shared quota: the holder sent what this process cannot read; deciding alone");
-                    break;
+            loop {
+                let l = match tokio::time::timeout(HOLDER_SILENT, lines.next_line()).await {
+                    Ok(Ok(Some(l))) => l,
+                    Ok(_) => break,
+                    Err(_) => {
+                        reader.silent.store(true, Relaxed);
+                        break;
+                    }
+                };
+                if !reader.heard.swap(true, Relaxed) {
+                    reader.first.notify_waiters();
+                }
+                let (id, waited_us, concurrency, rates, processes) = match serde_json::from_str::<Answer>(&l) {
+                    Ok(Answer::Granted { id, waited_us, concurrency, rates, processes }) => {
+                        (id, waited_us, concurrency, rates, processes)
+                    }
+                    Ok(Answer::Alive) => continue,
+                    Err(_) => {
+                        tracing::warn!("shared quota: the holder sent what this process cannot read; deciding alone");
+                        break;
+                    }
                 };
                 let grant = Grant { id, waited: Duration::from_micros(waited_us), concurrency, rates, processes };
                 let waiter = reader.waiting.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
@@ -608,10 +704,45 @@ impl Peer {
             // The holder went: calls still waiting decide alone (their senders are dropped).
             reader.open.store(false, Relaxed);
             reader.waiting.lock().unwrap_or_else(|e| e.into_inner()).clear();
+            reader.first.notify_waiters();
             ended.notify_one();
         });
         peer
     }
+
+    /// Whether the holder says anything within [`HOLDER_SILENT`] of connecting (it says it is
+    /// alive at once): a stopped holder's socket still takes connections (the system queues
+    /// them), and following it would hold every call.
+    pub(crate) async fn answers(&self) -> Answered {
+        let first = self.first.notified();
+        if !self.heard.load(Relaxed) && self.open.load(Relaxed) {
+            let _ = tokio::time::timeout(HOLDER_SILENT, first).await;
+        }
+        if self.heard.load(Relaxed) {
+            Answered::Yes
+        } else if self.open.load(Relaxed) || self.silent.load(Relaxed) {
+            Answered::Silent
+        } else {
+            Answered::Closed
+        }
+    }
+
+    /// Whether the connection was left because the holder went silent.
+    pub(crate) fn went_silent(&self) -> bool {
+        self.silent.load(Relaxed)
+    }
+}
+
+/// How a holder met a new connection (see [`Peer::answers`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Answered {
+    /// It said it is alive.
+    Yes,
+    /// It said nothing for [`HOLDER_SILENT`]: stopped or hung, with its lock held.
+    Silent,
+    /// The connection closed before it said anything: it was ending (a killed holder's socket
+    /// can take a connection while its process is torn down).
+    Closed,
 }
 
 /// Abandons a call whose admission is no longer awaited (the caller was cancelled).
@@ -783,8 +914,27 @@ async fn follow(throttle: Weak<Throttle>, hub: Arc<dyn Hub>, hello: Vec<u8>) {
                 let ended = Arc::new(tokio::sync::Notify::new());
                 let peer = Peer::start(link, ended.clone());
                 let notified = ended.notified();
+                drop(t);
+                let answered = peer.answers().await;
+                let Some(t) = throttle.upgrade() else { return };
+                if answered != Answered::Yes {
+                    t.set_sole(false);
+                    t.delegate_to(None);
+                    if !said {
+                        tracing::warn!(
+                            "the scheduler's quota service at {} {}; this executor keeps the quota alone until it \
+                             answers",
+                            hub.describe(),
+                            if answered == Answered::Closed { "closed the connection" } else { "does not answer" }
+                        );
+                        said = true;
+                    }
+                    drop(t);
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    continue;
+                }
                 t.set_sole(true);
-                t.delegate_to(Some(peer));
+                t.delegate_to(Some(peer.clone()));
                 tracing::debug!("sharing the quota kept by the scheduler at {}", hub.describe());
                 if said {
                     tracing::warn!(
@@ -795,9 +945,22 @@ async fn follow(throttle: Weak<Throttle>, hub: Arc<dyn Hub>, hello: Vec<u8>) {
                 }
                 drop(t);
                 notified.await;
-                // Its calls decide alone until it is reached again (or for at most 2 s).
+                // Its calls decide alone until it is reached again (or for at most 2 s; at once
+                // when it went silent).
                 if let Some(t) = throttle.upgrade() {
-                    t.await_delegate();
+                    if peer.went_silent() {
+                        t.set_sole(false);
+                        t.delegate_to(None);
+                        tracing::warn!(
+                            "the scheduler's quota service at {} has not answered for {} s; this executor keeps the \
+                             quota alone until it does",
+                            hub.describe(),
+                            HOLDER_SILENT.as_secs()
+                        );
+                        said = true;
+                    } else {
+                        t.await_delegate();
+                    }
                 }
             }
             Err(e) => {

@@ -190,8 +190,57 @@ async fn follower_takes_over(
     assert!(joined < held, "{err}");
     util::assert_each_id_once(ids, &rows(&dir.path("b.out")), &[]);
     // Still within the told limit after the hand-over (loosely: see above).
-    let busiest = server.stats().successes_per_second.iter().copied().max().unwrap_or(0);
-    assert!(busiest <= 15, "{busiest} answers in one second");
+    let per_second = server.stats().successes_per_second;
+    let busiest = per_second.iter().copied().max().unwrap_or(0);
+    assert!(busiest <= 15, "{busiest} answers in one second: {per_second:?}\n{err}");
+}
+
+#[tokio::test]
+async fn a_stopped_holder_does_not_stop_the_others() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    // Ctrl-Z (SIGSTOP) on the process holding the quota: it keeps its lock, and its socket still
+    // takes connections, but it grants nothing. The follower says so within seconds and goes on
+    // alone; when the holder is resumed, both finish.
+    let server = steady_sim().await;
+    let url = server.url();
+    let dir = Dir::new("share-stop");
+    let meet = dir.path("meet");
+    let (data, ids) = prompts(60);
+    let input_a = dir.write("a.jsonl", &data);
+    let input_b = dir.write("b.jsonl", &data);
+    let holder = told_run(&url, &dir, &input_a, "a.out", &meet, "local").spawn().unwrap();
+    let pid = holder.id().unwrap().to_string();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while !std::fs::read_dir(&meet)
+        .map(|d| d.flatten().any(|e| e.path().extension().is_some_and(|x| x == "sock")))
+        .unwrap_or(false)
+    {
+        assert!(tokio::time::Instant::now() < deadline, "no holder's socket in {}", meet.display());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut follower = told_run(&url, &dir, &input_b, "b.out", &meet, "local");
+    follower.env("WEIR_LOG", "weir_runtime=debug").stderr(std::process::Stdio::piped());
+    let follower = follower.spawn().unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let signal = |sig: &str| std::process::Command::new("kill").args([sig, &pid]).status().unwrap();
+    assert!(signal("-STOP").success());
+    let stopped = std::time::Instant::now();
+    let o = tokio::time::timeout(Duration::from_secs(40), follower.wait_with_output()).await;
+    let resumed = signal("-CONT");
+    let o = o.expect("the follower waited for a stopped holder").unwrap();
+    let took = stopped.elapsed();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(resumed.success());
+    let joined = err.find("sharing the quota held by another process").unwrap_or_else(|| panic!("{err}"));
+    let alone = err.find("has not answered for 5 s").unwrap_or_else(|| panic!("{err}"));
+    assert!(joined < alone, "{err}");
+    util::assert_each_id_once(&ids, &rows(&dir.path("b.out")), &[]);
+    // 60 records at 10 a second, some of them before the stop: alone after 5 s of silence.
+    assert!(took < Duration::from_secs(20), "the follower ended {took:?} after the stop: {err}");
+    let o = tokio::time::timeout(Duration::from_secs(40), holder.wait_with_output()).await.unwrap().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    util::assert_each_id_once(&ids, &rows(&dir.path("a.out")), &[]);
 }
 
 #[tokio::test]
