@@ -288,6 +288,9 @@ async fn supervise(throttle: Weak<Throttle>, place: Place) {
                 t.set_sole(true);
                 t.delegate_to(None);
                 tracing::debug!(socket = %place.socket.display(), "holding the shared quota");
+                if let Some(dir) = place.lock.parent().map(|d| d.to_path_buf()) {
+                    tokio::task::spawn_blocking(move || sweep(&dir, std::time::SystemTime::now()));
+                }
                 held().lock().unwrap_or_else(|e| e.into_inner()).push((Arc::downgrade(&t), place.state.clone()));
                 tokio::spawn(write_down(Arc::downgrade(&t), place.state.clone()));
                 serve(t, listener, lock).await;
@@ -363,6 +366,48 @@ async fn supervise(throttle: Weak<Throttle>, place: Place) {
     }
 }
 
+/// Whether `file` is the file at `path` now (not one removed since it was opened).
+fn same_file(file: &std::fs::File, path: &std::path::Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (file.metadata(), std::fs::metadata(path)) {
+        (Ok(a), Ok(b)) => (a.dev(), a.ino()) == (b.dev(), b.ino()),
+        _ => false,
+    }
+}
+
+/// How long a quota's files stay in the meeting directory after their last use.
+const STALE: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// Removes the files of quotas no process has used for [`STALE`] (each endpoint, key and model
+/// leaves a lock, a socket and a state file, and a run against a simulator on a random port is
+/// a new endpoint each time). A quota's files are removed only under its lock, and a process
+/// that opened the lock file before it was removed sees so once it has the lock (see
+/// [`try_hold`]), so a sweep never lets two processes hold one quota.
+fn sweep(dir: &std::path::Path, now: std::time::SystemTime) -> usize {
+    let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
+    let mut removed = 0;
+    for e in entries.flatten() {
+        let path = e.path();
+        if path.extension().is_none_or(|x| x != "lock") {
+            continue;
+        }
+        let files = [path.clone(), path.with_extension("sock"), path.with_extension("state")];
+        let used = files.iter().filter_map(|f| std::fs::symlink_metadata(f).ok()?.modified().ok()).max();
+        if used.is_none_or(|t| now.duration_since(t).unwrap_or_default() < STALE) {
+            continue;
+        }
+        let Ok(lock) = std::fs::OpenOptions::new().write(true).open(&path) else { continue };
+        if lock.try_lock().is_err() || !same_file(&lock, &path) {
+            continue;
+        }
+        for f in files.iter().rev() {
+            let _ = std::fs::remove_file(f);
+        }
+        removed += 1;
+    }
+    removed
+}
+
 /// Makes `throttle` decide alone while the process holding its quota says nothing (stopped or
 /// hung, with the lock still held): its calls go on beside it instead of waiting for it, as
 /// when processes share nothing. Said once, until the holder answers again.
@@ -386,6 +431,11 @@ fn try_hold(place: &Place) -> std::io::Result<Option<(std::fs::File, UnixListene
         Ok(()) => {}
         Err(std::fs::TryLockError::WouldBlock) => return Ok(None),
         Err(std::fs::TryLockError::Error(e)) => return Err(e),
+    }
+    // A sweep (below) removed the file between its opening and its locking: this lock is on a
+    // file no other process will open. Not held; the next try opens the file now there.
+    if !same_file(&lock, &place.lock) {
+        return Ok(None);
     }
     // A socket left by a holder that ended: nobody listens on it, and the lock says nobody will.
     match std::fs::remove_file(&place.socket) {
@@ -1079,6 +1129,39 @@ mod tests {
             store: QuotaStore::Off,
             ..ThrottleSettings::default()
         }))
+    }
+
+    #[test]
+    fn a_sweep_removes_the_files_of_quotas_unused_for_a_week_and_no_others() {
+        let dir = std::env::temp_dir().join(format!("weir-sweep-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for name in ["old", "held", "recent"] {
+            for ext in ["lock", "state"] {
+                std::fs::write(dir.join(format!("{name}.{ext}")), b"").unwrap();
+            }
+        }
+        // A lock held by a live process is kept, however old.
+        let held = std::fs::OpenOptions::new().write(true).open(dir.join("held.lock")).unwrap();
+        held.lock().unwrap();
+        let now = std::time::SystemTime::now();
+        let week_on = now + STALE + Duration::from_secs(60);
+        // A week on, "recent" was used since (its state written a minute ago).
+        let recent = std::fs::File::options().write(true).open(dir.join("recent.state")).unwrap();
+        recent.set_modified(week_on - Duration::from_secs(60)).unwrap();
+        assert_eq!(sweep(&dir, now), 0, "nothing is a week old yet");
+        assert_eq!(sweep(&dir, week_on), 1);
+        let mut left: Vec<String> =
+            std::fs::read_dir(&dir).unwrap().flatten().map(|e| e.file_name().into_string().unwrap()).collect();
+        left.sort();
+        assert_eq!(left, ["held.lock", "held.state", "recent.lock", "recent.state"]);
+        // A lock whose file was removed after it was opened is not a hold.
+        let place = Place { lock: dir.join("gone.lock"), socket: dir.join("gone.sock"), state: dir.join("gone.state") };
+        let opened = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&place.lock).unwrap();
+        std::fs::remove_file(&place.lock).unwrap();
+        std::fs::write(&place.lock, b"").unwrap();
+        assert!(!same_file(&opened, &place.lock));
+        drop((held, opened));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[tokio::test]
