@@ -351,6 +351,10 @@ impl Runtime {
         let mut options = self.settings.provider.clone();
         options.task = if embed { Task::Embed } else { Task::Generate };
         let endpoint = (self.connector)(spec.clone(), options).await?;
+        #[cfg(feature = "redis")]
+        if let (weir_core::QuotaStore::Redis(url), None) = (&self.settings.throttle.store, &endpoint.resident) {
+            crate::share_redis::check_server(url).await.map_err(ProviderError::Config)?;
+        }
         let metrics = self.metrics_of(&spec.to_string(), endpoint.handler.endpoint());
         metrics.announce();
         // A server of this runtime's own (the simulator) is nobody else's endpoint.

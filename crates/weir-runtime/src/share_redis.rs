@@ -183,6 +183,49 @@ pub fn check_url(url: &str) -> Result<(), String> {
     }
 }
 
+/// Connects once to a `--quota-store` Redis server before any call, so that settings that
+/// cannot work are said at once, as a usage error, rather than as a warning in a run that then
+/// keeps its quota alone: a password refused or missing, a database number the server does not
+/// have, TLS (`rediss://`) to a server that speaks none. A server that cannot be reached now
+/// (down, or not started yet) is no usage error: the run keeps the quota alone until it can.
+pub async fn check_server(url: &str) -> Result<(), String> {
+    let Ok(client) = redis::Client::open(url) else { return Ok(()) };
+    let tls = matches!(client.get_connection_info().addr(), redis::ConnectionAddr::TcpTls { .. });
+    let attempt = async {
+        let mut conn = connect(&client).await?;
+        redis::cmd("PING").query_async::<String>(&mut conn).await
+    };
+    let e = match tokio::time::timeout(Duration::from_secs(3), attempt).await {
+        Ok(Ok(_)) => return Ok(()),
+        Ok(Err(e)) => e,
+        // Nothing came back: TLS spoken to a plain server waits for an answer that never comes.
+        Err(_) if tls => {
+            return Err(format!(
+                "--quota-store {}: no TLS answer in 3 s; if the server speaks plain Redis (only on this machine), \
+                 say redis://",
+                describe(url)
+            ))
+        }
+        Err(_) => return Ok(()),
+    };
+    let text = e.to_string();
+    let usage = match (e.kind(), e.code()) {
+        (redis::ErrorKind::AuthenticationFailed, _) | (_, Some("NOAUTH" | "WRONGPASS")) => Some(
+            "the server refused the password (or wants one): put it in the URL, rediss://:PASSWORD@HOST:PORT"
+                .to_string(),
+        ),
+        _ if text.contains("DB index") => Some("the server has no database of that number".to_string()),
+        _ if tls && (text.contains("corrupt message") || text.contains("InvalidContentType")) => {
+            Some("the server does not speak TLS; if it is on this machine, say redis://".to_string())
+        }
+        _ => None,
+    };
+    match usage {
+        Some(why) => Err(format!("--quota-store {}: {why}", describe(url))),
+        None => Ok(()),
+    }
+}
+
 /// Shares `throttle`'s quota under `name` with every process that names the same Redis server
 /// and calls the same endpoint with the same key.
 pub fn join(throttle: &Arc<Throttle>, name: String, url: &str) {

@@ -264,6 +264,45 @@ async fn a_meeting_place_others_can_write_to_is_not_used() {
     assert!(std::fs::read_dir(&meet).unwrap().next().is_none(), "nothing written in an open directory");
 }
 
+#[tokio::test]
+async fn a_redis_store_that_cannot_work_is_a_usage_error_before_any_call() {
+    // A password refused, a database the server lacks: exit 2 at once, saying what to fix (and
+    // not the password), where before the run went on alone with a warning.
+    let Some(bin) = util::peer("WEIR_REDIS_SERVER") else { return };
+    let port = util::free_port();
+    let _redis = tokio::process::Command::new(bin)
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+        .args(["--requirepass", "s3cret-pass"])
+        .stdout(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_err() {
+        assert!(tokio::time::Instant::now() < deadline, "redis-server did not start");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let server = steady_sim().await;
+    let dir = Dir::new("share-redis-bad");
+    let (data, _) = prompts(3);
+    let input = dir.write("in.jsonl", &data);
+    let cases = [
+        (format!("redis://127.0.0.1:{port}"), "refused the password"),
+        (format!("redis://:wrong-pass@127.0.0.1:{port}"), "refused the password"),
+        (format!("redis://:s3cret-pass@127.0.0.1:{port}/99"), "no database of that number"),
+    ];
+    for (url, says) in cases {
+        let o = told_run(&server.url(), &dir, &input, "out", &dir.path("meet"), &url).output().await.unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{url}: {err}");
+        assert!(err.contains(says) && !err.contains("pass@"), "{url}: {err}");
+    }
+    assert_eq!(server.stats().requests, 0);
+    let url = format!("redis://:s3cret-pass@127.0.0.1:{port}");
+    let o = told_run(&server.url(), &dir, &input, "out", &dir.path("meet"), &url).output().await.unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
 /// A Redis server of its own on 127.0.0.1 (the Debian package's `redis-server`, found through
 /// `WEIR_REDIS_SERVER`), stopped with the test; its URL.
 async fn redis() -> Option<(tokio::process::Child, String)> {
