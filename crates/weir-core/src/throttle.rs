@@ -88,6 +88,9 @@ pub struct Grant {
 pub struct Sharing {
     /// The most processes that shared the quota at once (1: this one alone).
     pub processes: usize,
+    /// This process was deciding alone when asked, having lost the others (its quota store
+    /// could not be reached, or the holder stopped answering).
+    pub alone_now: bool,
 }
 
 /// A throttle that another process holds for this one: when several processes call one
@@ -146,6 +149,8 @@ pub struct Throttle {
     unclaimed: Mutex<usize>,
     /// The most processes seen sharing the quota at once.
     most_processes: std::sync::atomic::AtomicUsize,
+    /// Deciding alone because the quota store failed (see [`Throttle::set_sole`]).
+    alone: std::sync::atomic::AtomicBool,
     /// Calls of this process in flight that a shared throttle admitted, by a number of their
     /// own, with the throttle that admitted them.
     remote_calls: Mutex<RemoteCalls>,
@@ -254,6 +259,7 @@ impl Throttle {
             in_flight: std::sync::atomic::AtomicUsize::new(0),
             unclaimed: Mutex::new(0),
             most_processes: std::sync::atomic::AtomicUsize::new(1),
+            alone: std::sync::atomic::AtomicBool::new(false),
             remote_calls: Mutex::default(),
             warned_limits: std::sync::atomic::AtomicBool::new(false),
             carried: Mutex::new((0, None)),
@@ -266,6 +272,7 @@ impl Throttle {
     /// goes through may read a refusal as the quota's own window (see [`crate::rate::Budget::sole`]).
     pub fn set_sole(&self, sole: bool) {
         self.rate.set_sole(sole);
+        self.alone.store(!sole, Relaxed);
     }
 
     /// Says how many processes this throttle serves, itself included (set by the process that
@@ -282,7 +289,7 @@ impl Throttle {
 
     /// How the quota was shared, as this process saw it.
     pub fn sharing(&self) -> Sharing {
-        Sharing { processes: self.most_processes.load(Relaxed) }
+        Sharing { processes: self.most_processes.load(Relaxed), alone_now: self.alone.load(Relaxed) }
     }
 
     /// Defers every admission to `delegate` (a shared throttle another process holds), or, with

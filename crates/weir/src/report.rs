@@ -442,7 +442,18 @@ impl Progress {
 /// How a quota was shared: with how many processes, met where (this one's calls are on the
 /// line above).
 fn sharing_text(sharing: &weir_core::Sharing, through: &str) -> String {
-    format!("quota shared by {} processes {through} (one throttle for all, calls admitted in turn)", sharing.processes)
+    if sharing.alone_now {
+        format!(
+            "quota shared by {} processes {through} for part of the run: the others were lost (see the warning above), \
+             and this process kept the quota alone at the end",
+            sharing.processes
+        )
+    } else {
+        format!(
+            "quota shared by {} processes {through} (one throttle for all, calls admitted in turn)",
+            sharing.processes
+        )
+    }
 }
 
 /// Where processes met to share a quota, as the summary says it.

@@ -235,6 +235,11 @@ async fn a_stopped_holder_does_not_stop_the_others() {
     let joined = err.find("sharing the quota held by another process").unwrap_or_else(|| panic!("{err}"));
     let alone = err.find("has not answered for 5 s").unwrap_or_else(|| panic!("{err}"));
     assert!(joined < alone, "{err}");
+    // The summary does not claim one throttle for all at the end.
+    assert!(
+        err.contains("quota shared by 2 processes on this machine (--quota-store local) for part of the run"),
+        "{err}"
+    );
     util::assert_each_id_once(&ids, &rows(&dir.path("b.out")), &[]);
     // 60 records at 10 a second, some of them before the stop: alone after 5 s of silence.
     assert!(took < Duration::from_secs(20), "the follower ended {took:?} after the stop: {err}");
