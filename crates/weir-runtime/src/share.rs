@@ -462,6 +462,10 @@ enum Ask {
     Carry { n: usize },
     /// One of the carried calls ended.
     Landed,
+    /// The process is alive (every [`HEARTBEAT`]): a process stopped with Ctrl-Z keeps its
+    /// connection open, and the calls the holder granted it would hold their slots until it
+    /// resumed, stopping every other process (see [`serve_peer`]).
+    Alive,
 }
 
 /// What the holder answers.
@@ -476,12 +480,32 @@ enum Answer {
     Alive,
 }
 
+/// How long a process this machine's holder serves may say nothing before it is let go (see
+/// [`serve_peer`]).
+const FOLLOWER_SILENT: Option<Duration> = Some(HOLDER_SILENT);
+
 /// How often the holder says it is alive to each process it serves.
 const HEARTBEAT: Duration = Duration::from_secs(1);
 
 /// How long a holder may say nothing before the processes it serves decide alone (and try it
 /// again later): five heartbeats, so that a holder slowed down by a busy machine is not left.
 pub(crate) const HOLDER_SILENT: Duration = Duration::from_secs(5);
+
+/// The next line, or `Err` when the other side said nothing for `silent`. A process that was
+/// itself stopped finds its timers run out the moment it resumes, possibly before it sees the
+/// lines that came meanwhile: a short second look tells that from silence.
+async fn next_line_within<R: AsyncBufRead + Unpin>(
+    lines: &mut tokio::io::Lines<R>,
+    silent: Duration,
+) -> Result<Option<String>, ()> {
+    match tokio::time::timeout(silent, lines.next_line()).await {
+        Ok(l) => Ok(l.ok().flatten()),
+        Err(_) => match tokio::time::timeout(Duration::from_millis(200), lines.next_line()).await {
+            Ok(l) => Ok(l.ok().flatten()),
+            Err(_) => Err(()),
+        },
+    }
+}
 
 /// A call's result, as the throttle learns from it.
 #[derive(Debug, Serialize, Deserialize)]
@@ -552,7 +576,7 @@ async fn serve(throttle: Arc<Throttle>, listener: UnixListener, _lock: std::fs::
         let (throttle, peers) = (throttle.clone(), peers.clone());
         tokio::spawn(async move {
             let (read, write) = tokio::io::split(stream);
-            serve_peer(&throttle, BufReader::new(read).lines(), write, &peers, member, 1).await;
+            serve_peer(&throttle, BufReader::new(read).lines(), write, &peers, member, 1, FOLLOWER_SILENT).await;
         });
     }
 }
@@ -601,6 +625,7 @@ pub(crate) async fn serve_peer(
     peers: &Arc<AtomicUsize>,
     member: u64,
     others: usize,
+    silent_after: Option<Duration>,
 ) {
     let (tx, writer) = writer(write);
     let gone = CancellationToken::new();
@@ -621,7 +646,23 @@ pub(crate) async fn serve_peer(
     // A process counts as sharing the quota from its first call (a connection that asks
     // nothing — a port check, a stranger — is no process sharing it).
     let mut counted = false;
-    while let Ok(Some(l)) = lines.next_line().await {
+    loop {
+        // A process that says nothing for `silent_after` (stopped with Ctrl-Z, hung) is let go:
+        // the calls it was granted and has not reported free their slots, instead of holding
+        // every other process's calls until it resumes (then it finds the connection closed,
+        // and joins again).
+        let next = match silent_after {
+            Some(d) => next_line_within(&mut lines, d).await,
+            None => Ok(lines.next_line().await.ok().flatten()),
+        };
+        let l = match next {
+            Ok(Some(l)) => l,
+            Ok(None) => break,
+            Err(()) => {
+                tracing::debug!("shared quota: a process said nothing for {silent_after:?}; letting it go");
+                break;
+            }
+        };
         let ask = match serde_json::from_str::<Ask>(&l) {
             Ok(a) => a,
             Err(e) => {
@@ -679,6 +720,7 @@ pub(crate) async fn serve_peer(
                     throttle.repay_slots(1);
                 }
             }
+            Ask::Alive => {}
         }
     }
     throttle.repay_slots(carried);
@@ -719,14 +761,24 @@ impl Peer {
             silent: AtomicBool::new(false),
             first: tokio::sync::Notify::new(),
         });
+        let beating = Arc::downgrade(&peer);
+        tokio::spawn(async move {
+            while let Some(p) = beating.upgrade().filter(|p| p.open.load(Relaxed)) {
+                if p.tx.send(line(&Ask::Alive)).is_err() {
+                    return;
+                }
+                drop(p);
+                tokio::time::sleep(HEARTBEAT).await;
+            }
+        });
         let reader = peer.clone();
         tokio::spawn(async move {
             let mut lines = BufReader::new(read).lines();
             loop {
-                let l = match tokio::time::timeout(HOLDER_SILENT, lines.next_line()).await {
-                    Ok(Ok(Some(l))) => l,
-                    Ok(_) => break,
-                    Err(_) => {
+                let l = match next_line_within(&mut lines, HOLDER_SILENT).await {
+                    Ok(Some(l)) => l,
+                    Ok(None) => break,
+                    Err(()) => {
                         reader.silent.store(true, Relaxed);
                         break;
                     }
@@ -1103,7 +1155,7 @@ impl Keeper {
             kept.members += 1;
             (kept.throttle.clone(), kept.peers.clone(), kept.members)
         };
-        serve_peer(&throttle, lines, write, &peers, member, 0).await;
+        serve_peer(&throttle, lines, write, &peers, member, 0, Some(HOLDER_SILENT)).await;
         if peers.load(Relaxed) == 0 {
             let me = self.clone();
             tokio::spawn(async move {

@@ -411,7 +411,9 @@ async fn hold(
             let (served_out, from_served) = tokio::io::duplex(1 << 16);
             let (t2, peers2, no) = (t.clone(), peers.clone(), number);
             tokio::spawn(async move {
-                serve_peer(&t2, BufReader::new(served_in).lines(), served_out, &peers2, no, 1).await;
+                // Not let go for silence here: Redis carries the lines late at times, and
+                // a member that stops sending is dropped by its own timeout (`seen`).
+                serve_peer(&t2, BufReader::new(served_in).lines(), served_out, &peers2, no, 1, None).await;
             });
             tokio::spawn(send_out(from_served, conn.clone(), format!("{key}:out:{}", note.from)));
             Member { feed, seen: tokio::time::Instant::now() }

@@ -249,6 +249,59 @@ async fn a_stopped_holder_does_not_stop_the_others() {
 }
 
 #[tokio::test]
+async fn a_stopped_follower_does_not_stop_the_others() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    // Ctrl-Z on one of the processes that follow the holder: the calls it was granted and has
+    // not reported held their slots, and every process on the key stood still until it resumed.
+    // The holder lets it go after 5 s of silence; the others finish while it is stopped, and it
+    // finishes once resumed.
+    let server = steady_sim().await;
+    let url = server.url();
+    let dir = Dir::new("share-stop-follower");
+    let meet = dir.path("meet");
+    let (data, ids) = prompts(60);
+    let inputs: Vec<_> = ["a", "b", "c"].iter().map(|n| dir.write(&format!("{n}.jsonl"), &data)).collect();
+    // Four calls in flight for all (the holder's setting is in force): a stopped process
+    // granted four holds them all.
+    let mut holder = told_run(&url, &dir, &inputs[0], "a.out", &meet, "local");
+    holder.args(["--concurrency", "fixed", "--max-concurrency", "4"]);
+    let holder = holder.stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while !std::fs::read_dir(&meet)
+        .map(|d| d.flatten().any(|e| e.path().extension().is_some_and(|x| x == "sock")))
+        .unwrap_or(false)
+    {
+        assert!(tokio::time::Instant::now() < deadline, "no holder's socket in {}", meet.display());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut b = told_run(&url, &dir, &inputs[1], "b.out", &meet, "local");
+    let b = b.stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let mut c = told_run(&url, &dir, &inputs[2], "c.out", &meet, "local");
+    let c = c.stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let pid = c.id().unwrap().to_string();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let signal = |sig: &str| std::process::Command::new("kill").args([sig, &pid]).status().unwrap();
+    assert!(signal("-STOP").success());
+    // 120 records at 10 a second between the two, some sent already: well within 40 s.
+    let others = tokio::time::timeout(Duration::from_secs(40), async {
+        (holder.wait_with_output().await.unwrap(), b.wait_with_output().await.unwrap())
+    })
+    .await;
+    assert!(signal("-CONT").success());
+    let (oa, ob) = others.expect("the others stood still while a follower was stopped");
+    for (o, out) in [(oa, "a.out"), (ob, "b.out")] {
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        util::assert_each_id_once(&ids, &rows(&dir.path(out)), &[]);
+    }
+    let oc = tokio::time::timeout(Duration::from_secs(40), c.wait_with_output()).await.unwrap().unwrap();
+    let err = String::from_utf8_lossy(&oc.stderr);
+    assert!(oc.status.success(), "{err}");
+    // It was stopped, not its holder: nothing to say about a silent holder.
+    assert!(!err.contains("has not answered"), "{err}");
+    util::assert_each_id_once(&ids, &rows(&dir.path("c.out")), &[]);
+}
+
+#[tokio::test]
 async fn a_meeting_place_others_can_write_to_is_not_used() {
     let _one = ONE_AT_A_TIME.lock().await;
     // Whoever can write to the directory could answer for the holder: weir says so and keeps
