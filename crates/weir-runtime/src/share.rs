@@ -274,8 +274,8 @@ const HOLDER_STARTS_WITHIN: Duration = Duration::from_secs(10);
 /// goes away.
 async fn supervise(throttle: Weak<Throttle>, place: Place) {
     let mut quiet = false;
-    // Since when the holder has not answered (this process deciding alone meanwhile).
-    let mut silent_since: Option<tokio::time::Instant> = None;
+    // The holder has not answered (this process deciding alone meanwhile), said once.
+    let mut silent = false;
     // Since when a holder has had the lock but no socket yet.
     let mut starting_since: Option<tokio::time::Instant> = None;
     loop {
@@ -320,7 +320,7 @@ async fn supervise(throttle: Weak<Throttle>, place: Place) {
                     }
                     Answered::Silent => {
                         let Some(t) = throttle.upgrade() else { return };
-                        alone_beside_a_silent_holder(&t, &mut silent_since);
+                        alone_beside_a_silent_holder(&t, &mut silent);
                         drop(t);
                         tokio::time::sleep(HOLDER_SILENT).await;
                         continue;
@@ -332,14 +332,14 @@ async fn supervise(throttle: Weak<Throttle>, place: Place) {
                 // The holder and this one, at least (its grants tell how many more).
                 t.set_processes(2);
                 tracing::debug!(socket = %place.socket.display(), "sharing the quota held by another process");
-                if silent_since.take().is_some() {
+                if std::mem::take(&mut silent) {
                     tracing::warn!("the process holding the shared quota answers again; sharing the quota");
                 }
                 drop(t);
                 notified.await;
                 if let Some(t) = throttle.upgrade() {
                     if peer.went_silent() {
-                        alone_beside_a_silent_holder(&t, &mut silent_since);
+                        alone_beside_a_silent_holder(&t, &mut silent);
                     } else {
                         t.await_delegate();
                     }
@@ -411,11 +411,10 @@ fn sweep(dir: &std::path::Path, now: std::time::SystemTime) -> usize {
 /// Makes `throttle` decide alone while the process holding its quota says nothing (stopped or
 /// hung, with the lock still held): its calls go on beside it instead of waiting for it, as
 /// when processes share nothing. Said once, until the holder answers again.
-fn alone_beside_a_silent_holder(throttle: &Throttle, silent_since: &mut Option<tokio::time::Instant>) {
+fn alone_beside_a_silent_holder(throttle: &Throttle, said: &mut bool) {
     throttle.set_sole(false);
     throttle.delegate_to(None);
-    if silent_since.is_none() {
-        *silent_since = Some(tokio::time::Instant::now());
+    if !std::mem::replace(said, true) {
         tracing::warn!(
             "the process holding the shared quota has not answered for {} s (stopped, or hung?); this process \
              decides alone until it answers",
@@ -479,10 +478,6 @@ enum Answer {
     /// from one that no longer answers (stopped with Ctrl-Z or SIGSTOP, or hung).
     Alive,
 }
-
-/// How long a process this machine's holder serves may say nothing before it is let go (see
-/// [`serve_peer`]).
-const FOLLOWER_SILENT: Option<Duration> = Some(HOLDER_SILENT);
 
 /// How often the holder says it is alive to each process it serves.
 const HEARTBEAT: Duration = Duration::from_secs(1);
@@ -576,7 +571,7 @@ async fn serve(throttle: Arc<Throttle>, listener: UnixListener, _lock: std::fs::
         let (throttle, peers) = (throttle.clone(), peers.clone());
         tokio::spawn(async move {
             let (read, write) = tokio::io::split(stream);
-            serve_peer(&throttle, BufReader::new(read).lines(), write, &peers, member, 1, FOLLOWER_SILENT).await;
+            serve_peer(&throttle, BufReader::new(read).lines(), write, &peers, member, 1, Some(HOLDER_SILENT)).await;
         });
     }
 }

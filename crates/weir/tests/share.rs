@@ -107,6 +107,19 @@ async fn processes_told_a_limit_keep_it_together() {
     assert!(errs.iter().all(|e| !e.contains("quota shared")), "{errs:?}");
 }
 
+/// Waits (up to 20 s) until a process holds the quota that processes meet for in `meet`: its
+/// socket is there.
+async fn holder_listens(meet: &std::path::Path) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while !std::fs::read_dir(meet)
+        .map(|d| d.flatten().any(|e| e.path().extension().is_some_and(|x| x == "sock")))
+        .unwrap_or(false)
+    {
+        assert!(tokio::time::Instant::now() < deadline, "no holder's socket in {}", meet.display());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 #[tokio::test]
 async fn the_quota_passes_on_when_its_holder_is_killed() {
     let _one = ONE_AT_A_TIME.lock().await;
@@ -119,14 +132,7 @@ async fn the_quota_passes_on_when_its_holder_is_killed() {
     let input_b = dir.write("b.jsonl", &data);
     // The first process holds the quota (it starts alone); the second joins it.
     let holder = told_run(&url, &dir, &input_a, "a.out", &meet, "local").spawn().unwrap();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while !std::fs::read_dir(&meet)
-        .map(|d| d.flatten().any(|e| e.path().extension().is_some_and(|x| x == "sock")))
-        .unwrap_or(false)
-    {
-        assert!(tokio::time::Instant::now() < deadline, "no holder's socket in {}", meet.display());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    holder_listens(&meet).await;
     let follower = told_run(&url, &dir, &input_b, "b.out", &meet, "local");
     let says = ("sharing the quota held by another process", "holding the shared quota");
     follower_takes_over(holder, follower, &server, &dir, &ids, says).await;
@@ -210,14 +216,7 @@ async fn a_stopped_holder_does_not_stop_the_others() {
     let input_b = dir.write("b.jsonl", &data);
     let holder = told_run(&url, &dir, &input_a, "a.out", &meet, "local").spawn().unwrap();
     let pid = holder.id().unwrap().to_string();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while !std::fs::read_dir(&meet)
-        .map(|d| d.flatten().any(|e| e.path().extension().is_some_and(|x| x == "sock")))
-        .unwrap_or(false)
-    {
-        assert!(tokio::time::Instant::now() < deadline, "no holder's socket in {}", meet.display());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    holder_listens(&meet).await;
     let mut follower = told_run(&url, &dir, &input_b, "b.out", &meet, "local");
     follower.env("WEIR_LOG", "weir_runtime=debug").stderr(std::process::Stdio::piped());
     let follower = follower.spawn().unwrap();
@@ -266,14 +265,7 @@ async fn a_stopped_follower_does_not_stop_the_others() {
     let mut holder = told_run(&url, &dir, &inputs[0], "a.out", &meet, "local");
     holder.args(["--concurrency", "fixed", "--max-concurrency", "4"]);
     let holder = holder.stderr(std::process::Stdio::piped()).spawn().unwrap();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while !std::fs::read_dir(&meet)
-        .map(|d| d.flatten().any(|e| e.path().extension().is_some_and(|x| x == "sock")))
-        .unwrap_or(false)
-    {
-        assert!(tokio::time::Instant::now() < deadline, "no holder's socket in {}", meet.display());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    holder_listens(&meet).await;
     let mut b = told_run(&url, &dir, &inputs[1], "b.out", &meet, "local");
     let b = b.stderr(std::process::Stdio::piped()).spawn().unwrap();
     let mut c = told_run(&url, &dir, &inputs[2], "c.out", &meet, "local");
