@@ -9,10 +9,13 @@ made after it started. For each offset: completion time against the ideal, and t
 Usage: bench/fixed-late.py [LATE...]   (default 0.5 1.3 2.2 3.0 3.7 4.4)
 Env: WEIR_BIN (default: the release build in CARGO_TARGET_DIR), N (records, default 2000),
 K (processes sharing one key, default 1), KILL_AT (seconds after the processes start when the
-first, which holds the shared quota, is killed with SIGKILL; default never), TRACE=1 (debug logs of the rate budget in
+first, which holds the shared quota, is killed with SIGKILL; default never), WEIR_ARGS (more
+flags for every `weir run`, e.g. "--quota-store off"), STOP_AT and STOP_FOR (the first process
+is stopped with SIGSTOP STOP_AT seconds in and resumed STOP_FOR seconds later, default 20: a
+holder stopped with Ctrl-Z), TRACE=1 (debug logs of the rate budget in
 /tmp/weir-fixed-late-*.log).
 """
-import json, os, socket, subprocess, sys, tempfile, time, urllib.request
+import json, os, signal, socket, subprocess, sys, tempfile, time, urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET = os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target"))
@@ -20,6 +23,9 @@ BIN = os.environ.get("WEIR_BIN") or os.path.join(TARGET, "release", "weir")
 N = int(os.environ.get("N", "2000"))
 K = int(os.environ.get("K", "1"))
 KILL_AT = float(os.environ.get("KILL_AT", "0"))
+EXTRA = os.environ.get("WEIR_ARGS", "").split()
+STOP_AT = float(os.environ.get("STOP_AT", "0"))
+STOP_FOR = float(os.environ.get("STOP_FOR", "20"))
 WORK = tempfile.mkdtemp()
 
 
@@ -54,13 +60,18 @@ def one(late):
                 log = open(f"/tmp/weir-fixed-late-{late}-{i}.log", "w")
             ps.append(subprocess.Popen([BIN, "run", "--model", "gemini/gemini-2.5-flash", "--base-url", url,
                                         "--input", path, "--output", path + ".out", "--id-field", "id", "--no-state",
-                                        "--progress", "never", "--max-retries", "50", "--overwrite"],
+                                        "--progress", "never", "--max-retries", "50", "--overwrite"] + EXTRA,
                                        stdout=subprocess.DEVNULL, stderr=log, env=env))
         t0 = time.monotonic()
         if KILL_AT:
             time.sleep(KILL_AT)
             ps[0].kill()
             ps[0].wait()
+        elif STOP_AT:
+            time.sleep(STOP_AT)
+            ps[0].send_signal(signal.SIGSTOP)
+            time.sleep(STOP_FOR)
+            ps[0].send_signal(signal.SIGCONT)
         for i, p in enumerate(ps):
             if p.wait() != 0 and not (KILL_AT and i == 0):
                 sys.exit("weir run failed")
@@ -81,6 +92,7 @@ for late in [float(x) for x in (sys.argv[1:] or "0.5 1.3 2.2 3.0 3.7 4.4".split(
     took, ideal, s = one(late)
     print(f"   late {late:3.1f} s: {took:5.1f} s against {ideal:.1f} s ideal ({ideal / took:.1%}); "
           f"429s {s['rate_limited']} of {s['requests']} ({s['rate_limited'] / s['requests']:.2%})", flush=True)
-    if KILL_AT:
+    if KILL_AT or STOP_AT:
         per = s.get("rate_limited_per_second", [])
-        print(f"     first process killed at {KILL_AT:g} s; 429s per second: {per}", flush=True)
+        what = f"killed at {KILL_AT:g} s" if KILL_AT else f"stopped at {STOP_AT:g} s for {STOP_FOR:g} s"
+        print(f"     first process {what}; 429s per second: {per}", flush=True)
