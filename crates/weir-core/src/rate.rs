@@ -1866,6 +1866,26 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn a_share_of_a_seed_is_that_part_of_the_quota() {
+        // Two processes go alone beside a silent holder that had learned 4 per ~1 s: each starts
+        // from half of it, not from nothing (a burst the quota refuses) nor from all of it.
+        let t0 = Instant::now();
+        let mut a = learned_four(t0);
+        let seed = a.export(t0 + ms(100)).share(2);
+        let mut b = Budget::unlimited();
+        let mut next = 100;
+        b.seed(&seed, ms(50), t0 + ms(150), &mut || {
+            next += 1;
+            next
+        });
+        assert_eq!((b.mode(), b.window()), (Mode::Learned, a.window()));
+        assert_eq!(b.effective_capacity(), Some(2.0));
+        let later = t0 + ms(999) + ms(30);
+        let went = (200..210u64).filter(|&id| b.try_take(id, 1.0, later).is_ok()).count();
+        assert!((2..=3).contains(&went), "{went}");
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn a_seeded_budget_goes_on_where_the_other_left_off() {
         // One process learned 4 per ~1 s and sent 4; the process that takes the quota over
         // neither learns it again (no burst of refusals) nor sends while those 4 hold it.

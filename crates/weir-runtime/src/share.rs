@@ -164,6 +164,17 @@ impl Handed {
         self.budgets.0.window().max(self.budgets.1.window()).unwrap_or_default()
     }
 
+    /// One share of `n` processes' (see [`weir_core::rate::Seed::share`]): the calls in flight
+    /// are the holder's to count, not the share's.
+    fn share(&self, n: usize) -> Handed {
+        let part = |x: usize| (x / n.max(1)).max(1);
+        Handed {
+            budgets: (self.budgets.0.share(n), self.budgets.1.share(n)),
+            concurrency: self.concurrency.map(|(limit, ceiling)| (part(limit), ceiling.map(part))),
+            in_flight: 0,
+        }
+    }
+
     /// Makes `throttle` go on from here, `age` after it was written down.
     pub(crate) fn take_over(&self, throttle: &Arc<Throttle>, age: Duration) {
         throttle.rate_limiter().seed(&self.budgets, age);
@@ -198,6 +209,24 @@ fn take_over(throttle: &Arc<Throttle>, place: &Place) {
     let age = Duration::from_secs_f64((unix_now() - w.at).max(0.0));
     if age < w.handed.window() + STATE_GRACE {
         w.handed.take_over(throttle, age);
+    }
+}
+
+/// How old what a silent holder last wrote down may be for a process going alone beside it to
+/// start from its share (the quota learned then is still the best guess there is).
+const SHARE_WITHIN: Duration = Duration::from_secs(600);
+
+/// Seeds `throttle`, about to decide alone while the process holding its quota is silent, with
+/// its share of what that process last wrote down: starting from nothing, each process going
+/// alone sent a burst the quota refused (a helper saw 95–121 429s in a second after a holder
+/// was stopped). The processes are counted as the most that shared the quota, at least two.
+fn share_of_silent_holder(throttle: &Arc<Throttle>, place: &Place) {
+    let Ok(bytes) = std::fs::read(&place.state) else { return };
+    let Ok(w) = serde_json::from_slice::<Written>(&bytes) else { return };
+    let age = Duration::from_secs_f64((unix_now() - w.at).max(0.0));
+    if age < SHARE_WITHIN {
+        let n = throttle.sharing().processes.max(2);
+        w.handed.share(n).take_over(throttle, age);
     }
 }
 
@@ -320,7 +349,7 @@ async fn supervise(throttle: Weak<Throttle>, place: Place) {
                     }
                     Answered::Silent => {
                         let Some(t) = throttle.upgrade() else { return };
-                        alone_beside_a_silent_holder(&t, &mut silent);
+                        alone_beside_a_silent_holder(&t, &place, &mut silent);
                         drop(t);
                         tokio::time::sleep(HOLDER_SILENT).await;
                         continue;
@@ -339,7 +368,7 @@ async fn supervise(throttle: Weak<Throttle>, place: Place) {
                 notified.await;
                 if let Some(t) = throttle.upgrade() {
                     if peer.went_silent() {
-                        alone_beside_a_silent_holder(&t, &mut silent);
+                        alone_beside_a_silent_holder(&t, &place, &mut silent);
                     } else {
                         t.await_delegate();
                     }
@@ -411,8 +440,9 @@ fn sweep(dir: &std::path::Path, now: std::time::SystemTime) -> usize {
 /// Makes `throttle` decide alone while the process holding its quota says nothing (stopped or
 /// hung, with the lock still held): its calls go on beside it instead of waiting for it, as
 /// when processes share nothing. Said once, until the holder answers again.
-fn alone_beside_a_silent_holder(throttle: &Throttle, said: &mut bool) {
+fn alone_beside_a_silent_holder(throttle: &Arc<Throttle>, place: &Place, said: &mut bool) {
     throttle.set_sole(false);
+    share_of_silent_holder(throttle, place);
     throttle.delegate_to(None);
     if !std::mem::replace(said, true) {
         tracing::warn!(
