@@ -1865,6 +1865,17 @@ mod tests {
         assert_eq!((b.mode(), b.window()), (Mode::Learned, Some(ms(999))));
     }
 
+    /// A budget that took over `seed` 50 ms after it was exported, at `t0 + 150 ms`.
+    fn seeded(seed: &Seed, t0: Instant) -> Budget {
+        let mut b = Budget::unlimited();
+        let mut next = 100;
+        b.seed(seed, ms(50), t0 + ms(150), &mut || {
+            next += 1;
+            next
+        });
+        b
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_share_of_a_seed_is_that_part_of_the_quota() {
         // Two processes go alone beside a silent holder that had learned 4 per ~1 s: each starts
@@ -1872,12 +1883,7 @@ mod tests {
         let t0 = Instant::now();
         let mut a = learned_four(t0);
         let seed = a.export(t0 + ms(100)).share(2);
-        let mut b = Budget::unlimited();
-        let mut next = 100;
-        b.seed(&seed, ms(50), t0 + ms(150), &mut || {
-            next += 1;
-            next
-        });
+        let mut b = seeded(&seed, t0);
         assert_eq!((b.mode(), b.window()), (Mode::Learned, a.window()));
         assert_eq!(b.effective_capacity(), Some(2.0));
         let later = t0 + ms(999) + ms(30);
@@ -1892,12 +1898,7 @@ mod tests {
         let t0 = Instant::now();
         let mut a = learned_four(t0);
         let seed = a.export(t0 + ms(100));
-        let mut b = Budget::unlimited();
-        let mut next = 100;
-        b.seed(&seed, ms(50), t0 + ms(150), &mut || {
-            next += 1;
-            next
-        });
+        let mut b = seeded(&seed, t0);
         assert_eq!((b.mode(), b.window()), (Mode::Learned, a.window()));
         assert!(b.try_take(200, 1.0, t0 + ms(200)).is_err(), "the other's sends still hold the window");
         let later = t0 + ms(999) + ms(30);
@@ -1907,6 +1908,7 @@ mod tests {
         assert!((4..=5).contains(&went), "{went}");
         // A told limit stays, with the other's sends counted against it.
         let mut told = Budget::fixed(5.0, Duration::from_secs(1));
+        let mut next = 150;
         told.seed(&seed, ms(50), t0 + ms(150), &mut || {
             next += 1;
             next
