@@ -983,9 +983,7 @@ impl Budget {
             tracing::debug!(window = ?w, "window's ends agree with it");
         }
         // Not while `w` fits the ends too (they do not tell the two apart yet).
-        let Some((period, _)) = found.filter(|&(p, fits)| p != w && !fits && (self.sole || p > w)) else {
-            return false;
-        };
+        let Some((period, _)) = found.filter(|&(p, fits)| p != w && !fits) else { return false };
         // The window that refused started a period before its end: placed by every end kept,
         // each a whole number of periods before it.
         let start = self.phase(period).and_then(|end| end.checked_sub(period));
@@ -1029,7 +1027,8 @@ impl Budget {
     /// keeps to it repeat with its period, and so do the ends of its refusals. Also says
     /// whether `w`, the window in force, fits the ends too: then they do not tell the two apart.
     /// A budget that is not the quota's sole client takes the shortest period longer than `w`
-    /// that fits instead, as it only ever lengthens on this evidence.
+    /// that fits instead (none if no longer one fits), as it only ever lengthens on this
+    /// evidence.
     fn lattice(&self, w: Duration) -> Option<(Duration, bool)> {
         if self.ends.len() < 3 {
             return None;
@@ -1053,9 +1052,8 @@ impl Budget {
             fitting.next_back()?
         } else {
             // Beside others, a window too long is never shortened again (see
-            // `Budget::settle_period`): the least lengthening the ends allow.
-            let longest = fitting.clone().next_back()?;
-            fitting.find(|&p| p > w).unwrap_or(longest)
+            // `Budget::settle_period`): the least lengthening the ends allow, or none.
+            fitting.find(|&p| p > w)?
         };
         Some((period, fits(w)))
     }

@@ -202,13 +202,18 @@ fn unix_now() -> f64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
 }
 
+/// What the last holder wrote down at `place`, and how long ago: `None` when there is nothing
+/// readable.
+fn last_written(place: &Place) -> Option<(Handed, Duration)> {
+    let bytes = std::fs::read(&place.state).ok()?;
+    let w = serde_json::from_slice::<Written>(&bytes).ok()?;
+    Some((w.handed, Duration::from_secs_f64((unix_now() - w.at).max(0.0))))
+}
+
 /// Seeds `throttle` with what the last holder wrote down, if it is recent.
 fn take_over(throttle: &Arc<Throttle>, place: &Place) {
-    let Ok(bytes) = std::fs::read(&place.state) else { return };
-    let Ok(w) = serde_json::from_slice::<Written>(&bytes) else { return };
-    let age = Duration::from_secs_f64((unix_now() - w.at).max(0.0));
-    if age < w.handed.window() + STATE_GRACE {
-        w.handed.take_over(throttle, age);
+    if let Some((handed, age)) = last_written(place).filter(|(h, age)| *age < h.window() + STATE_GRACE) {
+        handed.take_over(throttle, age);
     }
 }
 
@@ -221,12 +226,9 @@ const SHARE_WITHIN: Duration = Duration::from_secs(600);
 /// alone sent a burst the quota refused (a helper saw 95–121 429s in a second after a holder
 /// was stopped). The processes are counted as the most that shared the quota, at least two.
 fn share_of_silent_holder(throttle: &Arc<Throttle>, place: &Place) {
-    let Ok(bytes) = std::fs::read(&place.state) else { return };
-    let Ok(w) = serde_json::from_slice::<Written>(&bytes) else { return };
-    let age = Duration::from_secs_f64((unix_now() - w.at).max(0.0));
-    if age < SHARE_WITHIN {
+    if let Some((handed, age)) = last_written(place).filter(|(_, age)| *age < SHARE_WITHIN) {
         let n = throttle.sharing().processes.max(2);
-        w.handed.share(n).take_over(throttle, age);
+        handed.share(n).take_over(throttle, age);
     }
 }
 

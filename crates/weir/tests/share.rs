@@ -107,6 +107,11 @@ async fn processes_told_a_limit_keep_it_together() {
     assert!(errs.iter().all(|e| !e.contains("quota shared")), "{errs:?}");
 }
 
+/// Sends `sig` (`-STOP`, `-CONT`) to the process `pid`; true when `kill` did.
+fn signal(pid: &str, sig: &str) -> bool {
+    std::process::Command::new("kill").args([sig, pid]).status().unwrap().success()
+}
+
 /// Waits (up to 20 s) until a process holds the quota that processes meet for in `meet`: its
 /// socket is there.
 async fn holder_listens(meet: &std::path::Path) {
@@ -221,16 +226,15 @@ async fn a_stopped_holder_does_not_stop_the_others() {
     follower.env("WEIR_LOG", "weir_runtime=debug").stderr(std::process::Stdio::piped());
     let follower = follower.spawn().unwrap();
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    let signal = |sig: &str| std::process::Command::new("kill").args([sig, &pid]).status().unwrap();
-    assert!(signal("-STOP").success());
+    assert!(signal(&pid, "-STOP"));
     let stopped = std::time::Instant::now();
     let o = tokio::time::timeout(Duration::from_secs(40), follower.wait_with_output()).await;
-    let resumed = signal("-CONT");
+    let resumed = signal(&pid, "-CONT");
     let o = o.expect("the follower waited for a stopped holder").unwrap();
     let took = stopped.elapsed();
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{err}");
-    assert!(resumed.success());
+    assert!(resumed);
     let joined = err.find("sharing the quota held by another process").unwrap_or_else(|| panic!("{err}"));
     let alone = err.find("has not answered for 5 s").unwrap_or_else(|| panic!("{err}"));
     assert!(joined < alone, "{err}");
@@ -272,14 +276,13 @@ async fn a_stopped_follower_does_not_stop_the_others() {
     let c = c.stderr(std::process::Stdio::piped()).spawn().unwrap();
     let pid = c.id().unwrap().to_string();
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    let signal = |sig: &str| std::process::Command::new("kill").args([sig, &pid]).status().unwrap();
-    assert!(signal("-STOP").success());
+    assert!(signal(&pid, "-STOP"));
     // 120 records at 10 a second between the two, some sent already: well within 40 s.
     let others = tokio::time::timeout(Duration::from_secs(40), async {
         (holder.wait_with_output().await.unwrap(), b.wait_with_output().await.unwrap())
     })
     .await;
-    assert!(signal("-CONT").success());
+    assert!(signal(&pid, "-CONT"));
     let (oa, ob) = others.expect("the others stood still while a follower was stopped");
     for (o, out) in [(oa, "a.out"), (ob, "b.out")] {
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
