@@ -45,11 +45,18 @@ impl<T: AsyncRead + AsyncWrite + Send + Unpin + 'static> Link for T {}
 /// user's runtime directory, `$XDG_RUNTIME_DIR/weir`, else `/tmp/weir-<uid>`).
 pub const DIR_VAR: &str = "WEIR_QUOTA_DIR";
 
+/// The version of what processes say to each other where they meet (the lines on the socket
+/// and the state file). It is part of every quota's name, so that processes of weir versions
+/// that speak differently meet in different places — each then decides alone, as processes
+/// that cannot reach each other do — instead of misreading each other's lines. Raise it with
+/// any change to [`Ask`], [`Answer`] or [`Written`] that an older process would misread.
+const PROTOCOL: &str = "weir-quota-1";
+
 /// The name under which processes share the quota of `model` at `endpoint` called with
 /// `credential`: a digest, so that neither the key nor the URL can be read from it.
 pub fn quota_name(model: &str, endpoint: &str, credential: Option<&str>) -> String {
     let mut h = Sha256::new();
-    for part in [model, endpoint, credential.unwrap_or("")] {
+    for part in [PROTOCOL, model, endpoint, credential.unwrap_or("")] {
         h.update((part.len() as u64).to_le_bytes());
         h.update(part.as_bytes());
     }
@@ -441,10 +448,14 @@ fn sweep(dir: &std::path::Path, now: std::time::SystemTime) -> usize {
 
 /// Makes `throttle` decide alone while the process holding its quota says nothing (stopped or
 /// hung, with the lock still held): its calls go on beside it instead of waiting for it, as
-/// when processes share nothing. Said once, until the holder answers again.
+/// when processes share nothing. Seeded and said once per silent stretch, until the holder
+/// answers again: the supervisor asks again every few seconds, and seeding each time set the
+/// concurrency back to the share, undoing what this process learned alone in between.
 fn alone_beside_a_silent_holder(throttle: &Arc<Throttle>, place: &Place, said: &mut bool) {
     throttle.set_sole(false);
-    share_of_silent_holder(throttle, place);
+    if !*said {
+        share_of_silent_holder(throttle, place);
+    }
     throttle.delegate_to(None);
     if !std::mem::replace(said, true) {
         tracing::warn!(
@@ -1267,6 +1278,39 @@ mod tests {
             admitted += 1;
         }
         assert_eq!(admitted, 6);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_process_going_alone_beside_a_silent_holder_takes_its_share_once_per_silence() {
+        // The holder wrote down 16 calls out at most; two processes shared the quota. Going
+        // alone, this one starts from half of that; what it learns alone afterwards (here: 3)
+        // is not set back to the share when the supervisor finds the holder still silent.
+        let dir = std::env::temp_dir().join(format!("weir-silent-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let place = Place { lock: dir.join("q.lock"), socket: dir.join("q.sock"), state: dir.join("q.state") };
+        let learning = || {
+            Arc::new(Throttle::new(&ThrottleSettings {
+                adaptive: true,
+                store: QuotaStore::Off,
+                ..ThrottleSettings::default()
+            }))
+        };
+        let holder = learning();
+        holder.seed_concurrency(16, Some(64));
+        write_state(&holder, &place.state);
+        let alone = learning();
+        let mut said = false;
+        alone_beside_a_silent_holder(&alone, &place, &mut said);
+        assert_eq!(alone.concurrency(), 8);
+        alone.seed_concurrency(3, Some(32));
+        alone_beside_a_silent_holder(&alone, &place, &mut said);
+        assert_eq!(alone.concurrency(), 3, "still silent: the share is not taken again");
+        // The holder answered in between (the supervisor clears `said`): a new silence starts
+        // from the share again.
+        said = false;
+        alone_beside_a_silent_holder(&alone, &place, &mut said);
+        assert_eq!(alone.concurrency(), 8);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
