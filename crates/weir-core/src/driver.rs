@@ -162,7 +162,11 @@ impl StopRules {
 
 /// Runs records through a model handler and its endpoint's executor.
 pub struct Driver {
+    /// The first endpoint's client: what every endpoint of the pool can do (stream, batch,
+    /// count tokens) is the same, since they serve one model of one provider.
     handler: Arc<dyn ModelHandler>,
+    /// Each endpoint's client, in the pool's order.
+    handlers: Vec<Arc<dyn ModelHandler>>,
     executor: Executor,
     settings: DriverSettings,
     metrics: Arc<RunMetrics>,
@@ -187,6 +191,22 @@ impl Driver {
         settings: DriverSettings,
         metrics: Arc<RunMetrics>,
     ) -> Self {
+        let endpoint = handler.endpoint().to_string();
+        Self::pooled(vec![(handler, crate::PoolMember { throttle, endpoint, weight: 1.0 })], settings, metrics)
+    }
+
+    /// A driver over a pool of endpoints that serve one model: each attempt goes to the one
+    /// that admits it first (see [`crate::pool`]). Answers are cached under the first
+    /// endpoint's name, whichever endpoint gave them, so a pool reuses what a run against its
+    /// first endpoint alone paid for, and the other way round.
+    pub fn pooled(
+        members: Vec<(Arc<dyn ModelHandler>, crate::PoolMember)>,
+        settings: DriverSettings,
+        metrics: Arc<RunMetrics>,
+    ) -> Self {
+        let (handlers, members): (Vec<_>, Vec<_>) = members.into_iter().unzip();
+        let handler = handlers.first().expect("a pool has at least one endpoint").clone();
+        let pool = Arc::new(crate::Pool::new(members));
         let rules = Arc::new(StopRules {
             cancel: CancellationToken::new(),
             reason: Mutex::new(None),
@@ -198,12 +218,13 @@ impl Driver {
             first_unreachable: Mutex::new(None),
             metrics: metrics.clone(),
         });
-        let executor = Executor::new(throttle, settings.retry.clone(), settings.timeout, metrics.clone())
+        let executor = Executor::pooled(pool, settings.retry.clone(), settings.timeout, metrics.clone())
             .with_observer(rules.clone());
         Self {
             model_id: Arc::from(handler.model_id()),
             source: Arc::from(format!("{} at {}", handler.model_id(), handler.endpoint())),
             handler,
+            handlers,
             executor,
             settings,
             metrics,
@@ -234,14 +255,19 @@ impl Driver {
         &self.model_id
     }
 
-    /// The endpoint's throttle.
+    /// The endpoint's throttle (a pool's first endpoint's).
     pub fn throttle(&self) -> &Arc<Throttle> {
         self.executor.throttle()
     }
 
+    /// The endpoints calls go to.
+    pub fn pool(&self) -> &Arc<crate::Pool> {
+        self.executor.pool()
+    }
+
     /// The concurrency limit in force.
     pub fn concurrency(&self) -> usize {
-        self.throttle().concurrency()
+        self.pool().concurrency()
     }
 
     /// The rate limits in force.
@@ -444,8 +470,10 @@ impl Driver {
         let weight = self.weight_of(&request);
         let cancel = &self.rules.cancel;
         let result = match on_event.take() {
-            Some(e) => self.executor.run_stream(weight, cancel, || self.handler.generate_stream(&request), e).await,
-            None => self.executor.run(weight, cancel, || self.handler.generate(&request)).await,
+            Some(e) => {
+                self.executor.run_stream_at(weight, cancel, |at| self.handlers[at].generate_stream(&request), e).await
+            }
+            None => self.executor.run_at(weight, cancel, |at| self.handlers[at].generate(&request)).await,
         };
         if let Some(k) = &key {
             let mut m = self.inflight.lock().unwrap_or_else(|e| e.into_inner());
@@ -515,17 +543,17 @@ impl Driver {
         let weights: Vec<u64> = requests.iter().map(|r| self.weight_of(r).tokens).collect();
         let results = futures::future::join_all(calls.iter().map(|call| {
             let (requests, weights) = (&requests, &weights);
-            self.executor.run_batch(
+            self.executor.run_batch_at(
                 call.len(),
                 |items: &[usize]| Weight { tokens: items.iter().map(|&j| weights[call[j]]).sum() },
                 &self.rules.cancel,
-                move |items: Vec<usize>| {
+                move |at: usize, items: Vec<usize>| {
                     let chunk: Vec<ModelRequest> = items.iter().map(|&j| requests[call[j]].clone()).collect();
                     let tokens: Vec<u64> = items.iter().map(|&j| weights[call[j]]).collect();
                     async move {
                         // Counted as sent (retries and the halves of a split call included).
                         self.metrics.record_batch(&tokens);
-                        self.handler.generate_batch(&chunk).await
+                        self.handlers[at].generate_batch(&chunk).await
                     }
                 },
             )

@@ -31,6 +31,7 @@ use crate::error::{ErrorKind, ModelError, RetryHint};
 use crate::handler::{Delta, DeltaStream};
 use crate::metrics::RunMetrics;
 use crate::outcome::{LimitInfo, ModelResponse, Usage};
+use crate::pool::Pool;
 use crate::retry::{Decision, RetryPolicy};
 use crate::throttle::{Throttle, Weight};
 
@@ -96,9 +97,10 @@ impl Observer for NoObserver {
     fn failed_attempt(&self, _error: &ModelError, _attempts: u32) {}
 }
 
-/// Runs calls against one endpoint's [`Throttle`].
+/// Runs calls against one endpoint's [`Throttle`], or a [`Pool`] of endpoints (each attempt at
+/// the one that admits it first).
 pub struct Executor {
-    throttle: Arc<Throttle>,
+    pool: Arc<Pool>,
     policy: RetryPolicy,
     timeout: Duration,
     metrics: Arc<RunMetrics>,
@@ -110,7 +112,13 @@ impl Executor {
     /// An executor over `throttle`: every attempt is cut at `timeout`, and retried as `policy`
     /// decides. Counts calls, retries and rate-limit refusals into `metrics`.
     pub fn new(throttle: Arc<Throttle>, policy: RetryPolicy, timeout: Duration, metrics: Arc<RunMetrics>) -> Self {
-        Self { throttle, policy, timeout, metrics, seed: AtomicU64::new(0x5eed), observer: Arc::new(NoObserver) }
+        Self::pooled(Arc::new(Pool::single(throttle)), policy, timeout, metrics)
+    }
+
+    /// An executor over a pool of endpoints: each attempt goes to the endpoint that admits it
+    /// first, and the call is told which (see [`Executor::run_at`]).
+    pub fn pooled(pool: Arc<Pool>, policy: RetryPolicy, timeout: Duration, metrics: Arc<RunMetrics>) -> Self {
+        Self { pool, policy, timeout, metrics, seed: AtomicU64::new(0x5eed), observer: Arc::new(NoObserver) }
     }
 
     /// Reports every attempt to `observer`.
@@ -119,9 +127,14 @@ impl Executor {
         self
     }
 
-    /// The throttle calls are admitted by.
+    /// The throttle calls are admitted by (a pool's first endpoint's).
     pub fn throttle(&self) -> &Arc<Throttle> {
-        &self.throttle
+        self.pool.first()
+    }
+
+    /// The endpoints calls go to.
+    pub fn pool(&self) -> &Arc<Pool> {
+        &self.pool
     }
 
     /// The counters.
@@ -133,20 +146,22 @@ impl Executor {
         SmallRng::seed_from_u64(self.seed.fetch_add(1, Relaxed))
     }
 
-    /// One attempt: admission, then `call` under the timeout. `None` when cancelled while
-    /// waiting for admission.
+    /// One attempt: admission at an endpoint of the pool, then `call` (told which endpoint)
+    /// under the timeout. `None` when cancelled while waiting for admission. An error that
+    /// the pool takes as one endpoint's trouble while another takes calls comes back as one
+    /// to try again at once, and the observer does not see it.
     async fn attempt<T: Metered, Fut>(
         &self,
         weight: Weight,
         cancel: &CancellationToken,
         attempts: u32,
         held: &Held,
-        call: Fut,
+        call: impl FnOnce(usize) -> Fut,
     ) -> Option<Result<T, ModelError>>
     where
         Fut: Future<Output = Result<T, ModelError>>,
     {
-        let admitted = self.throttle.admit(weight, cancel).await?;
+        let (lane, admitted) = self.pool.admit(weight, cancel).await?;
         if !admitted.waited.is_zero() {
             self.metrics.add_throttled(admitted.waited);
         }
@@ -155,20 +170,27 @@ impl Executor {
         // A call on the wire is not cancelled: the endpoint may already have counted (and
         // billed) it, so its answer is worth waiting for. Cancellation ends calls at their
         // next wait; a caller that cannot wait drops the future.
-        let result = cut(self.timeout, held, call).await;
+        let result = cut(self.timeout, held, call(lane)).await;
         self.metrics.record_latency(sent.elapsed());
         let first_token = result.as_ref().ok().and_then(Metered::first_token);
         admitted.finish_timed(result.as_ref().map(|v| (v.usage(), v.limits())), first_token);
-        match &result {
-            Ok(_) => self.observer.answered(),
+        match result {
+            Ok(v) => {
+                self.pool.learn(lane, Ok(()));
+                self.observer.answered();
+                Some(Ok(v))
+            }
             Err(e) => {
                 if e.kind == ErrorKind::RateLimited {
                     self.metrics.record_rate_limited();
                 }
-                self.observer.failed_attempt(e, attempts + 1);
+                let (e, absorbed) = self.pool.learn(lane, Err(&e)).unwrap_or((e, false));
+                if !absorbed {
+                    self.observer.failed_attempt(&e, attempts + 1);
+                }
+                Some(Err(e))
             }
         }
-        Some(result)
     }
 
     /// Sleeps `d`, or less if `cancel` fires; false when cancelled.
@@ -188,10 +210,31 @@ impl Executor {
     }
 
     /// Takes one call to its result: `call` makes the request (once per attempt).
-    pub async fn run<T, F, Fut>(&self, weight: Weight, cancel: &CancellationToken, call: F) -> Result<Done<T>, Failed>
+    pub async fn run<T, F, Fut>(
+        &self,
+        weight: Weight,
+        cancel: &CancellationToken,
+        mut call: F,
+    ) -> Result<Done<T>, Failed>
     where
         T: Metered,
         F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, ModelError>>,
+    {
+        self.run_held(weight, cancel, &Held::default(), |_| call()).await
+    }
+
+    /// [`Executor::run`] over a pool: `call` gets the index of the endpoint (in the pool's
+    /// order) that admitted the attempt.
+    pub async fn run_at<T, F, Fut>(
+        &self,
+        weight: Weight,
+        cancel: &CancellationToken,
+        call: F,
+    ) -> Result<Done<T>, Failed>
+    where
+        T: Metered,
+        F: FnMut(usize) -> Fut,
         Fut: Future<Output = Result<T, ModelError>>,
     {
         self.run_held(weight, cancel, &Held::default(), call).await
@@ -208,7 +251,7 @@ impl Executor {
     ) -> Result<Done<T>, Failed>
     where
         T: Metered,
-        F: FnMut() -> Fut,
+        F: FnMut(usize) -> Fut,
         Fut: Future<Output = Result<T, ModelError>>,
     {
         let start = Instant::now();
@@ -219,7 +262,7 @@ impl Executor {
             if cancel.is_cancelled() {
                 return Err(Self::cancelled(attempts, last));
             }
-            let Some(result) = self.attempt(weight, cancel, attempts, held, call()).await else {
+            let Some(result) = self.attempt(weight, cancel, attempts, held, &mut call).await else {
                 return Err(Self::cancelled(attempts, last));
             };
             attempts += 1;
@@ -256,6 +299,24 @@ impl Executor {
         F: FnMut(Vec<usize>) -> Fut,
         Fut: Future<Output = Result<Vec<Result<T, ModelError>>, ModelError>>,
     {
+        self.run_batch_at(items, weight, cancel, |_, items| call(items)).await
+    }
+
+    /// [`Executor::run_batch`] over a pool: `call` gets the index of the endpoint that
+    /// admitted the attempt, and the items.
+    pub async fn run_batch_at<T, F, Fut, W>(
+        &self,
+        items: usize,
+        weight: W,
+        cancel: &CancellationToken,
+        mut call: F,
+    ) -> Vec<Result<Done<T>, Failed>>
+    where
+        T: Metered,
+        W: Fn(&[usize]) -> Weight,
+        F: FnMut(usize, Vec<usize>) -> Fut,
+        Fut: Future<Output = Result<Vec<Result<T, ModelError>>, ModelError>>,
+    {
         let start = Instant::now();
         let mut rng = self.rng();
         let mut out: Vec<Option<Result<Done<T>, Failed>>> = (0..items).map(|_| None).collect();
@@ -285,8 +346,9 @@ impl Executor {
             let batch = Batch(group);
             let w = weight(&batch.0);
             let n = batch.0.len();
-            let result =
-                self.attempt(w, cancel, attempts[batch.0[0]], &Held::default(), Batch::call(&batch, &mut call)).await;
+            let result = self
+                .attempt(w, cancel, attempts[batch.0[0]], &Held::default(), |lane| Batch::call(&batch, lane, &mut call))
+                .await;
             let Some(result) = result else {
                 queue.push_front(batch.0);
                 break;
@@ -451,6 +513,24 @@ impl Executor {
         E: FnMut(StreamEvent) -> EFut,
         EFut: Future<Output = ()>,
     {
+        self.run_stream_at(weight, cancel, |_| open(), on_event).await
+    }
+
+    /// [`Executor::run_stream`] over a pool: `open` gets the index of the endpoint that
+    /// admitted the attempt.
+    pub async fn run_stream_at<F, Fut, E, EFut>(
+        &self,
+        weight: Weight,
+        cancel: &CancellationToken,
+        mut open: F,
+        on_event: E,
+    ) -> Result<Done<ModelResponse>, Failed>
+    where
+        F: FnMut(usize) -> Fut,
+        Fut: Future<Output = Result<DeltaStream, ModelError>>,
+        E: FnMut(StreamEvent) -> EFut,
+        EFut: Future<Output = ()>,
+    {
         use futures::StreamExt;
         // (consumer, whether it holds text of an attempt that did not finish). Attempts run
         // one after another, so the lock is never contended; it only lets each attempt's
@@ -463,8 +543,8 @@ impl Executor {
         // and pay for them again.
         let held = &Held::default();
         let done = self
-            .run_held(weight, cancel, held, move || {
-                let opened = open();
+            .run_held(weight, cancel, held, move |lane| {
+                let opened = open(lane);
                 async move {
                     let sent = Instant::now();
                     {
@@ -537,12 +617,12 @@ impl<T: Metered> Metered for BatchReply<T> {
 }
 
 impl Batch {
-    fn call<T, F, Fut>(&self, call: &mut F) -> impl Future<Output = Result<BatchReply<T>, ModelError>>
+    fn call<T, F, Fut>(&self, lane: usize, call: &mut F) -> impl Future<Output = Result<BatchReply<T>, ModelError>>
     where
-        F: FnMut(Vec<usize>) -> Fut,
+        F: FnMut(usize, Vec<usize>) -> Fut,
         Fut: Future<Output = Result<Vec<Result<T, ModelError>>, ModelError>>,
     {
-        let fut = call(self.0.clone());
+        let fut = call(lane, self.0.clone());
         async move { fut.await.map(BatchReply) }
     }
 }

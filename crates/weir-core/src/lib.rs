@@ -17,6 +17,7 @@ pub mod limit;
 pub mod metrics;
 pub mod outcome;
 pub mod params;
+pub mod pool;
 pub mod rate;
 pub mod record;
 pub mod retry;
@@ -33,6 +34,7 @@ pub use limit::{Adaptive, AdaptiveLimit, CallResult, ConcurrencyLimit, FixedLimi
 pub use metrics::{Percentiles, RunMetrics};
 pub use outcome::{Failure, LimitInfo, ModelResponse, Outcome, Success, Usage};
 pub use params::{GenParams, ParamError};
+pub use pool::{EndpointHealth, EndpointStatus, Pool, PoolMember};
 pub use record::{PromptSource, Record, RecordId, RecordSpec, Template, TemplateError};
 pub use retry::{Decision, RetryPolicy};
 pub use throttle::{

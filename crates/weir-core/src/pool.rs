@@ -1,0 +1,487 @@
+//! A pool of endpoints that serve one model: regions, projects, keys or replicas, each with its
+//! own [`Throttle`] (its own quota, learned or told, and its own capacity) and its own health.
+//!
+//! Every attempt of a call goes to the endpoint that admits it first: the call waits on every
+//! usable endpoint's throttle at once and takes the first admission, dropping the other waits
+//! (admission is cancel-safe). So calls go where there is spare rate budget and concurrency, not
+//! round-robin, and a retry may go to another endpoint than the attempt before. Endpoints that
+//! could admit at once are tried in a random order weighted by their weights.
+//!
+//! An endpoint that stops answering — connections refused, a run of server errors or timeouts,
+//! rejected credentials, a spent daily quota — is cooled down: no calls for a while, then it is
+//! tried again (a failure then cools it down for longer). While another endpoint is usable, the
+//! failure of a call at a cooled endpoint is not the run's business: the call is retried at once
+//! elsewhere, and the run's stop rules never see it. Only when no other endpoint is usable does
+//! the error count as it does for a single endpoint, so a run stops only when every endpoint is
+//! unusable.
+//!
+//! A pool of one endpoint is exactly the single endpoint: no health is kept, no error rewritten.
+
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::error::{ErrorKind, ModelError, RetryHint};
+use crate::throttle::{Admitted, RateSnapshot, Sharing, Throttle, Weight};
+
+/// Server errors, timeouts and broken connections in a row after which an endpoint is cooled
+/// down: one such failure is noise; five with no answer between them is an endpoint in trouble.
+pub const FAILURES_TO_COOL: u32 = 5;
+
+/// The first cool-down of an endpoint that refuses connections or fails in a row; each further
+/// cool-down without an answer between doubles it, up to [`LONGEST_COOL`].
+pub const FIRST_COOL: Duration = Duration::from_secs(5);
+
+/// The longest cool-down of an endpoint that may come back by itself (a restarted replica).
+pub const LONGEST_COOL: Duration = Duration::from_secs(120);
+
+/// How long an endpoint whose credentials were rejected or whose daily quota is spent waits
+/// before it is tried again: these do not come back within seconds, but may within a run of
+/// hours (a key re-enabled, a quota raised).
+pub const DEAD_FOR: Duration = Duration::from_secs(600);
+
+/// Why an endpoint is cooled down.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Cause {
+    /// Connections refused: nothing listens there.
+    Unreachable,
+    /// A run of server errors, timeouts or broken connections.
+    Failing,
+    /// Credentials rejected.
+    Auth,
+    /// A quota that does not come back soon is spent.
+    Spent,
+}
+
+/// An endpoint's state, as the summary and `/metrics` show it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EndpointHealth {
+    /// Taking calls.
+    Active,
+    /// Taking no calls for a while (refused connections, a run of failures); tried again after.
+    CoolingDown,
+    /// Its credentials were rejected or its daily quota is spent: tried again only after
+    /// [`DEAD_FOR`].
+    Dead,
+}
+
+impl EndpointHealth {
+    /// The name shown.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EndpointHealth::Active => "active",
+            EndpointHealth::CoolingDown => "cooling down",
+            EndpointHealth::Dead => "dead",
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Health {
+    /// Cooled down until then, and why.
+    cooling: Option<(Instant, Cause)>,
+    /// Cool-downs since the last answer (each doubles the next).
+    strikes: u32,
+    /// Server errors, timeouts and broken connections since the last answer.
+    failures_in_a_row: u32,
+}
+
+/// One endpoint of a pool.
+struct Lane {
+    throttle: Arc<Throttle>,
+    endpoint: String,
+    weight: f64,
+    health: Mutex<Health>,
+    calls: AtomicU64,
+    rate_limited: AtomicU64,
+    failed: AtomicU64,
+}
+
+/// One endpoint of a pool as it stands, for the summary and `/metrics`.
+#[derive(Debug, Clone)]
+pub struct EndpointStatus {
+    /// Where it is served.
+    pub endpoint: String,
+    /// Whether it takes calls.
+    pub health: EndpointHealth,
+    /// Attempts sent there.
+    pub calls: u64,
+    /// Of those, refused for rate (429 and the like).
+    pub rate_limited: u64,
+    /// Of those, failed otherwise.
+    pub failed: u64,
+    /// Calls its throttle allows in flight now.
+    pub concurrency: usize,
+    /// Its rate limits, told or learned.
+    pub rates: RateSnapshot,
+    /// How its quota is shared with other processes.
+    pub sharing: Sharing,
+}
+
+/// An endpoint of a pool, as the runtime hands it over.
+#[derive(Clone)]
+pub struct PoolMember {
+    /// Its throttle (this process's one for that endpoint).
+    pub throttle: Arc<Throttle>,
+    /// Where it is served (for the summary; never a key).
+    pub endpoint: String,
+    /// Its share of the calls when several could take one at once (1 by default).
+    pub weight: f64,
+}
+
+/// The endpoints that serve one model, each with its throttle and health.
+pub struct Pool {
+    lanes: Vec<Lane>,
+    /// Said when an endpoint is cooled down, so calls waiting on it choose again.
+    changed: tokio::sync::Notify,
+    seed: AtomicU64,
+}
+
+impl std::fmt::Debug for Pool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.lanes.iter().map(|l| &l.endpoint)).finish()
+    }
+}
+
+impl Pool {
+    /// A pool of one endpoint.
+    pub fn single(throttle: Arc<Throttle>) -> Self {
+        Self::new(vec![PoolMember { throttle, endpoint: String::new(), weight: 1.0 }])
+    }
+
+    /// A pool of `members` (at least one).
+    pub fn new(members: Vec<PoolMember>) -> Self {
+        assert!(!members.is_empty(), "a pool has at least one endpoint");
+        let lanes = members
+            .into_iter()
+            .map(|m| Lane {
+                throttle: m.throttle,
+                endpoint: m.endpoint,
+                weight: if m.weight.is_finite() && m.weight > 0.0 { m.weight } else { 1.0 },
+                health: Mutex::new(Health::default()),
+                calls: AtomicU64::new(0),
+                rate_limited: AtomicU64::new(0),
+                failed: AtomicU64::new(0),
+            })
+            .collect();
+        Self { lanes, changed: tokio::sync::Notify::new(), seed: AtomicU64::new(0x9001) }
+    }
+
+    /// How many endpoints.
+    pub fn len(&self) -> usize {
+        self.lanes.len()
+    }
+
+    /// Never: a pool has at least one endpoint.
+    pub fn is_empty(&self) -> bool {
+        self.lanes.is_empty()
+    }
+
+    /// The first endpoint's throttle (a pool of one: its only one).
+    pub fn first(&self) -> &Arc<Throttle> {
+        &self.lanes[0].throttle
+    }
+
+    /// Calls all the endpoints allow in flight now.
+    pub fn concurrency(&self) -> usize {
+        self.lanes.iter().map(|l| l.throttle.concurrency()).sum()
+    }
+
+    /// Every endpoint as it stands.
+    pub fn status(&self) -> Vec<EndpointStatus> {
+        let now = Instant::now();
+        self.lanes
+            .iter()
+            .map(|l| EndpointStatus {
+                endpoint: l.endpoint.clone(),
+                health: match l.health.lock().unwrap_or_else(|e| e.into_inner()).cooling {
+                    Some((until, _)) if until <= now => EndpointHealth::Active,
+                    Some((_, Cause::Auth | Cause::Spent)) => EndpointHealth::Dead,
+                    Some(_) => EndpointHealth::CoolingDown,
+                    None => EndpointHealth::Active,
+                },
+                calls: l.calls.load(Relaxed),
+                rate_limited: l.rate_limited.load(Relaxed),
+                failed: l.failed.load(Relaxed),
+                concurrency: l.throttle.concurrency(),
+                rates: l.throttle.rates(),
+                sharing: l.throttle.sharing(),
+            })
+            .collect()
+    }
+
+    /// The endpoints that take calls now, in a random order weighted by their weights (the
+    /// first admits a call when several could at once); or, when every one is cooled down,
+    /// when the first comes back.
+    fn usable(&self) -> Result<Vec<usize>, Instant> {
+        let now = Instant::now();
+        let mut rng = SmallRng::seed_from_u64(self.seed.fetch_add(1, Relaxed));
+        let mut keyed: Vec<(f64, usize)> = Vec::with_capacity(self.lanes.len());
+        let mut back = None::<Instant>;
+        for (i, l) in self.lanes.iter().enumerate() {
+            match l.health.lock().unwrap_or_else(|e| e.into_inner()).cooling {
+                Some((until, _)) if until > now => back = Some(back.map_or(until, |b| b.min(until))),
+                _ => {
+                    // A weighted random order: the largest u^(1/w) first.
+                    let u: f64 = rng.gen_range(f64::MIN_POSITIVE..1.0);
+                    keyed.push((u.powf(1.0 / l.weight), i));
+                }
+            }
+        }
+        if keyed.is_empty() {
+            return Err(back.unwrap_or(now));
+        }
+        keyed.sort_by(|a, b| b.0.total_cmp(&a.0));
+        Ok(keyed.into_iter().map(|(_, i)| i).collect())
+    }
+
+    /// Admits a call of `weight` at the endpoint that can take it first: its index and the
+    /// admission. `None` when `cancel` fired first.
+    pub async fn admit(&self, weight: Weight, cancel: &CancellationToken) -> Option<(usize, Admitted<'_>)> {
+        if self.lanes.len() == 1 {
+            return self.lanes[0].throttle.admit(weight, cancel).await.map(|a| (0, a));
+        }
+        loop {
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            match self.usable() {
+                Ok(order) => {
+                    let waits = order
+                        .into_iter()
+                        .map(|i| Box::pin(async move { (i, self.lanes[i].throttle.admit(weight, cancel).await) }));
+                    tokio::select! {
+                        ((i, admitted), _, _) = futures::future::select_all(waits) => {
+                            return admitted.map(|a| (i, a));
+                        }
+                        _ = &mut changed => continue,
+                    }
+                }
+                Err(back) => {
+                    tokio::select! {
+                        _ = tokio::time::sleep_until(back) => {}
+                        _ = &mut changed => {}
+                        _ = cancel.cancelled() => return None,
+                    }
+                }
+            }
+        }
+    }
+
+    /// Learns from an attempt's result at endpoint `lane`. For an error, answers the error
+    /// the caller should act on: the same one, or — when it is this endpoint's trouble and
+    /// another endpoint takes calls — one that says to try again at once (elsewhere), with
+    /// `true` (absorbed: not the run's business).
+    pub fn learn(&self, lane: usize, result: Result<(), &ModelError>) -> Option<(ModelError, bool)> {
+        let l = &self.lanes[lane];
+        l.calls.fetch_add(1, Relaxed);
+        let e = match result {
+            Ok(()) => {
+                if self.lanes.len() > 1 {
+                    let mut h = l.health.lock().unwrap_or_else(|e| e.into_inner());
+                    *h = Health::default();
+                }
+                return None;
+            }
+            Err(e) => e,
+        };
+        if e.kind == ErrorKind::RateLimited {
+            l.rate_limited.fetch_add(1, Relaxed);
+        } else {
+            l.failed.fetch_add(1, Relaxed);
+        }
+        if self.lanes.len() == 1 {
+            return Some((e.clone(), false));
+        }
+        let now = Instant::now();
+        // What this error says about the endpoint (not about the request).
+        let cause = if e.unreachable {
+            Some(Cause::Unreachable)
+        } else if e.kind == ErrorKind::Auth {
+            Some(Cause::Auth)
+        } else if e.kind == ErrorKind::QuotaExhausted || e.hint == RetryHint::StopRun {
+            Some(Cause::Spent)
+        } else if matches!(e.kind, ErrorKind::Server | ErrorKind::Timeout | ErrorKind::Transport) {
+            let mut h = l.health.lock().unwrap_or_else(|e| e.into_inner());
+            h.failures_in_a_row += 1;
+            (h.failures_in_a_row >= FAILURES_TO_COOL).then_some(Cause::Failing)
+        } else {
+            None
+        };
+        if let Some(cause) = cause {
+            let mut h = l.health.lock().unwrap_or_else(|e| e.into_inner());
+            // Calls in flight when it was cooled down fail too: they do not lengthen it.
+            if h.cooling.is_none_or(|(until, _)| until <= now) {
+                let cool = match cause {
+                    Cause::Auth | Cause::Spent => DEAD_FOR,
+                    Cause::Unreachable | Cause::Failing => {
+                        FIRST_COOL.saturating_mul(1u32 << h.strikes.min(10)).min(LONGEST_COOL)
+                    }
+                };
+                h.strikes += 1;
+                h.failures_in_a_row = 0;
+                h.cooling = Some((now + cool, cause));
+                tracing::warn!(
+                    endpoint = %l.endpoint,
+                    "endpoint {} {} for {} s: {}",
+                    l.endpoint,
+                    match cause {
+                        Cause::Auth | Cause::Spent => "is dead; tried again",
+                        _ => "cools down; tried again",
+                    },
+                    cool.as_secs(),
+                    e.message
+                );
+                drop(h);
+                self.changed.notify_waiters();
+            }
+        }
+        // The endpoint's trouble (or a refusal its throttle now holds it back for): tried again
+        // at once elsewhere, while another endpoint takes calls.
+        let endpoints_fault = cause.is_some()
+            || matches!(e.kind, ErrorKind::RateLimited | ErrorKind::Server | ErrorKind::Timeout | ErrorKind::Transport);
+        let other_usable = self.lanes.iter().enumerate().any(|(i, o)| {
+            i != lane && o.health.lock().unwrap_or_else(|e| e.into_inner()).cooling.is_none_or(|(u, _)| u <= now)
+        });
+        if endpoints_fault && other_usable {
+            let mut again = e.clone();
+            again.hint = RetryHint::Later(Some(Duration::ZERO));
+            again.message = format!("{} (at {}; tried again at another endpoint)", e.message, l.endpoint);
+            return Some((again, true));
+        }
+        Some((e.clone(), false))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::throttle::{RateSettings, ThrottleSettings};
+
+    fn throttle(requests: Option<u64>) -> Arc<Throttle> {
+        Arc::new(Throttle::new(&ThrottleSettings {
+            rate: RateSettings { requests, window: Duration::from_secs(10), learn: false, ..RateSettings::default() },
+            adaptive: false,
+            max_concurrency: 64,
+            ..ThrottleSettings::default()
+        }))
+    }
+
+    fn pool(quotas: &[u64]) -> Pool {
+        Pool::new(
+            quotas
+                .iter()
+                .enumerate()
+                .map(|(i, &q)| PoolMember { throttle: throttle(Some(q)), endpoint: format!("e{i}"), weight: 1.0 })
+                .collect(),
+        )
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn calls_go_where_there_is_budget_and_together_get_the_sum() {
+        // Quotas of 10, 5 and 2 per 10 s: within one window the pool admits 17, each endpoint
+        // no more than its quota.
+        let p = pool(&[10, 5, 2]);
+        let never = CancellationToken::new();
+        let mut at = [0usize; 3];
+        let start = Instant::now();
+        for _ in 0..17 {
+            let (i, a) = p.admit(Weight::default(), &never).await.unwrap();
+            a.finish(Ok(Default::default()));
+            at[i] += 1;
+        }
+        assert!(start.elapsed() < Duration::from_secs(1), "took {:?}", start.elapsed());
+        assert_eq!(at, [10, 5, 2]);
+        // The 18th waits for a window to open.
+        let (_, a) = p.admit(Weight::default(), &never).await.unwrap();
+        a.finish(Ok(Default::default()));
+        assert!(start.elapsed() >= Duration::from_secs(9), "took {:?}", start.elapsed());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_endpoint_that_refuses_connections_cools_down_and_its_calls_go_elsewhere() {
+        let p = pool(&[100, 100]);
+        let never = CancellationToken::new();
+        let refused = ModelError { unreachable: true, ..ModelError::new(ErrorKind::Transport, "connection refused") };
+        let (again, absorbed) = p.learn(0, Err(&refused)).unwrap();
+        assert!(absorbed);
+        assert_eq!(again.hint, RetryHint::Later(Some(Duration::ZERO)));
+        assert_eq!(p.status()[0].health, EndpointHealth::CoolingDown);
+        for _ in 0..20 {
+            let (i, a) = p.admit(Weight::default(), &never).await.unwrap();
+            a.finish(Ok(Default::default()));
+            assert_eq!(i, 1, "a cooled endpoint takes no calls");
+        }
+        // Tried again after the cool-down.
+        tokio::time::advance(FIRST_COOL).await;
+        assert_eq!(p.status()[0].health, EndpointHealth::Active);
+        let mut seen = [false; 2];
+        for _ in 0..40 {
+            let (i, a) = p.admit(Weight::default(), &never).await.unwrap();
+            a.finish(Ok(Default::default()));
+            seen[i] = true;
+        }
+        assert_eq!(seen, [true, true]);
+        // Refused again without an answer between: cooled twice as long.
+        p.learn(0, Err(&refused));
+        p.learn(0, Err(&refused));
+        tokio::time::advance(FIRST_COOL).await;
+        assert_eq!(p.status()[0].health, EndpointHealth::CoolingDown);
+        tokio::time::advance(FIRST_COOL).await;
+        assert_eq!(p.status()[0].health, EndpointHealth::Active);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_run_sees_an_endpoints_failure_only_when_no_other_takes_calls() {
+        let p = pool(&[100, 100]);
+        let rejected = ModelError::new(ErrorKind::Auth, "API key not valid");
+        let (_, absorbed) = p.learn(0, Err(&rejected)).unwrap();
+        assert!(absorbed, "the other endpoint takes calls");
+        assert_eq!(p.status()[0].health, EndpointHealth::Dead);
+        let (e, absorbed) = p.learn(1, Err(&rejected)).unwrap();
+        assert!(!absorbed, "no endpoint is left: the run's stop rules decide");
+        assert_eq!(e.kind, ErrorKind::Auth);
+        // A request's own fault is never absorbed.
+        let q = pool(&[100, 100]);
+        let bad = ModelError::new(ErrorKind::BadRequest, "bad");
+        assert!(!q.learn(0, Err(&bad)).unwrap().1);
+        // Server errors cool an endpoint after a run of them, not after one.
+        let server = ModelError::new(ErrorKind::Server, "500");
+        for _ in 1..FAILURES_TO_COOL {
+            assert!(q.learn(0, Err(&server)).unwrap().1);
+            assert_eq!(q.status()[0].health, EndpointHealth::Active);
+        }
+        q.learn(0, Err(&server));
+        assert_eq!(q.status()[0].health, EndpointHealth::CoolingDown);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn calls_waiting_on_an_endpoint_that_cools_down_choose_again() {
+        // Both endpoints' windows are full; a call waits on both. The first is cooled down: the
+        // call is admitted by the second when its window opens, not by the first.
+        let p = Arc::new(Pool::new(vec![
+            PoolMember { throttle: throttle(Some(1)), endpoint: "a".into(), weight: 1.0 },
+            PoolMember { throttle: throttle(Some(1)), endpoint: "b".into(), weight: 1.0 },
+        ]));
+        let never = CancellationToken::new();
+        for _ in 0..2 {
+            p.admit(Weight::default(), &never).await.unwrap().1.finish(Ok(Default::default()));
+        }
+        let waiting = tokio::spawn({
+            let p = p.clone();
+            async move {
+                let never = CancellationToken::new();
+                let (i, a) = p.admit(Weight::default(), &never).await.unwrap();
+                a.finish(Ok(Default::default()));
+                i
+            }
+        });
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        p.learn(0, Err(&ModelError::new(ErrorKind::Auth, "key revoked")));
+        assert_eq!(waiting.await.unwrap(), 1);
+    }
+}
