@@ -191,22 +191,22 @@ impl Driver {
         settings: DriverSettings,
         metrics: Arc<RunMetrics>,
     ) -> Self {
-        let endpoint = handler.endpoint().to_string();
-        Self::pooled(vec![(handler, crate::PoolMember { throttle, endpoint, weight: 1.0 })], settings, metrics)
+        Self::pooled(vec![handler], Arc::new(crate::Pool::single(throttle)), settings, metrics)
     }
 
-    /// A driver over a pool of endpoints that serve one model: each attempt goes to the one
-    /// that admits it first (see [`crate::pool`]). Answers are cached under the first
-    /// endpoint's name, whichever endpoint gave them, so a pool reuses what a run against its
-    /// first endpoint alone paid for, and the other way round.
+    /// A driver over a pool of endpoints that serve one model, `handlers[i]` calling the
+    /// pool's endpoint `i`: each attempt goes to the one that admits it first (see
+    /// [`crate::pool`]). The pool (its health and counters) may be shared by many drivers.
+    /// Answers are cached under the first endpoint's name, whichever endpoint gave them, so a
+    /// pool reuses what a run against its first endpoint alone paid for, and the other way round.
     pub fn pooled(
-        members: Vec<(Arc<dyn ModelHandler>, crate::PoolMember)>,
+        handlers: Vec<Arc<dyn ModelHandler>>,
+        pool: Arc<crate::Pool>,
         settings: DriverSettings,
         metrics: Arc<RunMetrics>,
     ) -> Self {
-        let (handlers, members): (Vec<_>, Vec<_>) = members.into_iter().unzip();
+        assert_eq!(handlers.len(), pool.len(), "one client per endpoint of the pool");
         let handler = handlers.first().expect("a pool has at least one endpoint").clone();
-        let pool = Arc::new(crate::Pool::new(members));
         let rules = Arc::new(StopRules {
             cancel: CancellationToken::new(),
             reason: Mutex::new(None),

@@ -141,8 +141,9 @@ pub struct Budget {
     overdue: HashMap<u64, f64>,
     last_refusal: Option<Instant>,
     last_probe: Option<Instant>,
-    /// Windows between capacity probes: one, or up to [`MAX_PROBE_GAP`] beside other
-    /// processes deciding alone whose probes keep meeting refusals (see [`Budget::refused`]).
+    /// Windows between capacity probes: one, or, while probes keep meeting refusals, up to
+    /// [`MAX_SOLE_PROBE_GAP`] (up to [`MAX_PROBE_GAP`] beside other processes deciding alone;
+    /// see [`Budget::refused`]).
     probe_gap: u32,
     probe: f64,
     /// Probe credits minted and not yet spent, and what the sends that spend them are for.
@@ -325,6 +326,14 @@ const PROBE_AFTER_WINDOWS: u32 = 1;
 /// after a probe's round was refused halves that. Four windows cut it further but left a
 /// share another process gave up untaken for too long (84.8–92.5 % of the ideal time).
 const MAX_PROBE_GAP: u32 = 2;
+
+/// Most windows between capacity probes of a quota's sole client (this process alone, or the
+/// holder deciding for every process of the machine) whose probes keep being refused: each
+/// refused probe costs a 429, which is 1 % of a quota of 100 a window but 5 % of a quota of
+/// 20 (the small endpoint of a pool). A fixed window whose period is known, and that does not
+/// grow, is probed every fourth window; one that admits a probe is probed every window again.
+/// (Before the period is known, refused probes help find it: every window.)
+const MAX_SOLE_PROBE_GAP: u32 = 4;
 
 /// The default window when a refusal does not say when to come back.
 pub const DEFAULT_WINDOW: Duration = Duration::from_secs(60);
@@ -747,9 +756,15 @@ impl Budget {
                 // Probe credits not yet spent are withdrawn, and probes still out mint no more.
                 self.epoch += 1;
                 let w = self.window.unwrap_or(DEFAULT_WINDOW);
-                if !self.sole && self.last_probe.is_some_and(|p| now < p + w) {
-                    // A probe's round was refused: beside others, probe less often.
-                    self.probe_gap = (self.probe_gap * 2).min(MAX_PROBE_GAP);
+                // A probe's round was refused: beside others, probe less often; alone, once the
+                // window's period is known (before, probes help find it).
+                let most = match (self.sole, self.period.is_some()) {
+                    (false, _) => MAX_PROBE_GAP,
+                    (true, true) => MAX_SOLE_PROBE_GAP,
+                    (true, false) => 1,
+                };
+                if self.last_probe.is_some_and(|p| now < p + w) {
+                    self.probe_gap = (self.probe_gap * 2).min(most);
                 }
                 self.credits -= self.unspent_probe.0.clamp(0.0, self.credits.max(0.0));
                 self.unspent_probe = (0.0, None);

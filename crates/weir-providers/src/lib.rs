@@ -190,7 +190,15 @@ pub struct ProviderOptions {
     /// Records per call at most, for endpoints that take many (`vertex_endpoint/…` raw
     /// `:predict`); default [`DEFAULT_PREDICT_BATCH`].
     pub max_batch: Option<usize>,
+    /// The environment variable that holds this endpoint's credential instead of the
+    /// provider's usual one ([`KEY_VARS`]): one endpoint of a pool called with another key,
+    /// or another service account's credentials file for Vertex AI.
+    pub key_var: Option<String>,
 }
+
+/// The environment variables a provider reads its credential from, which
+/// [`ProviderOptions::key_var`] stands in for.
+pub const KEY_VARS: &[&str] = &["GEMINI_API_KEY", "GOOGLE_API_KEY", "OPENAI_API_KEY", "GOOGLE_APPLICATION_CREDENTIALS"];
 
 /// What a model is asked for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -448,6 +456,12 @@ pub async fn connect(
     options: &ProviderOptions,
     env: &(dyn Fn(&str) -> Option<String> + Sync),
 ) -> Result<Endpoint, ProviderError> {
+    // An endpoint with a key of its own reads it where the provider would read its usual one.
+    let keyed = |k: &str| match &options.key_var {
+        Some(var) if KEY_VARS.contains(&k) => env(var),
+        _ => env(k),
+    };
+    let env: &(dyn Fn(&str) -> Option<String> + Sync) = &keyed;
     if matches!(spec.provider, Provider::Sim | Provider::Local) {
         return match connectors::find(spec.provider) {
             Some(c) => c.connect(spec, options, env).await,

@@ -295,7 +295,7 @@ impl PyEngine {
         // The key is the settings as parsed, so that keyword order, `60` against `60.0` or a
         // default spelt out make no second engine (and no second throttle on one quota).
         let mut endpoint = parsed.endpoint.clone();
-        endpoint.base_url = endpoint.base_url.map(|u| u.trim_end_matches('/').to_string());
+        endpoint.base_url = endpoint.base_url.iter().map(|u| u.trim_end_matches('/').to_string()).collect();
         let cache = match cache_dir.as_deref().map(|dir| (dir, cache_in(dir))) {
             None => None,
             Some((_, Ok(c))) => Some(c),
@@ -340,6 +340,7 @@ impl PyEngine {
                     throttle: e.throttle(),
                     driver: e.driver(),
                     cache: cache.clone().map(|c| c as Arc<dyn ResponseCache>),
+                    pool: e.pool().map_err(|err| ConfigError::new_err(settings_error_text(&err.0)))?,
                 });
                 let s = Arc::new(Shared { engine, cache, reported: Mutex::new(HashMap::new()) });
                 engines.retain(|_, w| w.strong_count() > 0);

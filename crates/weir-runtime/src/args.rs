@@ -27,16 +27,24 @@ pub enum ConcurrencyMode {
 pub struct EndpointArgs {
     /// The provider's base URL (OpenAI-compatible: the API root, e.g. http://127.0.0.1:8000/v1;
     /// Gemini: replaces https://generativelanguage.googleapis.com; Vertex AI: replaces
-    /// https://LOCATION-aiplatform.googleapis.com). Plain http only to loopback.
+    /// https://LOCATION-aiplatform.googleapis.com). Plain http only to loopback. Repeat it for
+    /// replicas of one model that share its key: they are called as one pool (each call goes
+    /// to the one with spare capacity; one that stops answering is cooled down).
     #[arg(long, value_name = "URL")]
-    pub base_url: Option<String>,
+    pub base_url: Vec<String>,
     /// Google Cloud project for vertex_ai/ models [default: GOOGLE_CLOUD_PROJECT].
     #[arg(long, value_name = "PROJECT")]
     pub project: Option<String>,
     /// Google Cloud location for vertex_ai/ models, e.g. us-central1 or global
-    /// [default: GOOGLE_CLOUD_LOCATION, else us-central1].
+    /// [default: GOOGLE_CLOUD_LOCATION, else us-central1]; several, comma-separated
+    /// (us-central1,europe-west4), call the model in each as one pool.
     #[arg(long, value_name = "LOCATION")]
     pub location: Option<String>,
+    /// A pool of endpoints for the model: a TOML file of [[endpoint]] tables, each with
+    /// base_url, key_env (the environment variable holding its key), project, location,
+    /// weight, rpm and tpm, all optional (see the README). Keys stay in the environment.
+    #[arg(long, value_name = "FILE")]
+    pub endpoints: Option<String>,
     /// Most calls in flight at once.
     #[arg(long, value_name = "N", default_value_t = 64)]
     pub max_concurrency: usize,
@@ -108,9 +116,10 @@ impl EndpointArgs {
         }
         // Checked here, not at the first call: an executor or a Python engine with a base URL
         // it can never use must not start, to fail every job later.
-        if let Some(url) = &self.base_url {
+        for url in &self.base_url {
             weir_providers::http::check_base_url(url).map_err(|e| SettingsError(e.to_string()))?;
         }
+        self.pool()?;
         // A week at most: longer would overflow the clock's arithmetic, and no quota or call is
         // measured in weeks.
         const MAX_SECS: f64 = 7.0 * 86_400.0;
@@ -168,13 +177,74 @@ impl EndpointArgs {
         }
     }
 
-    /// Base URL and Google Cloud site (the caller sets the task and what else it has).
+    /// Base URL and Google Cloud site (the caller sets the task and what else it has); a
+    /// pool's first endpoint's.
     pub fn provider(&self) -> ProviderOptions {
         ProviderOptions {
-            base_url: self.base_url.clone(),
+            base_url: self.base_url.first().cloned(),
             project: self.project.clone(),
-            location: self.location.clone(),
+            location: self.locations().first().cloned(),
             ..ProviderOptions::default()
         }
+    }
+
+    /// The locations `--location` names (none, one, or a pool's).
+    fn locations(&self) -> Vec<String> {
+        self.location
+            .as_deref()
+            .map(|l| l.split(',').map(|x| x.trim().to_string()).filter(|x| !x.is_empty()).collect())
+            .unwrap_or_default()
+    }
+
+    /// The pool of endpoints these flags declare, checked (see [`crate::endpoints`]): empty
+    /// for a single endpoint.
+    pub fn pool(&self) -> Result<Vec<crate::EndpointEntry>, SettingsError> {
+        let locations = self.locations();
+        if self.location.is_some() && locations.is_empty() {
+            return Err(SettingsError("--location: name a location (e.g. us-central1)".into()));
+        }
+        let entries = match &self.endpoints {
+            Some(_) if self.base_url.len() > 1 || locations.len() > 1 => {
+                return Err(SettingsError(
+                    "--endpoints lists the pool: give its base URLs and locations there, not with --base-url or \
+                     --location as well"
+                        .into(),
+                ))
+            }
+            // A JSON list in place of a file (how Python passes endpoints=[...]).
+            Some(list) if list.trim_start().starts_with('[') => {
+                crate::endpoints::parse(list, "endpoints").map_err(SettingsError)?
+            }
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .map_err(|e| SettingsError(format!("--endpoints {path}: cannot read it: {e}")))?;
+                crate::endpoints::parse(&text, &format!("--endpoints {path}")).map_err(SettingsError)?
+            }
+            None if self.base_url.len() > 1 && locations.len() > 1 => {
+                return Err(SettingsError(
+                    "several --base-url and several --location: list each endpoint in an --endpoints file instead"
+                        .into(),
+                ))
+            }
+            None if self.base_url.len() > 1 => self
+                .base_url
+                .iter()
+                .map(|u| crate::EndpointEntry { base_url: Some(u.clone()), ..Default::default() })
+                .collect(),
+            None if locations.len() > 1 => locations
+                .iter()
+                .map(|l| crate::EndpointEntry { location: Some(l.clone()), ..Default::default() })
+                .collect(),
+            None => return Ok(Vec::new()),
+        };
+        let from = match &self.endpoints {
+            Some(p) if p.trim_start().starts_with('[') => "--endpoints".into(),
+            Some(p) => format!("--endpoints {p}"),
+            None if self.base_url.len() > 1 => "--base-url".into(),
+            None => "--location".into(),
+        };
+        crate::endpoints::check(&entries, &|k| std::env::var(k).ok())
+            .map_err(|e| SettingsError(format!("{from}: {e}")))?;
+        Ok(entries)
     }
 }

@@ -16,6 +16,7 @@
 pub mod args;
 mod cache;
 pub mod dispatch;
+pub mod endpoints;
 #[cfg(feature = "local")]
 mod local;
 mod route;
@@ -30,6 +31,7 @@ pub mod sim;
 pub use args::{ConcurrencyMode, EndpointArgs, SettingsError};
 pub use cache::open_cache;
 pub use dispatch::{DispatchSettings, Work};
+pub use endpoints::EndpointEntry;
 pub use route::Router;
 pub use runtime::{Call, Connector, EndpointState, Row, RowResult, Runtime, RuntimeSettings};
 

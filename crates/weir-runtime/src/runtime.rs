@@ -26,6 +26,9 @@ pub struct RuntimeSettings {
     /// Answers already paid for, reused under the cache's rule (see `weir_core::cache`): rows
     /// with an id reuse their own answer; rows without one only a deterministic request's.
     pub cache: Option<Arc<dyn ResponseCache>>,
+    /// The endpoints every model is called at, each with what differs from `provider` and
+    /// `throttle` (see [`crate::endpoints`]); empty: the one endpoint `provider` names.
+    pub pool: Vec<crate::EndpointEntry>,
 }
 
 impl std::fmt::Debug for RuntimeSettings {
@@ -35,6 +38,7 @@ impl std::fmt::Debug for RuntimeSettings {
             .field("throttle", &self.throttle)
             .field("driver", &self.driver)
             .field("cache", &self.cache.is_some())
+            .field("pool", &self.pool)
             .finish()
     }
 }
@@ -69,10 +73,15 @@ pub struct Row {
 pub type Connector =
     Arc<dyn Fn(ModelSpec, ProviderOptions) -> BoxFuture<'static, Result<Endpoint, ProviderError>> + Send + Sync>;
 
-/// One endpoint's client, throttle and counters.
+/// One model's endpoints (one, or a pool): their clients, throttles, health and counters.
 struct Site {
+    /// The first endpoint's client and throttle.
     handler: Arc<dyn ModelHandler>,
     throttle: Arc<Throttle>,
+    /// Every endpoint's client, in the pool's order.
+    handlers: Vec<Arc<dyn ModelHandler>>,
+    /// Every endpoint's throttle and health, shared by every driver of the model.
+    pool: Arc<weir_core::Pool>,
     metrics: Arc<RunMetrics>,
     /// The last request found nothing answering at the endpoint: the next one asks once and
     /// stops at once if that fails too (see `Driver::presumed_unreachable`).
@@ -93,7 +102,9 @@ fn throttles() -> &'static Mutex<Throttles> {
 /// The throttle of `handler`'s endpoint: the one already in use in this process, or a new one
 /// with `settings`. The first settings made it; later ones that differ are said to be unused.
 fn shared_throttle(handler: &dyn ModelHandler, settings: &ThrottleSettings) -> Arc<Throttle> {
-    let key = format!("{}\u{0}{}", handler.model_id(), handler.endpoint());
+    // The credential too: one server called with two keys (two endpoints of a pool) is two quotas.
+    let key =
+        format!("{}\u{0}{}\u{0}{}", handler.model_id(), handler.endpoint(), handler.quota_credential().unwrap_or(""));
     let mut all = throttles().lock().unwrap_or_else(|e| e.into_inner());
     if let Some((weak, made_with)) = all.get(&key) {
         if let Some(throttle) = weak.upgrade() {
@@ -140,6 +151,8 @@ pub struct EndpointState {
     pub sharing: weir_core::Sharing,
     /// Its counters.
     pub metrics: Arc<RunMetrics>,
+    /// A pool's endpoints, each as it stands (empty for a model called at one endpoint).
+    pub pool: Vec<weir_core::EndpointStatus>,
 }
 
 /// Rows that go through one driver: a model, the call they share, and whether they have ids.
@@ -254,10 +267,11 @@ impl Runtime {
             .map(|((_, model), s)| EndpointState {
                 model: model.clone(),
                 endpoint: s.handler.endpoint().to_string(),
-                concurrency: s.throttle.concurrency(),
+                concurrency: s.pool.concurrency(),
                 rate: Some(s.throttle.rates()),
                 sharing: s.throttle.sharing(),
                 metrics: s.metrics.clone(),
+                pool: if s.pool.len() > 1 { s.pool.status() } else { Vec::new() },
             })
             .collect();
         all.sort_by(|a, b| a.model.cmp(&b.model));
@@ -326,7 +340,7 @@ impl Runtime {
 
     /// A driver at `site` (see [`Runtime::driver`]).
     fn driver_at(site: &Site, settings: DriverSettings, cache: Option<Arc<dyn ResponseCache>>) -> Driver {
-        let mut driver = Driver::new(site.handler.clone(), site.throttle.clone(), settings, site.metrics.clone());
+        let mut driver = Driver::pooled(site.handlers.clone(), site.pool.clone(), settings, site.metrics.clone());
         if site.unreachable.load(std::sync::atomic::Ordering::Relaxed) {
             driver = driver.presumed_unreachable();
         }
@@ -350,24 +364,55 @@ impl Runtime {
         }
         let mut options = self.settings.provider.clone();
         options.task = if embed { Task::Embed } else { Task::Generate };
-        let endpoint = (self.connector)(spec.clone(), options).await?;
-        #[cfg(feature = "redis")]
-        if let (weir_core::QuotaStore::Redis(url), None) = (&self.settings.throttle.store, &endpoint.resident) {
-            crate::share_redis::check_server(url).await.map_err(ProviderError::Config)?;
+        let single = [crate::EndpointEntry::default()];
+        let entries: &[crate::EndpointEntry] =
+            if self.settings.pool.is_empty() { &single } else { &self.settings.pool };
+        let pooled = entries.len() > 1;
+        let vertex =
+            matches!(spec.provider, weir_providers::Provider::Vertex | weir_providers::Provider::VertexEndpoint);
+        let mut handlers = Vec::with_capacity(entries.len());
+        let mut members = Vec::with_capacity(entries.len());
+        for (i, entry) in entries.iter().enumerate() {
+            let named = |e: ProviderError| match e {
+                ProviderError::Config(m) if pooled => ProviderError::Config(format!("{}: {m}", entry.label(i))),
+                e => e,
+            };
+            if !vertex && (entry.project.is_some() || entry.location.is_some()) {
+                return Err(named(ProviderError::Config(format!(
+                    "a project or location is for vertex_ai/ models, not {spec}: this endpoint is of another provider"
+                ))));
+            }
+            let endpoint = (self.connector)(spec.clone(), entry.provider(&options)).await.map_err(named)?;
+            #[cfg(feature = "redis")]
+            if let (weir_core::QuotaStore::Redis(url), None) = (&self.settings.throttle.store, &endpoint.resident) {
+                crate::share_redis::check_server(url).await.map_err(ProviderError::Config)?;
+            }
+            let told = entry.throttle(&self.settings.throttle);
+            // A server of this runtime's own (the simulator) is nobody else's endpoint.
+            let throttle = match endpoint.resident {
+                Some(_) => Arc::new(Throttle::new(&told)),
+                None => shared_throttle(endpoint.handler.as_ref(), &told),
+            };
+            if let Some(r) = endpoint.resident {
+                self.residents.lock().unwrap_or_else(|e| e.into_inner()).push(r);
+            }
+            let at = endpoint.handler.endpoint().to_string();
+            members.push(weir_core::PoolMember {
+                throttle,
+                endpoint: entry.name.clone().unwrap_or(at),
+                weight: entry.weight.unwrap_or(1.0),
+            });
+            handlers.push(endpoint.handler);
         }
-        let metrics = self.metrics_of(&spec.to_string(), endpoint.handler.endpoint());
+        let handler = handlers[0].clone();
+        let throttle = members[0].throttle.clone();
+        let metrics = self.metrics_of(&spec.to_string(), handler.endpoint());
         metrics.announce();
-        // A server of this runtime's own (the simulator) is nobody else's endpoint.
-        let throttle = match endpoint.resident {
-            Some(_) => Arc::new(Throttle::new(&self.settings.throttle)),
-            None => shared_throttle(endpoint.handler.as_ref(), &self.settings.throttle),
-        };
-        if let Some(r) = endpoint.resident {
-            self.residents.lock().unwrap_or_else(|e| e.into_inner()).push(r);
-        }
         let site = Arc::new(Site {
-            handler: endpoint.handler,
+            handler,
             throttle,
+            handlers,
+            pool: Arc::new(weir_core::Pool::new(members)),
             metrics,
             unreachable: std::sync::atomic::AtomicBool::new(false),
         });

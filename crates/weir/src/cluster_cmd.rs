@@ -273,7 +273,8 @@ async fn executor(a: ExecutorArgs) -> anyhow::Result<u8> {
     if throttle.store == weir_core::QuotaStore::Local {
         throttle.store = weir_core::QuotaStore::Cluster;
     }
-    let settings = RuntimeSettings { provider, throttle, driver: a.endpoint.driver(), cache: None };
+    let settings =
+        RuntimeSettings { provider, throttle, driver: a.endpoint.driver(), cache: None, pool: a.endpoint.pool()? };
     let functions = Runtime::new(settings);
     // The gauges (limits in force, processes sharing each quota) of every endpoint the
     // executor's tasks call.

@@ -101,6 +101,25 @@ fn update_gauges(e: &EndpointState, started: Instant) {
     metrics::gauge!("weir_quota_processes", &labels).set(e.sharing.processes.max(1) as f64);
     let secs = started.elapsed().as_secs_f64().max(1e-6);
     metrics::gauge!("weir_success_rate", &labels).set(e.metrics.succeeded.load(Relaxed) as f64 / secs);
+    // A pool's endpoints, each under its own `member` label (the model's series above are
+    // the pool's together).
+    for m in &e.pool {
+        let labels = [("model", e.model.clone()), ("member", m.endpoint.clone())];
+        metrics::gauge!("weir_pool_calls", &labels).set(m.calls as f64);
+        metrics::gauge!("weir_pool_rate_limited", &labels).set(m.rate_limited as f64);
+        metrics::gauge!("weir_pool_failed", &labels).set(m.failed as f64);
+        metrics::gauge!("weir_pool_concurrency_limit", &labels).set(m.concurrency as f64);
+        if let Some((cap, window, _)) = m.rates.requests {
+            metrics::gauge!("weir_pool_requests_per_second_limit", &labels).set(cap / window.as_secs_f64());
+        }
+        // 1 active, 0.5 cooling down, 0 dead.
+        let up = match m.health {
+            weir_core::EndpointHealth::Active => 1.0,
+            weir_core::EndpointHealth::CoolingDown => 0.5,
+            weir_core::EndpointHealth::Dead => 0.0,
+        };
+        metrics::gauge!("weir_pool_endpoint_up", &labels).set(up);
+    }
 }
 
 #[cfg(test)]

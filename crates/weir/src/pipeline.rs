@@ -120,6 +120,8 @@ pub struct RunSettings {
     pub store: weir_core::QuotaStore,
     /// Serve Prometheus metrics on this address during the run.
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// The endpoints the model is called at (empty: the one `provider` names).
+    pub pool: Vec<weir_runtime::EndpointEntry>,
     /// The input, when it is a table (then `input` only names it).
     pub table_input: Option<TableIn>,
     /// The outputs, when they are tables (then `output` and `errors` only name them).
@@ -367,6 +369,7 @@ pub async fn run(
     if let Some(own) = endpoints.iter().find(|e| e.model == settings.model.to_string()) {
         report.sharing = own.sharing;
         report.shared_through = crate::report::shared_through(&settings.store);
+        report.pool = own.pool.clone();
     }
     report.other_limits = endpoints
         .iter()
@@ -388,8 +391,10 @@ pub async fn run(
 /// The process's endpoints (`weir_runtime`), with the run's limits and timeouts, connecting
 /// with the keys `env` holds.
 fn runtime_for(settings: &RunSettings, env: &(dyn Fn(&str) -> Option<String> + Sync)) -> Arc<weir_runtime::Runtime> {
-    let env: HashMap<String, String> =
-        weir_providers::ENV_VARS.iter().filter_map(|k| env(k).map(|v| (k.to_string(), v))).collect();
+    // The pool's own key variables too.
+    let names =
+        weir_providers::ENV_VARS.iter().copied().chain(settings.pool.iter().filter_map(|e| e.key_env.as_deref()));
+    let env: HashMap<String, String> = names.filter_map(|k| env(k).map(|v| (k.to_string(), v))).collect();
     let connector: weir_runtime::Connector = Arc::new(move |spec, options| {
         let env = env.clone();
         Box::pin(async move { weir_runtime::connect(&spec, &options, &|k| env.get(k).cloned()).await })
@@ -406,6 +411,7 @@ fn runtime_for(settings: &RunSettings, env: &(dyn Fn(&str) -> Option<String> + S
         throttle,
         driver: settings.driver.clone(),
         cache: None,
+        pool: settings.pool.clone(),
     };
     weir_runtime::Runtime::with_connector(runtime_settings, connector)
 }

@@ -58,6 +58,8 @@ pub struct RunReport {
     pub shared_through: String,
     /// The same for each other model's endpoint (`--model-field`), by model.
     pub other_limits: Vec<(String, usize, Option<RateSnapshot>)>,
+    /// Each endpoint of the model's pool, when it has more than one.
+    pub pool: Vec<weir_core::EndpointStatus>,
     /// Batching, when the endpoint takes many records per call.
     pub batching: Option<BatchReport>,
     /// What provider batch jobs did (`--mode batch`).
@@ -188,6 +190,7 @@ impl RunReport {
             jobs: None,
             costs: Vec::new(),
             other_limits: Vec::new(),
+            pool: Vec::new(),
             sharing: weir_core::Sharing::default(),
             shared_through: String::new(),
             first_token: m.first_token(),
@@ -250,6 +253,17 @@ impl RunReport {
         ));
         if self.sharing.processes > 1 {
             s.push_str(&format!("  {}\n", sharing_text(&self.sharing, &self.shared_through)));
+        }
+        for e in &self.pool {
+            s.push_str(&format!(
+                "  endpoint {}: {}; {} calls, {} rate-limited, {} failed; {}\n",
+                e.endpoint,
+                e.health.as_str(),
+                thousands(e.calls),
+                thousands(e.rate_limited),
+                thousands(e.failed),
+                limits_text(e.concurrency, Some(&e.rates)),
+            ));
         }
         for (model, concurrency, rates) in &self.other_limits {
             s.push_str(&format!("  limits of {model}: {}\n", limits_text(*concurrency, rates.as_ref())));

@@ -269,6 +269,13 @@ impl RunArgs {
             return Err(UsageError("--job-rounds and --job-max-requests must be at least 1".into()));
         }
         self.endpoint.check()?;
+        if self.mode == ModeArg::Batch && !self.endpoint.pool()?.is_empty() {
+            return Err(UsageError(
+                "--mode batch with a pool of endpoints: provider jobs are not spread over a pool yet; give one \
+                 endpoint, or drop --mode batch (online calls use the whole pool)"
+                    .into(),
+            ));
+        }
         if !(self.poll_secs.is_finite() && self.poll_secs > 0.0 && self.poll_secs <= 3600.0) {
             return Err(UsageError(format!(
                 "--poll-secs {}: must be a number of seconds above 0 and at most 3600",
@@ -523,6 +530,8 @@ impl RunArgs {
             }
             cols
         });
+        // Checked with the other flags (`check`): an error here was reported already.
+        let pool = self.endpoint.pool().unwrap_or_default();
         RunSettings {
             model,
             model_field: self.model_field.clone(),
@@ -566,6 +575,7 @@ impl RunArgs {
             sre_k: self.endpoint.sre_throttle,
             store: self.endpoint.throttle().store,
             metrics_listen: self.metrics_listen,
+            pool: pool.clone(),
             table_input,
             table_output,
             keep_columns,
@@ -575,8 +585,9 @@ impl RunArgs {
             }),
             follow: self.follow.is_some(),
             // --mode auto with --stream: streamed answers are online calls.
-            jobs: (self.mode == ModeArg::Batch || (self.mode == ModeArg::Auto && !self.streaming())).then(|| {
-                weir::jobs::JobsMode {
+            // A pool answers online (provider jobs are not spread over one yet).
+            jobs: (self.mode == ModeArg::Batch || (self.mode == ModeArg::Auto && !self.streaming() && pool.is_empty()))
+                .then(|| weir::jobs::JobsMode {
                     fallback_online: self.fallback == FallbackArg::Online,
                     jobs: weir_jobs::JobSettings {
                         rounds: self.job_rounds,
@@ -588,8 +599,7 @@ impl RunArgs {
                     max_requests: self.job_max_requests,
                     job_bucket: self.job_bucket.clone(),
                     auto_min_records: (self.mode == ModeArg::Auto).then_some(self.auto_min_records),
-                }
-            }),
+                }),
         }
     }
 

@@ -101,6 +101,7 @@ impl SqlArgs {
             throttle: self.endpoint.throttle(),
             driver: self.endpoint.driver(),
             cache: None,
+            pool: self.endpoint.pool()?,
         })
     }
 
@@ -373,9 +374,9 @@ pub async fn run(mut args: SqlArgs) -> anyhow::Result<u8> {
             ctx
         }
         Some(url) => {
-            if args.endpoint.base_url.is_some() {
+            if !args.endpoint.base_url.is_empty() || args.endpoint.endpoints.is_some() {
                 eprintln!(
-                    "weir sql: --base-url is not used with --cluster: the executors call the models with their own flags"
+                    "weir sql: --base-url and --endpoints are not used with --cluster: the executors call the models with their own flags"
                 );
             }
             cluster_session(url, config, &functions).await?

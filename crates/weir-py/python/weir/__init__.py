@@ -84,6 +84,12 @@ def _settings_argv(settings: Mapping[str, Any]) -> List[str]:
             continue
         if value is True:
             argv.append(flag)
+        elif isinstance(value, (list, tuple)) and value and all(isinstance(v, Mapping) for v in value):
+            # A pool of endpoints (endpoints=[{"base_url": ...}, ...]): passed as JSON.
+            argv.append(f"{flag}={json.dumps([dict(v) for v in value])}")
+        elif isinstance(value, (list, tuple)):
+            # A repeated setting (base_url=[...] for replicas).
+            argv.extend(f"{flag}={v}" for v in value)
         else:
             argv.append(f"{flag}={value}")
     return argv
@@ -171,7 +177,10 @@ class Engine:
     """Calls a model for many items at once, through weir's throttle, retries and cache.
 
     ``model`` is ``provider/model`` as for ``weir run`` (``gemini/...``, ``vertex_ai/...``,
-    ``openai/...``, ``sim/...``); ``base_url`` replaces the provider's. ``system`` and
+    ``openai/...``, ``sim/...``); ``base_url`` replaces the provider's (a list of them: replicas
+    called as one pool). ``endpoints=[{"base_url": ..., "key_env": ..., "weight": ...}, ...]``
+    declares a pool with a key variable, project, location, weight and limits per endpoint, as
+    ``weir run --endpoints`` does. ``system`` and
     ``params`` (``{"temperature": 0.2, "max_output_tokens": 256, ...}``, the keys of
     ``weir run --param``) apply to every item unless an item or a call sets its own.
     Answers are kept on disk and reused, as ``weir sql`` keeps them: an item with an ``id``
@@ -196,7 +205,10 @@ class Engine:
         **settings: Any,
     ):
         argv = _settings_argv(settings)
-        if base_url is not None:
+        if isinstance(base_url, (list, tuple)):
+            # Replicas of one model that share its key: called as one pool.
+            argv.extend(f"--base-url={u}" for u in base_url)
+        elif base_url is not None:
             argv.append(f"--base-url={base_url}")
         if not isinstance(cache, bool):
             raise ConfigError(f"cache: expected True or False, not {type(cache).__name__}")

@@ -1,0 +1,170 @@
+//! One model, many endpoints (`--base-url` repeated, `--endpoints FILE`): `weir run` against
+//! several simulators as one pool.
+
+mod util;
+
+use util::*;
+use weir_sim::SimConfig;
+
+fn quota(requests: u64, window_secs: f64) -> SimConfig {
+    let mut c = SimConfig::default();
+    c.quota.requests_per_window = requests;
+    c.quota.window_secs = window_secs;
+    c.quota.round_advice = true;
+    c.latency.fixed_ms = 20.0;
+    c
+}
+
+fn run_args<'a>(input: &'a str, out: &'a str, pool: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec![
+        "run",
+        "--model",
+        "gemini/gemini-2.5-flash",
+        "--input",
+        input,
+        "--output",
+        out,
+        "--id-field",
+        "key",
+        "--progress",
+        "never",
+        "--max-retries",
+        "30",
+    ];
+    args.extend_from_slice(pool);
+    args
+}
+
+/// Three endpoints with quotas of 30, 15 and 6 a second: every record once, each endpoint
+/// answering about its share of the sum (calls go where there is budget, not round-robin), and
+/// the summary naming each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_gets_the_sum_of_its_endpoints_quotas() {
+    let sims = [sim(quota(30, 1.0)).await, sim(quota(15, 1.0)).await, sim(quota(6, 1.0)).await];
+    let dir = Dir::new("pool-sum");
+    let (data, ids) = prompts(400);
+    let input = dir.write("in.jsonl", &data);
+    let out = dir.path("out.jsonl");
+    let urls: Vec<String> = sims.iter().map(|s| s.url()).collect();
+    let pool: Vec<&str> = urls.iter().flat_map(|u| ["--base-url", u.as_str()]).collect();
+    let o = run(&run_args(input.to_str().unwrap(), out.to_str().unwrap(), &pool)).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_each_id_once(&ids, &rows(&out), &[]);
+    let answered: Vec<u64> = sims.iter().map(|s| s.stats().successes).collect();
+    assert_eq!(answered.iter().sum::<u64>(), 400, "{answered:?}");
+    // About 30 : 15 : 6 of 51 (each endpoint held to its own quota; the big one answers most).
+    let share = |i: usize| answered[i] as f64 / 400.0;
+    assert!((share(0) - 30.0 / 51.0).abs() < 0.12, "{answered:?}");
+    assert!((share(1) - 15.0 / 51.0).abs() < 0.12, "{answered:?}");
+    assert!((share(2) - 6.0 / 51.0).abs() < 0.08, "{answered:?}");
+    let err = stderr(&o);
+    for u in &urls {
+        assert!(err.contains(&format!("endpoint {u}/")), "{err}");
+    }
+    assert_eq!(err.matches(": active;").count(), 3, "{err}");
+}
+
+/// An endpoint where nothing listens, and one that rejects the key it is called with: both are
+/// left (cooled down, dead), their records answered by the third, every record once, and the
+/// run ends well. A key stays in the environment: the file names its variable only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_goes_on_without_endpoints_that_refuse_connections_or_the_key() {
+    let good = sim(SimConfig { api_keys: vec!["good-key".into()], ..quota(0, 1.0) }).await;
+    let strict = sim(SimConfig { api_keys: vec!["other-key".into()], ..quota(0, 1.0) }).await;
+    let nothing = format!("http://127.0.0.1:{}", free_port());
+    let dir = Dir::new("pool-failover");
+    let (data, ids) = prompts(300);
+    let input = dir.write("in.jsonl", &data);
+    let out = dir.path("out.jsonl");
+    let file = dir.write(
+        "pool.toml",
+        format!(
+            "[[endpoint]]\nbase_url = \"{nothing}\"\nkey_env = \"POOL_KEY_GOOD\"\n\n\
+             [[endpoint]]\nname = \"strict\"\nbase_url = \"{}\"\nkey_env = \"POOL_KEY_GOOD\"\n\n\
+             [[endpoint]]\nbase_url = \"{}\"\nkey_env = \"POOL_KEY_GOOD\"\nweight = 2\n",
+            strict.url(),
+            good.url()
+        )
+        .as_bytes(),
+    );
+    let o = weir()
+        .args(run_args(input.to_str().unwrap(), out.to_str().unwrap(), &["--endpoints", file.to_str().unwrap()]))
+        .env("POOL_KEY_GOOD", "good-key")
+        .output()
+        .await
+        .unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert_each_id_once(&ids, &rows(&out), &[]);
+    assert_eq!(good.stats().successes, 300);
+    assert_eq!(strict.stats().successes, 0);
+    assert!(err.contains("endpoint strict: dead;"), "{err}");
+    assert!(err.contains(&format!("endpoint {nothing}/")) && err.contains(": cooling down;"), "{err}");
+    assert!(!err.contains("good-key"), "a key in the output: {err}");
+}
+
+/// When every endpoint of the pool rejects its key, the run stops as it would at one endpoint.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_whose_every_endpoint_rejects_the_key_stops_the_run() {
+    let a = sim(SimConfig { api_keys: vec!["x".into()], ..quota(0, 1.0) }).await;
+    let b = sim(SimConfig { api_keys: vec!["y".into()], ..quota(0, 1.0) }).await;
+    let dir = Dir::new("pool-dead");
+    let (data, _) = prompts(200);
+    let input = dir.write("in.jsonl", &data);
+    let out = dir.path("out.jsonl");
+    let o = weir()
+        .args(run_args(
+            input.to_str().unwrap(),
+            out.to_str().unwrap(),
+            &["--base-url", &a.url(), "--base-url", &b.url()],
+        ))
+        .env("GEMINI_API_KEY", "z")
+        .output()
+        .await
+        .unwrap();
+    let err = stderr(&o);
+    assert_ne!(o.status.code(), Some(0), "{err}");
+    assert!(err.contains("stopping the run") || err.contains("credentials"), "{err}");
+    assert!(a.stats().requests + b.stats().requests < 100, "kept calling dead endpoints: {err}");
+}
+
+/// Pools weir cannot use exit 2 before any call, naming the entry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_that_cannot_be_used_exits_2_naming_the_entry() {
+    let server = sim(quota(0, 1.0)).await;
+    let dir = Dir::new("pool-bad");
+    let (data, _) = prompts(5);
+    let input = dir.write("in.jsonl", &data);
+    let out = dir.path("out.jsonl");
+    let url = server.url();
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (vec!["--base-url".into(), url.clone(), "--base-url".into(), format!("{url}/")], "are the same endpoint"),
+        (
+            vec!["--endpoints".into(), dir.write("k.toml", b"[[endpoint]]\nkey_env = \"POOL_NOT_SET\"\n").display().to_string()],
+            "endpoint 1: key_env \"POOL_NOT_SET\" names an environment variable that is not set",
+        ),
+        (
+            vec!["--endpoints".into(), dir.write("u.toml", b"[[endpoint]]\napi_key = \"secret\"\n").display().to_string()],
+            "unknown field `api_key`",
+        ),
+        (
+            vec![
+                "--endpoints".into(),
+                dir.write("p.toml", format!("[[endpoint]]\nbase_url = \"{url}\"\n[[endpoint]]\nname = \"eu\"\nlocation = \"europe-west4\"\n").as_bytes())
+                    .display()
+                    .to_string(),
+            ],
+            "eu: a project or location is for vertex_ai/ models",
+        ),
+        (vec!["--endpoints".into(), dir.path("missing.toml").display().to_string()], "cannot read it"),
+    ];
+    for (pool, says) in cases {
+        let pool: Vec<&str> = pool.iter().map(String::as_str).collect();
+        let o = run(&run_args(input.to_str().unwrap(), out.to_str().unwrap(), &pool)).await;
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{pool:?}: {err}");
+        assert!(err.contains(says), "{pool:?}: {err}");
+        assert!(!err.contains("secret"), "{err}");
+    }
+    assert_eq!(server.stats().requests, 0);
+}
