@@ -1178,6 +1178,47 @@ impl Budget {
         }
     }
 
+    /// Counts the sends of `seed` (another process's, made while it decided alone beside this
+    /// budget's process, which was stopped; see [`Budget::export`]) as if this budget had
+    /// admitted them: they are in the server's window, and a budget that did not count them
+    /// spends their slots again and meets refusals. Their credits come back when they leave
+    /// the window, as this budget's own do.
+    pub fn count_sends(&mut self, seed: &Seed, now: Instant, ids: &mut dyn FnMut() -> u64) {
+        if self.mode == Mode::Unlimited {
+            return;
+        }
+        for &(ago, weight) in &seed.sends {
+            let Some(at) = now.checked_sub(Duration::from_secs_f64(ago.max(0.0))) else { continue };
+            let at_place = self.log.partition_point(|e| e.at <= at);
+            self.log.insert(at_place, Entry { id: ids(), at, weight, state: State::Ok });
+            match self.mode {
+                Mode::Static { .. } => self.in_window += weight,
+                Mode::Learned => self.credits -= weight,
+                Mode::Unlimited => {}
+            }
+        }
+        self.expire(now);
+    }
+
+    /// This budget's process was stopped (Ctrl-Z, SIGSTOP) while it held a quota `n` processes
+    /// shared, and resumes: the others decided alone meanwhile, each on its share, and filled
+    /// the server's window without this budget knowing. It keeps its own share of its credits
+    /// now and gets the rest back a window later, by when the others have joined again and
+    /// said what they sent ([`Budget::count_sends`]). Spending all its credits at once met a
+    /// full window: a burst of 429s, and a capacity learned from it a tenth of the quota.
+    pub fn resumed(&mut self, n: usize, now: Instant) {
+        if self.mode != Mode::Learned || n < 2 {
+            return;
+        }
+        self.expire(now);
+        let Some(capacity) = self.effective_capacity() else { return };
+        let excess = self.credits - capacity / n as f64;
+        if excess > 0.0 {
+            self.credits -= excess;
+            self.deferred.push((now + self.window.unwrap_or(DEFAULT_WINDOW), excess));
+        }
+    }
+
     /// Takes over what another process's budget knew (see [`Budget::export`]), `age` after it
     /// was exported: its sends still count against the window here, and a learned quota is not
     /// learned again. `ids` gives each of those sends an id older than any to come. A budget
@@ -1902,6 +1943,36 @@ mod tests {
         let later = t0 + ms(999) + ms(30);
         let went = (200..210u64).filter(|&id| b.try_take(id, 1.0, later).is_ok()).count();
         assert!((2..=3).contains(&went), "{went}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_holder_resumed_from_a_stop_keeps_its_share_and_counts_what_the_others_sent() {
+        // A holder that learned 4 per ~1 s for two processes was stopped; the other went alone.
+        // Resumed, the holder sends its share (2), not all 4. The other joins again 0.5 s later
+        // and says it sent 4 just before: those hold the window until they leave it, although
+        // the holder's held-back credits and its own sends' have come back by then.
+        let t0 = Instant::now();
+        let mut a = learned_four(t0);
+        let resume = t0 + ms(5000);
+        a.resumed(2, resume);
+        assert_eq!(a.effective_capacity(), Some(4.0), "the quota it learned is kept");
+        let went: Vec<u64> = (200..210u64).filter(|&id| a.try_take(id, 1.0, resume).is_ok()).collect();
+        // Its share, and a probe for more: not all four.
+        assert!((2..=3).contains(&went.len()), "{} went", went.len());
+        // (The probe's answer is not in yet: an admitted probe would mint more.)
+        for &id in &went[..2] {
+            a.admitted(id, 1.0);
+        }
+        let theirs = learned_four(t0).export(t0 + ms(100));
+        let mut next = 300;
+        a.count_sends(&theirs, resume + ms(500), &mut || {
+            next += 1;
+            next
+        });
+        let held = (400..410u64).filter(|&id| a.try_take(id, 1.0, resume + ms(1250)).is_ok()).count();
+        assert!(held <= 1, "the other's sends still hold the window: {held} went");
+        let later = (500..510u64).filter(|&id| a.try_take(id, 1.0, resume + ms(1800)).is_ok()).count();
+        assert!(later + held >= 4, "{held} then {later}");
     }
 
     #[tokio::test(start_paused = true)]

@@ -129,6 +129,10 @@ pub struct Throttle {
     rate: RateLimiter,
     sre: Option<Mutex<SreThrottler>>,
     throttled_micros: AtomicU64,
+    /// Time the call holding the turn spent held by the pause and the budgets, summed (one
+    /// call holds the turn at a time, so this is wall time): a call waiting for its turn was
+    /// held for the part of its wait this grew by.
+    turn_held_micros: AtomicU64,
     /// Where admissions are decided: here, or by a shared throttle another process holds.
     route: std::sync::RwLock<Route>,
     /// Told whenever the route changes.
@@ -151,6 +155,9 @@ pub struct Throttle {
     most_processes: std::sync::atomic::AtomicUsize,
     /// Deciding alone because the quota store failed (see [`Throttle::set_sole`]).
     alone: std::sync::atomic::AtomicBool,
+    /// Why the quota could not be shared with the other processes that call the endpoint (a
+    /// meeting directory weir cannot use, a store it cannot reach), for the summary.
+    unshared: Mutex<Option<String>>,
     /// Calls of this process in flight that a shared throttle admitted, by a number of their
     /// own, with the throttle that admitted them.
     remote_calls: Mutex<RemoteCalls>,
@@ -251,6 +258,7 @@ impl Throttle {
             rate: RateLimiter::with_clients(settings.rate.clone(), settings.store != QuotaStore::Off),
             sre: settings.sre_k.map(|k| Mutex::new(SreThrottler::new(k, settings.rate.window, 0x5e))),
             throttled_micros: AtomicU64::new(0),
+            turn_held_micros: AtomicU64::new(0),
             route: std::sync::RwLock::new(Route::Here),
             delegate_changed: Notify::new(),
             turns: Mutex::new(Turns::default()),
@@ -260,6 +268,7 @@ impl Throttle {
             unclaimed: Mutex::new(0),
             most_processes: std::sync::atomic::AtomicUsize::new(1),
             alone: std::sync::atomic::AtomicBool::new(false),
+            unshared: Mutex::new(None),
             remote_calls: Mutex::default(),
             warned_limits: std::sync::atomic::AtomicBool::new(false),
             carried: Mutex::new((0, None)),
@@ -273,6 +282,18 @@ impl Throttle {
     pub fn set_sole(&self, sole: bool) {
         self.rate.set_sole(sole);
         self.alone.store(!sole, Relaxed);
+    }
+
+    /// Says the quota cannot be shared with other processes, and why: this process decides
+    /// alone, and its summary says so (a warning at the start scrolls away).
+    pub fn set_unshared(&self, why: String) {
+        self.set_sole(false);
+        *self.unshared.lock().unwrap_or_else(|e| e.into_inner()) = Some(why);
+    }
+
+    /// Why the quota could not be shared, if it could not.
+    pub fn unshared(&self) -> Option<String> {
+        self.unshared.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// Says how many processes this throttle serves, itself included (set by the process that
@@ -598,7 +619,15 @@ impl Throttle {
         // while it waits, so waiting for budget never holds a slot, and the budgets count a
         // send only at the moment it really goes out.
         let mut held = Duration::ZERO;
+        let before = self.turn_held_micros.load(Relaxed);
+        let asked = Instant::now();
         let turn = self.turn(member).await;
+        // Calls queued for their turn behind one the budgets held were held too (without this,
+        // a process whose calls the holder of a shared quota admitted in turns with its own
+        // saw none of its time throttled).
+        // (A wait that began before this call came counts whole: no more than its own wait.)
+        let queued =
+            Duration::from_micros(self.turn_held_micros.load(Relaxed).saturating_sub(before)).min(asked.elapsed());
         let (permit, level, ticket) = loop {
             let (permit, level) = self.limit.acquire().await;
             // A pause the server asked for while this call waited for its slot holds it too.
@@ -608,6 +637,7 @@ impl Throttle {
             match self.rate.try_acquire(weight.tokens) {
                 Ok(ticket) => {
                     held += t.elapsed();
+                    self.turn_held_micros.fetch_add(t.elapsed().as_micros() as u64, Relaxed);
                     break (permit, level, ticket);
                 }
                 Err(wake) => {
@@ -622,13 +652,14 @@ impl Throttle {
                         _ = changed => {}
                     }
                     held += t.elapsed();
+                    self.turn_held_micros.fetch_add(t.elapsed().as_micros() as u64, Relaxed);
                 }
             }
         };
         drop(turn);
         // Throttled time is what the pause, the SRE throttler and the budgets held the call; a
         // wait for a concurrency slot is the endpoint's pace, not throttling.
-        let waited = held + sre_held;
+        let waited = held + sre_held + queued;
         self.throttled_micros.fetch_add(waited.as_micros() as u64, Relaxed);
         self.admitted.fetch_add(1, Relaxed);
         self.in_flight.fetch_add(1, Relaxed);
@@ -987,6 +1018,27 @@ impl RateLimiter {
         (s.0.export(now), s.1.export(now))
     }
 
+    /// Counts another process's sends as admitted here (see [`crate::rate::Budget::count_sends`]).
+    pub fn count_sends(&self, seeds: &(crate::rate::Seed, crate::rate::Seed)) {
+        {
+            let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            let now = Instant::now();
+            let mut ids = || self.next_id.fetch_add(1, Relaxed);
+            s.0.count_sends(&seeds.0, now, &mut ids);
+            s.1.count_sends(&seeds.1, now, &mut ids);
+        }
+        self.changed.notify_waiters();
+    }
+
+    /// This process resumes after being stopped while it held a quota `n` processes shared
+    /// (see [`crate::rate::Budget::resumed`]).
+    pub fn resumed(&self, n: usize) {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        s.0.resumed(n, now);
+        s.1.resumed(n, now);
+    }
+
     /// Takes over what another process's budgets knew, `age` after they were exported.
     pub fn seed(&self, seeds: &(crate::rate::Seed, crate::rate::Seed), age: Duration) {
         {
@@ -1122,6 +1174,49 @@ mod tests {
         Err(ModelError::new(ErrorKind::RateLimited, "429")
             .with_hint(RetryHint::Later(Some(delay)))
             .with_quota(QuotaScope::Requests))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_call_queued_behind_one_the_budget_holds_counts_its_wait_as_throttled() {
+        // One call a second; a second call waits a second for the budget, and a third (another
+        // process's, taking turns with this one) waits behind it for its turn, then a second
+        // more: two seconds held by the quota, not one.
+        let t = Arc::new(Throttle::new(&ThrottleSettings {
+            rate: RateSettings {
+                requests: Some(1),
+                window: Duration::from_secs(1),
+                learn: false,
+                ..Default::default()
+            },
+            adaptive: false,
+            ..ThrottleSettings::default()
+        }));
+        let never = CancellationToken::new();
+        t.admit(Weight::default(), &never).await.unwrap().finish(Ok(Default::default()));
+        let second = tokio::spawn({
+            let t = t.clone();
+            async move {
+                let never = CancellationToken::new();
+                let a = t.admit_for(0, Weight::default(), &never).await.unwrap();
+                let w = a.waited;
+                a.finish(Ok(Default::default()));
+                w
+            }
+        });
+        tokio::task::yield_now().await;
+        let third = tokio::spawn({
+            let t = t.clone();
+            async move {
+                let never = CancellationToken::new();
+                let a = t.admit_for(1, Weight::default(), &never).await.unwrap();
+                let w = a.waited;
+                a.finish(Ok(Default::default()));
+                w
+            }
+        });
+        let (second, third) = (second.await.unwrap(), third.await.unwrap());
+        assert!(second >= Duration::from_millis(900), "{second:?}");
+        assert!(third >= Duration::from_millis(1900), "{third:?}");
     }
 
     /// A shared throttle in another process that admits every call at once, until it is

@@ -153,6 +153,8 @@ pub struct EndpointState {
     pub metrics: Arc<RunMetrics>,
     /// A pool's endpoints, each as it stands (empty for a model called at one endpoint).
     pub pool: Vec<weir_core::EndpointStatus>,
+    /// Why its quota could not be shared with other processes, if it could not.
+    pub unshared: Option<String>,
 }
 
 /// Rows that go through one driver: a model, the call they share, and whether they have ids.
@@ -272,6 +274,7 @@ impl Runtime {
                 sharing: s.throttle.sharing(),
                 metrics: s.metrics.clone(),
                 pool: if s.pool.len() > 1 { s.pool.status() } else { Vec::new() },
+                unshared: s.throttle.unshared(),
             })
             .collect();
         all.sort_by(|a, b| a.model.cmp(&b.model));

@@ -74,8 +74,10 @@ fn meeting_dir() -> Result<PathBuf, String> {
         // Relative to the working directory when it was read (sockets are bound and met by
         // the path as written, so processes started in one directory meet there).
         Some(d) if !d.is_empty() => std::path::absolute(PathBuf::from(d)).map_err(|e| format!("{DIR_VAR}: {e}"))?,
-        _ => match std::env::var_os("XDG_RUNTIME_DIR") {
-            Some(d) if !d.is_empty() => PathBuf::from(d).join("weir"),
+        // A runtime directory that is not there (set by a session that ended) is no place to
+        // meet: the temporary directory is.
+        _ => match std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from) {
+            Some(d) if !d.as_os_str().is_empty() && d.is_dir() => d.join("weir"),
             _ => std::env::temp_dir().join(format!("weir-{uid}")),
         },
     };
@@ -87,11 +89,19 @@ fn meeting_dir() -> Result<PathBuf, String> {
     // Another user's directory (made first, in a shared /tmp) must not be trusted: whoever
     // owns it could answer for the holder.
     let meta = std::fs::symlink_metadata(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    if !meta.is_dir() || meta.uid() != uid || meta.permissions().mode() & 0o077 != 0 {
-        return Err(format!(
-            "{} is not a directory of this user's alone (mode 700); set {DIR_VAR} to one that is",
-            dir.display()
-        ));
+    let wrong = if meta.file_type().is_symlink() {
+        Some("is a symbolic link (processes meet only in a real directory)".to_string())
+    } else if !meta.is_dir() {
+        Some("is not a directory".to_string())
+    } else if meta.uid() != uid {
+        Some(format!("belongs to another user (uid {})", meta.uid()))
+    } else if meta.permissions().mode() & 0o077 != 0 {
+        Some(format!("is open to other users (mode {:o}; chmod 700 it)", meta.permissions().mode() & 0o777))
+    } else {
+        None
+    };
+    if let Some(wrong) = wrong {
+        return Err(format!("{} {wrong}; set {DIR_VAR} to a directory of this user's alone (mode 700)", dir.display()));
     }
     Ok(dir)
 }
@@ -109,7 +119,7 @@ pub fn join(throttle: &Arc<Throttle>, name: String) {
             if !SAID.swap(true, Relaxed) {
                 tracing::warn!("the quota is not shared with other processes on this machine: {why}");
             }
-            throttle.set_sole(false);
+            throttle.set_unshared(why);
             return;
         }
     };
@@ -120,11 +130,9 @@ pub fn join(throttle: &Arc<Throttle>, name: String) {
     };
     // A Unix socket's path is limited to 107 bytes.
     if place.socket.as_os_str().len() > 100 {
-        tracing::warn!(
-            "the quota is not shared with other processes: {} is too long a path for a socket; set {DIR_VAR} to a shorter one",
-            place.socket.display()
-        );
-        throttle.set_sole(false);
+        let why = format!("{} is too long a path for a socket; set {DIR_VAR} to a shorter one", place.socket.display());
+        tracing::warn!("the quota is not shared with other processes: {why}");
+        throttle.set_unshared(why);
         return;
     }
     throttle.await_delegate();
@@ -336,8 +344,10 @@ async fn supervise(throttle: Weak<Throttle>, place: Place) {
             }
             Ok(None) => {}
             Err(e) => {
-                tracing::warn!("the quota is not shared with other processes: {e}");
-                t.set_sole(false);
+                let dir = place.lock.parent().unwrap_or(&place.lock).display().to_string();
+                let why = format!("cannot use {dir} ({e}); set {DIR_VAR} to a directory of this user's");
+                tracing::warn!("the quota is not shared with other processes: {why}");
+                t.set_unshared(why);
                 t.delegate_to(None);
                 return;
             }
@@ -365,14 +375,17 @@ async fn supervise(throttle: Weak<Throttle>, place: Place) {
                     }
                 }
                 let Some(t) = throttle.upgrade() else { return };
+                if std::mem::take(&mut silent) {
+                    // What this process sent alone is in the server's window: the holder
+                    // counts it (before any call of this process asks it).
+                    peer.tell_sent(t.rate_limiter().export());
+                    tracing::warn!("the process holding the shared quota answers again; sharing the quota");
+                }
                 t.set_sole(true);
                 t.delegate_to(Some(peer.clone()));
                 // The holder and this one, at least (its grants tell how many more).
                 t.set_processes(2);
                 tracing::debug!(socket = %place.socket.display(), "sharing the quota held by another process");
-                if std::mem::take(&mut silent) {
-                    tracing::warn!("the process holding the shared quota answers again; sharing the quota");
-                }
                 drop(t);
                 notified.await;
                 if let Some(t) = throttle.upgrade() {
@@ -504,6 +517,9 @@ enum Ask {
     Carry { n: usize },
     /// One of the carried calls ended.
     Landed,
+    /// What this process sent while it decided alone beside the holder (which was silent):
+    /// its budgets' sends of the last window, for the holder to count.
+    Sent { budgets: Box<(weir_core::rate::Seed, weir_core::rate::Seed)> },
     /// The process is alive (every [`HEARTBEAT`]): a process stopped with Ctrl-Z keeps its
     /// connection open, and the calls the holder granted it would hold their slots until it
     /// resumed, stopping every other process (see [`serve_peer`]).
@@ -595,6 +611,7 @@ fn line<T: Serialize>(msg: &T) -> Vec<u8> {
 /// lives (the lock is held as long as `_lock` is open).
 async fn serve(throttle: Arc<Throttle>, listener: UnixListener, _lock: std::fs::File) {
     let peers = Arc::new(AtomicUsize::new(0));
+    tokio::spawn(watch_for_a_stop(Arc::downgrade(&throttle)));
     // Each served process's number for the throttle's turns (this one is 0).
     let mut member = 0u64;
     loop {
@@ -616,6 +633,24 @@ async fn serve(throttle: Arc<Throttle>, listener: UnixListener, _lock: std::fs::
             let (read, write) = tokio::io::split(stream);
             serve_peer(&throttle, BufReader::new(read).lines(), write, &peers, member, 1, Some(HOLDER_SILENT)).await;
         });
+    }
+}
+
+/// Notices this process resuming after it was stopped (Ctrl-Z, SIGSTOP) while it held the
+/// quota: its clock jumped by more than the others wait before they decide alone, so they did,
+/// and its budgets keep only their share until they hear what the others sent (see
+/// [`weir_core::rate::Budget::resumed`]).
+async fn watch_for_a_stop(throttle: Weak<Throttle>) {
+    const TICK: Duration = Duration::from_millis(250);
+    loop {
+        let before = tokio::time::Instant::now();
+        tokio::time::sleep(TICK).await;
+        let Some(t) = throttle.upgrade() else { return };
+        if before.elapsed() >= HOLDER_SILENT + TICK {
+            let n = t.sharing().processes.max(2);
+            tracing::debug!(stopped = ?before.elapsed(), "resumed after a stop; keeping a share of the quota until the others join again");
+            t.rate_limiter().resumed(n);
+        }
     }
 }
 
@@ -759,6 +794,7 @@ pub(crate) async fn serve_peer(
                 }
             }
             Ask::Alive => {}
+            Ask::Sent { budgets } => throttle.rate_limiter().count_sends(&budgets),
         }
     }
     throttle.repay_slots(carried);
@@ -865,6 +901,11 @@ impl Peer {
         } else {
             Answered::Closed
         }
+    }
+
+    /// Tells the holder what this process sent while it decided alone (see [`Ask::Sent`]).
+    pub(crate) fn tell_sent(&self, budgets: (weir_core::rate::Seed, weir_core::rate::Seed)) {
+        let _ = self.tx.send(line(&Ask::Sent { budgets: Box::new(budgets) }));
     }
 
     /// Whether the connection was left because the holder went silent.

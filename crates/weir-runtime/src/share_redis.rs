@@ -235,7 +235,9 @@ pub fn join(throttle: &Arc<Throttle>, name: String, url: &str) {
     let client = match redis::Client::open(url) {
         Ok(c) => c,
         Err(e) => {
-            tracing::warn!("the quota is not shared: {} ({:?})", describe(url), e.kind());
+            let why = format!("{} ({:?})", describe(url), e.kind());
+            tracing::warn!("the quota is not shared: {why}");
+            throttle.set_unshared(why);
             return;
         }
     };

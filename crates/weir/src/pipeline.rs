@@ -370,6 +370,7 @@ pub async fn run(
         report.sharing = own.sharing;
         report.shared_through = crate::report::shared_through(&settings.store);
         report.pool = own.pool.clone();
+        report.unshared = own.unshared.clone();
     }
     report.other_limits = endpoints
         .iter()

@@ -60,6 +60,8 @@ pub struct RunReport {
     pub other_limits: Vec<(String, usize, Option<RateSnapshot>)>,
     /// Each endpoint of the model's pool, when it has more than one.
     pub pool: Vec<weir_core::EndpointStatus>,
+    /// Why the quota was not shared with other processes (`--quota-store` not off), if so.
+    pub unshared: Option<String>,
     /// Batching, when the endpoint takes many records per call.
     pub batching: Option<BatchReport>,
     /// What provider batch jobs did (`--mode batch`).
@@ -191,6 +193,7 @@ impl RunReport {
             costs: Vec::new(),
             other_limits: Vec::new(),
             pool: Vec::new(),
+            unshared: None,
             sharing: weir_core::Sharing::default(),
             shared_through: String::new(),
             first_token: m.first_token(),
@@ -253,6 +256,8 @@ impl RunReport {
         ));
         if self.sharing.processes > 1 {
             s.push_str(&format!("  {}\n", sharing_text(&self.sharing, &self.shared_through)));
+        } else if let Some(why) = &self.unshared {
+            s.push_str(&format!("  quota not shared with other processes: {why}\n"));
         }
         for e in &self.pool {
             s.push_str(&format!(

@@ -312,9 +312,21 @@ async fn a_meeting_place_others_can_write_to_is_not_used() {
     let o = told_run(&server.url(), &dir, &input, "out", &meet, "local").output().await.unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{err}");
-    assert!(err.contains("is not a directory of this user's alone (mode 700)"), "{err}");
+    assert!(err.contains("is open to other users (mode 777; chmod 700 it)"), "{err}");
+    // Said in the summary too (the warning at the start scrolls away).
+    assert!(err.contains("quota not shared with other processes: "), "{err}");
     assert_eq!(rows(&dir.path("out")).len(), ids.len());
     assert!(std::fs::read_dir(&meet).unwrap().next().is_none(), "nothing written in an open directory");
+    // A symbolic link to a good directory is not used either, and said so.
+    let real = dir.path("real");
+    std::fs::create_dir(&real).unwrap();
+    std::fs::set_permissions(&real, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let link = dir.path("link");
+    std::os::unix::fs::symlink(&real, &link).unwrap();
+    let o = told_run(&server.url(), &dir, &input, "out2", &link, "local").output().await.unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("is a symbolic link"), "{err}");
 }
 
 #[tokio::test]
