@@ -166,6 +166,9 @@ pub struct Budget {
     short_until: Option<Instant>,
     /// Credits held back until the server has room for them: when, and how much.
     deferred: Vec<(Instant, f64)>,
+    /// The credits held back on resuming from a stop (an entry of `deferred`, by when it comes
+    /// back) for what the others sent meanwhile: their sends, once told, take its place.
+    reserved: Option<Instant>,
     /// Whether returning credits are trusted yet, or a scout goes first (see [`Scout`]).
     scout: Scout,
     /// Scouts admitted since the window was last learned or changed.
@@ -372,6 +375,7 @@ impl Budget {
             short_until: None,
             sole: false,
             deferred: Vec::new(),
+            reserved: None,
             scout: Scout::Trusted,
             scouts_admitted: 0,
             hold_until: None,
@@ -1193,18 +1197,28 @@ impl Budget {
             self.log.insert(at_place, Entry { id: ids(), at, weight, state: State::Ok });
             match self.mode {
                 Mode::Static { .. } => self.in_window += weight,
-                Mode::Learned => self.credits -= weight,
+                Mode::Learned => {
+                    // Held back for these very sends on resuming: they take its place.
+                    let reserved = self.reserved.and_then(|at| self.deferred.iter_mut().find(|d| d.0 == at));
+                    let covered = reserved.map_or(0.0, |d| {
+                        let c = d.1.min(weight);
+                        d.1 -= c;
+                        c
+                    });
+                    self.credits -= weight - covered;
+                }
                 Mode::Unlimited => {}
             }
         }
+        self.deferred.retain(|d| d.1 > 0.0);
         self.expire(now);
     }
 
     /// This budget's process was stopped (Ctrl-Z, SIGSTOP) while it held a quota `n` processes
     /// shared, and resumes: the others decided alone meanwhile, each on its share, and filled
     /// the server's window without this budget knowing. It keeps its own share of its credits
-    /// now and gets the rest back a window later, by when the others have joined again and
-    /// said what they sent ([`Budget::count_sends`]). Spending all its credits at once met a
+    /// now and gets the rest back a window later, or, as the others join again and say what they
+    /// sent ([`Budget::count_sends`]), as those sends leave the window. Spending all its credits at once met a
     /// full window: a burst of 429s, and a capacity learned from it a tenth of the quota.
     pub fn resumed(&mut self, n: usize, now: Instant) {
         if self.mode != Mode::Learned || n < 2 {
@@ -1213,10 +1227,15 @@ impl Budget {
         self.expire(now);
         let Some(capacity) = self.effective_capacity() else { return };
         let excess = self.credits - capacity / n as f64;
+        let back = now + self.window.unwrap_or(DEFAULT_WINDOW);
         if excess > 0.0 {
             self.credits -= excess;
-            self.deferred.push((now + self.window.unwrap_or(DEFAULT_WINDOW), excess));
+            self.deferred.push((back, excess));
+            self.reserved = Some(back);
         }
+        // Refusals in the window after the stop are of the others' sends this budget did not
+        // count, not of a smaller quota: their slots come back when the server says.
+        self.short_until = Some(back);
     }
 
     /// Takes over what another process's budget knew (see [`Budget::export`]), `age` after it
