@@ -31,7 +31,7 @@ use crate::error::{ErrorKind, ModelError, RetryHint};
 use crate::handler::{Delta, DeltaStream};
 use crate::metrics::RunMetrics;
 use crate::outcome::{LimitInfo, ModelResponse, Usage};
-use crate::pool::Pool;
+use crate::pool::{Absorbed, Pool};
 use crate::retry::{Decision, RetryPolicy};
 use crate::throttle::{Throttle, Weight};
 
@@ -157,7 +157,7 @@ impl Executor {
         attempts: u32,
         held: &Held,
         call: impl FnOnce(usize) -> Fut,
-    ) -> Option<Result<T, ModelError>>
+    ) -> Option<(Result<T, ModelError>, bool)>
     where
         Fut: Future<Output = Result<T, ModelError>>,
     {
@@ -178,17 +178,18 @@ impl Executor {
             Ok(v) => {
                 self.pool.learn(lane, Ok(()));
                 self.observer.answered();
-                Some(Ok(v))
+                Some((Ok(v), false))
             }
             Err(e) => {
                 if e.kind == ErrorKind::RateLimited {
                     self.metrics.record_rate_limited();
                 }
-                let (e, absorbed) = self.pool.learn(lane, Err(&e)).unwrap_or((e, false));
-                if !absorbed {
+                let (e, absorbed) = self.pool.learn(lane, Err(&e)).unwrap_or((e, Absorbed::No));
+                if absorbed == Absorbed::No {
                     self.observer.failed_attempt(&e, attempts + 1);
                 }
-                Some(Err(e))
+                // (The second: not one of the record's retries; see `Absorbed::Left`.)
+                Some((Err(e), absorbed == Absorbed::Left))
             }
         }
     }
@@ -257,18 +258,23 @@ impl Executor {
         let start = Instant::now();
         let mut rng = self.rng();
         let mut attempts = 0u32;
+        // Attempts that count against the retries (not those at an endpoint the pool left).
+        let mut charged = 0u32;
         let mut last = None;
         loop {
             if cancel.is_cancelled() {
                 return Err(Self::cancelled(attempts, last));
             }
-            let Some(result) = self.attempt(weight, cancel, attempts, held, &mut call).await else {
+            let Some((result, free)) = self.attempt(weight, cancel, attempts, held, &mut call).await else {
                 return Err(Self::cancelled(attempts, last));
             };
             attempts += 1;
+            if !free {
+                charged += 1;
+            }
             match result {
                 Ok(value) => return Ok(Done { value, attempts, latency: start.elapsed() }),
-                Err(error) => match self.policy.decide(attempts, &error, &mut rng) {
+                Err(error) => match self.policy.decide(charged, &error, &mut rng) {
                     Decision::GiveUp => return Err(Failed { error, attempts, cancelled: false }),
                     Decision::Retry(delay) => {
                         tracing::debug!(attempts, ?delay, "retrying: {error}");
@@ -349,7 +355,7 @@ impl Executor {
             let result = self
                 .attempt(w, cancel, attempts[batch.0[0]], &Held::default(), |lane| Batch::call(&batch, lane, &mut call))
                 .await;
-            let Some(result) = result else {
+            let Some((result, _)) = result else {
                 queue.push_front(batch.0);
                 break;
             };

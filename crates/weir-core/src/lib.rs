@@ -34,7 +34,7 @@ pub use limit::{Adaptive, AdaptiveLimit, CallResult, ConcurrencyLimit, FixedLimi
 pub use metrics::{Percentiles, RunMetrics};
 pub use outcome::{Failure, LimitInfo, ModelResponse, Outcome, Success, Usage};
 pub use params::{GenParams, ParamError};
-pub use pool::{EndpointHealth, EndpointStatus, Pool, PoolMember};
+pub use pool::{Absorbed, EndpointHealth, EndpointStatus, Pool, PoolMember};
 pub use record::{PromptSource, Record, RecordId, RecordSpec, Template, TemplateError};
 pub use retry::{Decision, RetryPolicy};
 pub use throttle::{

@@ -122,6 +122,21 @@ pub struct EndpointStatus {
     pub sharing: Sharing,
 }
 
+/// What a pool made of an attempt's error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Absorbed {
+    /// The run's business, as at a single endpoint.
+    No,
+    /// This endpoint's refusal or failure (a 429, a 5xx): tried again at once elsewhere, counted
+    /// as one of the record's retries.
+    Elsewhere,
+    /// The endpoint was left for it (refused connections, a rejected key, a spent quota, a run
+    /// of failures): tried again at once elsewhere, not counted against the record's retries —
+    /// the record did nothing wrong, and a dead endpoint would otherwise use up the retries of
+    /// every record that met it.
+    Left,
+}
+
 /// An endpoint of a pool, as the runtime hands it over.
 #[derive(Clone)]
 pub struct PoolMember {
@@ -275,8 +290,8 @@ impl Pool {
     /// Learns from an attempt's result at endpoint `lane`. For an error, answers the error
     /// the caller should act on: the same one, or — when it is this endpoint's trouble and
     /// another endpoint takes calls — one that says to try again at once (elsewhere), with
-    /// `true` (absorbed: not the run's business).
-    pub fn learn(&self, lane: usize, result: Result<(), &ModelError>) -> Option<(ModelError, bool)> {
+    /// how (see [`Absorbed`]).
+    pub fn learn(&self, lane: usize, result: Result<(), &ModelError>) -> Option<(ModelError, Absorbed)> {
         let l = &self.lanes[lane];
         l.calls.fetch_add(1, Relaxed);
         let e = match result {
@@ -295,7 +310,7 @@ impl Pool {
             l.failed.fetch_add(1, Relaxed);
         }
         if self.lanes.len() == 1 {
-            return Some((e.clone(), false));
+            return Some((e.clone(), Absorbed::No));
         }
         let now = Instant::now();
         // What this error says about the endpoint (not about the request).
@@ -351,9 +366,9 @@ impl Pool {
             let mut again = e.clone();
             again.hint = RetryHint::Later(Some(Duration::ZERO));
             again.message = format!("{} (at {}; tried again at another endpoint)", e.message, l.endpoint);
-            return Some((again, true));
+            return Some((again, if cause.is_some() { Absorbed::Left } else { Absorbed::Elsewhere }));
         }
-        Some((e.clone(), false))
+        Some((e.clone(), Absorbed::No))
     }
 }
 
@@ -408,7 +423,7 @@ mod tests {
         let never = CancellationToken::new();
         let refused = ModelError { unreachable: true, ..ModelError::new(ErrorKind::Transport, "connection refused") };
         let (again, absorbed) = p.learn(0, Err(&refused)).unwrap();
-        assert!(absorbed);
+        assert_eq!(absorbed, Absorbed::Left);
         assert_eq!(again.hint, RetryHint::Later(Some(Duration::ZERO)));
         assert_eq!(p.status()[0].health, EndpointHealth::CoolingDown);
         for _ in 0..20 {
@@ -440,19 +455,19 @@ mod tests {
         let p = pool(&[100, 100]);
         let rejected = ModelError::new(ErrorKind::Auth, "API key not valid");
         let (_, absorbed) = p.learn(0, Err(&rejected)).unwrap();
-        assert!(absorbed, "the other endpoint takes calls");
+        assert_eq!(absorbed, Absorbed::Left, "the other endpoint takes calls");
         assert_eq!(p.status()[0].health, EndpointHealth::Dead);
         let (e, absorbed) = p.learn(1, Err(&rejected)).unwrap();
-        assert!(!absorbed, "no endpoint is left: the run's stop rules decide");
+        assert_eq!(absorbed, Absorbed::No, "no endpoint is left: the run's stop rules decide");
         assert_eq!(e.kind, ErrorKind::Auth);
         // A request's own fault is never absorbed.
         let q = pool(&[100, 100]);
         let bad = ModelError::new(ErrorKind::BadRequest, "bad");
-        assert!(!q.learn(0, Err(&bad)).unwrap().1);
+        assert_eq!(q.learn(0, Err(&bad)).unwrap().1, Absorbed::No);
         // Server errors cool an endpoint after a run of them, not after one.
         let server = ModelError::new(ErrorKind::Server, "500");
         for _ in 1..FAILURES_TO_COOL {
-            assert!(q.learn(0, Err(&server)).unwrap().1);
+            assert_eq!(q.learn(0, Err(&server)).unwrap().1, Absorbed::Elsewhere);
             assert_eq!(q.status()[0].health, EndpointHealth::Active);
         }
         q.learn(0, Err(&server));

@@ -204,7 +204,7 @@ impl EndpointArgs {
             return Err(SettingsError("--location: name a location (e.g. us-central1)".into()));
         }
         let entries = match &self.endpoints {
-            Some(_) if self.base_url.len() > 1 || locations.len() > 1 => {
+            Some(_) if !self.base_url.is_empty() || self.location.is_some() => {
                 return Err(SettingsError(
                     "--endpoints lists the pool: give its base URLs and locations there, not with --base-url or \
                      --location as well"

@@ -94,7 +94,18 @@ pub fn parse(text: &str, from: &str) -> Result<Vec<EndpointEntry>, String> {
     let entries = if text.trim_start().starts_with('[') && !text.trim_start().starts_with("[[") {
         serde_json::from_str::<Vec<EndpointEntry>>(text).map_err(|e| format!("{from}: {e}"))?
     } else {
-        toml::from_str::<File>(text).map_err(|e| format!("{from}: {}", e.message()))?.endpoint
+        // The line, not the snippet the error would show: a key pasted into the file is not
+        // repeated.
+        toml::from_str::<File>(text)
+            .map_err(|e| match e.span() {
+                Some(at) => format!(
+                    "{from}: line {}: {}",
+                    text[..at.start.min(text.len())].matches('\n').count() + 1,
+                    e.message()
+                ),
+                None => format!("{from}: {}", e.message()),
+            })?
+            .endpoint
     };
     if entries.is_empty() {
         return Err(format!("{from}: no endpoint listed (give one [[endpoint]] table per endpoint)"));
@@ -126,8 +137,19 @@ pub fn check(entries: &[EndpointEntry], env: &dyn Fn(&str) -> Option<String>) ->
             return Err(format!("{at}: rpm and tpm must be at least 1"));
         }
         if let Some(var) = &e.key_env {
-            if var.trim().is_empty() || env(var).is_none_or(|v| v.trim().is_empty()) {
-                return Err(format!("{at}: key_env {var:?} names an environment variable that is not set"));
+            // A key pasted in place of its variable's name is not repeated in the message.
+            let name = !var.is_empty()
+                && !var.starts_with(|c: char| c.is_ascii_digit())
+                && var.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+            if !name || var.len() > 64 {
+                return Err(format!(
+                    "{at}: key_env must name an environment variable (letters, digits and _), not hold a key"
+                ));
+            }
+            match env(var) {
+                None => return Err(format!("{at}: key_env {var:?} names an environment variable that is not set")),
+                Some(v) if v.trim().is_empty() => return Err(format!("{at}: key_env {var:?} names an empty variable")),
+                Some(_) => {}
             }
         }
         if let Some(url) = &e.base_url {

@@ -105,9 +105,9 @@ fn update_gauges(e: &EndpointState, started: Instant) {
     // the pool's together).
     for m in &e.pool {
         let labels = [("model", e.model.clone()), ("member", m.endpoint.clone())];
-        metrics::gauge!("weir_pool_calls", &labels).set(m.calls as f64);
-        metrics::gauge!("weir_pool_rate_limited", &labels).set(m.rate_limited as f64);
-        metrics::gauge!("weir_pool_failed", &labels).set(m.failed as f64);
+        metrics::counter!("weir_pool_calls_total", &labels).absolute(m.calls);
+        metrics::counter!("weir_pool_rate_limited_total", &labels).absolute(m.rate_limited);
+        metrics::counter!("weir_pool_failed_total", &labels).absolute(m.failed);
         metrics::gauge!("weir_pool_concurrency_limit", &labels).set(m.concurrency as f64);
         if let Some((cap, window, _)) = m.rates.requests {
             metrics::gauge!("weir_pool_requests_per_second_limit", &labels).set(cap / window.as_secs_f64());

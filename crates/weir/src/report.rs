@@ -249,9 +249,12 @@ impl RunReport {
             thousands(self.tokens_in),
             thousands(self.tokens_out),
         ));
+        let limits = match self.pool.len() {
+            0 => limits_text(self.concurrency, self.rates.as_ref()),
+            n => format!("a pool of {n} endpoints, concurrency {} in all (each endpoint's below)", self.concurrency),
+        };
         s.push_str(&format!(
-            "  limits: {}; {}/s succeeded\n",
-            limits_text(self.concurrency, self.rates.as_ref()),
+            "  limits: {limits}; {}/s succeeded\n",
             thousands((self.succeeded as f64 / self.elapsed.as_secs_f64()).round() as u64)
         ));
         if self.sharing.processes > 1 {

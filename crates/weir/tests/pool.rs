@@ -87,12 +87,12 @@ async fn a_pool_goes_on_without_endpoints_that_refuse_connections_or_the_key() {
         )
         .as_bytes(),
     );
-    let o = weir()
-        .args(run_args(input.to_str().unwrap(), out.to_str().unwrap(), &["--endpoints", file.to_str().unwrap()]))
-        .env("POOL_KEY_GOOD", "good-key")
-        .output()
-        .await
-        .unwrap();
+    // No retries at all: a record that met a dead endpoint is tried again elsewhere anyway (it
+    // did nothing wrong), not failed.
+    let mut args = run_args(input.to_str().unwrap(), out.to_str().unwrap(), &["--endpoints", file.to_str().unwrap()]);
+    let at = args.iter().position(|a| *a == "--max-retries").unwrap();
+    args[at + 1] = "0";
+    let o = weir().args(args).env("POOL_KEY_GOOD", "good-key").output().await.unwrap();
     let err = stderr(&o);
     assert_eq!(o.status.code(), Some(0), "{err}");
     assert_each_id_once(&ids, &rows(&out), &[]);
@@ -157,6 +157,29 @@ async fn a_pool_that_cannot_be_used_exits_2_naming_the_entry() {
             "eu: a project or location is for vertex_ai/ models",
         ),
         (vec!["--endpoints".into(), dir.path("missing.toml").display().to_string()], "cannot read it"),
+        (
+            vec![
+                "--endpoints".into(),
+                dir.write("s.toml", b"[[endpoint]]\nkey_env = \"AIzaSy-secret-key\"\n").display().to_string(),
+            ],
+            "key_env must name an environment variable",
+        ),
+        (
+            vec![
+                "--endpoints".into(),
+                dir.write("w.toml", b"[[endpoint]]\nweight = \"2\"\n").display().to_string(),
+            ],
+            "line 2",
+        ),
+        (
+            vec![
+                "--endpoints".into(),
+                dir.write("b.toml", format!("[[endpoint]]\nbase_url = \"{url}\"\n").as_bytes()).display().to_string(),
+                "--base-url".into(),
+                url.clone(),
+            ],
+            "--endpoints lists the pool",
+        ),
     ];
     for (pool, says) in cases {
         let pool: Vec<&str> = pool.iter().map(String::as_str).collect();
