@@ -407,3 +407,24 @@ def test_a_process_that_exits_leaves_the_quota_it_shared_through_redis(sim):
     finally:
         redis.terminate()
         redis.wait(timeout=10)
+
+
+def test_a_pool_of_replicas_and_one_from_a_list_of_endpoints(sim_factory, monkeypatch):
+    # Replicas as a list of base URLs: every item once, both replicas called.
+    a = sim_factory("--rpm", "20", "--window-secs", "1", "--latency-ms", "5")
+    b = sim_factory("--rpm", "20", "--window-secs", "1", "--latency-ms", "5")
+    engine = weir.Engine(MODEL, [a.url, b.url], limit_window=1, max_retries=50, cache=False)
+    results = engine.generate(prompts(80, "pool"))
+    assert all(r.ok for r in results), [r for r in results if not r.ok][:3]
+    sa, sb = a.stats(), b.stats()
+    assert sa["successes"] + sb["successes"] == 80, (sa, sb)
+    assert sa["successes"] > 0 and sb["successes"] > 0, (sa, sb)
+    # The same as endpoints=[...], one of them with a key variable that is not set: a
+    # ConfigError naming it, before any call.
+    with pytest.raises(weir.ConfigError, match="POOL_KEY_UNSET"):
+        weir.Engine(MODEL, endpoints=[{"base_url": a.url}, {"base_url": b.url, "key_env": "POOL_KEY_UNSET"}])
+    monkeypatch.setenv("POOL_KEY_SET", "k")
+    engine = weir.Engine(
+        MODEL, endpoints=[{"base_url": a.url}, {"base_url": b.url, "key_env": "POOL_KEY_SET", "weight": 2}], cache=False
+    )
+    assert all(r.ok for r in engine.generate(prompts(10, "listed")))
