@@ -90,6 +90,14 @@ struct Health {
     failures_in_a_row: u32,
 }
 
+impl Health {
+    /// The cool-down in force at `now`, if any (one that has run out is none: the endpoint is
+    /// tried again).
+    fn cooled(&self, now: Instant) -> Option<(Instant, Cause)> {
+        self.cooling.filter(|&(until, _)| until > now)
+    }
+}
+
 /// One endpoint of a pool.
 struct Lane {
     throttle: Arc<Throttle>,
@@ -213,8 +221,7 @@ impl Pool {
             .iter()
             .map(|l| EndpointStatus {
                 endpoint: l.endpoint.clone(),
-                health: match l.health.lock().unwrap_or_else(|e| e.into_inner()).cooling {
-                    Some((until, _)) if until <= now => EndpointHealth::Active,
+                health: match l.health.lock().unwrap_or_else(|e| e.into_inner()).cooled(now) {
                     Some((_, Cause::Auth | Cause::Spent)) => EndpointHealth::Dead,
                     Some(_) => EndpointHealth::CoolingDown,
                     None => EndpointHealth::Active,
@@ -238,9 +245,9 @@ impl Pool {
         let mut keyed: Vec<(f64, usize)> = Vec::with_capacity(self.lanes.len());
         let mut back = None::<Instant>;
         for (i, l) in self.lanes.iter().enumerate() {
-            match l.health.lock().unwrap_or_else(|e| e.into_inner()).cooling {
-                Some((until, _)) if until > now => back = Some(back.map_or(until, |b| b.min(until))),
-                _ => {
+            match l.health.lock().unwrap_or_else(|e| e.into_inner()).cooled(now) {
+                Some((until, _)) => back = Some(back.map_or(until, |b| b.min(until))),
+                None => {
                     // A weighted random order: the largest u^(1/w) first.
                     let u: f64 = rng.gen_range(f64::MIN_POSITIVE..1.0);
                     keyed.push((u.powf(1.0 / l.weight), i));
@@ -330,7 +337,7 @@ impl Pool {
         if let Some(cause) = cause {
             let mut h = l.health.lock().unwrap_or_else(|e| e.into_inner());
             // Calls in flight when it was cooled down fail too: they do not lengthen it.
-            if h.cooling.is_none_or(|(until, _)| until <= now) {
+            if h.cooled(now).is_none() {
                 let cool = match cause {
                     Cause::Auth | Cause::Spent => DEAD_FOR,
                     Cause::Unreachable | Cause::Failing => {
@@ -359,9 +366,11 @@ impl Pool {
         // at once elsewhere, while another endpoint takes calls.
         let endpoints_fault = cause.is_some()
             || matches!(e.kind, ErrorKind::RateLimited | ErrorKind::Server | ErrorKind::Timeout | ErrorKind::Transport);
-        let other_usable = self.lanes.iter().enumerate().any(|(i, o)| {
-            i != lane && o.health.lock().unwrap_or_else(|e| e.into_inner()).cooling.is_none_or(|(u, _)| u <= now)
-        });
+        let other_usable = self
+            .lanes
+            .iter()
+            .enumerate()
+            .any(|(i, o)| i != lane && o.health.lock().unwrap_or_else(|e| e.into_inner()).cooled(now).is_none());
         if endpoints_fault && other_usable {
             let mut again = e.clone();
             again.hint = RetryHint::Later(Some(Duration::ZERO));

@@ -1020,12 +1020,22 @@ impl RateLimiter {
 
     /// Counts another process's sends as admitted here (see [`crate::rate::Budget::count_sends`]).
     pub fn count_sends(&self, seeds: &(crate::rate::Seed, crate::rate::Seed)) {
+        self.apply_seeds(seeds, |b, seed, now, ids| b.count_sends(seed, now, ids));
+    }
+
+    /// Applies `f` to each budget with its seed of `seeds`, the time, and fresh ids for the
+    /// sends it logs; then wakes the calls waiting for the budgets.
+    fn apply_seeds(
+        &self,
+        seeds: &(crate::rate::Seed, crate::rate::Seed),
+        f: impl Fn(&mut Budget, &crate::rate::Seed, Instant, &mut dyn FnMut() -> u64),
+    ) {
         {
             let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
             let now = Instant::now();
             let mut ids = || self.next_id.fetch_add(1, Relaxed);
-            s.0.count_sends(&seeds.0, now, &mut ids);
-            s.1.count_sends(&seeds.1, now, &mut ids);
+            f(&mut s.0, &seeds.0, now, &mut ids);
+            f(&mut s.1, &seeds.1, now, &mut ids);
         }
         self.changed.notify_waiters();
     }
@@ -1041,14 +1051,7 @@ impl RateLimiter {
 
     /// Takes over what another process's budgets knew, `age` after they were exported.
     pub fn seed(&self, seeds: &(crate::rate::Seed, crate::rate::Seed), age: Duration) {
-        {
-            let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
-            let now = Instant::now();
-            let mut ids = || self.next_id.fetch_add(1, Relaxed);
-            s.0.seed(&seeds.0, age, now, &mut ids);
-            s.1.seed(&seeds.1, age, now, &mut ids);
-        }
-        self.changed.notify_waiters();
+        self.apply_seeds(seeds, |b, seed, now, ids| b.seed(seed, age, now, ids));
     }
 
     /// The limits in force.

@@ -130,13 +130,20 @@ pub fn join(throttle: &Arc<Throttle>, name: String) {
     };
     // A Unix socket's path is limited to 107 bytes.
     if place.socket.as_os_str().len() > 100 {
-        let why = format!("{} is too long a path for a socket; set {DIR_VAR} to a shorter one", place.socket.display());
-        tracing::warn!("the quota is not shared with other processes: {why}");
-        throttle.set_unshared(why);
+        not_shared(
+            throttle,
+            format!("{} is too long a path for a socket; set {DIR_VAR} to a shorter one", place.socket.display()),
+        );
         return;
     }
     throttle.await_delegate();
     handle.spawn(supervise(Arc::downgrade(throttle), place));
+}
+
+/// Says, now and in the summary, that `throttle`'s quota is not shared with other processes.
+fn not_shared(throttle: &Throttle, why: String) {
+    tracing::warn!("the quota is not shared with other processes: {why}");
+    throttle.set_unshared(why);
 }
 
 /// Where the processes sharing one quota meet.
@@ -345,9 +352,7 @@ async fn supervise(throttle: Weak<Throttle>, place: Place) {
             Ok(None) => {}
             Err(e) => {
                 let dir = place.lock.parent().unwrap_or(&place.lock).display().to_string();
-                let why = format!("cannot use {dir} ({e}); set {DIR_VAR} to a directory of this user's");
-                tracing::warn!("the quota is not shared with other processes: {why}");
-                t.set_unshared(why);
+                not_shared(&t, format!("cannot use {dir} ({e}); set {DIR_VAR} to a directory of this user's"));
                 t.delegate_to(None);
                 return;
             }
