@@ -327,6 +327,9 @@ impl Executor {
         let mut rng = self.rng();
         let mut out: Vec<Option<Result<Done<T>, Failed>>> = (0..items).map(|_| None).collect();
         let mut attempts = vec![0u32; items];
+        // Attempts that count against each item's retries (not those at an endpoint the pool
+        // left, as in `run_held`).
+        let mut charged = vec![0u32; items];
         let mut last: Vec<Option<ModelError>> = vec![None; items];
         // Groups of items to send, each as one call; items to send again after a backoff.
         let mut queue: std::collections::VecDeque<Vec<usize>> =
@@ -355,12 +358,13 @@ impl Executor {
             let result = self
                 .attempt(w, cancel, attempts[batch.0[0]], &Held::default(), |lane| Batch::call(&batch, lane, &mut call))
                 .await;
-            let Some((result, _)) = result else {
+            let Some((result, free)) = result else {
                 queue.push_front(batch.0);
                 break;
             };
             for &i in &batch.0 {
                 attempts[i] += 1;
+                charged[i] += u32::from(!free);
             }
             // A refusal of the whole call that no retry can change may be the fault of one item
             // (a blocked prompt, an item the endpoint cannot take, too many items): the call is
@@ -373,6 +377,7 @@ impl Executor {
                     // Not a failure of these items (yet): the split does not use up their retries.
                     for &i in &batch.0 {
                         attempts[i] -= 1;
+                        charged[i] -= u32::from(!free);
                     }
                     let (a, b) = batch.0.split_at(n / 2);
                     queue.push_front(b.to_vec());
@@ -392,7 +397,7 @@ impl Executor {
             for (i, r) in batch.0.iter().copied().zip(per_item) {
                 match r {
                     Ok(value) => out[i] = Some(Ok(Done { value, attempts: attempts[i], latency: start.elapsed() })),
-                    Err(error) => match self.policy.decide(attempts[i], &error, &mut rng) {
+                    Err(error) => match self.policy.decide(charged[i], &error, &mut rng) {
                         Decision::GiveUp => {
                             out[i] = Some(Err(Failed { error, attempts: attempts[i], cancelled: false }));
                         }
@@ -685,6 +690,51 @@ mod tests {
         assert_eq!((done.value.text.as_str(), done.attempts), ("ok", 3));
         assert!(done.latency >= Duration::from_secs(5), "the hang was cut at the timeout");
         assert_eq!(ex.metrics().calls.load(Relaxed), 3);
+    }
+
+    /// An attempt at an endpoint the pool then leaves (here one that rejects the key) is not
+    /// one of the record's retries, for single calls and batched ones alike: with no retries
+    /// at all, every record is answered by the endpoint left.
+    #[tokio::test(start_paused = true)]
+    async fn an_attempt_at_an_endpoint_the_pool_leaves_is_not_a_retry_single_or_batched() {
+        use crate::pool::{Pool, PoolMember};
+        let t = || Arc::new(Throttle::new(&ThrottleSettings { adaptive: false, ..ThrottleSettings::default() }));
+        let pool = Pool::new(vec![
+            PoolMember { throttle: t(), endpoint: "rejects".into(), weight: 1.0 },
+            PoolMember { throttle: t(), endpoint: "answers".into(), weight: 1.0 },
+        ]);
+        let policy = RetryPolicy { max_retries: 0, ..RetryPolicy::default() };
+        let ex = Executor::pooled(Arc::new(pool), policy, Duration::from_secs(5), Arc::new(RunMetrics::default()));
+        let cancel = CancellationToken::new();
+        let rejected = || ModelError::new(ErrorKind::Auth, "API key not valid");
+        let mut results = ex
+            .run_batch_at(
+                4,
+                |_| Weight::default(),
+                &cancel,
+                |lane, items| async move {
+                    match lane {
+                        0 => Err(rejected()),
+                        _ => Ok(items.iter().map(|i| Ok(answer(&format!("b{i}")))).collect()),
+                    }
+                },
+            )
+            .await;
+        // The batch may have gone to the answering endpoint first; then the single calls meet
+        // the rejecting one until the pool leaves it.
+        for _ in 0..8 {
+            results.push(
+                ex.run_at(Weight::default(), &cancel, |lane| async move {
+                    match lane {
+                        0 => Err(rejected()),
+                        _ => Ok(answer("one")),
+                    }
+                })
+                .await,
+            );
+        }
+        let failed: Vec<_> = results.iter().filter_map(|r| r.as_ref().err()).map(|f| f.error.to_string()).collect();
+        assert!(failed.is_empty(), "failed: {failed:?}");
     }
 
     #[tokio::test(start_paused = true)]

@@ -86,6 +86,19 @@ def test_direct_runner_two_worker_processes(sim_factory, tmp_path):
     assert sim.stats()["successes"] == 300
 
 
+def test_a_pool_of_two_replicas_in_two_worker_processes(sim_factory, tmp_path):
+    # base_url as a list: the handler's workers spread their calls over both replicas, each
+    # record answered exactly once.
+    a = sim_factory("--rpm", "100", "--window-secs", "1", "--latency-ms", "20")
+    b = sim_factory("--rpm", "100", "--window-secs", "1", "--latency-ms", "20")
+    options = ["--direct_running_mode=multi_processing", "--direct_num_workers=2"]
+    ok, dead, _ = run_pipeline(tmp_path, [a.url, b.url], 300, options)
+    check_exactly_once(ok, dead, 300)
+    sa, sb = a.stats(), b.stats()
+    assert sa["successes"] + sb["successes"] == 300, (sa, sb)
+    assert sa["successes"] > 0 and sb["successes"] > 0, (sa, sb)
+
+
 def test_failed_records_fail_the_pipeline_without_exception_handling(sim, tmp_path):
     handler = WeirModelHandler(MODEL, sim.url, max_retries=0)
     with pytest.raises(Exception, match="block"):

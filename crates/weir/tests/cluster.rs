@@ -297,6 +297,36 @@ async fn two_executors_answer_every_row_once() {
     sim.shutdown().await;
 }
 
+/// Executors given a pool of two endpoints (`--base-url` twice) answer a query's rows over
+/// both, each row exactly once and each row with one call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn executors_with_a_pool_answer_every_row_once_over_both_endpoints() {
+    let dir = Dir::new("cluster-pool");
+    let keys = parted_input(&dir, 400, 4).await;
+    let a = SimServer::start(SimConfig::default(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let b = SimServer::start(SimConfig::default(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let cluster = Cluster::start_with(&a, 2, &dir.0, &["--base-url", &b.url()]).await;
+    let out = weir()
+        .current_dir(&dir.0)
+        .args(["sql", "--cluster", &format!("df://127.0.0.1:{}", cluster.scheduler), "--partitions", "4"])
+        .args(["--table", "reviews=parts"])
+        .arg("COPY (SELECT key, llm_generate('gemini/gemini-2.5-flash', prompt) AS a FROM reviews) TO 'pooled.jsonl'")
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let text = std::fs::read_to_string(dir.path("pooled.jsonl")).unwrap();
+    let rows: Vec<Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert!(rows.iter().all(|r| r["a"].as_str().is_some_and(|a| !a.is_empty())));
+    assert_every_row_once(&dir.path("pooled.jsonl"), &keys);
+    let (sa, sb) = (a.stats(), b.stats());
+    assert_eq!(sa.successes + sb.successes, 400, "{sa:?} {sb:?}");
+    assert_eq!(sa.requests + sb.requests, 400, "a call per row: {sa:?} {sb:?}");
+    assert!(sa.successes > 0 && sb.successes > 0, "both endpoints of the pool answered: {sa:?} {sb:?}");
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
 /// Ctrl-C, and SIGTERM (as `timeout` or a service manager sends it), alike.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ctrl_c_cancels_the_job_and_its_calls_stop_and_a_copy_leaves_the_old_file() {

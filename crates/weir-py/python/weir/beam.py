@@ -29,7 +29,7 @@ instead (``inference.ok`` is False).
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence, Union
 
 from apache_beam.metrics import Metrics
 from apache_beam.ml.inference.base import ModelHandler, PredictionResult
@@ -78,7 +78,8 @@ _COUNTERS = {
 class WeirModelHandler(ModelHandler):
     """A ``RunInference`` model handler that calls ``model`` through weir.
 
-    ``model`` and ``base_url`` are as for ``weir run``; ``task`` is ``"generate"`` or
+    ``model`` and ``base_url`` are as for ``weir run`` (a list of base URLs is a pool of
+    replicas, and ``endpoints=[...]`` a pool as for :class:`weir.Engine`); ``task`` is ``"generate"`` or
     ``"embed"``; ``system`` and ``params`` as for :class:`weir.Engine`. Answers are cached
     as by :class:`weir.Engine`, each worker process in a slot of its own (``worker-0``,
     ``worker-1``, ...) under ``cache_dir``, by default ``.weir/beam`` of the working directory;
@@ -95,7 +96,7 @@ class WeirModelHandler(ModelHandler):
     def __init__(
         self,
         model: str,
-        base_url: Optional[str] = None,
+        base_url: Union[str, Sequence[str], None] = None,
         *,
         task: str = "generate",
         system: Optional[str] = None,
