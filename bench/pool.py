@@ -8,8 +8,12 @@ Cases:
      start), successes per 5 s window in the steady state against the sum of the quotas, 429s
      per endpoint, every record exactly once;
   2. failover: the same with the largest endpoint killed (SIGKILL) KILL_AT seconds in: the run
-     goes on at the two others, every record exactly once.
-Usage: bench/pool.py [CASE...]   (default: both). N records (default 3000); SIM_ARGS adds
+     goes on at the two others, every record exactly once;
+  3. a slow replica: self-hosted replicas of an OpenAI-compatible model (no quota; each
+     serves SLOTS requests at once and queues the rest, as vLLM does), two answering in
+     FAST_MS and one five times slower; run with the slow one and without it: the slow one's
+     share of the records, and the ratio of the two times.
+Usage: bench/pool.py [CASE...]   (default: all). N records (default 3000); SIM_ARGS adds
 simulator flags (default --window fixed). Needs a release build (it makes one, unless WEIR_BIN
 names the binary to measure).
 """
@@ -116,8 +120,55 @@ def case(kill_at=None):
             print(f"   weir: {line.strip()}")
 
 
+FAST_MS = int(os.environ.get("FAST_MS", "200"))
+SLOTS = int(os.environ.get("SLOTS", "8"))
+
+
+def start_replica(latency_ms):
+    port = free_port()
+    p = subprocess.Popen([BIN, "sim", "--listen", f"127.0.0.1:{port}", "--latency-ms", str(latency_ms),
+                          "--jitter-ms", str(latency_ms // 10), "--max-in-flight", str(SLOTS), "--overload", "slow"],
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    p.stdout.readline()
+    return p, f"http://127.0.0.1:{port}"
+
+
+def replicas(latencies):
+    """One run over replicas answering in `latencies` ms: its time, and each replica's answers."""
+    sims = [start_replica(l) for l in latencies]
+    data, out = dataset(N), os.path.join(WORK, f"out-{time.monotonic_ns()}.jsonl")
+    args = [BIN, "run", "--model", "openai/replica", "--input", data, "--output", out, "--id-field", "id",
+            "--no-state", "--progress", "never", "--max-retries", "50"]
+    for _, url in sims:
+        args += ["--base-url", url + "/v1"]
+    t0 = time.monotonic()
+    p = subprocess.run(args, capture_output=True, text=True)
+    secs = time.monotonic() - t0
+    try:
+        if p.returncode != 0:
+            sys.exit(f"weir run failed ({p.returncode}): {p.stderr}")
+        answered = [stats(url)["successes"] for _, url in sims]
+        calls = [stats(url)["requests"] for _, url in sims]
+    finally:
+        for proc, _ in sims:
+            proc.kill()
+    print(f"   replicas of {latencies} ms: {N} records in {secs:.1f} s; every record once: {once(out, N)}; "
+          f"answered per replica {answered} (calls {calls})")
+    return secs, answered
+
+
+def slow_replica():
+    slow = FAST_MS * 5
+    with_slow, answered = replicas([FAST_MS, FAST_MS, slow])
+    without, _ = replicas([FAST_MS, FAST_MS])
+    # Each replica serves SLOTS at once: the slow one's fair share is its rate over the sum.
+    fair = (1 / slow) / (2 / FAST_MS + 1 / slow)
+    print(f"   the slow replica answered {answered[2] / N:.1%} of the records (its capacity's share: {fair:.1%}); "
+          f"time with it / without it: {with_slow / without:.3f}")
+
+
 def main():
-    cases = sys.argv[1:] or ["1", "2"]
+    cases = sys.argv[1:] or ["1", "2", "3"]
     print(f"weir pool bench: {BIN}; quotas {QUOTAS} per {W} s ({' '.join(SIM_ARGS)}), latency {LAT} ms, "
           f"whole-second advice")
     if "1" in cases:
@@ -127,6 +178,9 @@ def main():
         k = float(os.environ.get("KILL_AT", "15"))
         print(f"== 2. failover: the quota-{QUOTAS[0]} endpoint killed at {k:g} s")
         case(kill_at=k)
+    if "3" in cases:
+        print(f"== 3. a replica five times slower: {FAST_MS} ms and {FAST_MS * 5} ms, {SLOTS} requests at once each")
+        slow_replica()
 
 
 if __name__ == "__main__":

@@ -15,8 +15,16 @@ use weir_core::JobRef;
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(untagged)]
 enum Entry {
-    /// A chunk's requests, before it is submitted.
-    Planned { chunk: u32, round: u32, name: String, keys: Vec<String> },
+    /// A chunk's requests, before it is submitted, and the endpoint of a pool it goes to
+    /// (absent for a run's only endpoint, so ledgers of runs before pools read the same).
+    Planned {
+        chunk: u32,
+        round: u32,
+        name: String,
+        keys: Vec<String>,
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        site: String,
+    },
     /// The job the provider made of a chunk.
     Submitted { chunk: u32, job: JobRef },
 }
@@ -32,6 +40,8 @@ pub struct Chunk {
     pub name: String,
     /// The keys of its requests.
     pub keys: Vec<String>,
+    /// The endpoint it went to, as [`crate::Site::name`] names it (empty: the only one).
+    pub site: String,
     /// The provider's job, once submitted.
     pub job: Option<JobRef>,
 }
@@ -93,11 +103,11 @@ impl Ledger {
             let Ok(entry) = serde_json::from_str::<Entry>(&line) else { break };
             good_len += n as u64;
             match entry {
-                Entry::Planned { chunk, round, name, keys } => {
+                Entry::Planned { chunk, round, name, keys, site } => {
                     for k in &keys {
                         latest.insert(k.clone(), chunk);
                     }
-                    chunks.insert(chunk, Chunk { number: chunk, round, name, keys, job: None });
+                    chunks.insert(chunk, Chunk { number: chunk, round, name, keys, site, job: None });
                 }
                 Entry::Submitted { chunk, job } => {
                     if let Some(c) = chunks.get_mut(&chunk) {
@@ -147,14 +157,21 @@ impl Ledger {
         self.chunks.keys().next_back().map_or(0, |n| n + 1)
     }
 
-    /// Records a chunk before it is submitted.
-    pub fn plan(&mut self, round: u32, name: String, keys: Vec<String>) -> Result<Chunk, LedgerError> {
+    /// Records a chunk before it is submitted to `site` (empty for a run's only endpoint).
+    pub fn plan(&mut self, round: u32, name: String, site: &str, keys: Vec<String>) -> Result<Chunk, LedgerError> {
         let number = self.next_number();
-        self.append(&Entry::Planned { chunk: number, round, name: name.clone(), keys: keys.clone() })?;
+        let site = site.to_string();
+        self.append(&Entry::Planned {
+            chunk: number,
+            round,
+            name: name.clone(),
+            keys: keys.clone(),
+            site: site.clone(),
+        })?;
         for k in &keys {
             self.latest.insert(k.clone(), number);
         }
-        let chunk = Chunk { number, round, name, keys, job: None };
+        let chunk = Chunk { number, round, name, keys, site, job: None };
         self.chunks.insert(number, chunk.clone());
         Ok(chunk)
     }
@@ -200,10 +217,10 @@ mod tests {
         let path = dir.join("jobs.jsonl");
         {
             let mut l = Ledger::open(&path, true).unwrap();
-            let c = l.plan(0, "run-c0".into(), vec!["a".into(), "b".into()]).unwrap();
+            let c = l.plan(0, "run-c0".into(), "", vec!["a".into(), "b".into()]).unwrap();
             l.submitted(c.number, JobRef { id: "batch_1".into(), file: Some("file-1".into()) }).unwrap();
-            l.plan(0, "run-c1".into(), vec!["c".into()]).unwrap();
-            let c2 = l.plan(1, "run-c2".into(), vec!["b".into()]).unwrap();
+            l.plan(0, "run-c1".into(), "eu", vec!["c".into()]).unwrap();
+            let c2 = l.plan(1, "run-c2".into(), "", vec!["b".into()]).unwrap();
             assert_eq!(c2.number, 2);
         }
         // A torn line at the end (killed while appending).
@@ -214,6 +231,9 @@ mod tests {
         assert_eq!(chunks.len(), 3);
         assert_eq!(chunks[0].job.as_ref().unwrap().id, "batch_1");
         assert_eq!(chunks[1].job, None);
+        // The endpoint of a pool a chunk went to; none written for a run's only endpoint.
+        assert_eq!((chunks[0].site.as_str(), chunks[1].site.as_str()), ("", "eu"));
+        assert!(!std::fs::read_to_string(&path).unwrap().lines().next().unwrap().contains("site"));
         assert_eq!(l.latest_chunk("b").unwrap().number, 2);
         assert_eq!(l.latest_chunk("a").unwrap().number, 0);
         assert!(l.latest_chunk("z").is_none());

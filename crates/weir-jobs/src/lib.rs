@@ -8,12 +8,20 @@
 //! go into a follow-up job, up to [`JobSettings::rounds`]; what is left after that goes back
 //! to the caller, who writes it as errors or sends it online. A resumed run re-attaches to the
 //! jobs of its ledger and submits only what no job holds.
+//!
+//! A pool of endpoints ([`Sites`]: regions, keys, replicas of one model) shares the jobs: each
+//! chunk goes to the endpoint with the fewest records waiting in its jobs for its weight, and
+//! the ledger records which, so that a resumed run asks that endpoint about it. An endpoint
+//! that refuses a submission in a way that proves the job was not made (a rejected key, a
+//! spent quota, a refused connection) is left for the rest of the run, and its chunk goes to
+//! another.
 
 #![warn(missing_docs)]
 
 pub mod ledger;
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use weir_core::{ErrorKind, JobApi, JobRef, JobState, JobStatus, ModelError, ModelRequest, ModelResponse};
@@ -69,6 +77,78 @@ pub struct Progress {
     pub settled: u64,
 }
 
+/// One endpoint's batch-job API, in a run whose jobs may go to several.
+pub struct Site {
+    /// How the ledger names it: stable from run to run and free of secrets (where it is and
+    /// the name of its key's variable). A run of one endpoint writes no name (its ledger reads
+    /// as before pools), but has one, so that it finds its own jobs in a pool's ledger.
+    pub name: String,
+    /// Its job API.
+    pub api: Arc<dyn JobApi>,
+    /// Its share of the records (default 1).
+    pub weight: f64,
+}
+
+/// The endpoints a run's jobs go to: one, or a pool.
+pub struct Sites(Vec<Site>);
+
+impl Sites {
+    /// A run's only endpoint, named `name` (see [`Site::name`]).
+    pub fn one(api: Arc<dyn JobApi>, name: String) -> Self {
+        Self(vec![Site { name, api, weight: 1.0 }])
+    }
+
+    /// A pool (at least one site; names unique).
+    pub fn pool(sites: Vec<Site>) -> Self {
+        assert!(!sites.is_empty(), "a pool of no endpoint");
+        Self(sites)
+    }
+
+    /// The name the ledger records for a chunk sent to site `i`: none for a run's only one.
+    fn recorded(&self, i: usize) -> &str {
+        if self.0.len() > 1 {
+            &self.0[i].name
+        } else {
+            ""
+        }
+    }
+
+    /// The first endpoint's API (the one asked whether jobs exist at all).
+    pub fn first(&self) -> &Arc<dyn JobApi> {
+        &self.0[0].api
+    }
+
+    /// Every endpoint, in the pool's order.
+    pub fn iter(&self) -> impl Iterator<Item = &Site> {
+        self.0.iter()
+    }
+
+    /// The index of the endpoint a recorded chunk went to: by its name, or the first for a
+    /// chunk that names none (a run of one endpoint); `None` when the pool lacks it.
+    pub fn index_of(&self, chunk: &Chunk) -> Option<usize> {
+        if chunk.site.is_empty() {
+            return Some(0);
+        }
+        self.0.iter().position(|s| s.name == chunk.site)
+    }
+
+    /// The API of the endpoint a recorded chunk went to, or why there is none.
+    pub fn api_of(&self, chunk: &Chunk) -> Result<&Arc<dyn JobApi>, BatchError> {
+        self.index_of(chunk).map(|i| &self.0[i].api).ok_or_else(|| missing_site(chunk))
+    }
+}
+
+fn missing_site(chunk: &Chunk) -> BatchError {
+    BatchError::Site(format!(
+        "chunk {} ({}{}) went to endpoint \"{}\", which this run's pool does not list: give the same endpoints as \
+         the run that submitted it (its records are in that job)",
+        chunk.number,
+        chunk.name,
+        chunk.job.as_ref().map(|j| format!(", job {}", j.id)).unwrap_or_default(),
+        chunk.site
+    ))
+}
+
 /// Why the jobs cannot go on (the records not settled stay unfinished; a resumed run picks
 /// them up from the ledger).
 #[derive(Debug, thiserror::Error)]
@@ -82,6 +162,9 @@ pub enum BatchError {
     /// The caller cancelled (an interrupt); the jobs go on at the provider.
     #[error("interrupted; the jobs go on at the provider, and a resumed run re-attaches to them")]
     Cancelled,
+    /// A job of the ledger went to an endpoint the run does not have.
+    #[error("{0}")]
+    Site(String),
 }
 
 /// What became of the records: those settled were handed to `deliver`; these were not
@@ -102,6 +185,8 @@ pub struct Finished {
 /// A job being waited on.
 struct Active {
     chunk: u32,
+    /// The index of its endpoint.
+    site: usize,
     job: JobRef,
     keys: Vec<String>,
     round: u32,
@@ -172,10 +257,17 @@ where
     }
 }
 
-/// Runs `items` through `api`'s jobs. Each settled record (an answer, or an error that another
-/// try would not change) goes to `deliver` once; `progress` is called after every poll.
+/// Whether a refused submission proves the endpoint made no job (so its records may go to
+/// another endpoint without being paid twice): a rejected credential, a spent quota, a
+/// connection that was refused.
+fn made_no_job(e: &ModelError) -> bool {
+    e.unreachable || matches!(e.kind, ErrorKind::Auth | ErrorKind::QuotaExhausted)
+}
+
+/// Runs `items` through the jobs of `sites`. Each settled record (an answer, or an error that
+/// another try would not change) goes to `deliver` once; `progress` is called after every poll.
 pub async fn run(
-    api: &dyn JobApi,
+    sites: &Sites,
     ledger: &mut Ledger,
     items: Vec<Item>,
     settings: &JobSettings,
@@ -187,6 +279,8 @@ pub async fn run(
     let mut settled = 0u64;
     let mut leftovers: Leftovers = Vec::new();
     let (mut submitted, mut reattached) = (0u64, 0u64);
+    // Endpoints of the pool that refused a submission for good (for the rest of this run).
+    let mut left = vec![false; sites.0.len()];
     // Re-attach: each pending key to the latest chunk that holds it.
     let mut attached: BTreeMap<u32, Vec<String>> = BTreeMap::new();
     let mut fresh: Vec<String> = Vec::new();
@@ -196,6 +290,11 @@ pub async fn run(
             None => fresh.push(key.clone()),
         }
     }
+    // Every chunk's endpoint known before anything is asked.
+    for number in attached.keys() {
+        let chunk = ledger.chunk(*number).expect("a chunk the ledger named");
+        sites.api_of(chunk)?;
+    }
     let mut active: Vec<Active> = Vec::new();
     let mut next_round: BTreeMap<u32, Vec<String>> = BTreeMap::new();
     if !fresh.is_empty() {
@@ -203,6 +302,8 @@ pub async fn run(
     }
     for (number, keys) in attached {
         let chunk = ledger.chunk(number).cloned().expect("a chunk the ledger named");
+        let site = sites.index_of(&chunk).expect("checked above");
+        let api = &sites.0[site].api;
         let job = match chunk.job.clone() {
             Some(job) => Some(job),
             // Recorded, but the run stopped before the id was: the provider may have it.
@@ -220,7 +321,7 @@ pub async fn run(
             Some(job) => {
                 tracing::info!("re-attached to job {} ({} records still open)", job.id, keys.len());
                 reattached += 1;
-                active.push(Active { chunk: number, job, keys, round: 0, status: None });
+                active.push(Active { chunk: number, site, job, keys, round: 0, status: None });
             }
             None => next_round.entry(0).or_default().extend(keys),
         }
@@ -240,7 +341,8 @@ pub async fn run(
         progress(&p);
     };
     loop {
-        // Submit what waits for a job, in chunks within the provider's limits.
+        // Submit what waits for a job, in chunks within the provider's limits, each to the
+        // endpoint with the fewest records waiting in its jobs for its weight.
         for (round, keys) in std::mem::take(&mut next_round) {
             if round >= settings.rounds.max(1) {
                 for k in keys {
@@ -254,7 +356,10 @@ pub async fn run(
             // One chunk's lines at a time: a job's input is up to 1 GB (Vertex AI), and a run
             // may need many jobs.
             let mut chunks = Chunker::new(keys);
-            while let Some(chunk_keys) = chunks.next(api, &pending)? {
+            loop {
+                let site = least_loaded(sites, &left, &active);
+                let api = &sites.0[site].api;
+                let Some(chunk_keys) = chunks.next(&**api, &pending)? else { break };
                 let (keys, lines): (Vec<String>, Vec<Vec<u8>>) = chunk_keys.into_iter().unzip();
                 let count = keys.len();
                 // Nothing more is submitted once the caller has stopped (a first Ctrl-C).
@@ -262,14 +367,41 @@ pub async fn run(
                     return Err(BatchError::Cancelled);
                 }
                 let name = format!("{}-c{}", settings.name_prefix, ledger.next_number());
-                let chunk = ledger.plan(round, name.clone(), keys.clone())?;
+                let chunk = ledger.plan(round, name.clone(), sites.recorded(site), keys.clone())?;
                 let body = lines.concat();
-                let job = with_tries(settings.api_tries, cancel, || api.submit(&name, body.clone(), count)).await?;
+                let job = match with_tries(settings.api_tries, cancel, || api.submit(&name, body.clone(), count)).await
+                {
+                    Ok(job) => job,
+                    // The endpoint made no job and another may: its records go there.
+                    Err(BatchError::Api(e)) if made_no_job(&e) && left.iter().filter(|l| !**l).count() > 1 => {
+                        tracing::warn!(
+                            "batch jobs: endpoint {} refused a job ({e}); it gets no more jobs in this run, and its \
+                             {count} records go to the others",
+                            sites.0[site].name
+                        );
+                        left[site] = true;
+                        next_round.entry(round).or_default().extend(keys);
+                        continue;
+                    }
+                    Err(e) => return Err(e),
+                };
                 ledger.submitted(chunk.number, job.clone())?;
                 submitted += 1;
-                tracing::info!("submitted job {} ({count} records, round {round})", job.id);
-                active.push(Active { chunk: chunk.number, job, keys, round, status: None });
+                if sites.0.len() > 1 {
+                    tracing::info!(
+                        "submitted job {} at {} ({count} records, round {round})",
+                        job.id,
+                        sites.0[site].name
+                    );
+                } else {
+                    tracing::info!("submitted job {} ({count} records, round {round})", job.id);
+                }
+                active.push(Active { chunk: chunk.number, site, job, keys, round, status: None });
             }
+        }
+        if !next_round.is_empty() {
+            // Records an endpoint refused, for the others.
+            continue;
         }
         if active.is_empty() {
             return Ok(Finished { leftovers, submitted, reattached });
@@ -278,6 +410,7 @@ pub async fn run(
         let mut wait = settings.poll_first;
         while !active.is_empty() {
             for a in active.iter_mut() {
+                let api = &sites.0[a.site].api;
                 a.status = match reading(settings.api_tries, cancel, || api.status(&a.job)).await {
                     // A job the provider does not know (any more): gone, with nothing answered;
                     // its records go to a follow-up job.
@@ -303,6 +436,7 @@ pub async fn run(
                     continue;
                 }
                 let a = active.swap_remove(i);
+                let api = &sites.0[a.site].api;
                 let status = a.status.clone().expect("polled");
                 let results = if status.total == 0 && status.state == JobState::Failed {
                     Vec::new()
@@ -364,6 +498,23 @@ pub async fn run(
             wait = (wait * 2).min(settings.poll_max);
         }
     }
+}
+
+/// The endpoint the next chunk goes to: of those not left, the one with the fewest records in
+/// jobs not yet collected for its weight (the first of equals, so that a run of one endpoint,
+/// or a pool's first chunks, go in the pool's order).
+fn least_loaded(sites: &Sites, left: &[bool], active: &[Active]) -> usize {
+    let mut load = vec![0usize; sites.0.len()];
+    for a in active {
+        load[a.site] += a.keys.len();
+    }
+    (0..sites.0.len())
+        .filter(|&i| !left[i])
+        .min_by(|&a, &b| {
+            let w = |i: usize| load[i] as f64 / sites.0[i].weight.max(1e-9);
+            w(a).total_cmp(&w(b))
+        })
+        .unwrap_or(0)
 }
 
 /// `keys` as chunks of (key, line) within the provider's limits, in key order, one chunk at
@@ -486,6 +637,131 @@ mod tests {
         async fn cancel(&self, _: &JobRef) -> Result<(), ModelError> {
             unreachable!()
         }
+    }
+
+    /// A provider whose jobs end at once, answering every line; one that `refuses` rejects
+    /// the key of every submission.
+    struct Instant {
+        refuses: bool,
+        jobs: std::sync::Mutex<HashMap<String, Vec<String>>>,
+    }
+
+    impl Instant {
+        fn new(refuses: bool) -> Arc<Self> {
+            Arc::new(Self { refuses, jobs: Default::default() })
+        }
+        fn submitted(&self) -> usize {
+            self.jobs.lock().unwrap().len()
+        }
+    }
+
+    #[async_trait::async_trait]
+    impl JobApi for Instant {
+        fn model_id(&self) -> &str {
+            "test/instant"
+        }
+        fn limits(&self) -> JobLimits {
+            JobLimits { max_lines: 10, max_bytes: 1 << 20 }
+        }
+        fn line(&self, key: &str, _: &ModelRequest) -> Result<Vec<u8>, ModelError> {
+            Ok(format!("{key}\n").into_bytes())
+        }
+        async fn submit(&self, name: &str, body: Vec<u8>, _: usize) -> Result<JobRef, ModelError> {
+            if self.refuses {
+                return Err(ModelError::new(ErrorKind::Auth, "API key not valid"));
+            }
+            let keys = String::from_utf8(body).unwrap().lines().map(str::to_string).collect();
+            self.jobs.lock().unwrap().insert(name.to_string(), keys);
+            Ok(JobRef { id: name.to_string(), file: None })
+        }
+        async fn find(&self, name: &str) -> Result<Option<JobRef>, ModelError> {
+            Ok(self.jobs.lock().unwrap().contains_key(name).then(|| JobRef { id: name.to_string(), file: None }))
+        }
+        async fn status(&self, job: &JobRef) -> Result<JobStatus, ModelError> {
+            let n = self.jobs.lock().unwrap()[&job.id].len() as u64;
+            Ok(JobStatus {
+                state: JobState::Succeeded,
+                total: n,
+                completed: n,
+                failed: 0,
+                message: None,
+                described: None,
+            })
+        }
+        async fn results(&self, job: &JobRef, _: &JobStatus) -> Result<Vec<JobResult>, ModelError> {
+            let keys = self.jobs.lock().unwrap()[&job.id].clone();
+            Ok(keys
+                .into_iter()
+                .map(|k| {
+                    let r = ModelResponse {
+                        text: k.clone(),
+                        embedding: None,
+                        finish_reason: "stop".into(),
+                        usage: Default::default(),
+                        model_version: None,
+                        limits: None,
+                    };
+                    (k, Ok(r))
+                })
+                .collect())
+        }
+        async fn cancel(&self, _: &JobRef) -> Result<(), ModelError> {
+            Ok(())
+        }
+    }
+
+    fn items(n: usize) -> Vec<Item> {
+        (0..n)
+            .map(|i| Item {
+                key: format!("k{i:03}"),
+                request: ModelRequest { prompt: String::new(), system: None, params: Default::default() },
+            })
+            .collect()
+    }
+
+    /// Issue #33: a pool's chunks go to the endpoint with the fewest records waiting for its
+    /// weight, each recorded with its endpoint; an endpoint that rejects the key gets no more
+    /// jobs and its chunk goes to another; every record settles once.
+    #[tokio::test(start_paused = true)]
+    async fn a_pool_spreads_chunks_by_weight_and_moves_a_refused_chunk_elsewhere() {
+        let dir = std::env::temp_dir().join(format!("weir-jobs-pool-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let (a, b, dead) = (Instant::new(false), Instant::new(false), Instant::new(true));
+        let site = |name: &str, api: &Arc<Instant>, weight: f64| Site {
+            name: name.into(),
+            api: api.clone() as Arc<dyn JobApi>,
+            weight,
+        };
+        let sites = Sites::pool(vec![site("dead", &dead, 1.0), site("a", &a, 2.0), site("b", &b, 1.0)]);
+        let mut ledger = Ledger::open(&dir.join("jobs.jsonl"), true).unwrap();
+        let settings = JobSettings { poll_first: Duration::from_millis(10), ..JobSettings::default() };
+        let mut seen = Vec::new();
+        let finished =
+            run(&sites, &mut ledger, items(120), &settings, &CancellationToken::new(), &mut |_| {}, &mut |item, r| {
+                seen.push((item.key, r.unwrap().text))
+            })
+            .await
+            .unwrap();
+        assert!(finished.leftovers.is_empty());
+        seen.sort();
+        assert_eq!(seen.len(), 120);
+        assert!(seen.iter().all(|(k, t)| k == t));
+        seen.dedup();
+        assert_eq!(seen.len(), 120, "a record settled twice");
+        // Twelve jobs of ten: none at the dead endpoint, the rest two to one by weight.
+        assert_eq!((dead.submitted(), a.submitted(), b.submitted()), (0, 8, 4));
+        let by_site = |name: &str| ledger.chunks().filter(|c| c.site == name && c.job.is_some()).count();
+        assert_eq!((by_site("dead"), by_site("a"), by_site("b")), (0, 8, 4));
+        // The chunk the dead endpoint refused is in the ledger without a job, and none of its
+        // keys point at it any more.
+        let refused: Vec<_> = ledger.chunks().filter(|c| c.site == "dead").collect();
+        assert_eq!(refused.len(), 1);
+        assert!(refused[0].keys.iter().all(|k| ledger.latest_chunk(k).unwrap().site != "dead"));
+        // A resumed run whose pool lacks an endpoint of the ledger's jobs is refused.
+        let only_b = Sites::pool(vec![site("b", &b, 1.0), site("dead", &dead, 1.0)]);
+        let chunk_at_a = ledger.chunks().find(|c| c.site == "a").unwrap().clone();
+        assert!(matches!(only_b.api_of(&chunk_at_a), Err(BatchError::Site(m)) if m.contains("\"a\"")));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -392,6 +392,15 @@ async fn connect_embed(
     Ok(Endpoint { handler: Arc::new(handler), resident: None })
 }
 
+/// Variable `k` of `env`, where an endpoint with a key of its own (`options.key_var`) reads
+/// that in place of the provider's usual key variables.
+fn keyed_env(options: &ProviderOptions, env: &(dyn Fn(&str) -> Option<String> + Sync), k: &str) -> Option<String> {
+    match &options.key_var {
+        Some(var) if KEY_VARS.contains(&k) => env(var),
+        _ => env(k),
+    }
+}
+
 /// Sets up the batch-job client for `spec` (`weir run --mode batch`), with the base URL and
 /// key found as for online calls. `max_requests` makes jobs smaller than the provider allows.
 pub fn connect_jobs(
@@ -401,6 +410,8 @@ pub fn connect_jobs(
     max_requests: Option<usize>,
     staging: Option<Arc<dyn weir_core::JobStaging>>,
 ) -> Result<Arc<dyn weir_core::JobApi>, ProviderError> {
+    let keyed = |k: &str| keyed_env(options, env, k);
+    let env: &(dyn Fn(&str) -> Option<String> + Sync) = &keyed;
     let client = http::client()?;
     let limit = |mut l: weir_core::JobLimits| {
         // Only ever lower than the provider's own limit.
@@ -456,11 +467,7 @@ pub async fn connect(
     options: &ProviderOptions,
     env: &(dyn Fn(&str) -> Option<String> + Sync),
 ) -> Result<Endpoint, ProviderError> {
-    // An endpoint with a key of its own reads it where the provider would read its usual one.
-    let keyed = |k: &str| match &options.key_var {
-        Some(var) if KEY_VARS.contains(&k) => env(var),
-        _ => env(k),
-    };
+    let keyed = |k: &str| keyed_env(options, env, k);
     let env: &(dyn Fn(&str) -> Option<String> + Sync) = &keyed;
     if matches!(spec.provider, Provider::Sim | Provider::Local) {
         return match connectors::find(spec.provider) {

@@ -190,61 +190,69 @@ impl EndpointArgs {
 
     /// The locations `--location` names (none, one, or a pool's).
     fn locations(&self) -> Vec<String> {
-        self.location
-            .as_deref()
-            .map(|l| l.split(',').map(|x| x.trim().to_string()).filter(|x| !x.is_empty()).collect())
-            .unwrap_or_default()
+        locations(self.location.as_deref())
     }
 
     /// The pool of endpoints these flags declare, checked (see [`crate::endpoints`]): empty
     /// for a single endpoint.
     pub fn pool(&self) -> Result<Vec<crate::EndpointEntry>, SettingsError> {
-        let locations = self.locations();
-        if self.location.is_some() && locations.is_empty() {
-            return Err(SettingsError("--location: name a location (e.g. us-central1)".into()));
-        }
-        let entries = match &self.endpoints {
-            Some(_) if !self.base_url.is_empty() || self.location.is_some() => {
-                return Err(SettingsError(
-                    "--endpoints lists the pool: give its base URLs and locations there, not with --base-url or \
-                     --location as well"
-                        .into(),
-                ))
-            }
-            // A JSON list in place of a file (how Python passes endpoints=[...]).
-            Some(list) if list.trim_start().starts_with('[') => {
-                crate::endpoints::parse(list, "endpoints").map_err(SettingsError)?
-            }
-            Some(path) => {
-                let text = std::fs::read_to_string(path)
-                    .map_err(|e| SettingsError(format!("--endpoints {path}: cannot read it: {e}")))?;
-                crate::endpoints::parse(&text, &format!("--endpoints {path}")).map_err(SettingsError)?
-            }
-            None if self.base_url.len() > 1 && locations.len() > 1 => {
-                return Err(SettingsError(
-                    "several --base-url and several --location: list each endpoint in an --endpoints file instead"
-                        .into(),
-                ))
-            }
-            None if self.base_url.len() > 1 => self
-                .base_url
-                .iter()
-                .map(|u| crate::EndpointEntry { base_url: Some(u.clone()), ..Default::default() })
-                .collect(),
-            None if locations.len() > 1 => locations
-                .iter()
-                .map(|l| crate::EndpointEntry { location: Some(l.clone()), ..Default::default() })
-                .collect(),
-            None => return Ok(Vec::new()),
-        };
-        let from = match &self.endpoints {
-            Some(p) if p.trim_start().starts_with('[') => "--endpoints".into(),
-            Some(p) => format!("--endpoints {p}"),
-            None if self.base_url.len() > 1 => "--base-url".into(),
-            None => "--location".into(),
-        };
-        crate::endpoints::check(&entries, &|k| std::env::var(k).ok())
-            .map_err(|e| SettingsError(format!("{from}: {e}")))?;
-        Ok(entries)
+        declared_pool(&self.base_url, self.location.as_deref(), self.endpoints.as_deref())
     }
+}
+
+/// The locations a `--location` value names (none, one, or a pool's, comma-separated).
+fn locations(location: Option<&str>) -> Vec<String> {
+    location.map(|l| l.split(',').map(|x| x.trim().to_string()).filter(|x| !x.is_empty()).collect()).unwrap_or_default()
+}
+
+/// The pool that `--base-url` (repeated), `--location` (comma-separated) and `--endpoints`
+/// declare, checked (see [`crate::endpoints`]): empty for a single endpoint. `weir run`,
+/// `weir sql`, executors and `weir batch` read a pool the same way.
+pub fn declared_pool(
+    base_url: &[String],
+    location: Option<&str>,
+    endpoints: Option<&str>,
+) -> Result<Vec<crate::EndpointEntry>, SettingsError> {
+    let locations = locations(location);
+    if location.is_some() && locations.is_empty() {
+        return Err(SettingsError("--location: name a location (e.g. us-central1)".into()));
+    }
+    let entries = match endpoints {
+        Some(_) if !base_url.is_empty() || location.is_some() => {
+            return Err(SettingsError(
+                "--endpoints lists the pool: give its base URLs and locations there, not with --base-url or \
+                 --location as well"
+                    .into(),
+            ))
+        }
+        // A JSON list in place of a file (how Python passes endpoints=[...]).
+        Some(list) if list.trim_start().starts_with('[') => {
+            crate::endpoints::parse(list, "endpoints").map_err(SettingsError)?
+        }
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| SettingsError(format!("--endpoints {path}: cannot read it: {e}")))?;
+            crate::endpoints::parse(&text, &format!("--endpoints {path}")).map_err(SettingsError)?
+        }
+        None if base_url.len() > 1 && locations.len() > 1 => {
+            return Err(SettingsError(
+                "several --base-url and several --location: list each endpoint in an --endpoints file instead".into(),
+            ))
+        }
+        None if base_url.len() > 1 => {
+            base_url.iter().map(|u| crate::EndpointEntry { base_url: Some(u.clone()), ..Default::default() }).collect()
+        }
+        None if locations.len() > 1 => {
+            locations.iter().map(|l| crate::EndpointEntry { location: Some(l.clone()), ..Default::default() }).collect()
+        }
+        None => return Ok(Vec::new()),
+    };
+    let from = match endpoints {
+        Some(p) if p.trim_start().starts_with('[') => "--endpoints".into(),
+        Some(p) => format!("--endpoints {p}"),
+        None if base_url.len() > 1 => "--base-url".into(),
+        None => "--location".into(),
+    };
+    crate::endpoints::check(&entries, &|k| std::env::var(k).ok()).map_err(|e| SettingsError(format!("{from}: {e}")))?;
+    Ok(entries)
 }

@@ -41,6 +41,10 @@ pub struct EndpointEntry {
     /// Tokens it allows per `limit_window`.
     #[serde(default)]
     pub tpm: Option<u64>,
+    /// Where its batch jobs are staged (Vertex AI: `gs://BUCKET/PREFIX`, a bucket in its
+    /// region), instead of the run's `--job-bucket`.
+    #[serde(default)]
+    pub job_bucket: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -61,6 +65,12 @@ impl EndpointEntry {
         } else {
             format!("endpoint {} ({at})", index + 1)
         }
+    }
+
+    /// How a run's job ledger names the endpoint (see [`site_name`]), with the run's settings
+    /// where the entry has none.
+    pub fn site(&self, run: &ProviderOptions) -> String {
+        site_name(&self.provider(run))
     }
 
     /// The run's provider options with this entry's in place of them.
@@ -85,6 +95,19 @@ impl EndpointEntry {
         }
         t
     }
+}
+
+/// How a run's job ledger names an endpoint, so that a resumed run asks the endpoint that has
+/// a job about it: where it is (base URL, project, location, as given) and the name of its
+/// key's variable, never a key.
+pub fn site_name(options: &ProviderOptions) -> String {
+    let url = options.base_url.as_deref().map(|u| u.trim_end_matches('/'));
+    [("url", url), ("project", options.project.as_deref()), ("location", options.location.as_deref())]
+        .into_iter()
+        .chain([("key_env", options.key_var.as_deref())])
+        .filter_map(|(n, v)| v.map(|v| format!("{n}={v}")))
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// Reads a pool: `text` is a TOML file's content (`[[endpoint]]` tables), or a JSON list of

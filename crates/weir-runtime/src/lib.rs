@@ -28,7 +28,7 @@ pub mod share_redis;
 pub mod sim;
 
 #[cfg(feature = "cli")]
-pub use args::{ConcurrencyMode, EndpointArgs, SettingsError};
+pub use args::{declared_pool, ConcurrencyMode, EndpointArgs, SettingsError};
 pub use cache::open_cache;
 pub use dispatch::{DispatchSettings, Work};
 pub use endpoints::EndpointEntry;

@@ -4,7 +4,7 @@
 use anyhow::Context;
 use clap::{Args, Subcommand};
 use std::path::PathBuf;
-use weir_core::{JobApi, JobRef};
+use weir_core::JobRef;
 use weir_providers::{ModelSpec, ProviderOptions};
 
 use crate::UsageError;
@@ -33,15 +33,19 @@ struct Site {
     /// The model of the run, as given to `weir run` (openai/…, gemini/…, vertex_ai/…).
     #[arg(long, value_name = "MODEL")]
     model: String,
-    /// The base URL given to `weir run`, if any.
+    /// The base URL given to `weir run`, if any (every one, for a pool of replicas).
     #[arg(long, value_name = "URL")]
-    base_url: Option<String>,
+    base_url: Vec<String>,
     /// Vertex AI: the project given to `weir run`, if any [default: GOOGLE_CLOUD_PROJECT].
     #[arg(long, value_name = "ID")]
     project: Option<String>,
-    /// Vertex AI: the location given to `weir run`, if any [default: GOOGLE_CLOUD_LOCATION].
+    /// Vertex AI: the location given to `weir run`, if any [default: GOOGLE_CLOUD_LOCATION]
+    /// (comma-separated, for a pool of locations).
     #[arg(long, value_name = "REGION")]
     location: Option<String>,
+    /// The --endpoints file given to `weir run`, if any.
+    #[arg(long, value_name = "FILE")]
+    endpoints: Option<String>,
     /// Vertex AI: the --job-bucket given to `weir run` (where the jobs' output is read).
     #[arg(long, value_name = "URL")]
     job_bucket: Option<String>,
@@ -70,18 +74,23 @@ struct FetchArgs {
     job: String,
 }
 
-fn connect(site: &Site) -> anyhow::Result<std::sync::Arc<dyn JobApi>> {
+/// The job APIs of the run's endpoints (one, or each of its pool's), as `weir run` made them.
+fn connect(site: &Site) -> anyhow::Result<weir_jobs::Sites> {
     let spec: ModelSpec = site.model.parse().map_err(|e: weir_providers::ProviderError| UsageError(e.to_string()))?;
+    let pool = weir_runtime::declared_pool(&site.base_url, site.location.as_deref(), site.endpoints.as_deref())
+        .map_err(|e| UsageError(e.to_string()))?;
     let options = ProviderOptions {
-        base_url: site.base_url.clone(),
+        base_url: site.base_url.first().cloned(),
         project: site.project.clone(),
-        location: site.location.clone(),
+        location: if pool.is_empty() { site.location.clone() } else { None },
         ..Default::default()
     };
     let env = |k: &str| std::env::var(k).ok();
-    let staging =
-        weir::pipeline::job_staging(&spec, site.job_bucket.as_deref(), &env).map_err(|e| UsageError(e.to_string()))?;
-    weir_providers::connect_jobs(&spec, &options, &env, None, staging).map_err(|e| UsageError(e.to_string()).into())
+    match weir::pipeline::job_sites(&spec, &options, &pool, site.job_bucket.as_deref(), None, &env) {
+        Ok(Ok(sites)) => Ok(sites),
+        Ok(Err(e)) => Err(UsageError(e.to_string()).into()),
+        Err(e) => Err(UsageError(e.to_string()).into()),
+    }
 }
 
 /// The ledgers of the runs `t` names: the one of its `--output` (named as `weir run` names it,
@@ -145,9 +154,21 @@ pub async fn run(args: BatchArgs) -> anyhow::Result<u8> {
                 ))
                 .into());
             }
-            let api = connect(&f.site)?;
+            let sites = connect(&f.site)?;
             let job = JobRef { id: f.job.clone(), file: None };
-            let status = api.status(&job).await.map_err(|e| anyhow::anyhow!("job {}: {e}", f.job))?;
+            // In a pool, the endpoint that knows the job (the first one's error, if none does).
+            let mut found = Err(String::new());
+            for site in sites.iter() {
+                match site.api.status(&job).await {
+                    Ok(s) => {
+                        found = Ok((site.api.clone(), s));
+                        break;
+                    }
+                    Err(e) if matches!(&found, Err(m) if m.is_empty()) => found = Err(e.to_string()),
+                    Err(_) => {}
+                }
+            }
+            let (api, status) = found.map_err(|e| anyhow::anyhow!("job {}: {e}", f.job))?;
             if !status.state.is_terminal() {
                 eprintln!("weir: job {} is {}; it has no results yet", f.job, status.state.as_str());
                 return Ok(1);
@@ -173,7 +194,7 @@ pub async fn run(args: BatchArgs) -> anyhow::Result<u8> {
 
 /// Status (and cancel) of each job; exit 1 when the provider could not be asked about one.
 async fn each_job(t: &Target, cancel: bool) -> anyhow::Result<u8> {
-    let api = connect(&t.site)?;
+    let sites = connect(&t.site)?;
     let mut failed = false;
     for path in ledgers(t)? {
         // Read only: the run may be appending to it.
@@ -188,6 +209,14 @@ async fn each_job(t: &Target, cancel: bool) -> anyhow::Result<u8> {
                     chunk.name
                 );
                 continue;
+            };
+            let api = match sites.api_of(chunk) {
+                Ok(api) => api,
+                Err(e) => {
+                    println!("  {}: cannot ask the provider: {e}", job.id);
+                    failed = true;
+                    continue;
+                }
             };
             let status = match api.status(job).await {
                 Ok(s) => s,

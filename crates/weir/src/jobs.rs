@@ -15,7 +15,7 @@ use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use weir_core::{Driver, ErrorKind, Failure, JobApi, ModelError, Outcome, Record, StopReason};
+use weir_core::{Driver, ErrorKind, Failure, ModelError, Outcome, Record, StopReason};
 use weir_jobs::{BatchError, Item, Ledger};
 
 use crate::report::thousands;
@@ -60,7 +60,7 @@ pub fn job_key(record: &Record) -> String {
 /// Everything the jobs need besides the records.
 pub(crate) struct JobsRun {
     pub driver: Arc<Driver>,
-    pub api: Arc<dyn JobApi>,
+    pub sites: Arc<weir_jobs::Sites>,
     pub ledger: PathBuf,
     pub fresh: bool,
     pub mode: JobsMode,
@@ -83,7 +83,7 @@ pub(crate) fn outcomes(
 type Tx = mpsc::UnboundedSender<Result<Outcome, std::io::Error>>;
 
 async fn drive(work: impl futures::Stream<Item = Work> + Send + 'static, run: JobsRun, tx: Tx) {
-    let JobsRun { driver, api, ledger, fresh, mode, interrupts, progress, max_concurrency, tally } = run;
+    let JobsRun { driver, sites, ledger, fresh, mode, interrupts, progress, max_concurrency, tally } = run;
     let cancel = CancellationToken::new();
     {
         let (cancel, mut interrupts) = (cancel.clone(), interrupts);
@@ -197,7 +197,7 @@ async fn drive(work: impl futures::Stream<Item = Work> + Send + 'static, run: Jo
                 let _ = tx.send(Ok(driver.settle_answer(record, result, since)));
             }
         };
-        weir_jobs::run(&*api, &mut ledger, items, &mode.jobs, &cancel, &mut on_progress, &mut deliver).await
+        weir_jobs::run(&sites, &mut ledger, items, &mode.jobs, &cancel, &mut on_progress, &mut deliver).await
     };
     let result = result.map(|f| {
         let mut t = tally.lock().unwrap_or_else(|e| e.into_inner());
@@ -280,6 +280,7 @@ async fn drive(work: impl futures::Stream<Item = Work> + Send + 'static, run: Jo
             jobs_left("stopped");
             stop(&mut records, e.kind, format!("batch jobs: {}{hint}", e.message))
         }
+        Err(e @ BatchError::Site(_)) => stop(&mut records, ErrorKind::BadRequest, e.to_string()),
         Err(e @ BatchError::Ledger(_)) => {
             jobs_left("stopped");
             stop(&mut records, ErrorKind::Server, e.to_string())

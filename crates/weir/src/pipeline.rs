@@ -272,11 +272,11 @@ pub async fn run(
     let used_jobs = jobs_api.is_some();
     let outcomes: futures::stream::LocalBoxStream<'_, Result<Outcome, std::io::Error>> =
         match (jobs_api, &settings.jobs, jobs_ledger.clone()) {
-            (Some(api), Some(mode), Some(ledger)) => crate::jobs::outcomes(
+            (Some(sites), Some(mode), Some(ledger)) => crate::jobs::outcomes(
                 work,
                 crate::jobs::JobsRun {
                     driver: driver.clone(),
-                    api,
+                    sites,
                     ledger,
                     fresh: !resuming,
                     mode: mode.clone(),
@@ -417,12 +417,12 @@ fn runtime_for(settings: &RunSettings, env: &(dyn Fn(&str) -> Option<String> + S
     weir_runtime::Runtime::with_connector(runtime_settings, connector)
 }
 
-/// The provider's batch-job API when the run asks for jobs (`--mode batch`, or `--mode auto`
+/// The endpoints' batch-job APIs when the run asks for jobs (`--mode batch`, or `--mode auto`
 /// where jobs are possible), after checking the command can use them.
 fn jobs_api(
     settings: &RunSettings,
     env: &(dyn Fn(&str) -> Option<String> + Sync),
-) -> Result<Option<Arc<dyn weir_core::JobApi>>, RunError> {
+) -> Result<Option<Arc<weir_jobs::Sites>>, RunError> {
     Ok(match &settings.jobs {
         // --mode auto runs online what cannot go to jobs.
         Some(b)
@@ -448,9 +448,15 @@ fn jobs_api(
                         .into(),
                 ));
             }
-            let staging = job_staging(&settings.model, b.job_bucket.as_deref(), env).map_err(RunError::Usage)?;
-            match weir_providers::connect_jobs(&settings.model, &settings.provider, env, b.max_requests, staging) {
-                Ok(api) => Some(api),
+            match job_sites(
+                &settings.model,
+                &settings.provider,
+                &settings.pool,
+                b.job_bucket.as_deref(),
+                b.max_requests,
+                env,
+            )? {
+                Ok(sites) => Some(Arc::new(sites)),
                 // --mode auto: a provider without jobs runs online.
                 Err(e) if b.auto_min_records.is_some() => {
                     eprintln!("weir: --mode auto: online calls: no batch jobs for {} ({e})", settings.model);
@@ -468,17 +474,17 @@ fn jobs_api(
 /// records).
 async fn choose_jobs(
     settings: &RunSettings,
-    jobs_api: Option<Arc<dyn weir_core::JobApi>>,
+    jobs_api: Option<Arc<weir_jobs::Sites>>,
     input: &Input,
     total: Option<u64>,
     earlier_jobs: bool,
-) -> Result<Option<Arc<dyn weir_core::JobApi>>, RunError> {
+) -> Result<Option<Arc<weir_jobs::Sites>>, RunError> {
     Ok(match (&settings.jobs, jobs_api) {
         (Some(b), Some(api)) if b.auto_min_records.is_some() => {
             let min = b.auto_min_records.unwrap_or(0);
             let known = if total.is_none() { input.count()? } else { total };
             // A server without the Batch API (vLLM's OpenAI server, say) answers its routes 404.
-            let available = match api.find("weir-probe").await {
+            let available = match api.first().find("weir-probe").await {
                 Err(e) if e.kind == ErrorKind::BadRequest => {
                     tracing::info!("--mode auto: no batch jobs at this endpoint ({e})");
                     false
@@ -539,6 +545,56 @@ pub(crate) fn table_error(e: weir_tables::TableError) -> RunError {
         weir_tables::TableError::Usage(m) => RunError::Usage(m),
         weir_tables::TableError::Unavailable(m) => RunError::Fatal(m),
     }
+}
+
+/// The batch-job APIs of `model`'s endpoints: the run's only one, or each of its pool's, with
+/// the bucket each stages its jobs in (an entry's own, else the `--job-bucket` item in the
+/// same place of a comma-separated list, else the one `--job-bucket`). The outer error is a
+/// usage error; the inner one, that the provider has no jobs (which `--mode auto` survives).
+pub fn job_sites(
+    model: &ModelSpec,
+    provider: &weir_providers::ProviderOptions,
+    pool: &[weir_runtime::EndpointEntry],
+    job_bucket: Option<&str>,
+    max_requests: Option<usize>,
+    env: &(dyn Fn(&str) -> Option<String> + Sync),
+) -> Result<Result<weir_jobs::Sites, weir_providers::ProviderError>, RunError> {
+    let buckets: Vec<String> = job_bucket
+        .map(|b| b.split(',').map(|x| x.trim().to_string()).filter(|x| !x.is_empty()).collect())
+        .unwrap_or_default();
+    if pool.is_empty() || buckets.len() > 1 {
+        let n = pool.len().max(1);
+        if buckets.len() > 1 && buckets.len() != n {
+            return Err(RunError::Usage(format!(
+                "--job-bucket: {} prefixes for {n} endpoint(s); give one for each --location, in the same order, or \
+                 one for all",
+                buckets.len()
+            )));
+        }
+    }
+    let bucket_of = |i: usize, own: Option<&str>| -> Option<String> {
+        own.map(str::to_string).or_else(|| buckets.get(if buckets.len() > 1 { i } else { 0 }).cloned())
+    };
+    if pool.is_empty() {
+        let staging = job_staging(model, bucket_of(0, None).as_deref(), env).map_err(RunError::Usage)?;
+        return Ok(weir_providers::connect_jobs(model, provider, env, max_requests, staging)
+            .map(|api| weir_jobs::Sites::one(api, weir_runtime::endpoints::site_name(provider))));
+    }
+    let mut sites = Vec::new();
+    for (i, entry) in pool.iter().enumerate() {
+        let staging = job_staging(model, bucket_of(i, entry.job_bucket.as_deref()).as_deref(), env)
+            .map_err(|e| RunError::Usage(format!("{}: {e}", entry.label(i))))?;
+        match weir_providers::connect_jobs(model, &entry.provider(provider), env, max_requests, staging) {
+            Ok(api) => {
+                sites.push(weir_jobs::Site { name: entry.site(provider), api, weight: entry.weight.unwrap_or(1.0) })
+            }
+            Err(weir_providers::ProviderError::Config(m)) => {
+                return Ok(Err(weir_providers::ProviderError::Config(format!("{}: {m}", entry.label(i)))))
+            }
+            Err(e) => return Ok(Err(e)),
+        }
+    }
+    Ok(Ok(weir_jobs::Sites::pool(sites)))
 }
 
 /// Where `model`'s batch jobs are staged: the `--job-bucket` of a Vertex AI model (which reads

@@ -252,7 +252,7 @@ pub(crate) struct Resumed {
 pub(crate) async fn resume(
     settings: &RunSettings,
     input: &Input,
-    jobs_api: Option<&Arc<dyn weir_core::JobApi>>,
+    jobs_api: Option<&Arc<weir_jobs::Sites>>,
     interrupts: &watch::Receiver<u32>,
     env: &(dyn Fn(&str) -> Option<String> + Sync),
     mut total: Option<u64>,
@@ -556,17 +556,29 @@ pub fn table_state_name(results: &weir_tables::Location) -> String {
 /// `--fresh`.
 pub(crate) async fn guard_jobs(
     ledger: &std::path::Path,
-    api: Option<&Arc<dyn weir_core::JobApi>>,
+    api: Option<&Arc<weir_jobs::Sites>>,
     settings: &RunSettings,
     output: &str,
 ) -> Result<(), RunError> {
+    let chunks = match weir_jobs::Ledger::read(ledger) {
+        Ok(chunks) => chunks,
+        Err(e) if settings.fresh => {
+            return Err(RunError::Usage(format!("{e}; remove it only after checking its jobs")))
+        }
+        // Said by the run when it opens the ledger.
+        Err(_) => return Ok(()),
+    };
+    // A resumed run asks each job's endpoint about it: one the pool no longer lists is said
+    // before any call (its records are in that job).
+    if let (false, Some(sites)) = (settings.fresh, api) {
+        for chunk in chunks.iter().filter(|c| c.job.is_some()) {
+            sites.api_of(chunk).map_err(|e| RunError::Usage(e.to_string()))?;
+        }
+    }
     if !settings.fresh {
         return Ok(());
     }
-    let jobs: Vec<weir_core::JobRef> = match weir_jobs::Ledger::read(ledger) {
-        Ok(chunks) => chunks.into_iter().filter_map(|c| c.job).collect(),
-        Err(e) => return Err(RunError::Usage(format!("{e}; remove it only after checking its jobs"))),
-    };
+    let jobs: Vec<&weir_jobs::Chunk> = chunks.iter().filter(|c| c.job.is_some()).collect();
     if jobs.is_empty() {
         return Ok(());
     }
@@ -584,7 +596,15 @@ pub(crate) async fn guard_jobs(
         )));
     };
     let mut live = Vec::new();
-    for job in &jobs {
+    for chunk in jobs {
+        let job = chunk.job.as_ref().expect("filtered");
+        let api = match api.api_of(chunk) {
+            Ok(api) => api,
+            Err(_) => {
+                live.push(format!("{} (at endpoint \"{}\", which this run's pool does not list)", job.id, chunk.site));
+                continue;
+            }
+        };
         match api.status(job).await {
             Ok(s) if s.state.is_terminal() => {}
             Ok(s) => live.push(format!("{} ({})", job.id, s.state.as_str())),

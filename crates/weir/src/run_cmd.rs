@@ -238,7 +238,9 @@ pub struct RunArgs {
     #[arg(long, value_name = "SECS", default_value_t = 5.0)]
     poll_secs: f64,
     /// With --mode batch and a vertex_ai/ model: the Cloud Storage prefix (gs://BUCKET/PREFIX)
-    /// where each job's input is written and Vertex AI writes its output.
+    /// where each job's input is written and Vertex AI writes its output. With several
+    /// --location, one prefix for each, comma-separated in the same order (a bucket in each
+    /// region), or one for all; an --endpoints entry may give its own (job_bucket).
     #[arg(long, value_name = "URL")]
     job_bucket: Option<String>,
 }
@@ -269,13 +271,6 @@ impl RunArgs {
             return Err(UsageError("--job-rounds and --job-max-requests must be at least 1".into()));
         }
         self.endpoint.check()?;
-        if self.mode == ModeArg::Batch && !self.endpoint.pool()?.is_empty() {
-            return Err(UsageError(
-                "--mode batch with a pool of endpoints: provider jobs are not spread over a pool yet; give one \
-                 endpoint, or drop --mode batch (online calls use the whole pool)"
-                    .into(),
-            ));
-        }
         if !(self.poll_secs.is_finite() && self.poll_secs > 0.0 && self.poll_secs <= 3600.0) {
             return Err(UsageError(format!(
                 "--poll-secs {}: must be a number of seconds above 0 and at most 3600",
@@ -585,9 +580,8 @@ impl RunArgs {
             }),
             follow: self.follow.is_some(),
             // --mode auto with --stream: streamed answers are online calls.
-            // A pool answers online (provider jobs are not spread over one yet).
-            jobs: (self.mode == ModeArg::Batch || (self.mode == ModeArg::Auto && !self.streaming() && pool.is_empty()))
-                .then(|| weir::jobs::JobsMode {
+            jobs: (self.mode == ModeArg::Batch || (self.mode == ModeArg::Auto && !self.streaming())).then(|| {
+                weir::jobs::JobsMode {
                     fallback_online: self.fallback == FallbackArg::Online,
                     jobs: weir_jobs::JobSettings {
                         rounds: self.job_rounds,
@@ -599,7 +593,8 @@ impl RunArgs {
                     max_requests: self.job_max_requests,
                     job_bucket: self.job_bucket.clone(),
                     auto_min_records: (self.mode == ModeArg::Auto).then_some(self.auto_min_records),
-                }),
+                }
+            }),
         }
     }
 

@@ -221,3 +221,87 @@ async fn vertex_batch_refusals_are_usage_errors() {
         assert!(stderr(&r).contains(says), "{args:?}: {}", stderr(&r));
     }
 }
+
+/// The jobs the simulator holds in `location`, with the Cloud Storage URI of each one's input.
+async fn jobs_in(sim: &SimServer, location: &str) -> Vec<String> {
+    let url = format!("{}/v1/projects/my-project/locations/{location}/batchPredictionJobs", sim.url());
+    let v: serde_json::Value =
+        reqwest::Client::new().get(url).bearer_auth(TOKEN).send().await.unwrap().json().await.unwrap();
+    v["batchPredictionJobs"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+        .iter()
+        .map(|j| j["inputConfig"]["gcsSource"]["uris"][0].as_str().unwrap_or("").to_string())
+        .collect()
+}
+
+/// Issue #33: `--location a,b` with a bucket for each spreads a batch run's jobs over both
+/// locations, each staged in its own bucket; killed and resumed, the run asks each location
+/// about its jobs and submits nothing twice; resumed without one of the locations, it is
+/// refused before any call, naming the location its jobs are in.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_vertex_batch_over_two_locations_stages_each_jobs_in_its_bucket_and_resumes_from_both() {
+    let (sim, gcs) = start(10.0, |_| {}).await;
+    let dir = Dir::new("vertex-batch-pool");
+    let (data, ids) = prompts(601);
+    let input = dir.write("in.jsonl", &data);
+    let out = dir.path("out.jsonl");
+    let swap = |a: Vec<String>, location: &str, bucket: &str| -> Vec<String> {
+        let mut a = a;
+        let at = a.iter().position(|x| x == "--location").unwrap();
+        a[at + 1] = location.into();
+        let at = a.iter().position(|x| x == "--job-bucket").unwrap();
+        a[at + 1] = bucket.into();
+        a
+    };
+    let pooled = swap(
+        args(&sim, &dir, &input, &["--job-max-requests", "100"]),
+        "us-central1,europe-west4",
+        "gs://weir-us/jobs,gs://weir-eu/jobs",
+    );
+    let mut child = weir_for(&sim, &gcs, &dir).args(&pooled).stderr(std::process::Stdio::null()).spawn().unwrap();
+    for _ in 0..1000 {
+        if sim.stats().batch_jobs == 6 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(sim.stats().batch_jobs, 6);
+    // Let the last id reach the ledger, then kill.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    child.start_kill().unwrap();
+    let _ = child.wait().await;
+    let (us, eu) = (jobs_in(&sim, "us-central1").await, jobs_in(&sim, "europe-west4").await);
+    assert_eq!((us.len(), eu.len()), (3, 3), "{us:?} {eu:?}");
+    assert!(us.iter().all(|u| u.starts_with("gs://weir-us/jobs/")), "{us:?}");
+    assert!(eu.iter().all(|u| u.starts_with("gs://weir-eu/jobs/")), "{eu:?}");
+
+    // Resumed with one location only: refused before any call, naming the other.
+    let one = swap(pooled.clone(), "us-central1", "gs://weir-us/jobs");
+    let o = weir_for(&sim, &gcs, &dir).args(&one).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("location=europe-west4"), "{}", stderr(&o));
+
+    // `weir batch status` with the run's pool asks each job's location.
+    let status = weir_for(&sim, &gcs, &dir)
+        .args(["batch", "status", "--model", MODEL, "--base-url", &sim.url(), "--project", "my-project"])
+        .args(["--location", "us-central1,europe-west4", "--job-bucket", "gs://weir-us/jobs,gs://weir-eu/jobs"])
+        .args(["--output", out.to_str().unwrap()])
+        .output()
+        .await
+        .unwrap();
+    let text = String::from_utf8_lossy(&status.stdout).into_owned();
+    assert_eq!(status.status.code(), Some(0), "{text}{}", stderr(&status));
+    assert_eq!(text.lines().filter(|l| l.contains(": pending") || l.contains(": running")).count(), 6, "{text}");
+
+    let o = weir_for(&sim, &gcs, &dir).args(&pooled).output().await.unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert_each_id_once(&ids, &rows(&out), &rows(&dir.path("out.errors.jsonl")));
+    assert_eq!(rows(&out).len(), 601, "{err}");
+    assert_eq!(sim.stats().batch_jobs, 6, "re-attached, not submitted again: {err}");
+    assert!(err.contains("batch jobs: 6 (0 submitted by this run)"), "{err}");
+    gcs.shutdown().await;
+    sim.shutdown().await;
+}
