@@ -99,6 +99,16 @@ def case(kill_at=None):
     ideal = ((N - 1) // total) * W + LAT / 1000
     print(f"   {N} records in {secs:.1f} s against {ideal:.1f} s ideal ({ideal / secs:.1%}); every record once: "
           f"{once(out, N)}")
+    if kill_at:
+        # The two left, from the first whole window after the kill to the last whole one.
+        alive = [s for _, s in per if s is not None]
+        first = int(kill_at) // W + 1
+        sums = [sum(x) for x in zip(*[steady(s['successes_per_second']) for s in alive])][first - 1:-1]
+        left = sum(QUOTAS[1:])
+        if sums:
+            med = sorted(sums)[len(sums) // 2]
+            print(f"   after the kill: median {med} successes per {W} s window of the others' {left} "
+                  f"({med / left:.1%}); windows {sums}")
     if not kill_at:
         sums = [sum(x) for x in zip(*[steady(s['successes_per_second']) for _, s in per])]
         full = sums[:-1] if len(sums) > 1 else sums
@@ -118,6 +128,13 @@ def case(kill_at=None):
     for line in p.stderr.splitlines():
         if line.strip().startswith(("endpoint ", "calls ")):
             print(f"   weir: {line.strip()}")
+    if kill_at:
+        # Calls that met the dead endpoint: those of its summary line that failed.
+        dead = [l for l in p.stderr.splitlines() if l.strip().startswith("endpoint ") and sims[0][1] in l]
+        if dead:
+            import re
+            m = re.search(r"([\d,]+) failed", dead[0])
+            print(f"   calls wasted on the killed endpoint: {m.group(1) if m else '?'}")
 
 
 FAST_MS = int(os.environ.get("FAST_MS", "200"))

@@ -305,6 +305,9 @@ impl Pool {
             Ok(()) => {
                 if self.lanes.len() > 1 {
                     let mut h = l.health.lock().unwrap_or_else(|e| e.into_inner());
+                    if h.strikes > 0 {
+                        tracing::warn!(endpoint = %l.endpoint, "endpoint {} answers again", l.endpoint);
+                    }
                     *h = Health::default();
                 }
                 return None;
@@ -377,7 +380,27 @@ impl Pool {
             again.message = format!("{} (at {}; tried again at another endpoint)", e.message, l.endpoint);
             return Some((again, if cause.is_some() { Absorbed::Left } else { Absorbed::Elsewhere }));
         }
-        Some((e.clone(), Absorbed::No))
+        // No endpoint is left: the run's stop rules see the error, told where every one stands.
+        let mut e = e.clone();
+        if endpoints_fault && cause.is_some() {
+            let each: Vec<String> = self
+                .lanes
+                .iter()
+                .map(|o| {
+                    let h = o.health.lock().unwrap_or_else(|e| e.into_inner());
+                    let why = match h.cooled(now).map(|(_, c)| c) {
+                        Some(Cause::Unreachable) => "cooling down: connections refused",
+                        Some(Cause::Failing) => "cooling down: failing",
+                        Some(Cause::Auth) => "dead: credentials rejected",
+                        Some(Cause::Spent) => "dead: quota spent",
+                        None => "active",
+                    };
+                    format!("{}: {why}", o.endpoint)
+                })
+                .collect();
+            e.message = format!("{} (no endpoint of the pool is usable: {})", e.message, each.join("; "));
+        }
+        Some((e, Absorbed::No))
     }
 }
 
@@ -469,6 +492,8 @@ mod tests {
         let (e, absorbed) = p.learn(1, Err(&rejected)).unwrap();
         assert_eq!(absorbed, Absorbed::No, "no endpoint is left: the run's stop rules decide");
         assert_eq!(e.kind, ErrorKind::Auth);
+        // Said for every endpoint, not the last alone.
+        assert!(e.message.contains("e0: dead: credentials rejected; e1: dead: credentials rejected"), "{}", e.message);
         // A request's own fault is never absorbed.
         let q = pool(&[100, 100]);
         let bad = ModelError::new(ErrorKind::BadRequest, "bad");

@@ -125,6 +125,9 @@ async fn a_pool_whose_every_endpoint_rejects_the_key_stops_the_run() {
     let err = stderr(&o);
     assert_ne!(o.status.code(), Some(0), "{err}");
     assert!(err.contains("stopping the run") || err.contains("credentials"), "{err}");
+    // The stop names where every endpoint stands, not the last one's error alone.
+    assert!(err.contains("no endpoint of the pool is usable"), "{err}");
+    assert!(err.contains(&format!("{}/", a.url())) && err.contains(&format!("{}/", b.url())), "{err}");
     assert!(a.stats().requests + b.stats().requests < 100, "kept calling dead endpoints: {err}");
 }
 
