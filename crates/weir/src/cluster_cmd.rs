@@ -327,7 +327,7 @@ async fn executor(a: ExecutorArgs) -> anyhow::Result<u8> {
         }
     });
     // What this executor's calls came to, over its whole life.
-    eprint!("{}", crate::sql_cmd::summary(&functions, started.elapsed(), "weir cluster executor"));
+    eprint!("{}", crate::sql_cmd::summary(&functions, started.elapsed(), "weir cluster executor").await);
     functions.shutdown().await;
     // Shuffle files and results go with the executor.
     if let Err(e) = work.close() {

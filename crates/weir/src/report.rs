@@ -262,17 +262,7 @@ impl RunReport {
         } else if let Some(why) = &self.unshared {
             s.push_str(&format!("  quota not shared with other processes: {why}\n"));
         }
-        for e in &self.pool {
-            s.push_str(&format!(
-                "  endpoint {}: {}; {} calls, {} rate-limited, {} failed; {}\n",
-                e.endpoint,
-                e.health.as_str(),
-                thousands(e.calls),
-                thousands(e.rate_limited),
-                thousands(e.failed),
-                limits_text(e.concurrency, Some(&e.rates)),
-            ));
-        }
+        s.push_str(&pool_lines(&self.pool));
         for (model, concurrency, rates) in &self.other_limits {
             s.push_str(&format!("  limits of {model}: {}\n", limits_text(*concurrency, rates.as_ref())));
         }
@@ -497,4 +487,22 @@ mod tests {
         assert_eq!(super::thousands(1000), "1,000");
         assert_eq!(super::thousands(1234567), "1,234,567");
     }
+}
+
+/// A pool's lines of a summary: each endpoint's state, calls, refusals and limits (nothing for
+/// a single endpoint). `weir run`, `weir sql` and executors print them alike.
+pub fn pool_lines(pool: &[weir_core::EndpointStatus]) -> String {
+    pool.iter()
+        .map(|e| {
+            format!(
+                "  endpoint {}: {}; {} calls, {} rate-limited, {} failed; {}\n",
+                e.endpoint,
+                e.health.as_str(),
+                thousands(e.calls),
+                thousands(e.rate_limited),
+                thousands(e.failed),
+                limits_text(e.concurrency, Some(&e.rates)),
+            )
+        })
+        .collect()
 }

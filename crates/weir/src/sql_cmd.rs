@@ -396,7 +396,7 @@ pub async fn run(mut args: SqlArgs) -> anyhow::Result<u8> {
         _ = waiting_notice(args.cluster.as_deref()) => unreachable!("the notice never ends"),
     };
     match &args.cluster {
-        None => eprint!("{}", summary(&functions, started.elapsed(), "weir sql")),
+        None => eprint!("{}", summary(&functions, started.elapsed(), "weir sql").await),
         Some(_) if result.is_ok() => eprintln!(
             "weir sql: {:.2} s; the model calls ran on the cluster's executors (each prints its summary when \
              stopped and serves its counters with --metrics-listen; failed rows are NULL and counted there)",
@@ -591,8 +591,9 @@ async fn print_rows(
 }
 
 /// The summary on stderr: per model, calls, refusals, tokens and cost.
-pub(crate) fn summary(functions: &Runtime, elapsed: std::time::Duration, who: &str) -> String {
+pub(crate) async fn summary(functions: &Runtime, elapsed: std::time::Duration, who: &str) -> String {
     let models = functions.metrics_by_model();
+    let endpoints = functions.endpoints().await;
     if models.is_empty() {
         return String::new();
     }
@@ -621,6 +622,9 @@ pub(crate) fn summary(functions: &Runtime, elapsed: std::time::Duration, who: &s
         ));
         if let Some(c) = weir::cost::Cost::estimate(model, (tin, tout), (0, 0)) {
             s.push_str(&c.line());
+        }
+        for e in endpoints.iter().filter(|e| &e.model == model) {
+            s.push_str(&weir::report::pool_lines(&e.pool));
         }
         let kinds: Vec<String> = m.failures_by_kind().iter().map(|(k, n)| format!("{k} {}", thousands(*n))).collect();
         if !kinds.is_empty() {

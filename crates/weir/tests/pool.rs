@@ -194,3 +194,31 @@ async fn a_pool_that_cannot_be_used_exits_2_naming_the_entry() {
     }
     assert_eq!(server.stats().requests, 0);
 }
+
+/// `weir sql` over a pool: each row answered once, over both endpoints, and the summary shows
+/// each endpoint as `weir run`'s does.
+#[cfg(feature = "sql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn weir_sql_over_a_pool_answers_each_row_once_and_shows_each_endpoint() {
+    let a = sim(quota(0, 1.0)).await;
+    let b = sim(quota(0, 1.0)).await;
+    let dir = Dir::new("pool-sql");
+    let (data, _) = prompts(300);
+    dir.write("in.jsonl", &data);
+    let o = weir()
+        .current_dir(&dir.0)
+        .args(["sql", "--format", "jsonl", "--base-url", &a.url(), "--base-url", &b.url()])
+        .arg("SELECT count(DISTINCT key) AS k, count(llm_generate('gemini/gemini-2.5-flash', prompt)) AS n FROM 'in.jsonl'")
+        .output()
+        .await
+        .unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), r#"{"k":300,"n":300}"#);
+    let (sa, sb) = (a.stats(), b.stats());
+    assert_eq!((sa.requests + sb.requests, sa.successes + sb.successes), (300, 300), "{sa:?} {sb:?}");
+    assert!(sa.successes > 0 && sb.successes > 0, "{sa:?} {sb:?}");
+    for url in [a.url(), b.url()] {
+        assert!(err.lines().any(|l| l.contains(&format!("endpoint {url}/")) && l.contains("active")), "{err}");
+    }
+}
