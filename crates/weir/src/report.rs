@@ -478,17 +478,6 @@ pub fn shared_through(store: &weir_core::QuotaStore) -> String {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn thousands_separators() {
-        assert_eq!(super::thousands(0), "0");
-        assert_eq!(super::thousands(999), "999");
-        assert_eq!(super::thousands(1000), "1,000");
-        assert_eq!(super::thousands(1234567), "1,234,567");
-    }
-}
-
 /// A pool's lines of a summary: each endpoint's state, calls, refusals and limits (nothing for
 /// a single endpoint). `weir run`, `weir sql` and executors print them alike.
 pub fn pool_lines(pool: &[weir_core::EndpointStatus]) -> String {
@@ -505,4 +494,15 @@ pub fn pool_lines(pool: &[weir_core::EndpointStatus]) -> String {
             )
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn thousands_separators() {
+        assert_eq!(super::thousands(0), "0");
+        assert_eq!(super::thousands(999), "999");
+        assert_eq!(super::thousands(1000), "1,000");
+        assert_eq!(super::thousands(1234567), "1,234,567");
+    }
 }
