@@ -27,6 +27,9 @@ enum Entry {
     },
     /// The job the provider made of a chunk.
     Submitted { chunk: u32, job: JobRef },
+    /// A chunk its endpoint refused in a way that proves it made no job (its records are
+    /// planned again, elsewhere): a resumed run neither looks it up nor waits on it.
+    Refused { chunk: u32, refused: String },
 }
 
 /// A chunk of requests sent (or about to be sent) as one job.
@@ -44,6 +47,8 @@ pub struct Chunk {
     pub site: String,
     /// The provider's job, once submitted.
     pub job: Option<JobRef>,
+    /// Why its endpoint refused it, proving no job was made (its records went elsewhere).
+    pub refused: Option<String>,
 }
 
 /// Why the ledger cannot be read or written.
@@ -107,11 +112,16 @@ impl Ledger {
                     for k in &keys {
                         latest.insert(k.clone(), chunk);
                     }
-                    chunks.insert(chunk, Chunk { number: chunk, round, name, keys, site, job: None });
+                    chunks.insert(chunk, Chunk { number: chunk, round, name, keys, site, job: None, refused: None });
                 }
                 Entry::Submitted { chunk, job } => {
                     if let Some(c) = chunks.get_mut(&chunk) {
                         c.job = Some(job);
+                    }
+                }
+                Entry::Refused { chunk, refused } => {
+                    if let Some(c) = chunks.get_mut(&chunk) {
+                        c.refused = Some(refused);
                     }
                 }
             }
@@ -171,7 +181,7 @@ impl Ledger {
         for k in &keys {
             self.latest.insert(k.clone(), number);
         }
-        let chunk = Chunk { number, round, name, keys, site, job: None };
+        let chunk = Chunk { number, round, name, keys, site, job: None, refused: None };
         self.chunks.insert(number, chunk.clone());
         Ok(chunk)
     }
@@ -181,6 +191,15 @@ impl Ledger {
         self.append(&Entry::Submitted { chunk: number, job: job.clone() })?;
         if let Some(c) = self.chunks.get_mut(&number) {
             c.job = Some(job);
+        }
+        Ok(())
+    }
+
+    /// Records that chunk `number`'s endpoint refused it, proving no job was made.
+    pub fn refused(&mut self, number: u32, why: &str) -> Result<(), LedgerError> {
+        self.append(&Entry::Refused { chunk: number, refused: why.to_string() })?;
+        if let Some(c) = self.chunks.get_mut(&number) {
+            c.refused = Some(why.to_string());
         }
         Ok(())
     }
@@ -204,6 +223,19 @@ impl Ledger {
     pub fn path(&self) -> &Path {
         &self.path
     }
+}
+
+/// Of a ledger's `chunks` (as [`Ledger::read`] gives them), those that may hold records a
+/// resumed run waits on: the latest chunk of some key, and not refused by its endpoint.
+pub fn open_chunks(chunks: &[Chunk]) -> Vec<&Chunk> {
+    let mut latest: HashMap<&str, u32> = HashMap::new();
+    for c in chunks {
+        for k in &c.keys {
+            latest.insert(k, c.number);
+        }
+    }
+    let holding: std::collections::HashSet<u32> = latest.into_values().collect();
+    chunks.iter().filter(|c| c.refused.is_none() && holding.contains(&c.number)).collect()
 }
 
 #[cfg(test)]
@@ -231,6 +263,8 @@ mod tests {
         assert_eq!(chunks.len(), 3);
         assert_eq!(chunks[0].job.as_ref().unwrap().id, "batch_1");
         assert_eq!(chunks[1].job, None);
+        // A refused chunk reads back as refused.
+        assert!(l.chunks().all(|c| c.refused.is_none()));
         // The endpoint of a pool a chunk went to; none written for a run's only endpoint.
         assert_eq!((chunks[0].site.as_str(), chunks[1].site.as_str()), ("", "eu"));
         assert!(!std::fs::read_to_string(&path).unwrap().lines().next().unwrap().contains("site"));

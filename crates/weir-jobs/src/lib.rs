@@ -26,7 +26,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use weir_core::{ErrorKind, JobApi, JobRef, JobState, JobStatus, ModelError, ModelRequest, ModelResponse};
 
-pub use ledger::{Chunk, Ledger, LedgerError};
+pub use ledger::{open_chunks, Chunk, Ledger, LedgerError};
 
 /// How jobs are run.
 #[derive(Debug, Clone)]
@@ -83,6 +83,8 @@ pub struct Site {
     /// the name of its key's variable). A run of one endpoint writes no name (its ledger reads
     /// as before pools), but has one, so that it finds its own jobs in a pool's ledger.
     pub name: String,
+    /// How messages name it (the pool entry's name, else where it is).
+    pub label: String,
     /// Its job API.
     pub api: Arc<dyn JobApi>,
     /// Its share of the records (default 1).
@@ -95,7 +97,7 @@ pub struct Sites(Vec<Site>);
 impl Sites {
     /// A run's only endpoint, named `name` (see [`Site::name`]).
     pub fn one(api: Arc<dyn JobApi>, name: String) -> Self {
-        Self(vec![Site { name, api, weight: 1.0 }])
+        Self(vec![Site { label: name.clone(), name, api, weight: 1.0 }])
     }
 
     /// A pool (at least one site; names unique).
@@ -134,18 +136,25 @@ impl Sites {
 
     /// The API of the endpoint a recorded chunk went to, or why there is none.
     pub fn api_of(&self, chunk: &Chunk) -> Result<&Arc<dyn JobApi>, BatchError> {
-        self.index_of(chunk).map(|i| &self.0[i].api).ok_or_else(|| missing_site(chunk))
+        self.index_of(chunk).map(|i| &self.0[i].api).ok_or_else(|| missing_sites(&[chunk]))
     }
 }
 
-fn missing_site(chunk: &Chunk) -> BatchError {
+/// The refusal of a run whose pool lacks the endpoints of `chunks` (which hold its records).
+pub fn missing_sites(chunks: &[&Chunk]) -> BatchError {
+    let mut by_site: BTreeMap<&str, Vec<String>> = BTreeMap::new();
+    for c in chunks {
+        let what = match &c.job {
+            Some(j) => format!("job {}", j.id),
+            None => format!("{} (submitted or not: looked up by name)", c.name),
+        };
+        by_site.entry(&c.site).or_default().push(what);
+    }
+    let each: Vec<String> = by_site.iter().map(|(site, jobs)| format!("\"{site}\": {}", jobs.join(", "))).collect();
     BatchError::Site(format!(
-        "chunk {} ({}{}) went to endpoint \"{}\", which this run's pool does not list: give the same endpoints as \
-         the run that submitted it (its records are in that job)",
-        chunk.number,
-        chunk.name,
-        chunk.job.as_ref().map(|j| format!(", job {}", j.id)).unwrap_or_default(),
-        chunk.site
+        "this run's pool does not list the endpoints of some of the earlier run's jobs, which hold its records: {}. \
+         Give the same endpoints as the run that submitted them (their jobs are asked there)",
+        each.join("; ")
     ))
 }
 
@@ -290,10 +299,14 @@ pub async fn run(
             None => fresh.push(key.clone()),
         }
     }
-    // Every chunk's endpoint known before anything is asked.
-    for number in attached.keys() {
-        let chunk = ledger.chunk(*number).expect("a chunk the ledger named");
-        sites.api_of(chunk)?;
+    // Every chunk's endpoint known before anything is asked (said for all that are not).
+    let missing: Vec<&Chunk> = attached
+        .keys()
+        .map(|n| ledger.chunk(*n).expect("a chunk the ledger named"))
+        .filter(|c| c.refused.is_none() && sites.index_of(c).is_none())
+        .collect();
+    if !missing.is_empty() {
+        return Err(missing_sites(&missing));
     }
     let mut active: Vec<Active> = Vec::new();
     let mut next_round: BTreeMap<u32, Vec<String>> = BTreeMap::new();
@@ -302,6 +315,11 @@ pub async fn run(
     }
     for (number, keys) in attached {
         let chunk = ledger.chunk(number).cloned().expect("a chunk the ledger named");
+        if chunk.refused.is_some() {
+            // Its endpoint made no job: its records are planned again.
+            next_round.entry(0).or_default().extend(keys);
+            continue;
+        }
         let site = sites.index_of(&chunk).expect("checked above");
         let api = &sites.0[site].api;
         let job = match chunk.job.clone() {
@@ -369,16 +387,25 @@ pub async fn run(
                 let name = format!("{}-c{}", settings.name_prefix, ledger.next_number());
                 let chunk = ledger.plan(round, name.clone(), sites.recorded(site), keys.clone())?;
                 let body = lines.concat();
-                let job = match with_tries(settings.api_tries, cancel, || api.submit(&name, body.clone(), count)).await
-                {
+                // In a pool, an endpoint that plainly refuses (a closed port, a rejected key) is
+                // left at its first refusal, not after the tries that may pass elsewhere.
+                let others = left.iter().filter(|l| !**l).count() > 1;
+                let first = if others { Some(api.submit(&name, body.clone(), count).await) } else { None };
+                let result = match first {
+                    Some(Ok(job)) => Ok(job),
+                    Some(Err(e)) if made_no_job(&e) => Err(BatchError::Api(e)),
+                    _ => with_tries(settings.api_tries, cancel, || api.submit(&name, body.clone(), count)).await,
+                };
+                let job = match result {
                     Ok(job) => job,
                     // The endpoint made no job and another may: its records go there.
-                    Err(BatchError::Api(e)) if made_no_job(&e) && left.iter().filter(|l| !**l).count() > 1 => {
+                    Err(BatchError::Api(e)) if made_no_job(&e) && others => {
                         tracing::warn!(
                             "batch jobs: endpoint {} refused a job ({e}); it gets no more jobs in this run, and its \
                              {count} records go to the others",
-                            sites.0[site].name
+                            sites.0[site].label
                         );
+                        ledger.refused(chunk.number, &e.to_string())?;
                         left[site] = true;
                         next_round.entry(round).or_default().extend(keys);
                         continue;
@@ -391,7 +418,7 @@ pub async fn run(
                     tracing::info!(
                         "submitted job {} at {} ({count} records, round {round})",
                         job.id,
-                        sites.0[site].name
+                        sites.0[site].label
                     );
                 } else {
                     tracing::info!("submitted job {} ({count} records, round {round})", job.id);
@@ -729,6 +756,7 @@ mod tests {
         let (a, b, dead) = (Instant::new(false), Instant::new(false), Instant::new(true));
         let site = |name: &str, api: &Arc<Instant>, weight: f64| Site {
             name: name.into(),
+            label: name.into(),
             api: api.clone() as Arc<dyn JobApi>,
             weight,
         };
@@ -756,11 +784,47 @@ mod tests {
         // keys point at it any more.
         let refused: Vec<_> = ledger.chunks().filter(|c| c.site == "dead").collect();
         assert_eq!(refused.len(), 1);
+        assert!(refused[0].refused.as_deref().is_some_and(|r| r.contains("API key not valid")));
         assert!(refused[0].keys.iter().all(|k| ledger.latest_chunk(k).unwrap().site != "dead"));
         // A resumed run whose pool lacks an endpoint of the ledger's jobs is refused.
         let only_b = Sites::pool(vec![site("b", &b, 1.0), site("dead", &dead, 1.0)]);
         let chunk_at_a = ledger.chunks().find(|c| c.site == "a").unwrap().clone();
         assert!(matches!(only_b.api_of(&chunk_at_a), Err(BatchError::Site(m)) if m.contains("\"a\"")));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Found by an outside tester: a run killed after an endpoint refused a chunk but before
+    /// its records were planned elsewhere could not be resumed (the chunk was looked up at the
+    /// refusing endpoint, or its endpoint was missing from the pool). The refusal is in the
+    /// ledger: a resumed run plans those records again, without asking that endpoint.
+    #[tokio::test(start_paused = true)]
+    async fn a_chunk_its_endpoint_refused_is_planned_again_on_resume_without_that_endpoint() {
+        let dir = std::env::temp_dir().join(format!("weir-jobs-refused-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let path = dir.join("jobs.jsonl");
+        {
+            let mut l = Ledger::open(&path, true).unwrap();
+            let keys: Vec<String> = items(15).into_iter().map(|i| i.key).collect();
+            let c = l.plan(0, "run-c0".into(), "gone", keys).unwrap();
+            l.refused(c.number, "connection refused").unwrap();
+        }
+        assert!(open_chunks(&Ledger::read(&path).unwrap()).is_empty(), "a refused chunk holds no records");
+        let a = Instant::new(false);
+        let sites = Sites::pool(vec![
+            Site { name: "a".into(), label: "a".into(), api: a.clone(), weight: 1.0 },
+            Site { name: "b".into(), label: "b".into(), api: Instant::new(false), weight: 1.0 },
+        ]);
+        let mut ledger = Ledger::open(&path, false).unwrap();
+        let settings = JobSettings { poll_first: Duration::from_millis(10), ..JobSettings::default() };
+        let mut n = 0;
+        let finished =
+            run(&sites, &mut ledger, items(15), &settings, &CancellationToken::new(), &mut |_| {}, &mut |_, r| {
+                r.unwrap();
+                n += 1
+            })
+            .await
+            .unwrap();
+        assert_eq!((n, finished.leftovers.len(), finished.reattached), (15, 0, 0));
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -214,8 +214,10 @@ pub fn declared_pool(
     endpoints: Option<&str>,
 ) -> Result<Vec<crate::EndpointEntry>, SettingsError> {
     let locations = locations(location);
-    if location.is_some() && locations.is_empty() {
-        return Err(SettingsError("--location: name a location (e.g. us-central1)".into()));
+    if location.is_some_and(|l| l.split(',').any(|x| x.trim().is_empty())) {
+        return Err(SettingsError(
+            "--location: name a location (e.g. us-central1), or several separated by single commas".into(),
+        ));
     }
     let entries = match endpoints {
         Some(_) if !base_url.is_empty() || location.is_some() => {

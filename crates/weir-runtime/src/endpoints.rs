@@ -169,9 +169,16 @@ pub fn check(entries: &[EndpointEntry], env: &dyn Fn(&str) -> Option<String>) ->
                     "{at}: key_env must name an environment variable (letters, digits and _), not hold a key"
                 ));
             }
+            // Repeated only when it reads as a variable's name (upper case, as they are written):
+            // a key of letters and digits alone (many Gemini keys) is not.
+            let shown = if var.chars().all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_') {
+                format!("{var:?}")
+            } else {
+                format!("({} characters, not repeated in case it is a key)", var.len())
+            };
             match env(var) {
-                None => return Err(format!("{at}: key_env {var:?} names an environment variable that is not set")),
-                Some(v) if v.trim().is_empty() => return Err(format!("{at}: key_env {var:?} names an empty variable")),
+                None => return Err(format!("{at}: key_env {shown} names an environment variable that is not set")),
+                Some(v) if v.trim().is_empty() => return Err(format!("{at}: key_env {shown} names an empty variable")),
                 Some(_) => {}
             }
         }
@@ -238,5 +245,9 @@ mod tests {
         bad[0].weight = Some(0.0);
         assert!(check(&bad, &env).unwrap_err().starts_with("endpoint 1 (http://127.0.0.1:8001/v1): weight 0"));
         assert!(parse("", "pool.toml").is_err());
+        // A key pasted there (letters and digits only, as many Gemini keys are) is not repeated.
+        missing[1].key_env = Some("AIzaSyB3xQ7kLmN9pR2sT4uV6wX8yZ0aBcDeFgH".into());
+        let e = check(&missing, &|_| None).unwrap_err();
+        assert!(!e.contains("AIza") && e.contains("39 characters"), "{e}");
     }
 }

@@ -199,57 +199,88 @@ async fn each_job(t: &Target, cancel: bool) -> anyhow::Result<u8> {
     for path in ledgers(t)? {
         // Read only: the run may be appending to it.
         let chunks = weir_jobs::Ledger::read(&path).map_err(|e| anyhow::anyhow!(e))?;
-        println!("{}:", path.display());
+        if !say(&format!("{}:", path.display()))? {
+            return Ok(u8::from(failed));
+        }
         for chunk in &chunks {
-            let Some(job) = &chunk.job else {
-                println!(
-                    "  chunk {}: {} records, not recorded as submitted (name {})",
-                    chunk.number,
-                    chunk.keys.len(),
-                    chunk.name
-                );
-                continue;
-            };
-            let api = match sites.api_of(chunk) {
-                Ok(api) => api,
-                Err(e) => {
-                    println!("  {}: cannot ask the provider: {e}", job.id);
+            let line = match job_line(&sites, chunk, cancel).await {
+                Ok(line) => line,
+                Err(line) => {
                     failed = true;
-                    continue;
+                    line
                 }
             };
-            let status = match api.status(job).await {
-                Ok(s) => s,
-                Err(e) => {
-                    println!("  {}: cannot ask the provider: {e}", job.id);
-                    failed = true;
-                    continue;
-                }
-            };
-            let mut line = format!(
-                "  {}: {} — {} of {} answered, {} failed ({} records, round {})",
-                job.id,
-                status.state.as_str(),
-                status.completed,
-                status.total,
-                status.failed,
-                chunk.keys.len(),
-                chunk.round + 1
-            );
-            if let Some(m) = &status.message {
-                line.push_str(&format!(": {m}"));
+            if !say(&line)? {
+                return Ok(u8::from(failed));
             }
-            if cancel && !status.state.is_terminal() {
-                match api.cancel(job).await {
-                    Ok(()) => line.push_str(" — cancel requested"),
-                    Err(e) => {
-                        failed = true;
-                        line.push_str(&format!(" — cancel failed: {e}"))
-                    }
-                }
-            }
-            println!("{line}");
         }
     }
     Ok(u8::from(failed))
+}
+
+/// Prints `line` on stdout; false when the reader has gone (`| head`): it has what it wanted.
+fn say(line: &str) -> anyhow::Result<bool> {
+    use std::io::Write;
+    match writeln!(std::io::stdout().lock(), "{line}") {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(false),
+        r => r.map(|()| true).map_err(Into::into),
+    }
+}
+
+/// One chunk's line of `weir batch status` (cancelling its job if `cancel`); an error line
+/// when the provider could not be asked or the cancel failed.
+async fn job_line(sites: &weir_jobs::Sites, chunk: &weir_jobs::Chunk, cancel: bool) -> Result<String, String> {
+    let at = if chunk.site.is_empty() { String::new() } else { format!(" at {}", chunk.site) };
+    if let Some(why) = &chunk.refused {
+        return Ok(format!(
+            "  chunk {}: {} records, refused{at} ({why}); no job was made and its records went to another endpoint",
+            chunk.number,
+            chunk.keys.len()
+        ));
+    }
+    let api = sites.api_of(chunk).map_err(|e| format!("  chunk {}: cannot ask the provider: {e}", chunk.number))?;
+    let (job, found) = match &chunk.job {
+        Some(job) => (job.clone(), ""),
+        // The run stopped while submitting it: the provider may have it under its name.
+        None => match api.find(&chunk.name).await {
+            Ok(Some(job)) => (job, " (not recorded as submitted; found by its name)"),
+            Ok(None) => {
+                return Ok(format!(
+                    "  chunk {}: {} records, not submitted{at} (name {}); a resumed run sends them",
+                    chunk.number,
+                    chunk.keys.len(),
+                    chunk.name
+                ))
+            }
+            Err(e) => {
+                return Err(format!(
+                    "  chunk {}: {} records, not recorded as submitted{at} (name {}); cannot ask the provider: {e}",
+                    chunk.number,
+                    chunk.keys.len(),
+                    chunk.name
+                ))
+            }
+        },
+    };
+    let status = api.status(&job).await.map_err(|e| format!("  {}: cannot ask the provider: {e}", job.id))?;
+    let mut line = format!(
+        "  {}: {} — {} of {} answered, {} failed ({} records, round {}{at}){found}",
+        job.id,
+        status.state.as_str(),
+        status.completed,
+        status.total,
+        status.failed,
+        chunk.keys.len(),
+        chunk.round + 1
+    );
+    if let Some(m) = &status.message {
+        line.push_str(&format!(": {m}"));
+    }
+    if cancel && !status.state.is_terminal() {
+        match api.cancel(&job).await {
+            Ok(()) => line.push_str(" — cancel requested"),
+            Err(e) => return Err(format!("{line} — cancel failed: {e}")),
+        }
+    }
+    Ok(line)
 }

@@ -585,9 +585,12 @@ pub fn job_sites(
         let staging = job_staging(model, bucket_of(i, entry.job_bucket.as_deref()).as_deref(), env)
             .map_err(|e| RunError::Usage(format!("{}: {e}", entry.label(i))))?;
         match weir_providers::connect_jobs(model, &entry.provider(provider), env, max_requests, staging) {
-            Ok(api) => {
-                sites.push(weir_jobs::Site { name: entry.site(provider), api, weight: entry.weight.unwrap_or(1.0) })
-            }
+            Ok(api) => sites.push(weir_jobs::Site {
+                name: entry.site(provider),
+                label: entry.label(i),
+                api,
+                weight: entry.weight.unwrap_or(1.0),
+            }),
             Err(weir_providers::ProviderError::Config(m)) => {
                 return Ok(Err(weir_providers::ProviderError::Config(format!("{}: {m}", entry.label(i)))))
             }

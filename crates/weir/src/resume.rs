@@ -196,7 +196,8 @@ pub(crate) fn identity(
         input,
         model: settings.model.to_string(),
         model_field: settings.model_field.clone(),
-        base_url: settings.provider.base_url.clone(),
+        // A pool's first endpoint names the run, however the pool was given.
+        base_url: settings.pool.first().and_then(|e| e.base_url.clone()).or_else(|| settings.provider.base_url.clone()),
         prompt: match &settings.records.prompt {
             PromptSource::Field(f) => format!("field:{f}"),
             PromptSource::Template(t) => format!("template:{}", t.source()),
@@ -568,23 +569,23 @@ pub(crate) async fn guard_jobs(
         // Said by the run when it opens the ledger.
         Err(_) => return Ok(()),
     };
+    // Chunks that may hold records: the latest of some key, not refused by their endpoint
+    // (whether their job id was recorded or the run stopped before it was).
+    let open = weir_jobs::open_chunks(&chunks);
     // A resumed run asks each job's endpoint about it: one the pool no longer lists is said
     // before any call (its records are in that job).
     if let (false, Some(sites)) = (settings.fresh, api) {
-        for chunk in chunks.iter().filter(|c| c.job.is_some()) {
-            sites.api_of(chunk).map_err(|e| RunError::Usage(e.to_string()))?;
+        let missing: Vec<&weir_jobs::Chunk> = open.iter().copied().filter(|c| sites.index_of(c).is_none()).collect();
+        if !missing.is_empty() {
+            return Err(RunError::Usage(weir_jobs::missing_sites(&missing).to_string()));
         }
     }
-    if !settings.fresh {
-        return Ok(());
-    }
-    let jobs: Vec<&weir_jobs::Chunk> = chunks.iter().filter(|c| c.job.is_some()).collect();
-    if jobs.is_empty() {
+    if !settings.fresh || open.is_empty() {
         return Ok(());
     }
     let cancel = format!(
-        "`weir batch cancel --model {} --output {output}` (with this run's --base-url, --project, --location, \
-         --job-bucket and --state, if given)",
+        "`weir batch cancel --model {} --output {output}` (with this run's --base-url, --endpoints, --project, \
+         --location, --job-bucket and --state, if given)",
         settings.model
     );
     let Some(api) = api else {
@@ -592,20 +593,33 @@ pub(crate) async fn guard_jobs(
             "an earlier run of this command submitted {} batch job(s), which may still be running and charged; --fresh \
              would forget them. Run --fresh with --mode batch (weir then asks the provider whether they ended), or \
              cancel them first with {cancel}",
-            jobs.len()
+            open.len()
         )));
     };
     let mut live = Vec::new();
-    for chunk in jobs {
-        let job = chunk.job.as_ref().expect("filtered");
+    for chunk in open {
         let api = match api.api_of(chunk) {
             Ok(api) => api,
             Err(_) => {
-                live.push(format!("{} (at endpoint \"{}\", which this run's pool does not list)", job.id, chunk.site));
+                let what = chunk.job.as_ref().map_or(chunk.name.as_str(), |j| j.id.as_str());
+                live.push(format!("{what} (at endpoint \"{}\", which this run's pool does not list)", chunk.site));
                 continue;
             }
         };
-        match api.status(job).await {
+        // A chunk whose job id was never recorded (the run stopped while submitting it) may
+        // still be a job: asked by its name.
+        let job = match &chunk.job {
+            Some(job) => job.clone(),
+            None => match api.find(&chunk.name).await {
+                Ok(Some(job)) => job,
+                Ok(None) => continue,
+                Err(e) => {
+                    live.push(format!("{} (perhaps submitted; the provider could not be asked: {e})", chunk.name));
+                    continue;
+                }
+            },
+        };
+        match api.status(&job).await {
             Ok(s) if s.state.is_terminal() => {}
             Ok(s) => live.push(format!("{} ({})", job.id, s.state.as_str())),
             Err(e) => live.push(format!("{} (the provider could not be asked: {e})", job.id)),
@@ -638,5 +652,6 @@ pub(crate) fn refused_with_jobs(e: state::StateError, ledger: &std::path::Path) 
 
 /// Whether the job ledger at `path` records a submitted job.
 pub(crate) fn has_jobs(path: &std::path::Path) -> bool {
-    weir_jobs::Ledger::read(path).is_ok_and(|chunks| chunks.iter().any(|c| c.job.is_some()))
+    // A chunk recorded without its job id may be a job too (the run stopped while submitting).
+    weir_jobs::Ledger::read(path).is_ok_and(|chunks| !weir_jobs::open_chunks(&chunks).is_empty())
 }

@@ -442,6 +442,19 @@ async fn fresh_is_refused_while_the_earlier_runs_jobs_are_live() {
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(err.contains("still live at the provider") && err.contains("weir batch cancel"), "{err}");
     assert_eq!(sim.stats().batch_jobs, 2, "nothing submitted again: {err}");
+    // Found by an outside tester: a run killed after submitting a job but before writing its id
+    // down left a ledger that --fresh took for empty, and it paid again. Such a chunk is looked
+    // up by its name: the ledger without its ids (as if killed then) is refused the same way.
+    let ledger = walk(&dir.0).into_iter().find(|p| p.to_string_lossy().ends_with(".jobs.jsonl")).unwrap();
+    let full = std::fs::read_to_string(&ledger).unwrap();
+    let planned: String = full.lines().filter(|l| !l.contains("\"job\"")).map(|l| format!("{l}\n")).collect();
+    assert_eq!(planned.lines().count(), 2, "{full}");
+    std::fs::write(&ledger, &planned).unwrap();
+    let o = weir().args(fresh(&[])).output().await.unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("still live at the provider"), "{err}");
+    assert_eq!(sim.stats().batch_jobs, 2, "nothing submitted again: {err}");
     // Without --mode batch weir cannot ask the provider: refused too, saying what to do.
     let mut online: Vec<String> = fresh(&[]);
     let at = online.iter().position(|a| a == "--mode").unwrap();
