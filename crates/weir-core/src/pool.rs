@@ -57,6 +57,18 @@ enum Cause {
     Spent,
 }
 
+impl Cause {
+    /// What the summary and messages say of it.
+    fn says(self) -> &'static str {
+        match self {
+            Cause::Unreachable => "connections refused",
+            Cause::Failing => "failing",
+            Cause::Auth => "credentials rejected",
+            Cause::Spent => "quota spent",
+        }
+    }
+}
+
 /// An endpoint's state, as the summary and `/metrics` show it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EndpointHealth {
@@ -116,6 +128,8 @@ pub struct EndpointStatus {
     pub endpoint: String,
     /// Whether it takes calls.
     pub health: EndpointHealth,
+    /// Why it does not, when it does not ("connections refused", "credentials rejected", …).
+    pub why: Option<&'static str>,
     /// Attempts sent there.
     pub calls: u64,
     /// Of those, refused for rate (429 and the like).
@@ -219,13 +233,18 @@ impl Pool {
         let now = Instant::now();
         self.lanes
             .iter()
-            .map(|l| EndpointStatus {
+            .map(|l| {
+                let cooled = l.health.lock().unwrap_or_else(|e| e.into_inner()).cooled(now).map(|(_, c)| c);
+                (l, cooled)
+            })
+            .map(|(l, cooled)| EndpointStatus {
                 endpoint: l.endpoint.clone(),
-                health: match l.health.lock().unwrap_or_else(|e| e.into_inner()).cooled(now) {
-                    Some((_, Cause::Auth | Cause::Spent)) => EndpointHealth::Dead,
+                health: match cooled {
+                    Some(Cause::Auth | Cause::Spent) => EndpointHealth::Dead,
                     Some(_) => EndpointHealth::CoolingDown,
                     None => EndpointHealth::Active,
                 },
+                why: cooled.map(Cause::says),
                 calls: l.calls.load(Relaxed),
                 rate_limited: l.rate_limited.load(Relaxed),
                 failed: l.failed.load(Relaxed),
@@ -388,14 +407,12 @@ impl Pool {
                 .iter()
                 .map(|o| {
                     let h = o.health.lock().unwrap_or_else(|e| e.into_inner());
-                    let why = match h.cooled(now).map(|(_, c)| c) {
-                        Some(Cause::Unreachable) => "cooling down: connections refused",
-                        Some(Cause::Failing) => "cooling down: failing",
-                        Some(Cause::Auth) => "dead: credentials rejected",
-                        Some(Cause::Spent) => "dead: quota spent",
-                        None => "active",
+                    let state = match h.cooled(now).map(|(_, c)| c) {
+                        Some(c @ (Cause::Auth | Cause::Spent)) => format!("dead: {}", c.says()),
+                        Some(c) => format!("cooling down: {}", c.says()),
+                        None => "active".to_string(),
                     };
-                    format!("{}: {why}", o.endpoint)
+                    format!("{}: {state}", o.endpoint)
                 })
                 .collect();
             e.message = format!("{} (no endpoint of the pool is usable: {})", e.message, each.join("; "));

@@ -484,9 +484,10 @@ pub fn pool_lines(pool: &[weir_core::EndpointStatus]) -> String {
     pool.iter()
         .map(|e| {
             format!(
-                "  endpoint {}: {}; {} calls, {} rate-limited, {} failed; {}\n",
+                "  endpoint {}: {}{}; {} calls, {} rate-limited, {} failed; {}\n",
                 e.endpoint,
                 e.health.as_str(),
+                e.why.map(|w| format!(" ({w})")).unwrap_or_default(),
                 thousands(e.calls),
                 thousands(e.rate_limited),
                 thousands(e.failed),

@@ -98,8 +98,11 @@ async fn a_pool_goes_on_without_endpoints_that_refuse_connections_or_the_key() {
     assert_each_id_once(&ids, &rows(&out), &[]);
     assert_eq!(good.stats().successes, 300);
     assert_eq!(strict.stats().successes, 0);
-    assert!(err.contains("endpoint strict: dead;"), "{err}");
-    assert!(err.contains(&format!("endpoint {nothing}/")) && err.contains(": cooling down;"), "{err}");
+    assert!(err.contains("endpoint strict: dead (credentials rejected);"), "{err}");
+    assert!(
+        err.contains(&format!("endpoint {nothing}/")) && err.contains(": cooling down (connections refused);"),
+        "{err}"
+    );
     assert!(!err.contains("good-key"), "a key in the output: {err}");
 }
 
