@@ -15,9 +15,15 @@ use crate::{gemini, openai, GeminiHandler, OpenAiHandler};
 /// The OpenAI Batch API's limits per input file: 50,000 requests and 200 MB.
 pub const OPENAI_LIMITS: JobLimits = JobLimits { max_lines: 50_000, max_bytes: 200 * 1000 * 1000 };
 
-/// The Gemini API's limit for requests sent inline: under 20 MB per job. (Lines: no documented
-/// limit; 50,000 keeps a job's answer, which comes back inline too, of a sane size.)
-pub const GEMINI_LIMITS: JobLimits = JobLimits { max_lines: 50_000, max_bytes: 19 * 1000 * 1000 };
+/// A Gemini API job: its input is an uploaded JSONL file (the Files API takes up to 2 GB; a job
+/// is held in memory while it is sent, so weir cuts them at 200 MB). Lines: no documented
+/// limit; 50,000 keeps a job's results file of a sane size.
+pub const GEMINI_LIMITS: JobLimits = JobLimits { max_lines: 50_000, max_bytes: 200 * 1000 * 1000 };
+
+/// Gemini API jobs of at most this many bytes send their requests inline (one call, no file to
+/// upload and delete); larger ones upload a file. The API takes inline requests under 20 MB,
+/// but their answers come back inline too, in one JSON document read whole.
+pub const GEMINI_INLINE_MAX: usize = 1_000_000;
 
 /// Vertex AI's limits per Gemini batch job: 200,000 requests, and an input file of at most 1 GB.
 pub const VERTEX_LIMITS: JobLimits = JobLimits { max_lines: 200_000, max_bytes: 1000 * 1000 * 1000 };
@@ -282,9 +288,12 @@ impl JobApi for OpenAiJobs {
     }
 }
 
-/// Jobs of the Gemini API's batch mode, with the requests inline.
+/// Jobs of the Gemini API's batch mode: small ones with their requests inline, larger ones
+/// from a JSONL file uploaded through the Files API (resumable protocol), answered in a file.
 pub struct GeminiJobs {
     client: reqwest::Client,
+    /// The base URL (uploads and downloads go under it, beside `/v1beta`).
+    base: String,
     root: String,
     model: String,
     model_id: String,
@@ -296,9 +305,11 @@ impl GeminiJobs {
     /// Jobs at `base` (`https://generativelanguage.googleapis.com`, or a simulator) for `model`.
     pub fn new(client: reqwest::Client, base: &reqwest::Url, model: &str, key: Option<Secret>) -> Self {
         let credential = key.map_or(Credential::None, |k| Credential::Key(k, Some("x-goog-api-key")));
-        let root = format!("{}/v1beta", base.as_str().trim_end_matches('/'));
+        let base = base.as_str().trim_end_matches('/').to_string();
+        let root = format!("{base}/v1beta");
         Self {
             client,
+            base,
             root,
             model: model.to_string(),
             model_id: format!("gemini/{model}"),
@@ -329,6 +340,67 @@ impl GeminiJobs {
         json_of(&reply)
     }
 
+    /// Uploads a job's input file (the Files API's resumable protocol: a start that declares
+    /// the length, then the bytes in one request that finalizes); its name (`files/…`).
+    async fn upload(&self, name: &str, lines: &bytes::Bytes) -> Result<String, ModelError> {
+        let url = format!("{}/upload/v1beta/files", self.base);
+        let start = bytes::Bytes::from(json!({"file": {"display_name": name}}).to_string());
+        let (reply, secret) = self
+            .credential
+            .send(|| {
+                json_post(&self.client, &url, &start)
+                    .header("X-Goog-Upload-Protocol", "resumable")
+                    .header("X-Goog-Upload-Command", "start")
+                    .header("X-Goog-Upload-Header-Content-Length", lines.len().to_string())
+                    .header("X-Goog-Upload-Header-Content-Type", "application/jsonl")
+            })
+            .await?;
+        if reply.status != 200 {
+            return Err(refused(&reply, secret.as_ref(), gemini::classify_error));
+        }
+        let session = reply
+            .headers
+            .get("x-goog-upload-url")
+            .and_then(|v| v.to_str().ok())
+            .ok_or_else(|| malformed("the upload's start gave no X-Goog-Upload-URL"))?
+            .to_string();
+        // The key goes with the bytes only to where it was going already.
+        let origin = |u: &str| reqwest::Url::parse(u).ok().map(|u| u.origin());
+        if origin(&session).is_none() || origin(&session) != origin(&self.base) {
+            return Err(malformed("the upload's start named a place other than the API's to send the file to"));
+        }
+        let (reply, secret) = self
+            .credential
+            .send(|| {
+                self.client
+                    .post(&session)
+                    .header("X-Goog-Upload-Command", "upload, finalize")
+                    .header("X-Goog-Upload-Offset", "0")
+                    .header(reqwest::header::CONTENT_TYPE, "application/jsonl")
+                    .body(lines.clone())
+            })
+            .await?;
+        if reply.status != 200 {
+            return Err(refused(&reply, secret.as_ref(), gemini::classify_error));
+        }
+        let file = json_of(&reply)?;
+        file.pointer("/file/name")
+            .and_then(Value::as_str)
+            .map(str::to_string)
+            .ok_or_else(|| malformed("the finished upload named no file"))
+    }
+
+    /// A results file's bytes.
+    async fn download(&self, file: &str) -> Result<bytes::Bytes, ModelError> {
+        // Where google-genai's `files.download` asks.
+        let url = format!("{}/{file}:download?alt=media", self.root);
+        let (reply, secret) = self.credential.send(|| self.client.get(&url)).await?;
+        if reply.status != 200 {
+            return Err(refused(&reply, secret.as_ref(), gemini::classify_error));
+        }
+        Ok(reply.body)
+    }
+
     /// The batch's own fields: an operation carries them in `metadata`.
     fn batch_of(v: &Value) -> &Value {
         v.get("metadata").filter(|m| m.get("state").is_some()).unwrap_or(v)
@@ -354,6 +426,16 @@ fn gemini_state(state: &str) -> JobState {
     }
 }
 
+/// One request's result in a Gemini job's answer (inline or a results file line): its response
+/// or its error.
+fn gemini_item(item: &Value) -> Result<weir_core::ModelResponse, ModelError> {
+    match (item.get("response"), item.get("error")) {
+        (_, Some(err)) if !err.is_null() => Err(gemini_item_error(err)),
+        (Some(resp), _) => gemini::parse_response(&serde_json::to_vec(resp).unwrap_or_default()),
+        _ => Err(malformed("a result with neither response nor error")),
+    }
+}
+
 /// A Gemini `google.rpc.Status` of one failed request, classified by its HTTP-like code.
 fn gemini_item_error(err: &Value) -> ModelError {
     let code = err.get("code").and_then(Value::as_u64).unwrap_or(500) as u16;
@@ -371,8 +453,10 @@ impl JobApi for GeminiJobs {
         self.limits
     }
 
+    /// A line of the input file (`{"key", "request"}`); a job small enough to go inline is
+    /// rewritten as the inline form wants it.
     fn line(&self, key: &str, request: &ModelRequest) -> Result<Vec<u8>, ModelError> {
-        let line = json!({"request": GeminiHandler::body(request), "metadata": {"key": key}});
+        let line = json!({"key": key, "request": GeminiHandler::body(request)});
         let mut bytes =
             serde_json::to_vec(&line).map_err(|e| ModelError::new(ErrorKind::InvalidInput, e.to_string()))?;
         bytes.push(b'\n');
@@ -380,12 +464,23 @@ impl JobApi for GeminiJobs {
     }
 
     async fn submit(&self, name: &str, lines: Vec<u8>, count: usize) -> Result<JobRef, ModelError> {
+        let create = format!("models/{}:batchGenerateContent", self.model);
+        if lines.len() > GEMINI_INLINE_MAX {
+            let lines = bytes::Bytes::from(lines);
+            let file = self.upload(name, &lines).await?;
+            let body = json!({"batch": {"displayName": name, "inputConfig": {"fileName": file}}});
+            let op = self.call(Some(&body), &create).await?;
+            return Ok(JobRef { file: Some(file), ..Self::job_ref(&op)? });
+        }
         let mut requests = Vec::with_capacity(count);
         for line in lines.split(|c| *c == b'\n').filter(|l| !l.is_empty()) {
-            requests.push(serde_json::from_slice::<Value>(line).map_err(|e| malformed(&e.to_string()))?);
+            let mut v = serde_json::from_slice::<Value>(line).map_err(|e| malformed(&e.to_string()))?;
+            let key = v.get_mut("key").map(Value::take).unwrap_or(Value::Null);
+            let request = v.get_mut("request").map(Value::take).unwrap_or(Value::Null);
+            requests.push(json!({"request": request, "metadata": {"key": key}}));
         }
         let body = json!({"batch": {"displayName": name, "inputConfig": {"requests": {"requests": requests}}}});
-        let op = self.call(Some(&body), &format!("models/{}:batchGenerateContent", self.model)).await?;
+        let op = self.call(Some(&body), &create).await?;
         Self::job_ref(&op)
     }
 
@@ -435,6 +530,21 @@ impl JobApi for GeminiJobs {
             Some(op) => op.clone(),
             None => Arc::new(self.call(None, &job.id).await?),
         };
+        let file = op
+            .pointer("/response/responsesFile")
+            .or_else(|| op.pointer("/metadata/output/responsesFile"))
+            .and_then(Value::as_str);
+        if let Some(file) = file {
+            let content = self.download(file).await?;
+            let mut out = Vec::new();
+            for line in content.split(|c| *c == b'\n').filter(|l| !l.iter().all(u8::is_ascii_whitespace)) {
+                // A line that cannot be read names no key: its record is missing and tried again.
+                let Ok(item) = serde_json::from_slice::<Value>(line) else { continue };
+                let Some(key) = item.get("key").and_then(Value::as_str) else { continue };
+                out.push((key.to_string(), gemini_item(&item)));
+            }
+            return Ok(out);
+        }
         let inlined = op
             .pointer("/response/inlinedResponses/inlinedResponses")
             .or_else(|| op.pointer("/metadata/output/inlinedResponses/inlinedResponses"))
@@ -442,18 +552,22 @@ impl JobApi for GeminiJobs {
         let mut out = Vec::new();
         for item in inlined.into_iter().flatten() {
             let Some(key) = item.pointer("/metadata/key").and_then(Value::as_str) else { continue };
-            let result = match (item.get("response"), item.get("error")) {
-                (_, Some(err)) if !err.is_null() => Err(gemini_item_error(err)),
-                (Some(resp), _) => gemini::parse_response(&serde_json::to_vec(resp).unwrap_or_default()),
-                _ => Err(malformed("a result with neither response nor error")),
-            };
-            out.push((key.to_string(), result));
+            out.push((key.to_string(), gemini_item(item)));
         }
         Ok(out)
     }
 
     async fn cancel(&self, job: &JobRef) -> Result<(), ModelError> {
         self.call(Some(&json!({})), &format!("{}:cancel", job.id)).await.map(|_| ())
+    }
+
+    async fn clean_up(&self, job: &JobRef) {
+        if let Some(file) = &job.file {
+            let url = format!("{}/{file}", self.root);
+            if let Err(e) = self.credential.send(|| self.client.delete(&url)).await {
+                tracing::debug!("could not delete batch input file {file}: {e}");
+            }
+        }
     }
 }
 

@@ -72,6 +72,7 @@ pub(crate) struct JobRequest<'a> {
     pub path: &'a str,
     pub query: Option<&'a str>,
     pub content_type: &'a str,
+    pub headers: &'a hyper::HeaderMap,
     pub body: &'a [u8],
 }
 
@@ -88,6 +89,10 @@ struct Inner {
     next: u64,
     submitted: u64,
     answered: u64,
+    /// Resumable uploads started and not finished: id → (display name, declared length).
+    uploads: BTreeMap<String, (String, u64)>,
+    uploaded: u64,
+    upload_refusals: u64,
 }
 
 /// A reply: status and JSON body, or raw bytes (a file's content).
@@ -96,6 +101,8 @@ pub enum Reply {
     Json(u16, Value),
     /// A file's bytes.
     Bytes(Vec<u8>),
+    /// JSON with response headers.
+    JsonWith(u16, Vec<(&'static str, String)>, Value),
 }
 
 fn openai_error(status: u16, message: &str) -> Reply {
@@ -302,6 +309,22 @@ impl Job {
             }
             v.output_dir = Some(dir);
         }
+        // A Gemini job from a file answers in a file: one `{"key", "response"|"error"}` a line.
+        if self.kind == Kind::Gemini && self.input_file.is_some() {
+            let mut out = Vec::new();
+            for (key, r) in &results {
+                let line = match r {
+                    Ok(body) => json!({"key": key, "response": body}),
+                    Err((_, body)) => json!({"key": key, "error": body["error"]}),
+                };
+                out.extend_from_slice(line.to_string().as_bytes());
+                out.push(b'\n');
+            }
+            *next += 1;
+            let id = format!("files/out{next}");
+            files.insert(id.clone(), out);
+            self.output_file = Some(id);
+        }
         if self.kind == Kind::OpenAi {
             let mut out = Vec::new();
             let mut err = Vec::new();
@@ -371,7 +394,14 @@ impl Job {
             "batchStats": {"requestCount": total.to_string(), "successfulRequestCount": ok.to_string(),
                 "failedRequestCount": failed.to_string(), "pendingRequestCount": (total - ok - failed).to_string()}});
         let mut op = json!({"name": self.id, "done": self.results.is_some()});
-        if let Some(results) = &self.results {
+        if let (Some(_), Some(file)) = (&self.results, &self.output_file) {
+            let output = json!({"responsesFile": file});
+            meta["output"] = output.clone();
+            let mut response = output;
+            response["@type"] =
+                json!("type.googleapis.com/google.ai.generativelanguage.v1main.GenerateContentBatchOutput");
+            op["response"] = response;
+        } else if let Some(results) = &self.results {
             let inlined: Vec<Value> = results
                 .iter()
                 .map(|(key, r)| match r {
@@ -493,6 +523,13 @@ impl Jobs {
         self.lock().answered
     }
 
+    /// Files uploaded through the Gemini API's resumable protocol, and uploads refused for not
+    /// following it.
+    pub fn uploads(&self) -> (u64, u64) {
+        let g = self.lock();
+        (g.uploaded, g.upload_refusals)
+    }
+
     /// Zeroes the counts (`POST /stats/reset`); jobs and files stay.
     pub fn reset_counts(&self) {
         let mut g = self.lock();
@@ -506,7 +543,8 @@ impl Jobs {
 
     /// Handles a request to the job routes, or `None` when the path is not one of them.
     pub(crate) fn handle(&self, cfg: &SimConfig, req: JobRequest<'_>, gcs: &Store) -> Option<Reply> {
-        let JobRequest { method, path, query, content_type, body } = req;
+        let JobRequest { method, path, query, content_type, headers, body } = req;
+        let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
         let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
         let mut g = self.lock();
         let inner = &mut *g;
@@ -598,6 +636,32 @@ impl Jobs {
             {
                 let model = model_method.trim_end_matches(":batchGenerateContent").to_string();
                 let b = json_body();
+                // From an uploaded file: one `{"key", "request"}` per line.
+                if let Some(file) = b.pointer("/batch/inputConfig/fileName").and_then(Value::as_str) {
+                    let Some(content) = inner.files.get(file) else {
+                        return Some(gemini_error(404, &format!("file {file} not found")));
+                    };
+                    let mut requests = Vec::new();
+                    for (n, line) in content.split(|c| *c == b'\n').filter(|l| !l.is_empty()).enumerate() {
+                        let Ok(v) = serde_json::from_slice::<Value>(line) else {
+                            return Some(gemini_error(400, &format!("{file} line {}: not JSON", n + 1)));
+                        };
+                        let (Some(key), Some(request)) = (v.get("key").and_then(Value::as_str), v.get("request"))
+                        else {
+                            return Some(gemini_error(
+                                400,
+                                &format!("{file} line {}: key and request are required", n + 1),
+                            ));
+                        };
+                        requests.push((key.to_string(), request.clone()));
+                    }
+                    let id = format!("batches/sim{}", inner.next_job());
+                    let name = b.pointer("/batch/displayName").and_then(Value::as_str).unwrap_or("").to_string();
+                    let job = Job::new(Kind::Gemini, id.clone(), name, model, Some(file.to_string()), requests);
+                    let view = job.gemini_view(cfg);
+                    inner.jobs.insert(id, job);
+                    return Some(Reply::Json(200, view));
+                }
                 let Some(list) = b.pointer("/batch/inputConfig/requests/requests").and_then(Value::as_array) else {
                     return Some(gemini_error(
                         400,
@@ -649,6 +713,86 @@ impl Jobs {
                     false => gemini_error(404, &format!("batch {id} not found")),
                 }
             }
+            // ---- Gemini Files API, resumable uploads: a start declaring the length, then the
+            // bytes in one request that finalizes (what weir sends; chunked uploads are refused).
+            ("POST", ["upload", "v1beta", "files"]) if query.is_none_or(|q| !q.contains("upload_id=")) => {
+                let declared = header("x-goog-upload-header-content-length").parse::<u64>();
+                let refusal = if header("x-goog-upload-protocol") != "resumable" {
+                    Some("X-Goog-Upload-Protocol: resumable is required")
+                } else if header("x-goog-upload-command") != "start" {
+                    Some("the first request of an upload must be X-Goog-Upload-Command: start")
+                } else if declared.is_err() {
+                    Some("X-Goog-Upload-Header-Content-Length must give the file's length")
+                } else {
+                    None
+                };
+                if let Some(why) = refusal {
+                    inner.upload_refusals += 1;
+                    return Some(gemini_error(400, why));
+                }
+                let display =
+                    json_body().pointer("/file/display_name").and_then(Value::as_str).unwrap_or("").to_string();
+                inner.next += 1;
+                let id = format!("up{}", inner.next);
+                inner.uploads.insert(id.clone(), (display, declared.unwrap_or(0)));
+                let host = header("host");
+                let url = format!("http://{host}/upload/v1beta/files?upload_id={id}");
+                Reply::JsonWith(
+                    200,
+                    vec![("x-goog-upload-url", url), ("x-goog-upload-status", "active".into())],
+                    json!({}),
+                )
+            }
+            ("POST", ["upload", "v1beta", "files"]) => {
+                let id = query.and_then(|q| q.split('&').find_map(|p| p.strip_prefix("upload_id="))).unwrap_or("");
+                let Some((display, declared)) = inner.uploads.get(id).cloned() else {
+                    inner.upload_refusals += 1;
+                    return Some(gemini_error(404, &format!("no upload session {id}")));
+                };
+                let command = header("x-goog-upload-command");
+                let refusal = if !command.split(',').map(str::trim).eq(["upload", "finalize"]) {
+                    Some(format!("X-Goog-Upload-Command must be 'upload, finalize', not '{command}'"))
+                } else if header("x-goog-upload-offset") != "0" {
+                    Some("X-Goog-Upload-Offset must be 0 for a single upload".to_string())
+                } else if body.len() as u64 != declared {
+                    Some(format!("{} bytes uploaded, {declared} declared at the start", body.len()))
+                } else {
+                    None
+                };
+                if let Some(why) = refusal {
+                    inner.upload_refusals += 1;
+                    return Some(gemini_error(400, &why));
+                }
+                inner.uploads.remove(id);
+                inner.uploaded += 1;
+                let name = format!("files/{id}");
+                inner.files.insert(name.clone(), body.to_vec());
+                let file = json!({"name": name, "displayName": display, "mimeType": header("content-type"),
+                    "sizeBytes": body.len().to_string(), "state": "ACTIVE", "uri": format!("sim://{name}")});
+                Reply::JsonWith(200, vec![("x-goog-upload-status", "final".into())], json!({"file": file}))
+            }
+            // A file's bytes, at the path google-genai's `files.download` asks (and the media
+            // path under /download).
+            ("GET", ["v1beta", "files", id_method]) | ("GET", ["download", "v1beta", "files", id_method])
+                if id_method.ends_with(":download") =>
+            {
+                let name = format!("files/{}", id_method.trim_end_matches(":download"));
+                match inner.files.get(&name) {
+                    Some(bytes) => Reply::Bytes(bytes.clone()),
+                    None => gemini_error(404, &format!("file {name} not found")),
+                }
+            }
+            ("GET", ["v1beta", "files", id]) => match inner.files.get(&format!("files/{id}")) {
+                Some(b) => Reply::Json(
+                    200,
+                    json!({"name": format!("files/{id}"), "sizeBytes": b.len().to_string(), "state": "ACTIVE"}),
+                ),
+                None => gemini_error(404, &format!("file files/{id} not found")),
+            },
+            ("DELETE", ["v1beta", "files", id]) => match inner.files.remove(&format!("files/{id}")) {
+                Some(_) => Reply::Json(200, json!({})),
+                None => gemini_error(404, &format!("file files/{id} not found")),
+            },
             // ---- Vertex AI
             ("POST", ["v1" | "v1beta1", "projects", p, "locations", l, "batchPredictionJobs"]) => {
                 let b = json_body();

@@ -247,6 +247,9 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Bo
     }
     if path.contains("/batches")
         || path.starts_with("/v1/files")
+        || path.starts_with("/v1beta/files")
+        || path.starts_with("/upload/v1beta/files")
+        || path.starts_with("/download/v1beta/files")
         || path.ends_with(":batchGenerateContent")
         || path.contains("/batchPredictionJobs")
     {
@@ -265,11 +268,13 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Bo
             path,
             query: parts.uri.query(),
             content_type,
+            headers: &parts.headers,
             body: &bytes,
         };
         let reply = state.jobs.handle(&state.config, request, &state.gcs);
         return Ok(match reply {
             Some(crate::jobs::Reply::Json(status, v)) => json_reply(status, &[], &v),
+            Some(crate::jobs::Reply::JsonWith(status, headers, v)) => json_reply(status, &headers, &v),
             Some(crate::jobs::Reply::Bytes(b)) => full(200, &[], "application/jsonl", b),
             None => error_reply(&state, proto::error(api, 404, &format!("no route for {} {path}", parts.method))),
         });
@@ -478,6 +483,7 @@ impl State {
         let mut snap = self.stats.snapshot();
         snap.batch_jobs = self.jobs.submitted();
         snap.batch_answered = self.jobs.answered();
+        (snap.gemini_files_uploaded, snap.gemini_upload_refusals) = self.jobs.uploads();
         snap
     }
 

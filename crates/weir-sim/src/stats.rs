@@ -94,6 +94,13 @@ pub struct StatsSnapshot {
     /// Requests answered (or failed alone) by batch jobs.
     #[serde(default)]
     pub batch_answered: u64,
+    /// Files uploaded through the Gemini Files API's resumable protocol (each checked: a start
+    /// with the declared length, then one upload of exactly that many bytes that finalizes).
+    #[serde(default)]
+    pub gemini_files_uploaded: u64,
+    /// Gemini API uploads refused for not following that protocol.
+    #[serde(default)]
+    pub gemini_upload_refusals: u64,
     /// Generated tokens of successful requests.
     pub tokens_out: u64,
     /// Streaming requests started.
@@ -290,6 +297,8 @@ impl Stats {
             tokens_in: self.tokens_in.load(Relaxed),
             batch_jobs: 0,
             batch_answered: 0,
+            gemini_files_uploaded: 0,
+            gemini_upload_refusals: 0,
             tokens_out: self.tokens_out.load(Relaxed),
             streams: self.streams.load(Relaxed),
             tokens_issued: self.tokens_issued.load(Relaxed),

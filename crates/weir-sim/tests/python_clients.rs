@@ -38,6 +38,8 @@ async fn official_python_clients_work_against_the_simulator() {
     assert!(out.status.success(), "{stdout}\n{stderr}");
     assert!(stdout.contains("all client checks passed"));
     let stats = sim.stats();
+    // The upload followed the Files API's resumable protocol, as the simulator checks it.
+    assert_eq!((stats.gemini_files_uploaded, stats.gemini_upload_refusals), (1, 0));
     assert_eq!(stats.rate_limited, 2, "one 429 for each client");
     assert!(stats.streams >= 3);
     sim.shutdown().await;

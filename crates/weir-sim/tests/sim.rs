@@ -481,3 +481,47 @@ async fn stats_reset() {
     assert_eq!(s["requests"], 0);
     sim.shutdown().await;
 }
+
+/// The Gemini Files API's resumable upload is checked: a start without the protocol header or
+/// the declared length, an upload of another length than declared, or one that does not
+/// finalize at offset 0, is refused and counted; a proper one makes a file.
+#[tokio::test]
+async fn gemini_uploads_that_do_not_follow_the_resumable_protocol_are_refused() {
+    let sim = start(SimConfig::default()).await;
+    let c = client();
+    let start = format!("{}/upload/v1beta/files", sim.url());
+    let begin = |protocol: Option<&str>, length: Option<&str>| {
+        let mut r =
+            c.post(&start).header("X-Goog-Upload-Command", "start").json(&json!({"file": {"display_name": "x"}}));
+        if let Some(p) = protocol {
+            r = r.header("X-Goog-Upload-Protocol", p);
+        }
+        if let Some(n) = length {
+            r = r.header("X-Goog-Upload-Header-Content-Length", n);
+        }
+        r.send()
+    };
+    assert_eq!(begin(None, Some("5")).await.unwrap().status(), 400);
+    assert_eq!(begin(Some("resumable"), None).await.unwrap().status(), 400);
+    let ok = begin(Some("resumable"), Some("5")).await.unwrap();
+    assert_eq!(ok.status(), 200);
+    let session = ok.headers()["x-goog-upload-url"].to_str().unwrap().to_string();
+    let send = |command: &str, offset: &str, body: &'static str| {
+        c.post(&session)
+            .header("X-Goog-Upload-Command", command)
+            .header("X-Goog-Upload-Offset", offset)
+            .body(body)
+            .send()
+    };
+    assert_eq!(send("upload, finalize", "0", "toolong").await.unwrap().status(), 400);
+    assert_eq!(send("upload", "0", "hello").await.unwrap().status(), 400);
+    assert_eq!(send("upload, finalize", "3", "hello").await.unwrap().status(), 400);
+    let done = send("upload, finalize", "0", "hello").await.unwrap();
+    assert_eq!(done.status(), 200);
+    let file: Value = done.json().await.unwrap();
+    let name = file["file"]["name"].as_str().unwrap().to_string();
+    let bytes = c.get(format!("{}/v1beta/{name}:download?alt=media", sim.url())).send().await.unwrap();
+    assert_eq!(bytes.text().await.unwrap(), "hello");
+    let s = sim.stats();
+    assert_eq!((s.gemini_files_uploaded, s.gemini_upload_refusals), (1, 5));
+}

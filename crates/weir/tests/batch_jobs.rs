@@ -89,9 +89,12 @@ async fn gemini_batch_of_10000_is_split_and_every_id_comes_once() {
     ten_thousand("gemini/gemini-2.5-flash", "batch-gemini-10k").await;
 }
 
+/// Issue #34: a Gemini API job over 1 MB uploads its input as a JSONL file (the Files API's
+/// resumable protocol, which the simulator checks) and reads its answers from the results file,
+/// so a 22 MB input is one job (inline requests would have needed two, under 20 MB each); a
+/// small job still sends its requests inline.
 #[tokio::test(flavor = "multi_thread")]
-async fn gemini_inline_requests_over_20_mb_are_split_by_size() {
-    // The simulator refuses inline requests over 20 MB, as the Gemini API does.
+async fn gemini_jobs_over_a_megabyte_upload_their_input_and_small_ones_go_inline() {
     let sim = sim(0.3, |_| {}).await;
     let dir = Dir::new("batch-gemini-bytes");
     let filler = "lorem ipsum dolor sit amet ".repeat(80);
@@ -107,7 +110,17 @@ async fn gemini_inline_requests_over_20_mb_are_split_by_size() {
     let err = stderr(&o);
     assert_eq!(o.status.code(), Some(0), "{err}");
     assert_each_id_once(&ids, &rows(&dir.path("out.jsonl")), &rows(&dir.path("out.errors.jsonl")));
-    assert_eq!(sim.stats().batch_jobs, 2, "split under the 20 MB inline limit: {err}");
+    let s = sim.stats();
+    assert_eq!((s.batch_jobs, s.gemini_files_uploaded, s.gemini_upload_refusals), (1, 1, 0), "{err}");
+    // A small job: inline, no file.
+    let small = Dir::new("batch-gemini-small");
+    let (data, ids) = prompts(50);
+    let input = small.write("in.jsonl", &data);
+    let o = batch_run(&sim, "gemini/gemini-2.5-flash", &small, &input, &[]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_each_id_once(&ids, &rows(&small.path("out.jsonl")), &rows(&small.path("out.errors.jsonl")));
+    let s = sim.stats();
+    assert_eq!((s.batch_jobs, s.gemini_files_uploaded), (2, 1), "{}", stderr(&o));
     sim.shutdown().await;
 }
 

@@ -124,6 +124,28 @@ def vertex_call_and_stream():
     assert text, text
 
 
+def gemini_batch_from_file():
+    # The Files API's resumable upload, a batch made from the file, its results file downloaded.
+    import json, tempfile, time
+
+    c = gem("g-batch-file", "v1beta")
+    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+        for i in range(20):
+            req = {"contents": [{"parts": [{"text": f"hello {i}"}], "role": "user"}]}
+            f.write(json.dumps({"key": f"k{i}", "request": req}) + "\n")
+    up = c.files.upload(file=f.name, config=types.UploadFileConfig(display_name="in", mime_type="jsonl"))
+    job = c.batches.create(model="gemini-2.5-flash", src=up.name, config={"display_name": "from-a-file"})
+    for _ in range(100):
+        job = c.batches.get(name=job.name)
+        if job.state.name in ("JOB_STATE_SUCCEEDED", "JOB_STATE_FAILED", "JOB_STATE_CANCELLED", "JOB_STATE_EXPIRED"):
+            break
+        time.sleep(0.2)
+    assert job.state.name == "JOB_STATE_SUCCEEDED", job
+    lines = [json.loads(l) for l in c.files.download(file=job.dest.file_name).decode().splitlines() if l.strip()]
+    assert sorted(l["key"] for l in lines) == sorted(f"k{i}" for i in range(20)), lines[:2]
+    assert all(l["response"]["candidates"][0]["content"]["parts"][0]["text"] for l in lines), lines[:2]
+
+
 check("openai: chat completion", openai_call)
 check("openai: streamed chat completion with usage", openai_stream)
 check("openai: 429 raises RateLimitError", openai_429)
@@ -133,4 +155,5 @@ check("google-genai: generate_content_stream", gemini_stream)
 check("google-genai: 429 raises ClientError RESOURCE_EXHAUSTED with RetryInfo", gemini_429)
 check("google-genai: blocked prompt has prompt_feedback.block_reason", gemini_blocked)
 check("google-genai (Vertex AI mode): call and stream", vertex_call_and_stream)
+check("google-genai: a batch job from an uploaded file, its results file downloaded", gemini_batch_from_file)
 print("all client checks passed")
