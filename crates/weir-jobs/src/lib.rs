@@ -41,6 +41,9 @@ pub struct JobSettings {
     pub name_prefix: String,
     /// Tries of a job API call that failed in a way that may pass (a 429, a 503, a reset).
     pub api_tries: u32,
+    /// Jobs not yet collected at one endpoint at most (providers limit the jobs running at
+    /// once: Vertex AI per region); records beyond wait here, queued, until one ends.
+    pub max_jobs: Option<usize>,
 }
 
 impl Default for JobSettings {
@@ -51,6 +54,7 @@ impl Default for JobSettings {
             poll_max: Duration::from_secs(60),
             name_prefix: "weir".into(),
             api_tries: 5,
+            max_jobs: None,
         }
     }
 }
@@ -75,6 +79,8 @@ pub struct Progress {
     pub total: u64,
     /// Records whose outcome is known.
     pub settled: u64,
+    /// Records waiting here for a job (every endpoint at its `max_jobs`).
+    pub queued: u64,
 }
 
 /// One endpoint's batch-job API, in a run whose jobs may go to several.
@@ -344,8 +350,9 @@ pub async fn run(
             None => next_round.entry(0).or_default().extend(keys),
         }
     }
-    let mut report = |active: &[Active], settled: u64| {
-        let mut p = Progress { settled, ..Default::default() };
+    let mut report = |active: &[Active], settled: u64, queued: &BTreeMap<u32, Vec<String>>| {
+        let queued = queued.values().map(|k| k.len() as u64).sum();
+        let mut p = Progress { settled, queued, ..Default::default() };
         for a in active {
             let state = a.status.as_ref().map_or(JobState::Pending, |s| s.state);
             *p.jobs.entry(state.as_str()).or_default() += 1;
@@ -375,7 +382,14 @@ pub async fn run(
             // may need many jobs.
             let mut chunks = Chunker::new(keys);
             loop {
-                let site = least_loaded(sites, &left, &active);
+                let Some(site) = least_loaded(sites, &left, &active, settings.max_jobs) else {
+                    // Every endpoint has its most jobs: the rest wait here for one to end.
+                    let rest = chunks.rest();
+                    if !rest.is_empty() {
+                        next_round.entry(round).or_default().extend(rest);
+                    }
+                    break;
+                };
                 let api = &sites.0[site].api;
                 let Some(chunk_keys) = chunks.next(&**api, &pending)? else { break };
                 let (keys, lines): (Vec<String>, Vec<Vec<u8>>) = chunk_keys.into_iter().unzip();
@@ -426,13 +440,15 @@ pub async fn run(
                 active.push(Active { chunk: chunk.number, site, job, keys, round, status: None });
             }
         }
-        if !next_round.is_empty() {
+        let room = least_loaded(sites, &left, &active, settings.max_jobs).is_some();
+        if !next_round.is_empty() && room {
             // Records an endpoint refused, for the others.
             continue;
         }
         if active.is_empty() {
             return Ok(Finished { leftovers, submitted, reattached });
         }
+        report(&active, settled, &next_round);
         // Wait for every job to end, polling with a growing interval.
         let mut wait = settings.poll_first;
         while !active.is_empty() {
@@ -510,9 +526,9 @@ pub async fn run(
                 api.clean_up(&a.job).await;
                 tracing::info!("job {} ended {}", a.job.id, status.state.as_str());
             }
-            report(&active, settled);
-            if !next_round.is_empty() {
-                // Follow-ups go out while the other jobs run.
+            report(&active, settled, &next_round);
+            if !next_round.is_empty() && least_loaded(sites, &left, &active, settings.max_jobs).is_some() {
+                // Follow-ups and queued records go out while the other jobs run.
                 break;
             }
             if active.is_empty() {
@@ -527,21 +543,23 @@ pub async fn run(
     }
 }
 
-/// The endpoint the next chunk goes to: of those not left, the one with the fewest records in
-/// jobs not yet collected for its weight (the first of equals, so that a run of one endpoint,
-/// or a pool's first chunks, go in the pool's order).
-fn least_loaded(sites: &Sites, left: &[bool], active: &[Active]) -> usize {
-    let mut load = vec![0usize; sites.0.len()];
+/// The endpoint the next chunk goes to: of those not left and below `max_jobs`, the one with
+/// the fewest records in jobs not yet collected for its weight (the first of equals, so that a
+/// run of one endpoint, or a pool's first chunks, go in the pool's order); `None` when every
+/// one has its most jobs.
+fn least_loaded(sites: &Sites, left: &[bool], active: &[Active], max_jobs: Option<usize>) -> Option<usize> {
+    let (mut load, mut jobs) = (vec![0usize; sites.0.len()], vec![0usize; sites.0.len()]);
     for a in active {
         load[a.site] += a.keys.len();
+        jobs[a.site] += 1;
     }
-    (0..sites.0.len())
-        .filter(|&i| !left[i])
-        .min_by(|&a, &b| {
-            let w = |i: usize| load[i] as f64 / sites.0[i].weight.max(1e-9);
-            w(a).total_cmp(&w(b))
-        })
-        .unwrap_or(0)
+    let usable: Vec<usize> = (0..sites.0.len()).filter(|&i| !left[i]).collect();
+    // Were every endpoint left (it cannot be: the last is never), the first would still serve.
+    let usable = if usable.is_empty() { vec![0] } else { usable };
+    usable.into_iter().filter(|&i| max_jobs.is_none_or(|m| jobs[i] < m.max(1))).min_by(|&a, &b| {
+        let w = |i: usize| load[i] as f64 / sites.0[i].weight.max(1e-9);
+        w(a).total_cmp(&w(b))
+    })
 }
 
 /// `keys` as chunks of (key, line) within the provider's limits, in key order, one chunk at
@@ -556,6 +574,11 @@ impl Chunker {
     fn new(mut keys: Vec<String>) -> Self {
         keys.sort();
         Self { keys: keys.into_iter(), carry: None }
+    }
+
+    /// The keys not yet in a chunk.
+    fn rest(self) -> Vec<String> {
+        self.carry.map(|(k, _)| k).into_iter().chain(self.keys).collect()
     }
 
     /// The next chunk; `None` when every key is in one. Keys no longer pending are skipped.
@@ -671,11 +694,16 @@ mod tests {
     struct Instant {
         refuses: bool,
         jobs: std::sync::Mutex<HashMap<String, Vec<String>>>,
+        /// Jobs submitted and not yet collected, now and at most.
+        outstanding: std::sync::Mutex<(usize, usize)>,
     }
 
     impl Instant {
         fn new(refuses: bool) -> Arc<Self> {
-            Arc::new(Self { refuses, jobs: Default::default() })
+            Arc::new(Self { refuses, jobs: Default::default(), outstanding: Default::default() })
+        }
+        fn peak(&self) -> usize {
+            self.outstanding.lock().unwrap().1
         }
         fn submitted(&self) -> usize {
             self.jobs.lock().unwrap().len()
@@ -699,6 +727,9 @@ mod tests {
             }
             let keys = String::from_utf8(body).unwrap().lines().map(str::to_string).collect();
             self.jobs.lock().unwrap().insert(name.to_string(), keys);
+            let mut o = self.outstanding.lock().unwrap();
+            o.0 += 1;
+            o.1 = o.1.max(o.0);
             Ok(JobRef { id: name.to_string(), file: None })
         }
         async fn find(&self, name: &str) -> Result<Option<JobRef>, ModelError> {
@@ -716,6 +747,7 @@ mod tests {
             })
         }
         async fn results(&self, job: &JobRef, _: &JobStatus) -> Result<Vec<JobResult>, ModelError> {
+            self.outstanding.lock().unwrap().0 -= 1;
             let keys = self.jobs.lock().unwrap()[&job.id].clone();
             Ok(keys
                 .into_iter()
@@ -790,6 +822,41 @@ mod tests {
         let only_b = Sites::pool(vec![site("b", &b, 1.0), site("dead", &dead, 1.0)]);
         let chunk_at_a = ledger.chunks().find(|c| c.site == "a").unwrap().clone();
         assert!(matches!(only_b.api_of(&chunk_at_a), Err(BatchError::Site(m)) if m.contains("\"a\"")));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Issue #34: with `max_jobs`, no endpoint has more jobs than that at once; the records
+    /// beyond wait here (reported as queued) and go out as jobs end; every one settles once.
+    #[tokio::test(start_paused = true)]
+    async fn no_endpoint_has_more_than_max_jobs_and_the_rest_wait_queued() {
+        let dir = std::env::temp_dir().join(format!("weir-jobs-cap-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let (a, b) = (Instant::new(false), Instant::new(false));
+        let sites = Sites::pool(vec![
+            Site { name: "a".into(), label: "a".into(), api: a.clone(), weight: 1.0 },
+            Site { name: "b".into(), label: "b".into(), api: b.clone(), weight: 1.0 },
+        ]);
+        let mut ledger = Ledger::open(&dir.join("jobs.jsonl"), true).unwrap();
+        let settings =
+            JobSettings { poll_first: Duration::from_millis(10), max_jobs: Some(2), ..JobSettings::default() };
+        let (mut n, mut most_queued) = (0, 0);
+        let finished = run(
+            &sites,
+            &mut ledger,
+            items(200),
+            &settings,
+            &CancellationToken::new(),
+            &mut |p| most_queued = most_queued.max(p.queued),
+            &mut |_, r| {
+                r.unwrap();
+                n += 1
+            },
+        )
+        .await
+        .unwrap();
+        assert_eq!((n, finished.leftovers.len(), finished.submitted), (200, 0, 20));
+        assert_eq!((a.peak(), b.peak()), (2, 2), "at most two jobs at each endpoint at once");
+        assert_eq!(most_queued, 160, "four jobs of ten out, the other 160 records queued");
         let _ = std::fs::remove_dir_all(&dir);
     }
 

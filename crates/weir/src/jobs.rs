@@ -174,11 +174,16 @@ async fn drive(work: impl futures::Stream<Item = Work> + Send + 'static, run: Jo
             }
             let states: Vec<String> = p.jobs.iter().map(|(s, n)| format!("{n} {s}")).collect();
             let line = format!(
-                "weir: batch jobs: {}; {} of {} requests answered so far; {} records settled",
+                "weir: batch jobs: {}; {} of {} requests answered so far; {} records settled{}",
                 if states.is_empty() { "none waiting".to_string() } else { states.join(", ") },
                 thousands(p.completed),
                 thousands(p.total),
-                thousands(p.settled)
+                thousands(p.settled),
+                if p.queued > 0 {
+                    format!("; {} queued for a job (--max-jobs)", thousands(p.queued))
+                } else {
+                    String::new()
+                }
             );
             if line != last.0 && last.1.elapsed() >= Duration::from_secs(2) {
                 eprintln!("{line}");

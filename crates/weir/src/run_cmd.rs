@@ -233,6 +233,11 @@ pub struct RunArgs {
     /// With --mode batch: requests per job at most [default: the provider's limit, 50,000].
     #[arg(long, value_name = "N")]
     job_max_requests: Option<usize>,
+    /// With --mode batch: jobs at the provider at once at most, per endpoint (providers limit
+    /// the batch jobs running at once: Vertex AI per region); the other records wait here,
+    /// queued, and go out as jobs end [default: no limit].
+    #[arg(long, value_name = "N")]
+    max_jobs: Option<usize>,
     /// With --mode batch: seconds before the first poll of a job; the interval doubles up to
     /// 60 s.
     #[arg(long, value_name = "SECS", default_value_t = 5.0)]
@@ -259,16 +264,18 @@ impl RunArgs {
         if self.mode == ModeArg::Online
             && (self.fallback != FallbackArg::None
                 || self.job_max_requests.is_some()
+                || self.max_jobs.is_some()
                 || self.job_rounds != 3
                 || self.job_bucket.is_some())
         {
             return Err(UsageError(
-                "--fallback, --job-rounds, --job-max-requests and --job-bucket apply to --mode batch; add --mode batch"
+                "--fallback, --job-rounds, --job-max-requests, --max-jobs and --job-bucket apply to --mode batch; add \
+                 --mode batch"
                     .into(),
             ));
         }
-        if self.job_rounds == 0 || self.job_max_requests == Some(0) {
-            return Err(UsageError("--job-rounds and --job-max-requests must be at least 1".into()));
+        if self.job_rounds == 0 || self.job_max_requests == Some(0) || self.max_jobs == Some(0) {
+            return Err(UsageError("--job-rounds, --job-max-requests and --max-jobs must be at least 1".into()));
         }
         self.endpoint.check()?;
         if !(self.poll_secs.is_finite() && self.poll_secs > 0.0 && self.poll_secs <= 3600.0) {
@@ -588,6 +595,7 @@ impl RunArgs {
                         poll_first: Duration::from_secs_f64(self.poll_secs),
                         poll_max: Duration::from_secs_f64(self.poll_secs.max(60.0)),
                         name_prefix: job_prefix(&self.output),
+                        max_jobs: self.max_jobs,
                         ..weir_jobs::JobSettings::default()
                     },
                     max_requests: self.job_max_requests,
