@@ -416,6 +416,16 @@ impl Pool {
                 })
                 .collect();
             e.message = format!("{} (no endpoint of the pool is usable: {})", e.message, each.join("; "));
+            // Every one dead (a rejected key, a spent quota: ten minutes each), not cooling:
+            // waiting for one would hold the record for those minutes; the run stops as it
+            // would at one endpoint (a token that could not be fetched was tried again).
+            let dead = |o: &Lane| {
+                let h = o.health.lock().unwrap_or_else(|e| e.into_inner());
+                matches!(h.cooled(now), Some((_, Cause::Auth | Cause::Spent)))
+            };
+            if self.lanes.iter().all(dead) {
+                e.hint = RetryHint::StopRun;
+            }
         }
         Some((e, Absorbed::No))
     }
@@ -509,8 +519,15 @@ mod tests {
         let (e, absorbed) = p.learn(1, Err(&rejected)).unwrap();
         assert_eq!(absorbed, Absorbed::No, "no endpoint is left: the run's stop rules decide");
         assert_eq!(e.kind, ErrorKind::Auth);
-        // Said for every endpoint, not the last alone.
+        // Said for every endpoint, not the last alone; and final, even for an error that one
+        // endpoint would try again (a token that could not be fetched): found by an outside
+        // tester, a batch run's first record waited ten minutes for a dead pool.
         assert!(e.message.contains("e0: dead: credentials rejected; e1: dead: credentials rejected"), "{}", e.message);
+        assert_eq!(e.hint, RetryHint::StopRun);
+        let t = pool(&[100, 100]);
+        let token = ModelError::new(ErrorKind::Auth, "no credentials").with_hint(RetryHint::Backoff);
+        t.learn(0, Err(&token));
+        assert_eq!(t.learn(1, Err(&token)).unwrap().0.hint, RetryHint::StopRun);
         // A request's own fault is never absorbed.
         let q = pool(&[100, 100]);
         let bad = ModelError::new(ErrorKind::BadRequest, "bad");
