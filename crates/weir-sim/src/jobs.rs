@@ -93,6 +93,9 @@ struct Inner {
     uploads: BTreeMap<String, (String, u64)>,
     uploaded: u64,
     upload_refusals: u64,
+    /// How many submitted jobs held each request key (a key in two jobs was paid twice,
+    /// unless the first job left it unanswered).
+    keys: std::collections::HashMap<String, u32>,
 }
 
 /// A reply: status and JSON body, or raw bytes (a file's content).
@@ -445,6 +448,14 @@ impl Job {
 }
 
 impl Inner {
+    /// Keeps a submitted job, counting its requests' keys.
+    fn add(&mut self, id: String, job: Job) {
+        for (key, _) in &job.requests {
+            *self.keys.entry(key.clone()).or_default() += 1;
+        }
+        self.jobs.insert(id, job);
+    }
+
     /// Counts a submitted job; its number.
     fn next_job(&mut self) -> u64 {
         self.next += 1;
@@ -521,6 +532,12 @@ impl Jobs {
     /// Requests answered by jobs so far.
     pub fn answered(&self) -> u64 {
         self.lock().answered
+    }
+
+    /// Request keys submitted in any job, and those submitted in more than one.
+    pub fn keys(&self) -> (u64, u64) {
+        let g = self.lock();
+        (g.keys.len() as u64, g.keys.values().filter(|n| **n > 1).count() as u64)
     }
 
     /// Files uploaded through the Gemini API's resumable protocol, and uploads refused for not
@@ -606,7 +623,7 @@ impl Jobs {
                 let name = b.pointer("/metadata/weir_job").and_then(Value::as_str).unwrap_or("").to_string();
                 let job = Job::new(Kind::OpenAi, id.clone(), name, model, Some(file.to_string()), requests);
                 let view = job.openai_view(cfg);
-                inner.jobs.insert(id, job);
+                inner.add(id, job);
                 Reply::Json(200, view)
             }
             ("GET", ["v1", "batches"]) => {
@@ -659,7 +676,7 @@ impl Jobs {
                     let name = b.pointer("/batch/displayName").and_then(Value::as_str).unwrap_or("").to_string();
                     let job = Job::new(Kind::Gemini, id.clone(), name, model, Some(file.to_string()), requests);
                     let view = job.gemini_view(cfg);
-                    inner.jobs.insert(id, job);
+                    inner.add(id, job);
                     return Some(Reply::Json(200, view));
                 }
                 let Some(list) = b.pointer("/batch/inputConfig/requests/requests").and_then(Value::as_array) else {
@@ -694,7 +711,7 @@ impl Jobs {
                 let name = b.pointer("/batch/displayName").and_then(Value::as_str).unwrap_or("").to_string();
                 let job = Job::new(Kind::Gemini, id.clone(), name, model, None, requests);
                 let view = job.gemini_view(cfg);
-                inner.jobs.insert(id, job);
+                inner.add(id, job);
                 Reply::Json(200, view)
             }
             ("GET", ["v1beta", "batches"]) => {
@@ -840,7 +857,7 @@ impl Jobs {
                     output_dir: None,
                 });
                 let view = job.vertex_view(cfg);
-                inner.jobs.insert(id, job);
+                inner.add(id, job);
                 Reply::Json(200, view)
             }
             ("GET", ["v1" | "v1beta1", "projects", p, "locations", l, "batchPredictionJobs"]) => {

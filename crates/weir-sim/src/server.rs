@@ -484,6 +484,7 @@ impl State {
         snap.batch_jobs = self.jobs.submitted();
         snap.batch_answered = self.jobs.answered();
         (snap.gemini_files_uploaded, snap.gemini_upload_refusals) = self.jobs.uploads();
+        (snap.batch_keys, snap.batch_keys_in_two_jobs) = self.jobs.keys();
         snap
     }
 

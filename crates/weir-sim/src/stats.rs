@@ -101,6 +101,12 @@ pub struct StatsSnapshot {
     /// Gemini API uploads refused for not following that protocol.
     #[serde(default)]
     pub gemini_upload_refusals: u64,
+    /// Distinct request keys submitted in batch jobs.
+    #[serde(default)]
+    pub batch_keys: u64,
+    /// Request keys submitted in more than one batch job.
+    #[serde(default)]
+    pub batch_keys_in_two_jobs: u64,
     /// Generated tokens of successful requests.
     pub tokens_out: u64,
     /// Streaming requests started.
@@ -299,6 +305,8 @@ impl Stats {
             batch_answered: 0,
             gemini_files_uploaded: 0,
             gemini_upload_refusals: 0,
+            batch_keys: 0,
+            batch_keys_in_two_jobs: 0,
             tokens_out: self.tokens_out.load(Relaxed),
             streams: self.streams.load(Relaxed),
             tokens_issued: self.tokens_issued.load(Relaxed),
