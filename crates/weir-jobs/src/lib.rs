@@ -195,6 +195,9 @@ pub struct Finished {
     pub submitted: u64,
     /// Jobs of an earlier run this call re-attached to (found by name included).
     pub reattached: u64,
+    /// In a pool, for each endpoint (its label): the jobs this call submitted there, and why
+    /// it refused jobs, if it did (none for a run of one endpoint).
+    pub sites: Vec<(String, u64, Option<String>)>,
 }
 
 /// A job being waited on.
@@ -294,8 +297,10 @@ pub async fn run(
     let mut settled = 0u64;
     let mut leftovers: Leftovers = Vec::new();
     let (mut submitted, mut reattached) = (0u64, 0u64);
-    // Endpoints of the pool that refused a submission for good (for the rest of this run).
+    // Endpoints of the pool that refused a submission for good (for the rest of this run), and
+    // the jobs submitted at each and why one refused.
     let mut left = vec![false; sites.0.len()];
+    let mut at_site: Vec<(u64, Option<String>)> = vec![(0, None); sites.0.len()];
     // Re-attach: each pending key to the latest chunk that holds it.
     let mut attached: BTreeMap<u32, Vec<String>> = BTreeMap::new();
     let mut fresh: Vec<String> = Vec::new();
@@ -421,6 +426,7 @@ pub async fn run(
                         );
                         ledger.refused(chunk.number, &e.to_string())?;
                         left[site] = true;
+                        at_site[site].1 = Some(e.message.clone());
                         next_round.entry(round).or_default().extend(keys);
                         continue;
                     }
@@ -428,6 +434,7 @@ pub async fn run(
                 };
                 ledger.submitted(chunk.number, job.clone())?;
                 submitted += 1;
+                at_site[site].0 += 1;
                 if sites.0.len() > 1 {
                     tracing::info!(
                         "submitted job {} at {} ({count} records, round {round})",
@@ -446,7 +453,11 @@ pub async fn run(
             continue;
         }
         if active.is_empty() {
-            return Ok(Finished { leftovers, submitted, reattached });
+            let sites = match sites.0.len() {
+                1 => Vec::new(),
+                _ => sites.0.iter().zip(at_site).map(|(s, (n, why))| (s.label.clone(), n, why)).collect(),
+            };
+            return Ok(Finished { leftovers, submitted, reattached, sites });
         }
         report(&active, settled, &next_round);
         // Wait for every job to end, polling with a growing interval.
@@ -803,6 +814,11 @@ mod tests {
             .await
             .unwrap();
         assert!(finished.leftovers.is_empty());
+        // What the summary says per endpoint: jobs submitted, and why one refused them.
+        let dead_line = &finished.sites[0];
+        assert_eq!((dead_line.0.as_str(), dead_line.1), ("dead", 0));
+        assert!(dead_line.2.as_deref().is_some_and(|w| w.contains("API key not valid")));
+        assert_eq!((finished.sites[1].1, finished.sites[2].1), (8, 4));
         seen.sort();
         assert_eq!(seen.len(), 120);
         assert!(seen.iter().all(|(k, t)| k == t));

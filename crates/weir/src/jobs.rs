@@ -208,6 +208,7 @@ async fn drive(work: impl futures::Stream<Item = Work> + Send + 'static, run: Jo
         let mut t = tally.lock().unwrap_or_else(|e| e.into_inner());
         t.jobs = f.submitted + f.reattached;
         t.submitted_now = f.submitted;
+        t.sites = f.sites;
         f.leftovers
     });
     // A run that stops with jobs submitted: they go on at the provider, charged. The summary

@@ -106,6 +106,8 @@ pub struct JobsTally {
     /// Records sent online: the first of a new run (checking the request before any job), and
     /// those no job answered with `--fallback online`.
     pub online: u64,
+    /// In a pool, per endpoint: jobs this run submitted there, and why it refused jobs.
+    pub sites: Vec<(String, u64, Option<String>)>,
 }
 
 /// An endpoint's limits at the end, as the summary says them.
@@ -291,6 +293,15 @@ impl RunReport {
                 thousands(j.settled),
                 if j.online > 0 { format!(", {} online", thousands(j.online)) } else { String::new() },
             ));
+            for (label, n, refused) in &j.sites {
+                match refused {
+                    Some(why) => s.push_str(&format!(
+                        "    jobs at {label}: {} submitted; it refused one ({why}) and got no more\n",
+                        thousands(*n)
+                    )),
+                    None => s.push_str(&format!("    jobs at {label}: {} submitted\n", thousands(*n))),
+                }
+            }
         }
         for c in &self.costs {
             s.push_str(&c.line());
