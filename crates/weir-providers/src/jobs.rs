@@ -80,9 +80,12 @@ pub struct OpenAiJobs {
     client: reqwest::Client,
     base: String,
     online: OpenAiHandler,
+    model: String,
     model_id: String,
     credential: Credential,
     limits: JobLimits,
+    /// Jobs of `/v1/embeddings` requests, not chat completions.
+    embed: bool,
 }
 
 impl OpenAiJobs {
@@ -91,7 +94,31 @@ impl OpenAiJobs {
         let online = OpenAiHandler::new(client.clone(), base, model, key.clone());
         let credential = key.map_or(Credential::None, |k| Credential::Key(k, None));
         let base = base.as_str().trim_end_matches('/').to_string();
-        Self { client, base, online, model_id: format!("openai/{model}"), credential, limits: OPENAI_LIMITS }
+        Self {
+            client,
+            base,
+            online,
+            model: model.to_string(),
+            model_id: format!("openai/{model}"),
+            credential,
+            limits: OPENAI_LIMITS,
+            embed: false,
+        }
+    }
+
+    /// Jobs of embeddings (`/v1/embeddings`), each record's text one input.
+    pub fn embeddings(mut self) -> Self {
+        self.embed = true;
+        self
+    }
+
+    /// The route the job's requests go to.
+    fn endpoint(&self) -> &'static str {
+        if self.embed {
+            "/v1/embeddings"
+        } else {
+            "/v1/chat/completions"
+        }
     }
 
     /// Smaller jobs than the provider allows (tests, or to spread a run over several jobs).
@@ -136,7 +163,7 @@ impl OpenAiJobs {
 }
 
 /// One line of an OpenAI batch's output or error file.
-fn openai_result(line: &[u8]) -> Option<JobResult> {
+fn openai_result(line: &[u8], embed: bool) -> Option<JobResult> {
     let v: Value = serde_json::from_slice(line).ok()?;
     let key = v.get("custom_id")?.as_str()?.to_string();
     if let Some(err) = v.get("error").filter(|e| !e.is_null()) {
@@ -150,7 +177,11 @@ fn openai_result(line: &[u8]) -> Option<JobResult> {
     let response = v.get("response")?;
     let status = response.get("status_code").and_then(Value::as_u64).unwrap_or(0) as u16;
     let body = serde_json::to_vec(response.get("body").unwrap_or(&Value::Null)).unwrap_or_default();
-    let result = if status == 200 {
+    let result = if status == 200 && embed {
+        // One input per request: its vector, and the whole usage.
+        crate::embed::parse(crate::embed::EmbedApi::OpenAi, &body, &["x"])
+            .and_then(|mut v| v.pop().unwrap_or_else(|| Err(malformed("an embedding answer with no vector"))))
+    } else if status == 200 {
         openai::parse_response(&body)
     } else {
         Err(openai::classify_error(status, &reqwest::header::HeaderMap::new(), &body))
@@ -181,7 +212,11 @@ impl JobApi for OpenAiJobs {
     }
 
     fn line(&self, key: &str, request: &ModelRequest) -> Result<Vec<u8>, ModelError> {
-        let line = json!({"custom_id": key, "method": "POST", "url": "/v1/chat/completions", "body": self.online.body(request)});
+        let body = match self.embed {
+            true => json!({"model": self.model, "input": request.prompt}),
+            false => self.online.body(request),
+        };
+        let line = json!({"custom_id": key, "method": "POST", "url": self.endpoint(), "body": body});
         let mut bytes =
             serde_json::to_vec(&line).map_err(|e| ModelError::new(ErrorKind::InvalidInput, e.to_string()))?;
         bytes.push(b'\n');
@@ -205,7 +240,7 @@ impl JobApi for OpenAiJobs {
         let batch = self
             .post(
                 "/batches",
-                json!({"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h",
+                json!({"input_file_id": file_id, "endpoint": self.endpoint(), "completion_window": "24h",
                        "metadata": {"weir_job": name}}),
             )
             .await?;
@@ -267,7 +302,7 @@ impl JobApi for OpenAiJobs {
                 for line in content.split(|c| *c == b'\n').filter(|l| !l.iter().all(u8::is_ascii_whitespace)) {
                     // A line that cannot be read names no key; its record is then missing and
                     // is tried again.
-                    out.extend(openai_result(line));
+                    out.extend(openai_result(line, self.embed));
                 }
             }
         }
@@ -822,13 +857,13 @@ mod tests {
     #[test]
     fn openai_result_lines() {
         let ok = br#"{"id":"r1","custom_id":"k1","response":{"status_code":200,"body":{"choices":[{"message":{"content":"hi"},"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}},"error":null}"#;
-        let (k, r) = openai_result(ok).unwrap();
+        let (k, r) = openai_result(ok, false).unwrap();
         assert_eq!((k.as_str(), r.unwrap().text.as_str()), ("k1", "hi"));
         let limited = br#"{"custom_id":"k2","response":{"status_code":429,"body":{"error":{"message":"slow down","type":"requests"}}},"error":null}"#;
-        assert_eq!(openai_result(limited).unwrap().1.unwrap_err().kind, ErrorKind::RateLimited);
+        assert_eq!(openai_result(limited, false).unwrap().1.unwrap_err().kind, ErrorKind::RateLimited);
         let expired =
             br#"{"custom_id":"k3","response":null,"error":{"code":"batch_expired","message":"not done in time"}}"#;
-        assert_eq!(openai_result(expired).unwrap().1.unwrap_err().kind, ErrorKind::Server);
-        assert!(openai_result(b"{not json").is_none());
+        assert_eq!(openai_result(expired, false).unwrap().1.unwrap_err().kind, ErrorKind::Server);
+        assert!(openai_result(b"{not json", false).is_none());
     }
 }

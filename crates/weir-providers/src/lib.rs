@@ -420,15 +420,17 @@ pub fn connect_jobs(
         }
         l
     };
-    if options.task == Task::Embed {
-        return Err(ProviderError::Config(
-            "--mode batch: batch jobs generate text; embeddings run online (drop --mode batch)".into(),
-        ));
+    if options.task == Task::Embed && spec.provider != Provider::OpenAi {
+        return Err(ProviderError::Config(format!(
+            "--mode batch with --task embed: embeddings go through batch jobs for openai/ models (the OpenAI Batch \
+             API's /v1/embeddings); {spec} embeds online (drop --mode batch)"
+        )));
     }
     match spec.provider {
         Provider::OpenAi => {
             let (base, key) = openai_site(options, env)?;
-            Ok(Arc::new(jobs::OpenAiJobs::new(client, &base, &spec.model, key).with_limits(limit(jobs::OPENAI_LIMITS))))
+            let jobs = jobs::OpenAiJobs::new(client, &base, &spec.model, key).with_limits(limit(jobs::OPENAI_LIMITS));
+            Ok(Arc::new(if options.task == Task::Embed { jobs.embeddings() } else { jobs }))
         }
         Provider::Gemini => {
             let base = options.base_url.clone().unwrap_or_else(|| "https://generativelanguage.googleapis.com".into());

@@ -488,6 +488,17 @@ fn vertex_error(status: u16, message: &str) -> Reply {
 /// The answer to one request of a job, as the online route would give it (no latency, no
 /// quota: a job has its own pool).
 fn answer(cfg: &SimConfig, api: Api, model: &str, body: &Value, job: &str, i: usize) -> Result<Value, (u16, Value)> {
+    // An OpenAI batch of `/v1/embeddings` lines: their bodies have `input`, not `messages`.
+    if api == Api::OpenAi && body.get("input").is_some() && body.get("messages").is_none() {
+        let req = proto::parse_embed(api, proto::EmbedForm::OpenAi, model, body)
+            .map_err(|proto::BadRequest(m)| (400, proto::error(api, 400, &m).body))?;
+        let vectors: Vec<Vec<f32>> = req
+            .instances
+            .iter()
+            .map(|x| proto::embedding_of(cfg.seed, &req.model, &x.prompt, cfg.embedding.dimensions))
+            .collect();
+        return Ok(proto::embed_response(&req, &vectors));
+    }
     let req = match api {
         Api::OpenAi => proto::parse_openai(body),
         _ => proto::parse_gemini(Api::Gemini, model, body, None),

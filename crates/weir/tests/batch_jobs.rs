@@ -489,3 +489,45 @@ async fn fresh_is_refused_while_the_earlier_runs_jobs_are_live() {
     assert_each_id_once(&ids, &rows(&out), &rows(&dir.path("out.errors.jsonl")));
     sim.shutdown().await;
 }
+
+/// Issue #34: embeddings through the OpenAI Batch API (`/v1/embeddings` lines): every id once,
+/// each vector the one an online call gives for the same text; other providers' embeddings are
+/// refused in batch mode, saying they run online.
+#[tokio::test(flavor = "multi_thread")]
+async fn openai_embeddings_go_through_jobs_and_match_the_online_vectors() {
+    let sim = sim(0.3, |_| {}).await;
+    let dir = Dir::new("batch-embed");
+    let (data, ids) = prompts(250);
+    let input = dir.write("in.jsonl", &data);
+    let model = "openai/text-embedding-3-small";
+    let extra = ["--task", "embed", "--job-max-requests", "100"];
+    let o = batch_run(&sim, model, &dir, &input, &extra).await;
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    let batch = rows(&dir.path("out.jsonl"));
+    assert_each_id_once(&ids, &batch, &rows(&dir.path("out.errors.jsonl")));
+    let s = sim.stats();
+    assert_eq!((s.batch_jobs, s.batch_keys, s.requests), (3, 249, 1), "{err}");
+    // The same records online.
+    let online_dir = Dir::new("batch-embed-online");
+    let out = online_dir.path("out.jsonl");
+    let base = format!("{}/v1", sim.url());
+    let o = weir()
+        .args(["run", "--model", model, "--task", "embed", "--base-url", &base, "--input", input.to_str().unwrap()])
+        .args(["--output", out.to_str().unwrap(), "--id-field", "key"])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let online: std::collections::HashMap<String, serde_json::Value> =
+        rows(&out).into_iter().map(|r| (r["id"].as_str().unwrap().to_string(), r["embedding"].clone())).collect();
+    for r in &batch {
+        let v = &r["embedding"];
+        assert!(v.as_array().is_some_and(|a| !a.is_empty()), "{r}");
+        assert_eq!(v, &online[r["id"].as_str().unwrap()], "the job's vector is the online one");
+    }
+    let o = batch_run(&sim, "gemini/gemini-embedding-001", &dir, &input, &["--task", "embed", "--fresh"]).await;
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("embeds online"), "{}", stderr(&o));
+    sim.shutdown().await;
+}
