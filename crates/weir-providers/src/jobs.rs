@@ -16,9 +16,9 @@ use crate::{gemini, openai, GeminiHandler, OpenAiHandler};
 pub const OPENAI_LIMITS: JobLimits = JobLimits { max_lines: 50_000, max_bytes: 200 * 1000 * 1000 };
 
 /// A Gemini API job: its input is an uploaded JSONL file (the Files API takes up to 2 GB; a job
-/// is held in memory while it is sent, so weir cuts them at 200 MB). Lines: no documented
-/// limit; 50,000 keeps a job's results file of a sane size.
-pub const GEMINI_LIMITS: JobLimits = JobLimits { max_lines: 50_000, max_bytes: 200 * 1000 * 1000 };
+/// is held in memory, about twice over, while it is cut and sent, so weir cuts them at 100 MB).
+/// Lines: no documented limit; 50,000 keeps a job's results file of a sane size.
+pub const GEMINI_LIMITS: JobLimits = JobLimits { max_lines: 50_000, max_bytes: 100 * 1000 * 1000 };
 
 /// Gemini API jobs of at most this many bytes send their requests inline (one call, no file to
 /// upload and delete); larger ones upload a file. The API takes inline requests under 20 MB,
