@@ -410,10 +410,24 @@ pub async fn run(
                 // left at its first refusal, not after the tries that may pass elsewhere.
                 let others = left.iter().filter(|l| !**l).count() > 1;
                 let first = if others { Some(api.submit(&name, body.clone(), count).await) } else { None };
+                // A try after one that failed may follow a job the provider made but whose answer
+                // was lost (a connection cut after the request went out): it is looked up by its
+                // name before it is made again (found by an outside tester: the same records
+                // were paid for three times).
+                let tried = std::sync::atomic::AtomicBool::new(first.is_some());
+                let submit = || async {
+                    if tried.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                        if let Some(job) = api.find(&name).await? {
+                            tracing::info!("job {} was made by a try whose answer was lost", job.id);
+                            return Ok(job);
+                        }
+                    }
+                    api.submit(&name, body.clone(), count).await
+                };
                 let result = match first {
                     Some(Ok(job)) => Ok(job),
                     Some(Err(e)) if made_no_job(&e) => Err(BatchError::Api(e)),
-                    _ => with_tries(settings.api_tries, cancel, || api.submit(&name, body.clone(), count)).await,
+                    _ => with_tries(settings.api_tries, cancel, submit).await,
                 };
                 let job = match result {
                     Ok(job) => job,
@@ -621,6 +635,7 @@ impl Chunker {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::Ordering::Relaxed;
     use weir_core::{JobLimits, JobResult};
 
     /// Issue #29, item 17: a token refresh refused once while polling is tried again (the jobs
@@ -704,6 +719,10 @@ mod tests {
     /// the key of every submission.
     struct Instant {
         refuses: bool,
+        /// Submissions whose job is made but whose answer is lost (a cut connection), left.
+        lose_replies: std::sync::atomic::AtomicU32,
+        /// Jobs made.
+        made: std::sync::atomic::AtomicU32,
         jobs: std::sync::Mutex<HashMap<String, Vec<String>>>,
         /// Jobs submitted and not yet collected, now and at most.
         outstanding: std::sync::Mutex<(usize, usize)>,
@@ -711,7 +730,13 @@ mod tests {
 
     impl Instant {
         fn new(refuses: bool) -> Arc<Self> {
-            Arc::new(Self { refuses, jobs: Default::default(), outstanding: Default::default() })
+            Arc::new(Self {
+                refuses,
+                lose_replies: Default::default(),
+                made: Default::default(),
+                jobs: Default::default(),
+                outstanding: Default::default(),
+            })
         }
         fn peak(&self) -> usize {
             self.outstanding.lock().unwrap().1
@@ -741,6 +766,12 @@ mod tests {
             let mut o = self.outstanding.lock().unwrap();
             o.0 += 1;
             o.1 = o.1.max(o.0);
+            drop(o);
+            self.made.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let lose = &self.lose_replies;
+            if lose.fetch_update(Relaxed, Relaxed, |n| n.checked_sub(1)).is_ok() {
+                return Err(ModelError::new(ErrorKind::Transport, "connection closed before message completed"));
+            }
             Ok(JobRef { id: name.to_string(), file: None })
         }
         async fn find(&self, name: &str) -> Result<Option<JobRef>, ModelError> {
@@ -839,6 +870,42 @@ mod tests {
         let chunk_at_a = ledger.chunks().find(|c| c.site == "a").unwrap().clone();
         assert!(matches!(only_b.api_of(&chunk_at_a), Err(BatchError::Site(m)) if m.contains("\"a\"")));
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Found by an outside tester: a submission whose job was made but whose answer was lost
+    /// was tried again and made the job again (the same records paid for twice). A try after a
+    /// failed one looks the job up by its name first: one job per chunk, in a pool too.
+    #[tokio::test(start_paused = true)]
+    async fn a_submission_whose_answer_was_lost_is_found_not_made_again() {
+        for pool in [false, true] {
+            let dir = std::env::temp_dir().join(format!("weir-jobs-lost-{}-{pool}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&dir);
+            let (a, b) = (Instant::new(false), Instant::new(false));
+            a.lose_replies.store(2, Relaxed);
+            b.lose_replies.store(2, Relaxed);
+            let sites = if pool {
+                Sites::pool(vec![
+                    Site { name: "a".into(), label: "a".into(), api: a.clone(), weight: 1.0 },
+                    Site { name: "b".into(), label: "b".into(), api: b.clone(), weight: 1.0 },
+                ])
+            } else {
+                Sites::one(a.clone(), String::new())
+            };
+            let mut ledger = Ledger::open(&dir.join("jobs.jsonl"), true).unwrap();
+            let settings = JobSettings { poll_first: Duration::from_millis(10), ..JobSettings::default() };
+            let mut n = 0;
+            let finished =
+                run(&sites, &mut ledger, items(30), &settings, &CancellationToken::new(), &mut |_| {}, &mut |_, r| {
+                    r.unwrap();
+                    n += 1
+                })
+                .await
+                .unwrap();
+            assert_eq!((n, finished.submitted), (30, 3), "pool: {pool}");
+            let made = a.made.load(Relaxed) + b.made.load(Relaxed);
+            assert_eq!(made, 3, "pool: {pool}: a job made twice for one chunk");
+            let _ = std::fs::remove_dir_all(&dir);
+        }
     }
 
     /// Issue #34: with `max_jobs`, no endpoint has more jobs than that at once; the records

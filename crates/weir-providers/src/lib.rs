@@ -423,7 +423,7 @@ pub fn connect_jobs(
     if options.task == Task::Embed && spec.provider != Provider::OpenAi {
         return Err(ProviderError::Config(format!(
             "--mode batch with --task embed: embeddings go through batch jobs for openai/ models (the OpenAI Batch \
-             API's /v1/embeddings); {spec} embeds online (drop --mode batch)"
+             API's /v1/embeddings); {spec} embeds online only"
         )));
     }
     match spec.provider {

@@ -64,6 +64,8 @@ struct Job {
     output_file: Option<String>,
     error_file: Option<String>,
     vertex: Option<VertexIo>,
+    /// An OpenAI batch's route, as its creation named it.
+    endpoint: String,
 }
 
 /// A request to the job routes.
@@ -171,6 +173,7 @@ impl Job {
             output_file: None,
             error_file: None,
             vertex: None,
+            endpoint: "/v1/chat/completions".into(),
         }
     }
 
@@ -382,7 +385,7 @@ impl Job {
 
     fn openai_view(&self, cfg: &SimConfig) -> Value {
         let (total, completed, failed) = self.counts(cfg);
-        json!({"id": self.id, "object": "batch", "endpoint": "/v1/chat/completions", "errors": null,
+        json!({"id": self.id, "object": "batch", "endpoint": self.endpoint, "errors": null,
             "input_file_id": self.input_file, "completion_window": "24h", "status": self.state_name(cfg),
             "output_file_id": self.output_file, "error_file_id": self.error_file, "created_at": self.created_unix,
             "request_counts": {"total": total, "completed": completed, "failed": failed},
@@ -563,6 +566,8 @@ impl Jobs {
         let mut g = self.lock();
         g.submitted = 0;
         g.answered = 0;
+        g.keys.clear();
+        (g.uploaded, g.upload_refusals) = (0, 0);
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -632,7 +637,10 @@ impl Jobs {
                 }
                 let id = format!("batch_{}", inner.next_job());
                 let name = b.pointer("/metadata/weir_job").and_then(Value::as_str).unwrap_or("").to_string();
-                let job = Job::new(Kind::OpenAi, id.clone(), name, model, Some(file.to_string()), requests);
+                let mut job = Job::new(Kind::OpenAi, id.clone(), name, model, Some(file.to_string()), requests);
+                if let Some(e) = b.get("endpoint").and_then(Value::as_str) {
+                    job.endpoint = e.to_string();
+                }
                 let view = job.openai_view(cfg);
                 inner.add(id, job);
                 Reply::Json(200, view)

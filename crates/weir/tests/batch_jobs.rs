@@ -508,6 +508,9 @@ async fn openai_embeddings_go_through_jobs_and_match_the_online_vectors() {
     assert_each_id_once(&ids, &batch, &rows(&dir.path("out.errors.jsonl")));
     let s = sim.stats();
     assert_eq!((s.batch_jobs, s.batch_keys, s.requests), (3, 249, 1), "{err}");
+    let listed: serde_json::Value =
+        reqwest::get(format!("{}/v1/batches", sim.url())).await.unwrap().json().await.unwrap();
+    assert!(listed["data"].as_array().unwrap().iter().all(|b| b["endpoint"] == "/v1/embeddings"), "{listed}");
     // The same records online.
     let online_dir = Dir::new("batch-embed-online");
     let out = online_dir.path("out.jsonl");
