@@ -297,9 +297,8 @@ pub async fn run(
     let mut settled = 0u64;
     let mut leftovers: Leftovers = Vec::new();
     let (mut submitted, mut reattached) = (0u64, 0u64);
-    // Endpoints of the pool that refused a submission for good (for the rest of this run), and
-    // the jobs submitted at each and why one refused.
-    let mut left = vec![false; sites.0.len()];
+    // Per endpoint: the jobs submitted there, and why it refused one for good (it gets no more
+    // in this run).
     let mut at_site: Vec<(u64, Option<String>)> = vec![(0, None); sites.0.len()];
     // Re-attach: each pending key to the latest chunk that holds it.
     let mut attached: BTreeMap<u32, Vec<String>> = BTreeMap::new();
@@ -387,7 +386,7 @@ pub async fn run(
             // may need many jobs.
             let mut chunks = Chunker::new(keys);
             loop {
-                let Some(site) = least_loaded(sites, &left, &active, settings.max_jobs) else {
+                let Some(site) = least_loaded(sites, &at_site, &active, settings.max_jobs) else {
                     // Every endpoint has its most jobs: the rest wait here for one to end.
                     let rest = chunks.rest();
                     if !rest.is_empty() {
@@ -408,7 +407,7 @@ pub async fn run(
                 let body = lines.concat();
                 // In a pool, an endpoint that plainly refuses (a closed port, a rejected key) is
                 // left at its first refusal, not after the tries that may pass elsewhere.
-                let others = left.iter().filter(|l| !**l).count() > 1;
+                let others = at_site.iter().filter(|(_, refused)| refused.is_none()).count() > 1;
                 let first = if others { Some(api.submit(&name, body.clone(), count).await) } else { None };
                 // A try after one that failed may follow a job the provider made but whose answer
                 // was lost (a connection cut after the request went out): it is looked up by its
@@ -439,7 +438,6 @@ pub async fn run(
                             sites.0[site].label
                         );
                         ledger.refused(chunk.number, &e.to_string())?;
-                        left[site] = true;
                         at_site[site].1 = Some(e.message.clone());
                         next_round.entry(round).or_default().extend(keys);
                         continue;
@@ -449,19 +447,12 @@ pub async fn run(
                 ledger.submitted(chunk.number, job.clone())?;
                 submitted += 1;
                 at_site[site].0 += 1;
-                if sites.0.len() > 1 {
-                    tracing::info!(
-                        "submitted job {} at {} ({count} records, round {round})",
-                        job.id,
-                        sites.0[site].label
-                    );
-                } else {
-                    tracing::info!("submitted job {} ({count} records, round {round})", job.id);
-                }
+                let at = if sites.0.len() > 1 { format!(" at {}", sites.0[site].label) } else { String::new() };
+                tracing::info!("submitted job {}{at} ({count} records, round {round})", job.id);
                 active.push(Active { chunk: chunk.number, site, job, keys, round, status: None });
             }
         }
-        let room = least_loaded(sites, &left, &active, settings.max_jobs).is_some();
+        let room = least_loaded(sites, &at_site, &active, settings.max_jobs).is_some();
         if !next_round.is_empty() && room {
             // Records an endpoint refused, for the others.
             continue;
@@ -552,7 +543,7 @@ pub async fn run(
                 tracing::info!("job {} ended {}", a.job.id, status.state.as_str());
             }
             report(&active, settled, &next_round);
-            if !next_round.is_empty() && least_loaded(sites, &left, &active, settings.max_jobs).is_some() {
+            if !next_round.is_empty() && least_loaded(sites, &at_site, &active, settings.max_jobs).is_some() {
                 // Follow-ups and queued records go out while the other jobs run.
                 break;
             }
@@ -568,17 +559,23 @@ pub async fn run(
     }
 }
 
-/// The endpoint the next chunk goes to: of those not left and below `max_jobs`, the one with
+/// The endpoint the next chunk goes to: of those that refused no job (`at_site`, as [`run`]
+/// keeps it) and below `max_jobs`, the one with
 /// the fewest records in jobs not yet collected for its weight (the first of equals, so that a
 /// run of one endpoint, or a pool's first chunks, go in the pool's order); `None` when every
 /// one has its most jobs.
-fn least_loaded(sites: &Sites, left: &[bool], active: &[Active], max_jobs: Option<usize>) -> Option<usize> {
+fn least_loaded(
+    sites: &Sites,
+    at_site: &[(u64, Option<String>)],
+    active: &[Active],
+    max_jobs: Option<usize>,
+) -> Option<usize> {
     let (mut load, mut jobs) = (vec![0usize; sites.0.len()], vec![0usize; sites.0.len()]);
     for a in active {
         load[a.site] += a.keys.len();
         jobs[a.site] += 1;
     }
-    let usable: Vec<usize> = (0..sites.0.len()).filter(|&i| !left[i]).collect();
+    let usable: Vec<usize> = (0..sites.0.len()).filter(|&i| at_site[i].1.is_none()).collect();
     // Were every endpoint left (it cannot be: the last is never), the first would still serve.
     let usable = if usable.is_empty() { vec![0] } else { usable };
     usable.into_iter().filter(|&i| max_jobs.is_none_or(|m| jobs[i] < m.max(1))).min_by(|&a, &b| {

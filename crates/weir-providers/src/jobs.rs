@@ -33,13 +33,18 @@ fn malformed(what: &str) -> ModelError {
     ModelError::new(ErrorKind::MalformedResponse, format!("batch job API: {what}"))
 }
 
-/// A non-200 answer of a job API call, classified as the online client would.
-fn refused(
-    reply: &Reply,
-    secret: Option<&Secret>,
+/// Sends the request `build` makes with `credential`; an answer other than 200 is the error
+/// `classify` makes of it (as the online client would), with the key taken out.
+async fn send_ok(
+    credential: &Credential,
+    build: impl Fn() -> reqwest::RequestBuilder,
     classify: fn(u16, &reqwest::header::HeaderMap, &[u8]) -> ModelError,
-) -> ModelError {
-    redact(classify(reply.status, &reply.headers, &reply.body), secret)
+) -> Result<Reply, ModelError> {
+    let (reply, secret) = credential.send(build).await?;
+    if reply.status != 200 {
+        return Err(redact(classify(reply.status, &reply.headers, &reply.body), secret.as_ref()));
+    }
+    Ok(reply)
 }
 
 fn json_post(client: &reqwest::Client, url: &str, body: &bytes::Bytes) -> reqwest::RequestBuilder {
@@ -129,30 +134,21 @@ impl OpenAiJobs {
 
     async fn get(&self, path: &str) -> Result<Value, ModelError> {
         let url = format!("{}{path}", self.base);
-        let (reply, secret) = self.credential.send(|| self.client.get(&url)).await?;
-        if reply.status != 200 {
-            return Err(refused(&reply, secret.as_ref(), openai::classify_error));
-        }
+        let reply = send_ok(&self.credential, || self.client.get(&url), openai::classify_error).await?;
         json_of(&reply)
     }
 
     async fn post(&self, path: &str, body: Value) -> Result<Value, ModelError> {
         let url = format!("{}{path}", self.base);
         let bytes = bytes::Bytes::from(serde_json::to_vec(&body).unwrap_or_default());
-        let (reply, secret) = self.credential.send(|| json_post(&self.client, &url, &bytes)).await?;
-        if reply.status != 200 {
-            return Err(refused(&reply, secret.as_ref(), openai::classify_error));
-        }
+        let reply = send_ok(&self.credential, || json_post(&self.client, &url, &bytes), openai::classify_error).await?;
         json_of(&reply)
     }
 
     /// A file's content (results and errors are files).
     async fn file(&self, id: &str) -> Result<bytes::Bytes, ModelError> {
         let url = format!("{}/files/{id}/content", self.base);
-        let (reply, secret) = self.credential.send(|| self.client.get(&url)).await?;
-        if reply.status != 200 {
-            return Err(refused(&reply, secret.as_ref(), openai::classify_error));
-        }
+        let reply = send_ok(&self.credential, || self.client.get(&url), openai::classify_error).await?;
         Ok(reply.body)
     }
 
@@ -227,13 +223,12 @@ impl JobApi for OpenAiJobs {
         let (body, content_type) = multipart("batch", &format!("{name}.jsonl"), &lines);
         let body = bytes::Bytes::from(body);
         let url = format!("{}/files", self.base);
-        let (reply, secret) = self
-            .credential
-            .send(|| self.client.post(&url).header(reqwest::header::CONTENT_TYPE, &content_type).body(body.clone()))
-            .await?;
-        if reply.status != 200 {
-            return Err(refused(&reply, secret.as_ref(), openai::classify_error));
-        }
+        let reply = send_ok(
+            &self.credential,
+            || self.client.post(&url).header(reqwest::header::CONTENT_TYPE, &content_type).body(body.clone()),
+            openai::classify_error,
+        )
+        .await?;
         let file = json_of(&reply)?;
         let file_id =
             file.get("id").and_then(Value::as_str).ok_or_else(|| malformed("an uploaded file without an id"))?;
@@ -362,16 +357,15 @@ impl GeminiJobs {
     async fn call(&self, post: Option<&Value>, path: &str) -> Result<Value, ModelError> {
         let url = format!("{}/{path}", self.root);
         let bytes = post.map(|b| bytes::Bytes::from(serde_json::to_vec(b).unwrap_or_default()));
-        let (reply, secret) = self
-            .credential
-            .send(|| match &bytes {
+        let reply = send_ok(
+            &self.credential,
+            || match &bytes {
                 Some(body) => json_post(&self.client, &url, body),
                 None => self.client.get(&url),
-            })
-            .await?;
-        if reply.status != 200 {
-            return Err(refused(&reply, secret.as_ref(), gemini::classify_error));
-        }
+            },
+            gemini::classify_error,
+        )
+        .await?;
         json_of(&reply)
     }
 
@@ -380,19 +374,18 @@ impl GeminiJobs {
     async fn upload(&self, name: &str, lines: &bytes::Bytes) -> Result<String, ModelError> {
         let url = format!("{}/upload/v1beta/files", self.base);
         let start = bytes::Bytes::from(json!({"file": {"display_name": name}}).to_string());
-        let (reply, secret) = self
-            .credential
-            .send(|| {
+        let reply = send_ok(
+            &self.credential,
+            || {
                 json_post(&self.client, &url, &start)
                     .header("X-Goog-Upload-Protocol", "resumable")
                     .header("X-Goog-Upload-Command", "start")
                     .header("X-Goog-Upload-Header-Content-Length", lines.len().to_string())
                     .header("X-Goog-Upload-Header-Content-Type", "application/jsonl")
-            })
-            .await?;
-        if reply.status != 200 {
-            return Err(refused(&reply, secret.as_ref(), gemini::classify_error));
-        }
+            },
+            gemini::classify_error,
+        )
+        .await?;
         let session = reply
             .headers
             .get("x-goog-upload-url")
@@ -404,20 +397,19 @@ impl GeminiJobs {
         if origin(&session).is_none() || origin(&session) != origin(&self.base) {
             return Err(malformed("the upload's start named a place other than the API's to send the file to"));
         }
-        let (reply, secret) = self
-            .credential
-            .send(|| {
+        let reply = send_ok(
+            &self.credential,
+            || {
                 self.client
                     .post(&session)
                     .header("X-Goog-Upload-Command", "upload, finalize")
                     .header("X-Goog-Upload-Offset", "0")
                     .header(reqwest::header::CONTENT_TYPE, "application/jsonl")
                     .body(lines.clone())
-            })
-            .await?;
-        if reply.status != 200 {
-            return Err(refused(&reply, secret.as_ref(), gemini::classify_error));
-        }
+            },
+            gemini::classify_error,
+        )
+        .await?;
         let file = json_of(&reply)?;
         file.pointer("/file/name")
             .and_then(Value::as_str)
@@ -429,10 +421,7 @@ impl GeminiJobs {
     async fn download(&self, file: &str) -> Result<bytes::Bytes, ModelError> {
         // Where google-genai's `files.download` asks.
         let url = format!("{}/{file}:download?alt=media", self.root);
-        let (reply, secret) = self.credential.send(|| self.client.get(&url)).await?;
-        if reply.status != 200 {
-            return Err(refused(&reply, secret.as_ref(), gemini::classify_error));
-        }
+        let reply = send_ok(&self.credential, || self.client.get(&url), gemini::classify_error).await?;
         Ok(reply.body)
     }
 
@@ -652,16 +641,15 @@ impl VertexJobs {
 
     async fn call(&self, post: Option<&Value>, url: &str) -> Result<Value, ModelError> {
         let bytes = post.map(|b| bytes::Bytes::from(serde_json::to_vec(b).unwrap_or_default()));
-        let (reply, secret) = self
-            .credential
-            .send(|| match &bytes {
+        let reply = send_ok(
+            &self.credential,
+            || match &bytes {
                 Some(body) => json_post(&self.client, url, body),
                 None => self.client.get(url),
-            })
-            .await?;
-        if reply.status != 200 {
-            return Err(refused(&reply, secret.as_ref(), gemini::classify_error));
-        }
+            },
+            gemini::classify_error,
+        )
+        .await?;
         json_of(&reply)
     }
 

@@ -102,12 +102,16 @@ impl EndpointEntry {
 /// key's variable, never a key.
 pub fn site_name(options: &ProviderOptions) -> String {
     let url = options.base_url.as_deref().map(|u| u.trim_end_matches('/'));
-    [("url", url), ("project", options.project.as_deref()), ("location", options.location.as_deref())]
-        .into_iter()
-        .chain([("key_env", options.key_var.as_deref())])
-        .filter_map(|(n, v)| v.map(|v| format!("{n}={v}")))
-        .collect::<Vec<_>>()
-        .join(" ")
+    [
+        ("url", url),
+        ("project", options.project.as_deref()),
+        ("location", options.location.as_deref()),
+        ("key_env", options.key_var.as_deref()),
+    ]
+    .into_iter()
+    .filter_map(|(n, v)| v.map(|v| format!("{n}={v}")))
+    .collect::<Vec<_>>()
+    .join(" ")
 }
 
 /// Reads a pool: `text` is a TOML file's content (`[[endpoint]]` tables), or a JSON list of

@@ -157,18 +157,21 @@ pub async fn run(args: BatchArgs) -> anyhow::Result<u8> {
             let sites = connect(&f.site)?;
             let job = JobRef { id: f.job.clone(), file: None };
             // In a pool, the endpoint that knows the job (the first one's error, if none does).
-            let mut found = Err(String::new());
+            let (mut found, mut first_error) = (None, None);
             for site in sites.iter() {
                 match site.api.status(&job).await {
                     Ok(s) => {
-                        found = Ok((site.api.clone(), s));
+                        found = Some((site.api.clone(), s));
                         break;
                     }
-                    Err(e) if matches!(&found, Err(m) if m.is_empty()) => found = Err(e.to_string()),
-                    Err(_) => {}
+                    Err(e) => {
+                        first_error.get_or_insert(e);
+                    }
                 }
             }
-            let (api, status) = found.map_err(|e| anyhow::anyhow!("job {}: {e}", f.job))?;
+            let (api, status) = found.ok_or_else(|| {
+                anyhow::anyhow!("job {}: {}", f.job, first_error.map(|e| e.to_string()).unwrap_or_default())
+            })?;
             if !status.state.is_terminal() {
                 eprintln!("weir: job {} is {}; it has no results yet", f.job, status.state.as_str());
                 return Ok(1);

@@ -562,15 +562,13 @@ pub fn job_sites(
     let buckets: Vec<String> = job_bucket
         .map(|b| b.split(',').map(|x| x.trim().to_string()).filter(|x| !x.is_empty()).collect())
         .unwrap_or_default();
-    if pool.is_empty() || buckets.len() > 1 {
-        let n = pool.len().max(1);
-        if buckets.len() > 1 && buckets.len() != n {
-            return Err(RunError::Usage(format!(
-                "--job-bucket: {} prefixes for {n} endpoint(s); give one for each --location, in the same order, or \
-                 one for all",
-                buckets.len()
-            )));
-        }
+    let n = pool.len().max(1);
+    if buckets.len() > 1 && buckets.len() != n {
+        return Err(RunError::Usage(format!(
+            "--job-bucket: {} prefixes for {n} endpoint(s); give one for each --location, in the same order, or one \
+             for all",
+            buckets.len()
+        )));
     }
     let bucket_of = |i: usize, own: Option<&str>| -> Option<String> {
         own.map(str::to_string).or_else(|| buckets.get(if buckets.len() > 1 { i } else { 0 }).cloned())
