@@ -121,6 +121,17 @@ struct Lane {
     failed: AtomicU64,
 }
 
+impl Lane {
+    /// Where the endpoint stands at `now`, and why it takes no calls when it does not.
+    fn standing(&self, now: Instant) -> (EndpointHealth, Option<&'static str>) {
+        match self.health.lock().unwrap_or_else(|e| e.into_inner()).cooled(now) {
+            Some((_, c @ (Cause::Auth | Cause::Spent))) => (EndpointHealth::Dead, Some(c.says())),
+            Some((_, c)) => (EndpointHealth::CoolingDown, Some(c.says())),
+            None => (EndpointHealth::Active, None),
+        }
+    }
+}
+
 /// One endpoint of a pool as it stands, for the summary and `/metrics`.
 #[derive(Debug, Clone)]
 pub struct EndpointStatus {
@@ -233,18 +244,11 @@ impl Pool {
         let now = Instant::now();
         self.lanes
             .iter()
-            .map(|l| {
-                let cooled = l.health.lock().unwrap_or_else(|e| e.into_inner()).cooled(now).map(|(_, c)| c);
-                (l, cooled)
-            })
-            .map(|(l, cooled)| EndpointStatus {
+            .map(|l| (l, l.standing(now)))
+            .map(|(l, (health, why))| EndpointStatus {
                 endpoint: l.endpoint.clone(),
-                health: match cooled {
-                    Some(Cause::Auth | Cause::Spent) => EndpointHealth::Dead,
-                    Some(_) => EndpointHealth::CoolingDown,
-                    None => EndpointHealth::Active,
-                },
-                why: cooled.map(Cause::says),
+                health,
+                why,
                 calls: l.calls.load(Relaxed),
                 rate_limited: l.rate_limited.load(Relaxed),
                 failed: l.failed.load(Relaxed),
@@ -405,25 +409,16 @@ impl Pool {
             let each: Vec<String> = self
                 .lanes
                 .iter()
-                .map(|o| {
-                    let h = o.health.lock().unwrap_or_else(|e| e.into_inner());
-                    let state = match h.cooled(now).map(|(_, c)| c) {
-                        Some(c @ (Cause::Auth | Cause::Spent)) => format!("dead: {}", c.says()),
-                        Some(c) => format!("cooling down: {}", c.says()),
-                        None => "active".to_string(),
-                    };
-                    format!("{}: {state}", o.endpoint)
+                .map(|o| match o.standing(now) {
+                    (health, Some(why)) => format!("{}: {}: {why}", o.endpoint, health.as_str()),
+                    (health, None) => format!("{}: {}", o.endpoint, health.as_str()),
                 })
                 .collect();
             e.message = format!("{} (no endpoint of the pool is usable: {})", e.message, each.join("; "));
             // Every one dead (a rejected key, a spent quota: ten minutes each), not cooling:
             // waiting for one would hold the record for those minutes; the run stops as it
             // would at one endpoint (a token that could not be fetched was tried again).
-            let dead = |o: &Lane| {
-                let h = o.health.lock().unwrap_or_else(|e| e.into_inner());
-                matches!(h.cooled(now), Some((_, Cause::Auth | Cause::Spent)))
-            };
-            if self.lanes.iter().all(dead) {
+            if self.lanes.iter().all(|o| o.standing(now).0 == EndpointHealth::Dead) {
                 e.hint = RetryHint::StopRun;
             }
         }
