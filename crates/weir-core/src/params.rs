@@ -3,11 +3,12 @@
 //! Users write `--param KEY=VALUE`; a key weir does not know is an error, never silently dropped
 //! (Beam drops unknown arguments, and users then benchmark the wrong thing).
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 /// Generation parameters of a run.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct GenParams {
     /// Sampling temperature.
     #[serde(skip_serializing_if = "Option::is_none")]

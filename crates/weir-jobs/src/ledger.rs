@@ -21,9 +21,20 @@ enum Entry {
         chunk: u32,
         round: u32,
         name: String,
+        /// The keys of a chunk planned by a weir before spools (its records were in memory).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
         keys: Vec<String>,
         #[serde(default, skip_serializing_if = "String::is_empty")]
         site: String,
+        /// The spool that holds its records (see [`crate::spool`]).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        spool: Option<u32>,
+        /// The input lines it was cut from (a first-round chunk): the first and the last.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        lines: Option<(u64, u64)>,
+        /// Its requests.
+        #[serde(default)]
+        count: u64,
     },
     /// The job the provider made of a chunk.
     Submitted { chunk: u32, job: JobRef },
@@ -41,8 +52,20 @@ pub struct Chunk {
     pub round: u32,
     /// The name it is submitted under (unique to the run and the chunk).
     pub name: String,
-    /// The keys of its requests.
+    /// The keys of its requests, for a chunk planned by a weir before spools (empty otherwise:
+    /// its spool holds them).
     pub keys: Vec<String>,
+    /// The spool that holds its records: a refused chunk's spool is planned again as another
+    /// chunk, so several chunks may name one spool; the latest is its owner.
+    pub spool: Option<u32>,
+    /// The input lines a first-round chunk was cut from (the first and the last): a resumed
+    /// run leaves the input's records within them to the spool.
+    pub lines: Option<(u64, u64)>,
+    /// Its requests.
+    pub count: u64,
+    /// Whether its spool is still there (it is removed when the run has written every row);
+    /// always for a chunk before spools.
+    pub held: bool,
     /// The endpoint it went to, as [`crate::Site::name`] names it (empty: the only one).
     pub site: String,
     /// The provider's job, once submitted.
@@ -61,14 +84,29 @@ pub struct LedgerError {
     pub message: String,
 }
 
+/// A chunk about to be submitted, as [`Ledger::plan`] records it.
+#[derive(Debug, Clone)]
+pub struct Plan<'a> {
+    /// 0 for its records' first job, 1 for their first follow-up, …
+    pub round: u32,
+    /// The name it is submitted under.
+    pub name: String,
+    /// Its endpoint's name (empty: the run's only one).
+    pub site: &'a str,
+    /// The spool that holds its records.
+    pub spool: u32,
+    /// The input lines it was cut from (a first round).
+    pub lines: Option<(u64, u64)>,
+    /// Its requests.
+    pub count: u64,
+}
+
 /// The run's chunks and jobs, in memory and on disk.
 #[derive(Debug)]
 pub struct Ledger {
     path: PathBuf,
     file: File,
     chunks: BTreeMap<u32, Chunk>,
-    /// Each key's latest chunk.
-    latest: HashMap<String, u32>,
 }
 
 impl Ledger {
@@ -87,16 +125,15 @@ impl Ledger {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
             Err(e) => return Err(err(&e)),
         };
-        let (chunks, _, _) = Self::parse(BufReader::new(f)).map_err(|e| err(&e))?;
+        let (mut chunks, _) = Self::parse(BufReader::new(f)).map_err(|e| err(&e))?;
+        Self::mark_held(path, &mut chunks);
         Ok(chunks.into_values().collect())
     }
 
-    /// The chunks of a ledger's whole lines, each key's latest chunk, and the length of those
-    /// lines (a torn last line is left out).
-    #[allow(clippy::type_complexity)]
-    fn parse(mut reader: impl BufRead) -> std::io::Result<(BTreeMap<u32, Chunk>, HashMap<String, u32>, u64)> {
+    /// The chunks of a ledger's whole lines and the length of those lines (a torn last line is
+    /// left out).
+    fn parse(mut reader: impl BufRead) -> std::io::Result<(BTreeMap<u32, Chunk>, u64)> {
         let mut chunks = BTreeMap::new();
-        let mut latest = HashMap::new();
         let mut good_len = 0u64;
         let mut line = String::new();
         loop {
@@ -108,11 +145,11 @@ impl Ledger {
             let Ok(entry) = serde_json::from_str::<Entry>(&line) else { break };
             good_len += n as u64;
             match entry {
-                Entry::Planned { chunk, round, name, keys, site } => {
-                    for k in &keys {
-                        latest.insert(k.clone(), chunk);
-                    }
-                    chunks.insert(chunk, Chunk { number: chunk, round, name, keys, site, job: None, refused: None });
+                Entry::Planned { chunk, round, name, keys, site, spool, lines, count } => {
+                    let count = if spool.is_some() { count } else { keys.len() as u64 };
+                    let (job, refused, held) = (None, None, true);
+                    let c = Chunk { number: chunk, round, name, keys, site, spool, lines, count, held, job, refused };
+                    chunks.insert(chunk, c);
                 }
                 Entry::Submitted { chunk, job } => {
                     if let Some(c) = chunks.get_mut(&chunk) {
@@ -126,7 +163,23 @@ impl Ledger {
                 }
             }
         }
-        Ok((chunks, latest, good_len))
+        Ok((chunks, good_len))
+    }
+
+    /// Where the spools of the ledger at `path` are.
+    pub fn spool_dir_of(path: &Path) -> PathBuf {
+        let mut name = path.file_name().unwrap_or_default().to_os_string();
+        name.push(".spool");
+        path.with_file_name(name)
+    }
+
+    fn mark_held(path: &Path, chunks: &mut BTreeMap<u32, Chunk>) {
+        let dir = Self::spool_dir_of(path);
+        for c in chunks.values_mut() {
+            if let Some(s) = c.spool {
+                c.held = crate::spool::Spool::records_path(&dir, s).exists();
+            }
+        }
     }
 
     /// Opens (or creates) the ledger at `path`, cutting a torn last line; `fresh` empties it
@@ -141,15 +194,20 @@ impl Ledger {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(err(&e)),
                 _ => {}
             }
+            match std::fs::remove_dir_all(Self::spool_dir_of(path)) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(err(&e)),
+                _ => {}
+            }
         }
-        let (chunks, latest, good_len) = match File::open(path) {
+        let (mut chunks, good_len) = match File::open(path) {
             Ok(f) => Self::parse(BufReader::new(f)).map_err(|e| err(&e))?,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Default::default(),
             Err(e) => return Err(err(&e)),
         };
         let file = OpenOptions::new().create(true).append(true).open(path).map_err(|e| err(&e))?;
         file.set_len(good_len).map_err(|e| err(&e))?;
-        Ok(Self { path: path.to_path_buf(), file, chunks, latest })
+        Self::mark_held(path, &mut chunks);
+        Ok(Self { path: path.to_path_buf(), file, chunks })
     }
 
     fn append(&mut self, entry: &Entry) -> Result<(), LedgerError> {
@@ -167,21 +225,24 @@ impl Ledger {
         self.chunks.keys().next_back().map_or(0, |n| n + 1)
     }
 
-    /// Records a chunk before it is submitted to `site` (empty for a run's only endpoint).
-    pub fn plan(&mut self, round: u32, name: String, site: &str, keys: Vec<String>) -> Result<Chunk, LedgerError> {
+    /// Records a chunk before it is submitted to `site` (empty for a run's only endpoint): its
+    /// records are in spool `spool`, `count` of them, cut from input `lines` (a first round).
+    pub fn plan(&mut self, plan: Plan<'_>) -> Result<Chunk, LedgerError> {
         let number = self.next_number();
+        let Plan { round, name, site, spool, lines, count } = plan;
         let site = site.to_string();
         self.append(&Entry::Planned {
             chunk: number,
             round,
             name: name.clone(),
-            keys: keys.clone(),
+            keys: Vec::new(),
             site: site.clone(),
+            spool: Some(spool),
+            lines,
+            count,
         })?;
-        for k in &keys {
-            self.latest.insert(k.clone(), number);
-        }
-        let chunk = Chunk { number, round, name, keys, site, job: None, refused: None };
+        let (keys, job, refused, held, spool) = (Vec::new(), None, None, true, Some(spool));
+        let chunk = Chunk { number, round, name, keys, site, spool, lines, count, held, job, refused };
         self.chunks.insert(number, chunk.clone());
         Ok(chunk)
     }
@@ -214,11 +275,6 @@ impl Ledger {
         self.chunks.get(&number)
     }
 
-    /// The latest chunk that holds `key`.
-    pub fn latest_chunk(&self, key: &str) -> Option<&Chunk> {
-        self.latest.get(key).and_then(|n| self.chunks.get(n))
-    }
-
     /// Where the ledger is.
     pub fn path(&self) -> &Path {
         &self.path
@@ -229,18 +285,36 @@ impl Ledger {
 /// resumed run waits on: the latest chunk of some key, and not refused by its endpoint.
 pub fn open_chunks(chunks: &[Chunk]) -> Vec<&Chunk> {
     let mut latest: HashMap<&str, u32> = HashMap::new();
+    // A spool's owner: the latest chunk planned from it.
+    let mut owner: HashMap<u32, u32> = HashMap::new();
     for c in chunks {
         for k in &c.keys {
             latest.insert(k, c.number);
         }
+        if let Some(s) = c.spool {
+            owner.insert(s, c.number);
+        }
     }
     let holding: std::collections::HashSet<u32> = latest.into_values().collect();
-    chunks.iter().filter(|c| c.refused.is_none() && holding.contains(&c.number)).collect()
+    chunks
+        .iter()
+        .filter(|c| {
+            c.refused.is_none()
+                && match c.spool {
+                    Some(s) => c.held && owner.get(&s) == Some(&c.number),
+                    None => holding.contains(&c.number),
+                }
+        })
+        .collect()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn plan(l: &mut Ledger, name: &str, site: &str, spool: u32, lines: Option<(u64, u64)>) -> Chunk {
+        l.plan(Plan { round: 0, name: name.into(), site, spool, lines, count: 2 }).unwrap()
+    }
 
     #[test]
     fn chunks_and_jobs_survive_reopening_and_a_torn_line_is_cut() {
@@ -249,10 +323,10 @@ mod tests {
         let path = dir.join("jobs.jsonl");
         {
             let mut l = Ledger::open(&path, true).unwrap();
-            let c = l.plan(0, "run-c0".into(), "", vec!["a".into(), "b".into()]).unwrap();
+            let c = plan(&mut l, "run-c0", "", 0, Some((1, 2)));
             l.submitted(c.number, JobRef { id: "batch_1".into(), file: Some("file-1".into()) }).unwrap();
-            l.plan(0, "run-c1".into(), "eu", vec!["c".into()]).unwrap();
-            let c2 = l.plan(1, "run-c2".into(), "", vec!["b".into()]).unwrap();
+            plan(&mut l, "run-c1", "eu", 1, Some((3, 4)));
+            let c2 = plan(&mut l, "run-c2", "", 2, None);
             assert_eq!(c2.number, 2);
         }
         // A torn line at the end (killed while appending).
@@ -263,17 +337,32 @@ mod tests {
         assert_eq!(chunks.len(), 3);
         assert_eq!(chunks[0].job.as_ref().unwrap().id, "batch_1");
         assert_eq!(chunks[1].job, None);
+        assert_eq!((chunks[1].spool, chunks[1].lines, chunks[1].count), (Some(1), Some((3, 4)), 2));
         // A refused chunk reads back as refused.
         assert!(l.chunks().all(|c| c.refused.is_none()));
         // The endpoint of a pool a chunk went to; none written for a run's only endpoint.
         assert_eq!((chunks[0].site.as_str(), chunks[1].site.as_str()), ("", "eu"));
         assert!(!std::fs::read_to_string(&path).unwrap().lines().next().unwrap().contains("site"));
-        assert_eq!(l.latest_chunk("b").unwrap().number, 2);
-        assert_eq!(l.latest_chunk("a").unwrap().number, 0);
-        assert!(l.latest_chunk("z").is_none());
+        // No spool files: nothing is held (a finished run's spools are removed).
+        assert!(l.chunks().all(|c| !c.held));
+        assert!(open_chunks(&Ledger::read(&path).unwrap()).is_empty());
         drop(l);
         assert!(std::fs::read_to_string(&path).unwrap().ends_with("}\n"));
         assert_eq!(Ledger::open(&path, true).unwrap().chunks().count(), 0);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A ledger written before spools (keys in the ledger) still reads, and its chunks count.
+    #[test]
+    fn a_ledger_from_before_spools_reads() {
+        let dir = std::env::temp_dir().join(format!("weir-ledger-old-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("jobs.jsonl");
+        std::fs::write(&path, "{\"chunk\":0,\"round\":0,\"name\":\"r-c0\",\"keys\":[\"a\",\"b\"]}\n").unwrap();
+        let chunks = Ledger::read(&path).unwrap();
+        assert_eq!((chunks[0].count, chunks[0].spool, chunks[0].held), (2, None, true));
+        assert_eq!(open_chunks(&chunks).len(), 1);
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -237,8 +237,7 @@ async fn job_line(sites: &weir_jobs::Sites, chunk: &weir_jobs::Chunk, cancel: bo
     if let Some(why) = &chunk.refused {
         return Ok(format!(
             "  chunk {}: {} records, refused{at} ({why}); no job was made and its records went to another endpoint",
-            chunk.number,
-            chunk.keys.len()
+            chunk.number, chunk.count
         ));
     }
     let api = sites.api_of(chunk).map_err(|e| format!("  chunk {}: cannot ask the provider: {e}", chunk.number))?;
@@ -250,17 +249,13 @@ async fn job_line(sites: &weir_jobs::Sites, chunk: &weir_jobs::Chunk, cancel: bo
             Ok(None) => {
                 return Ok(format!(
                     "  chunk {}: {} records, not submitted{at} (name {}); a resumed run sends them",
-                    chunk.number,
-                    chunk.keys.len(),
-                    chunk.name
+                    chunk.number, chunk.count, chunk.name
                 ))
             }
             Err(e) => {
                 return Err(format!(
                     "  chunk {}: {} records, not recorded as submitted{at} (name {}); cannot ask the provider: {e}",
-                    chunk.number,
-                    chunk.keys.len(),
-                    chunk.name
+                    chunk.number, chunk.count, chunk.name
                 ))
             }
         },
@@ -273,7 +268,7 @@ async fn job_line(sites: &weir_jobs::Sites, chunk: &weir_jobs::Chunk, cancel: bo
         status.completed,
         status.total,
         status.failed,
-        chunk.keys.len(),
+        chunk.count,
         chunk.round + 1
     );
     if let Some(m) = &status.message {

@@ -32,8 +32,8 @@ pub(crate) struct Input {
 
 /// What an earlier run finished, skipped when read again.
 pub(crate) struct Skip {
-    /// Records finished, by id and line.
-    pub finished: weir_io::KeySet,
+    /// Records finished, by id and line (shared with the batch jobs, which skip them too).
+    pub finished: std::sync::Arc<weir_io::KeySet>,
     /// Ids finished, for an input fed again in another order (`--resume-stream --id-field`).
     pub finished_ids: weir_io::KeySet,
     /// Whether the id alone says a record is finished.

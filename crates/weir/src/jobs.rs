@@ -1,22 +1,23 @@
 //! `weir run --mode batch`: the same records, outputs, journal and cache as an online run, but
 //! answered by the provider's batch-prediction jobs (about half the price, hours of latency).
 //!
-//! The input is read whole first (records the cache can answer are answered at once), then
-//! [`weir_jobs::run`] splits, submits, records, waits and collects; each settled record
-//! becomes the same outcome an online call would give, written by the same writer. What no
-//! job answered goes online with `--fallback online`, or is written as an error row.
+//! The input is read while the jobs run (records the cache can answer are answered at once):
+//! [`weir_jobs::run`] spools the records to the state directory, cuts and submits jobs as the
+//! spools fill, records, waits and collects; each settled record becomes the same outcome an
+//! online call would give, written by the same writer. What no job answered goes online with
+//! `--fallback online`, or is written as an error row. Memory holds the chunk being cut and
+//! the job being collected, not the input.
 
 use futures::stream::BoxStream;
 use futures::StreamExt;
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use weir_core::{Driver, ErrorKind, Failure, ModelError, Outcome, Record, StopReason};
-use weir_jobs::{BatchError, Item, Ledger};
+use weir_core::{Driver, ErrorKind, ModelError, Outcome, Record, StopReason};
+use weir_jobs::{BatchError, Incoming, Item, Ledger};
 
 use crate::report::thousands;
 use weir_runtime::Work;
@@ -57,6 +58,13 @@ pub fn job_key(record: &Record) -> String {
     format!("~{hex}")
 }
 
+/// What a resumed run knows is finished, to leave spooled records alone that have their rows.
+#[derive(Clone, Default)]
+pub(crate) struct Finished {
+    /// Records finished, by id and line.
+    pub finished: Arc<weir_io::KeySet>,
+}
+
 /// Everything the jobs need besides the records.
 pub(crate) struct JobsRun {
     pub driver: Arc<Driver>,
@@ -68,6 +76,7 @@ pub(crate) struct JobsRun {
     pub progress: bool,
     pub max_concurrency: usize,
     pub tally: Arc<Mutex<JobsTally>>,
+    pub finished: Finished,
 }
 
 /// The outcomes of `work`'s records, answered by batch jobs.
@@ -82,8 +91,235 @@ pub(crate) fn outcomes(
 
 type Tx = mpsc::UnboundedSender<Result<Outcome, std::io::Error>>;
 
+/// A record as a spool keeps it: everything its row and its request are made of.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Spooled {
+    /// `s` for a text id, `n` for a number (kept as written).
+    t: char,
+    id: String,
+    line: u64,
+    prompt: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    system: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    params: Option<weir_core::GenParams>,
+    input: serde_json::Map<String, serde_json::Value>,
+}
+
+fn to_spool(record: &Record) -> serde_json::Value {
+    let (t, id) = match &record.id {
+        weir_core::RecordId::Text(s) => ('s', s.clone()),
+        weir_core::RecordId::Number(s) => ('n', s.clone()),
+    };
+    let spooled = Spooled {
+        t,
+        id,
+        line: record.line,
+        prompt: record.prompt.clone(),
+        system: record.system.as_deref().map(str::to_string),
+        params: record.params.as_deref().cloned(),
+        input: record.input.clone(),
+    };
+    serde_json::to_value(spooled).expect("a record is JSON")
+}
+
+fn from_spool(value: serde_json::Value) -> Result<Record, ModelError> {
+    let s: Spooled = serde_json::from_value(value)
+        .map_err(|e| ModelError::new(ErrorKind::Server, format!("a batch job spool's record cannot be read: {e}")))?;
+    let id = match s.t {
+        'n' => weir_core::RecordId::Number(s.id),
+        _ => weir_core::RecordId::Text(s.id),
+    };
+    let mut record = Record::new(id, s.line, s.prompt, s.input);
+    record.system = s.system.map(Arc::from);
+    record.params = s.params.map(Box::new);
+    Ok(record)
+}
+
+/// The run's side of the jobs: rows, the cache, the summary's tally and the progress line.
+struct Rows {
+    driver: Arc<Driver>,
+    tx: Tx,
+    since: Instant,
+    tally: Arc<Mutex<JobsTally>>,
+    finished: Finished,
+    /// Records no job answered, to be sent online (`--fallback online`).
+    fallback: Option<mpsc::UnboundedSender<Record>>,
+    progress: bool,
+    last: (String, Instant),
+}
+
+impl Rows {
+    fn tally(&self) -> std::sync::MutexGuard<'_, JobsTally> {
+        self.tally.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl weir_jobs::Host for Rows {
+    fn finished(&self, record: &serde_json::Value) -> bool {
+        if self.finished.finished.is_empty() {
+            return false;
+        }
+        let field = |k: &str| record.get(k);
+        let id = match (field("t").and_then(|t| t.as_str()), field("id").and_then(|i| i.as_str())) {
+            (Some("n"), Some(id)) => weir_core::RecordId::Number(id.to_string()),
+            (_, Some(id)) => weir_core::RecordId::Text(id.to_string()),
+            _ => return false,
+        };
+        let line = field("line").and_then(|l| l.as_u64()).unwrap_or(0);
+        self.finished.finished.contains(&weir_io::state::finished_key(Some(&id), line))
+    }
+
+    fn answer_again(&mut self, record: &serde_json::Value) -> bool {
+        let Ok(record) = from_spool(record.clone()) else { return false };
+        match self.driver.answer_from_cache(&record) {
+            Some(outcome) => {
+                let _ = self.tx.send(Ok(outcome));
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn rebuild(&mut self, key: String, value: serde_json::Value) -> Result<Item, (serde_json::Value, ModelError)> {
+        match from_spool(value.clone()) {
+            Ok(record) => Ok(Item { key, line: record.line, request: self.driver.request_for(&record), record: value }),
+            Err(e) => Err((value, e)),
+        }
+    }
+
+    fn deliver(&mut self, value: serde_json::Value, result: Result<weir_core::ModelResponse, ModelError>) {
+        let record = match from_spool(value) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::error!("{e}");
+                return;
+            }
+        };
+        {
+            let mut t = self.tally();
+            t.settled += 1;
+            if let Ok(r) = &result {
+                t.tokens.0 += r.usage.prompt_tokens;
+                t.tokens.1 += r.usage.output_tokens;
+            }
+        }
+        let _ = self.tx.send(Ok(self.driver.settle_answer(record, result, self.since)));
+    }
+
+    fn leftover(&mut self, value: serde_json::Value, error: ModelError) {
+        let Some(fallback) = &self.fallback else { return self.deliver(value, Err(error)) };
+        let record = match from_spool(value) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::error!("{e}");
+                return;
+            }
+        };
+        let first = {
+            let mut t = self.tally();
+            t.online += 1;
+            t.online == 1
+        };
+        if first && self.progress {
+            eprintln!("weir: records the batch jobs left unanswered are sent online (--fallback online)");
+        }
+        let _ = fallback.send(record);
+    }
+
+    fn progress(&mut self, p: &weir_jobs::Progress) {
+        if !self.progress || p.jobs.is_empty() {
+            return;
+        }
+        let states: Vec<String> = p.jobs.iter().map(|(s, n)| format!("{n} {s}")).collect();
+        let line = format!(
+            "weir: batch jobs: {}; {} of {} requests answered so far; {} records settled{}",
+            states.join(", "),
+            thousands(p.completed),
+            thousands(p.total),
+            thousands(p.settled),
+            if p.queued > 0 { format!("; {} queued for a job", thousands(p.queued)) } else { String::new() }
+        );
+        if line != self.last.0 && self.last.1.elapsed() >= Duration::from_secs(2) {
+            eprintln!("{line}");
+            self.last = (line, Instant::now());
+        }
+    }
+}
+
+/// Reads the input for the jobs: error rows and cache answers written at once, records a
+/// spool holds from an earlier run left to it, the rest handed to the jobs in input order. A
+/// new run's first record goes online first (see `drive`); false when that stopped the run.
+async fn feed(
+    work: impl futures::Stream<Item = Work> + Send + 'static,
+    driver: Arc<Driver>,
+    tx: Tx,
+    claims: weir_jobs::Claims,
+    mut probe: bool,
+    tally: Arc<Mutex<JobsTally>>,
+    jobs: mpsc::Sender<Incoming>,
+) {
+    futures::pin_mut!(work);
+    while let Some(w) = work.next().await {
+        let record = match w {
+            Work::Done(f) => {
+                let _ = tx.send(Ok(driver.reject(f)));
+                continue;
+            }
+            Work::ReadError(e) => {
+                let _ = tx.send(Err(e));
+                return;
+            }
+            Work::Call(record) => record,
+        };
+        // Its chunk's spool has it (and writes its row).
+        if claims.holds(record.line) {
+            continue;
+        }
+        let key = job_key(&record);
+        let answered = |outcome: Outcome, record: &Record| {
+            let _ = tx.send(Ok(outcome));
+            Incoming::Answered { key: key.clone(), line: record.line, record: to_spool(record) }
+        };
+        let next = match driver.answer_from_cache(&record) {
+            Some(outcome) => answered(outcome, &record),
+            // A new run sends its first record online before any job: a job is checked by the
+            // provider hours later, and a request it refuses (an unknown model, a bad
+            // parameter, a rejected key) would fail every record then. Its answer is that
+            // record's, so nothing is paid twice.
+            None if std::mem::take(&mut probe) => match driver.run(record.clone()).await {
+                Outcome::Failure(f) if matches!(f.error.kind, ErrorKind::BadRequest | ErrorKind::Auth) => {
+                    let message = format!(
+                        "the endpoint refused the first request online, so no job was submitted: {}",
+                        f.error.message
+                    );
+                    driver.stop(StopReason { kind: f.error.kind, message });
+                    let _ = tx.send(Ok(Outcome::Failure(f)));
+                    return;
+                }
+                // Nothing can be reached, or the driver stopped the run for another reason.
+                outcome if driver.is_stopped() => {
+                    let _ = tx.send(Ok(outcome));
+                    return;
+                }
+                outcome => {
+                    tally.lock().unwrap_or_else(|e| e.into_inner()).online += 1;
+                    answered(outcome, &record)
+                }
+            },
+            None => {
+                let request = driver.request_for(&record);
+                Incoming::Job(Item { key, line: record.line, request, record: to_spool(&record) })
+            }
+        };
+        if jobs.send(next).await.is_err() {
+            return;
+        }
+    }
+}
+
 async fn drive(work: impl futures::Stream<Item = Work> + Send + 'static, run: JobsRun, tx: Tx) {
-    let JobsRun { driver, sites, ledger, fresh, mode, interrupts, progress, max_concurrency, tally } = run;
+    let JobsRun { driver, sites, ledger, fresh, mode, interrupts, progress, max_concurrency, tally, finished } = run;
     let cancel = CancellationToken::new();
     {
         let (cancel, mut interrupts) = (cancel.clone(), interrupts);
@@ -93,123 +329,71 @@ async fn drive(work: impl futures::Stream<Item = Work> + Send + 'static, run: Jo
             }
         });
     }
-    // The whole input first: jobs are cut from all of it.
-    let mut records: HashMap<String, Record> = HashMap::new();
-    let mut items = Vec::new();
-    futures::pin_mut!(work);
-    while let Some(w) = work.next().await {
-        match w {
-            Work::Done(f) => {
-                let _ = tx.send(Ok(driver.reject(f)));
-            }
-            Work::ReadError(e) => {
-                let _ = tx.send(Err(e));
-                return;
-            }
-            Work::Call(record) => match driver.answer_from_cache(&record) {
-                Some(outcome) => {
-                    let _ = tx.send(Ok(outcome));
-                }
-                None => {
-                    let key = job_key(&record);
-                    items.push(Item { key: key.clone(), request: driver.request_for(&record) });
-                    records.insert(key, record);
-                }
-            },
-        }
-    }
-    if items.is_empty() {
-        return;
-    }
-    let stop = |records: &mut HashMap<String, Record>, kind: ErrorKind, message: String| {
-        driver.stop(StopReason { kind, message: message.clone() });
-        for (_, record) in records.drain() {
-            let e = ModelError::new(ErrorKind::Aborted, format!("not finished: {message}"));
-            let _ = tx.send(Ok(Outcome::Failure(Box::new(Failure::of(record, e, 0)))));
-        }
-    };
+    let stop = |kind: ErrorKind, message: String| driver.stop(StopReason { kind, message });
     let mut ledger = match Ledger::open(&ledger, fresh) {
         Ok(l) => l,
-        Err(e) => return stop(&mut records, ErrorKind::Server, e.to_string()),
+        Err(e) => return stop(ErrorKind::Server, e.to_string()),
     };
-    // A new run sends its first record online before any job: a job is checked by the provider
-    // hours later, and a request it refuses (an unknown model, a bad parameter, a rejected key)
-    // would fail every record then. Its answer is that record's, so nothing is paid twice.
-    if ledger.chunks().next().is_none() {
-        if let Some(first) = items.first().cloned() {
-            let record = records.remove(&first.key).expect("every item has its record");
-            match driver.run(record).await {
-                Outcome::Failure(f) if matches!(f.error.kind, ErrorKind::BadRequest | ErrorKind::Auth) => {
-                    let message = format!(
-                        "the endpoint refused the first request online, so no job was submitted: {}",
-                        f.error.message
-                    );
-                    driver.stop(StopReason { kind: f.error.kind, message: message.clone() });
-                    let _ = tx.send(Ok(Outcome::Failure(f)));
-                    return stop(&mut records, ErrorKind::Aborted, message);
-                }
-                // Nothing can be reached, or the driver stopped the run for another reason.
-                outcome if driver.is_stopped() => {
-                    let reason = driver.stop_reason();
-                    let kind = reason.as_ref().map_or(ErrorKind::Aborted, |r| r.kind);
-                    let message = reason.map(|r| r.message).unwrap_or_default();
-                    let _ = tx.send(Ok(outcome));
-                    return stop(&mut records, kind, format!("no job was submitted: {message}"));
-                }
-                outcome => {
-                    items.remove(0);
-                    tally.lock().unwrap_or_else(|e| e.into_inner()).online += 1;
-                    let _ = tx.send(Ok(outcome));
-                }
+    let mut spool = match weir_jobs::Spool::open(&ledger) {
+        Ok(s) => s,
+        Err(e) => return stop(ErrorKind::Server, e.to_string()),
+    };
+    // The input is read while the jobs run: a chunk is submitted as soon as it is cut.
+    let (jobs_tx, mut jobs_rx) = mpsc::channel(1024);
+    let probe = ledger.chunks().next().is_none();
+    let feeder = tokio::spawn(feed(
+        work,
+        driver.clone(),
+        tx.clone(),
+        weir_jobs::Claims::of(&ledger),
+        probe,
+        tally.clone(),
+        jobs_tx,
+    ));
+    // Records no job answered, online (`--fallback online`), as they are found.
+    let (fallback, online) = if mode.fallback_online {
+        let (ftx, mut frx) = mpsc::unbounded_channel::<Record>();
+        let (d, tx) = (driver.clone(), tx.clone());
+        let task = tokio::spawn(async move {
+            let left = futures::stream::poll_fn(move |cx| frx.poll_recv(cx));
+            let mut online = left
+                .map(|r| {
+                    let d = d.clone();
+                    async move { d.run(r).await }
+                })
+                .buffer_unordered(max_concurrency.max(1));
+            while let Some(o) = online.next().await {
+                let _ = tx.send(Ok(o));
             }
-        }
-    }
-    let since = Instant::now();
+        });
+        (Some(ftx), Some(task))
+    } else {
+        (None, None)
+    };
     let first_new = ledger.next_number();
-    let result = {
-        let mut last = (String::new(), Instant::now() - Duration::from_secs(3600));
-        let mut on_progress = |p: &weir_jobs::Progress| {
-            if !progress || p.jobs.is_empty() {
-                return;
-            }
-            let states: Vec<String> = p.jobs.iter().map(|(s, n)| format!("{n} {s}")).collect();
-            let line = format!(
-                "weir: batch jobs: {}; {} of {} requests answered so far; {} records settled{}",
-                if states.is_empty() { "none waiting".to_string() } else { states.join(", ") },
-                thousands(p.completed),
-                thousands(p.total),
-                thousands(p.settled),
-                if p.queued > 0 {
-                    format!("; {} queued for a job (--max-jobs)", thousands(p.queued))
-                } else {
-                    String::new()
-                }
-            );
-            if line != last.0 && last.1.elapsed() >= Duration::from_secs(2) {
-                eprintln!("{line}");
-                last = (line, Instant::now());
-            }
-        };
-        let mut deliver = |item: Item, result: Result<weir_core::ModelResponse, ModelError>| {
-            if let Some(record) = records.remove(&item.key) {
-                let mut t = tally.lock().unwrap_or_else(|e| e.into_inner());
-                t.settled += 1;
-                if let Ok(r) = &result {
-                    t.tokens.0 += r.usage.prompt_tokens;
-                    t.tokens.1 += r.usage.output_tokens;
-                }
-                drop(t);
-                let _ = tx.send(Ok(driver.settle_answer(record, result, since)));
-            }
-        };
-        weir_jobs::run(&sites, &mut ledger, items, &mode.jobs, &cancel, &mut on_progress, &mut deliver).await
+    let mut rows = Rows {
+        driver: driver.clone(),
+        tx: tx.clone(),
+        since: Instant::now(),
+        tally: tally.clone(),
+        finished,
+        fallback,
+        progress,
+        last: (String::new(), Instant::now() - Duration::from_secs(3600)),
     };
+    let result = weir_jobs::run(&sites, &mut ledger, &mut spool, &mut jobs_rx, &mode.jobs, &cancel, &mut rows).await;
+    // The reader stops when the jobs do.
+    drop(jobs_rx);
+    let _ = feeder.await;
+    drop(rows);
+    if let Some(task) = online {
+        let _ = task.await;
+    }
     let result = result.map(|f| {
         let mut t = tally.lock().unwrap_or_else(|e| e.into_inner());
         t.jobs = f.submitted + f.reattached;
         t.submitted_now = f.submitted;
         t.sites = f.sites;
-        f.leftovers
     });
     // A run that stops with jobs submitted: they go on at the provider, charged. The summary
     // counts them and a notice says what to do, however the run stopped.
@@ -229,40 +413,14 @@ async fn drive(work: impl futures::Stream<Item = Work> + Send + 'static, run: Jo
         }
     };
     match result {
-        Ok(leftovers) if mode.fallback_online && !leftovers.is_empty() => {
-            if progress {
-                eprintln!(
-                    "weir: {} records had no answer from the batch jobs; sending them online (--fallback online)",
-                    thousands(leftovers.len() as u64)
-                );
-            }
-            let left: Vec<Record> = leftovers.into_iter().filter_map(|(item, _)| records.remove(&item.key)).collect();
-            tally.lock().unwrap_or_else(|e| e.into_inner()).online += left.len() as u64;
-            let mut online = futures::stream::iter(left)
-                .map(|r| {
-                    let d = driver.clone();
-                    async move { d.run(r).await }
-                })
-                .buffer_unordered(max_concurrency.max(1));
-            while let Some(o) = online.next().await {
-                let _ = tx.send(Ok(o));
-            }
-        }
-        Ok(leftovers) => {
-            for (item, e) in leftovers {
-                if let Some(record) = records.remove(&item.key) {
-                    let _ = tx.send(Ok(driver.settle_answer(record, Err(e), since)));
-                }
-            }
-        }
+        Ok(()) => {}
         Err(BatchError::Cancelled) => {
             jobs_left("interrupted");
-            stop(&mut records, ErrorKind::Aborted, "interrupted".into())
+            stop(ErrorKind::Aborted, "interrupted".into())
         }
         // The first record went online, so the model is there: a 404 now is a job route the
         // endpoint lacks (vLLM's and llama.cpp's OpenAI-compatible servers have none).
         Err(BatchError::Api(e)) if matches!(e.status, Some(404 | 405)) => stop(
-            &mut records,
             e.kind,
             format!(
                 "batch jobs: this endpoint has no batch-job API, it seems ({}); run online (drop --mode batch), \
@@ -284,12 +442,12 @@ async fn drive(work: impl futures::Stream<Item = Work> + Send + 'static, run: Jo
                 ""
             };
             jobs_left("stopped");
-            stop(&mut records, e.kind, format!("batch jobs: {}{hint}", e.message))
+            stop(e.kind, format!("batch jobs: {}{hint}", e.message))
         }
-        Err(e @ BatchError::Site(_)) => stop(&mut records, ErrorKind::BadRequest, e.to_string()),
-        Err(e @ BatchError::Ledger(_)) => {
+        Err(e @ BatchError::Site(_)) => stop(ErrorKind::BadRequest, e.to_string()),
+        Err(e @ (BatchError::Ledger(_) | BatchError::Spool(_))) => {
             jobs_left("stopped");
-            stop(&mut records, ErrorKind::Server, e.to_string())
+            stop(ErrorKind::Server, e.to_string())
         }
     }
 }

@@ -240,8 +240,9 @@ pub async fn run(
 
     // Fed again with --resume-stream, the same records may come in another order or with
     // others between them: with --id-field, the id alone says a record is finished.
+    let finished = Arc::new(std::mem::take(&mut recovered.finished));
     let skip = crate::input::Skip {
-        finished: std::mem::take(&mut recovered.finished),
+        finished: finished.clone(),
         finished_ids: std::mem::take(&mut recovered.finished_ids),
         by_id: settings.resume_stream && settings.records.id_field.is_some(),
     };
@@ -270,6 +271,12 @@ pub async fn run(
         choose_jobs(&settings, jobs_api, &input, total, resuming && jobs_ledger.as_deref().is_some_and(has_jobs))
             .await?;
     let used_jobs = jobs_api.is_some();
+    if used_jobs && settings.resume_stream {
+        return Err(RunError::Usage(
+            "--resume-stream cannot be used with batch jobs: a resumed batch run finds the records its jobs hold by              their input lines, which a stream fed again does not keep; run online (--mode online), or feed a file"
+                .into(),
+        ));
+    }
     let outcomes: futures::stream::LocalBoxStream<'_, Result<Outcome, std::io::Error>> =
         match (jobs_api, &settings.jobs, jobs_ledger.clone()) {
             (Some(sites), Some(mode), Some(ledger)) => crate::jobs::outcomes(
@@ -284,6 +291,7 @@ pub async fn run(
                     progress: settings.progress,
                     max_concurrency: settings.max_concurrency,
                     tally: tally.clone(),
+                    finished: crate::jobs::Finished { finished },
                 },
             )
             .boxed_local(),
@@ -336,6 +344,12 @@ pub async fn run(
     } else {
         Some(not_written)
     };
+    // Every row written: the jobs' spools hold nothing a resumed run needs.
+    if let (true, Some(0), 0, Some(ledger)) = (used_jobs, unfinished, not_written, &jobs_ledger) {
+        if let Err(e) = weir_jobs::Spool::remove_all(ledger) {
+            tracing::warn!("could not remove the batch job spools of {}: {e}", ledger.display());
+        }
+    }
     let mut report = RunReport::new(
         &metrics,
         started.elapsed().max(Duration::from_micros(1)),
