@@ -121,9 +121,16 @@ pub trait JobApi: Send + Sync {
     /// The job's state and counts.
     async fn status(&self, job: &JobRef) -> Result<JobStatus, ModelError>;
 
-    /// The results a terminal job holds, one per key it answered or failed; keys it left out
-    /// have no result. `status` is what [`status`](Self::status) last said of the job.
-    async fn results(&self, job: &JobRef, status: &JobStatus) -> Result<Vec<JobResult>, ModelError>;
+    /// The results a terminal job holds, one per key it answered or failed, each handed to
+    /// `each` as it is read (a job may answer 200,000 requests: they are not gathered first);
+    /// keys it left out have no result. Called again after an error, it hands them all over
+    /// again. `status` is what [`status`](Self::status) last said of the job.
+    async fn results(
+        &self,
+        job: &JobRef,
+        status: &JobStatus,
+        each: &mut (dyn FnMut(JobResult) + Send),
+    ) -> Result<(), ModelError>;
 
     /// Asks the provider to cancel the job.
     async fn cancel(&self, job: &JobRef) -> Result<(), ModelError>;

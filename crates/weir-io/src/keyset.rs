@@ -70,6 +70,11 @@ impl KeySet {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+
+    /// Every key, in ascending order (the buckets are the keys' top bits, each one sorted).
+    pub fn iter(&self) -> impl Iterator<Item = u128> + '_ {
+        self.buckets.iter().flatten().copied()
+    }
 }
 
 #[cfg(test)]

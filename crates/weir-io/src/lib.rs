@@ -7,6 +7,7 @@ pub mod keyset;
 pub mod paths;
 pub mod sink;
 pub mod source;
+pub mod spillset;
 pub mod state;
 pub mod writer;
 
@@ -14,4 +15,5 @@ pub use cache::{CacheError, DiskCache};
 pub use keyset::KeySet;
 pub use sink::{default_errors_path, ErrorRow, EventError, EventRow, JsonlWriter, OutputPath, ResultRow};
 pub use source::{count_records, InputPath, RawLine};
+pub use spillset::SpillSet;
 pub use writer::{EventSender, Events, Row, RowWriter, WriterSettings, WriterThread};

@@ -25,10 +25,13 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
-use weir_core::{ErrorKind, JobApi, JobRef, JobState, JobStatus, ModelError, ModelRequest, ModelResponse};
+use weir_core::{ErrorKind, JobApi, JobRef, JobResult, JobState, JobStatus, ModelError, ModelRequest, ModelResponse};
 
 pub use ledger::{open_chunks, Chunk, Ledger, LedgerError, Plan};
 pub use spool::{Spool, SpoolError};
+
+/// A caller's record as the jobs carry it: JSON they keep in a spool and hand back untouched.
+pub type Record = Box<serde_json::value::RawValue>;
 
 /// How jobs are run.
 #[derive(Debug, Clone)]
@@ -43,8 +46,8 @@ pub struct JobSettings {
     pub name_prefix: String,
     /// Tries of a job API call that failed in a way that may pass (a 429, a 503, a reset).
     pub api_tries: u32,
-    /// Jobs not yet collected at one endpoint at most (providers limit the jobs running at
-    /// once: Vertex AI per region); records beyond wait here, queued, until one ends.
+    /// Jobs running at one endpoint at most (providers limit the jobs running at once: Vertex
+    /// AI per region); records beyond wait here, in spools, until one ends.
     pub max_jobs: Option<usize>,
 }
 
@@ -71,7 +74,7 @@ pub struct Item {
     /// What to ask.
     pub request: ModelRequest,
     /// The caller's record, kept in the spool and handed back with its answer.
-    pub record: serde_json::Value,
+    pub record: Record,
 }
 
 /// What the caller hands the jobs as it reads its input, in input order.
@@ -87,23 +90,26 @@ pub enum Incoming {
         /// Its line in the input.
         line: u64,
         /// The caller's record.
-        record: serde_json::Value,
+        record: Record,
     },
 }
 
-/// What the jobs ask of the caller, who owns the records, their rows and their cache.
+/// What the jobs ask of the caller, who owns the records, their rows and their cache. Handing
+/// over a settled record may wait (the rows' writer is behind): a job's answers are then held,
+/// not piled up.
+#[async_trait::async_trait]
 pub trait Host: Send {
     /// Whether a spooled record already has its row (an earlier run wrote it): it is left alone.
-    fn finished(&self, record: &serde_json::Value) -> bool;
+    fn finished(&self, record: &Record) -> bool;
     /// A spooled record an earlier run answered from the cache without writing its row: true
     /// when the caller has answered it again, false when it must go to a job.
-    fn answer_again(&mut self, record: &serde_json::Value) -> bool;
+    async fn answer_again(&mut self, record: &Record) -> bool;
     /// The request of a spooled record (for a follow-up job), or why it has none.
-    fn rebuild(&mut self, key: String, record: serde_json::Value) -> Result<Item, (serde_json::Value, ModelError)>;
+    fn rebuild(&mut self, key: String, record: Record) -> Result<Item, (Record, ModelError)>;
     /// A record settled by a job: its answer, or an error another try would not change.
-    fn deliver(&mut self, record: serde_json::Value, result: Result<ModelResponse, ModelError>);
+    async fn deliver(&mut self, record: Record, result: Result<ModelResponse, ModelError>);
     /// A record no job answered after every round, with its last error.
-    fn leftover(&mut self, record: serde_json::Value, error: ModelError);
+    async fn leftover(&mut self, record: Record, error: ModelError);
     /// Where the jobs stand, after every poll.
     fn progress(&mut self, progress: &Progress);
 }
@@ -370,6 +376,7 @@ pub async fn run(
         cancel,
         host,
         active: Vec::new(),
+        ended: VecDeque::new(),
         queue: VecDeque::new(),
         input: None,
         owner: HashMap::new(),
@@ -395,9 +402,12 @@ pub async fn run(
                 poll.as_mut().reset(soon);
             }
         }
-        if !input_open && run.active.is_empty() && run.queue.is_empty() {
+        if !input_open && run.active.is_empty() && run.queue.is_empty() && run.ended.is_empty() {
             break;
         }
+        // In this order: asking about jobs (cheap, and it frees room under --max-jobs), then the
+        // input (cut and submitted as soon as it is read: the jobs then run at the provider
+        // while the rest is read), then collecting an ended job whenever no record is waiting.
         tokio::select! {
             biased;
             _ = cancel.cancelled() => return Err(BatchError::Cancelled),
@@ -407,7 +417,7 @@ pub async fn run(
                 poll.as_mut().reset(tokio::time::Instant::now() + wait);
             }
             next = incoming.recv(), if input_open => match next {
-                Some(Incoming::Job(item)) => run.add_input(item)?,
+                Some(Incoming::Job(item)) => run.add_input(item).await?,
                 Some(Incoming::Answered { key, line, record }) => {
                     let entry = spool::Entry { key, line, record, answered: true };
                     run.input_writer()?.add(&entry, None)?;
@@ -418,6 +428,11 @@ pub async fn run(
                     run.report();
                 }
             },
+            _ = std::future::ready(()), if !run.ended.is_empty() => {
+                let a = run.ended.pop_front().expect("not empty");
+                run.collect(a).await?;
+                run.report();
+            }
         }
     }
     let sites = match sites.0.len() {
@@ -436,6 +451,8 @@ struct Run<'a> {
     cancel: &'a CancellationToken,
     host: &'a mut (dyn Host + Send),
     active: Vec<Active>,
+    /// Jobs that ended, waiting to be collected.
+    ended: VecDeque<Active>,
     /// Spools cut and waiting for a job (every endpoint at its `max_jobs`, or not yet sent).
     queue: VecDeque<spool::Cut>,
     /// The spool being cut from the input.
@@ -498,12 +515,12 @@ impl Run<'_> {
             if chunk.lines.is_some() {
                 for e in self.spool.entries(s)? {
                     let e = e?;
-                    if !e.answered || self.host.finished(&e.record) || self.host.answer_again(&e.record) {
+                    if !e.answered || self.host.finished(&e.record) || self.host.answer_again(&e.record).await {
                         continue;
                     }
                     match self.host.rebuild(e.key, e.record) {
-                        Ok(item) => self.add_to(&mut again, 0, item)?,
-                        Err((record, error)) => self.leftover(record, error),
+                        Ok(item) => self.add_to(&mut again, 0, item).await?,
+                        Err((record, error)) => self.leftover(record, error).await,
                     }
                 }
             }
@@ -554,27 +571,23 @@ impl Run<'_> {
 
     /// A record read from the input, into the spool being cut (which is cut first if the
     /// record would take it past the provider's limits).
-    fn add_input(&mut self, item: Item) -> Result<(), BatchError> {
-        let mut w = self.input.take();
-        let r = self.add_to_input(&mut w, item);
+    async fn add_input(&mut self, item: Item) -> Result<(), BatchError> {
+        let mut w = match self.input.take() {
+            Some(w) => Some(w),
+            None => Some(self.spool.writer(0, true)?),
+        };
+        let r = self.add_to(&mut w, 0, item).await;
         self.input = w;
         r
     }
 
-    fn add_to_input(&mut self, w: &mut Option<spool::SpoolWriter>, item: Item) -> Result<(), BatchError> {
-        if w.is_none() {
-            *w = Some(self.spool.writer(0, true)?);
-        }
-        self.add_to(w, 0, item)
-    }
-
     /// `item` into spool `w` of round `round` (started when there is none, and cut first when
     /// the item would take it past the provider's limits).
-    fn add_to(&mut self, w: &mut Option<spool::SpoolWriter>, round: u32, item: Item) -> Result<(), BatchError> {
+    async fn add_to(&mut self, w: &mut Option<spool::SpoolWriter>, round: u32, item: Item) -> Result<(), BatchError> {
         let line = match self.sites.first().line(&item.key, &item.request) {
             Ok(line) => line,
             Err(e) => {
-                self.host.deliver(item.record, Err(e));
+                self.host.deliver(item.record, Err(e)).await;
                 return Ok(());
             }
         };
@@ -720,11 +733,12 @@ impl Run<'_> {
                 other => Some(other?),
             };
         }
+        // Those that ended are collected one at a time between records read from the input
+        // (see `run`): collecting many jobs at once held up cutting and submitting the rest.
         let mut i = 0;
         while i < self.active.len() {
             if self.active[i].status.as_ref().is_some_and(|s| s.state.is_terminal()) {
-                let a = self.active.swap_remove(i);
-                self.collect(a).await?;
+                self.ended.push_back(self.active.swap_remove(i));
             } else {
                 i += 1;
             }
@@ -739,12 +753,24 @@ impl Run<'_> {
     async fn collect(&mut self, a: Active) -> Result<(), BatchError> {
         let api = &self.sites.0[a.site].api;
         let status = a.status.clone().expect("polled");
-        let results = if status.total == 0 && status.state == JobState::Failed {
-            Vec::new()
-        } else {
-            reading(self.settings.api_tries, self.cancel, || api.results(&a.job, &status)).await?
-        };
-        let mut answered: HashMap<String, Result<ModelResponse, ModelError>> = results.into_iter().collect();
+        // A job whose records all have their rows (a resumed run's) is not downloaded again.
+        if !self.holds_open_records(a.spool)? {
+            api.clean_up(&a.job).await;
+            tracing::info!("job {} ended {}; every record of it has its row", a.job.id, status.state.as_str());
+            return Ok(());
+        }
+        // Each answer as it is read, by key (a job's results are in no particular order).
+        let answered: std::sync::Mutex<HashMap<String, Result<ModelResponse, ModelError>>> = Default::default();
+        if status.total > 0 || status.state != JobState::Failed {
+            let read = || async {
+                let mut keep = |(key, r): JobResult| {
+                    answered.lock().unwrap_or_else(|e| e.into_inner()).insert(key, r);
+                };
+                api.results(&a.job, &status, &mut keep).await
+            };
+            reading(self.settings.api_tries, self.cancel, read).await?;
+        }
+        let mut answered = answered.into_inner().unwrap_or_else(|e| e.into_inner());
         let mut follow: Option<spool::SpoolWriter> = None;
         let last_round = a.round + 1 >= self.settings.rounds.max(1);
         for e in self.spool.entries(a.spool)? {
@@ -758,7 +784,7 @@ impl Run<'_> {
                     if r.as_ref().map_or_else(|e| !e.kind.is_retryable() && e.kind != ErrorKind::Aborted, |_| true) =>
                 {
                     self.settled += 1;
-                    self.host.deliver(e.record, r);
+                    self.host.deliver(e.record, r).await;
                 }
                 other if last_round => {
                     let error = match other {
@@ -772,17 +798,17 @@ impl Run<'_> {
                             ),
                         ),
                     };
-                    self.leftover(e.record, error);
+                    self.leftover(e.record, error).await;
                 }
                 _ => match self.host.rebuild(e.key, e.record) {
                     Ok(item) => {
                         let key = item.key.clone();
-                        self.add_to(&mut follow, a.round + 1, item)?;
+                        self.add_to(&mut follow, a.round + 1, item).await?;
                         if let Some(w) = &follow {
                             self.owner.insert(key, w.id());
                         }
                     }
-                    Err((record, error)) => self.leftover(record, error),
+                    Err((record, error)) => self.leftover(record, error).await,
                 },
             }
         }
@@ -794,16 +820,27 @@ impl Run<'_> {
         Ok(())
     }
 
-    fn leftover(&mut self, record: serde_json::Value, error: ModelError) {
+    /// Whether spool `spool` holds a record still without its row.
+    fn holds_open_records(&self, spool: u32) -> Result<bool, BatchError> {
+        for e in self.spool.entries(spool)? {
+            let e = e?;
+            if !e.answered && self.owner.get(&e.key).is_none_or(|s| *s == spool) && !self.host.finished(&e.record) {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    async fn leftover(&mut self, record: Record, error: ModelError) {
         self.leftovers += 1;
-        self.host.leftover(record, error);
+        self.host.leftover(record, error).await;
     }
 
     /// Where the jobs stand, to the host.
     fn report(&mut self) {
         let queued = self.queue.iter().map(|c| c.count).sum();
         let mut p = Progress { settled: self.settled, queued, ..Default::default() };
-        for a in &self.active {
+        for a in self.active.iter().chain(&self.ended) {
             let state = a.status.as_ref().map_or(JobState::Pending, |s| s.state);
             *p.jobs.entry(state.as_str()).or_default() += 1;
             match &a.status {
@@ -904,10 +941,12 @@ mod tests {
         /// Jobs made.
         made: std::sync::atomic::AtomicU32,
         jobs: std::sync::Mutex<BTreeMap<String, Vec<String>>>,
-        /// Jobs submitted and not yet collected, now and at most.
+        /// Jobs running, now and at most.
         outstanding: std::sync::Mutex<(usize, usize)>,
         /// Keys it answers with a retryable error, once each.
         flaky: std::sync::Mutex<std::collections::HashSet<String>>,
+        /// Jobs it has said ended.
+        ended: std::sync::Mutex<std::collections::HashSet<String>>,
     }
 
     impl Instant {
@@ -923,6 +962,7 @@ mod tests {
                 jobs: Default::default(),
                 outstanding: Default::default(),
                 flaky: Default::default(),
+                ended: Default::default(),
             })
         }
         fn peak(&self) -> usize {
@@ -966,6 +1006,10 @@ mod tests {
         }
         async fn status(&self, job: &JobRef) -> Result<JobStatus, ModelError> {
             let n = self.jobs.lock().unwrap()[&job.id].len() as u64;
+            // Running until it is first asked about.
+            if self.ended.lock().unwrap().insert(job.id.clone()) {
+                self.outstanding.lock().unwrap().0 -= 1;
+            }
             Ok(JobStatus {
                 state: JobState::Succeeded,
                 total: n,
@@ -975,29 +1019,30 @@ mod tests {
                 described: None,
             })
         }
-        async fn results(&self, job: &JobRef, _: &JobStatus) -> Result<Vec<JobResult>, ModelError> {
-            let mut o = self.outstanding.lock().unwrap();
-            o.0 = o.0.saturating_sub(1);
-            drop(o);
+        async fn results(
+            &self,
+            job: &JobRef,
+            _: &JobStatus,
+            each: &mut (dyn FnMut(JobResult) + Send),
+        ) -> Result<(), ModelError> {
             let keys = self.jobs.lock().unwrap()[&job.id].clone();
             let mut flaky = self.flaky.lock().unwrap();
-            Ok(keys
-                .into_iter()
-                .map(|k| {
-                    if flaky.remove(&k) {
-                        return (k, Err(ModelError::new(ErrorKind::Server, "try again")));
-                    }
-                    let r = ModelResponse {
-                        text: k.clone(),
-                        embedding: None,
-                        finish_reason: "stop".into(),
-                        usage: Default::default(),
-                        model_version: None,
-                        limits: None,
-                    };
-                    (k, Ok(r))
-                })
-                .collect())
+            for k in keys {
+                if flaky.remove(&k) {
+                    each((k, Err(ModelError::new(ErrorKind::Server, "try again"))));
+                    continue;
+                }
+                let r = ModelResponse {
+                    text: k.clone(),
+                    embedding: None,
+                    finish_reason: "stop".into(),
+                    usage: Default::default(),
+                    model_version: None,
+                    limits: None,
+                };
+                each((k, Ok(r)));
+            }
+            Ok(())
         }
         async fn cancel(&self, _: &JobRef) -> Result<(), ModelError> {
             Ok(())
@@ -1009,7 +1054,7 @@ mod tests {
             key: key.to_string(),
             line,
             request: ModelRequest { prompt: String::new(), system: None, params: Default::default() },
-            record: serde_json::json!(key),
+            record: serde_json::value::to_raw_value(key).unwrap(),
         }
     }
 
@@ -1026,21 +1071,22 @@ mod tests {
         finished: std::collections::HashSet<String>,
     }
 
+    #[async_trait::async_trait]
     impl Host for Seen {
-        fn finished(&self, record: &serde_json::Value) -> bool {
-            self.finished.contains(record.as_str().unwrap())
+        fn finished(&self, record: &Record) -> bool {
+            self.finished.contains(&serde_json::from_str::<String>(record.get()).unwrap())
         }
-        fn answer_again(&mut self, _: &serde_json::Value) -> bool {
+        async fn answer_again(&mut self, _: &Record) -> bool {
             false
         }
-        fn rebuild(&mut self, key: String, record: serde_json::Value) -> Result<Item, (serde_json::Value, ModelError)> {
+        fn rebuild(&mut self, key: String, record: Record) -> Result<Item, (Record, ModelError)> {
             Ok(Item { record, ..item(&key, 0) })
         }
-        fn deliver(&mut self, record: serde_json::Value, result: Result<ModelResponse, ModelError>) {
-            self.delivered.push((record.as_str().unwrap().to_string(), result.unwrap().text));
+        async fn deliver(&mut self, record: Record, result: Result<ModelResponse, ModelError>) {
+            self.delivered.push((serde_json::from_str(record.get()).unwrap(), result.unwrap().text));
         }
-        fn leftover(&mut self, record: serde_json::Value, _: ModelError) {
-            self.leftovers.push(record.as_str().unwrap().to_string());
+        async fn leftover(&mut self, record: Record, _: ModelError) {
+            self.leftovers.push(serde_json::from_str(record.get()).unwrap());
         }
         fn progress(&mut self, p: &Progress) {
             self.most_queued = self.most_queued.max(p.queued);

@@ -27,7 +27,7 @@ pub struct Entry {
     pub line: u64,
     /// The caller's record, handed back with its answer.
     #[serde(rename = "r")]
-    pub record: serde_json::Value,
+    pub record: crate::Record,
     /// Answered by the caller itself (from its cache), so not in the job: it is in the spool
     /// only so that the spool accounts for every record of its input lines.
     #[serde(rename = "a", default, skip_serializing_if = "std::ops::Not::not")]

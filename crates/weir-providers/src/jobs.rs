@@ -285,23 +285,29 @@ impl JobApi for OpenAiJobs {
         })
     }
 
-    async fn results(&self, job: &JobRef, status: &JobStatus) -> Result<Vec<JobResult>, ModelError> {
+    async fn results(
+        &self,
+        job: &JobRef,
+        status: &JobStatus,
+        each: &mut (dyn FnMut(JobResult) + Send),
+    ) -> Result<(), ModelError> {
         let b = match &status.described {
             Some(b) => b.clone(),
             None => Arc::new(self.get(&format!("/batches/{}", job.id)).await?),
         };
-        let mut out = Vec::new();
         for field in ["output_file_id", "error_file_id"] {
             if let Some(id) = b.get(field).and_then(Value::as_str) {
                 let content = self.file(id).await?;
                 for line in content.split(|c| *c == b'\n').filter(|l| !l.iter().all(u8::is_ascii_whitespace)) {
                     // A line that cannot be read names no key; its record is then missing and
                     // is tried again.
-                    out.extend(openai_result(line, self.embed));
+                    if let Some(r) = openai_result(line, self.embed) {
+                        each(r);
+                    }
                 }
             }
         }
-        Ok(out)
+        Ok(())
     }
 
     async fn cancel(&self, job: &JobRef) -> Result<(), ModelError> {
@@ -549,7 +555,12 @@ impl JobApi for GeminiJobs {
         })
     }
 
-    async fn results(&self, job: &JobRef, status: &JobStatus) -> Result<Vec<JobResult>, ModelError> {
+    async fn results(
+        &self,
+        job: &JobRef,
+        status: &JobStatus,
+        each: &mut (dyn FnMut(JobResult) + Send),
+    ) -> Result<(), ModelError> {
         let op = match &status.described {
             Some(op) => op.clone(),
             None => Arc::new(self.call(None, &job.id).await?),
@@ -560,25 +571,23 @@ impl JobApi for GeminiJobs {
             .and_then(Value::as_str);
         if let Some(file) = file {
             let content = self.download(file).await?;
-            let mut out = Vec::new();
             for line in content.split(|c| *c == b'\n').filter(|l| !l.iter().all(u8::is_ascii_whitespace)) {
                 // A line that cannot be read names no key: its record is missing and tried again.
                 let Ok(item) = serde_json::from_slice::<Value>(line) else { continue };
                 let Some(key) = item.get("key").and_then(Value::as_str) else { continue };
-                out.push((key.to_string(), gemini_item(&item)));
+                each((key.to_string(), gemini_item(&item)));
             }
-            return Ok(out);
+            return Ok(());
         }
         let inlined = op
             .pointer("/response/inlinedResponses/inlinedResponses")
             .or_else(|| op.pointer("/metadata/output/inlinedResponses/inlinedResponses"))
             .and_then(Value::as_array);
-        let mut out = Vec::new();
         for item in inlined.into_iter().flatten() {
             let Some(key) = item.pointer("/metadata/key").and_then(Value::as_str) else { continue };
-            out.push((key.to_string(), gemini_item(item)));
+            each((key.to_string(), gemini_item(item)));
         }
-        Ok(out)
+        Ok(())
     }
 
     async fn cancel(&self, job: &JobRef) -> Result<(), ModelError> {
@@ -777,20 +786,24 @@ impl JobApi for VertexJobs {
         })
     }
 
-    async fn results(&self, job: &JobRef, status: &JobStatus) -> Result<Vec<JobResult>, ModelError> {
+    async fn results(
+        &self,
+        job: &JobRef,
+        status: &JobStatus,
+        each: &mut (dyn FnMut(JobResult) + Send),
+    ) -> Result<(), ModelError> {
         let v = match &status.described {
             Some(v) => v.clone(),
             None => Arc::new(self.call(None, &format!("{}/{}", self.api, job.id)).await?),
         };
         // A job that wrote nothing (failed at once, cancelled early) has no output directory.
         let Some(dir) = v.pointer("/outputInfo/gcsOutputDirectory").and_then(Value::as_str) else {
-            return Ok(Vec::new());
+            return Ok(());
         };
-        let mut out = Vec::new();
         for file in self.staging.read_dir(dir).await? {
-            out.extend(file.split(|c| *c == b'\n').filter(|l| !l.is_empty()).filter_map(vertex_result));
+            file.split(|c| *c == b'\n').filter(|l| !l.is_empty()).filter_map(vertex_result).for_each(&mut *each);
         }
-        Ok(out)
+        Ok(())
     }
 
     async fn cancel(&self, job: &JobRef) -> Result<(), ModelError> {

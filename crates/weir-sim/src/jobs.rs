@@ -619,6 +619,8 @@ impl Jobs {
                 };
                 let mut requests = Vec::new();
                 let mut model = String::new();
+                // Each custom_id once (a set: a job holds up to 50,000).
+                let mut keys = std::collections::HashSet::new();
                 for (n, line) in content.split(|c| *c == b'\n').filter(|l| !l.is_empty()).enumerate() {
                     let Ok(v) = serde_json::from_slice::<Value>(line) else {
                         return Some(openai_error(400, &format!("line {}: not JSON", n + 1)));
@@ -626,7 +628,7 @@ impl Jobs {
                     let (Some(key), Some(body)) = (v.get("custom_id").and_then(Value::as_str), v.get("body")) else {
                         return Some(openai_error(400, &format!("line {}: custom_id and body are required", n + 1)));
                     };
-                    if requests.iter().any(|(k, _): &(String, Value)| k == key) {
+                    if !keys.insert(key.to_string()) {
                         return Some(openai_error(400, &format!("line {}: duplicate custom_id {key}", n + 1)));
                     }
                     model = body.get("model").and_then(Value::as_str).unwrap_or("").to_string();

@@ -176,21 +176,29 @@ pub async fn run(args: BatchArgs) -> anyhow::Result<u8> {
                 eprintln!("weir: job {} is {}; it has no results yet", f.job, status.state.as_str());
                 return Ok(1);
             }
-            let mut out = std::io::stdout().lock();
-            for (key, result) in api.results(&job, &status).await.map_err(|e| anyhow::anyhow!("job {}: {e}", f.job))? {
+            // Each result printed as it is read; a write that fails ends the printing (`| head`:
+            // the reader has what it wanted, and a broken pipe is no error).
+            let mut out = std::io::stdout();
+            let mut failed: Option<std::io::Error> = None;
+            let mut print = |(key, result): weir_core::JobResult| {
+                if failed.is_some() {
+                    return;
+                }
                 let line = match result {
                     Ok(r) => serde_json::json!({"key": key, "text": r.text, "finish_reason": r.finish_reason,
                         "usage": {"prompt_tokens": r.usage.prompt_tokens, "output_tokens": r.usage.output_tokens}}),
                     Err(e) => serde_json::json!({"key": key, "error": {"kind": e.kind.as_str(), "message": e.message}}),
                 };
                 use std::io::Write;
-                match writeln!(out, "{line}") {
-                    // `| head`: the reader has what it wanted.
-                    Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => return Ok(0),
-                    r => r?,
+                if let Err(e) = writeln!(out, "{line}") {
+                    failed = Some(e);
                 }
+            };
+            api.results(&job, &status, &mut print).await.map_err(|e| anyhow::anyhow!("job {}: {e}", f.job))?;
+            match failed {
+                Some(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
+                _ => Ok(0),
             }
-            Ok(0)
         }
     }
 }

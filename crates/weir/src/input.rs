@@ -118,7 +118,7 @@ impl Input {
         // Ids are registered in input order, finished lines included, so "an earlier line has
         // it" is true of the input whatever order the rows were written in (a first occurrence
         // that an interruption left unfinished is still the first).
-        let mut seen = weir_io::KeySet::new();
+        let mut seen = weir_io::SpillSet::in_temp();
         let Skip { finished, finished_ids, by_id } = skip;
         source.take_until(stop).filter_map(move |line| {
             let item = match line {
@@ -139,7 +139,16 @@ impl Input {
                     Err(failure) => (!finished.contains(&finished_key(failure.id.as_ref(), failure.line)))
                         .then_some(Work::Done(failure)),
                     Ok(record) => {
-                        let first = !check_duplicates || seen.insert(id_key(&record.id));
+                        let first = match check_duplicates {
+                            false => true,
+                            true => match seen.insert(id_key(&record.id)) {
+                                Ok(first) => first,
+                                Err(e) => {
+                                    let e = std::io::Error::new(e.kind(), format!("checking ids for duplicates: {e}"));
+                                    return futures::future::ready(Some(Work::ReadError(e)));
+                                }
+                            },
+                        };
                         if finished.contains(&finished_key(Some(&record.id), record.line))
                             || (by_id && finished_ids.contains(&id_key(&record.id)))
                         {

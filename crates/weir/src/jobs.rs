@@ -84,12 +84,13 @@ pub(crate) fn outcomes(
     work: impl futures::Stream<Item = Work> + Send + 'static,
     run: JobsRun,
 ) -> BoxStream<'static, Result<Outcome, std::io::Error>> {
-    let (tx, mut rx) = mpsc::unbounded_channel();
+    // Bounded: a job's answers wait for the rows' writer rather than pile up in memory.
+    let (tx, mut rx) = mpsc::channel(1024);
     tokio::spawn(drive(work, run, tx));
     futures::stream::poll_fn(move |cx| rx.poll_recv(cx)).boxed()
 }
 
-type Tx = mpsc::UnboundedSender<Result<Outcome, std::io::Error>>;
+type Tx = mpsc::Sender<Result<Outcome, std::io::Error>>;
 
 /// A record as a spool keeps it: everything its row and its request are made of.
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -106,7 +107,7 @@ struct Spooled {
     input: serde_json::Map<String, serde_json::Value>,
 }
 
-fn to_spool(record: &Record) -> serde_json::Value {
+fn to_spool(record: &Record) -> weir_jobs::Record {
     let (t, id) = match &record.id {
         weir_core::RecordId::Text(s) => ('s', s.clone()),
         weir_core::RecordId::Number(s) => ('n', s.clone()),
@@ -120,11 +121,11 @@ fn to_spool(record: &Record) -> serde_json::Value {
         params: record.params.as_deref().cloned(),
         input: record.input.clone(),
     };
-    serde_json::to_value(spooled).expect("a record is JSON")
+    serde_json::value::to_raw_value(&spooled).expect("a record is JSON")
 }
 
-fn from_spool(value: serde_json::Value) -> Result<Record, ModelError> {
-    let s: Spooled = serde_json::from_value(value)
+fn from_spool(value: &weir_jobs::Record) -> Result<Record, ModelError> {
+    let s: Spooled = serde_json::from_str(value.get())
         .map_err(|e| ModelError::new(ErrorKind::Server, format!("a batch job spool's record cannot be read: {e}")))?;
     let id = match s.t {
         'n' => weir_core::RecordId::Number(s.id),
@@ -155,41 +156,46 @@ impl Rows {
     }
 }
 
+#[async_trait::async_trait]
 impl weir_jobs::Host for Rows {
-    fn finished(&self, record: &serde_json::Value) -> bool {
+    fn finished(&self, record: &weir_jobs::Record) -> bool {
         if self.finished.finished.is_empty() {
             return false;
         }
-        let field = |k: &str| record.get(k);
-        let id = match (field("t").and_then(|t| t.as_str()), field("id").and_then(|i| i.as_str())) {
-            (Some("n"), Some(id)) => weir_core::RecordId::Number(id.to_string()),
-            (_, Some(id)) => weir_core::RecordId::Text(id.to_string()),
-            _ => return false,
+        #[derive(serde::Deserialize)]
+        struct Which {
+            t: char,
+            id: String,
+            line: u64,
+        }
+        let Ok(w) = serde_json::from_str::<Which>(record.get()) else { return false };
+        let id = match w.t {
+            'n' => weir_core::RecordId::Number(w.id),
+            _ => weir_core::RecordId::Text(w.id),
         };
-        let line = field("line").and_then(|l| l.as_u64()).unwrap_or(0);
-        self.finished.finished.contains(&weir_io::state::finished_key(Some(&id), line))
+        self.finished.finished.contains(&weir_io::state::finished_key(Some(&id), w.line))
     }
 
-    fn answer_again(&mut self, record: &serde_json::Value) -> bool {
-        let Ok(record) = from_spool(record.clone()) else { return false };
+    async fn answer_again(&mut self, record: &weir_jobs::Record) -> bool {
+        let Ok(record) = from_spool(record) else { return false };
         match self.driver.answer_from_cache(&record) {
             Some(outcome) => {
-                let _ = self.tx.send(Ok(outcome));
+                let _ = self.tx.send(Ok(outcome)).await;
                 true
             }
             None => false,
         }
     }
 
-    fn rebuild(&mut self, key: String, value: serde_json::Value) -> Result<Item, (serde_json::Value, ModelError)> {
-        match from_spool(value.clone()) {
+    fn rebuild(&mut self, key: String, value: weir_jobs::Record) -> Result<Item, (weir_jobs::Record, ModelError)> {
+        match from_spool(&value) {
             Ok(record) => Ok(Item { key, line: record.line, request: self.driver.request_for(&record), record: value }),
             Err(e) => Err((value, e)),
         }
     }
 
-    fn deliver(&mut self, value: serde_json::Value, result: Result<weir_core::ModelResponse, ModelError>) {
-        let record = match from_spool(value) {
+    async fn deliver(&mut self, value: weir_jobs::Record, result: Result<weir_core::ModelResponse, ModelError>) {
+        let record = match from_spool(&value) {
             Ok(r) => r,
             Err(e) => {
                 tracing::error!("{e}");
@@ -204,12 +210,13 @@ impl weir_jobs::Host for Rows {
                 t.tokens.1 += r.usage.output_tokens;
             }
         }
-        let _ = self.tx.send(Ok(self.driver.settle_answer(record, result, self.since)));
+        let outcome = self.driver.settle_answer(record, result, self.since);
+        let _ = self.tx.send(Ok(outcome)).await;
     }
 
-    fn leftover(&mut self, value: serde_json::Value, error: ModelError) {
-        let Some(fallback) = &self.fallback else { return self.deliver(value, Err(error)) };
-        let record = match from_spool(value) {
+    async fn leftover(&mut self, value: weir_jobs::Record, error: ModelError) {
+        let Some(fallback) = &self.fallback else { return self.deliver(value, Err(error)).await };
+        let record = match from_spool(&value) {
             Ok(r) => r,
             Err(e) => {
                 tracing::error!("{e}");
@@ -263,11 +270,11 @@ async fn feed(
     while let Some(w) = work.next().await {
         let record = match w {
             Work::Done(f) => {
-                let _ = tx.send(Ok(driver.reject(f)));
+                let _ = tx.send(Ok(driver.reject(f))).await;
                 continue;
             }
             Work::ReadError(e) => {
-                let _ = tx.send(Err(e));
+                let _ = tx.send(Err(e)).await;
                 return;
             }
             Work::Call(record) => record,
@@ -277,12 +284,13 @@ async fn feed(
             continue;
         }
         let key = job_key(&record);
-        let answered = |outcome: Outcome, record: &Record| {
-            let _ = tx.send(Ok(outcome));
-            Incoming::Answered { key: key.clone(), line: record.line, record: to_spool(record) }
-        };
+        let answered =
+            |record: &Record| Incoming::Answered { key: key.clone(), line: record.line, record: to_spool(record) };
         let next = match driver.answer_from_cache(&record) {
-            Some(outcome) => answered(outcome, &record),
+            Some(outcome) => {
+                let _ = tx.send(Ok(outcome)).await;
+                answered(&record)
+            }
             // A new run sends its first record online before any job: a job is checked by the
             // provider hours later, and a request it refuses (an unknown model, a bad
             // parameter, a rejected key) would fail every record then. Its answer is that
@@ -294,17 +302,18 @@ async fn feed(
                         f.error.message
                     );
                     driver.stop(StopReason { kind: f.error.kind, message });
-                    let _ = tx.send(Ok(Outcome::Failure(f)));
+                    let _ = tx.send(Ok(Outcome::Failure(f))).await;
                     return;
                 }
                 // Nothing can be reached, or the driver stopped the run for another reason.
                 outcome if driver.is_stopped() => {
-                    let _ = tx.send(Ok(outcome));
+                    let _ = tx.send(Ok(outcome)).await;
                     return;
                 }
                 outcome => {
                     tally.lock().unwrap_or_else(|e| e.into_inner()).online += 1;
-                    answered(outcome, &record)
+                    let _ = tx.send(Ok(outcome)).await;
+                    answered(&record)
                 }
             },
             None => {
@@ -363,7 +372,7 @@ async fn drive(work: impl futures::Stream<Item = Work> + Send + 'static, run: Jo
                 })
                 .buffer_unordered(max_concurrency.max(1));
             while let Some(o) = online.next().await {
-                let _ = tx.send(Ok(o));
+                let _ = tx.send(Ok(o)).await;
             }
         });
         (Some(ftx), Some(task))
