@@ -140,6 +140,31 @@ impl Spool {
         let _ = std::fs::remove_file(Self::records_path(&self.dir, id));
     }
 
+    /// Records waiting for a job in the run whose ledger is at `ledger` and whose chunks are
+    /// `chunks` (as [`Ledger::read`] gives them): the spools cut from its input, or being cut,
+    /// that no chunk names yet (`--max-jobs` holds them back, or the run is still reading),
+    /// counted without writing anything. Spools and records.
+    pub fn queued(ledger: &Path, chunks: &[crate::Chunk]) -> (u64, u64) {
+        let named: std::collections::HashSet<u32> = chunks.iter().filter_map(|c| c.spool).collect();
+        let Ok(entries) = std::fs::read_dir(Ledger::spool_dir_of(ledger)) else { return (0, 0) };
+        let (mut spools, mut records) = (0, 0);
+        for e in entries.flatten() {
+            let name = e.file_name();
+            let Some(id) = name.to_str().and_then(|n| n.strip_prefix('s')?.strip_suffix(".records")?.parse().ok())
+            else {
+                continue;
+            };
+            if named.contains(&id) {
+                continue;
+            }
+            let Ok(f) = File::open(e.path()) else { continue };
+            let n = BufReader::new(f).lines().map_while(Result::ok).filter(|l| !l.ends_with(",\"a\":true}")).count();
+            spools += 1;
+            records += n as u64;
+        }
+        (spools, records)
+    }
+
     /// Removes every spool of the run whose ledger is at `ledger`: called once every row of the
     /// run is written, when no record needs them.
     pub fn remove_all(ledger: &Path) -> std::io::Result<()> {
@@ -216,5 +241,40 @@ impl SpoolWriter {
             f.sync_data().map_err(|e| err(&path, e))?;
         }
         Ok(Cut { spool: self.id, round: self.round, count: self.count, lines: self.lines })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `weir batch status` counts the records of spools no chunk names (queued), not those of
+    /// planned chunks nor records the run answered from its cache.
+    #[test]
+    fn queued_records_are_those_of_spools_no_chunk_names() {
+        let dir = std::env::temp_dir().join(format!("weir-spool-queued-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let path = dir.join("jobs.jsonl");
+        let mut ledger = Ledger::open(&path, true).unwrap();
+        let mut spool = Spool::open(&ledger).unwrap();
+        let record = |k: &str| serde_json::value::to_raw_value(&serde_json::json!({"id": k, "a": true})).unwrap();
+        let mut cut = |keys: &[&str], answered: &[&str]| {
+            let mut w = spool.writer(0, true).unwrap();
+            for (i, k) in keys.iter().enumerate() {
+                let e = Entry { key: k.to_string(), line: i as u64 + 1, record: record(k), answered: false };
+                w.add(&e, Some(b"x\n")).unwrap();
+            }
+            for k in answered {
+                let e = Entry { key: k.to_string(), line: 9, record: record(k), answered: true };
+                w.add(&e, None).unwrap();
+            }
+            w.finish().unwrap()
+        };
+        let planned = cut(&["a", "b"], &[]);
+        cut(&["c", "d", "e"], &["f"]);
+        let plan = crate::Plan { round: 0, name: "r-c0".into(), site: "", spool: planned.spool, lines: None, count: 2 };
+        ledger.plan(plan).unwrap();
+        assert_eq!(Spool::queued(&path, &Ledger::read(&path).unwrap()), (1, 3));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -225,6 +225,16 @@ async fn each_job(t: &Target, cancel: bool) -> anyhow::Result<u8> {
                 return Ok(u8::from(failed));
             }
         }
+        let (spools, records) = weir_jobs::Spool::queued(&path, &chunks);
+        if records > 0 {
+            let line = format!(
+                "  queued: {records} records in {spools} spool(s) waiting for a job (held back by --max-jobs, or \
+                 still being read and cut)"
+            );
+            if !say(&line)? {
+                return Ok(u8::from(failed));
+            }
+        }
     }
     Ok(u8::from(failed))
 }
