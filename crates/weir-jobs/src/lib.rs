@@ -587,6 +587,12 @@ impl Run<'_> {
         let line = match self.sites.first().line(&item.key, &item.request) {
             Ok(line) => line,
             Err(e) => {
+                // Its row is written now; in a spool cut from the input it is kept as answered,
+                // so that the spool still accounts for every record of its lines.
+                if let Some(cur) = w.as_mut().filter(|c| c.from_input()) {
+                    let (key, line) = (item.key.clone(), item.line);
+                    cur.add(&spool::Entry { key, line, record: item.record.clone(), answered: true }, None)?;
+                }
                 self.host.deliver(item.record, Err(e)).await;
                 return Ok(());
             }

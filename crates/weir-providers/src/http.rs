@@ -132,6 +132,50 @@ impl Credential {
         }
     }
 
+    /// As [`send`](Self::send), with a 200 answer's body handed to `each_line` line by line as
+    /// it arrives (without its `\n`), not gathered: a batch job's results file may be hundreds
+    /// of megabytes. Any other answer is read whole and returned, for the caller to classify.
+    pub async fn send_lines(
+        &self,
+        build: impl Fn() -> reqwest::RequestBuilder,
+        each_line: &mut (dyn FnMut(&[u8]) + Send),
+    ) -> Result<Option<(Reply, Option<Secret>)>, ModelError> {
+        let mut tried = false;
+        loop {
+            let secret = self.secret().await?;
+            let req = match self.auth(secret.as_ref()) {
+                Auth::None => build(),
+                Auth::Bearer(key) => build().bearer_auth(key.expose()),
+                Auth::Header(name, key) => build().header(name, key.expose()),
+            };
+            let resp = req.send().await.map_err(|e| transport_error(&e))?;
+            if resp.status().as_u16() == 200 {
+                use futures::StreamExt;
+                let mut body = resp.bytes_stream();
+                let mut carry: Vec<u8> = Vec::new();
+                while let Some(chunk) = body.next().await {
+                    let chunk = chunk.map_err(|e| transport_error(&e))?;
+                    carry.extend_from_slice(&chunk);
+                    let mut start = 0;
+                    while let Some(n) = carry[start..].iter().position(|b| *b == b'\n') {
+                        each_line(&carry[start..start + n]);
+                        start += n + 1;
+                    }
+                    carry.drain(..start);
+                }
+                if !carry.is_empty() {
+                    each_line(&carry);
+                }
+                return Ok(None);
+            }
+            let reply = read_reply(resp).await?;
+            if !self.renew(reply.status, secret.as_ref(), tried).await {
+                return Ok(Some((reply, secret)));
+            }
+            tried = true;
+        }
+    }
+
     /// As [`post`](Self::post), asking for a streamed answer.
     pub async fn post_sse(
         &self,

@@ -47,6 +47,19 @@ async fn send_ok(
     Ok(reply)
 }
 
+/// [`send_ok`] for a download whose body is handed over line by line as it arrives.
+async fn lines_ok(
+    credential: &Credential,
+    build: impl Fn() -> reqwest::RequestBuilder,
+    classify: fn(u16, &reqwest::header::HeaderMap, &[u8]) -> ModelError,
+    each: &mut (dyn FnMut(&[u8]) + Send),
+) -> Result<(), ModelError> {
+    match credential.send_lines(build, each).await? {
+        None => Ok(()),
+        Some((reply, secret)) => Err(redact(classify(reply.status, &reply.headers, &reply.body), secret.as_ref())),
+    }
+}
+
 fn json_post(client: &reqwest::Client, url: &str, body: &bytes::Bytes) -> reqwest::RequestBuilder {
     client.post(url).header(reqwest::header::CONTENT_TYPE, "application/json").body(body.clone())
 }
@@ -146,10 +159,10 @@ impl OpenAiJobs {
     }
 
     /// A file's content (results and errors are files).
-    async fn file(&self, id: &str) -> Result<bytes::Bytes, ModelError> {
+    /// An uploaded or output file's lines, each handed over as it is downloaded.
+    async fn file_lines(&self, id: &str, each: &mut (dyn FnMut(&[u8]) + Send)) -> Result<(), ModelError> {
         let url = format!("{}/files/{id}/content", self.base);
-        let reply = send_ok(&self.credential, || self.client.get(&url), openai::classify_error).await?;
-        Ok(reply.body)
+        lines_ok(&self.credential, || self.client.get(&url), openai::classify_error, each).await
     }
 
     fn job_ref(v: &Value) -> Result<JobRef, ModelError> {
@@ -297,14 +310,15 @@ impl JobApi for OpenAiJobs {
         };
         for field in ["output_file_id", "error_file_id"] {
             if let Some(id) = b.get(field).and_then(Value::as_str) {
-                let content = self.file(id).await?;
-                for line in content.split(|c| *c == b'\n').filter(|l| !l.iter().all(u8::is_ascii_whitespace)) {
-                    // A line that cannot be read names no key; its record is then missing and
-                    // is tried again.
-                    if let Some(r) = openai_result(line, self.embed) {
+                // A line that cannot be read names no key; its record is then missing and is
+                // tried again.
+                let embed = self.embed;
+                let mut line = |l: &[u8]| {
+                    if let Some(r) = openai_result(l, embed).filter(|_| !l.iter().all(u8::is_ascii_whitespace)) {
                         each(r);
                     }
-                }
+                };
+                self.file_lines(id, &mut line).await?;
             }
         }
         Ok(())
@@ -424,11 +438,11 @@ impl GeminiJobs {
     }
 
     /// A results file's bytes.
-    async fn download(&self, file: &str) -> Result<bytes::Bytes, ModelError> {
+    /// A file's lines, each handed over as it is downloaded.
+    async fn download_lines(&self, file: &str, each: &mut (dyn FnMut(&[u8]) + Send)) -> Result<(), ModelError> {
         // Where google-genai's `files.download` asks.
         let url = format!("{}/{file}:download?alt=media", self.root);
-        let reply = send_ok(&self.credential, || self.client.get(&url), gemini::classify_error).await?;
-        Ok(reply.body)
+        lines_ok(&self.credential, || self.client.get(&url), gemini::classify_error, each).await
     }
 
     /// The batch's own fields: an operation carries them in `metadata`.
@@ -570,14 +584,13 @@ impl JobApi for GeminiJobs {
             .or_else(|| op.pointer("/metadata/output/responsesFile"))
             .and_then(Value::as_str);
         if let Some(file) = file {
-            let content = self.download(file).await?;
-            for line in content.split(|c| *c == b'\n').filter(|l| !l.iter().all(u8::is_ascii_whitespace)) {
-                // A line that cannot be read names no key: its record is missing and tried again.
-                let Ok(item) = serde_json::from_slice::<Value>(line) else { continue };
-                let Some(key) = item.get("key").and_then(Value::as_str) else { continue };
+            // A line that cannot be read names no key: its record is missing and tried again.
+            let mut line = |l: &[u8]| {
+                let Ok(item) = serde_json::from_slice::<Value>(l) else { return };
+                let Some(key) = item.get("key").and_then(Value::as_str) else { return };
                 each((key.to_string(), gemini_item(&item)));
-            }
-            return Ok(());
+            };
+            return self.download_lines(file, &mut line).await;
         }
         let inlined = op
             .pointer("/response/inlinedResponses/inlinedResponses")
