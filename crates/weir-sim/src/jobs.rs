@@ -366,6 +366,24 @@ impl Job {
                 }
             }
         }
+        // A job answered in files (OpenAI, Gemini from a file, Vertex AI) keeps only what its
+        // status needs: its requests' keys and which of them failed. Holding every request and
+        // answer as JSON trees (about 2 KB a request, twice over) ran the simulator out of
+        // memory at 10^7 records.
+        let mut results = results;
+        if self.output_file.is_some() || self.error_file.is_some() || self.vertex.is_some() {
+            for (_, body) in &mut self.requests {
+                *body = Value::Null;
+            }
+            if let Some(v) = &mut self.vertex {
+                v.lines = Vec::new();
+            }
+            for (_, r) in &mut results {
+                match r {
+                    Ok(body) | Err((_, body)) => *body = Value::Null,
+                }
+            }
+        }
         let n = results.len() as u64;
         self.results = Some(results);
         n
