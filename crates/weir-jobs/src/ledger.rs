@@ -173,6 +173,21 @@ impl Ledger {
         path.with_file_name(name)
     }
 
+    /// Where a run that wrote every row notes the last chunk whose spool it removed.
+    pub fn settled_path_of(path: &Path) -> PathBuf {
+        let mut name = path.file_name().unwrap_or_default().to_os_string();
+        name.push(".settled");
+        path.with_file_name(name)
+    }
+
+    /// The last chunk whose spool was removed because every row was written (none: -1).
+    pub fn settled_through(&self) -> i64 {
+        std::fs::read_to_string(Self::settled_path_of(&self.path))
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(-1)
+    }
+
     fn mark_held(path: &Path, chunks: &mut BTreeMap<u32, Chunk>) {
         let dir = Self::spool_dir_of(path);
         for c in chunks.values_mut() {
@@ -194,14 +209,31 @@ impl Ledger {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(err(&e)),
                 _ => {}
             }
-            match std::fs::remove_dir_all(Self::spool_dir_of(path)) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(err(&e)),
-                _ => {}
+            for stale in [Self::spool_dir_of(path), Self::settled_path_of(path)] {
+                let gone = if stale.is_dir() { std::fs::remove_dir_all(&stale) } else { std::fs::remove_file(&stale) };
+                match gone {
+                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(err(&e)),
+                    _ => {}
+                }
             }
         }
         let (mut chunks, good_len) = match File::open(path) {
             Ok(f) => Self::parse(BufReader::new(f)).map_err(|e| err(&e))?,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Default::default(),
+            // No ledger, but spools of jobs: it was removed by hand, and those jobs (paid for)
+            // would be forgotten and their records sent again.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let spools = Self::spool_dir_of(path);
+                let held = std::fs::read_dir(&spools)
+                    .is_ok_and(|d| d.flatten().any(|e| e.file_name().to_string_lossy().ends_with(".records")));
+                if held {
+                    return Err(err(&format!(
+                        "missing, but {} holds records of its jobs: restore the ledger, or run with --fresh to start \
+                         over (their jobs' records are then paid for again)",
+                        spools.display()
+                    )));
+                }
+                Default::default()
+            }
             Err(e) => return Err(err(&e)),
         };
         let file = OpenOptions::new().create(true).append(true).open(path).map_err(|e| err(&e))?;

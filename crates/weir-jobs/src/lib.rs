@@ -489,6 +489,25 @@ impl Run<'_> {
                 old.len()
             )));
         }
+        // A chunk's spool missing although its rows were not all written: removed by hand.
+        let settled = self.ledger.settled_through();
+        let lost: Vec<String> = self
+            .ledger
+            .chunks()
+            .filter(|c| c.spool.is_some() && !c.held && i64::from(c.number) > settled && c.refused.is_none())
+            .map(|c| c.job.as_ref().map_or(c.name.clone(), |j| j.id.clone()))
+            .collect();
+        if !lost.is_empty() {
+            return Err(BatchError::Spool(SpoolError {
+                path: Ledger::spool_dir_of(self.ledger.path()).display().to_string(),
+                message: format!(
+                    "the spools of {} job(s) are missing ({}), so their records cannot be matched to their answers; \
+                     restore them, or run with --fresh to start over (their records are then paid for again)",
+                    lost.len(),
+                    lost.join(", ")
+                ),
+            }));
+        }
         // Each held spool's owner: the latest chunk planned from it.
         let mut owners: BTreeMap<u32, Chunk> = BTreeMap::new();
         for c in self.ledger.chunks().filter(|c| c.held) {
@@ -507,6 +526,25 @@ impl Run<'_> {
                 for e in self.spool.entries(*s)? {
                     self.owner.insert(e?.key, *s);
                 }
+            }
+        }
+        // Every spool as the ledger recorded it (a truncated one would lose records silently).
+        for (s, chunk) in &owners {
+            let mut n = 0u64;
+            for e in self.spool.entries(*s)? {
+                n += u64::from(!e?.answered);
+            }
+            if n != chunk.count {
+                return Err(BatchError::Spool(SpoolError {
+                    path: spool::Spool::records_path(&Ledger::spool_dir_of(self.ledger.path()), *s)
+                        .display()
+                        .to_string(),
+                    message: format!(
+                        "holds {n} requests, but the ledger recorded {} for {}: the file was changed or cut short; \
+                         restore it, or run with --fresh to start over (its records are then paid for again)",
+                        chunk.count, chunk.name
+                    ),
+                }));
             }
         }
         let mut again: Option<spool::SpoolWriter> = None;

@@ -167,7 +167,13 @@ impl Spool {
 
     /// Removes every spool of the run whose ledger is at `ledger`: called once every row of the
     /// run is written, when no record needs them.
+    /// The ledger then notes the last chunk whose spool is gone on purpose: a spool missing
+    /// for a later chunk was removed by hand, and a resumed run says so.
     pub fn remove_all(ledger: &Path) -> std::io::Result<()> {
+        let chunks = Ledger::read(ledger).map_err(|e| std::io::Error::other(e.to_string()))?;
+        if let Some(last) = chunks.iter().map(|c| c.number).max() {
+            std::fs::write(Ledger::settled_path_of(ledger), format!("{last}\n"))?;
+        }
         match std::fs::remove_dir_all(Ledger::spool_dir_of(ledger)) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
             _ => Ok(()),

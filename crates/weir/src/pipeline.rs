@@ -182,6 +182,10 @@ pub async fn run(
     // Everything that can be wrong with the command is checked before any file is written.
     let mut input = Input::open(&settings, env).await?;
     let live_input = input.live;
+    // Said before anything is written (--mode batch; --mode auto runs a stream online).
+    if live_input && settings.jobs.as_ref().is_some_and(|m| m.auto_min_records.is_none()) {
+        return Err(stream_refused_for_jobs());
+    }
     let total = if settings.progress { input.count()? } else { None };
     weir_runtime::sim::install(settings.sim_config.clone());
     // The process's endpoints (their throttles, health and counters), with the run's limits;
@@ -273,9 +277,15 @@ pub async fn run(
     let used_jobs = jobs_api.is_some();
     if used_jobs && settings.resume_stream {
         return Err(RunError::Usage(
-            "--resume-stream cannot be used with batch jobs: a resumed batch run finds the records its jobs hold by              their input lines, which a stream fed again does not keep; run online (--mode online), or feed a file"
+            "--resume-stream cannot be used with batch jobs: a resumed batch run finds the records its jobs hold by \
+             their input lines, which a stream fed again does not keep; run online (--mode online), or feed a file"
                 .into(),
         ));
+    }
+    // A stream can be read only once: a batch run stopped part-way could not be resumed (its
+    // records' lines cannot be read again), and a pipe left open would never end a job.
+    if used_jobs && live_input {
+        return Err(stream_refused_for_jobs());
     }
     let outcomes: futures::stream::LocalBoxStream<'_, Result<Outcome, std::io::Error>> =
         match (jobs_api, &settings.jobs, jobs_ledger.clone()) {
@@ -401,6 +411,17 @@ pub async fn run(
     };
     report.jobs = jobs;
     Ok(report)
+}
+
+/// A stream can be read only once: a batch run stopped part-way could not be resumed (its
+/// records' lines cannot be read again), and a pipe left open would never fill a job.
+fn stream_refused_for_jobs() -> RunError {
+    RunError::Usage(
+        "batch jobs need an input file: a stream (stdin, a pipe) cannot be read again to resume a stopped run, and a \
+         job is cut only when its records are read; write the stream to a file and give --input FILE, or run online \
+         (--mode online)"
+            .into(),
+    )
 }
 
 /// The process's endpoints (`weir_runtime`), with the run's limits and timeouts, connecting

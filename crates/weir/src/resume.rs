@@ -596,7 +596,7 @@ pub(crate) async fn guard_jobs(
             open.len()
         )));
     };
-    let mut live = Vec::new();
+    let (mut live, mut uncollected) = (Vec::new(), Vec::new());
     for chunk in open {
         let api = match api.api_of(chunk) {
             Ok(api) => api,
@@ -620,10 +620,32 @@ pub(crate) async fn guard_jobs(
             },
         };
         match api.status(&job).await {
+            // Ended with answers this command has not written yet (its spool is still there):
+            // paid for, and --fresh would pay for them again.
+            // (A job cancelled on purpose is given up with its answers.)
+            Ok(s)
+                if s.state.is_terminal()
+                    && s.state != weir_core::JobState::Cancelled
+                    && chunk.spool.is_some()
+                    && s.completed > 0 =>
+            {
+                uncollected.push(format!("{} ({}, {} answered)", job.id, s.state.as_str(), s.completed))
+            }
             Ok(s) if s.state.is_terminal() => {}
             Ok(s) => live.push(format!("{} ({})", job.id, s.state.as_str())),
             Err(e) => live.push(format!("{} (the provider could not be asked: {e})", job.id)),
         }
+    }
+    if live.is_empty() && !uncollected.is_empty() {
+        return Err(RunError::Usage(format!(
+            "--fresh would throw away the answers of {} batch job(s) of the earlier run that ended but whose rows were \
+             not written yet: {}. They are paid for, and their records would be paid for again. Run without --fresh to \
+             write them (with the input the earlier run read); to discard them anyway, delete {} and {}",
+            uncollected.len(),
+            uncollected.join(", "),
+            ledger.display(),
+            weir_jobs::Ledger::spool_dir_of(ledger).display()
+        )));
     }
     if live.is_empty() {
         return Ok(());
@@ -631,7 +653,7 @@ pub(crate) async fn guard_jobs(
     Err(RunError::Usage(format!(
         "--fresh would forget {} batch job(s) of the earlier run that are still live at the provider and charged: {}. \
          Their records would be paid for again. Run without --fresh to collect their answers, or cancel them with \
-         {cancel} and then run --fresh",
+         {cancel} and then run --fresh (what they answered before the cancel is then given up)",
         live.len(),
         live.join(", ")
     )))

@@ -528,3 +528,57 @@ async fn openai_embeddings_go_through_jobs_and_match_the_online_vectors() {
     assert!(stderr(&o).contains("embeds online"), "{}", stderr(&o));
     sim.shutdown().await;
 }
+
+/// Found by an outside tester (issue #34): `--fresh` after a kill, once the jobs had ended but
+/// before their answers were written, paid for every record again; a spool cut short lost its
+/// records' answers and the run exited 0; a batch run from stdin could never be resumed.
+#[tokio::test(flavor = "multi_thread")]
+async fn ended_jobs_block_fresh_a_damaged_spool_is_said_and_a_stream_is_refused() {
+    let sim = sim(1.0, |_| {}).await;
+    let dir = Dir::new("batch-hostile");
+    let (data, ids) = prompts(3_000);
+    let input = dir.write("in.jsonl", &data);
+    let args = batch_args(&sim, "openai/gpt-4o-mini", &dir, &input, &["--job-max-requests", "1000"]);
+    let mut child = weir().args(&args).stderr(std::process::Stdio::null()).spawn().unwrap();
+    for _ in 0..1000 {
+        if sim.stats().batch_jobs == 3 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    child.start_kill().unwrap();
+    let _ = child.wait().await;
+    assert_eq!(sim.stats().batch_jobs, 3);
+    // The jobs end at the simulator; their answers are not written yet.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let mut fresh = args.clone();
+    fresh.push("--fresh".into());
+    let o = weir().args(&fresh).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("--fresh would throw away the answers of 3 batch job(s)"), "{}", stderr(&o));
+    // A spool cut short is said, not read as fewer records.
+    let spool = dir.path(".weir/runs/out.jsonl.jobs.jsonl.spool/s0.records");
+    let text = std::fs::read_to_string(&spool).unwrap();
+    let half: String = text.lines().take(500).map(|l| format!("{l}\n")).collect();
+    std::fs::write(&spool, &half).unwrap();
+    let o = weir().args(&args).output().await.unwrap();
+    assert_ne!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stderr(&o).contains("cut short"), "{}", stderr(&o));
+    // Restored, the run ends with every record once, and nothing submitted again.
+    std::fs::write(&spool, &text).unwrap();
+    let o = weir().args(&args).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_each_id_once(&ids, &rows(&dir.path("out.jsonl")), &rows(&dir.path("out.errors.jsonl")));
+    assert_eq!((sim.stats().batch_jobs, sim.stats().batch_keys_in_two_jobs), (3, 0));
+    // A stream is refused before anything is written.
+    let mut piped: Vec<String> = args.clone();
+    let i = piped.iter().position(|a| a == "--input").unwrap();
+    piped[i + 1] = "-".into();
+    let i = piped.iter().position(|a| a == "--output").unwrap();
+    piped[i + 1] = dir.path("other.jsonl").to_str().unwrap().into();
+    let o = weir().args(&piped).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("batch jobs need an input file"), "{}", stderr(&o));
+    assert!(!dir.path("other.jsonl").exists());
+    sim.shutdown().await;
+}
