@@ -24,8 +24,8 @@ ids=$(python3 -c "import json,sys; print(len({json.loads(l)['id'] for l in open(
 curl -s "http://127.0.0.1:$PORT/stats" | python3 -c '
 import json, sys
 s = json.load(sys.stdin)
-print(f"jobs {s[\"batch_jobs\"]}, from uploaded files {s[\"gemini_files_uploaded\"]} (uploads refused {s[\"gemini_upload_refusals\"]}), keys in jobs {s[\"batch_keys\"]}, "
-      f"keys in two jobs {s[\"batch_keys_in_two_jobs\"]}, online calls {s[\"successes\"]}")'
+keys = ["batch_jobs", "gemini_files_uploaded", "gemini_upload_refusals", "batch_keys", "batch_keys_in_two_jobs", "successes"]
+print("jobs {}, from uploaded files {} (uploads refused {}), keys in jobs {}, keys in two jobs {}, online calls {}".format(*[s[k] for k in keys]))'
 printf "records %s: %s rows, %s distinct ids; %.1f s; peak RSS %.1f MiB\n" "$N" "$rows" "$ids" \
   "$(echo "$end - $start" | bc -l)" "$(echo "$(cat "$WORK/rss") / 1024" | bc -l)"
 grep -E "batch jobs:" "$WORK/err" || true
