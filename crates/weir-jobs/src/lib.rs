@@ -522,7 +522,7 @@ impl Run<'_> {
         }
         // Keys that follow-up spools took over (spools are numbered in the order they were cut).
         for (s, c) in &owners {
-            if c.round > 0 {
+            if c.round > 0 || c.lines.is_none() {
                 for e in self.spool.entries(*s)? {
                     self.owner.insert(e?.key, *s);
                 }
@@ -565,7 +565,7 @@ impl Run<'_> {
             let cut = spool::Cut { spool: s, round: chunk.round, count: chunk.count, lines: chunk.lines };
             if chunk.refused.is_some() {
                 // Its endpoint made no job: planned again, elsewhere.
-                self.queue.push_back(cut);
+                self.requeue(cut).await?;
                 continue;
             }
             let site = self.sites.index_of(&chunk).expect("checked above");
@@ -590,10 +590,42 @@ impl Run<'_> {
                     let count = chunk.count;
                     self.active.push(Active { site, job, spool: s, count, round: 0, status: None });
                 }
-                None => self.queue.push_back(cut),
+                None => self.requeue(cut).await?,
             }
         }
         if let Some(w) = again {
+            self.queue_cut(w)?;
+        }
+        Ok(())
+    }
+
+    /// A spool an earlier run cut but made no job of, queued again; cut again first when it
+    /// is larger than a job may now be (`--job-max-requests` lowered after the provider
+    /// refused the job for its size: found by an outside tester, the same refusal came back on
+    /// every run). Its records then move to the new spools, which hold them from now on.
+    async fn requeue(&mut self, cut: spool::Cut) -> Result<(), BatchError> {
+        if cut.count as usize <= self.sites.first().limits().max_lines {
+            self.queue.push_back(cut);
+            return Ok(());
+        }
+        let mut w: Option<spool::SpoolWriter> = None;
+        for e in self.spool.entries(cut.spool)? {
+            let e = e?;
+            if e.answered || self.owner.get(&e.key).is_some_and(|s| *s != cut.spool) || self.host.finished(&e.record) {
+                continue;
+            }
+            match self.host.rebuild(e.key, e.record) {
+                Ok(item) => {
+                    let key = item.key.clone();
+                    self.add_to(&mut w, cut.round, item).await?;
+                    if let Some(w) = &w {
+                        self.owner.insert(key, w.id());
+                    }
+                }
+                Err((record, error)) => self.leftover(record, error).await,
+            }
+        }
+        if let Some(w) = w {
             self.queue_cut(w)?;
         }
         Ok(())
@@ -1298,6 +1330,36 @@ mod tests {
         let (finished, _) = drive(&sites, &path, false, Vec::new(), &quick(), &mut seen).await;
         let finished = finished.unwrap();
         assert_eq!((seen.delivered.len(), finished.leftovers, finished.reattached), (15, 0, 0));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Found by an outside tester: a chunk cut larger than the provider takes (refused for its
+    /// size, so never made) came back whole on every run, whatever --job-max-requests said. A
+    /// resumed run cuts it again within the limits now in force.
+    #[tokio::test(start_paused = true)]
+    async fn a_chunk_larger_than_a_job_may_now_be_is_cut_again_on_resume() {
+        let dir = temp("recut");
+        let path = dir.join("jobs.jsonl");
+        {
+            let mut l = Ledger::open(&path, true).unwrap();
+            let mut spool = Spool::open(&l).unwrap();
+            let mut w = spool.writer(0, true).unwrap();
+            for i in items(15) {
+                let e = spool::Entry { key: i.key.clone(), line: i.line, record: i.record, answered: false };
+                w.add(&e, Some(format!("{}\n", i.key).as_bytes())).unwrap();
+            }
+            let cut = w.finish().unwrap();
+            let plan =
+                Plan { round: 0, name: "run-c0".into(), site: "", spool: cut.spool, lines: cut.lines, count: 15 };
+            l.plan(plan).unwrap();
+        }
+        let api = Instant::new(false);
+        let sites = Sites::one(api.clone(), String::new());
+        let mut seen = Seen::default();
+        let (finished, _) = drive(&sites, &path, false, Vec::new(), &quick(), &mut seen).await;
+        assert_eq!((finished.unwrap().submitted, seen.delivered.len()), (2, 15));
+        let jobs = api.jobs.lock().unwrap();
+        assert!(jobs.values().all(|k| k.len() <= 10), "{jobs:?}");
         let _ = std::fs::remove_dir_all(&dir);
     }
 
