@@ -406,7 +406,20 @@ async fn a_dead_endpoint_stops_early_and_the_run_resumes() {
     assert!(err.contains("300 records not finished"), "{err}");
     assert!(rows(&dir.path("out.errors.jsonl")).is_empty(), "nothing is marked finished");
     drop(holder);
-    let server = SimServer::start(SimConfig::default(), format!("127.0.0.1:{port}").parse().unwrap()).await.unwrap();
+    // Once let go, the port may be taken for a moment as another test's outgoing connection
+    // (seen once in CI): tried again until it is free.
+    let mut tries = 0;
+    let server = loop {
+        match SimServer::start(SimConfig::default(), format!("127.0.0.1:{port}").parse().unwrap()).await {
+            Ok(s) => break s,
+            Err(e) if tries < 100 => {
+                tries += 1;
+                eprintln!("port {port} not free yet ({e}); trying again");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("port {port} stayed taken: {e}"),
+        }
+    };
     let o = weir().current_dir(&dir.0).args(args).output().await.unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     assert_each_id_once(&ids, &rows(&dir.path("out.jsonl")), &rows(&dir.path("out.errors.jsonl")));
