@@ -611,7 +611,7 @@ impl Run<'_> {
         let mut w: Option<spool::SpoolWriter> = None;
         for e in self.spool.entries(cut.spool)? {
             let e = e?;
-            if e.answered || self.owner.get(&e.key).is_some_and(|s| *s != cut.spool) || self.host.finished(&e.record) {
+            if !self.is_open(&e, cut.spool) {
                 continue;
             }
             match self.host.rebuild(e.key, e.record) {
@@ -852,7 +852,7 @@ impl Run<'_> {
         for e in self.spool.entries(a.spool)? {
             let e = e?;
             // A record answered elsewhere, held by a later spool, or with its row: left alone.
-            if e.answered || self.owner.get(&e.key).is_some_and(|s| *s != a.spool) || self.host.finished(&e.record) {
+            if !self.is_open(&e, a.spool) {
                 continue;
             }
             match answered.remove(&e.key) {
@@ -896,11 +896,17 @@ impl Run<'_> {
         Ok(())
     }
 
+    /// Whether entry `e` of spool `spool` is this spool's to settle: a record for a job, not
+    /// taken over by a later spool, and without its row.
+    fn is_open(&self, e: &spool::Entry, spool: u32) -> bool {
+        !e.answered && self.owner.get(&e.key).is_none_or(|s| *s == spool) && !self.host.finished(&e.record)
+    }
+
     /// Whether spool `spool` holds a record still without its row.
     fn holds_open_records(&self, spool: u32) -> Result<bool, BatchError> {
         for e in self.spool.entries(spool)? {
             let e = e?;
-            if !e.answered && self.owner.get(&e.key).is_none_or(|s| *s == spool) && !self.host.finished(&e.record) {
+            if self.is_open(&e, spool) {
                 return Ok(true);
             }
         }
@@ -1169,6 +1175,16 @@ mod tests {
         }
     }
 
+    /// A spool of `n` records cut from the input beside `ledger` (not yet planned).
+    fn spooled(ledger: &Ledger, n: usize) -> spool::Cut {
+        let mut w = Spool::open(ledger).unwrap().writer(0, true).unwrap();
+        for i in items(n) {
+            let e = spool::Entry { key: i.key.clone(), line: i.line, record: i.record, answered: false };
+            w.add(&e, Some(format!("{}\n", i.key).as_bytes())).unwrap();
+        }
+        w.finish().unwrap()
+    }
+
     /// Runs `items` through `sites` with ledger `path` (`fresh`: a new one).
     async fn drive(
         sites: &Sites,
@@ -1307,13 +1323,7 @@ mod tests {
         let path = dir.join("jobs.jsonl");
         {
             let mut l = Ledger::open(&path, true).unwrap();
-            let mut spool = Spool::open(&l).unwrap();
-            let mut w = spool.writer(0, true).unwrap();
-            for i in items(15) {
-                let e = spool::Entry { key: i.key.clone(), line: i.line, record: i.record, answered: false };
-                w.add(&e, Some(format!("{}\n", i.key).as_bytes())).unwrap();
-            }
-            let cut = w.finish().unwrap();
+            let cut = spooled(&l, 15);
             let plan =
                 Plan { round: 0, name: "run-c0".into(), site: "gone", spool: cut.spool, lines: cut.lines, count: 15 };
             let c = l.plan(plan).unwrap();
@@ -1342,13 +1352,7 @@ mod tests {
         let path = dir.join("jobs.jsonl");
         {
             let mut l = Ledger::open(&path, true).unwrap();
-            let mut spool = Spool::open(&l).unwrap();
-            let mut w = spool.writer(0, true).unwrap();
-            for i in items(15) {
-                let e = spool::Entry { key: i.key.clone(), line: i.line, record: i.record, answered: false };
-                w.add(&e, Some(format!("{}\n", i.key).as_bytes())).unwrap();
-            }
-            let cut = w.finish().unwrap();
+            let cut = spooled(&l, 15);
             let plan =
                 Plan { round: 0, name: "run-c0".into(), site: "", spool: cut.spool, lines: cut.lines, count: 15 };
             l.plan(plan).unwrap();

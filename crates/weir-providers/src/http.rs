@@ -110,6 +110,15 @@ impl Credential {
         }
     }
 
+    /// `req` carrying `secret` the way this credential is sent.
+    fn authorised(&self, req: reqwest::RequestBuilder, secret: Option<&Secret>) -> reqwest::RequestBuilder {
+        match self.auth(secret) {
+            Auth::None => req,
+            Auth::Bearer(key) => req.bearer_auth(key.expose()),
+            Auth::Header(name, key) => req.header(name, key.expose()),
+        }
+    }
+
     /// Sends the request `build` makes (any method, any body) with this credential and reads
     /// the whole answer, as [`post`](Self::post) does; for the batch-job APIs' files and jobs.
     pub async fn send(
@@ -119,11 +128,7 @@ impl Credential {
         let mut tried = false;
         loop {
             let secret = self.secret().await?;
-            let req = match self.auth(secret.as_ref()) {
-                Auth::None => build(),
-                Auth::Bearer(key) => build().bearer_auth(key.expose()),
-                Auth::Header(name, key) => build().header(name, key.expose()),
-            };
+            let req = self.authorised(build(), secret.as_ref());
             let reply = read_reply(req.send().await.map_err(|e| transport_error(&e))?).await?;
             if reply.status == 200 || !self.renew(reply.status, secret.as_ref(), tried).await {
                 return Ok((reply, secret));
@@ -143,11 +148,7 @@ impl Credential {
         let mut tried = false;
         loop {
             let secret = self.secret().await?;
-            let req = match self.auth(secret.as_ref()) {
-                Auth::None => build(),
-                Auth::Bearer(key) => build().bearer_auth(key.expose()),
-                Auth::Header(name, key) => build().header(name, key.expose()),
-            };
+            let req = self.authorised(build(), secret.as_ref());
             let resp = req.send().await.map_err(|e| transport_error(&e))?;
             if resp.status().as_u16() == 200 {
                 use futures::StreamExt;
