@@ -8,7 +8,10 @@
 //! and reads back one result per key. Waiting, splitting, resuming and falling back belong to
 //! the caller (`weir-jobs`), as retrying belongs to the executor for online calls.
 
+use bytes::Bytes;
+use futures::{Stream, TryStreamExt};
 use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use crate::error::ModelError;
@@ -93,6 +96,62 @@ pub struct JobRef {
     pub file: Option<String>,
 }
 
+/// A job's input as it goes to the provider: a file of lines, each from [`JobApi::line`] and
+/// newline-terminated, read as it is sent. A job may carry up to a gigabyte (Vertex AI): it is
+/// streamed from the disk, never held whole, and may be read again for another try.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobInput {
+    /// The file.
+    pub path: PathBuf,
+    /// Its size in bytes (uploads declare it before they send).
+    pub len: u64,
+    /// Its requests.
+    pub count: usize,
+}
+
+impl JobInput {
+    /// The file's bytes in chunks of 64 KiB, from the start; opened when first polled.
+    pub fn stream(&self) -> impl Stream<Item = std::io::Result<Bytes>> + Send + Sync + 'static {
+        let path = self.path.clone();
+        futures::stream::once(async move { tokio::fs::File::open(path).await })
+            .map_ok(|f| tokio_util::io::ReaderStream::with_capacity(f, 64 * 1024))
+            .try_flatten()
+    }
+
+    /// The whole file (for inputs small enough to send inline).
+    pub async fn read(&self) -> std::io::Result<Vec<u8>> {
+        tokio::fs::read(&self.path).await
+    }
+}
+
+/// Cuts a download into lines as its chunks arrive: a job's results file may be hundreds of
+/// megabytes, and is handed over a line at a time, never gathered.
+#[derive(Debug, Default)]
+pub struct LineSplitter {
+    carry: Vec<u8>,
+}
+
+impl LineSplitter {
+    /// Hands `each` every line `chunk` completes (without its `\n`).
+    pub fn push<F: FnMut(&[u8]) + ?Sized>(&mut self, chunk: &[u8], each: &mut F) {
+        self.carry.extend_from_slice(chunk);
+        let mut start = 0;
+        while let Some(n) = self.carry[start..].iter().position(|b| *b == b'\n') {
+            each(&self.carry[start..start + n]);
+            start += n + 1;
+        }
+        self.carry.drain(..start);
+    }
+
+    /// Hands `each` the last line, when the download did not end with a `\n`.
+    pub fn finish<F: FnMut(&[u8]) + ?Sized>(&mut self, each: &mut F) {
+        if !self.carry.is_empty() {
+            each(&self.carry);
+            self.carry.clear();
+        }
+    }
+}
+
 /// One request's result from a job: its key and its answer or error.
 pub type JobResult = (String, Result<ModelResponse, ModelError>);
 
@@ -110,9 +169,16 @@ pub trait JobApi: Send + Sync {
     /// with its result: results come back in no particular order).
     fn line(&self, key: &str, request: &ModelRequest) -> Result<Vec<u8>, ModelError>;
 
-    /// Submits `lines` (each from [`line`](Self::line), newline-terminated) as one job named
-    /// `name`.
-    async fn submit(&self, name: &str, lines: Vec<u8>, count: usize) -> Result<JobRef, ModelError>;
+    /// The key under which the result of `line` (made by [`line`](Self::line) for `key`) comes
+    /// back, when it is not `key`: a provider that echoes no key of the caller's (Vertex AI's
+    /// batch embeddings echo the instance alone) names results by their input. Records with
+    /// the same answer key share one result.
+    fn answer_key(&self, _key: &str, _line: &[u8]) -> Option<String> {
+        None
+    }
+
+    /// Submits `input` as one job named `name`.
+    async fn submit(&self, name: &str, input: &JobInput) -> Result<JobRef, ModelError>;
 
     /// The job submitted under `name`, if the provider has one (a run that stopped between
     /// submitting and recording the id finds it here instead of submitting again).
@@ -149,13 +215,37 @@ pub trait JobStaging: Send + Sync {
     /// The URL (`gs://bucket/prefix/name`) of `name` under the staging prefix.
     fn url_of(&self, name: &str) -> String;
 
-    /// Writes `data` as `name` under the staging prefix.
-    async fn put(&self, name: &str, data: Vec<u8>) -> Result<(), ModelError>;
+    /// Writes the file of `input` as `name` under the staging prefix, streamed (in parts when
+    /// it is large), not read whole.
+    async fn put(&self, name: &str, input: &JobInput) -> Result<(), ModelError>;
 
-    /// The contents of every object under the directory `url` (which the provider named), in
-    /// name order.
-    async fn read_dir(&self, url: &str) -> Result<Vec<Vec<u8>>, ModelError>;
+    /// Hands every line (without its `\n`) of every object under the directory `url` (which the
+    /// provider named) to `each`, object by object in name order, as they are downloaded.
+    async fn read_lines(&self, url: &str, each: &mut (dyn for<'a> FnMut(&'a [u8]) + Send)) -> Result<(), ModelError>;
 
     /// Deletes the object `url`. Failing to is not an error of the run.
     async fn delete(&self, url: &str);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Lines come out whole whatever the chunks' edges: split inside a line, several in one
+    /// chunk, an empty line, and a last line without its `\n`.
+    #[test]
+    fn lines_are_whole_across_chunk_edges() {
+        let text = b"alpha\nbe\n\ngamma delta\nlast";
+        for cut in 1..text.len() {
+            let mut got: Vec<Vec<u8>> = Vec::new();
+            let mut each = |l: &[u8]| got.push(l.to_vec());
+            let mut lines = LineSplitter::default();
+            for chunk in text.chunks(cut) {
+                lines.push(chunk, &mut each);
+            }
+            lines.finish(&mut each);
+            let want: Vec<&[u8]> = vec![b"alpha", b"be", b"", b"gamma delta", b"last"];
+            assert_eq!(got, want, "chunks of {cut}");
+        }
+    }
 }

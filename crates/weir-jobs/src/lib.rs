@@ -419,7 +419,7 @@ pub async fn run(
             next = incoming.recv(), if input_open => match next {
                 Some(Incoming::Job(item)) => run.add_input(item).await?,
                 Some(Incoming::Answered { key, line, record }) => {
-                    let entry = spool::Entry { key, line, record, answered: true };
+                    let entry = spool::Entry { key, line, record, answered: true, answer: None };
                     run.input_writer()?.add(&entry, None)?;
                 }
                 None => {
@@ -661,7 +661,10 @@ impl Run<'_> {
                 // so that the spool still accounts for every record of its lines.
                 if let Some(cur) = w.as_mut().filter(|c| c.from_input()) {
                     let (key, line) = (item.key.clone(), item.line);
-                    cur.add(&spool::Entry { key, line, record: item.record.clone(), answered: true }, None)?;
+                    cur.add(
+                        &spool::Entry { key, line, record: item.record.clone(), answered: true, answer: None },
+                        None,
+                    )?;
                 }
                 self.host.deliver(item.record, Err(e)).await;
                 return Ok(());
@@ -682,7 +685,8 @@ impl Run<'_> {
         } else {
             *w = Some(self.spool.writer(round, false)?);
         }
-        let entry = spool::Entry { key: item.key, line: item.line, record: item.record, answered: false };
+        let answer = self.sites.first().answer_key(&item.key, &line);
+        let entry = spool::Entry { key: item.key, line: item.line, record: item.record, answered: false, answer };
         w.as_mut().expect("made").add(&entry, Some(&line))?;
         Ok(())
     }
@@ -720,7 +724,7 @@ impl Run<'_> {
             }
             let cut = self.queue.pop_front().expect("not empty");
             let api = &self.sites.0[site].api;
-            let Some(body) = self.spool.body(cut.spool)? else {
+            let Some(body) = self.spool.body(cut.spool, cut.count)? else {
                 return Err(BatchError::Spool(SpoolError {
                     path: format!("spool {}", cut.spool),
                     message: "its job input is missing (removed by hand?); run again with --fresh".into(),
@@ -739,7 +743,7 @@ impl Run<'_> {
             // In a pool, an endpoint that plainly refuses (a closed port, a rejected key) is
             // left at its first refusal, not after the tries that may pass elsewhere.
             let others = self.at_site.iter().filter(|(_, refused)| refused.is_none()).count() > 1;
-            let first = if others { Some(api.submit(&name, body.clone(), count).await) } else { None };
+            let first = if others { Some(api.submit(&name, &body).await) } else { None };
             // A try after one that failed may follow a job the provider made but whose answer
             // was lost (a connection cut after the request went out): it is looked up by its
             // name before it is made again (found by an outside tester: the same records were
@@ -752,7 +756,7 @@ impl Run<'_> {
                         return Ok(job);
                     }
                 }
-                api.submit(&name, body.clone(), count).await
+                api.submit(&name, &body).await
             };
             let result = match first {
                 Some(Ok(job)) => Ok(job),
@@ -855,7 +859,13 @@ impl Run<'_> {
             if !self.is_open(&e, a.spool) {
                 continue;
             }
-            match answered.remove(&e.key) {
+            // Records sharing an answer key (the same text, where results are keyed by it)
+            // share its result.
+            let result = match &e.answer {
+                Some(k) => answered.get(k).cloned(),
+                None => answered.remove(&e.key),
+            };
+            match result {
                 Some(r)
                     if r.as_ref().map_or_else(|e| !e.kind.is_retryable() && e.kind != ErrorKind::Aborted, |_| true) =>
                 {
@@ -1029,6 +1039,9 @@ mod tests {
         flaky: std::sync::Mutex<std::collections::HashSet<String>>,
         /// Jobs it has said ended.
         ended: std::sync::Mutex<std::collections::HashSet<String>>,
+        /// Lines are the prompts, and results come back keyed by them (as Vertex AI's batch
+        /// embeddings echo the instance, not a key).
+        by_prompt: bool,
     }
 
     impl Instant {
@@ -1045,6 +1058,7 @@ mod tests {
                 outstanding: Default::default(),
                 flaky: Default::default(),
                 ended: Default::default(),
+                by_prompt: false,
             })
         }
         fn peak(&self) -> usize {
@@ -1063,13 +1077,18 @@ mod tests {
         fn limits(&self) -> JobLimits {
             self.limits
         }
-        fn line(&self, key: &str, _: &ModelRequest) -> Result<Vec<u8>, ModelError> {
-            Ok(format!("{key}\n").into_bytes())
+        fn line(&self, key: &str, request: &ModelRequest) -> Result<Vec<u8>, ModelError> {
+            Ok(format!("{}\n", if self.by_prompt { &request.prompt } else { key }).into_bytes())
         }
-        async fn submit(&self, name: &str, body: Vec<u8>, _: usize) -> Result<JobRef, ModelError> {
+        fn answer_key(&self, _: &str, line: &[u8]) -> Option<String> {
+            self.by_prompt.then(|| String::from_utf8_lossy(line).trim_end().to_string())
+        }
+        async fn submit(&self, name: &str, input: &weir_core::JobInput) -> Result<JobRef, ModelError> {
             if self.refuses {
                 return Err(ModelError::new(ErrorKind::Auth, "API key not valid"));
             }
+            let body = input.read().await.unwrap();
+            assert_eq!((body.len() as u64, body.iter().filter(|b| **b == b'\n').count()), (input.len, input.count));
             let keys = String::from_utf8(body).unwrap().lines().map(str::to_string).collect();
             self.jobs.lock().unwrap().insert(name.to_string(), keys);
             let mut o = self.outstanding.lock().unwrap();
@@ -1179,7 +1198,7 @@ mod tests {
     fn spooled(ledger: &Ledger, n: usize) -> spool::Cut {
         let mut w = Spool::open(ledger).unwrap().writer(0, true).unwrap();
         for i in items(n) {
-            let e = spool::Entry { key: i.key.clone(), line: i.line, record: i.record, answered: false };
+            let e = spool::Entry { key: i.key.clone(), line: i.line, record: i.record, answered: false, answer: None };
             w.add(&e, Some(format!("{}\n", i.key).as_bytes())).unwrap();
         }
         w.finish().unwrap()
@@ -1215,6 +1234,35 @@ mod tests {
 
     fn quick() -> JobSettings {
         JobSettings { poll_first: Duration::from_millis(10), ..JobSettings::default() }
+    }
+
+    /// Issue #34: where a provider answers by the request's content (Vertex AI's batch
+    /// embeddings echo the instance, not a key), records are matched to answers by it, and
+    /// records with the same content in one job each get the one answer.
+    #[tokio::test(start_paused = true)]
+    async fn answers_keyed_by_content_reach_every_record_with_that_content() {
+        let dir = temp("by-content");
+        let api = Arc::new(Instant { by_prompt: true, ..Arc::into_inner(Instant::new(false)).unwrap() });
+        let sites = Sites::one(api.clone() as Arc<dyn JobApi>, "one".into());
+        let items: Vec<Item> = items(35)
+            .into_iter()
+            .enumerate()
+            .map(|(i, mut it)| {
+                it.request.prompt = format!("p{}", i % 7);
+                it
+            })
+            .collect();
+        let mut seen = Seen::default();
+        let (finished, _) = drive(&sites, &dir.join("jobs.jsonl"), true, items, &quick(), &mut seen).await;
+        assert_eq!(finished.unwrap().leftovers, 0);
+        let mut delivered = seen.delivered.clone();
+        delivered.sort();
+        assert_eq!(delivered.len(), 35);
+        for (key, text) in &delivered {
+            let i: usize = key[1..].parse().unwrap();
+            assert_eq!(text, &format!("p{}", i % 7), "record {key}");
+        }
+        assert_eq!(api.submitted(), 4, "jobs of ten lines each");
     }
 
     /// Issue #33: a pool's chunks go to the endpoint with the fewest records waiting for its

@@ -32,6 +32,10 @@ pub struct Entry {
     /// only so that the spool accounts for every record of its input lines.
     #[serde(rename = "a", default, skip_serializing_if = "std::ops::Not::not")]
     pub answered: bool,
+    /// The key its result comes back under, when the provider does not echo `key`
+    /// ([`weir_core::JobApi::answer_key`]).
+    #[serde(rename = "m", default, skip_serializing_if = "Option::is_none")]
+    pub answer: Option<String>,
 }
 
 /// A spool file that cannot be read or written.
@@ -119,11 +123,12 @@ impl Spool {
         }))
     }
 
-    /// The job input of spool `id`; `None` once its job is made.
-    pub fn body(&self, id: u32) -> Result<Option<Vec<u8>>, SpoolError> {
+    /// The job input of spool `id`, of `count` requests, to be streamed from the disk; `None`
+    /// once its job is made.
+    pub fn body(&self, id: u32, count: u64) -> Result<Option<weir_core::JobInput>, SpoolError> {
         let path = self.body_path(id);
-        match std::fs::read(&path) {
-            Ok(b) => Ok(Some(b)),
+        match std::fs::metadata(&path) {
+            Ok(m) => Ok(Some(weir_core::JobInput { path, len: m.len(), count: count as usize })),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(err(&path, e)),
         }
@@ -267,11 +272,12 @@ mod tests {
         let mut cut = |keys: &[&str], answered: &[&str]| {
             let mut w = spool.writer(0, true).unwrap();
             for (i, k) in keys.iter().enumerate() {
-                let e = Entry { key: k.to_string(), line: i as u64 + 1, record: record(k), answered: false };
+                let e =
+                    Entry { key: k.to_string(), line: i as u64 + 1, record: record(k), answered: false, answer: None };
                 w.add(&e, Some(b"x\n")).unwrap();
             }
             for k in answered {
-                let e = Entry { key: k.to_string(), line: 9, record: record(k), answered: true };
+                let e = Entry { key: k.to_string(), line: 9, record: record(k), answered: true, answer: None };
                 w.add(&e, None).unwrap();
             }
             w.finish().unwrap()

@@ -153,20 +153,11 @@ impl Credential {
             if resp.status().as_u16() == 200 {
                 use futures::StreamExt;
                 let mut body = resp.bytes_stream();
-                let mut carry: Vec<u8> = Vec::new();
+                let mut lines = weir_core::LineSplitter::default();
                 while let Some(chunk) = body.next().await {
-                    let chunk = chunk.map_err(|e| transport_error(&e))?;
-                    carry.extend_from_slice(&chunk);
-                    let mut start = 0;
-                    while let Some(n) = carry[start..].iter().position(|b| *b == b'\n') {
-                        each_line(&carry[start..start + n]);
-                        start += n + 1;
-                    }
-                    carry.drain(..start);
+                    lines.push(&chunk.map_err(|e| transport_error(&e))?, each_line);
                 }
-                if !carry.is_empty() {
-                    each_line(&carry);
-                }
+                lines.finish(each_line);
                 return Ok(None);
             }
             let reply = read_reply(resp).await?;

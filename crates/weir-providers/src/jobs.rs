@@ -6,7 +6,8 @@
 use serde_json::{json, Value};
 use std::sync::Arc;
 use weir_core::{
-    ErrorKind, JobApi, JobLimits, JobRef, JobResult, JobStaging, JobState, JobStatus, ModelError, ModelRequest,
+    ErrorKind, JobApi, JobInput, JobLimits, JobRef, JobResult, JobStaging, JobState, JobStatus, ModelError,
+    ModelRequest,
 };
 
 use crate::http::{clip, redact, Credential, Reply, Secret};
@@ -15,10 +16,10 @@ use crate::{gemini, openai, GeminiHandler, OpenAiHandler};
 /// The OpenAI Batch API's limits per input file: 50,000 requests and 200 MB.
 pub const OPENAI_LIMITS: JobLimits = JobLimits { max_lines: 50_000, max_bytes: 200 * 1000 * 1000 };
 
-/// A Gemini API job: its input is an uploaded JSONL file (the Files API takes up to 2 GB; a job
-/// is held in memory, about twice over, while it is cut and sent, so weir cuts them at 100 MB).
-/// Lines: no documented limit; 50,000 keeps a job's results file of a sane size.
-pub const GEMINI_LIMITS: JobLimits = JobLimits { max_lines: 50_000, max_bytes: 100 * 1000 * 1000 };
+/// A Gemini API job: its input is an uploaded JSONL file (the Files API takes up to 2 GB; weir
+/// streams it from the disk, and stays under with a margin). Lines: no documented limit;
+/// 50,000 keeps a job's results, which are matched to its records in memory, of a sane size.
+pub const GEMINI_LIMITS: JobLimits = JobLimits { max_lines: 50_000, max_bytes: 1900 * 1000 * 1000 };
 
 /// Gemini API jobs of at most this many bytes send their requests inline (one call, no file to
 /// upload and delete); larger ones upload a file. The API takes inline requests under 20 MB,
@@ -27,6 +28,9 @@ pub const GEMINI_INLINE_MAX: usize = 1_000_000;
 
 /// Vertex AI's limits per Gemini batch job: 200,000 requests, and an input file of at most 1 GB.
 pub const VERTEX_LIMITS: JobLimits = JobLimits { max_lines: 200_000, max_bytes: 1000 * 1000 * 1000 };
+
+/// Vertex AI's limit per batch job of a text-embedding model: 30,000 prompts.
+pub const VERTEX_EMBED_LIMITS: JobLimits = JobLimits { max_lines: 30_000, max_bytes: 1000 * 1000 * 1000 };
 
 /// An error reading a job API's answer.
 fn malformed(what: &str) -> ModelError {
@@ -60,6 +64,11 @@ async fn lines_ok(
     }
 }
 
+/// The job's input file could not be read (removed under the run): nothing was sent.
+fn local_input(input: &JobInput, e: std::io::Error) -> ModelError {
+    ModelError::new(ErrorKind::InvalidInput, format!("batch job input {}: {e}", input.path.display()))
+}
+
 fn json_post(client: &reqwest::Client, url: &str, body: &bytes::Bytes) -> reqwest::RequestBuilder {
     client.post(url).header(reqwest::header::CONTENT_TYPE, "application/json").body(body.clone())
 }
@@ -68,29 +77,30 @@ fn json_of(reply: &Reply) -> Result<Value, ModelError> {
     serde_json::from_slice(&reply.body).map_err(|e| malformed(&format!("the answer is not JSON: {e}")))
 }
 
-/// A `multipart/form-data` body with a `purpose` field and one file, and its content type.
-/// The boundary is chosen so that it does not occur in the file.
-fn multipart(purpose: &str, filename: &str, file: &[u8]) -> (Vec<u8>, String) {
-    let mut n = 0u64;
-    let boundary = loop {
-        let b = format!("weir-jobs-{:016x}-{n}", file.len() as u64 ^ 0x9e37_79b9_7f4a_7c15);
-        if !file.windows(b.len()).any(|w| w == b.as_bytes()) {
-            break b;
-        }
-        n += 1;
-    };
-    let mut body = Vec::with_capacity(file.len() + 512);
-    body.extend_from_slice(
-        format!(
-            "--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\n{purpose}\r\n\
-             --{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{filename}\"\r\n\
-             Content-Type: application/jsonl\r\n\r\n"
-        )
-        .as_bytes(),
+/// A `multipart/form-data` body with a `purpose` field and the job's input file, streamed from
+/// the disk; its content type and length. The boundary is 128 random bits, which a file does
+/// not contain but by a chance not worth counting.
+fn multipart(
+    purpose: &str,
+    filename: &str,
+    input: &JobInput,
+) -> (impl futures::Stream<Item = std::io::Result<bytes::Bytes>> + Send + Sync + 'static, String, u64) {
+    use futures::StreamExt;
+    let mut random = [0u8; 16];
+    // An error of the system's random source leaves the zeros and the input's length.
+    let _ = ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut random);
+    let hex: String = random.iter().map(|b| format!("{b:02x}")).collect();
+    let boundary = format!("weir-jobs-{hex}-{}", input.len);
+    let head = format!(
+        "--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\n{purpose}\r\n\
+         --{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{filename}\"\r\n\
+         Content-Type: application/jsonl\r\n\r\n"
     );
-    body.extend_from_slice(file);
-    body.extend_from_slice(format!("\r\n--{boundary}--\r\n").as_bytes());
-    (body, format!("multipart/form-data; boundary={boundary}"))
+    let tail = format!("\r\n--{boundary}--\r\n");
+    let len = head.len() as u64 + input.len + tail.len() as u64;
+    let part = |s: String| futures::stream::once(futures::future::ready(Ok(bytes::Bytes::from(s))));
+    let body = part(head).chain(input.stream()).chain(part(tail));
+    (body, format!("multipart/form-data; boundary={boundary}"), len)
 }
 
 /// Jobs of an OpenAI-compatible server's Batch API.
@@ -232,13 +242,19 @@ impl JobApi for OpenAiJobs {
         Ok(bytes)
     }
 
-    async fn submit(&self, name: &str, lines: Vec<u8>, _count: usize) -> Result<JobRef, ModelError> {
-        let (body, content_type) = multipart("batch", &format!("{name}.jsonl"), &lines);
-        let body = bytes::Bytes::from(body);
+    async fn submit(&self, name: &str, input: &JobInput) -> Result<JobRef, ModelError> {
         let url = format!("{}/files", self.base);
+        let filename = format!("{name}.jsonl");
         let reply = send_ok(
             &self.credential,
-            || self.client.post(&url).header(reqwest::header::CONTENT_TYPE, &content_type).body(body.clone()),
+            || {
+                let (body, content_type, len) = multipart("batch", &filename, input);
+                self.client
+                    .post(&url)
+                    .header(reqwest::header::CONTENT_TYPE, content_type)
+                    .header(reqwest::header::CONTENT_LENGTH, len)
+                    .body(reqwest::Body::wrap_stream(body))
+            },
             openai::classify_error,
         )
         .await?;
@@ -391,7 +407,7 @@ impl GeminiJobs {
 
     /// Uploads a job's input file (the Files API's resumable protocol: a start that declares
     /// the length, then the bytes in one request that finalizes); its name (`files/…`).
-    async fn upload(&self, name: &str, lines: &bytes::Bytes) -> Result<String, ModelError> {
+    async fn upload(&self, name: &str, input: &JobInput) -> Result<String, ModelError> {
         let url = format!("{}/upload/v1beta/files", self.base);
         let start = bytes::Bytes::from(json!({"file": {"display_name": name}}).to_string());
         let reply = send_ok(
@@ -400,7 +416,7 @@ impl GeminiJobs {
                 json_post(&self.client, &url, &start)
                     .header("X-Goog-Upload-Protocol", "resumable")
                     .header("X-Goog-Upload-Command", "start")
-                    .header("X-Goog-Upload-Header-Content-Length", lines.len().to_string())
+                    .header("X-Goog-Upload-Header-Content-Length", input.len.to_string())
                     .header("X-Goog-Upload-Header-Content-Type", "application/jsonl")
             },
             gemini::classify_error,
@@ -425,7 +441,8 @@ impl GeminiJobs {
                     .header("X-Goog-Upload-Command", "upload, finalize")
                     .header("X-Goog-Upload-Offset", "0")
                     .header(reqwest::header::CONTENT_TYPE, "application/jsonl")
-                    .body(lines.clone())
+                    .header(reqwest::header::CONTENT_LENGTH, input.len)
+                    .body(reqwest::Body::wrap_stream(input.stream()))
             },
             gemini::classify_error,
         )
@@ -507,16 +524,16 @@ impl JobApi for GeminiJobs {
         Ok(bytes)
     }
 
-    async fn submit(&self, name: &str, lines: Vec<u8>, count: usize) -> Result<JobRef, ModelError> {
+    async fn submit(&self, name: &str, input: &JobInput) -> Result<JobRef, ModelError> {
         let create = format!("models/{}:batchGenerateContent", self.model);
-        if lines.len() > GEMINI_INLINE_MAX {
-            let lines = bytes::Bytes::from(lines);
-            let file = self.upload(name, &lines).await?;
+        if input.len > GEMINI_INLINE_MAX as u64 {
+            let file = self.upload(name, input).await?;
             let body = json!({"batch": {"displayName": name, "inputConfig": {"fileName": file}}});
             let op = self.call(Some(&body), &create).await?;
             return Ok(JobRef { file: Some(file), ..Self::job_ref(&op)? });
         }
-        let mut requests = Vec::with_capacity(count);
+        let lines = input.read().await.map_err(|e| local_input(input, e))?;
+        let mut requests = Vec::with_capacity(input.count);
         for line in lines.split(|c| *c == b'\n').filter(|l| !l.is_empty()) {
             let mut v = serde_json::from_slice::<Value>(line).map_err(|e| malformed(&e.to_string()))?;
             let key = v.get_mut("key").map(Value::take).unwrap_or(Value::Null);
@@ -617,8 +634,9 @@ impl JobApi for GeminiJobs {
     }
 }
 
-/// Jobs of Vertex AI's `batchPredictionJobs` for a Gemini model: each job's input is written
-/// to the staging bucket as JSONL, and its output read from the directory Vertex AI writes.
+/// Jobs of Vertex AI's `batchPredictionJobs` for a Gemini or text-embedding model: each job's
+/// input is streamed to the staging bucket as JSONL, and its output read line by line from the
+/// directory Vertex AI writes.
 pub struct VertexJobs {
     client: reqwest::Client,
     /// `{base}/v1`: job names (`projects/…/batchPredictionJobs/ID`) follow it.
@@ -630,6 +648,8 @@ pub struct VertexJobs {
     credential: Credential,
     staging: Arc<dyn JobStaging>,
     limits: JobLimits,
+    /// Jobs of a text-embedding model: `{"content"}` instances, answered by instance.
+    embed: bool,
 }
 
 impl VertexJobs {
@@ -652,7 +672,17 @@ impl VertexJobs {
             credential,
             staging,
             limits: VERTEX_LIMITS,
+            embed: false,
         }
+    }
+
+    /// Jobs of a text-embedding model (`text-embedding-005`, …), each record's text one
+    /// `{"content"}` instance. Their output echoes the instance, not a key of weir's, so
+    /// records are matched to answers by their text ([`JobApi::answer_key`]).
+    pub fn embeddings(mut self) -> Self {
+        self.embed = true;
+        self.limits = VERTEX_EMBED_LIMITS;
+        self
     }
 
     /// Smaller jobs than the provider allows.
@@ -726,6 +756,32 @@ fn vertex_result(line: &[u8]) -> Option<JobResult> {
     Some((key, result))
 }
 
+/// The answer key of a Vertex embedding instance: a digest of its text (the output echoes the
+/// instance, and identical texts have identical embeddings).
+fn content_key(content: &str) -> String {
+    let d = ring::digest::digest(&ring::digest::SHA256, content.as_bytes());
+    let hex: String = d.as_ref()[..16].iter().map(|b| format!("{b:02x}")).collect();
+    format!("#{hex}")
+}
+
+/// One line of a Vertex embedding job's output (`{"instance", "predictions", "status"}`),
+/// keyed by its instance's text.
+fn vertex_embed_result(line: &[u8]) -> Option<JobResult> {
+    let v: Value = serde_json::from_slice(line).ok()?;
+    let key = content_key(v.pointer("/instance/content")?.as_str()?);
+    let status = v.get("status").and_then(Value::as_str).unwrap_or("");
+    let result = match v.get("predictions") {
+        Some(p) if status.is_empty() && p.is_array() => {
+            let body = serde_json::to_vec(&json!({"predictions": p})).unwrap_or_default();
+            crate::embed::parse(crate::embed::EmbedApi::Vertex, &body, &["x"])
+                .and_then(|mut v| v.pop().unwrap_or_else(|| Err(malformed("an embedding answer with no vector"))))
+        }
+        _ if !status.is_empty() => Err(vertex_item_error(status)),
+        _ => Err(malformed("a result with neither predictions nor status")),
+    };
+    Some((key, result))
+}
+
 #[async_trait::async_trait]
 impl JobApi for VertexJobs {
     fn model_id(&self) -> &str {
@@ -737,17 +793,29 @@ impl JobApi for VertexJobs {
     }
 
     fn line(&self, key: &str, request: &ModelRequest) -> Result<Vec<u8>, ModelError> {
-        // Vertex echoes every key of an input line but `request` with its answer.
-        let line = json!({"key": key, "request": GeminiHandler::body(request)});
+        // Vertex echoes every key of an input line but `request` with its answer; an embedding
+        // instance is sent as the model takes it, and echoed whole.
+        let line = match self.embed {
+            true => json!({"content": request.prompt}),
+            false => json!({"key": key, "request": GeminiHandler::body(request)}),
+        };
         let mut bytes =
             serde_json::to_vec(&line).map_err(|e| ModelError::new(ErrorKind::InvalidInput, e.to_string()))?;
         bytes.push(b'\n');
         Ok(bytes)
     }
 
-    async fn submit(&self, name: &str, lines: Vec<u8>, _count: usize) -> Result<JobRef, ModelError> {
+    fn answer_key(&self, _key: &str, line: &[u8]) -> Option<String> {
+        if !self.embed {
+            return None;
+        }
+        let v: Value = serde_json::from_slice(line).ok()?;
+        Some(content_key(v.get("content")?.as_str()?))
+    }
+
+    async fn submit(&self, name: &str, job_input: &JobInput) -> Result<JobRef, ModelError> {
         let input = format!("{}/input.jsonl", Self::dir(name));
-        self.staging.put(&input, lines).await?;
+        self.staging.put(&input, job_input).await?;
         let body = json!({
             "displayName": name,
             "model": format!("publishers/google/models/{}", self.model),
@@ -813,10 +881,13 @@ impl JobApi for VertexJobs {
         let Some(dir) = v.pointer("/outputInfo/gcsOutputDirectory").and_then(Value::as_str) else {
             return Ok(());
         };
-        for file in self.staging.read_dir(dir).await? {
-            file.split(|c| *c == b'\n').filter(|l| !l.is_empty()).filter_map(vertex_result).for_each(&mut *each);
-        }
-        Ok(())
+        let parse = if self.embed { vertex_embed_result } else { vertex_result };
+        let mut line = |l: &[u8]| {
+            if let Some(r) = parse(l) {
+                each(r);
+            }
+        };
+        self.staging.read_lines(dir, &mut line).await
     }
 
     async fn cancel(&self, job: &JobRef) -> Result<(), ModelError> {
@@ -836,20 +907,27 @@ impl JobApi for VertexJobs {
 mod tests {
     use super::*;
 
-    #[test]
-    fn multipart_boundary_avoids_the_content() {
-        let (body, ct) = multipart("batch", "a.jsonl", b"{\"x\":1}\n");
+    #[tokio::test]
+    async fn multipart_streams_the_file_between_its_parts() {
+        use futures::TryStreamExt;
+        let path = std::env::temp_dir().join(format!("weir-multipart-{}.jsonl", std::process::id()));
+        std::fs::write(&path, b"{\"x\":1}\n{\"x\":2}\n").unwrap();
+        let input = JobInput { path: path.clone(), len: 16, count: 2 };
+        let (body, ct, len) = multipart("batch", "a.jsonl", &input);
+        let chunks: Vec<bytes::Bytes> = body.try_collect().await.unwrap();
+        let text = String::from_utf8(chunks.concat()).unwrap();
+        assert_eq!(text.len() as u64, len, "the declared length is the body's");
         let boundary = ct.split("boundary=").nth(1).unwrap();
-        let text = String::from_utf8(body).unwrap();
         assert!(text.starts_with(&format!("--{boundary}\r\n")));
-        assert!(text.ends_with(&format!("\r\n--{boundary}--\r\n")));
+        assert!(text.ends_with(&format!("}}\n{{\"x\":2}}\n\r\n--{boundary}--\r\n")), "{text}");
         assert!(text.contains("name=\"purpose\"\r\n\r\nbatch\r\n"));
-        // A file that contains the first boundary gets another.
-        let first = format!("weir-jobs-{:016x}-0", 40u64 ^ 0x9e37_79b9_7f4a_7c15);
-        let file = format!("{first}{}", "x".repeat(40 - first.len()));
-        assert_eq!(file.len(), 40);
-        let (_, ct) = multipart("batch", "a.jsonl", file.as_bytes());
-        assert!(!ct.ends_with(&first));
+        assert!(text.contains("filename=\"a.jsonl\"\r\nContent-Type: application/jsonl\r\n\r\n{\"x\":1}\n"));
+        let (_, again, _) = multipart("batch", "a.jsonl", &input);
+        assert_ne!(again, ct, "each body has a boundary of its own");
+        // A file gone under the run is an error of the stream, not an empty upload.
+        std::fs::remove_file(&path).unwrap();
+        let (body, _, _) = multipart("batch", "a.jsonl", &input);
+        assert!(body.try_collect::<Vec<_>>().await.is_err());
     }
 
     #[test]

@@ -420,10 +420,10 @@ pub fn connect_jobs(
         }
         l
     };
-    if options.task == Task::Embed && spec.provider != Provider::OpenAi {
+    if options.task == Task::Embed && !matches!(spec.provider, Provider::OpenAi | Provider::Vertex) {
         return Err(ProviderError::Config(format!(
             "--mode batch with --task embed: embeddings go through batch jobs for openai/ models (the OpenAI Batch \
-             API's /v1/embeddings); {spec} embeds online only"
+             API's /v1/embeddings) and vertex_ai/ text-embedding models; {spec} embeds online only"
         )));
     }
     match spec.provider {
@@ -455,7 +455,10 @@ pub fn connect_jobs(
             check_name("model", &spec.model)?;
             let credential = http::Credential::Tokens(site.tokens.clone());
             let jobs = jobs::VertexJobs::new(client, site.root("v1"), &spec.model, credential, staging);
-            Ok(Arc::new(jobs.with_limits(limit(jobs::VERTEX_LIMITS))))
+            Ok(Arc::new(match options.task == Task::Embed {
+                true => jobs.embeddings().with_limits(limit(jobs::VERTEX_EMBED_LIMITS)),
+                false => jobs.with_limits(limit(jobs::VERTEX_LIMITS)),
+            }))
         }
         Provider::VertexEndpoint | Provider::Local => Err(ProviderError::Config(format!(
             "--mode batch: {spec}: batch jobs are supported for openai/, gemini/ and vertex_ai/ models"

@@ -36,6 +36,9 @@ struct VertexIo {
     output_prefix: String,
     /// The directory written when the job ended.
     output_dir: Option<String>,
+    /// A text-embedding model's job: `{"content"}` instances, each echoed as `instance` with
+    /// its `predictions` (no key of the caller's comes back).
+    embed: bool,
 }
 
 /// `gs://bucket/name` → (bucket, name).
@@ -278,7 +281,11 @@ impl Job {
             return 0;
         }
         let answered = self.answered_in_the_end(cfg);
-        let api = if self.kind == Kind::OpenAi { Api::OpenAi } else { Api::Gemini };
+        let api = match (&self.kind, &self.vertex) {
+            (Kind::OpenAi, _) => Api::OpenAi,
+            (_, Some(v)) if v.embed => Api::Vertex,
+            _ => Api::Gemini,
+        };
         let model = self.model.clone();
         let results: Vec<_> = self.requests[..answered]
             .iter()
@@ -292,7 +299,14 @@ impl Job {
             for ((line, _), (_, r)) in v.lines.iter().zip(&self.requests).zip(&results) {
                 let mut o = line.clone();
                 o["processed_time"] = json!(unix_now().to_string());
+                if v.embed {
+                    o = json!({"instance": line, "processed_time": o["processed_time"]});
+                }
                 match r {
+                    Ok(body) if v.embed => {
+                        o["status"] = json!("");
+                        o["predictions"] = body["predictions"].clone();
+                    }
                     Ok(body) => {
                         o["status"] = json!("");
                         o["response"] = body.clone();
@@ -509,9 +523,17 @@ fn vertex_error(status: u16, message: &str) -> Reply {
 /// The answer to one request of a job, as the online route would give it (no latency, no
 /// quota: a job has its own pool).
 fn answer(cfg: &SimConfig, api: Api, model: &str, body: &Value, job: &str, i: usize) -> Result<Value, (u16, Value)> {
-    // An OpenAI batch of `/v1/embeddings` lines: their bodies have `input`, not `messages`.
-    if api == Api::OpenAi && body.get("input").is_some() && body.get("messages").is_none() {
-        let req = proto::parse_embed(api, proto::EmbedForm::OpenAi, model, body)
+    // A Vertex AI text-embedding instance, answered as its `:predict` would be; an OpenAI
+    // batch's `/v1/embeddings` line (its body has `input`, not `messages`).
+    let embed = match api {
+        Api::Vertex => Some((proto::EmbedForm::Vertex, json!({"instances": [body]}))),
+        Api::OpenAi if body.get("input").is_some() && body.get("messages").is_none() => {
+            Some((proto::EmbedForm::OpenAi, body.clone()))
+        }
+        _ => None,
+    };
+    if let Some((form, body)) = embed {
+        let req = proto::parse_embed(api, form, model, &body)
             .map_err(|proto::BadRequest(m)| (400, proto::error(api, 400, &m).body))?;
         let vectors: Vec<Vec<f32>> = req
             .instances
@@ -872,12 +894,19 @@ impl Jobs {
                 };
                 let mut requests = Vec::new();
                 let mut lines = Vec::new();
+                let embed = model.contains("embedding");
                 for (n, line) in content.split(|c| *c == b'\n').filter(|l| !l.is_empty()).enumerate() {
                     let Ok(v) = serde_json::from_slice::<Value>(line) else {
                         return Some(vertex_error(400, &format!("{uri} line {}: not JSON", n + 1)));
                     };
-                    let Some(request) = v.get("request").cloned() else {
-                        return Some(vertex_error(400, &format!("{uri} line {}: no request", n + 1)));
+                    // A text-embedding model takes instances as its `:predict` does.
+                    let request = match embed {
+                        true => v.get("content").filter(|c| c.is_string()).map(|_| v.clone()),
+                        false => v.get("request").cloned(),
+                    };
+                    let Some(request) = request else {
+                        let want = if embed { "no string content (a text-embedding instance)" } else { "no request" };
+                        return Some(vertex_error(400, &format!("{uri} line {}: {want}", n + 1)));
                     };
                     let key = v.get("key").and_then(Value::as_str).map_or_else(|| n.to_string(), str::to_string);
                     requests.push((key, request));
@@ -894,6 +923,7 @@ impl Jobs {
                     input_uri: uri.to_string(),
                     output_prefix: prefix.to_string(),
                     output_dir: None,
+                    embed,
                 });
                 let view = job.vertex_view(cfg);
                 inner.add(id, job);

@@ -304,3 +304,59 @@ async fn a_vertex_batch_over_two_locations_stages_each_jobs_in_its_bucket_and_re
     gcs.shutdown().await;
     sim.shutdown().await;
 }
+
+/// Issue #34: Vertex AI batch embeddings. A text-embedding model's job takes `{"content"}`
+/// instances and echoes each instance, not a key, with its vector: every id comes once with
+/// the vector an online call gives its text, records with the same text included (matched by
+/// the text), split at the job limit, and a second run submits nothing.
+#[tokio::test(flavor = "multi_thread")]
+async fn vertex_batch_embeddings_match_records_by_text_and_equal_the_online_vectors() {
+    let (sim, gcs) = start(0.3, |_| {}).await;
+    let dir = Dir::new("vertex-batch-embed");
+    let mut data = String::new();
+    let ids: Vec<String> = (0..600).map(|i| format!("r{i}")).collect();
+    for (i, id) in ids.iter().enumerate() {
+        // 150 texts, each in four records.
+        data.push_str(&format!("{{\"key\":\"{id}\",\"prompt\":\"text number {}\"}}\n", i % 150));
+    }
+    let input = dir.write("in.jsonl", data.as_bytes());
+    let model = "vertex_ai/text-embedding-005";
+    let with_model =
+        |a: Vec<String>| -> Vec<String> { a.into_iter().map(|x| if x == MODEL { model.into() } else { x }).collect() };
+    let batch = with_model(args(&sim, &dir, &input, &["--task", "embed", "--job-max-requests", "250"]));
+    let o = weir_for(&sim, &gcs, &dir).args(&batch).output().await.unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    let results = rows(&dir.path("out.jsonl"));
+    assert_each_id_once(&ids, &results, &rows(&dir.path("out.errors.jsonl")));
+    let stats = sim.stats();
+    assert_eq!(stats.batch_jobs, 3, "599 instances at 250 per job: {err}");
+    // The same records online (`:predict`), into another file.
+    let online_out = dir.path("online.jsonl");
+    let mut online = with_model(args(&sim, &dir, &input, &["--task", "embed"]));
+    for flag in ["--mode", "--job-bucket"] {
+        let at = online.iter().position(|a| a == flag).unwrap();
+        online.drain(at..at + 2);
+    }
+    let at = online.iter().position(|a| a == "--output").unwrap();
+    online[at + 1] = online_out.to_str().unwrap().to_string();
+    let o = weir_for(&sim, &gcs, &dir).args(&online).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let by_id: std::collections::HashMap<String, serde_json::Value> = rows(&online_out)
+        .into_iter()
+        .map(|r| (r["id"].as_str().unwrap().to_string(), r["embedding"].clone()))
+        .collect();
+    assert_eq!(by_id.len(), 600);
+    for r in &results {
+        let id = r["id"].as_str().unwrap();
+        let v = &r["embedding"];
+        assert!(v.as_array().is_some_and(|a| !a.is_empty()), "{r}");
+        assert_eq!(v, &by_id[id], "record {id}: the job's vector is the online one");
+    }
+    // Resumed: every row is written, nothing is submitted.
+    let again = weir_for(&sim, &gcs, &dir).args(&batch).output().await.unwrap();
+    assert_eq!(again.status.code(), Some(0), "{}", stderr(&again));
+    assert_eq!(sim.stats().batch_jobs, 3);
+    gcs.shutdown().await;
+    sim.shutdown().await;
+}
