@@ -19,13 +19,14 @@ use tokio_util::sync::CancellationToken;
 
 use crate::cache::{cache_key, is_deterministic, CacheKey, ResponseCache};
 use crate::error::{ErrorKind, ModelError, RetryHint};
-use crate::executor::{Done, Executor, Failed, Observer, StreamEvent};
+use crate::executor::{Checked, Done, Executor, Failed, Observer, StreamEvent};
 use crate::handler::{ModelHandler, ModelRequest};
 use crate::metrics::RunMetrics;
 use crate::outcome::{Failure, ModelResponse, Outcome, Success};
 use crate::params::GenParams;
 use crate::record::Record;
 use crate::retry::RetryPolicy;
+use crate::schema::OutputSchema;
 use crate::throttle::{RateSnapshot, Throttle, Weight};
 
 /// How long connecting may fail, with nothing ever answering, before the run stops: long enough
@@ -175,6 +176,8 @@ pub struct Driver {
     /// Deterministic requests in flight, so identical ones wait for the first answer (and take
     /// it from the cache) instead of paying for it again.
     inflight: Mutex<HashMap<CacheKey, Arc<tokio::sync::Mutex<()>>>>,
+    /// The run's response schema, compiled: every generated answer is checked against it.
+    schema: Option<Arc<OutputSchema>>,
     model_id: Arc<str>,
     /// Whose answers these are, for the cache: the model and the endpoint that serves it (the
     /// same model name behind a simulator, another project or another server is not the same
@@ -220,6 +223,14 @@ impl Driver {
         });
         let executor = Executor::pooled(pool, settings.retry.clone(), settings.timeout, metrics.clone())
             .with_observer(rules.clone());
+        // Checked when the parameters were read (a usage error then), so rarely `None` here.
+        let settings_schema = settings.params.response_schema.as_ref().and_then(|s| match OutputSchema::new(s) {
+            Ok(s) => Some(Arc::new(s)),
+            Err(e) => {
+                tracing::warn!("answers are not checked: {e}");
+                None
+            }
+        });
         Self {
             model_id: Arc::from(handler.model_id()),
             source: Arc::from(format!("{} at {}", handler.model_id(), handler.endpoint())),
@@ -231,6 +242,7 @@ impl Driver {
             rules,
             cache: None,
             inflight: Mutex::new(HashMap::new()),
+            schema: settings_schema,
         }
     }
 
@@ -318,6 +330,24 @@ impl Driver {
                 Some(own) => Arc::new(self.settings.params.overlay(own)),
                 None => self.settings.params.clone(),
             },
+        }
+    }
+
+    /// The compiled response schema of `request`: the run's, or a record's own (compiled for
+    /// it; a record whose schema does not compile is not checked, with a warning).
+    fn schema_for(&self, request: &ModelRequest) -> Option<Arc<OutputSchema>> {
+        let own = request.params.response_schema.as_ref()?;
+        if Arc::ptr_eq(&request.params, &self.settings.params)
+            || Some(own) == self.settings.params.response_schema.as_ref()
+        {
+            return self.schema.clone();
+        }
+        match OutputSchema::new(own) {
+            Ok(s) => Some(Arc::new(s)),
+            Err(e) => {
+                tracing::warn!("a record's answer is not checked: {e}");
+                None
+            }
         }
     }
 
@@ -469,9 +499,24 @@ impl Driver {
         }
         let weight = self.weight_of(&request);
         let cancel = &self.rules.cancel;
+        let schema = self.schema_for(&request);
+        let check = |r: &ModelResponse| match &schema {
+            Some(s) if r.embedding.is_none() => s.check(&r.text).err(),
+            _ => None,
+        };
         let result = match on_event.take() {
             Some(e) => {
-                self.executor.run_stream_at(weight, cancel, |at| self.handlers[at].generate_stream(&request), e).await
+                let open = |at: usize| self.handlers[at].generate_stream(&request);
+                self.executor.run_stream_at(weight, cancel, open, e, Some(&check)).await
+            }
+            None if schema.is_some() => {
+                let call = |at: usize| {
+                    let answer = self.handlers[at].generate(&request);
+                    let check = &check;
+                    async move { answer.await.map(|response| Checked { invalid: check(&response), response }) }
+                };
+                let done = self.executor.run_at(weight, cancel, call).await;
+                done.map(|d| Done { value: d.value.response, attempts: d.attempts, latency: d.latency })
             }
             None => self.executor.run_at(weight, cancel, |at| self.handlers[at].generate(&request)).await,
         };

@@ -27,6 +27,9 @@ pub enum ErrorKind {
     Transport,
     /// The answer could not be understood.
     MalformedResponse,
+    /// The answer is not JSON matching the run's response schema (tried again up to
+    /// `--max-invalid-retries` times, apart from the other retries).
+    InvalidOutput,
     /// The provider rejected the request as invalid (HTTP 400, 404, 422).
     BadRequest,
     /// Credentials missing or rejected (HTTP 401, 403).
@@ -47,6 +50,7 @@ impl ErrorKind {
             ErrorKind::Timeout => "timeout",
             ErrorKind::Transport => "transport",
             ErrorKind::MalformedResponse => "malformed_response",
+            ErrorKind::InvalidOutput => "invalid_output",
             ErrorKind::BadRequest => "bad_request",
             ErrorKind::Auth => "auth",
             ErrorKind::Aborted => "aborted",
@@ -54,7 +58,7 @@ impl ErrorKind {
     }
 
     /// Every kind, in the order of the enum.
-    pub const ALL: [ErrorKind; 11] = [
+    pub const ALL: [ErrorKind; 12] = [
         ErrorKind::InvalidInput,
         ErrorKind::Blocked,
         ErrorKind::RateLimited,
@@ -63,6 +67,7 @@ impl ErrorKind {
         ErrorKind::Timeout,
         ErrorKind::Transport,
         ErrorKind::MalformedResponse,
+        ErrorKind::InvalidOutput,
         ErrorKind::BadRequest,
         ErrorKind::Auth,
         ErrorKind::Aborted,
@@ -84,6 +89,7 @@ impl ErrorKind {
                 | ErrorKind::Timeout
                 | ErrorKind::Transport
                 | ErrorKind::MalformedResponse
+                | ErrorKind::InvalidOutput
         )
     }
 

@@ -48,6 +48,12 @@ pub trait Metered {
     fn first_token(&self) -> Option<Duration> {
         None
     }
+    /// Why the answer, although the endpoint gave it (and billed it), is not one to keep: it
+    /// does not match the run's response schema. The attempt is then a failure of kind
+    /// [`ErrorKind::InvalidOutput`], retried apart from the others.
+    fn invalid(&self) -> Option<ModelError> {
+        None
+    }
 }
 
 impl Metered for ModelResponse {
@@ -178,6 +184,12 @@ impl Executor {
             Ok(v) => {
                 self.pool.learn(lane, Ok(()));
                 self.observer.answered();
+                // Paid for and counted above, but not an answer to keep.
+                if let Some(e) = v.invalid() {
+                    self.metrics.record_invalid_output();
+                    self.observer.failed_attempt(&e, attempts + 1);
+                    return Some((Err(e), true));
+                }
                 Some((Ok(v), false))
             }
             Err(e) => {
@@ -260,6 +272,7 @@ impl Executor {
         let mut attempts = 0u32;
         // Attempts that count against the retries (not those at an endpoint the pool left).
         let mut charged = 0u32;
+        let mut invalid = 0u32;
         let mut last = None;
         loop {
             if cancel.is_cancelled() {
@@ -272,9 +285,16 @@ impl Executor {
             if !free {
                 charged += 1;
             }
+            let decided = match &result {
+                Err(error) if error.kind == ErrorKind::InvalidOutput => {
+                    invalid += 1;
+                    Some(self.policy.decide_invalid(invalid))
+                }
+                _ => None,
+            };
             match result {
                 Ok(value) => return Ok(Done { value, attempts, latency: start.elapsed() }),
-                Err(error) => match self.policy.decide(charged, &error, &mut rng) {
+                Err(error) => match decided.unwrap_or_else(|| self.policy.decide(charged, &error, &mut rng)) {
                     Decision::GiveUp => return Err(Failed { error, attempts, cancelled: false }),
                     Decision::Retry(delay) => {
                         tracing::debug!(attempts, ?delay, "retrying: {error}");
@@ -487,6 +507,30 @@ pub enum StreamEvent {
 struct Streamed {
     response: ModelResponse,
     first_token: Option<Duration>,
+    invalid: Option<ModelError>,
+}
+
+/// Checks a whole answer: why it is not one to keep (see [`Metered::invalid`]).
+pub type Check<'a> = &'a (dyn Fn(&ModelResponse) -> Option<ModelError> + Sync);
+
+/// An answer with the verdict of a [`Check`], metered as the answer.
+pub struct Checked {
+    /// The answer.
+    pub response: ModelResponse,
+    /// Why it is not one to keep.
+    pub invalid: Option<ModelError>,
+}
+
+impl Metered for Checked {
+    fn usage(&self) -> Usage {
+        self.response.usage
+    }
+    fn limits(&self) -> Option<LimitInfo> {
+        self.response.limits
+    }
+    fn invalid(&self) -> Option<ModelError> {
+        self.invalid.clone()
+    }
 }
 
 impl Metered for Streamed {
@@ -498,6 +542,9 @@ impl Metered for Streamed {
     }
     fn first_token(&self) -> Option<Duration> {
         self.first_token
+    }
+    fn invalid(&self) -> Option<ModelError> {
+        self.invalid.clone()
     }
 }
 
@@ -524,17 +571,19 @@ impl Executor {
         E: FnMut(StreamEvent) -> EFut,
         EFut: Future<Output = ()>,
     {
-        self.run_stream_at(weight, cancel, |_| open(), on_event).await
+        self.run_stream_at(weight, cancel, |_| open(), on_event, None).await
     }
 
     /// [`Executor::run_stream`] over a pool: `open` gets the index of the endpoint that
-    /// admitted the attempt.
+    /// admitted the attempt. A whole answer that `check` finds invalid is an attempt that
+    /// failed: the consumer gets [`StreamEvent::Restart`] before the next one's text.
     pub async fn run_stream_at<F, Fut, E, EFut>(
         &self,
         weight: Weight,
         cancel: &CancellationToken,
         mut open: F,
         on_event: E,
+        check: Option<Check<'_>>,
     ) -> Result<Done<ModelResponse>, Failed>
     where
         F: FnMut(usize) -> Fut,
@@ -592,8 +641,10 @@ impl Executor {
                             }
                             Delta::End(mut whole) => {
                                 whole.text = text;
-                                consumer.lock().await.1 = false;
-                                return Ok(Streamed { response: whole, first_token });
+                                let invalid = check.and_then(|c| c(&whole));
+                                // The text of an answer not kept is taken back before the next.
+                                consumer.lock().await.1 = invalid.is_some();
+                                return Ok(Streamed { response: whole, first_token, invalid });
                             }
                         }
                     }

@@ -21,6 +21,7 @@ pub mod pool;
 pub mod rate;
 pub mod record;
 pub mod retry;
+pub mod schema;
 pub mod throttle;
 
 pub use batch::{batches, BatchSettings, Bucketing};

@@ -52,6 +52,8 @@ pub struct RunMetrics {
     cache_tokens: [AtomicU64; 2],
     /// Calls answered with a rate-limit error.
     pub rate_limited: AtomicU64,
+    /// Answers that did not match the response schema (each paid for, and tried again).
+    pub invalid_outputs: AtomicU64,
     /// Prompt tokens reported by successful calls.
     pub tokens_in: AtomicU64,
     /// Output tokens reported by successful calls.
@@ -205,6 +207,16 @@ impl RunMetrics {
         }
     }
 
+    /// Counts an answer that did not match the response schema.
+    pub fn record_invalid_output(&self) {
+        self.count(&|m| {
+            m.invalid_outputs.fetch_add(1, Relaxed);
+        });
+        if self.exports() {
+            metrics::counter!("weir_invalid_outputs_total", self.labels(&[])).increment(1);
+        }
+    }
+
     /// Counts a call answered with a rate-limit error.
     pub fn record_rate_limited(&self) {
         self.count(&|m| {
@@ -353,6 +365,10 @@ impl RunMetrics {
         metrics::describe_counter!("weir_calls_total", "Calls made to the endpoint.");
         metrics::describe_counter!("weir_retries_total", "Calls beyond each record's first.");
         metrics::describe_counter!("weir_rate_limited_total", "Calls answered with a rate-limit error (429).");
+        metrics::describe_counter!(
+            "weir_invalid_outputs_total",
+            "Answers that did not match the response schema (paid for, and tried again)."
+        );
         metrics::describe_counter!("weir_cache_hits_total", "Records answered from the response cache.");
         metrics::describe_counter!(
             "weir_tokens_total",
@@ -410,6 +426,7 @@ impl RunMetrics {
             "weir_calls_total",
             "weir_retries_total",
             "weir_rate_limited_total",
+            "weir_invalid_outputs_total",
             "weir_cache_hits_total",
             "weir_throttled_microseconds_total",
             "weir_batches_total",

@@ -151,6 +151,8 @@ impl GenParams {
                     }
                     _ => return Err(err("response_schema takes a JSON object, or @FILE".into())),
                 };
+                // Every answer is checked against it: a schema that does not compile is said now.
+                crate::schema::OutputSchema::new(&schema).map_err(err)?;
                 self.response_schema = Some(schema);
             }
             "response_mime_type" => match value.as_str() {

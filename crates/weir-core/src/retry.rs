@@ -19,11 +19,14 @@ pub struct RetryPolicy {
     pub base: Duration,
     /// Largest backoff ceiling.
     pub cap: Duration,
+    /// Retries of answers that do not match the response schema, counted apart from the
+    /// others (an invalid answer says nothing about the endpoint's load, and is retried at once).
+    pub max_invalid_retries: u32,
 }
 
 impl Default for RetryPolicy {
     fn default() -> Self {
-        Self { max_retries: 8, base: Duration::from_millis(250), cap: Duration::from_secs(30) }
+        Self { max_retries: 8, base: Duration::from_millis(250), cap: Duration::from_secs(30), max_invalid_retries: 2 }
     }
 }
 
@@ -41,6 +44,14 @@ impl RetryPolicy {
     pub fn ceiling(&self, attempts: u32) -> Duration {
         let exp = attempts.saturating_sub(1).min(30);
         self.base.saturating_mul(1u32 << exp).min(self.cap)
+    }
+
+    /// Decides after the `invalid`-th answer (≥ 1) that did not match the response schema.
+    pub fn decide_invalid(&self, invalid: u32) -> Decision {
+        match invalid > self.max_invalid_retries {
+            true => Decision::GiveUp,
+            false => Decision::Retry(Duration::ZERO),
+        }
     }
 
     /// Decides after `attempts` attempts (≥ 1) have failed, the last with `error`.
@@ -85,7 +96,12 @@ mod tests {
 
     #[test]
     fn backoff_is_exponential_full_jitter_and_capped() {
-        let p = RetryPolicy { max_retries: 20, base: Duration::from_millis(100), cap: Duration::from_secs(2) };
+        let p = RetryPolicy {
+            max_retries: 20,
+            base: Duration::from_millis(100),
+            cap: Duration::from_secs(2),
+            ..Default::default()
+        };
         assert_eq!(p.ceiling(1), Duration::from_millis(100));
         assert_eq!(p.ceiling(3), Duration::from_millis(400));
         assert_eq!(p.ceiling(10), Duration::from_secs(2));

@@ -320,8 +320,12 @@ where
     Fut: std::future::Future<Output = Result<T, ModelError>>,
 {
     use rand::SeedableRng;
-    let policy =
-        weir_core::RetryPolicy { max_retries: tries.max(1) - 1, base: JOB_API_BACKOFF.0, cap: JOB_API_BACKOFF.1 };
+    let policy = weir_core::RetryPolicy {
+        max_retries: tries.max(1) - 1,
+        base: JOB_API_BACKOFF.0,
+        cap: JOB_API_BACKOFF.1,
+        ..Default::default()
+    };
     let mut rng = rand::rngs::SmallRng::from_entropy();
     let mut attempts = 0;
     loop {

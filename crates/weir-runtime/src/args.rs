@@ -75,6 +75,11 @@ pub struct EndpointArgs {
     /// Retries per record after its first call (retryable errors only).
     #[arg(long, value_name = "N", default_value_t = 8)]
     pub max_retries: u32,
+    /// With a response schema (`--param response_schema=@FILE`): times an answer that is not
+    /// JSON matching it is asked for again (each is paid for), apart from --max-retries; then
+    /// the record is an `invalid_output` error row quoting the answer.
+    #[arg(long, value_name = "N", default_value_t = 2)]
+    pub max_invalid_retries: u32,
     /// Where processes that call the same endpoint with the same key share its quota: `local`
     /// (this machine's processes of this user, through a socket in a private runtime
     /// directory: they learn and keep one quota together), `redis://HOST:PORT` (every process,
@@ -172,7 +177,11 @@ impl EndpointArgs {
     pub fn driver(&self) -> DriverSettings {
         DriverSettings {
             timeout: Duration::from_secs_f64(self.timeout),
-            retry: RetryPolicy { max_retries: self.max_retries, ..RetryPolicy::default() },
+            retry: RetryPolicy {
+                max_retries: self.max_retries,
+                max_invalid_retries: self.max_invalid_retries,
+                ..RetryPolicy::default()
+            },
             ..DriverSettings::default()
         }
     }

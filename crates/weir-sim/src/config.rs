@@ -316,11 +316,14 @@ pub struct OutputConfig {
     pub max_tokens: u32,
     /// Tokens per streamed event.
     pub stream_chunk_tokens: u32,
+    /// Share of the answers to requests with a response schema that are cut in half (not
+    /// JSON), drawn afresh for every call: a client that checks and asks again gets a valid one.
+    pub invalid_json_rate: f64,
 }
 
 impl Default for OutputConfig {
     fn default() -> Self {
-        Self { min_tokens: 8, max_tokens: 48, stream_chunk_tokens: 1 }
+        Self { min_tokens: 8, max_tokens: 48, stream_chunk_tokens: 1, invalid_json_rate: 0.0 }
     }
 }
 
@@ -397,6 +400,12 @@ impl SimConfig {
         }
         if self.embedding.dimensions == 0 || self.embedding.dimensions > 8192 {
             return bad(format!("embedding.dimensions = {}: must be between 1 and 8192", self.embedding.dimensions));
+        }
+        if !(0.0..=1.0).contains(&self.output.invalid_json_rate) {
+            return bad(format!(
+                "output.invalid_json_rate = {}: a rate must be between 0 and 1",
+                self.output.invalid_json_rate
+            ));
         }
         if !(0.0..=1.0).contains(&self.predict.short_rate) {
             return bad(format!("predict.short_rate = {}: a rate must be between 0 and 1", self.predict.short_rate));

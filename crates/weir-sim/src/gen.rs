@@ -81,9 +81,99 @@ pub fn generate(request_hash: u64, min_tokens: u32, max_tokens: u32, limit: Opti
     Generation { tokens, truncated_by_limit, jitter_ms }
 }
 
+/// The answer to a request with a response schema: a JSON value of the schema's shape, a pure
+/// function of the request (`request_hash`) like any answer. `broken` cuts it in half, as a
+/// model that ran out of tokens or ignored the constraint would answer: not JSON.
+pub fn shaped(schema: &serde_json::Value, request_hash: u64, broken: bool) -> Generation {
+    let mut rng = SmallRng::seed_from_u64(request_hash);
+    let mut text = instance_of(schema, &mut rng, 0).to_string();
+    if broken {
+        let mut cut = text.len() / 2;
+        while !text.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        text.truncate(cut);
+    }
+    // Four characters a token, as streamed.
+    let chars: Vec<char> = text.chars().collect();
+    let tokens = chars.chunks(4).map(|c| c.iter().collect()).collect();
+    Generation { tokens, truncated_by_limit: false, jitter_ms: 0.0 }
+}
+
+/// A value of `schema`'s shape (JSON Schema, or Gemini's upper-case types): every property of
+/// an object, one to three items of an array, an `enum`'s value, the first of `anyOf`/`oneOf`.
+fn instance_of(schema: &serde_json::Value, rng: &mut SmallRng, depth: u32) -> serde_json::Value {
+    use serde_json::{json, Value};
+    if let Some(Value::Array(options)) = schema.get("enum") {
+        if !options.is_empty() {
+            return options[rng.gen_range(0..options.len())].clone();
+        }
+    }
+    if let Some(c) = schema.get("const") {
+        return c.clone();
+    }
+    for k in ["anyOf", "oneOf"] {
+        if let Some(first) = schema.get(k).and_then(|v| v.get(0)) {
+            return instance_of(first, rng, depth + 1);
+        }
+    }
+    let kind = match schema.get("type") {
+        Some(Value::String(t)) => t.to_ascii_lowercase(),
+        Some(Value::Array(ts)) => {
+            ts.iter().filter_map(Value::as_str).find(|t| *t != "null").unwrap_or("null").to_ascii_lowercase()
+        }
+        _ if schema.get("properties").is_some() => "object".into(),
+        _ => "string".into(),
+    };
+    let word = |rng: &mut SmallRng| WORDS[rng.gen_range(0..WORDS.len())];
+    match kind.as_str() {
+        "object" if depth < 8 => {
+            let mut m = serde_json::Map::new();
+            if let Some(Value::Object(props)) = schema.get("properties") {
+                for (name, s) in props {
+                    m.insert(name.clone(), instance_of(s, rng, depth + 1));
+                }
+            }
+            Value::Object(m)
+        }
+        "array" if depth < 8 => {
+            let n = rng.gen_range(1..=3);
+            let items = schema.get("items").cloned().unwrap_or(json!({"type": "string"}));
+            Value::Array((0..n).map(|_| instance_of(&items, rng, depth + 1)).collect())
+        }
+        "integer" => json!(rng.gen_range(0..100)),
+        "number" => json!((rng.gen_range(0.0..1.0f64) * 1000.0).round() / 1000.0),
+        "boolean" => json!(rng.gen_bool(0.5)),
+        "null" => Value::Null,
+        "object" => json!({}),
+        "array" => json!([]),
+        _ => {
+            let n = rng.gen_range(1..=3);
+            Value::String((0..n).map(|_| word(rng)).collect::<Vec<_>>().join(" "))
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn shaped_answers_follow_the_schema_and_broken_ones_do_not_parse() {
+        let schema = serde_json::json!({
+            "type": "object",
+            "properties": {
+                "label": {"type": "string", "enum": ["shoe", "hat"]},
+                "score": {"type": "number"},
+                "tags": {"type": "ARRAY", "items": {"type": "STRING"}},
+            },
+        });
+        let v: serde_json::Value = serde_json::from_str(&shaped(&schema, 7, false).text()).unwrap();
+        assert!(v["label"] == "shoe" || v["label"] == "hat", "{v}");
+        assert!(v["score"].is_f64() && v["tags"].as_array().is_some_and(|t| !t.is_empty() && t[0].is_string()), "{v}");
+        assert_eq!(shaped(&schema, 7, false).text(), shaped(&schema, 7, false).text());
+        assert!(serde_json::from_str::<serde_json::Value>(&shaped(&schema, 7, true).text()).is_err());
+    }
 
     #[test]
     fn same_request_same_answer() {

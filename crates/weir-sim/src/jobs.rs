@@ -554,7 +554,10 @@ fn answer(cfg: &SimConfig, api: Api, model: &str, body: &Value, job: &str, i: us
     }
     let limit = req.max_tokens.map(|m| m.to_le_bytes()).unwrap_or_default();
     let h = stable_hash(&[&seed, req.model.as_bytes(), req.prompt.as_bytes(), req.settings.as_bytes(), &limit]);
-    let g = generate(h, cfg.output.min_tokens, cfg.output.max_tokens, req.max_tokens, 0.0);
+    let g = match &req.schema {
+        Some(schema) => crate::gen::shaped(schema, h, crate::server::broken_draw(cfg.output.invalid_json_rate)),
+        None => generate(h, cfg.output.min_tokens, cfg.output.max_tokens, req.max_tokens, 0.0),
+    };
     let prompt_tokens = count_tokens(&req.prompt);
     let id = format!("{job}-{i}");
     Ok(match api {

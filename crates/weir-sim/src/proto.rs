@@ -63,6 +63,9 @@ pub struct SimRequest {
     pub chat_predict: bool,
     /// For an embedding request, its form; the texts are in `instances`.
     pub embed: Option<EmbedForm>,
+    /// The response schema asked for (Gemini `responseJsonSchema`/`responseSchema`, OpenAI
+    /// `response_format.json_schema.schema`): the answer is JSON of that shape.
+    pub schema: Option<Value>,
 }
 
 /// The wire form of an embedding request.
@@ -171,6 +174,7 @@ pub fn parse_gemini(
         instances: Vec::new(),
         chat_predict: false,
         embed: None,
+        schema: config.and_then(|c| c.get("responseJsonSchema").or_else(|| c.get("responseSchema"))).cloned(),
     })
 }
 
@@ -208,6 +212,7 @@ pub fn parse_openai(body: &Value) -> Result<SimRequest, BadRequest> {
         instances: Vec::new(),
         chat_predict: false,
         embed: None,
+        schema: body.pointer("/response_format/json_schema/schema").cloned(),
     })
 }
 
@@ -259,6 +264,7 @@ pub fn parse_predict(endpoint: &str, body: &Value) -> Result<SimRequest, BadRequ
         instances: out,
         chat_predict: chat,
         embed: None,
+        schema: None,
     })
 }
 
@@ -335,6 +341,7 @@ pub fn parse_embed(api: Api, form: EmbedForm, model: &str, body: &Value) -> Resu
             .collect(),
         chat_predict: false,
         embed: Some(form),
+        schema: None,
     })
 }
 

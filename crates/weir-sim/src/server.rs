@@ -590,7 +590,13 @@ async fn serve_model(
     let gens: Vec<Generation> = if req.instances.is_empty() {
         let limit = req.max_tokens.map(|m| m.to_le_bytes()).unwrap_or_default();
         let h = stable_hash(&[&seed, req.model.as_bytes(), req.prompt.as_bytes(), req.settings.as_bytes(), &limit]);
-        vec![generate(h, cfg.output.min_tokens, cfg.output.max_tokens, req.max_tokens, cfg.latency.jitter_ms)]
+        match &req.schema {
+            // A fresh draw per call, so that asking again can mend a broken answer.
+            Some(schema) => vec![crate::gen::shaped(schema, h, broken_draw(cfg.output.invalid_json_rate))],
+            None => {
+                vec![generate(h, cfg.output.min_tokens, cfg.output.max_tokens, req.max_tokens, cfg.latency.jitter_ms)]
+            }
+        }
     } else {
         req.instances
             .iter()
@@ -885,4 +891,15 @@ fn stream_reply(
         builder = builder.header(*k, v.as_str());
     }
     builder.body(BodyExt::boxed(StreamBody::new(stream))).expect("static response parts are valid")
+}
+
+/// Whether this answer to a request with a response schema is broken: true for a share `rate`
+/// of calls, each drawn afresh (from a process-wide counter, so runs are repeatable).
+pub(crate) fn broken_draw(rate: f64) -> bool {
+    static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    if rate <= 0.0 {
+        return false;
+    }
+    let n = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    (stable_hash(&[b"invalid-json", &n.to_le_bytes()]) as f64 / u64::MAX as f64) < rate
 }

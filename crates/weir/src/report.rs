@@ -30,6 +30,8 @@ pub struct RunReport {
     pub retries: u64,
     /// Calls refused with a rate-limit error.
     pub rate_limited: u64,
+    /// Answers that did not match the response schema.
+    pub invalid_outputs: u64,
     /// Records answered from the response cache.
     pub cache_hits: u64,
     /// Seconds calls were held by server-advised pauses (summed over calls).
@@ -170,6 +172,7 @@ impl RunReport {
             calls: m.calls.load(Relaxed),
             retries: m.retries.load(Relaxed),
             rate_limited: m.rate_limited.load(Relaxed),
+            invalid_outputs: m.invalid_outputs.load(Relaxed),
             cache_hits: m.cache_hits.load(Relaxed),
             throttled_secs: m.throttled_wall_micros.load(Relaxed) as f64 / 1e6,
             tokens_in: m.tokens_in.load(Relaxed),
@@ -251,6 +254,13 @@ impl RunReport {
             thousands(self.tokens_in),
             thousands(self.tokens_out),
         ));
+        if self.invalid_outputs > 0 {
+            s.push_str(&format!(
+                "  invalid_output: {} answers did not match the response schema (paid for; each tried again up to \
+                 --max-invalid-retries)\n",
+                thousands(self.invalid_outputs)
+            ));
+        }
         let limits = match self.pool.len() {
             0 => limits_text(self.concurrency, self.rates.as_ref()),
             n => format!("a pool of {n} endpoints, concurrency {} in all (each endpoint's below)", self.concurrency),

@@ -208,7 +208,7 @@ pub struct RunArgs {
     #[arg(long)]
     no_cache: bool,
     /// Run again the records whose error rows are of a retryable kind (rate_limited, server,
-    /// timeout, transport, malformed_response); those that succeed move to the output.
+    /// timeout, transport, malformed_response, invalid_output); those that succeed move to the output.
     #[arg(long, conflicts_with = "fresh")]
     retry_errors: bool,
     /// Serve the run's counters in the Prometheus text format at http://ADDR/metrics.
