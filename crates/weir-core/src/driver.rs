@@ -333,6 +333,18 @@ impl Driver {
         }
     }
 
+    /// Why `response`, an answer to `record` that came another way than through this driver's
+    /// calls (a batch job's), is not one to keep: it does not match the response schema
+    /// (counted as an invalid output, as for calls).
+    pub fn check_answer(&self, record: &Record, response: &ModelResponse) -> Option<ModelError> {
+        if response.embedding.is_some() {
+            return None;
+        }
+        let invalid = self.schema_for(&self.request_of(record))?.check(&response.text).err()?;
+        self.metrics.record_invalid_output();
+        Some(invalid)
+    }
+
     /// The compiled response schema of `request`: the run's, or a record's own (compiled for
     /// it; a record whose schema does not compile is not checked, with a warning).
     fn schema_for(&self, request: &ModelRequest) -> Option<Arc<OutputSchema>> {

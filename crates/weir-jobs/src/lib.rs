@@ -106,6 +106,11 @@ pub trait Host: Send {
     async fn answer_again(&mut self, record: &Record) -> bool;
     /// The request of a spooled record (for a follow-up job), or why it has none.
     fn rebuild(&mut self, key: String, record: Record) -> Result<Item, (Record, ModelError)>;
+    /// Why a job's answer for `record` is not one to keep (it does not match the response
+    /// schema): it is then tried again like a request that failed alone. `None` keeps it.
+    fn check(&self, _record: &Record, _response: &ModelResponse) -> Option<ModelError> {
+        None
+    }
     /// A record settled by a job: its answer, or an error another try would not change.
     async fn deliver(&mut self, record: Record, result: Result<ModelResponse, ModelError>);
     /// A record no job answered after every round, with its last error.
@@ -869,6 +874,12 @@ impl Run<'_> {
                 Some(k) => answered.get(k).cloned(),
                 None => answered.remove(&e.key),
             };
+            let result = result.map(|r| {
+                r.and_then(|answer| match self.host.check(&e.record, &answer) {
+                    Some(invalid) => Err(invalid),
+                    None => Ok(answer),
+                })
+            });
             match result {
                 Some(r)
                     if r.as_ref().map_or_else(|e| !e.kind.is_retryable() && e.kind != ErrorKind::Aborted, |_| true) =>

@@ -176,6 +176,11 @@ impl weir_jobs::Host for Rows {
         self.finished.finished.contains(&weir_io::state::finished_key(Some(&id), w.line))
     }
 
+    fn check(&self, record: &weir_jobs::Record, response: &weir_core::ModelResponse) -> Option<ModelError> {
+        let record = from_spool(record).ok()?;
+        self.driver.check_answer(&record, response)
+    }
+
     async fn answer_again(&mut self, record: &weir_jobs::Record) -> bool {
         let Ok(record) = from_spool(record) else { return false };
         match self.driver.answer_from_cache(&record) {

@@ -110,3 +110,27 @@ async fn a_schema_that_does_not_compile_is_a_usage_error() {
     assert_eq!(sim.stats().requests, 0);
     sim.shutdown().await;
 }
+
+/// Batch jobs' answers are checked too: a broken one goes to a follow-up job (or online, with
+/// `--fallback online`), and every row written matches the schema.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broken_answers_of_batch_jobs_go_to_follow_up_jobs() {
+    let mut cfg = weir_sim::SimConfig::default();
+    cfg.output.invalid_json_rate = 0.1;
+    cfg.batch.run_secs = 0.2;
+    let sim = sim(cfg).await;
+    let dir = Dir::new("schema-batch");
+    let extra = ["--mode", "batch", "--poll-secs", "0.1", "--fallback", "online", "--job-max-requests", "100"];
+    let o = classify(&sim, &dir, "gemini/gemini-2.5-flash", 300, &extra).await;
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    let out = rows(&dir.path("out.jsonl"));
+    assert_eq!(out.len(), 300, "{err}");
+    assert_valid(&out);
+    let line = err.lines().find(|l| l.contains("invalid_output:")).unwrap_or_else(|| panic!("{err}"));
+    let invalid: u64 = line.split_whitespace().nth(1).unwrap().replace(',', "").parse().unwrap();
+    assert!(invalid >= 10, "about 30 of 330 broken: {line}");
+    // Three jobs from the input, and follow-ups for the broken answers.
+    assert!(sim.stats().batch_jobs > 3, "{err}");
+    sim.shutdown().await;
+}
