@@ -66,6 +66,7 @@ async fn run() -> Result<Report, Box<dyn std::error::Error>> {
                             prompt: format!("{name} {i}: name a river"),
                             system: None,
                             params: params.clone(),
+                            media: Default::default(),
                         };
                         async move {
                             let weight = executor.throttle().estimate(request.prompt.len(), None);

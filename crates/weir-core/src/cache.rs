@@ -44,6 +44,10 @@ pub fn cache_key(model_id: &str, request: &ModelRequest, record: &RecordId) -> C
     field(&[u8::from(request.system.is_some())]);
     field(request.prompt.as_bytes());
     field(serde_json::to_string(&*request.params).unwrap_or_default().as_bytes());
+    // Media by content: the same bytes under another name are the same request.
+    for part in request.media.iter() {
+        field(&part.digest);
+    }
     if is_deterministic(&request.params) {
         field(b"shared");
     } else {
@@ -71,6 +75,7 @@ mod tests {
             prompt: prompt.into(),
             system: system.map(Arc::from),
             params: Arc::new(GenParams { temperature: temp, ..GenParams::default() }),
+            media: Default::default(),
         }
     }
 
@@ -103,6 +108,7 @@ mod tests {
                 prompt: "p".into(),
                 system: None,
                 params: Arc::new(GenParams { seed: Some(3), temperature: Some(1.0), ..GenParams::default() }),
+                media: Default::default(),
             };
             cache_key("m", &r, id)
         };

@@ -21,6 +21,7 @@ use crate::cache::{cache_key, is_deterministic, CacheKey, ResponseCache};
 use crate::error::{ErrorKind, ModelError, RetryHint};
 use crate::executor::{Checked, Done, Executor, Failed, Observer, StreamEvent};
 use crate::handler::{ModelHandler, ModelRequest};
+use crate::media::{MediaLoader, MediaRef, Part, MAX_INLINE_BYTES};
 use crate::metrics::RunMetrics;
 use crate::outcome::{Failure, ModelResponse, Outcome, Success};
 use crate::params::GenParams;
@@ -178,6 +179,8 @@ pub struct Driver {
     inflight: Mutex<HashMap<CacheKey, Arc<tokio::sync::Mutex<()>>>>,
     /// The run's response schema, compiled: every generated answer is checked against it.
     schema: Option<Arc<OutputSchema>>,
+    /// Reads what records' media fields name, when they are about to be sent.
+    media: Option<Arc<dyn MediaLoader>>,
     model_id: Arc<str>,
     /// Whose answers these are, for the cache: the model and the endpoint that serves it (the
     /// same model name behind a simulator, another project or another server is not the same
@@ -243,7 +246,44 @@ impl Driver {
             cache: None,
             inflight: Mutex::new(HashMap::new()),
             schema: settings_schema,
+            media: None,
         }
+    }
+
+    /// Reads records' media (`--media-field`) with `loader`.
+    pub fn with_media(mut self, loader: Arc<dyn MediaLoader>) -> Self {
+        self.media = Some(loader);
+        self
+    }
+
+    /// The parts `record`'s media fields name, read now; the error (an `invalid_input`, no call
+    /// made) names the field, what it named and why it cannot be sent.
+    async fn parts_of(&self, record: &Record) -> Result<Arc<[Part]>, ModelError> {
+        if record.media.is_empty() {
+            return Ok(Arc::from(Vec::new()));
+        }
+        let bad = |r: &MediaRef, why: String| {
+            let at = crate::media::shown(&r.source);
+            ModelError::new(ErrorKind::InvalidInput, format!("media field '{}' ({at}): {why}", r.field))
+                .with_hint(RetryHint::Never)
+        };
+        let Some(loader) = &self.media else {
+            return Err(bad(&record.media[0], "this front end reads no media".into()));
+        };
+        let mut parts = Vec::with_capacity(record.media.len());
+        let mut total = 0usize;
+        for r in &record.media {
+            let data = loader.load(&r.source, MAX_INLINE_BYTES - total).await.map_err(|why| bad(r, why))?;
+            total += data.len();
+            if data.is_empty() {
+                return Err(bad(r, "it is empty".into()));
+            }
+            let part = Part::typed(data, &r.source).ok_or_else(|| {
+                bad(r, format!("not a type the providers take as a part ({})", crate::media::TAKEN.join(", ")))
+            })?;
+            parts.push(part);
+        }
+        Ok(Arc::from(parts))
     }
 
     /// Starts as if connecting had failed for the whole detection window already: the first
@@ -330,6 +370,7 @@ impl Driver {
                 Some(own) => Arc::new(self.settings.params.overlay(own)),
                 None => self.settings.params.clone(),
             },
+            media: Default::default(),
         }
     }
 
@@ -485,7 +526,15 @@ impl Driver {
         EFut: Future<Output = ()>,
     {
         let start = Instant::now();
-        let request = self.request_of(&record);
+        let mut request = self.request_of(&record);
+        // Media is read now and let go with the request, once the record has its answer.
+        match self.parts_of(&record).await {
+            Ok(parts) => request.media = parts,
+            Err(e) => {
+                let failed = Failed { error: e, attempts: 0, cancelled: false };
+                return self.settle(record, Err(failed), None, start);
+            }
+        }
         let key = self.cache.as_ref().map(|_| cache_key(&self.source, &request, &record.id));
         let hit = |record: Record, response: ModelResponse, on_event: Option<E>| async move {
             if let Some(mut e) = on_event {

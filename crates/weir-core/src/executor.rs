@@ -1086,7 +1086,12 @@ mod tests {
                 "test/one"
             }
         }
-        let req = |p: &str| ModelRequest { prompt: p.into(), system: None, params: Default::default() };
+        let req = |p: &str| ModelRequest {
+            prompt: p.into(),
+            system: None,
+            params: Default::default(),
+            media: Default::default(),
+        };
         let one = One.generate_batch(&[req("x")]).await.unwrap();
         assert_eq!(one[0].as_ref().unwrap().text, "x");
         assert_eq!(One.generate_batch(&[req("x"), req("y")]).await.unwrap_err().kind, ErrorKind::BadRequest);

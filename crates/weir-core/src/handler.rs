@@ -23,6 +23,9 @@ pub struct ModelRequest {
     pub system: Option<Arc<str>>,
     /// Generation parameters (shared, since most requests of a run carry the same ones).
     pub params: Arc<GenParams>,
+    /// Media parts after the prompt, in the order of the record's media fields (read when the
+    /// record is about to be sent; empty for text).
+    pub media: Arc<[crate::media::Part]>,
 }
 
 /// A piece of a streamed answer.

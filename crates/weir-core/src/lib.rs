@@ -14,6 +14,7 @@ pub mod executor;
 pub mod handler;
 pub mod jobs;
 pub mod limit;
+pub mod media;
 pub mod metrics;
 pub mod outcome;
 pub mod params;

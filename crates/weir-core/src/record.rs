@@ -87,12 +87,14 @@ pub struct Record {
     pub params: Option<Box<GenParams>>,
     /// The input object, carried to the output untouched.
     pub input: Map<String, Value>,
+    /// What its media fields (`--media-field`) name, in order; read when it is sent.
+    pub media: Vec<crate::media::MediaRef>,
 }
 
 impl Record {
     /// A record with the run's system text and parameters.
     pub fn new(id: RecordId, line: u64, prompt: String, input: Map<String, Value>) -> Self {
-        Self { id, line, prompt, system: None, params: None, input }
+        Self { id, line, prompt, system: None, params: None, input, media: Vec::new() }
     }
 }
 
@@ -213,12 +215,15 @@ pub struct RecordSpec {
     /// An object field holding the record's own parameters (`{"temperature": 0.2}`), laid over
     /// the run's; a missing or null field means the run's.
     pub params_field: Option<String>,
+    /// Fields naming media sent after the prompt, in order (`--media-field`): a file path or a
+    /// URL; a missing or null field adds no part.
+    pub media_fields: Vec<String>,
 }
 
 impl RecordSpec {
     /// Prompts from `prompt`, ids from `id_field` (else line numbers), nothing per record.
     pub fn new(id_field: Option<String>, prompt: PromptSource) -> Self {
-        Self { id_field, prompt, system_field: None, params_field: None }
+        Self { id_field, prompt, system_field: None, params_field: None, media_fields: Vec::new() }
     }
 }
 
@@ -328,7 +333,20 @@ impl RecordSpec {
                 return Err(invalid(line, Some(id), Some(input), None, msg));
             }
         };
-        Ok(Record { id, line, prompt, system, params, input })
+        let mut media = Vec::with_capacity(self.media_fields.len());
+        for f in &self.media_fields {
+            match input.get(f) {
+                None | Some(Value::Null) => {}
+                Some(Value::String(s)) if !s.trim().is_empty() => {
+                    media.push(crate::media::MediaRef { field: f.clone(), source: s.trim().to_string() })
+                }
+                Some(_) => {
+                    let msg = format!("line {line}: media field '{f}' is not a file path or URL");
+                    return Err(invalid(line, Some(id), Some(input), None, msg));
+                }
+            }
+        }
+        Ok(Record { id, line, prompt, system, params, input, media })
     }
 }
 

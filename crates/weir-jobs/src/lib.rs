@@ -1169,7 +1169,12 @@ mod tests {
         Item {
             key: key.to_string(),
             line,
-            request: ModelRequest { prompt: String::new(), system: None, params: Default::default() },
+            request: ModelRequest {
+                prompt: String::new(),
+                system: None,
+                params: Default::default(),
+                media: Default::default(),
+            },
             record: serde_json::value::to_raw_value(key).unwrap(),
         }
     }

@@ -77,7 +77,12 @@ impl GeminiHandler {
     /// The request body for `request`.
     pub fn body(request: &ModelRequest) -> Value {
         let mut body = Map::new();
-        body.insert("contents".into(), json!([{"role": "user", "parts": [{"text": request.prompt}]}]));
+        let mut parts = vec![json!({"text": request.prompt})];
+        // Media after the text, inline (base64), as the record's fields list them.
+        for p in request.media.iter() {
+            parts.push(json!({"inlineData": {"mimeType": p.mime, "data": crate::http::base64(&p.data)}}));
+        }
+        body.insert("contents".into(), json!([{"role": "user", "parts": parts}]));
         if let Some(system) = &request.system {
             // The role is what Google's own SDK sends with system text.
             body.insert("systemInstruction".into(), json!({"role": "user", "parts": [{"text": &**system}]}));

@@ -552,6 +552,12 @@ pub fn clip(s: &str) -> String {
     format!("{}…", &s[..end])
 }
 
+/// `bytes` in standard base64 (inline media).
+pub fn base64(bytes: &[u8]) -> String {
+    use base64::Engine;
+    base64::engine::general_purpose::STANDARD.encode(bytes)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -79,13 +79,38 @@ impl OpenAiHandler {
         if let Some(system) = &request.system {
             messages.push(json!({"role": "system", "content": &**system}));
         }
-        messages.push(json!({"role": "user", "content": request.prompt}));
+        messages.push(match request.media.is_empty() {
+            true => json!({"role": "user", "content": request.prompt}),
+            false => json!({"role": "user", "content": content_parts(request)}),
+        });
         let mut body = Map::new();
         body.insert("model".into(), json!(self.model));
         body.insert("messages".into(), Value::Array(messages));
         apply_params(&mut body, &request.params);
         Value::Object(body)
     }
+}
+
+/// A user message's content with media: the text, then each part in the form the Chat
+/// Completions API takes it (images as data URLs, audio as `input_audio`, other files as `file`).
+fn content_parts(request: &ModelRequest) -> Vec<Value> {
+    let mut content = vec![json!({"type": "text", "text": request.prompt})];
+    for (i, p) in request.media.iter().enumerate() {
+        let data = crate::http::base64(&p.data);
+        content.push(match p.mime.as_str() {
+            m if m.starts_with("image/") => {
+                json!({"type": "image_url", "image_url": {"url": format!("data:{m};base64,{data}")}})
+            }
+            "audio/wav" => json!({"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}),
+            "audio/mpeg" => json!({"type": "input_audio", "input_audio": {"data": data, "format": "mp3"}}),
+            m => {
+                let ext = m.rsplit('/').next().unwrap_or("bin");
+                json!({"type": "file", "file": {"filename": format!("part{}.{ext}", i + 1),
+                       "file_data": format!("data:{m};base64,{data}")}})
+            }
+        });
+    }
+    content
 }
 
 /// OpenAI's names for the sampling parameters (vLLM and llama.cpp also take `top_k`).

@@ -12,7 +12,12 @@ use weir_providers::{GeminiHandler, OpenAiHandler, Secret};
 use weir_sim::{SimConfig, SimServer};
 
 fn request(prompt: &str) -> ModelRequest {
-    ModelRequest { prompt: prompt.into(), system: None, params: Arc::new(GenParams::default()) }
+    ModelRequest {
+        prompt: prompt.into(),
+        system: None,
+        params: Arc::new(GenParams::default()),
+        media: Default::default(),
+    }
 }
 
 fn executor() -> Executor {

@@ -19,6 +19,7 @@ pub mod dispatch;
 pub mod endpoints;
 #[cfg(feature = "local")]
 mod local;
+pub mod media;
 mod route;
 mod runtime;
 pub mod share;

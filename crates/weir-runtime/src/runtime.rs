@@ -343,7 +343,8 @@ impl Runtime {
 
     /// A driver at `site` (see [`Runtime::driver`]).
     fn driver_at(site: &Site, settings: DriverSettings, cache: Option<Arc<dyn ResponseCache>>) -> Driver {
-        let mut driver = Driver::pooled(site.handlers.clone(), site.pool.clone(), settings, site.metrics.clone());
+        let mut driver = Driver::pooled(site.handlers.clone(), site.pool.clone(), settings, site.metrics.clone())
+            .with_media(crate::media::Loader::shared());
         if site.unreachable.load(std::sync::atomic::Ordering::Relaxed) {
             driver = driver.presumed_unreachable();
         }

@@ -66,6 +66,8 @@ pub struct SimRequest {
     /// The response schema asked for (Gemini `responseJsonSchema`/`responseSchema`, OpenAI
     /// `response_format.json_schema.schema`): the answer is JSON of that shape.
     pub schema: Option<Value>,
+    /// A digest of each media part (decoded inline data), in order: part of the answer's seed.
+    pub media: Vec<u64>,
 }
 
 /// The wire form of an embedding request.
@@ -98,7 +100,59 @@ fn text_of_parts(parts: Option<&Value>, out: &mut String) {
     }
 }
 
+/// A media part's digest, once its type and base64 data are checked (the API refuses a
+/// part without a type, or whose data does not decode).
+fn media_digest(mime: Option<&str>, data: Option<&str>, at: &str) -> Result<u64, BadRequest> {
+    use base64::Engine;
+    let Some(mime) = mime.filter(|m| m.contains('/')) else {
+        return Err(BadRequest(format!("Invalid value at '{at}.mime_type': a MIME type is required")));
+    };
+    let bytes = data
+        .and_then(|d| base64::engine::general_purpose::STANDARD.decode(d).ok())
+        .filter(|b| !b.is_empty())
+        .ok_or_else(|| BadRequest(format!("Invalid value at '{at}.data': not valid base64 data")))?;
+    Ok(crate::gen::stable_hash(&[mime.as_bytes(), &bytes]))
+}
+
+/// The media of an OpenAI user message's content parts (`image_url` data URLs, `input_audio`,
+/// `file` data); a link to an image is taken as named, by its URL.
+fn media_of_openai(parts: &[Value], media: &mut Vec<u64>) -> Result<(), BadRequest> {
+    for (i, p) in parts.iter().enumerate() {
+        let at = format!("messages.content[{i}]");
+        let data_url = |u: &str| -> Result<u64, BadRequest> {
+            let rest = u.strip_prefix("data:").ok_or_else(|| BadRequest(format!("{at}: not a data URL")))?;
+            let (mime, data) = rest.split_once(";base64,").ok_or_else(|| BadRequest(format!("{at}: not base64")))?;
+            media_digest(Some(mime), Some(data), &at)
+        };
+        match p.get("type").and_then(Value::as_str) {
+            Some("image_url") => {
+                let url = p.pointer("/image_url/url").and_then(Value::as_str).unwrap_or("");
+                media.push(match url.starts_with("data:") {
+                    true => data_url(url)?,
+                    false => crate::gen::stable_hash(&[url.as_bytes()]),
+                });
+            }
+            Some("input_audio") => {
+                let format = p.pointer("/input_audio/format").and_then(Value::as_str).unwrap_or("");
+                let mime = match format {
+                    "wav" => "audio/wav",
+                    "mp3" => "audio/mpeg",
+                    _ => return Err(BadRequest(format!("{at}: input_audio.format must be wav or mp3"))),
+                };
+                media.push(media_digest(Some(mime), p.pointer("/input_audio/data").and_then(Value::as_str), &at)?);
+            }
+            Some("file") => media.push(data_url(p.pointer("/file/file_data").and_then(Value::as_str).unwrap_or(""))?),
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
 fn text_of_messages(messages: &Value, out: &mut String) -> Result<(), BadRequest> {
+    text_and_media_of_messages(messages, out, &mut Vec::new())
+}
+
+fn text_and_media_of_messages(messages: &Value, out: &mut String, media: &mut Vec<u64>) -> Result<(), BadRequest> {
     let Value::Array(messages) = messages else {
         return Err(BadRequest("'messages' must be an array".into()));
     };
@@ -121,6 +175,7 @@ fn text_of_messages(messages: &Value, out: &mut String) -> Result<(), BadRequest
                         push(t);
                     }
                 }
+                media_of_openai(parts, media)?;
             }
             Value::Null => {}
             _ => return Err(BadRequest("message 'content' must be a string or an array of parts".into())),
@@ -158,8 +213,18 @@ pub fn parse_gemini(
     }
     let mut prompt = String::new();
     text_of_parts(body.get("systemInstruction").and_then(|s| s.get("parts")), &mut prompt);
-    for c in contents {
+    let mut media = Vec::new();
+    for (i, c) in contents.iter().enumerate() {
         text_of_parts(c.get("parts"), &mut prompt);
+        if let Some(Value::Array(parts)) = c.get("parts") {
+            for (j, p) in parts.iter().enumerate() {
+                let Some(inline) = p.get("inlineData").or_else(|| p.get("inline_data")) else { continue };
+                let at = format!("contents[{i}].parts[{j}].inline_data");
+                let mime = inline.get("mimeType").or_else(|| inline.get("mime_type")).and_then(Value::as_str);
+                let data = inline.get("data").and_then(Value::as_str);
+                media.push(media_digest(mime, data, &at)?);
+            }
+        }
     }
     let config = body.get("generationConfig");
     let max_tokens = as_u32(config.and_then(|c| c.get("maxOutputTokens")), "generationConfig.maxOutputTokens")?;
@@ -175,6 +240,7 @@ pub fn parse_gemini(
         chat_predict: false,
         embed: None,
         schema: config.and_then(|c| c.get("responseJsonSchema").or_else(|| c.get("responseSchema"))).cloned(),
+        media,
     })
 }
 
@@ -185,9 +251,11 @@ pub fn parse_openai(body: &Value) -> Result<SimRequest, BadRequest> {
         .and_then(Value::as_str)
         .ok_or_else(|| BadRequest("you must provide a model parameter".into()))?;
     let mut prompt = String::new();
-    text_of_messages(
+    let mut media = Vec::new();
+    text_and_media_of_messages(
         body.get("messages").ok_or_else(|| BadRequest("'messages' is a required property".into()))?,
         &mut prompt,
+        &mut media,
     )?;
     let max_tokens = match as_u32(body.get("max_completion_tokens"), "max_completion_tokens")? {
         Some(n) => Some(n),
@@ -213,6 +281,7 @@ pub fn parse_openai(body: &Value) -> Result<SimRequest, BadRequest> {
         chat_predict: false,
         embed: None,
         schema: body.pointer("/response_format/json_schema/schema").cloned(),
+        media,
     })
 }
 
@@ -265,6 +334,7 @@ pub fn parse_predict(endpoint: &str, body: &Value) -> Result<SimRequest, BadRequ
         chat_predict: chat,
         embed: None,
         schema: None,
+        media: Vec::new(),
     })
 }
 
@@ -342,6 +412,7 @@ pub fn parse_embed(api: Api, form: EmbedForm, model: &str, body: &Value) -> Resu
         chat_predict: false,
         embed: Some(form),
         schema: None,
+        media: Vec::new(),
     })
 }
 

@@ -589,7 +589,15 @@ async fn serve_model(
     let seed = cfg.seed.to_le_bytes();
     let gens: Vec<Generation> = if req.instances.is_empty() {
         let limit = req.max_tokens.map(|m| m.to_le_bytes()).unwrap_or_default();
-        let h = stable_hash(&[&seed, req.model.as_bytes(), req.prompt.as_bytes(), req.settings.as_bytes(), &limit]);
+        // The answer depends on the media's content too.
+        let media: Vec<u8> = req.media.iter().flat_map(|d| d.to_le_bytes()).collect();
+        state.stats.media(req.media.len() as u64);
+        let mut fields: Vec<&[u8]> =
+            vec![&seed, req.model.as_bytes(), req.prompt.as_bytes(), req.settings.as_bytes(), &limit];
+        if !media.is_empty() {
+            fields.push(&media);
+        }
+        let h = stable_hash(&fields);
         match &req.schema {
             // A fresh draw per call, so that asking again can mend a broken answer.
             Some(schema) => vec![crate::gen::shaped(schema, h, broken_draw(cfg.output.invalid_json_rate))],

@@ -33,6 +33,7 @@ pub struct Stats {
     predict_short: AtomicU64,
     embed_batches: AtomicU64,
     embed_inputs: AtomicU64,
+    media_parts: AtomicU64,
     timeline: Mutex<Timeline>,
 }
 
@@ -132,6 +133,9 @@ pub struct StatsSnapshot {
     /// Texts those embedding requests carried.
     #[serde(default)]
     pub embed_inputs: u64,
+    /// Media parts (inline data, decoded and typed) of the requests answered.
+    #[serde(default)]
+    pub media_parts: u64,
     /// Seconds since start or the last reset.
     pub elapsed_secs: f64,
     /// Successes per second between the first and the last success.
@@ -169,6 +173,7 @@ impl Default for Stats {
             predict_short: AtomicU64::new(0),
             embed_batches: AtomicU64::new(0),
             embed_inputs: AtomicU64::new(0),
+            media_parts: AtomicU64::new(0),
             timeline: Mutex::new(Timeline {
                 start: Instant::now(),
                 first_success: None,
@@ -270,6 +275,11 @@ impl Stats {
         self.predict_short.fetch_add(1, Relaxed);
     }
 
+    /// Counts the media parts of a request answered.
+    pub fn media(&self, parts: u64) {
+        self.media_parts.fetch_add(parts, Relaxed);
+    }
+
     /// Counts an embedding request computed, with its inputs.
     pub fn embed_batch(&self, inputs: u64) {
         self.embed_batches.fetch_add(1, Relaxed);
@@ -316,6 +326,7 @@ impl Stats {
             predict_short: self.predict_short.load(Relaxed),
             embed_batches: self.embed_batches.load(Relaxed),
             embed_inputs: self.embed_inputs.load(Relaxed),
+            media_parts: self.media_parts.load(Relaxed),
             elapsed_secs: t.start.elapsed().as_secs_f64(),
             successes_per_sec,
             successes_per_second: t.per_second.clone(),
@@ -344,6 +355,7 @@ impl Stats {
             &self.predict_short,
             &self.embed_batches,
             &self.embed_inputs,
+            &self.media_parts,
         ] {
             c.store(0, Relaxed);
         }

@@ -153,6 +153,11 @@ pub struct RunArgs {
     /// over the --param values where the field is set.
     #[arg(long, value_name = "FIELD")]
     params_field: Option<String>,
+    /// A field naming an image, audio, video or document to send after the prompt: a file
+    /// path or an https:// URL (repeat for several parts, sent in this order). Read when the
+    /// record is sent; a part that cannot be read or sent is that record's error, before any call.
+    #[arg(long = "media-field", value_name = "FIELD")]
+    media_fields: Vec<String>,
     #[command(flatten)]
     pub(crate) endpoint: EndpointArgs,
     /// How vertex_endpoint/ models are called: `raw` (:predict with Model Garden vLLM prompt
@@ -293,6 +298,26 @@ impl RunArgs {
         ] {
             if field.is_some_and(|f| f.trim().is_empty()) {
                 return Err(UsageError(format!("{flag} needs a field name")));
+            }
+        }
+        if self.media_fields.iter().any(|f| f.trim().is_empty()) {
+            return Err(UsageError("--media-field needs a field name".into()));
+        }
+        if !self.media_fields.is_empty() {
+            if self.mode != ModeArg::Online {
+                return Err(UsageError(
+                    "--media-field runs online for now: drop --mode batch/auto (batch jobs do not take media yet)"
+                        .into(),
+                ));
+            }
+            if self.task == TaskArg::Embed {
+                return Err(UsageError("--media-field does not apply to --task embed (text embeddings only)".into()));
+            }
+            if model.provider == weir_providers::Provider::VertexEndpoint {
+                return Err(UsageError(
+                    "--media-field: vertex_endpoint/ models take text only; use gemini/, vertex_ai/ or openai/ models"
+                        .into(),
+                ));
             }
         }
         if let Some(addr) = self.metrics_listen {
@@ -556,6 +581,7 @@ impl RunArgs {
             records: RecordSpec {
                 system_field: self.system_field.clone(),
                 params_field: self.params_field.clone(),
+                media_fields: self.media_fields.clone(),
                 ..RecordSpec::new(self.id_field.clone(), prompt)
             },
             driver: DriverSettings {

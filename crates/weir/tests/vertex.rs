@@ -371,6 +371,7 @@ assert "".join(ch.text or "" for ch in c.models.generate_content_stream(model="g
         prompt: "hello there".into(),
         system: Some("be brief".into()),
         params: std::sync::Arc::new(params),
+        media: Default::default(),
     };
     endpoint.handler.generate(&request).await.unwrap();
     use futures::StreamExt;

@@ -1,0 +1,85 @@
+//! The media loader every driver of the runtime gets: records' media fields read from local
+//! files and `https://` URLs (`http://` on loopback only), capped at the inline limit while
+//! they are read, so an oversized part costs neither memory nor a call.
+
+use bytes::Bytes;
+use futures::StreamExt;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+use weir_core::media::MediaLoader;
+
+/// Reads files and URLs.
+pub struct Loader {
+    client: Option<reqwest::Client>,
+}
+
+impl Loader {
+    /// The process's loader (one HTTP client for every driver).
+    pub fn shared() -> Arc<Loader> {
+        static ONE: OnceLock<Arc<Loader>> = OnceLock::new();
+        ONE.get_or_init(|| {
+            let client = reqwest::Client::builder()
+                .timeout(Duration::from_secs(120))
+                .connect_timeout(Duration::from_secs(20))
+                .build()
+                .ok();
+            Arc::new(Loader { client })
+        })
+        .clone()
+    }
+}
+
+fn too_large(len: u64, max: usize) -> String {
+    format!("{len} bytes, over the {max} bytes left for a request's inline parts (20 MB in all)")
+}
+
+#[async_trait::async_trait]
+impl MediaLoader for Loader {
+    async fn load(&self, source: &str, max: usize) -> Result<Bytes, String> {
+        if source.starts_with("https://") || source.starts_with("http://") {
+            let url = reqwest::Url::parse(source).map_err(|e| format!("not a URL: {e}"))?;
+            let loopback = matches!(url.host_str(), Some("localhost" | "127.0.0.1" | "[::1]" | "::1"));
+            if url.scheme() == "http" && !loopback {
+                return Err("plain http:// is read only from loopback: give an https:// URL".into());
+            }
+            let client = self.client.as_ref().ok_or("no HTTP client could be made")?;
+            let resp = client.get(url).send().await.map_err(|e| {
+                let e = e.without_url();
+                format!("could not be fetched: {e}")
+            })?;
+            if !resp.status().is_success() {
+                return Err(format!("could not be fetched: HTTP {}", resp.status().as_u16()));
+            }
+            if let Some(len) = resp.content_length().filter(|l| *l > max as u64) {
+                return Err(too_large(len, max));
+            }
+            let mut body = resp.bytes_stream();
+            let mut data = Vec::new();
+            while let Some(chunk) = body.next().await {
+                let chunk = chunk.map_err(|e| format!("cut while fetched: {}", e.without_url()))?;
+                if data.len() + chunk.len() > max {
+                    return Err(format!("over the {max} bytes left for a request's inline parts (20 MB in all)"));
+                }
+                data.extend_from_slice(&chunk);
+            }
+            return Ok(Bytes::from(data));
+        }
+        if source.starts_with("gs://") || source.starts_with("s3://") {
+            return Err("gs:// and s3:// media are not read yet: give a local path or an https:// URL".into());
+        }
+        if let Some((scheme, _)) = source.split_once("://") {
+            return Err(format!("{scheme}:// is not a place weir reads media from (a path, https://)"));
+        }
+        let meta = tokio::fs::metadata(source).await.map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => "no such file".to_string(),
+            _ => format!("cannot be read: {e}"),
+        })?;
+        if !meta.is_file() {
+            return Err("not a file".into());
+        }
+        if meta.len() > max as u64 {
+            return Err(too_large(meta.len(), max));
+        }
+        tokio::fs::read(source).await.map(Bytes::from).map_err(|e| format!("cannot be read: {e}"))
+    }
+}

@@ -1,0 +1,151 @@
+//! Issue #35: records with media. `--media-field` names a file path or a URL per record; weir
+//! reads the bytes when the record is sent and sends them inline after the prompt (Gemini
+//! `inlineData`, OpenAI `image_url` data URLs). The simulator decodes and counts the parts.
+//! Bad media (a missing file, an oversized one) is the record's error row, with no call.
+
+mod util;
+
+use std::collections::HashMap;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use util::*;
+
+/// A small PNG: the signature, then bytes that make each image distinct.
+fn png(i: usize) -> Vec<u8> {
+    let mut b = b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR".to_vec();
+    b.extend_from_slice(format!("image number {i}").as_bytes());
+    b
+}
+
+/// Serves `files` (path → bytes) over HTTP/1.1 on loopback, one request per connection.
+async fn serve(files: HashMap<String, Vec<u8>>) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let files = files.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 4096];
+                let n = s.read(&mut buf).await.unwrap_or(0);
+                let head = String::from_utf8_lossy(&buf[..n]).to_string();
+                let path = head.split_whitespace().nth(1).unwrap_or("/").to_string();
+                let reply = match files.get(&path) {
+                    Some(body) => {
+                        let mut r =
+                            format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len())
+                                .into_bytes();
+                        r.extend_from_slice(body);
+                        r
+                    }
+                    None => b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".to_vec(),
+                };
+                let _ = s.write_all(&reply).await;
+            });
+        }
+    });
+    format!("http://{addr}")
+}
+
+async fn run_media(
+    sim: &weir_sim::SimServer,
+    dir: &Dir,
+    model: &str,
+    input: &std::path::Path,
+    out: &str,
+) -> std::process::Output {
+    let base = if model.starts_with("openai/") { format!("{}/v1", sim.url()) } else { sim.url() };
+    weir()
+        .env("OPENAI_API_KEY", "sk-test")
+        .args(["run", "--model", model, "--base-url", &base, "--progress", "never", "--id-field", "id"])
+        .args(["--input", input.to_str().unwrap(), "--output", dir.path(out).to_str().unwrap()])
+        .args(["--media-field", "image"])
+        .output()
+        .await
+        .unwrap()
+}
+
+/// Images by path and by URL, each sent exactly once; a missing file, a missing URL and an
+/// oversized file become error rows naming the field, with no call; the answers depend on the
+/// image; the same bytes under other names are answered from the cache.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn images_by_path_and_url_go_inline_and_bad_ones_are_error_rows_without_a_call() {
+    for model in ["gemini/gemini-2.5-flash", "openai/gpt-4o-mini"] {
+        let sim = sim(weir_sim::SimConfig::default()).await;
+        let dir = Dir::new(&format!("media-{}", model.replace('/', "-")));
+        let mut served = HashMap::new();
+        let mut lines = String::new();
+        for i in 0..10 {
+            let p = dir.write(&format!("img{i}.png"), &png(i));
+            lines.push_str(&format!("{{\"id\":\"p{i}\",\"prompt\":\"describe\",\"image\":\"{}\"}}\n", p.display()));
+            served.insert(format!("/u{i}.png"), png(100 + i));
+        }
+        let url = serve(served).await;
+        for i in 0..10 {
+            lines.push_str(&format!("{{\"id\":\"u{i}\",\"prompt\":\"describe\",\"image\":\"{url}/u{i}.png\"}}\n"));
+        }
+        let big = dir.write("big.png", &[png(0), vec![0u8; 21_000_000]].concat());
+        lines.push_str(&format!("{{\"id\":\"big\",\"prompt\":\"describe\",\"image\":\"{}\"}}\n", big.display()));
+        lines.push_str(&format!(
+            "{{\"id\":\"gone\",\"prompt\":\"describe\",\"image\":\"{}\"}}\n",
+            dir.path("no.png").display()
+        ));
+        lines.push_str(&format!(
+            "{{\"id\":\"404\",\"prompt\":\"describe\",\"image\":\"{url}/missing.png?sig=SECRET\"}}\n"
+        ));
+        lines.push_str("{\"id\":\"text\",\"prompt\":\"describe\"}\n");
+        let input = dir.write("in.jsonl", lines.as_bytes());
+        let o = run_media(&sim, &dir, model, &input, "out.jsonl").await;
+        let err = stderr(&o);
+        let out = rows(&dir.path("out.jsonl"));
+        let errors = rows(&dir.path("out.errors.jsonl"));
+        assert_eq!(out.len(), 21, "{model}: {err}");
+        assert_eq!(errors.len(), 3, "{model}: {err}");
+        for e in &errors {
+            assert_eq!(e["kind"], "invalid_input", "{e}");
+            let m = e["message"].as_str().unwrap();
+            assert!(m.contains("media field 'image'"), "{e}");
+            assert!(!m.contains("SECRET"), "a URL's query is not shown: {e}");
+            let why = match e["id"].as_str().unwrap() {
+                "big" => "over the",
+                "gone" => "no such file",
+                _ => "HTTP 404",
+            };
+            assert!(m.contains(why), "{e}");
+        }
+        let s = sim.stats();
+        assert_eq!(s.requests, 21, "{model}: no call for the bad media");
+        assert_eq!(s.media_parts, 20, "{model}: each image once");
+        // Each image gets its own answer.
+        let answers: std::collections::HashSet<&str> = out.iter().map(|r| r["response"].as_str().unwrap()).collect();
+        assert_eq!(answers.len(), 21, "{model}");
+        // The same bytes under other names, same ids: answered from the cache.
+        let mut again = String::new();
+        for i in 0..10 {
+            let p = dir.write(&format!("copy{i}.png"), &png(i));
+            again.push_str(&format!("{{\"id\":\"p{i}\",\"prompt\":\"describe\",\"image\":\"{}\"}}\n", p.display()));
+        }
+        let input2 = dir.write("in2.jsonl", again.as_bytes());
+        let o = run_media(&sim, &dir, model, &input2, "out2.jsonl").await;
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        assert_eq!(rows(&dir.path("out2.jsonl")).len(), 10);
+        assert_eq!(sim.stats().requests, 21, "{model}: the copies were answered from the cache: {}", stderr(&o));
+        sim.shutdown().await;
+    }
+}
+
+/// `--media-field` with a batch run or embeddings is refused, before anything is read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn media_with_batch_jobs_or_embeddings_is_a_usage_error() {
+    let dir = Dir::new("media-refused");
+    let input = dir.write("in.jsonl", b"{\"id\":\"a\",\"prompt\":\"x\",\"image\":\"a.png\"}\n");
+    for extra in [&["--mode", "batch"][..], &["--task", "embed"][..], &["--media-field", ""][..]] {
+        let o = weir()
+            .args(["run", "--model", "sim/a", "--input", input.to_str().unwrap(), "--media-field", "image"])
+            .args(["--output", dir.path("out.jsonl").to_str().unwrap()])
+            .args(extra)
+            .output()
+            .await
+            .unwrap();
+        assert_eq!(o.status.code(), Some(2), "{extra:?}: {}", stderr(&o));
+        assert!(stderr(&o).contains("--media-field"), "{}", stderr(&o));
+    }
+}
