@@ -8,24 +8,28 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 use weir_core::media::MediaLoader;
 
-/// Reads files and URLs.
+/// Reads files and URLs, and `gs://` and `s3://` objects through `objects` when given.
 pub struct Loader {
     client: Option<reqwest::Client>,
+    objects: Option<Arc<dyn MediaLoader>>,
 }
 
 impl Loader {
-    /// The process's loader (one HTTP client for every driver).
+    /// The process's loader (one HTTP client for every driver), without buckets.
     pub fn shared() -> Arc<Loader> {
         static ONE: OnceLock<Arc<Loader>> = OnceLock::new();
-        ONE.get_or_init(|| {
-            let client = reqwest::Client::builder()
-                .timeout(Duration::from_secs(120))
-                .connect_timeout(Duration::from_secs(20))
-                .build()
-                .ok();
-            Arc::new(Loader { client })
-        })
-        .clone()
+        ONE.get_or_init(|| Arc::new(Loader::new(None))).clone()
+    }
+
+    /// A loader that reads `gs://` and `s3://` sources with `objects` (the front end's store
+    /// clients, with their credentials and emulators).
+    pub fn new(objects: Option<Arc<dyn MediaLoader>>) -> Loader {
+        let client = reqwest::Client::builder()
+            .timeout(Duration::from_secs(120))
+            .connect_timeout(Duration::from_secs(20))
+            .build()
+            .ok();
+        Loader { client, objects }
     }
 }
 
@@ -65,7 +69,10 @@ impl MediaLoader for Loader {
             return Ok(Bytes::from(data));
         }
         if source.starts_with("gs://") || source.starts_with("s3://") {
-            return Err("gs:// and s3:// media are not read yet: give a local path or an https:// URL".into());
+            return match &self.objects {
+                Some(objects) => objects.load(source, max).await,
+                None => Err("gs:// and s3:// media are not read here: give a local path or an https:// URL".into()),
+            };
         }
         if let Some((scheme, _)) = source.split_once("://") {
             return Err(format!("{scheme}:// is not a place weir reads media from (a path, https://)"));

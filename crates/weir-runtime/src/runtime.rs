@@ -202,6 +202,8 @@ pub struct Runtime {
     residents: Mutex<Vec<weir_providers::Resident>>,
     /// Why a call of a function stopped early (the most recent reason).
     stopped: Mutex<Option<StopReason>>,
+    /// Reads records' media, when a front end gave one that reads more than files and URLs.
+    media: std::sync::OnceLock<Arc<dyn weir_core::media::MediaLoader>>,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -232,7 +234,14 @@ impl Runtime {
             by_model: Mutex::new(BTreeMap::new()),
             residents: Mutex::new(Vec::new()),
             stopped: Mutex::new(None),
+            media: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Reads records' media with `loader` (a front end's, that also reads buckets) in place of
+    /// [`crate::media::Loader::shared`]; only before the first driver is made.
+    pub fn set_media(&self, loader: Arc<dyn weir_core::media::MediaLoader>) {
+        let _ = self.media.set(loader);
     }
 
     /// Counters of every model called so far, by `provider/model`.
@@ -332,7 +341,7 @@ impl Runtime {
         cache: Option<Arc<dyn ResponseCache>>,
     ) -> Result<Driver, ProviderError> {
         let site = self.site_of(spec, embed).await?;
-        Ok(Self::driver_at(&site, settings, cache))
+        Ok(self.driver_at(&site, settings, cache))
     }
 
     /// Connects `spec`'s endpoint now (it is otherwise connected on first use): `Err` says why
@@ -342,9 +351,10 @@ impl Runtime {
     }
 
     /// A driver at `site` (see [`Runtime::driver`]).
-    fn driver_at(site: &Site, settings: DriverSettings, cache: Option<Arc<dyn ResponseCache>>) -> Driver {
-        let mut driver = Driver::pooled(site.handlers.clone(), site.pool.clone(), settings, site.metrics.clone())
-            .with_media(crate::media::Loader::shared());
+    fn driver_at(&self, site: &Site, settings: DriverSettings, cache: Option<Arc<dyn ResponseCache>>) -> Driver {
+        let media = self.media.get().cloned().unwrap_or_else(|| crate::media::Loader::shared());
+        let mut driver =
+            Driver::pooled(site.handlers.clone(), site.pool.clone(), settings, site.metrics.clone()).with_media(media);
         if site.unreachable.load(std::sync::atomic::Ordering::Relaxed) {
             driver = driver.presumed_unreachable();
         }
@@ -504,7 +514,7 @@ impl Runtime {
             // cached (stored and reused).
             // An embedding is the same whenever it is asked: always reused.
             let cache = self.settings.cache.clone().filter(|_| keyed || embed || is_deterministic(&call.params));
-            let driver = Arc::new(Self::driver_at(&site, settings, cache));
+            let driver = Arc::new(self.driver_at(&site, settings, cache));
             let model_id: Arc<str> = Arc::from(driver.model_id());
             // An empty prompt asks nothing: it fails alone, without a call (a model would
             // answer it with something, and that would be paid for).

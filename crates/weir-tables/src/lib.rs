@@ -10,6 +10,7 @@
 pub mod format;
 pub mod journal;
 pub mod location;
+pub mod media;
 pub mod read;
 pub mod schema;
 pub mod staging;
@@ -19,6 +20,7 @@ pub use arrow_schema::SchemaRef;
 pub use format::Format;
 pub use journal::{Committed, Journal};
 pub use location::{Location, Scheme};
+pub use media::BucketMedia;
 pub use read::TableInput;
 pub use schema::{OutputColumns, Task};
 pub use staging::BucketStaging;

@@ -449,7 +449,11 @@ fn runtime_for(settings: &RunSettings, env: &(dyn Fn(&str) -> Option<String> + S
         cache: None,
         pool: settings.pool.clone(),
     };
-    weir_runtime::Runtime::with_connector(runtime_settings, connector)
+    let runtime = weir_runtime::Runtime::with_connector(runtime_settings, connector);
+    // Media in buckets through the tables' store clients (credentials, emulators).
+    let buckets = weir_tables::BucketMedia::new(Arc::new(|k: &str| std::env::var(k).ok()));
+    runtime.set_media(Arc::new(weir_runtime::media::Loader::new(Some(Arc::new(buckets)))));
+    runtime
 }
 
 /// The endpoints' batch-job APIs when the run asks for jobs (`--mode batch`, or `--mode auto`

@@ -149,3 +149,58 @@ async fn media_with_batch_jobs_or_embeddings_is_a_usage_error() {
         assert!(stderr(&o).contains("--media-field"), "{}", stderr(&o));
     }
 }
+
+/// Images in buckets: `gs://` (the simulator's GCS, through `STORAGE_EMULATOR_HOST`) and
+/// `s3://` (moto, when installed), read through the tables' store clients; a missing object is
+/// the record's error row, with no call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn images_in_gcs_and_s3_buckets_are_sent_once_each() {
+    let sim = sim(weir_sim::SimConfig::default()).await;
+    let gcs = weir_sim::GcsServer::start(([127, 0, 0, 1], 0).into()).await.unwrap();
+    let dir = Dir::new("media-buckets");
+    let http = reqwest::Client::new();
+    let mut lines = String::new();
+    for i in 0..5 {
+        let r = http.put(format!("{}/bkt/photos/g{i}.png", gcs.url())).body(png(200 + i)).send().await.unwrap();
+        assert!(r.status().is_success(), "{}", r.status());
+        lines
+            .push_str(&format!("{{\"id\":\"g{i}\",\"prompt\":\"describe\",\"image\":\"gs://bkt/photos/g{i}.png\"}}\n"));
+    }
+    lines.push_str("{\"id\":\"nog\",\"prompt\":\"describe\",\"image\":\"gs://bkt/photos/none.png\"}\n");
+    let moto = moto().await;
+    if let Some(m) = &moto {
+        for i in 0..5 {
+            let f = dir.write(&format!("s{i}.png"), &png(300 + i));
+            python(
+                r#"
+import sys, boto3
+boto3.client("s3", endpoint_url=sys.argv[1], aws_access_key_id="test", aws_secret_access_key="test", region_name="us-east-1").upload_file(sys.argv[2], "bkt", sys.argv[3])
+"#,
+                &[&m.url, f.to_str().unwrap(), &format!("photos/s{i}.png")],
+            );
+            lines.push_str(&format!(
+                "{{\"id\":\"s{i}\",\"prompt\":\"describe\",\"image\":\"s3://bkt/photos/s{i}.png\"}}\n"
+            ));
+        }
+    }
+    let input = dir.write("in.jsonl", lines.as_bytes());
+    let mut cmd = weir();
+    cmd.env("STORAGE_EMULATOR_HOST", gcs.url())
+        .args(["run", "--model", "gemini/gemini-2.5-flash", "--base-url", &sim.url(), "--progress", "never"])
+        .args(["--id-field", "id", "--media-field", "image", "--input", input.to_str().unwrap()])
+        .args(["--output", dir.path("out.jsonl").to_str().unwrap()]);
+    if let Some(m) = &moto {
+        s3_env(&mut cmd, &m.url);
+    }
+    let o = cmd.output().await.unwrap();
+    let err = stderr(&o);
+    let n = if moto.is_some() { 10 } else { 5 };
+    assert_eq!(rows(&dir.path("out.jsonl")).len(), n, "{err}");
+    let errors = rows(&dir.path("out.errors.jsonl"));
+    assert_eq!(errors.len(), 1, "{err}");
+    assert!(errors[0]["message"].as_str().unwrap().contains("no such object"), "{}", errors[0]);
+    let s = sim.stats();
+    assert_eq!((s.requests, s.media_parts), (n as u64, n as u64), "{err}");
+    gcs.shutdown().await;
+    sim.shutdown().await;
+}
