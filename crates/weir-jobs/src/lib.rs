@@ -862,11 +862,22 @@ impl Run<'_> {
         let mut answered = answered.into_inner().unwrap_or_else(|e| e.into_inner());
         let mut follow: Option<spool::SpoolWriter> = None;
         let last_round = a.round + 1 >= self.settings.rounds.max(1);
+        // Answer keys that records share (taken, not removed), to tell the answers that
+        // matched no record from those that did.
+        let mut shared: std::collections::HashSet<String> = std::collections::HashSet::new();
         for e in self.spool.entries(a.spool)? {
             let e = e?;
             // A record answered elsewhere, held by a later spool, or with its row: left alone.
             if !self.is_open(&e, a.spool) {
+                match &e.answer {
+                    Some(k) if answered.contains_key(k) => drop(shared.insert(k.clone())),
+                    Some(_) => {}
+                    None => drop(answered.remove(&e.key)),
+                }
                 continue;
+            }
+            if let Some(k) = e.answer.as_ref().filter(|k| answered.contains_key(*k)) {
+                shared.insert(k.clone());
             }
             // Records sharing an answer key (the same text, where results are keyed by it)
             // share its result.
@@ -912,6 +923,16 @@ impl Run<'_> {
                     Err((record, error)) => self.leftover(record, error).await,
                 },
             }
+        }
+        // Paid-for answers that matched no record of the job: a provider that echoed a key or a
+        // text otherwise than it was sent. Their records went to a follow-up or an error row.
+        let unmatched = answered.len().saturating_sub(shared.len());
+        if unmatched > 0 {
+            tracing::warn!(
+                "job {}: {unmatched} of its answers matched no record it was sent (the provider echoed a key or \
+                 text otherwise than weir sent it?); their records were not answered by it",
+                a.job.id
+            );
         }
         if let Some(w) = follow {
             self.queue_cut(w)?;
@@ -1254,6 +1275,23 @@ mod tests {
 
     fn quick() -> JobSettings {
         JobSettings { poll_first: Duration::from_millis(10), ..JobSettings::default() }
+    }
+
+    /// Found by an outside tester (issue #34): a ledger cut short forgot submitted jobs, and
+    /// their records were paid for again without a word. A spool the ledger does not name is
+    /// removed only when it was never submitted (its job input is still there).
+    #[test]
+    fn a_spool_whose_job_the_ledger_lost_is_said() {
+        let dir = temp("ledger-cut");
+        let ledger = Ledger::open(&dir.join("jobs.jsonl"), true).unwrap();
+        let cut = spooled(&ledger, 3);
+        Spool::open(&ledger).expect("a spool cut but never planned is dropped");
+        assert!(!Spool::records_path(&Ledger::spool_dir_of(ledger.path()), cut.spool).exists());
+        let cut = spooled(&ledger, 3);
+        let spools = Ledger::spool_dir_of(ledger.path());
+        std::fs::remove_file(spools.join(format!("s{}.body", cut.spool))).unwrap();
+        let e = Spool::open(&ledger).unwrap_err();
+        assert!(e.to_string().contains("does not name it"), "{e}");
     }
 
     /// Issue #34: where a provider answers by the request's content (Vertex AI's batch

@@ -75,6 +75,26 @@ impl Spool {
         std::fs::create_dir_all(&dir).map_err(|e| err(&dir, e))?;
         let named: std::collections::HashSet<u32> = ledger.chunks().filter_map(|c| c.spool).collect();
         let mut next = named.iter().max().map_or(0, |m| m + 1);
+        // A spool's body is removed only once its job is made (recorded in the ledger first):
+        // an unnamed spool with records and no body had a job, which the ledger lost (cut or
+        // changed by hand). Its records would be sent and paid for again: said, not done.
+        let exists = |p: PathBuf| p.exists();
+        for entry in std::fs::read_dir(&dir).map_err(|e| err(&dir, e))? {
+            let path = entry.map_err(|e| err(&dir, e))?.path();
+            let id = path.file_stem().and_then(|s| s.to_str()).and_then(|s| s.strip_prefix('s'));
+            let Some(id) = id.and_then(|n| n.parse::<u32>().ok()) else { continue };
+            let records = path.extension().is_some_and(|e| e == "records");
+            if records && !named.contains(&id) && !exists(dir.join(format!("s{id}.body"))) {
+                return Err(err(
+                    ledger.path(),
+                    format!(
+                        "spool {id} was submitted as a job, but the ledger does not name it (the ledger was cut \
+                         or changed by hand): its records would be paid for again. Restore the ledger, or \
+                         start over with --fresh once its jobs have ended"
+                    ),
+                ));
+            }
+        }
         for entry in std::fs::read_dir(&dir).map_err(|e| err(&dir, e))? {
             let path = entry.map_err(|e| err(&dir, e))?.path();
             let id = path
@@ -141,8 +161,9 @@ impl Spool {
 
     /// Removes spool `id` altogether (cut, but it holds no request for a job).
     pub fn discard(&self, id: u32) {
-        self.drop_body(id);
+        // The records first: a body left alone is taken for a spool never planned.
         let _ = std::fs::remove_file(Self::records_path(&self.dir, id));
+        self.drop_body(id);
     }
 
     /// Records waiting for a job in the run whose ledger is at `ledger` and whose chunks are

@@ -64,6 +64,14 @@ async fn lines_ok(
     }
 }
 
+/// Says how many lines of a job's results could not be read (each names no record, whose
+/// request is then tried again): a provider's format weir does not know, or a file cut short.
+fn unreadable(job: &str, lines: usize) {
+    if lines > 0 {
+        tracing::warn!("job {job}: {lines} lines of its results could not be read; their records are tried again");
+    }
+}
+
 /// The job's input file could not be read (removed under the run): nothing was sent.
 fn local_input(input: &JobInput, e: std::io::Error) -> ModelError {
     ModelError::new(ErrorKind::InvalidInput, format!("batch job input {}: {e}", input.path.display()))
@@ -329,12 +337,14 @@ impl JobApi for OpenAiJobs {
                 // A line that cannot be read names no key; its record is then missing and is
                 // tried again.
                 let embed = self.embed;
-                let mut line = |l: &[u8]| {
-                    if let Some(r) = openai_result(l, embed).filter(|_| !l.iter().all(u8::is_ascii_whitespace)) {
-                        each(r);
-                    }
+                let mut unread = 0usize;
+                let mut line = |l: &[u8]| match openai_result(l, embed) {
+                    Some(r) => each(r),
+                    None if !l.iter().all(u8::is_ascii_whitespace) => unread += 1,
+                    None => {}
                 };
                 self.file_lines(id, &mut line).await?;
+                unreadable(&job.id, unread);
             }
         }
         Ok(())
@@ -602,12 +612,18 @@ impl JobApi for GeminiJobs {
             .and_then(Value::as_str);
         if let Some(file) = file {
             // A line that cannot be read names no key: its record is missing and tried again.
+            let mut unread = 0usize;
             let mut line = |l: &[u8]| {
-                let Ok(item) = serde_json::from_slice::<Value>(l) else { return };
-                let Some(key) = item.get("key").and_then(Value::as_str) else { return };
-                each((key.to_string(), gemini_item(&item)));
+                let item = serde_json::from_slice::<Value>(l).ok();
+                match item.as_ref().and_then(|i| i.get("key").and_then(Value::as_str).map(|k| (i, k))) {
+                    Some((item, key)) => each((key.to_string(), gemini_item(item))),
+                    None if !l.iter().all(u8::is_ascii_whitespace) => unread += 1,
+                    None => {}
+                }
             };
-            return self.download_lines(file, &mut line).await;
+            self.download_lines(file, &mut line).await?;
+            unreadable(&job.id, unread);
+            return Ok(());
         }
         let inlined = op
             .pointer("/response/inlinedResponses/inlinedResponses")
@@ -882,12 +898,15 @@ impl JobApi for VertexJobs {
             return Ok(());
         };
         let parse = if self.embed { vertex_embed_result } else { vertex_result };
-        let mut line = |l: &[u8]| {
-            if let Some(r) = parse(l) {
-                each(r);
-            }
+        let mut unread = 0usize;
+        let mut line = |l: &[u8]| match parse(l) {
+            Some(r) => each(r),
+            None if !l.iter().all(u8::is_ascii_whitespace) => unread += 1,
+            None => {}
         };
-        self.staging.read_lines(dir, &mut line).await
+        self.staging.read_lines(dir, &mut line).await?;
+        unreadable(&job.id, unread);
+        Ok(())
     }
 
     async fn cancel(&self, job: &JobRef) -> Result<(), ModelError> {

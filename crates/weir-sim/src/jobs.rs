@@ -911,7 +911,13 @@ impl Jobs {
                         let want = if embed { "no string content (a text-embedding instance)" } else { "no request" };
                         return Some(vertex_error(400, &format!("{uri} line {}: {want}", n + 1)));
                     };
-                    let key = v.get("key").and_then(Value::as_str).map_or_else(|| n.to_string(), str::to_string);
+                    // An embedding instance has no key: its text stands for it (so that a text
+                    // sent in two jobs counts as a key in two jobs).
+                    let key = match v.get("key").and_then(Value::as_str) {
+                        Some(k) => k.to_string(),
+                        None if embed => v.get("content").and_then(Value::as_str).unwrap_or("").to_string(),
+                        None => n.to_string(),
+                    };
                     requests.push((key, request));
                     lines.push(v);
                 }

@@ -71,7 +71,8 @@ impl Location {
         let remote = |scheme, rest: &str| -> Result<Self, TableError> {
             let (bucket, key) = rest.split_once('/').unwrap_or((rest, ""));
             if bucket.is_empty() {
-                return Err(TableError::Usage(format!("{s}: no bucket name (write it as s3://BUCKET/path)")));
+                let scheme = s.split("://").next().unwrap_or("s3");
+                return Err(TableError::Usage(format!("{s}: no bucket name (write it as {scheme}://BUCKET/path)")));
             }
             let path = ObjectPath::parse(key.trim_end_matches('/'))
                 .map_err(|e| TableError::Usage(format!("{s}: not a valid object path: {e}")))?;

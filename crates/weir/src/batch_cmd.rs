@@ -49,6 +49,9 @@ struct Site {
     /// Vertex AI: the --job-bucket given to `weir run` (where the jobs' output is read).
     #[arg(long, value_name = "URL")]
     job_bucket: Option<String>,
+    /// The --task given to `weir run` (embedding jobs' results are read as vectors).
+    #[arg(long, value_enum, default_value_t = crate::run_cmd::TaskArg::Generate)]
+    task: crate::run_cmd::TaskArg,
 }
 
 /// Which provider and which run.
@@ -83,6 +86,10 @@ fn connect(site: &Site) -> anyhow::Result<weir_jobs::Sites> {
         base_url: site.base_url.first().cloned(),
         project: site.project.clone(),
         location: if pool.is_empty() { site.location.clone() } else { None },
+        task: match site.task {
+            crate::run_cmd::TaskArg::Embed => weir_providers::Task::Embed,
+            crate::run_cmd::TaskArg::Generate => weir_providers::Task::Generate,
+        },
         ..Default::default()
     };
     let env = |k: &str| std::env::var(k).ok();
@@ -180,11 +187,15 @@ pub async fn run(args: BatchArgs) -> anyhow::Result<u8> {
             // the reader has what it wanted, and a broken pipe is no error).
             let mut out = std::io::stdout();
             let mut failed: Option<std::io::Error> = None;
+            let mut printed = 0u64;
             let mut print = |(key, result): weir_core::JobResult| {
                 if failed.is_some() {
                     return;
                 }
+                printed += 1;
                 let line = match result {
+                    Ok(r) if r.embedding.is_some() => serde_json::json!({"key": key, "embedding": r.embedding,
+                        "usage": {"prompt_tokens": r.usage.prompt_tokens}}),
                     Ok(r) => serde_json::json!({"key": key, "text": r.text, "finish_reason": r.finish_reason,
                         "usage": {"prompt_tokens": r.usage.prompt_tokens, "output_tokens": r.usage.output_tokens}}),
                     Err(e) => serde_json::json!({"key": key, "error": {"kind": e.kind.as_str(), "message": e.message}}),
@@ -195,6 +206,19 @@ pub async fn run(args: BatchArgs) -> anyhow::Result<u8> {
                 }
             };
             api.results(&job, &status, &mut print).await.map_err(|e| anyhow::anyhow!("job {}: {e}", f.job))?;
+            if printed == 0 && status.completed > 0 {
+                eprintln!(
+                    "weir: job {} answered {} requests, but none of its results could be read{}",
+                    f.job,
+                    status.completed,
+                    if f.site.task == crate::run_cmd::TaskArg::Generate {
+                        " (an embedding job? give --task embed)"
+                    } else {
+                        ""
+                    }
+                );
+                return Ok(1);
+            }
             match failed {
                 Some(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
                 _ => Ok(0),

@@ -651,7 +651,8 @@ pub fn job_staging(
             "--job-bucket is where vertex_ai/ batch jobs are staged; {model} takes its jobs' input directly (drop it)"
         ));
     }
-    if !url.starts_with("gs://") {
+    let bucket = url.strip_prefix("gs://").map(|rest| rest.split('/').next().unwrap_or(""));
+    if bucket.is_none_or(str::is_empty) {
         return Err(format!("--job-bucket {url}: Vertex AI reads jobs from Cloud Storage; give gs://BUCKET/PREFIX"));
     }
     let staging = weir_tables::BucketStaging::open(url, env).map_err(|e| format!("--job-bucket {url}: {e}"))?;

@@ -808,8 +808,16 @@ fn job_prefix(output: &str) -> String {
         .map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '-' })
         .take(40)
         .collect();
-    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-    format!("weir-{name}-{now}")
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    // A token of this run's own, so that a job looked up by name (after a crash between
+    // submitting it and recording its id) is never another run's: two runs writing outputs of
+    // one name, started in the same second, had the same names (found by an outside tester:
+    // a resumed run took the other's job and wrote its answers).
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(now.as_nanos());
+    h.write_u32(std::process::id());
+    format!("weir-{name}-{}-{:08x}", now.as_secs(), h.finish() as u32)
 }
 
 /// The errors table beside a results table: `out.parquet` → `out.errors.parquet`,
@@ -964,6 +972,15 @@ pub async fn run(args: RunArgs) -> anyhow::Result<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Two runs writing outputs of one name in the same second name their jobs apart (a job
+    /// found by name after a crash must be the run's own).
+    #[test]
+    fn job_names_are_the_runs_own() {
+        let (a, b) = (job_prefix("a/out.jsonl"), job_prefix("b/out.jsonl"));
+        assert!(a.starts_with("weir-out-jsonl-") && b.starts_with("weir-out-jsonl-"), "{a} {b}");
+        assert_ne!(a, b);
+    }
 
     #[test]
     fn errors_sit_beside_the_results_whatever_the_extension() {
