@@ -57,7 +57,7 @@ impl OutputSchema {
 
 /// The JSON inside a Markdown code fence (```json … ```), which some models wrap it in even
 /// when asked for JSON; other text as it is.
-fn strip_fence(text: &str) -> &str {
+pub fn strip_fence(text: &str) -> &str {
     let t = text.trim();
     let Some(rest) = t.strip_prefix("```") else { return t };
     let rest = rest.strip_prefix("json").unwrap_or(rest);

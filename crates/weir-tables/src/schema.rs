@@ -120,12 +120,74 @@ pub fn is_nested(t: &DataType) -> bool {
 }
 
 /// What a run computes for each record, which decides the result columns.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Task {
     /// Generated text: a `response` column.
     Generate,
     /// Embedding vectors: `embedding` and `dimensions` columns.
     Embed,
+    /// Generated JSON of the run's response schema: a `response` column of the schema's type
+    /// ([`arrow_type_of`]; text in a CSV file).
+    Shaped(DataType),
+}
+
+/// The Arrow type of values of a JSON Schema (or Gemini's OpenAPI form): an object with
+/// properties a struct (its fields in the schema's order), an array a list, `string` (and
+/// `enum`s of strings) text, `integer` Int64, `number` Float64, `boolean`. What has no one type
+/// (`anyOf`, an object without properties, a type list of several) is text, holding its JSON.
+pub fn arrow_type_of(schema: &Value) -> DataType {
+    let schema = weir_core::schema::to_json_schema(schema);
+    type_of(&schema, 0)
+}
+
+fn type_of(s: &Value, depth: u32) -> DataType {
+    if depth > 16 {
+        return DataType::Utf8;
+    }
+    let kind = match s.get("type") {
+        Some(Value::String(t)) => Some(t.as_str()),
+        Some(Value::Array(ts)) => {
+            let not_null: Vec<&str> = ts.iter().filter_map(Value::as_str).filter(|t| *t != "null").collect();
+            (not_null.len() == 1).then(|| not_null[0])
+        }
+        _ if s.get("properties").is_some() => Some("object"),
+        _ => None,
+    };
+    match kind {
+        Some("object") => match s.get("properties").and_then(Value::as_object).filter(|p| !p.is_empty()) {
+            Some(props) => DataType::Struct(
+                props.iter().map(|(n, p)| Field::new(n, type_of(p, depth + 1), true)).collect::<Vec<_>>().into(),
+            ),
+            None => DataType::Utf8,
+        },
+        Some("array") => {
+            let items = s.get("items").map_or(DataType::Utf8, |i| type_of(i, depth + 1));
+            DataType::List(Arc::new(Field::new("item", items, true)))
+        }
+        Some("integer") => DataType::Int64,
+        Some("number") => DataType::Float64,
+        Some("boolean") => DataType::Boolean,
+        _ => DataType::Utf8,
+    }
+}
+
+/// `v` as a column of type `t` takes it: text where the type is text and the value is not
+/// (its JSON), fields and items fitted in turn, a value of another shape left out (null).
+pub fn fit(v: &Value, t: &DataType) -> Value {
+    match (t, v) {
+        (_, Value::Null) => Value::Null,
+        (DataType::Utf8, Value::String(_)) => v.clone(),
+        (DataType::Utf8, other) => Value::String(other.to_string()),
+        (DataType::Struct(fields), Value::Object(m)) => Value::Object(
+            fields.iter().filter_map(|f| m.get(f.name()).map(|x| (f.name().clone(), fit(x, f.data_type())))).collect(),
+        ),
+        (DataType::List(item), Value::Array(items)) => {
+            Value::Array(items.iter().map(|x| fit(x, item.data_type())).collect())
+        }
+        (DataType::Int64, Value::Number(n)) if n.is_i64() || n.is_u64() => v.clone(),
+        (DataType::Float64, Value::Number(_)) | (DataType::Boolean, Value::Bool(_)) => v.clone(),
+        _ => Value::Null,
+    }
 }
 
 /// The columns of the results and errors tables: the input columns carried through, then
@@ -162,7 +224,7 @@ const ERROR_COLUMNS: &[&str] = &["line", "kind", "message", "status", "attempts"
 impl OutputColumns {
     /// The output columns for input columns `input` (all of them, or those in `keep`), for
     /// `task`; `text_only` when the output cannot hold nested values (CSV).
-    pub fn new(input: &Schema, keep: Option<&[String]>, task: Task, text_only: bool) -> Result<Self, String> {
+    pub fn new(input: &Schema, keep: Option<&[String]>, task: &Task, text_only: bool) -> Result<Self, String> {
         let mut kept: Vec<Field> = Vec::new();
         match keep {
             None => kept.extend(input.fields().iter().map(|f| f.as_ref().clone())),
@@ -202,6 +264,8 @@ impl OutputColumns {
         results.push(Field::new(n("line"), DataType::UInt64, false));
         match task {
             Task::Generate => results.push(Field::new(n("response"), DataType::Utf8, true)),
+            Task::Shaped(_) if text_only => results.push(Field::new(n("response"), DataType::Utf8, true)),
+            Task::Shaped(t) => results.push(Field::new(n("response"), t.clone(), true)),
             Task::Embed => {
                 let vector = if text_only {
                     DataType::Utf8
@@ -271,6 +335,34 @@ impl OutputColumns {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_response_schema_gives_typed_columns() {
+        let schema = serde_json::json!({
+            "type": "object",
+            "properties": {
+                "label": {"type": "string", "enum": ["a", "b"]},
+                "score": {"type": "number"},
+                "count": {"type": ["integer", "null"]},
+                "tags": {"type": "ARRAY", "items": {"type": "STRING"}},
+                "any": {"anyOf": [{"type": "string"}, {"type": "integer"}]},
+            },
+        });
+        let t = arrow_type_of(&schema);
+        let DataType::Struct(fields) = &t else { panic!("{t:?}") };
+        let names: Vec<&str> = fields.iter().map(|f| f.name().as_str()).collect();
+        assert_eq!(names, ["label", "score", "count", "tags", "any"], "in the schema's order");
+        assert_eq!(fields[1].data_type(), &DataType::Float64);
+        assert_eq!(fields[2].data_type(), &DataType::Int64);
+        assert!(matches!(fields[3].data_type(), DataType::List(i) if i.data_type() == &DataType::Utf8));
+        assert_eq!(fields[4].data_type(), &DataType::Utf8);
+        let v = serde_json::json!({"label": "a", "score": 1, "count": null, "tags": ["x"], "any": 3, "extra": 1});
+        assert_eq!(
+            fit(&v, &t),
+            serde_json::json!({"label": "a", "score": 1, "count": null, "tags": ["x"], "any": "3"}),
+            "text holds what is not text as JSON; fields the schema lacks are left out"
+        );
+    }
     use serde_json::json;
 
     #[test]
@@ -300,15 +392,15 @@ mod tests {
             Field::new("model", DataType::Utf8, true),
             Field::new("tags", DataType::List(Arc::new(Field::new("item", DataType::Utf8, true))), true),
         ]);
-        let c = OutputColumns::new(&input, None, Task::Generate, false).unwrap();
+        let c = OutputColumns::new(&input, None, &Task::Generate, false).unwrap();
         assert_eq!(c.name("model"), "weir_model");
         assert_eq!(c.name("response"), "response");
         assert!(c.results.field_with_name("weir_model").is_ok() && c.results.field_with_name("model").is_ok());
-        let csv = OutputColumns::new(&input, Some(&["tags".into()]), Task::Embed, true).unwrap();
+        let csv = OutputColumns::new(&input, Some(&["tags".into()]), &Task::Embed, true).unwrap();
         assert_eq!(csv.kept.len(), 1);
         assert_eq!(csv.kept[0].data_type(), &DataType::Utf8, "nested columns are text in CSV");
         assert_eq!(csv.name("model"), "model");
-        assert!(OutputColumns::new(&input, Some(&["nope".into()]), Task::Generate, false).is_err());
+        assert!(OutputColumns::new(&input, Some(&["nope".into()]), &Task::Generate, false).is_err());
         let mut row = Map::new();
         c.carry(Some(json!({"id": 7, "model": null, "tags": ["a"]}).as_object().unwrap()), &mut row);
         assert_eq!(Value::Object(row), json!({"id": "7", "tags": ["a"]}));

@@ -386,7 +386,20 @@ fn result_row(s: &Success, c: &OutputColumns, text_only: bool) -> Map<String, Va
             put("embedding", if text_only { Value::String(vector.to_string()) } else { vector });
             put("dimensions", (v.len() as u64).into());
         }
-        None => put("response", s.response.text.clone().into()),
+        None => {
+            // A typed response column (a response schema's) takes the answer's JSON, fitted.
+            let typed = c.results.field_with_name(c.name("response")).ok().map(|f| f.data_type().clone());
+            let value = match typed {
+                Some(t) if t != arrow_schema::DataType::Utf8 => {
+                    match serde_json::from_str::<Value>(weir_core::schema::strip_fence(&s.response.text)) {
+                        Ok(v) => crate::schema::fit(&v, &t),
+                        Err(_) => Value::Null,
+                    }
+                }
+                _ => s.response.text.clone().into(),
+            };
+            put("response", value)
+        }
     }
     put("finish_reason", s.response.finish_reason.clone().into());
     put("prompt_tokens", s.response.usage.prompt_tokens.into());
@@ -483,7 +496,7 @@ impl State {
 
     fn set_columns(&mut self, schema: &SchemaRef) -> io::Result<()> {
         let text_only = self.results.format == Format::Csv;
-        let c = OutputColumns::new(schema, self.keep.as_deref(), self.settings_task, text_only).map_err(io_other)?;
+        let c = OutputColumns::new(schema, self.keep.as_deref(), &self.settings_task, text_only).map_err(io_other)?;
         self.columns = Some(c);
         Ok(())
     }
@@ -622,7 +635,7 @@ async fn write_loop(
         journal,
         next_part,
         keys: Vec::new(),
-        settings_task: settings.task,
+        settings_task: settings.task.clone(),
         keep: settings.keep.clone(),
         id_field: settings.id_field.clone(),
         early: Vec::new(),

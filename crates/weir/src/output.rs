@@ -98,6 +98,9 @@ pub(crate) async fn start_writers(
 pub(crate) fn table_task(settings: &RunSettings) -> weir_tables::Task {
     if settings.provider.task == weir_providers::Task::Embed {
         weir_tables::Task::Embed
+    } else if let Some(schema) = &settings.driver.params.response_schema {
+        // Answers checked against a response schema: a column of its type.
+        weir_tables::Task::Shaped(weir_tables::schema::arrow_type_of(schema))
     } else {
         weir_tables::Task::Generate
     }
@@ -130,7 +133,7 @@ pub(crate) async fn table_columns(
     weir_tables::OutputColumns::new(
         &schema,
         settings.keep_columns.as_deref(),
-        table_task(settings),
+        &table_task(settings),
         out.results_format == Format::Csv,
     )
     .map_err(RunError::Usage)?;

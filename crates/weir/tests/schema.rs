@@ -134,3 +134,43 @@ async fn broken_answers_of_batch_jobs_go_to_follow_up_jobs() {
     assert!(sim.stats().batch_jobs > 3, "{err}");
     sim.shutdown().await;
 }
+
+/// Parquet out with a response schema: the `response` column is a struct of the schema's
+/// fields (read back by pyarrow), not a JSON string; CSV keeps the JSON text.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_output_gets_a_typed_response_column() {
+    if peer("WEIR_PYTHON").is_none() {
+        return;
+    }
+    let sim = sim(weir_sim::SimConfig::default()).await;
+    let dir = Dir::new("schema-parquet");
+    let schema = dir.write("schema.json", SCHEMA.as_bytes());
+    let input = input(&dir, 50);
+    for out in ["out.parquet", "out.csv"] {
+        let o = weir()
+            .args(["run", "--model", "gemini/gemini-2.5-flash", "--base-url", &sim.url(), "--progress", "never"])
+            .args(["--id-field", "id", "--input", input.to_str().unwrap(), "--output", dir.path(out).to_str().unwrap()])
+            .args(["--param", &format!("response_schema=@{}", schema.display())])
+            .output()
+            .await
+            .unwrap();
+        assert_eq!(o.status.code(), Some(0), "{out}: {}", stderr(&o));
+    }
+    let got = python(
+        r#"
+import sys, json, pyarrow.parquet as pq, pyarrow.csv as pc
+t = pq.read_table(sys.argv[1])
+print(t.schema.field("response").type)
+rows = t.to_pylist()
+assert len(rows) == 50, len(rows)
+for r in rows:
+    v = r["response"]
+    assert v["label"] in ("shoe", "hat", "bag") and isinstance(v["score"], float) and all(isinstance(x, str) for x in v["tags"]), v
+c = pc.read_csv(sys.argv[2]).to_pylist()
+assert len(c) == 50 and all(json.loads(r["response"])["label"] for r in c), c[0]
+"#,
+        &[dir.path("out.parquet").to_str().unwrap(), dir.path("out.csv/part-00000.csv").to_str().unwrap()],
+    );
+    assert!(got.contains("struct<label: string, score: double, tags: list<"), "{got}");
+    sim.shutdown().await;
+}
