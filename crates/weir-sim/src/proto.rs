@@ -111,7 +111,7 @@ fn media_digest(mime: Option<&str>, data: Option<&str>, at: &str) -> Result<u64,
         .and_then(|d| base64::engine::general_purpose::STANDARD.decode(d).ok())
         .filter(|b| !b.is_empty())
         .ok_or_else(|| BadRequest(format!("Invalid value at '{at}.data': not valid base64 data")))?;
-    Ok(crate::gen::stable_hash(&[mime.as_bytes(), &bytes]))
+    Ok(crate::gen::stable_hash(&[mime.as_bytes(), &crate::gen::word_hash(&bytes).to_le_bytes()]))
 }
 
 /// The media of an OpenAI user message's content parts (`image_url` data URLs, `input_audio`,
