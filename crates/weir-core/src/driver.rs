@@ -382,7 +382,7 @@ impl Driver {
             return None;
         }
         let invalid = self.schema_for(&self.request_of(record))?.check(&response.text).err()?;
-        self.metrics.record_invalid_output();
+        self.metrics.record_invalid_output(response.usage.prompt_tokens, response.usage.output_tokens);
         Some(invalid)
     }
 

@@ -186,7 +186,8 @@ impl Executor {
                 self.observer.answered();
                 // Paid for and counted above, but not an answer to keep.
                 if let Some(e) = v.invalid() {
-                    self.metrics.record_invalid_output();
+                    let u = v.usage();
+                    self.metrics.record_invalid_output(u.prompt_tokens, u.output_tokens);
                     self.observer.failed_attempt(&e, attempts + 1);
                     return Some((Err(e), true));
                 }

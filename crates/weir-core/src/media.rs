@@ -13,9 +13,10 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-/// The largest part weir sends inline: the Gemini API takes requests of up to 20 MB with
-/// their inline data, OpenAI images of up to 20 MB.
-pub const MAX_INLINE_BYTES: usize = 20 * 1000 * 1000;
+/// The most bytes of media one request carries inline: the Gemini API takes requests of up to
+/// 20 MB with their inline data, OpenAI images of up to 20 MB, and base64 makes 4 bytes of 3,
+/// so 15 MB of media is about 20 MB on the wire.
+pub const MAX_INLINE_BYTES: usize = 15 * 1000 * 1000;
 
 /// A record's media field: which field, and what it names.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -41,10 +42,12 @@ impl Part {
     /// A part of `data`, typed from its content (magic numbers), else from `name`'s extension.
     /// `None` when neither says a type a provider takes.
     pub fn typed(data: Bytes, name: &str) -> Option<Self> {
-        // Content that says its type is taken at its word (a zip named `.png` is a zip).
+        // Content that says its type is taken at its word (a zip named `.png` is a zip); the
+        // name is trusted only for text, which has no signature (text named `.png` is not an
+        // image, and a provider would refuse the call after it was paid for).
         let mime = match infer::get(&data) {
             Some(_) => sniff(&data)?,
-            None => by_extension(name)?,
+            None => by_extension(name).filter(|m| *m == "text/plain")?,
         };
         Some(Self::new(mime.to_string(), data))
     }
@@ -125,12 +128,15 @@ pub trait MediaLoader: Send + Sync {
     async fn load(&self, source: &str, max: usize) -> Result<Bytes, String>;
 }
 
-/// `source` as it may be shown: a URL without its query (a signed URL's signature).
-pub fn shown(source: &str) -> &str {
-    match source.contains("://") {
-        true => source.split(['?', '#']).next().unwrap_or(source),
-        false => source,
-    }
+/// `source` as it may be shown: a URL without its query (a signed URL's signature) and without
+/// a user and password (`https://user:pass@host/…`).
+pub fn shown(source: &str) -> String {
+    let Some((scheme, rest)) = source.split_once("://") else { return source.to_string() };
+    let rest = rest.split(['?', '#']).next().unwrap_or(rest);
+    let (host, path) = rest.split_once('/').map_or((rest, ""), |(h, p)| (h, p));
+    let host = host.rsplit_once('@').map_or(host, |(_, h)| h);
+    let slash = if rest.contains('/') { "/" } else { "" };
+    format!("{scheme}://{host}{slash}{path}")
 }
 
 #[cfg(test)]
@@ -144,11 +150,14 @@ mod tests {
         assert_eq!(Part::typed(Bytes::from_static(b"%PDF-1.7\n"), "x").unwrap().mime, "application/pdf");
         assert_eq!(Part::typed(Bytes::from_static(b"hello"), "notes.TXT").unwrap().mime, "text/plain");
         assert!(Part::typed(Bytes::from_static(b"hello"), "archive.zip").is_none());
+        assert!(Part::typed(Bytes::from_static(b"hello"), "photo.png").is_none(), "text named .png is no image");
         assert!(Part::typed(Bytes::from_static(b"PK\x03\x04rest"), "a.png").is_none(), "a zip named .png is a zip");
         // Equal bytes, equal digests; another type, another digest.
         assert_eq!(Part::typed(png.clone(), "a").unwrap().digest, Part::typed(png.clone(), "b.png").unwrap().digest);
         assert_ne!(Part::new("image/png".into(), png.clone()).digest, Part::new("image/gif".into(), png).digest);
         assert_eq!(shown("https://h/p.png?X-Goog-Signature=abc"), "https://h/p.png");
+        assert_eq!(shown("http://user:SECRET@127.0.0.1:8/a/b.png#x"), "http://127.0.0.1:8/a/b.png");
+        assert_eq!(shown("gs://bkt"), "gs://bkt");
         assert_eq!(shown("dir/a?b.png"), "dir/a?b.png");
     }
 }

@@ -207,13 +207,17 @@ impl RunMetrics {
         }
     }
 
-    /// Counts an answer that did not match the response schema.
-    pub fn record_invalid_output(&self) {
+    /// Counts an answer that did not match the response schema, and its tokens (paid for).
+    pub fn record_invalid_output(&self, tokens_in: u64, tokens_out: u64) {
         self.count(&|m| {
             m.invalid_outputs.fetch_add(1, Relaxed);
+            m.tokens_in.fetch_add(tokens_in, Relaxed);
+            m.tokens_out.fetch_add(tokens_out, Relaxed);
         });
         if self.exports() {
             metrics::counter!("weir_invalid_outputs_total", self.labels(&[])).increment(1);
+            metrics::counter!("weir_tokens_total", self.labels(&[("direction", "in")])).increment(tokens_in);
+            metrics::counter!("weir_tokens_total", self.labels(&[("direction", "out")])).increment(tokens_out);
         }
     }
 

@@ -113,7 +113,7 @@ pub fn generation_config(p: &GenParams) -> Map<String, Value> {
     put_sampling(&mut c, p, &NAMES);
     if let Some(schema) = &p.response_schema {
         c.insert("responseMimeType".into(), json!("application/json"));
-        c.insert("responseJsonSchema".into(), schema.clone());
+        c.insert("responseJsonSchema".into(), weir_core::schema::to_json_schema(schema));
     } else if let Some(m) = &p.response_mime_type {
         c.insert("responseMimeType".into(), json!(m));
     }
@@ -362,6 +362,16 @@ mod tests {
         assert_eq!(c["responseMimeType"], "application/json");
         assert_eq!(c["responseJsonSchema"]["type"], "object");
         assert_eq!(c.len(), 6);
+        // Gemini's OpenAPI form goes out as the JSON Schema the field takes.
+        let p = GenParams::from_specs([
+            "response_schema={\"type\":\"OBJECT\",\"properties\":{\"n\":{\"type\":\"INTEGER\",\"nullable\":true}}}",
+        ])
+        .unwrap();
+        let c = generation_config(&p);
+        assert_eq!(
+            c["responseJsonSchema"],
+            serde_json::json!({"type": "object", "properties": {"n": {"type": ["integer", "null"]}}})
+        );
     }
 
     #[test]

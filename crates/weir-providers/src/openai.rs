@@ -131,7 +131,7 @@ pub fn apply_params(body: &mut Map<String, Value>, p: &GenParams) {
     if let Some(schema) = &p.response_schema {
         body.insert(
             "response_format".into(),
-            json!({"type": "json_schema", "json_schema": {"name": "response", "schema": schema, "strict": true}}),
+            json!({"type": "json_schema", "json_schema": {"name": "response", "schema": weir_core::schema::to_json_schema(schema), "strict": true}}),
         );
     } else if p.response_mime_type.as_deref() == Some("application/json") {
         body.insert("response_format".into(), json!({"type": "json_object"}));

@@ -24,9 +24,21 @@ impl Loader {
     /// A loader that reads `gs://` and `s3://` sources with `objects` (the front end's store
     /// clients, with their credentials and emulators).
     pub fn new(objects: Option<Arc<dyn MediaLoader>>) -> Loader {
+        // A redirect is followed only where a first URL could go: never to plain http:// off
+        // this machine (a loopback server's redirect must not carry a fetch off it unencrypted).
+        let policy = reqwest::redirect::Policy::custom(|a| {
+            if a.previous().len() >= 10 {
+                a.error("more than 10 redirects")
+            } else if a.url().scheme() != "https" && !(a.url().scheme() == "http" && loopback(a.url())) {
+                a.error("a redirect to plain http:// off this machine")
+            } else {
+                a.follow()
+            }
+        });
         let client = reqwest::Client::builder()
             .timeout(Duration::from_secs(120))
             .connect_timeout(Duration::from_secs(20))
+            .redirect(policy)
             .build()
             .ok();
         Loader { client, objects }
@@ -34,22 +46,30 @@ impl Loader {
 }
 
 fn too_large(len: u64, max: usize) -> String {
-    format!("{len} bytes, over the {max} bytes left for a request's inline parts (20 MB in all)")
+    format!("{len} bytes, over the {max} bytes left for a request's inline parts (15 MB in all, 20 MB as base64)")
+}
+
+/// Whether `url` is on this machine (where plain `http://` is allowed).
+fn loopback(url: &reqwest::Url) -> bool {
+    matches!(url.host_str(), Some("localhost" | "127.0.0.1" | "[::1]" | "::1"))
 }
 
 #[async_trait::async_trait]
 impl MediaLoader for Loader {
     async fn load(&self, source: &str, max: usize) -> Result<Bytes, String> {
         if source.starts_with("https://") || source.starts_with("http://") {
-            let url = reqwest::Url::parse(source).map_err(|e| format!("not a URL: {e}"))?;
-            let loopback = matches!(url.host_str(), Some("localhost" | "127.0.0.1" | "[::1]" | "::1"));
-            if url.scheme() == "http" && !loopback {
+            let url = reqwest::Url::parse(source).map_err(|_| "not a URL".to_string())?;
+            if url.scheme() == "http" && !loopback(&url) {
                 return Err("plain http:// is read only from loopback: give an https:// URL".into());
             }
             let client = self.client.as_ref().ok_or("no HTTP client could be made")?;
             let resp = client.get(url).send().await.map_err(|e| {
-                let e = e.without_url();
-                format!("could not be fetched: {e}")
+                let why = match () {
+                    _ if e.is_timeout() => "no answer in time",
+                    _ if e.is_redirect() => "a redirect weir does not follow (to plain http:// off this machine)",
+                    _ => "the connection failed",
+                };
+                format!("could not be fetched: {why}")
             })?;
             if !resp.status().is_success() {
                 return Err(format!("could not be fetched: HTTP {}", resp.status().as_u16()));
@@ -62,7 +82,7 @@ impl MediaLoader for Loader {
             while let Some(chunk) = body.next().await {
                 let chunk = chunk.map_err(|e| format!("cut while fetched: {}", e.without_url()))?;
                 if data.len() + chunk.len() > max {
-                    return Err(format!("over the {max} bytes left for a request's inline parts (20 MB in all)"));
+                    return Err(format!("over the {max} bytes left for a request's inline parts (15 MB in all)"));
                 }
                 data.extend_from_slice(&chunk);
             }
@@ -82,6 +102,12 @@ impl MediaLoader for Loader {
         let path = source.to_string();
         let read = tokio::task::spawn_blocking(move || -> Result<Bytes, String> {
             use std::io::Read;
+            // Asked of the path before it is opened: opening a FIFO waits for a writer forever.
+            if let Ok(m) = std::fs::metadata(&path) {
+                if !m.is_file() {
+                    return Err("not a file".into());
+                }
+            }
             let f = std::fs::File::open(&path).map_err(|e| match e.kind() {
                 std::io::ErrorKind::NotFound => "no such file".to_string(),
                 _ => format!("cannot be read: {e}"),

@@ -184,7 +184,12 @@ pub fn fit(v: &Value, t: &DataType) -> Value {
         (DataType::List(item), Value::Array(items)) => {
             Value::Array(items.iter().map(|x| fit(x, item.data_type())).collect())
         }
-        (DataType::Int64, Value::Number(n)) if n.is_i64() || n.is_u64() => v.clone(),
+        (DataType::Int64, Value::Number(n)) if n.is_i64() => v.clone(),
+        // `3.0` is an integer to JSON Schema: kept as 3 (a number past i64 stays null).
+        (DataType::Int64, Value::Number(n)) => match n.as_f64() {
+            Some(f) if f.fract() == 0.0 && f.abs() < 9.0e15 => Value::from(f as i64),
+            _ => Value::Null,
+        },
         (DataType::Float64, Value::Number(_)) | (DataType::Boolean, Value::Bool(_)) => v.clone(),
         _ => Value::Null,
     }

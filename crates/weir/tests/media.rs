@@ -29,6 +29,13 @@ async fn serve(files: HashMap<String, Vec<u8>>) -> String {
                 let head = String::from_utf8_lossy(&buf[..n]).to_string();
                 let path = head.split_whitespace().nth(1).unwrap_or("/").to_string();
                 let reply = match files.get(&path) {
+                    Some(body) if body.starts_with(b"REDIRECT ") => {
+                        let to = String::from_utf8_lossy(&body[9..]).to_string();
+                        format!(
+                            "HTTP/1.1 302 Found\r\nLocation: {to}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                        )
+                        .into_bytes()
+                    }
                     Some(body) => {
                         let mut r =
                             format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len())
@@ -202,5 +209,49 @@ boto3.client("s3", endpoint_url=sys.argv[1], aws_access_key_id="test", aws_secre
     let s = sim.stats();
     assert_eq!((s.requests, s.media_parts), (n as u64, n as u64), "{err}");
     gcs.shutdown().await;
+    sim.shutdown().await;
+}
+
+/// Found by an outside tester: a FIFO named as media hung its record forever; a URL's password
+/// was shown in the error row; a loopback server's redirect to plain http:// off the machine
+/// was followed; text named `.png` was sent as an image. Each is now the record's error row,
+/// with no call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fifo_a_password_an_outward_redirect_and_a_false_name_are_refused() {
+    let sim = sim(weir_sim::SimConfig::default()).await;
+    let dir = Dir::new("media-hostile");
+    let fifo = dir.path("pipe.png");
+    assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let text = dir.write("text.png", b"hello, I am text\n");
+    let mut served = HashMap::new();
+    served.insert("/out.png".to_string(), b"REDIRECT http://10.255.255.1/x.png".to_vec());
+    let url = serve(served).await;
+    let pw = url.replace("http://", "http://user:PASSWORDSECRET@");
+    let lines = format!(
+        "{{\"id\":\"fifo\",\"prompt\":\"d\",\"image\":\"{}\"}}\n\
+         {{\"id\":\"pw\",\"prompt\":\"d\",\"image\":\"{pw}/none.png\"}}\n\
+         {{\"id\":\"redirect\",\"prompt\":\"d\",\"image\":\"{url}/out.png\"}}\n\
+         {{\"id\":\"text\",\"prompt\":\"d\",\"image\":\"{}\"}}\n",
+        fifo.display(),
+        text.display()
+    );
+    let input = dir.write("in.jsonl", lines.as_bytes());
+    let run = run_media(&sim, &dir, "gemini/gemini-2.5-flash", &input, "out.jsonl");
+    let o = tokio::time::timeout(std::time::Duration::from_secs(60), run).await.expect("the run ended");
+    let err = stderr(&o);
+    let errors = rows(&dir.path("out.errors.jsonl"));
+    assert_eq!(errors.len(), 4, "{err}");
+    for e in &errors {
+        let m = e["message"].as_str().unwrap();
+        assert!(!m.contains("PASSWORDSECRET"), "{e}");
+        let want = match e["id"].as_str().unwrap() {
+            "fifo" => "not a file",
+            "pw" => "HTTP 404",
+            "redirect" => "redirect",
+            _ => "not a type",
+        };
+        assert!(m.contains(want), "{e}");
+    }
+    assert_eq!(sim.stats().requests, 0, "no call for any of them");
     sim.shutdown().await;
 }
