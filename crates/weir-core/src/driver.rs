@@ -378,10 +378,7 @@ impl Driver {
     /// calls (a batch job's), is not one to keep: it does not match the response schema
     /// (counted as an invalid output, as for calls).
     pub fn check_answer(&self, record: &Record, response: &ModelResponse) -> Option<ModelError> {
-        if response.embedding.is_some() {
-            return None;
-        }
-        let invalid = self.schema_for(&self.request_of(record))?.check(&response.text).err()?;
+        let invalid = self.schema_for(&self.request_of(record))?.invalid(response)?;
         self.metrics.record_invalid_output(response.usage.prompt_tokens, response.usage.output_tokens);
         Some(invalid)
     }
@@ -561,10 +558,7 @@ impl Driver {
         let weight = self.weight_of(&request);
         let cancel = &self.rules.cancel;
         let schema = self.schema_for(&request);
-        let check = |r: &ModelResponse| match &schema {
-            Some(s) if r.embedding.is_none() => s.check(&r.text).err(),
-            _ => None,
-        };
+        let check = |r: &ModelResponse| schema.as_ref().and_then(|s| s.invalid(r));
         let result = match on_event.take() {
             Some(e) => {
                 let open = |at: usize| self.handlers[at].generate_stream(&request);

@@ -18,6 +18,12 @@ use sha2::{Digest, Sha256};
 /// so 15 MB of media is about 20 MB on the wire.
 pub const MAX_INLINE_BYTES: usize = 15 * 1000 * 1000;
 
+/// Why a part of `len` bytes cannot be sent when `max` bytes are left for the request's parts
+/// (one wording for every place media is read from).
+pub fn too_large(len: u64, max: usize) -> String {
+    format!("{len} bytes, over the {max} bytes left for a request's inline parts (15 MB in all, 20 MB as base64)")
+}
+
 /// A record's media field: which field, and what it names.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MediaRef {

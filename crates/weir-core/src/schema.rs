@@ -33,6 +33,15 @@ impl OutputSchema {
         Ok(Self { validator })
     }
 
+    /// Why `response` is not an answer to keep: its text is not JSON matching the schema. An
+    /// embedding has no text to check.
+    pub fn invalid(&self, response: &crate::outcome::ModelResponse) -> Option<ModelError> {
+        match response.embedding {
+            Some(_) => None,
+            None => self.check(&response.text).err(),
+        }
+    }
+
     /// Whether `text` is JSON that matches the schema; the error quotes what was wrong and
     /// the answer (clipped).
     pub fn check(&self, text: &str) -> Result<(), ModelError> {

@@ -6,7 +6,8 @@ use bytes::Bytes;
 use futures::StreamExt;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
-use weir_core::media::MediaLoader;
+use weir_core::media::{too_large, MediaLoader};
+use weir_providers::http::is_loopback;
 
 /// Reads files and URLs, and `gs://` and `s3://` objects through `objects` when given.
 pub struct Loader {
@@ -29,7 +30,7 @@ impl Loader {
         let policy = reqwest::redirect::Policy::custom(|a| {
             if a.previous().len() >= 10 {
                 a.error("more than 10 redirects")
-            } else if a.url().scheme() != "https" && !(a.url().scheme() == "http" && loopback(a.url())) {
+            } else if a.url().scheme() != "https" && !(a.url().scheme() == "http" && is_loopback(a.url())) {
                 a.error("a redirect to plain http:// off this machine")
             } else {
                 a.follow()
@@ -45,21 +46,12 @@ impl Loader {
     }
 }
 
-fn too_large(len: u64, max: usize) -> String {
-    format!("{len} bytes, over the {max} bytes left for a request's inline parts (15 MB in all, 20 MB as base64)")
-}
-
-/// Whether `url` is on this machine (where plain `http://` is allowed).
-fn loopback(url: &reqwest::Url) -> bool {
-    matches!(url.host_str(), Some("localhost" | "127.0.0.1" | "[::1]" | "::1"))
-}
-
 #[async_trait::async_trait]
 impl MediaLoader for Loader {
     async fn load(&self, source: &str, max: usize) -> Result<Bytes, String> {
         if source.starts_with("https://") || source.starts_with("http://") {
             let url = reqwest::Url::parse(source).map_err(|_| "not a URL".to_string())?;
-            if url.scheme() == "http" && !loopback(&url) {
+            if url.scheme() == "http" && !is_loopback(&url) {
                 return Err("plain http:// is read only from loopback: give an https:// URL".into());
             }
             let client = self.client.as_ref().ok_or("no HTTP client could be made")?;

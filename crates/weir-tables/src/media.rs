@@ -48,10 +48,7 @@ impl MediaLoader for BucketMedia {
             e => format!("cannot be read: {e}"),
         })?;
         if meta.size > max as u64 {
-            return Err(format!(
-                "{} bytes, over the {max} bytes left for a request's inline parts (20 MB in all)",
-                meta.size
-            ));
+            return Err(weir_core::media::too_large(meta.size, max));
         }
         let got = store.get(&at.path).await.map_err(|e| format!("cannot be read: {e}"))?;
         got.bytes().await.map_err(|e| format!("cannot be read: {e}"))
