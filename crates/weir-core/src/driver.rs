@@ -21,7 +21,7 @@ use crate::cache::{cache_key, is_deterministic, CacheKey, ResponseCache};
 use crate::error::{ErrorKind, ModelError, RetryHint};
 use crate::executor::{Checked, Done, Executor, Failed, Observer, StreamEvent};
 use crate::handler::{ModelHandler, ModelRequest};
-use crate::media::{MediaLoader, MediaRef, Part, MAX_INLINE_BYTES};
+use crate::media::{MediaLoader, MediaRef, MediaSource, Part, MAX_INLINE_BYTES};
 use crate::metrics::RunMetrics;
 use crate::outcome::{Failure, ModelResponse, Outcome, Success};
 use crate::params::GenParams;
@@ -162,6 +162,17 @@ impl StopRules {
     }
 }
 
+/// The record's error for media that could not be read: `invalid_input`, or, for a failure
+/// that may pass (a timeout, a 5xx), of that kind and retryable (`--retry-errors`), since it
+/// is not the input's fault.
+fn media_error(mut error: ModelError, e: &crate::media::MediaError) -> ModelError {
+    if e.is_transient() {
+        error.kind = e.kind;
+        error.hint = RetryHint::Backoff;
+    }
+    error
+}
+
 /// Runs records through a model handler and its endpoint's executor.
 pub struct Driver {
     /// The first endpoint's client: what every endpoint of the pool can do (stream, batch,
@@ -258,30 +269,92 @@ impl Driver {
 
     /// The parts `record`'s media fields name, read now; the error (an `invalid_input`, no call
     /// made) names the field, what it named and why it cannot be sent.
+    ///
+    /// Parts go inline, up to 15 MB for a request. Past that, an endpoint that takes uploads
+    /// (the Gemini API's Files API) gets the part uploaded and referred to; one large part at a
+    /// time in the process is read and uploaded, so memory holds at most one of them beside the
+    /// inline parts in flight. Media an endpoint reads itself (`gs://` on Vertex AI) is only
+    /// typed here, from its first bytes.
     async fn parts_of(&self, record: &Record) -> Result<Arc<[Part]>, ModelError> {
+        /// One large part read and uploaded at a time in the process.
+        static LARGE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
         if record.media.is_empty() {
             return Ok(Arc::from(Vec::new()));
         }
         let bad = |r: &MediaRef, why: String| {
-            let at = crate::media::shown(&r.source);
+            let at = r.source.shown();
             ModelError::new(ErrorKind::InvalidInput, format!("media field '{}' ({at}): {why}", r.field))
                 .with_hint(RetryHint::Never)
         };
-        let Some(loader) = &self.media else {
-            return Err(bad(&record.media[0], "this front end reads no media".into()));
+        let untyped = |r: &MediaRef| {
+            bad(r, format!("not a type the providers take as a part ({})", crate::media::TAKEN.join(", ")))
+        };
+        let loader = || self.media.as_ref();
+        // An uploaded file is the uploading key's: uploads only for a driver of one endpoint.
+        let upload_max = match self.handlers.as_slice() {
+            [h] => h.max_upload_bytes().map(|m| m as usize),
+            _ => None,
         };
         let mut parts = Vec::with_capacity(record.media.len());
         let mut total = 0usize;
         for r in &record.media {
-            let data = loader.load(&r.source, MAX_INLINE_BYTES - total).await.map_err(|why| bad(r, why))?;
+            let inline_left = MAX_INLINE_BYTES - total;
+            let read = match &r.source {
+                MediaSource::Bytes(b) if b.len() <= inline_left => Ok((b.clone(), "")),
+                MediaSource::Bytes(b) => Err(crate::media::MediaError::too_large(b.len() as u64, inline_left)),
+                MediaSource::Named(source) if self.handlers.iter().all(|h| h.reads_by_reference(source)) => {
+                    // Read by the endpoint itself: only its type and version are asked here.
+                    let loader = loader().ok_or_else(|| bad(r, "this front end reads no media".into()))?;
+                    let peek = loader.peek(source).await.map_err(|e| media_error(bad(r, e.message.clone()), &e))?;
+                    if peek.size == 0 {
+                        return Err(bad(r, "it is empty".into()));
+                    }
+                    parts.push(
+                        Part::by_reference(source, &peek.head, &peek.version, r.mime.as_deref())
+                            .ok_or_else(|| untyped(r))?,
+                    );
+                    continue;
+                }
+                MediaSource::Named(source) => {
+                    let loader = loader().ok_or_else(|| bad(r, "this front end reads no media".into()))?;
+                    loader.load(source, inline_left).await.map(|d| (d, source.as_str()))
+                }
+            };
+            let (data, name) = match read {
+                Ok(got) => got,
+                // Too large to go inline, to an endpoint that takes uploads.
+                Err(e) if e.over && upload_max.is_some() => {
+                    let max = upload_max.unwrap_or(0);
+                    let _one = LARGE.lock().await;
+                    let (data, name) = match &r.source {
+                        MediaSource::Bytes(b) if b.len() <= max => (b.clone(), ""),
+                        MediaSource::Bytes(b) => return Err(bad(r, crate::media::too_large(b.len() as u64, max))),
+                        MediaSource::Named(source) => {
+                            let loader = loader().ok_or_else(|| bad(r, "this front end reads no media".into()))?;
+                            let data = loader
+                                .load(source, max)
+                                .await
+                                .map_err(|e| media_error(bad(r, e.message.clone()), &e))?;
+                            (data, source.as_str())
+                        }
+                    };
+                    let part = Part::typed_as(data, name, r.mime.as_deref()).ok_or_else(|| untyped(r))?;
+                    let uri = self.handler.upload_media(&part).await.map_err(|e| {
+                        let mut error = bad(r, format!("could not be uploaded: {}", e.message));
+                        (error.kind, error.hint) = (e.kind, e.hint);
+                        error
+                    })?;
+                    // The bytes are the provider's now: only the reference stays in memory.
+                    parts.push(Part { uri: Some(uri), data: bytes::Bytes::new(), ..part });
+                    continue;
+                }
+                Err(e) => return Err(media_error(bad(r, e.message.clone()), &e)),
+            };
             total += data.len();
             if data.is_empty() {
                 return Err(bad(r, "it is empty".into()));
             }
-            let part = Part::typed(data, &r.source).ok_or_else(|| {
-                bad(r, format!("not a type the providers take as a part ({})", crate::media::TAKEN.join(", ")))
-            })?;
-            parts.push(part);
+            parts.push(Part::typed_as(data, name, r.mime.as_deref()).ok_or_else(|| untyped(r))?);
         }
         Ok(Arc::from(parts))
     }
@@ -370,8 +443,25 @@ impl Driver {
                 Some(own) => Arc::new(self.settings.params.overlay(own)),
                 None => self.settings.params.clone(),
             },
-            media: Default::default(),
+            // The parts are read when the record is sent; where they were read before (for a
+            // batch job), their digests stand in for them in the cache key.
+            media: record
+                .media_digests
+                .iter()
+                .map(|d| Part { mime: String::new(), data: bytes::Bytes::new(), digest: *d, uri: None })
+                .collect(),
         }
+    }
+
+    /// `record`'s request with its media read now (for a batch job's input, which goes to the
+    /// provider long after): the parts' digests are kept in the record, to key its answer in
+    /// the cache when it comes back. The error is the record's, as for a call.
+    pub async fn request_with_media(&self, record: &mut Record) -> Result<ModelRequest, ModelError> {
+        let mut request = self.request_of(record);
+        let parts = self.parts_of(record).await?;
+        record.media_digests = parts.iter().map(|p| p.digest).collect();
+        request.media = parts;
+        Ok(request)
     }
 
     /// Why `response`, an answer to `record` that came another way than through this driver's

@@ -86,6 +86,25 @@ pub trait ModelHandler: Send + Sync {
         None
     }
 
+    /// True when the endpoint reads media at `source` itself (Vertex AI reads `gs://` objects
+    /// it may access): the part is then sent as a reference, not downloaded and sent inline.
+    fn reads_by_reference(&self, _source: &str) -> bool {
+        false
+    }
+
+    /// The largest part the endpoint takes by upload rather than inline (the Gemini API's
+    /// Files API: 2 GB); `None` when parts go inline only (15 MB for a request's parts).
+    fn max_upload_bytes(&self) -> Option<u64> {
+        None
+    }
+
+    /// Uploads `part` to where the endpoint reads it (the Gemini API's Files API), for a part
+    /// too large to go inline; its URI, for `fileData`. Only called where
+    /// [`max_upload_bytes`](Self::max_upload_bytes) says uploads are taken.
+    async fn upload_media(&self, _part: &crate::media::Part) -> Result<String, ModelError> {
+        Err(ModelError::new(crate::ErrorKind::InvalidInput, "this endpoint takes media inline only"))
+    }
+
     /// The most requests one call may carry; 1 when the endpoint takes one at a time.
     fn max_batch(&self) -> usize {
         1

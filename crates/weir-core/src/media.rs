@@ -10,7 +10,6 @@
 //! name are a hit and a changed file a miss.
 
 use bytes::Bytes;
-use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 /// The most bytes of media one request carries inline: the Gemini API takes requests of up to
@@ -24,13 +23,76 @@ pub fn too_large(len: u64, max: usize) -> String {
     format!("{len} bytes, over the {max} bytes left for a request's inline parts (15 MB in all, 20 MB as base64)")
 }
 
-/// A record's media field: which field, and what it names.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// A record's media field: which field, and what it names or holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MediaRef {
     /// The field (or column) it came from, named in errors.
     pub field: String,
-    /// A file path, `https://…` (or `http://` on loopback), `gs://…` or `s3://…`.
-    pub source: String,
+    /// Where the part's bytes are.
+    pub source: MediaSource,
+    /// Its MIME type as given (`--media-field FIELD:TYPE`), in place of the one its content
+    /// says; one of [`TAKEN`].
+    pub mime: Option<String>,
+}
+
+/// A media field as given on the command line: `FIELD`, or `FIELD:TYPE` with a MIME type that
+/// overrides the content's (`scan:application/pdf`). `Err` says what to fix.
+pub fn field_spec(spec: &str) -> Result<(String, Option<String>), String> {
+    match spec.rsplit_once(':') {
+        Some((field, mime)) if mime.contains('/') => {
+            let mime = mime.trim().to_ascii_lowercase();
+            if field.trim().is_empty() {
+                return Err(format!("'{spec}' names no field before the type"));
+            }
+            if !TAKEN.contains(&mime.as_str()) {
+                return Err(format!("'{mime}' is not a type the providers take as a part ({})", TAKEN.join(", ")));
+            }
+            Ok((field.to_string(), Some(mime)))
+        }
+        _ if spec.trim().is_empty() => Err("a media field needs a name".into()),
+        _ => Ok((spec.to_string(), None)),
+    }
+}
+
+/// Where a part's bytes are: named by the field, or the field's own value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MediaSource {
+    /// A file path, `https://…` (or `http://` on loopback), `gs://…` or `s3://…`, read when
+    /// the record is sent.
+    Named(String),
+    /// The bytes themselves: a Parquet binary column, a Python `bytes` value, or JSON
+    /// `{"base64": "…"}`.
+    Bytes(Bytes),
+}
+
+impl MediaSource {
+    /// What may be shown of it in an error: a name without secrets, or the size of bytes
+    /// (never the bytes).
+    pub fn shown(&self) -> String {
+        match self {
+            Self::Named(s) => shown(s),
+            Self::Bytes(b) => format!("{} bytes in the record", b.len()),
+        }
+    }
+}
+
+/// A field's value as media: a non-empty string names it; `{"base64": "…"}` (how bytes read
+/// from a table reach a record, and how JSON carries bytes) holds it. `Err` says why the value
+/// is neither; `Ok(None)` is no part (a null or missing field).
+pub fn source_of(value: Option<&serde_json::Value>) -> Result<Option<MediaSource>, &'static str> {
+    use base64::Engine;
+    use serde_json::Value;
+    match value {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) if !s.trim().is_empty() => Ok(Some(MediaSource::Named(s.trim().to_string()))),
+        Some(Value::Object(o)) if o.len() == 1 && o.contains_key("base64") => {
+            let text = o["base64"].as_str().ok_or("its \"base64\" is not a string")?;
+            let bytes =
+                base64::engine::general_purpose::STANDARD.decode(text).map_err(|_| "its \"base64\" is not base64")?;
+            Ok(Some(MediaSource::Bytes(Bytes::from(bytes))))
+        }
+        Some(_) => Err("is not a file path, a URL or bytes"),
+    }
 }
 
 /// One part of a request, read and typed.
@@ -38,24 +100,30 @@ pub struct MediaRef {
 pub struct Part {
     /// Its MIME type (`image/png`, `application/pdf`, …).
     pub mime: String,
-    /// Its bytes.
+    /// Its bytes (empty for a part sent by reference).
     pub data: Bytes,
-    /// A digest of `mime` and the bytes, for the response cache.
+    /// A digest of `mime` and the bytes (or of the reference and its version), for the
+    /// response cache.
     pub digest: [u8; 32],
+    /// Where the endpoint reads the part itself (Vertex AI reads `gs://` objects): sent as a
+    /// reference (`fileData`), not inline.
+    pub uri: Option<String>,
 }
 
 impl Part {
     /// A part of `data`, typed from its content (magic numbers), else from `name`'s extension.
     /// `None` when neither says a type a provider takes.
     pub fn typed(data: Bytes, name: &str) -> Option<Self> {
-        // Content that says its type is taken at its word (a zip named `.png` is a zip); the
-        // name is trusted only for text, which has no signature (text named `.png` is not an
-        // image, and a provider would refuse the call after it was paid for).
-        let mime = match infer::get(&data) {
-            Some(_) => sniff(&data)?,
-            None => by_extension(name).filter(|m| *m == "text/plain")?,
-        };
-        Some(Self::new(mime.to_string(), data))
+        Some(Self::new(mime_of(&data, name)?.to_string(), data))
+    }
+
+    /// As [`Part::typed`], or of the type `given` when one was (the user's word over the
+    /// content's).
+    pub fn typed_as(data: Bytes, name: &str, given: Option<&str>) -> Option<Self> {
+        match given {
+            Some(m) => Some(Self::new(m.to_string(), data)),
+            None => Self::typed(data, name),
+        }
     }
 
     /// A part of `data` of type `mime`.
@@ -64,9 +132,50 @@ impl Part {
         h.update(mime.as_bytes());
         h.update([0]);
         h.update(&data);
-        Self { mime, data, digest: h.finalize().into() }
+        Self { mime, data, digest: h.finalize().into(), uri: None }
+    }
+
+    /// A part the endpoint reads itself from `uri`, typed from its first bytes `head` (else from
+    /// its name); `version` (the object's ETag or generation) makes a changed object another
+    /// part to the cache, as changed bytes are. `None` when no type a provider takes is found.
+    pub fn by_reference(uri: &str, head: &[u8], version: &str, given: Option<&str>) -> Option<Self> {
+        let mime = match given {
+            Some(m) => m.to_string(),
+            None => mime_of(head, uri)?.to_string(),
+        };
+        let mut h = Sha256::new();
+        for piece in [mime.as_bytes(), b"\0uri\0", uri.as_bytes(), b"\0", version.as_bytes()] {
+            h.update(piece);
+        }
+        Some(Self { mime, data: Bytes::new(), digest: h.finalize().into(), uri: Some(uri.to_string()) })
     }
 }
+
+/// The type of content starting with `head`, else (for text, which has no signature) the one
+/// `name`'s extension says.
+fn mime_of(head: &[u8], name: &str) -> Option<&'static str> {
+    // Content that says its type is taken at its word (a zip named `.png` is a zip); the name
+    // is trusted only for text, which has no signature (text named `.png` is not an image, and
+    // a provider would refuse the call after it was paid for).
+    match infer::get(head) {
+        Some(_) => sniff(head),
+        None => by_extension(name).filter(|m| *m == "text/plain"),
+    }
+}
+
+/// What a loader tells of media an endpoint reads by reference, without downloading it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Peek {
+    /// The first bytes (enough to tell the type).
+    pub head: Bytes,
+    /// The object's version (ETag, generation): another version is another part.
+    pub version: String,
+    /// Its size in bytes.
+    pub size: u64,
+}
+
+/// How many first bytes of an object tell its type (the longest signature `infer` reads).
+pub const PEEK_BYTES: u64 = 8192;
 
 /// The MIME types weir sends as parts: what Gemini, Vertex AI and OpenAI take as images, audio,
 /// video and documents.
@@ -125,13 +234,67 @@ fn by_extension(name: &str) -> Option<&'static str> {
     })
 }
 
+/// Why media could not be read: in words for an error row (never a secret: a signed URL's
+/// query is left out), and whether trying again later may read it (a timeout, a server's 5xx)
+/// or not (no such file, a type no provider takes).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MediaError {
+    /// What went wrong.
+    pub message: String,
+    /// `Timeout`, `Transport` or `Server` for a failure that may pass (the record's error row
+    /// is then retryable: `--retry-errors` tries it again); `InvalidInput` otherwise.
+    pub kind: crate::ErrorKind,
+    /// The media is larger than the bytes asked for (it may go by upload where the endpoint
+    /// takes uploads).
+    pub over: bool,
+}
+
+impl MediaError {
+    /// A failure that trying again will not mend.
+    pub fn permanent(message: impl Into<String>) -> Self {
+        Self { message: message.into(), kind: crate::ErrorKind::InvalidInput, over: false }
+    }
+
+    /// A failure that may pass: `kind` is `Timeout`, `Transport` or `Server`.
+    pub fn transient(kind: crate::ErrorKind, message: impl Into<String>) -> Self {
+        Self { message: message.into(), kind, over: false }
+    }
+
+    /// Media of `len` bytes where at most `max` were asked for.
+    pub fn too_large(len: u64, max: usize) -> Self {
+        Self { over: true, ..Self::permanent(too_large(len, max)) }
+    }
+
+    /// Whether trying again later may succeed.
+    pub fn is_transient(&self) -> bool {
+        self.kind != crate::ErrorKind::InvalidInput
+    }
+}
+
+impl From<String> for MediaError {
+    fn from(message: String) -> Self {
+        Self::permanent(message)
+    }
+}
+
+impl From<&str> for MediaError {
+    fn from(message: &str) -> Self {
+        Self::permanent(message)
+    }
+}
+
 /// Reads what media fields name. The front end gives the driver one (files, URLs, buckets);
 /// the driver calls it when a record is about to be sent.
 #[async_trait::async_trait]
 pub trait MediaLoader: Send + Sync {
-    /// The bytes `source` names, at most `max` of them; the error says why not, in words for
-    /// an error row (never a secret: a signed URL's query is left out).
-    async fn load(&self, source: &str, max: usize) -> Result<Bytes, String>;
+    /// The bytes `source` names, at most `max` of them, or why not.
+    async fn load(&self, source: &str, max: usize) -> Result<Bytes, MediaError>;
+
+    /// The first bytes, version and size of `source`, for an endpoint that reads it by
+    /// reference ([`crate::ModelHandler::reads_by_reference`]); only bucket objects have them.
+    async fn peek(&self, _source: &str) -> Result<Peek, MediaError> {
+        Err(MediaError::permanent("not read by reference here"))
+    }
 }
 
 /// `source` as it may be shown: a URL without its query (a signed URL's signature) and without
@@ -148,6 +311,18 @@ pub fn shown(source: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_field_may_give_its_type() {
+        assert_eq!(field_spec("photo").unwrap(), ("photo".into(), None));
+        assert_eq!(field_spec("scan:Application/PDF").unwrap(), ("scan".into(), Some("application/pdf".into())));
+        assert_eq!(field_spec("a:b").unwrap(), ("a:b".into(), None), "no type without a slash");
+        assert!(field_spec("x:application/zip").unwrap_err().contains("not a type"));
+        assert!(field_spec(":image/png").is_err());
+        assert!(field_spec(" ").is_err());
+        let p = Part::typed_as(Bytes::from_static(b"plain"), "", Some("application/pdf")).unwrap();
+        assert_eq!(p.mime, "application/pdf");
+    }
 
     #[test]
     fn parts_are_typed_by_content_then_by_name() {

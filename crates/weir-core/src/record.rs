@@ -89,12 +89,15 @@ pub struct Record {
     pub input: Map<String, Value>,
     /// What its media fields (`--media-field`) name, in order; read when it is sent.
     pub media: Vec<crate::media::MediaRef>,
+    /// The digests of its media parts once read: what keys its answer in the response cache
+    /// where the parts are no longer at hand (a batch job's answer, hours later).
+    pub media_digests: Vec<[u8; 32]>,
 }
 
 impl Record {
     /// A record with the run's system text and parameters.
     pub fn new(id: RecordId, line: u64, prompt: String, input: Map<String, Value>) -> Self {
-        Self { id, line, prompt, system: None, params: None, input, media: Vec::new() }
+        Self { id, line, prompt, system: None, params: None, input, media: Vec::new(), media_digests: Vec::new() }
     }
 }
 
@@ -216,8 +219,9 @@ pub struct RecordSpec {
     /// the run's; a missing or null field means the run's.
     pub params_field: Option<String>,
     /// Fields naming media sent after the prompt, in order (`--media-field`): a file path or a
-    /// URL; a missing or null field adds no part.
-    pub media_fields: Vec<String>,
+    /// URL; a missing or null field adds no part. With a MIME type when one was given
+    /// (`FIELD:TYPE`), which the content's does not replace.
+    pub media_fields: Vec<(String, Option<String>)>,
 }
 
 impl RecordSpec {
@@ -334,19 +338,17 @@ impl RecordSpec {
             }
         };
         let mut media = Vec::with_capacity(self.media_fields.len());
-        for f in &self.media_fields {
-            match input.get(f) {
-                None | Some(Value::Null) => {}
-                Some(Value::String(s)) if !s.trim().is_empty() => {
-                    media.push(crate::media::MediaRef { field: f.clone(), source: s.trim().to_string() })
-                }
-                Some(_) => {
-                    let msg = format!("line {line}: media field '{f}' is not a file path or URL");
+        for (f, mime) in &self.media_fields {
+            match crate::media::source_of(input.get(f)) {
+                Ok(None) => {}
+                Ok(Some(source)) => media.push(crate::media::MediaRef { field: f.clone(), source, mime: mime.clone() }),
+                Err(why) => {
+                    let msg = format!("line {line}: media field '{f}' {why}");
                     return Err(invalid(line, Some(id), Some(input), None, msg));
                 }
             }
         }
-        Ok(Record { id, line, prompt, system, params, input, media })
+        Ok(Record { id, line, prompt, system, params, input, media, media_digests: Vec::new() })
     }
 }
 

@@ -120,13 +120,14 @@ impl LlmUdf {
                 NativeType::String,
             )
         };
-        let signature = Signature::one_of(
-            vec![
-                TypeSignature::Coercible(vec![text(), text()]),
-                TypeSignature::Coercible(vec![text(), text(), text()]),
-            ],
-            Volatility::Volatile,
-        );
+        // After the options, up to MAX_MEDIA media arguments (a path or URL as text, or the
+        // bytes), of any type here: their types are checked when the return type is asked.
+        let mut forms = vec![
+            TypeSignature::Coercible(vec![text(), text()]),
+            TypeSignature::Coercible(vec![text(), text(), text()]),
+        ];
+        forms.extend((1..=MAX_MEDIA).map(|n| TypeSignature::Any(3 + n)));
+        let signature = Signature::one_of(forms, Volatility::Volatile);
         Self { kind, functions, signature }
     }
 
@@ -134,6 +135,55 @@ impl LlmUdf {
     pub fn into_udf(self) -> ScalarUDF {
         AsyncScalarUDF::new(Arc::new(self)).into_scalar_udf()
     }
+}
+
+/// The most media arguments a call takes (`llm_generate(model, prompt, options, image, …)`).
+const MAX_MEDIA: usize = 4;
+
+/// The Arrow type of `llm_generate`'s answers when its options are a literal with a
+/// `response_schema`: the schema's type ([`weir_tables::arrow_type_of`]), `None` for text.
+fn shaped_type(options: Option<&datafusion::common::ScalarValue>) -> Option<DataType> {
+    use datafusion::common::ScalarValue;
+    let text = match options? {
+        ScalarValue::Utf8(Some(t)) | ScalarValue::LargeUtf8(Some(t)) | ScalarValue::Utf8View(Some(t)) => t,
+        _ => return None,
+    };
+    let v: serde_json::Value = serde_json::from_str(text).ok()?;
+    let t = weir_tables::arrow_type_of(v.get("response_schema")?);
+    (t != DataType::Utf8).then_some(t)
+}
+
+/// A media argument's value at `row`: a path or URL (text) or the bytes; `None` for NULL.
+fn media_at(array: &ArrayRef, row: usize) -> Option<weir_core::media::MediaSource> {
+    use weir_core::media::MediaSource;
+    if array.is_null(row) {
+        return None;
+    }
+    let named = |s: &str| (!s.trim().is_empty()).then(|| MediaSource::Named(s.trim().to_string()));
+    let bytes = |b: &[u8]| (!b.is_empty()).then(|| MediaSource::Bytes(bytes::Bytes::copy_from_slice(b)));
+    match array.data_type() {
+        DataType::Utf8 => named(array.as_string::<i32>().value(row)),
+        DataType::LargeUtf8 => named(array.as_string::<i64>().value(row)),
+        DataType::Utf8View => named(array.as_string_view().value(row)),
+        DataType::Binary => bytes(array.as_binary::<i32>().value(row)),
+        DataType::LargeBinary => bytes(array.as_binary::<i64>().value(row)),
+        DataType::BinaryView => bytes(array.as_binary_view().value(row)),
+        _ => None,
+    }
+}
+
+/// True for the types a media argument takes.
+fn is_media_type(t: &DataType) -> bool {
+    matches!(
+        t,
+        DataType::Null
+            | DataType::Utf8
+            | DataType::LargeUtf8
+            | DataType::Utf8View
+            | DataType::Binary
+            | DataType::LargeBinary
+            | DataType::BinaryView
+    )
 }
 
 /// All four functions over `functions`.
@@ -158,6 +208,37 @@ impl ScalarUDFImpl for LlmUdf {
         })
     }
 
+    fn return_field_from_args(
+        &self,
+        args: datafusion::logical_expr::ReturnFieldArgs,
+    ) -> Result<datafusion::arrow::datatypes::FieldRef> {
+        for (i, f) in args.arg_fields.iter().enumerate().skip(3) {
+            if self.kind.embed() {
+                return datafusion::common::plan_err!(
+                    "{}: takes (model, text[, options]); media arguments are for llm_generate",
+                    self.name()
+                );
+            }
+            if !is_media_type(f.data_type()) {
+                return datafusion::common::plan_err!(
+                    "{}: argument {} is media: a path or URL (text) or the bytes (binary), not {}",
+                    self.name(),
+                    i + 1,
+                    f.data_type()
+                );
+            }
+        }
+        let shaped = match self.kind {
+            UdfKind::Generate => shaped_type(args.scalar_arguments.get(2).copied().flatten()),
+            _ => None,
+        };
+        let t = match shaped {
+            Some(t) => t,
+            None => self.return_type(&[])?,
+        };
+        Ok(Arc::new(Field::new(self.name(), t, true)))
+    }
+
     fn invoke_with_args(&self, _args: ScalarFunctionArgs) -> Result<ColumnarValue> {
         internal_err!("{} is asynchronous and is called through its async form", self.name())
     }
@@ -177,6 +258,8 @@ impl AsyncScalarUDFImpl for LlmUdf {
         let prompts = strings(&args, 1)?;
         let options = if args.args.len() > 2 { Some(strings(&args, 2)?) } else { None };
         let (models, prompts) = (models.as_string::<i32>(), prompts.as_string::<i32>());
+        let media: Vec<ArrayRef> =
+            args.args.iter().skip(3).map(|a| a.to_array(args.number_rows)).collect::<Result<_>>()?;
         // Options are parsed once per distinct text.
         let mut parsed: HashMap<&str, Arc<CallOptions>> = HashMap::new();
         let default = Arc::new(CallOptions::default());
@@ -202,7 +285,15 @@ impl AsyncScalarUDFImpl for LlmUdf {
             let model = models.is_valid(i).then(|| models.value(i).to_string());
             let prompt = prompts.is_valid(i).then(|| prompts.value(i).to_string());
             fail_on_error.push(opts.fail_on_error);
-            rows.push(Row { model, prompt, id: None, call: opts.call.clone() });
+            let media = media
+                .iter()
+                .enumerate()
+                .filter_map(|(k, a)| {
+                    let source = media_at(a, i)?;
+                    Some(weir_core::media::MediaRef { field: format!("argument {}", k + 4), source, mime: None })
+                })
+                .collect();
+            rows.push(Row { model, prompt, id: None, call: opts.call.clone(), media });
         }
         #[cfg(feature = "cluster")]
         crate::cancel::count_called(
@@ -250,6 +341,17 @@ impl AsyncScalarUDFImpl for LlmUdf {
             }
         }
         let array: ArrayRef = match self.kind {
+            // With a response schema, the answers' JSON as a value of its type.
+            UdfKind::Generate if args.return_field.data_type() != &DataType::Utf8 => {
+                let answers = results.iter().map(|r| match r {
+                    RowResult::Done(o, _) => match o.as_ref() {
+                        Outcome::Success(s) => Some(s.response.text.as_str()),
+                        Outcome::Failure(_) => None,
+                    },
+                    RowResult::Null => None,
+                });
+                weir_tables::shaped_column(answers, args.return_field.data_type())?
+            }
             UdfKind::Generate => {
                 let mut b = StringBuilder::new();
                 for r in &results {

@@ -105,7 +105,7 @@ pub trait Host: Send {
     /// when the caller has answered it again, false when it must go to a job.
     async fn answer_again(&mut self, record: &Record) -> bool;
     /// The request of a spooled record (for a follow-up job), or why it has none.
-    fn rebuild(&mut self, key: String, record: Record) -> Result<Item, (Record, ModelError)>;
+    async fn rebuild(&mut self, key: String, record: Record) -> Result<Item, (Record, ModelError)>;
     /// Why a job's answer for `record` is not one to keep (it does not match the response
     /// schema): it is then tried again like a request that failed alone. `None` keeps it.
     fn check(&self, _record: &Record, _response: &ModelResponse) -> Option<ModelError> {
@@ -565,7 +565,7 @@ impl Run<'_> {
                     if !e.answered || self.host.finished(&e.record) || self.host.answer_again(&e.record).await {
                         continue;
                     }
-                    match self.host.rebuild(e.key, e.record) {
+                    match self.host.rebuild(e.key, e.record).await {
                         Ok(item) => self.add_to(&mut again, 0, item).await?,
                         Err((record, error)) => self.leftover(record, error).await,
                     }
@@ -623,7 +623,7 @@ impl Run<'_> {
             if !self.is_open(&e, cut.spool) {
                 continue;
             }
-            match self.host.rebuild(e.key, e.record) {
+            match self.host.rebuild(e.key, e.record).await {
                 Ok(item) => {
                     let key = item.key.clone();
                     self.add_to(&mut w, cut.round, item).await?;
@@ -912,7 +912,7 @@ impl Run<'_> {
                     };
                     self.leftover(e.record, error).await;
                 }
-                _ => match self.host.rebuild(e.key, e.record) {
+                _ => match self.host.rebuild(e.key, e.record).await {
                     Ok(item) => {
                         let key = item.key.clone();
                         self.add_to(&mut follow, a.round + 1, item).await?;
@@ -1221,7 +1221,7 @@ mod tests {
         async fn answer_again(&mut self, _: &Record) -> bool {
             false
         }
-        fn rebuild(&mut self, key: String, record: Record) -> Result<Item, (Record, ModelError)> {
+        async fn rebuild(&mut self, key: String, record: Record) -> Result<Item, (Record, ModelError)> {
             Ok(Item { record, ..item(&key, 0) })
         }
         async fn deliver(&mut self, record: Record, result: Result<ModelResponse, ModelError>) {

@@ -21,7 +21,19 @@ pub struct GeminiHandler {
     endpoint: String,
     model_id: String,
     credential: Credential,
+    /// Where the Files API is (the Gemini API's base URL), for media too large to go inline;
+    /// `None` on Vertex AI.
+    files_base: Option<String>,
+    /// Media uploaded to the Files API, by digest: its URI and when it was uploaded (the API
+    /// keeps a file 48 hours), so a part is uploaded once however many records or tries send it.
+    uploads: std::sync::Mutex<std::collections::HashMap<[u8; 32], (String, tokio::time::Instant)>>,
 }
+
+/// How long an uploaded file is reused: the API deletes it after 48 hours.
+const UPLOAD_KEPT: std::time::Duration = std::time::Duration::from_secs(47 * 3600);
+
+/// The largest file the Files API takes.
+const MAX_UPLOAD_BYTES: u64 = 2 * 1000 * 1000 * 1000;
 
 /// Finish reasons that mean the answer was withheld.
 const BLOCKED_FINISH: &[&str] = &[
@@ -44,9 +56,12 @@ impl GeminiHandler {
         key: Option<Secret>,
         model_id: String,
     ) -> Self {
-        let root = format!("{}/v1beta/models/{model}", base.as_str().trim_end_matches('/'));
+        let files_base = base.as_str().trim_end_matches('/').to_string();
+        let root = format!("{files_base}/v1beta/models/{model}");
         let credential = key.map_or(Credential::None, |k| Credential::Key(k, Some("x-goog-api-key")));
-        Self::with_root(client, root, credential, model_id)
+        let mut handler = Self::with_root(client, root, credential, model_id);
+        handler.files_base = Some(files_base);
+        handler
     }
 
     /// Gemini on Vertex AI: `root` is the model's URL up to its method
@@ -64,7 +79,7 @@ impl GeminiHandler {
         let url = format!("{root}:generateContent");
         let stream_url = format!("{root}:streamGenerateContent?alt=sse");
         let endpoint = url.clone();
-        Self { client, url, stream_url, endpoint, model_id, credential }
+        Self { client, url, stream_url, endpoint, model_id, credential, files_base: None, uploads: Default::default() }
     }
 
     /// Names the endpoint `name` instead of its URL (the in-process simulator, whose port
@@ -80,7 +95,11 @@ impl GeminiHandler {
         let mut parts = vec![json!({"text": request.prompt})];
         // Media after the text, inline (base64), as the record's fields list them.
         for p in request.media.iter() {
-            parts.push(json!({"inlineData": {"mimeType": p.mime, "data": crate::http::base64(&p.data)}}));
+            parts.push(match &p.uri {
+                // Read by the endpoint itself (a `gs://` object on Vertex AI, an uploaded file).
+                Some(uri) => json!({"fileData": {"mimeType": p.mime, "fileUri": uri}}),
+                None => json!({"inlineData": {"mimeType": p.mime, "data": crate::http::base64(&p.data)}}),
+            });
         }
         body.insert("contents".into(), json!([{"role": "user", "parts": parts}]));
         if let Some(system) = &request.system {
@@ -327,6 +346,49 @@ impl ModelHandler for GeminiHandler {
 
     fn model_id(&self) -> &str {
         &self.model_id
+    }
+
+    fn max_upload_bytes(&self) -> Option<u64> {
+        self.files_base.as_ref().map(|_| MAX_UPLOAD_BYTES)
+    }
+
+    async fn upload_media(&self, part: &weir_core::media::Part) -> Result<String, ModelError> {
+        let Some(base) = &self.files_base else {
+            return Err(ModelError::new(ErrorKind::InvalidInput, "media goes inline only on Vertex AI"));
+        };
+        let now = tokio::time::Instant::now();
+        if let Some((uri, at)) = self.uploads.lock().unwrap_or_else(|e| e.into_inner()).get(&part.digest) {
+            if now.duration_since(*at) < UPLOAD_KEPT {
+                return Ok(uri.clone());
+            }
+        }
+        let hex: String = part.digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+        let data = part.data.clone();
+        let file = crate::jobs::files_upload(
+            &self.client,
+            &self.credential,
+            base,
+            &format!("weir-media-{hex}"),
+            &part.mime,
+            data.len() as u64,
+            || reqwest::Body::from(data.clone()),
+        )
+        .await?;
+        let file =
+            crate::jobs::files_active(&self.client, &self.credential, base, file, std::time::Duration::from_secs(600))
+                .await?;
+        let uri = file.get("uri").and_then(Value::as_str).map(str::to_string).ok_or_else(|| {
+            ModelError::new(ErrorKind::MalformedResponse, "the Files API gave an uploaded file no URI")
+        })?;
+        self.uploads.lock().unwrap_or_else(|e| e.into_inner()).insert(part.digest, (uri.clone(), now));
+        Ok(uri)
+    }
+
+    /// Vertex AI reads `gs://` objects itself (with the project's service agent), so media
+    /// there goes by reference (`fileData`), of any size Vertex AI takes, and is never
+    /// downloaded; the Gemini API reads no buckets.
+    fn reads_by_reference(&self, source: &str) -> bool {
+        matches!(self.credential, Credential::Tokens(_)) && source.starts_with("gs://")
     }
 
     fn endpoint(&self) -> &str {

@@ -364,6 +364,89 @@ impl JobApi for OpenAiJobs {
     }
 }
 
+/// Uploads a file to the Gemini API's Files API at `base` (the resumable protocol: a start
+/// that declares the length and type, then the bytes `body` makes in one request that
+/// finalizes); the file's resource (`name`, `uri`, `state`, …). For batch jobs' inputs and for
+/// media too large to go inline.
+pub(crate) async fn files_upload(
+    client: &reqwest::Client,
+    credential: &Credential,
+    base: &str,
+    display_name: &str,
+    mime: &str,
+    len: u64,
+    body: impl Fn() -> reqwest::Body,
+) -> Result<Value, ModelError> {
+    let url = format!("{base}/upload/v1beta/files");
+    let start = bytes::Bytes::from(json!({"file": {"display_name": display_name}}).to_string());
+    let reply = send_ok(
+        credential,
+        || {
+            json_post(client, &url, &start)
+                .header("X-Goog-Upload-Protocol", "resumable")
+                .header("X-Goog-Upload-Command", "start")
+                .header("X-Goog-Upload-Header-Content-Length", len.to_string())
+                .header("X-Goog-Upload-Header-Content-Type", mime)
+        },
+        gemini::classify_error,
+    )
+    .await?;
+    let session = reply
+        .headers
+        .get("x-goog-upload-url")
+        .and_then(|v| v.to_str().ok())
+        .ok_or_else(|| malformed("the upload's start gave no X-Goog-Upload-URL"))?
+        .to_string();
+    // The key goes with the bytes only to where it was going already.
+    let origin = |u: &str| reqwest::Url::parse(u).ok().map(|u| u.origin());
+    if origin(&session).is_none() || origin(&session) != origin(base) {
+        return Err(malformed("the upload's start named a place other than the API's to send the file to"));
+    }
+    let reply = send_ok(
+        credential,
+        || {
+            client
+                .post(&session)
+                .header("X-Goog-Upload-Command", "upload, finalize")
+                .header("X-Goog-Upload-Offset", "0")
+                .header(reqwest::header::CONTENT_TYPE, mime)
+                .header(reqwest::header::CONTENT_LENGTH, len)
+                .body(body())
+        },
+        gemini::classify_error,
+    )
+    .await?;
+    let file = json_of(&reply)?;
+    file.get("file").cloned().ok_or_else(|| malformed("the finished upload named no file"))
+}
+
+/// Fetches the Gemini API file `name` (`files/…`) at `base` until it is `ACTIVE` (a video is
+/// `PROCESSING` for a while after its upload), at most `patience`; its resource.
+pub(crate) async fn files_active(
+    client: &reqwest::Client,
+    credential: &Credential,
+    base: &str,
+    mut file: Value,
+    patience: std::time::Duration,
+) -> Result<Value, ModelError> {
+    let started = tokio::time::Instant::now();
+    loop {
+        match file.get("state").and_then(Value::as_str) {
+            None | Some("ACTIVE") | Some("STATE_UNSPECIFIED") => return Ok(file),
+            Some("FAILED") => return Err(malformed("the uploaded file failed the API's processing")),
+            Some(_) if started.elapsed() >= patience => {
+                return Err(ModelError::new(ErrorKind::Timeout, "an uploaded file was still being processed"))
+            }
+            Some(_) => {}
+        }
+        tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+        let name =
+            file.get("name").and_then(Value::as_str).ok_or_else(|| malformed("an uploaded file without a name"))?;
+        let url = format!("{base}/v1beta/{name}");
+        file = json_of(&send_ok(credential, || client.get(&url), gemini::classify_error).await?)?;
+    }
+}
+
 /// Jobs of the Gemini API's batch mode: small ones with their requests inline, larger ones
 /// from a JSONL file uploaded through the Files API (resumable protocol), answered in a file.
 pub struct GeminiJobs {
@@ -415,50 +498,14 @@ impl GeminiJobs {
         json_of(&reply)
     }
 
-    /// Uploads a job's input file (the Files API's resumable protocol: a start that declares
-    /// the length, then the bytes in one request that finalizes); its name (`files/…`).
+    /// Uploads a job's input file; its name (`files/…`).
     async fn upload(&self, name: &str, input: &JobInput) -> Result<String, ModelError> {
-        let url = format!("{}/upload/v1beta/files", self.base);
-        let start = bytes::Bytes::from(json!({"file": {"display_name": name}}).to_string());
-        let reply = send_ok(
-            &self.credential,
-            || {
-                json_post(&self.client, &url, &start)
-                    .header("X-Goog-Upload-Protocol", "resumable")
-                    .header("X-Goog-Upload-Command", "start")
-                    .header("X-Goog-Upload-Header-Content-Length", input.len.to_string())
-                    .header("X-Goog-Upload-Header-Content-Type", "application/jsonl")
-            },
-            gemini::classify_error,
-        )
-        .await?;
-        let session = reply
-            .headers
-            .get("x-goog-upload-url")
-            .and_then(|v| v.to_str().ok())
-            .ok_or_else(|| malformed("the upload's start gave no X-Goog-Upload-URL"))?
-            .to_string();
-        // The key goes with the bytes only to where it was going already.
-        let origin = |u: &str| reqwest::Url::parse(u).ok().map(|u| u.origin());
-        if origin(&session).is_none() || origin(&session) != origin(&self.base) {
-            return Err(malformed("the upload's start named a place other than the API's to send the file to"));
-        }
-        let reply = send_ok(
-            &self.credential,
-            || {
-                self.client
-                    .post(&session)
-                    .header("X-Goog-Upload-Command", "upload, finalize")
-                    .header("X-Goog-Upload-Offset", "0")
-                    .header(reqwest::header::CONTENT_TYPE, "application/jsonl")
-                    .header(reqwest::header::CONTENT_LENGTH, input.len)
-                    .body(reqwest::Body::wrap_stream(input.stream()))
-            },
-            gemini::classify_error,
-        )
-        .await?;
-        let file = json_of(&reply)?;
-        file.pointer("/file/name")
+        let file =
+            files_upload(&self.client, &self.credential, &self.base, name, "application/jsonl", input.len, || {
+                reqwest::Body::wrap_stream(input.stream())
+            })
+            .await?;
+        file.get("name")
             .and_then(Value::as_str)
             .map(str::to_string)
             .ok_or_else(|| malformed("the finished upload named no file"))

@@ -89,9 +89,17 @@ fn params_over(base: &GenParams, json: Option<&str>, whose: &str) -> PyResult<Ar
 }
 
 /// One item from Python: id (text, and whether it was a number), prompt, model, system text and
-/// parameters (JSON), each `None` when the item does not set it.
+/// parameters (JSON), each `None` when the item does not set it, and its media fields.
 /// The prompt is `None` when it is empty: such an item fails as invalid input, with no call.
-type Item = (Option<String>, bool, Option<String>, Option<String>, Option<String>, Option<String>);
+type Item =
+    (Option<String>, bool, Option<String>, Option<String>, Option<String>, Option<String>, Vec<(String, Media)>);
+
+/// A media field's value from Python: a path or URL, or the bytes.
+#[derive(FromPyObject)]
+enum Media {
+    Named(String),
+    Bytes(pyo3::pybacked::PyBackedBytes),
+}
 
 /// One result for Python: ok, text, embedding, finish reason, error kind, error message,
 /// retryable, attempts, prompt tokens, output tokens, model.
@@ -225,7 +233,7 @@ impl PyEngine {
         let default = Arc::new(Call { system: system.clone(), params: params.clone() });
         let mut calls: HashMap<(Option<String>, Option<String>), Arc<Call>> = HashMap::new();
         let mut rows = Vec::with_capacity(items.len());
-        for (i, (id, numeric, prompt, model, own_system, own_params)) in items.into_iter().enumerate() {
+        for (i, (id, numeric, prompt, model, own_system, own_params, media)) in items.into_iter().enumerate() {
             let call = if own_system.is_none() && own_params.is_none() {
                 default.clone()
             } else {
@@ -243,7 +251,18 @@ impl PyEngine {
                 }
             };
             let id = id.map(|s| if numeric { RecordId::Number(s) } else { RecordId::Text(s) });
-            rows.push(Row { model: Some(model.unwrap_or_else(|| self.model.clone())), prompt, id, call });
+            let media = media
+                .into_iter()
+                .map(|(field, m)| weir_core::media::MediaRef {
+                    field,
+                    source: match m {
+                        Media::Named(s) => weir_core::media::MediaSource::Named(s),
+                        Media::Bytes(b) => weir_core::media::MediaSource::Bytes(bytes::Bytes::copy_from_slice(&b)),
+                    },
+                    mime: None,
+                })
+                .collect();
+            rows.push(Row { model: Some(model.unwrap_or_else(|| self.model.clone())), prompt, id, call, media });
         }
         Ok(rows)
     }

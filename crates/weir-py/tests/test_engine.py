@@ -428,3 +428,62 @@ def test_a_pool_of_replicas_and_one_from_a_list_of_endpoints(sim_factory, monkey
         MODEL, endpoints=[{"base_url": a.url}, {"base_url": b.url, "key_env": "POOL_KEY_SET", "weight": 2}], cache=False
     )
     assert all(r.ok for r in engine.generate(prompts(10, "listed")))
+
+
+PNG = b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR"
+
+
+def test_media_fields_send_paths_and_bytes_and_bad_media_is_the_items_error(sim, tmp_path):
+    # Issue #35: media by path and as bytes go inline, once each; a missing file and bytes of
+    # no type a provider takes are that item's invalid_input result, with no call.
+    paths = []
+    for i in range(3):
+        p = tmp_path / f"photo{i}.png"
+        p.write_bytes(PNG + f"path image {i}".encode())
+        paths.append(p)
+    items = [{"id": f"p{i}", "prompt": "describe", "image": str(p)} for i, p in enumerate(paths)]
+    items += [{"id": f"b{i}", "prompt": "describe", "image": PNG + f"bytes image {i}".encode()} for i in range(3)]
+    items += [
+        {"id": "path-like", "prompt": "describe", "image": paths[0].with_name("photo0.png")},
+        {"id": "gone", "prompt": "describe", "image": str(tmp_path / "none.png")},
+        {"id": "junk", "prompt": "describe", "image": b"\x00\xff junk"},
+        {"id": "none", "prompt": "describe", "image": None},
+    ]
+    engine = weir.Engine(MODEL, sim.url, media_fields=["image"], cache=False)
+    results = {r.id: r for r in engine.generate(items)}
+    for k in ["p0", "p1", "p2", "b0", "b1", "b2", "path-like", "none"]:
+        assert results[k].ok, results[k]
+    assert results["p0"].text == results["path-like"].text, "the same bytes, the same answer"
+    assert results["p0"].text != results["p1"].text, "the answer depends on the image"
+    for k, why in [("gone", "no such file"), ("junk", "not a type")]:
+        r = results[k]
+        assert not r.ok and r.error_kind == "invalid_input" and r.attempts == 0, r
+        assert "media field 'image'" in r.error_message and why in r.error_message, r.error_message
+    s = sim.stats()
+    assert (s["requests"], s["media_parts"]) == (8, 7), s
+    with pytest.raises(TypeError, match="media field 'image'"):
+        engine.generate([{"prompt": "x", "image": 5}])
+    with pytest.raises(weir.ConfigError, match="media_fields"):
+        weir.Engine(MODEL, sim.url, media_fields=[3])
+
+
+def test_a_response_schema_gives_parsed_values(sim):
+    schema = {
+        "type": "object",
+        "properties": {"label": {"type": "string"}, "score": {"type": "number"}},
+        "required": ["label", "score"],
+    }
+    engine = weir.Engine(MODEL, sim.url, params={"response_schema": schema}, cache=False)
+    results = engine.generate([f"classify item {i}" for i in range(5)])
+    for r in results:
+        assert r.ok and isinstance(r.value, dict), r
+        assert isinstance(r.value["label"], str) and isinstance(r.value["score"], (int, float)), r.value
+    plain = weir.Engine(MODEL, sim.url, cache=False).generate(["hello"])[0]
+    assert plain.ok and plain.value is None
+    # A call's own schema, and one item's.
+    per_call = weir.Engine(MODEL, sim.url, cache=False).generate(["a"], params={"response_schema": schema})[0]
+    assert isinstance(per_call.value, dict), per_call
+    per_item = weir.Engine(MODEL, sim.url, cache=False).generate(
+        [{"prompt": "b", "params": {"response_schema": schema}}, "c"]
+    )
+    assert isinstance(per_item[0].value, dict) and per_item[1].value is None, per_item

@@ -36,7 +36,7 @@ pub struct DispatchSettings {
 
 /// A [`Work`] item with its endpoint's driver found (and when, to time its wait for a batch).
 enum Routed {
-    Call(Arc<Driver>, Record, Instant),
+    Call(Arc<Driver>, Box<Record>, Instant),
     Done(Box<Failure>),
     ReadError(std::io::Error),
 }
@@ -57,7 +57,7 @@ pub fn outcomes<'a>(
             async move {
                 match w {
                     Work::Call(record) => match router.driver_for(&record).await {
-                        Ok(d) => Routed::Call(d, record, Instant::now()),
+                        Ok(d) => Routed::Call(d, Box::new(record), Instant::now()),
                         Err(msg) => Routed::Done(Box::new(Failure::of(
                             record,
                             ModelError::new(ErrorKind::InvalidInput, msg),
@@ -115,7 +115,7 @@ async fn answer(
             let records = batch
                 .into_iter()
                 .filter_map(|r| match r {
-                    Routed::Call(_, record, _) => Some(record),
+                    Routed::Call(_, record, _) => Some(*record),
                     _ => None,
                 })
                 .collect();
@@ -141,13 +141,13 @@ async fn answer(
             Some(Routed::Call(d, record, _)) => match events {
                 Some(tx) => {
                     let to = StreamTo::new(tx, &record.id);
-                    let outcome = d.run_streamed(record, to.consumer()).await;
+                    let outcome = d.run_streamed(*record, to.consumer()).await;
                     if let Outcome::Failure(f) = &outcome {
                         to.failed(&f.error).await;
                     }
                     vec![Ok(outcome)]
                 }
-                None => vec![Ok(d.run(record).await)],
+                None => vec![Ok(d.run(*record).await)],
             },
             Some(Routed::Done(failure)) => vec![Ok(router.reject(failure))],
             Some(Routed::ReadError(e)) => vec![Err(e)],

@@ -6,7 +6,8 @@ use bytes::Bytes;
 use futures::StreamExt;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
-use weir_core::media::{too_large, MediaLoader};
+use weir_core::media::{MediaError, MediaLoader};
+use weir_core::ErrorKind;
 use weir_providers::http::is_loopback;
 
 /// Reads files and URLs, and `gs://` and `s3://` objects through `objects` when given.
@@ -46,39 +47,85 @@ impl Loader {
     }
 }
 
+/// Tries of a URL whose fetch failed in a way that may pass (a timeout, a cut connection, a
+/// 5xx or 429), the waits between them doubling from [`FETCH_WAIT`].
+const FETCH_TRIES: u32 = 3;
+/// The wait before the second try of a URL.
+const FETCH_WAIT: Duration = Duration::from_millis(500);
+
+impl Loader {
+    /// `url`'s bytes, tried again after a failure that may pass; the last failure otherwise.
+    async fn fetch(&self, url: reqwest::Url, max: usize) -> Result<Bytes, MediaError> {
+        let mut wait = FETCH_WAIT;
+        let mut tries = 1;
+        loop {
+            match self.fetch_once(url.clone(), max).await {
+                Err(e) if e.is_transient() && tries < FETCH_TRIES => {
+                    tokio::time::sleep(wait).await;
+                    wait *= 2;
+                    tries += 1;
+                }
+                done => return done,
+            }
+        }
+    }
+
+    async fn fetch_once(&self, url: reqwest::Url, max: usize) -> Result<Bytes, MediaError> {
+        let client = self.client.as_ref().ok_or("no HTTP client could be made")?;
+        let resp = client.get(url).send().await.map_err(|e| {
+            let fetched = |why: &str| format!("could not be fetched: {why}");
+            if e.is_timeout() {
+                MediaError::transient(ErrorKind::Timeout, fetched("no answer in time"))
+            } else if e.is_redirect() {
+                MediaError::permanent(fetched("a redirect weir does not follow (to plain http:// off this machine)"))
+            } else {
+                MediaError::transient(ErrorKind::Transport, fetched("the connection failed"))
+            }
+        })?;
+        let status = resp.status();
+        if !status.is_success() {
+            let msg = format!("could not be fetched: HTTP {}", status.as_u16());
+            // A server's failure, a refusal to serve now, or a timeout of its own may pass.
+            return Err(if status.is_server_error() || status.as_u16() == 429 || status.as_u16() == 408 {
+                MediaError::transient(ErrorKind::Server, msg)
+            } else {
+                MediaError::permanent(msg)
+            });
+        }
+        if let Some(len) = resp.content_length().filter(|l| *l > max as u64) {
+            return Err(MediaError::too_large(len, max));
+        }
+        let mut body = resp.bytes_stream();
+        let mut data = Vec::new();
+        while let Some(chunk) = body.next().await {
+            let chunk = chunk.map_err(|e| {
+                MediaError::transient(ErrorKind::Transport, format!("cut while fetched: {}", e.without_url()))
+            })?;
+            if data.len() + chunk.len() > max {
+                return Err(MediaError::too_large((data.len() + chunk.len()) as u64, max));
+            }
+            data.extend_from_slice(&chunk);
+        }
+        Ok(Bytes::from(data))
+    }
+}
+
 #[async_trait::async_trait]
 impl MediaLoader for Loader {
-    async fn load(&self, source: &str, max: usize) -> Result<Bytes, String> {
+    async fn peek(&self, source: &str) -> Result<weir_core::media::Peek, MediaError> {
+        match &self.objects {
+            Some(objects) if source.starts_with("gs://") || source.starts_with("s3://") => objects.peek(source).await,
+            _ => Err("only gs:// and s3:// objects are read by reference".into()),
+        }
+    }
+
+    async fn load(&self, source: &str, max: usize) -> Result<Bytes, MediaError> {
         if source.starts_with("https://") || source.starts_with("http://") {
-            let url = reqwest::Url::parse(source).map_err(|_| "not a URL".to_string())?;
+            let url = reqwest::Url::parse(source).map_err(|_| "not a URL")?;
             if url.scheme() == "http" && !is_loopback(&url) {
                 return Err("plain http:// is read only from loopback: give an https:// URL".into());
             }
-            let client = self.client.as_ref().ok_or("no HTTP client could be made")?;
-            let resp = client.get(url).send().await.map_err(|e| {
-                let why = match () {
-                    _ if e.is_timeout() => "no answer in time",
-                    _ if e.is_redirect() => "a redirect weir does not follow (to plain http:// off this machine)",
-                    _ => "the connection failed",
-                };
-                format!("could not be fetched: {why}")
-            })?;
-            if !resp.status().is_success() {
-                return Err(format!("could not be fetched: HTTP {}", resp.status().as_u16()));
-            }
-            if let Some(len) = resp.content_length().filter(|l| *l > max as u64) {
-                return Err(too_large(len, max));
-            }
-            let mut body = resp.bytes_stream();
-            let mut data = Vec::new();
-            while let Some(chunk) = body.next().await {
-                let chunk = chunk.map_err(|e| format!("cut while fetched: {}", e.without_url()))?;
-                if data.len() + chunk.len() > max {
-                    return Err(format!("over the {max} bytes left for a request's inline parts (15 MB in all)"));
-                }
-                data.extend_from_slice(&chunk);
-            }
-            return Ok(Bytes::from(data));
+            return self.fetch(url, max).await;
         }
         if source.starts_with("gs://") || source.starts_with("s3://") {
             return match &self.objects {
@@ -87,12 +134,12 @@ impl MediaLoader for Loader {
             };
         }
         if let Some((scheme, _)) = source.split_once("://") {
-            return Err(format!("{scheme}:// is not a place weir reads media from (a path, https://)"));
+            return Err(format!("{scheme}:// is not a place weir reads media from (a path, https://)").into());
         }
         // One trip to the blocking pool for the whole file (open, size, read): a trip per step
         // cost more in thread switches than the reading (seen in a profile at 20 KB a file).
         let path = source.to_string();
-        let read = tokio::task::spawn_blocking(move || -> Result<Bytes, String> {
+        let read = tokio::task::spawn_blocking(move || -> Result<Bytes, MediaError> {
             use std::io::Read;
             // Asked of the path before it is opened: opening a FIFO waits for a writer forever.
             if let Ok(m) = std::fs::metadata(&path) {
@@ -109,16 +156,16 @@ impl MediaLoader for Loader {
                 return Err("not a file".into());
             }
             if meta.len() > max as u64 {
-                return Err(too_large(meta.len(), max));
+                return Err(MediaError::too_large(meta.len(), max));
             }
             let mut data = Vec::with_capacity(meta.len() as usize);
             // At most one byte past the limit: a file that grew since is caught too.
             f.take(max as u64 + 1).read_to_end(&mut data).map_err(|e| format!("cannot be read: {e}"))?;
             if data.len() > max {
-                return Err(too_large(data.len() as u64, max));
+                return Err(MediaError::too_large(data.len() as u64, max));
             }
             Ok(Bytes::from(data))
         });
-        read.await.map_err(|e| format!("cannot be read: {e}"))?
+        read.await.map_err(|e| MediaError::permanent(format!("cannot be read: {e}")))?
     }
 }

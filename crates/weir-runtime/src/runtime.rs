@@ -65,6 +65,8 @@ pub struct Row {
     pub id: Option<RecordId>,
     /// System text and parameters.
     pub call: Arc<Call>,
+    /// Media sent after the prompt, in order (a SQL media argument, Python's `media_fields`).
+    pub media: Vec<weir_core::media::MediaRef>,
 }
 
 /// Sets up the client of a model. The default is [`crate::connect`]: `weir_providers`' clients
@@ -161,7 +163,7 @@ pub struct EndpointState {
 type Group = (String, Arc<Call>, bool);
 
 /// A group's rows: their places in the request, prompts and ids.
-type Members = Vec<(usize, String, Option<RecordId>)>;
+type Members = Vec<Member>;
 
 /// What became of one row.
 #[derive(Debug)]
@@ -181,10 +183,16 @@ fn outcome_line(o: &Outcome) -> u64 {
 }
 
 /// The record of the row at `i` (its id, else its place).
-fn record_of(i: usize, prompt: String, id: Option<RecordId>) -> Record {
+fn record_of((i, prompt, id, media): Member) -> (usize, Record) {
     let line = i as u64 + 1;
-    Record::new(id.unwrap_or_else(|| RecordId::Text(line.to_string())), line, prompt, Default::default())
+    let mut record =
+        Record::new(id.unwrap_or_else(|| RecordId::Text(line.to_string())), line, prompt, Default::default());
+    record.media = media;
+    (i, record)
 }
+
+/// A row of a request on its way to a driver: its place, prompt, id and media.
+type Member = (usize, String, Option<RecordId>, Vec<weir_core::media::MediaRef>);
 
 /// The process's endpoints, shared by every caller (every partition and query of SQL, every
 /// thread of a Python process).
@@ -463,7 +471,7 @@ impl Runtime {
                 groups.push(((model, row.call, keyed), Vec::new()));
                 groups.len() - 1
             });
-            groups[g].1.push((i, prompt, row.id));
+            groups[g].1.push((i, prompt, row.id, row.media));
         }
         // Every model is connected before any call is made: a row naming a model that cannot be
         // used (unknown, no key) fails alone, and never after its request-mates were paid for
@@ -497,8 +505,8 @@ impl Runtime {
                     }
                     let (slots, outcomes): (Vec<usize>, Vec<Outcome>) = members
                         .into_iter()
-                        .map(|(i, prompt, id)| {
-                            let record = record_of(i, prompt, id);
+                        .map(|m| {
+                            let (i, record) = record_of(m);
                             (i, Outcome::Failure(Box::new(Failure::of(record, error.clone(), 0))))
                         })
                         .unzip();
@@ -518,17 +526,17 @@ impl Runtime {
             let model_id: Arc<str> = Arc::from(driver.model_id());
             // An empty prompt asks nothing: it fails alone, without a call (a model would
             // answer it with something, and that would be paid for).
-            let (empty, members): (Vec<_>, Vec<_>) = members.into_iter().partition(|(_, p, _)| p.trim().is_empty());
+            let (empty, members): (Vec<_>, Vec<_>) = members.into_iter().partition(|(_, p, _, _)| p.trim().is_empty());
             let refused: Vec<(usize, Outcome)> = empty
                 .into_iter()
-                .map(|(i, prompt, id)| {
+                .map(|m| {
                     let error = ModelError::new(ErrorKind::InvalidInput, "empty prompt: nothing to ask the model");
                     site.metrics.record_failure(error.kind);
-                    (i, Outcome::Failure(Box::new(Failure::of(record_of(i, prompt, id), error, 0))))
+                    let (i, record) = record_of(m);
+                    (i, Outcome::Failure(Box::new(Failure::of(record, error, 0))))
                 })
                 .collect();
-            let (slots, records): (Vec<usize>, Vec<Record>) =
-                members.into_iter().map(|(i, prompt, id)| (i, record_of(i, prompt, id))).unzip();
+            let (slots, records): (Vec<usize>, Vec<Record>) = members.into_iter().map(record_of).unzip();
             // The request's rows through the same dispatch as `weir run`'s records: batches of
             // like length (buckets that double) for an endpoint that takes many per call, every
             // row at once (the throttle decides how many are in flight). Every row of the
@@ -628,6 +636,7 @@ mod tests {
                 prompt: Some(if i % 2 == 0 { format!("short {i}") } else { format!("{long} {i}") }),
                 id: None,
                 call: call.clone(),
+                media: Vec::new(),
             })
             .collect();
         let prompts: Vec<String> = rows.iter().map(|r| r.prompt.clone().unwrap()).collect();
@@ -663,6 +672,7 @@ mod tests {
                     prompt: Some(format!("p{i}")),
                     id: None,
                     call: Arc::new(Call::default()),
+                    media: Vec::new(),
                 })
                 .collect()
         };

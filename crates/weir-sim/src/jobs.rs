@@ -98,6 +98,8 @@ struct Inner {
     uploads: BTreeMap<String, (String, u64)>,
     uploaded: u64,
     upload_refusals: u64,
+    /// Media parts of the requests jobs answered.
+    media_parts: u64,
     /// How many submitted jobs held each request key (a key in two jobs was paid twice,
     /// unless the first job left it unanswered).
     keys: std::collections::HashMap<String, u32>,
@@ -276,7 +278,14 @@ impl Job {
     }
 
     /// Computes the results once the job is terminal.
-    fn finish(&mut self, cfg: &SimConfig, files: &mut BTreeMap<String, Vec<u8>>, next: &mut u64, gcs: &Store) -> u64 {
+    fn finish(
+        &mut self,
+        cfg: &SimConfig,
+        files: &mut BTreeMap<String, Vec<u8>>,
+        next: &mut u64,
+        gcs: &Store,
+        media: &mut u64,
+    ) -> u64 {
         if self.results.is_some() || !self.terminal(cfg) {
             return 0;
         }
@@ -290,7 +299,7 @@ impl Job {
         let results: Vec<_> = self.requests[..answered]
             .iter()
             .enumerate()
-            .map(|(i, (key, body))| (key.clone(), answer(cfg, api, &model, body, &self.id, i)))
+            .map(|(i, (key, body))| (key.clone(), answer(cfg, api, &model, body, &self.id, i, media)))
             .collect();
         if let Some(v) = &mut self.vertex {
             // One `predictions.jsonl` in a directory of its own under the output prefix, each
@@ -505,7 +514,7 @@ impl Inner {
         if !j.terminal(cfg) {
             j.cancelled_at = Some(j.elapsed());
         }
-        self.answered += j.finish(cfg, &mut self.files, &mut self.next, gcs);
+        self.answered += j.finish(cfg, &mut self.files, &mut self.next, gcs, &mut self.media_parts);
         true
     }
 }
@@ -522,7 +531,15 @@ fn vertex_error(status: u16, message: &str) -> Reply {
 
 /// The answer to one request of a job, as the online route would give it (no latency, no
 /// quota: a job has its own pool).
-fn answer(cfg: &SimConfig, api: Api, model: &str, body: &Value, job: &str, i: usize) -> Result<Value, (u16, Value)> {
+fn answer(
+    cfg: &SimConfig,
+    api: Api,
+    model: &str,
+    body: &Value,
+    job: &str,
+    i: usize,
+    media: &mut u64,
+) -> Result<Value, (u16, Value)> {
     // A Vertex AI text-embedding instance, answered as its `:predict` would be; an OpenAI
     // batch's `/v1/embeddings` line (its body has `input`, not `messages`).
     let embed = match api {
@@ -553,7 +570,10 @@ fn answer(cfg: &SimConfig, api: Api, model: &str, body: &Value, job: &str, i: us
         return Err((500, proto::error(api, 500, "An internal error has occurred.").body));
     }
     let limit = req.max_tokens.map(|m| m.to_le_bytes()).unwrap_or_default();
-    let h = stable_hash(&[&seed, req.model.as_bytes(), req.prompt.as_bytes(), req.settings.as_bytes(), &limit]);
+    // The answer depends on the media's content too, as online.
+    *media += req.media.len() as u64;
+    let parts: Vec<u8> = req.media.iter().flat_map(|d| d.to_le_bytes()).collect();
+    let h = stable_hash(&[&seed, req.model.as_bytes(), req.prompt.as_bytes(), req.settings.as_bytes(), &limit, &parts]);
     let g = match &req.schema {
         Some(schema) => crate::gen::shaped(schema, h, crate::server::broken_draw(cfg.output.invalid_json_rate)),
         None => generate(h, cfg.output.min_tokens, cfg.output.max_tokens, req.max_tokens, 0.0),
@@ -604,13 +624,18 @@ impl Jobs {
         (g.uploaded, g.upload_refusals)
     }
 
+    /// Media parts of the requests jobs answered.
+    pub fn media_parts(&self) -> u64 {
+        self.lock().media_parts
+    }
+
     /// Zeroes the counts (`POST /stats/reset`); jobs and files stay.
     pub fn reset_counts(&self) {
         let mut g = self.lock();
         g.submitted = 0;
         g.answered = 0;
         g.keys.clear();
-        (g.uploaded, g.upload_refusals) = (0, 0);
+        (g.uploaded, g.upload_refusals, g.media_parts) = (0, 0, 0);
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -626,7 +651,7 @@ impl Jobs {
         let inner = &mut *g;
         // Bring every job whose time has come to its end.
         for job in inner.jobs.values_mut() {
-            inner.answered += job.finish(cfg, &mut inner.files, &mut inner.next, gcs);
+            inner.answered += job.finish(cfg, &mut inner.files, &mut inner.next, gcs, &mut inner.media_parts);
         }
         let json_body = || serde_json::from_slice::<Value>(body).unwrap_or(Value::Null);
         Some(match (method, segs.as_slice()) {
@@ -849,7 +874,7 @@ impl Jobs {
                 let name = format!("files/{id}");
                 inner.files.insert(name.clone(), body.to_vec());
                 let file = json!({"name": name, "displayName": display, "mimeType": header("content-type"),
-                    "sizeBytes": body.len().to_string(), "state": "ACTIVE", "uri": format!("sim://{name}")});
+                    "sizeBytes": body.len().to_string(), "state": "ACTIVE", "uri": format!("http://{}/v1beta/{name}", header("host"))});
                 Reply::JsonWith(200, vec![("x-goog-upload-status", "final".into())], json!({"file": file}))
             }
             // A file's bytes, at the path google-genai's `files.download` asks (and the media

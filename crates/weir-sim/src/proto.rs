@@ -66,8 +66,11 @@ pub struct SimRequest {
     /// The response schema asked for (Gemini `responseJsonSchema`/`responseSchema`, OpenAI
     /// `response_format.json_schema.schema`): the answer is JSON of that shape.
     pub schema: Option<Value>,
-    /// A digest of each media part (decoded inline data), in order: part of the answer's seed.
+    /// A digest of each media part (decoded inline data, or a file's URI), in order: part of
+    /// the answer's seed.
     pub media: Vec<u64>,
+    /// How many of the parts were files by reference (`fileData` with a URI).
+    pub file_uris: u64,
 }
 
 /// The wire form of an embedding request.
@@ -112,6 +115,21 @@ fn media_digest(mime: Option<&str>, data: Option<&str>, at: &str) -> Result<u64,
         .filter(|b| !b.is_empty())
         .ok_or_else(|| BadRequest(format!("Invalid value at '{at}.data': not valid base64 data")))?;
     Ok(crate::gen::stable_hash(&[mime.as_bytes(), &crate::gen::word_hash(&bytes).to_le_bytes()]))
+}
+
+/// A file part's digest, once its type and URI are checked: Vertex AI takes `gs://` objects
+/// (and the Gemini API its own files' URIs), which the simulator does not read: the URI
+/// stands for the content.
+fn file_digest(file: &Value, at: &str) -> Result<u64, BadRequest> {
+    let mime = file.get("mimeType").or_else(|| file.get("mime_type")).and_then(Value::as_str);
+    let Some(mime) = mime.filter(|m| m.contains('/')) else {
+        return Err(BadRequest(format!("Invalid value at '{at}.mime_type': a MIME type is required")));
+    };
+    let uri = file.get("fileUri").or_else(|| file.get("file_uri")).and_then(Value::as_str).unwrap_or("");
+    if !(uri.starts_with("gs://") || uri.starts_with("https://") || uri.starts_with("http://")) {
+        return Err(BadRequest(format!("Invalid value at '{at}.file_uri': expected a gs:// or https:// URI")));
+    }
+    Ok(crate::gen::stable_hash(&[mime.as_bytes(), b"uri", uri.as_bytes()]))
 }
 
 /// The media of an OpenAI user message's content parts (`image_url` data URLs, `input_audio`,
@@ -214,10 +232,17 @@ pub fn parse_gemini(
     let mut prompt = String::new();
     text_of_parts(body.get("systemInstruction").and_then(|s| s.get("parts")), &mut prompt);
     let mut media = Vec::new();
+    let mut file_uris = 0;
     for (i, c) in contents.iter().enumerate() {
         text_of_parts(c.get("parts"), &mut prompt);
         if let Some(Value::Array(parts)) = c.get("parts") {
             for (j, p) in parts.iter().enumerate() {
+                if let Some(file) = p.get("fileData").or_else(|| p.get("file_data")) {
+                    let at = format!("contents[{i}].parts[{j}].file_data");
+                    media.push(file_digest(file, &at)?);
+                    file_uris += 1;
+                    continue;
+                }
                 let Some(inline) = p.get("inlineData").or_else(|| p.get("inline_data")) else { continue };
                 let at = format!("contents[{i}].parts[{j}].inline_data");
                 let mime = inline.get("mimeType").or_else(|| inline.get("mime_type")).and_then(Value::as_str);
@@ -241,6 +266,7 @@ pub fn parse_gemini(
         embed: None,
         schema: config.and_then(|c| c.get("responseJsonSchema").or_else(|| c.get("responseSchema"))).cloned(),
         media,
+        file_uris,
     })
 }
 
@@ -282,6 +308,7 @@ pub fn parse_openai(body: &Value) -> Result<SimRequest, BadRequest> {
         embed: None,
         schema: body.pointer("/response_format/json_schema/schema").cloned(),
         media,
+        file_uris: 0,
     })
 }
 
@@ -335,6 +362,7 @@ pub fn parse_predict(endpoint: &str, body: &Value) -> Result<SimRequest, BadRequ
         embed: None,
         schema: None,
         media: Vec::new(),
+        file_uris: 0,
     })
 }
 
@@ -413,6 +441,7 @@ pub fn parse_embed(api: Api, form: EmbedForm, model: &str, body: &Value) -> Resu
         embed: Some(form),
         schema: None,
         media: Vec::new(),
+        file_uris: 0,
     })
 }
 

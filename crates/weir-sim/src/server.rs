@@ -484,6 +484,7 @@ impl State {
         snap.batch_jobs = self.jobs.submitted();
         snap.batch_answered = self.jobs.answered();
         (snap.gemini_files_uploaded, snap.gemini_upload_refusals) = self.jobs.uploads();
+        snap.batch_media_parts = self.jobs.media_parts();
         (snap.batch_keys, snap.batch_keys_in_two_jobs) = self.jobs.keys();
         snap
     }
@@ -591,7 +592,7 @@ async fn serve_model(
         let limit = req.max_tokens.map(|m| m.to_le_bytes()).unwrap_or_default();
         // The answer depends on the media's content too.
         let media: Vec<u8> = req.media.iter().flat_map(|d| d.to_le_bytes()).collect();
-        state.stats.media(req.media.len() as u64);
+        state.stats.media(req.media.len() as u64, req.file_uris);
         let mut fields: Vec<&[u8]> =
             vec![&seed, req.model.as_bytes(), req.prompt.as_bytes(), req.settings.as_bytes(), &limit];
         if !media.is_empty() {

@@ -34,6 +34,7 @@ pub struct Stats {
     embed_batches: AtomicU64,
     embed_inputs: AtomicU64,
     media_parts: AtomicU64,
+    media_uris: AtomicU64,
     timeline: Mutex<Timeline>,
 }
 
@@ -133,9 +134,15 @@ pub struct StatsSnapshot {
     /// Texts those embedding requests carried.
     #[serde(default)]
     pub embed_inputs: u64,
-    /// Media parts (inline data, decoded and typed) of the requests answered.
+    /// Media parts (inline data, decoded and typed, or files by URI) of the requests answered.
     #[serde(default)]
     pub media_parts: u64,
+    /// Of those, files by reference (`fileData` with a `gs://` or `https://` URI).
+    #[serde(default)]
+    pub media_uris: u64,
+    /// Media parts of the requests batch jobs answered.
+    #[serde(default)]
+    pub batch_media_parts: u64,
     /// Seconds since start or the last reset.
     pub elapsed_secs: f64,
     /// Successes per second between the first and the last success.
@@ -174,6 +181,7 @@ impl Default for Stats {
             embed_batches: AtomicU64::new(0),
             embed_inputs: AtomicU64::new(0),
             media_parts: AtomicU64::new(0),
+            media_uris: AtomicU64::new(0),
             timeline: Mutex::new(Timeline {
                 start: Instant::now(),
                 first_success: None,
@@ -275,9 +283,10 @@ impl Stats {
         self.predict_short.fetch_add(1, Relaxed);
     }
 
-    /// Counts the media parts of a request answered.
-    pub fn media(&self, parts: u64) {
+    /// Counts the media parts of a request answered, and those of them by URI.
+    pub fn media(&self, parts: u64, uris: u64) {
         self.media_parts.fetch_add(parts, Relaxed);
+        self.media_uris.fetch_add(uris, Relaxed);
     }
 
     /// Counts an embedding request computed, with its inputs.
@@ -327,6 +336,8 @@ impl Stats {
             embed_batches: self.embed_batches.load(Relaxed),
             embed_inputs: self.embed_inputs.load(Relaxed),
             media_parts: self.media_parts.load(Relaxed),
+            media_uris: self.media_uris.load(Relaxed),
+            batch_media_parts: 0,
             elapsed_secs: t.start.elapsed().as_secs_f64(),
             successes_per_sec,
             successes_per_second: t.per_second.clone(),
@@ -356,6 +367,7 @@ impl Stats {
             &self.embed_batches,
             &self.embed_inputs,
             &self.media_parts,
+            &self.media_uris,
         ] {
             c.store(0, Relaxed);
         }

@@ -6,7 +6,8 @@ use bytes::Bytes;
 use object_store::{ObjectStore, ObjectStoreExt};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use weir_core::media::MediaLoader;
+use weir_core::media::{MediaError, MediaLoader, Peek, PEEK_BYTES};
+use weir_core::ErrorKind;
 
 use crate::location::{Location, Scheme};
 
@@ -38,19 +39,46 @@ impl BucketMedia {
     }
 }
 
+/// A store's error as the record's: a missing object or refused credentials will not mend;
+/// anything else (the store's own retries spent on timeouts, 5xx, cut connections) may.
+fn read_error(e: object_store::Error) -> MediaError {
+    use object_store::Error as E;
+    match e {
+        E::NotFound { .. } => MediaError::permanent("no such object"),
+        E::PermissionDenied { .. } | E::Unauthenticated { .. } | E::InvalidPath { .. } | E::NotSupported { .. } => {
+            MediaError::permanent(format!("cannot be read: {e}"))
+        }
+        e => MediaError::transient(ErrorKind::Transport, format!("cannot be read: {e}")),
+    }
+}
+
 #[async_trait::async_trait]
 impl MediaLoader for BucketMedia {
-    async fn load(&self, source: &str, max: usize) -> Result<Bytes, String> {
+    async fn load(&self, source: &str, max: usize) -> Result<Bytes, MediaError> {
         let at = Location::parse(source).map_err(|e| e.to_string())?;
         let store = self.store(&at)?;
-        let meta = store.head(&at.path).await.map_err(|e| match e {
-            object_store::Error::NotFound { .. } => "no such object".to_string(),
-            e => format!("cannot be read: {e}"),
-        })?;
+        let meta = store.head(&at.path).await.map_err(read_error)?;
         if meta.size > max as u64 {
-            return Err(weir_core::media::too_large(meta.size, max));
+            return Err(MediaError::too_large(meta.size, max));
         }
-        let got = store.get(&at.path).await.map_err(|e| format!("cannot be read: {e}"))?;
-        got.bytes().await.map_err(|e| format!("cannot be read: {e}"))
+        let got = store.get(&at.path).await.map_err(read_error)?;
+        got.bytes().await.map_err(read_error)
+    }
+
+    async fn peek(&self, source: &str) -> Result<Peek, MediaError> {
+        let at = Location::parse(source).map_err(|e| e.to_string())?;
+        let store = self.store(&at)?;
+        let meta = store.head(&at.path).await.map_err(read_error)?;
+        let head = match meta.size.min(PEEK_BYTES) {
+            0 => Bytes::new(),
+            n => store.get_range(&at.path, 0..n).await.map_err(read_error)?,
+        };
+        // The store's version of the object, else its ETag, else when and how large it was
+        // written: a changed object is another part to the cache.
+        let version = meta
+            .version
+            .or(meta.e_tag)
+            .unwrap_or_else(|| format!("{}/{}", meta.last_modified.timestamp_nanos_opt().unwrap_or(0), meta.size));
+        Ok(Peek { head, version, size: meta.size })
     }
 }

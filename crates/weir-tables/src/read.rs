@@ -453,9 +453,10 @@ fn plain(schema: &Schema) -> Schema {
     fn ty(t: &DataType) -> DataType {
         match t {
             DataType::Dictionary(_, values) => ty(values),
-            // Rows carry bytes as text (see `bytes_value`), durations as a count of their unit
-            // (kept in the column's name, `dur` → an Int64 of microseconds for duration[us]),
-            // and dates as dates (a Date64 would be written as a bare Int64 of milliseconds).
+            // Rows carry bytes as text (see `bytes_value`; a column of bytes is written back
+            // as bytes, below), durations as a count of their unit (kept in the column's
+            // name, `dur` → an Int64 of microseconds for duration[us]), and dates as dates (a
+            // Date64 would be written as a bare Int64 of milliseconds).
             t if is_binary(t) => DataType::Utf8,
             DataType::Duration(_) => DataType::Int64,
             DataType::Date64 => DataType::Date32,
@@ -466,8 +467,14 @@ fn plain(schema: &Schema) -> Schema {
             other => other.clone(),
         }
     }
+    // A column of bytes (a photo dataset's images) is written back as bytes
+    // (`OutputColumns::carry`); bytes nested in lists and structs as text.
+    let top = |f: &arrow_schema::Field| match is_binary(f.data_type()) {
+        true => f.clone().with_data_type(DataType::Binary),
+        false => field(f),
+    };
     Schema::new_with_metadata(
-        schema.fields().iter().map(|f| Arc::new(field(f))).collect::<Vec<_>>(),
+        schema.fields().iter().map(|f| Arc::new(top(f))).collect::<Vec<_>>(),
         schema.metadata().clone(),
     )
 }

@@ -195,6 +195,57 @@ pub fn fit(v: &Value, t: &DataType) -> Value {
     }
 }
 
+/// A column of type `t` (from [`arrow_type_of`]) holding answers to a response schema: each
+/// answer's JSON, fitted ([`fit`]); an answer that is missing or is not JSON is null. For a
+/// front end that returns the answers themselves as values (SQL's `llm_generate` with a
+/// `response_schema`).
+pub fn shaped_column<'a>(
+    answers: impl IntoIterator<Item = Option<&'a str>>,
+    t: &DataType,
+) -> Result<arrow_array::ArrayRef, arrow_schema::ArrowError> {
+    let field = Arc::new(Field::new("v", t.clone(), true));
+    let mut lines = Vec::new();
+    let mut n = 0usize;
+    for a in answers {
+        let v = a
+            .and_then(|a| serde_json::from_str::<Value>(weir_core::schema::strip_fence(a)).ok())
+            .map_or(Value::Null, |v| fit(&v, t));
+        serde_json::to_writer(&mut lines, &serde_json::json!({ "v": v }))
+            .map_err(|e| arrow_schema::ArrowError::JsonError(e.to_string()))?;
+        lines.push(b'\n');
+        n += 1;
+    }
+    if n == 0 {
+        return Ok(arrow_array::new_empty_array(t));
+    }
+    let schema = Arc::new(arrow_schema::Schema::new(vec![field]));
+    let mut decoder = arrow_json::ReaderBuilder::new(schema).with_batch_size(n).build_decoder()?;
+    decoder.decode(&lines)?;
+    let batch = decoder.flush()?.ok_or_else(|| arrow_schema::ArrowError::JsonError("no rows decoded".into()))?;
+    Ok(batch.column(0).clone())
+}
+
+/// `bytes` in lower-case hex.
+fn hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut s = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        s.push(DIGITS[usize::from(b >> 4)] as char);
+        s.push(DIGITS[usize::from(b & 15)] as char);
+    }
+    s
+}
+
+/// The bytes a row's value holds for a binary column: a string's UTF-8, or `{"base64": …}`.
+fn bytes_of(v: &Value) -> Option<Vec<u8>> {
+    use base64::Engine;
+    match v {
+        Value::String(s) => Some(s.as_bytes().to_vec()),
+        Value::Object(o) => base64::engine::general_purpose::STANDARD.decode(o.get("base64")?.as_str()?).ok(),
+        _ => None,
+    }
+}
+
 /// The columns of the results and errors tables: the input columns carried through, then
 /// weir's own. weir's column names never take an input column's place: a name an input column
 /// already has gets the prefix `weir_` (`model` → `weir_model`).
@@ -251,7 +302,8 @@ impl OutputColumns {
         }
         for f in &mut kept {
             *f = f.clone().with_nullable(true);
-            if text_only && is_nested(f.data_type()) {
+            // A text output holds bytes as their text or base64 (as the rows carry them).
+            if text_only && (is_nested(f.data_type()) || f.data_type() == &DataType::Binary) {
                 *f = Field::new(f.name(), DataType::Utf8, true);
             }
         }
@@ -325,6 +377,12 @@ impl OutputColumns {
             let v = match (f.data_type(), v) {
                 (DataType::Utf8 | DataType::LargeUtf8, Value::String(_)) => v.clone(),
                 (DataType::Utf8 | DataType::LargeUtf8, other) => Value::String(other.to_string()),
+                // Bytes as the rows carry them (text, or `{"base64": …}`), as the hex the
+                // writer's decoder takes for a binary column.
+                (DataType::Binary, v) => match bytes_of(v) {
+                    Some(b) => Value::String(hex(&b)),
+                    None => continue,
+                },
                 _ => v.clone(),
             };
             row.insert(f.name().clone(), v);
@@ -369,6 +427,25 @@ mod tests {
         );
     }
     use serde_json::json;
+
+    #[test]
+    fn answers_become_a_column_of_the_schema_type() {
+        use arrow_array::Array;
+        let t = arrow_type_of(
+            &json!({"type": "object", "properties": {"label": {"type": "string"}, "n": {"type": "integer"}}}),
+        );
+        let c = shaped_column(
+            [Some(r#"{"label":"cat","n":2}"#), None, Some("not json"), Some("```json\n{\"n\":3.0}\n```")],
+            &t,
+        )
+        .unwrap();
+        assert_eq!(c.len(), 4);
+        assert_eq!(c.data_type(), &t);
+        let s = c.as_any().downcast_ref::<arrow_array::StructArray>().unwrap();
+        assert!(c.is_valid(0) && c.is_null(1) && c.is_null(2) && c.is_valid(3));
+        let n = s.column(1).as_any().downcast_ref::<arrow_array::Int64Array>().unwrap();
+        assert_eq!((n.value(0), n.value(3)), (2, 3));
+    }
 
     #[test]
     fn infers_in_order_and_merges() {

@@ -276,6 +276,7 @@ async fn executor(a: ExecutorArgs) -> anyhow::Result<u8> {
     let settings =
         RuntimeSettings { provider, throttle, driver: a.endpoint.driver(), cache: None, pool: a.endpoint.pool()? };
     let functions = Runtime::new(settings);
+    weir::pipeline::media_from_buckets(&functions);
     // The gauges (limits in force, processes sharing each quota) of every endpoint the
     // executor's tasks call.
     let _gauges = match a.metrics_listen {

@@ -105,6 +105,14 @@ struct Spooled {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     params: Option<weir_core::GenParams>,
     input: serde_json::Map<String, serde_json::Value>,
+    /// The fields holding its media, in order, as `--media-field` gave them (`FIELD` or
+    /// `FIELD:TYPE`); what they hold is in `input`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    media: Vec<String>,
+    /// The digests of its media parts as read for its job (hex): they key its answer in the
+    /// cache, and a follow-up job whose media changed since is caught by them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    digests: Vec<String>,
 }
 
 fn to_spool(record: &Record) -> weir_jobs::Record {
@@ -120,6 +128,15 @@ fn to_spool(record: &Record) -> weir_jobs::Record {
         system: record.system.as_deref().map(str::to_string),
         params: record.params.as_deref().cloned(),
         input: record.input.clone(),
+        media: record
+            .media
+            .iter()
+            .map(|m| match &m.mime {
+                Some(mime) => format!("{}:{mime}", m.field),
+                None => m.field.clone(),
+            })
+            .collect(),
+        digests: record.media_digests.iter().map(|d| d.iter().map(|b| format!("{b:02x}")).collect()).collect(),
     };
     serde_json::value::to_raw_value(&spooled).expect("a record is JSON")
 }
@@ -131,9 +148,25 @@ fn from_spool(value: &weir_jobs::Record) -> Result<Record, ModelError> {
         'n' => weir_core::RecordId::Number(s.id),
         _ => weir_core::RecordId::Text(s.id),
     };
+    let unreadable = |what: &str| ModelError::new(ErrorKind::Server, format!("a batch job spool's record: {what}"));
+    let mut media = Vec::with_capacity(s.media.len());
+    for spec in &s.media {
+        let (field, mime) = weir_core::media::field_spec(spec).map_err(|e| unreadable(&e))?;
+        if let Some(source) = weir_core::media::source_of(s.input.get(&field)).map_err(unreadable)? {
+            media.push(weir_core::media::MediaRef { field, source, mime });
+        }
+    }
     let mut record = Record::new(id, s.line, s.prompt, s.input);
     record.system = s.system.map(Arc::from);
     record.params = s.params.map(Box::new);
+    record.media = media;
+    for d in &s.digests {
+        let bytes: Option<Vec<u8>> =
+            (0..d.len()).step_by(2).map(|i| d.get(i..i + 2).and_then(|h| u8::from_str_radix(h, 16).ok())).collect();
+        let digest =
+            bytes.and_then(|b| <[u8; 32]>::try_from(b).ok()).ok_or_else(|| unreadable("a bad media digest"))?;
+        record.media_digests.push(digest);
+    }
     Ok(record)
 }
 
@@ -192,9 +225,22 @@ impl weir_jobs::Host for Rows {
         }
     }
 
-    fn rebuild(&mut self, key: String, value: weir_jobs::Record) -> Result<Item, (weir_jobs::Record, ModelError)> {
-        match from_spool(&value) {
-            Ok(record) => Ok(Item { key, line: record.line, request: self.driver.request_for(&record), record: value }),
+    async fn rebuild(
+        &mut self,
+        key: String,
+        value: weir_jobs::Record,
+    ) -> Result<Item, (weir_jobs::Record, ModelError)> {
+        let mut record = match from_spool(&value) {
+            Ok(record) => record,
+            Err(e) => return Err((value, e)),
+        };
+        if record.media.is_empty() {
+            return Ok(Item { key, line: record.line, request: self.driver.request_for(&record), record: value });
+        }
+        // Its media read again for the follow-up job: what it holds now is what is sent and
+        // what keys the answer.
+        match self.driver.request_with_media(&mut record).await {
+            Ok(request) => Ok(Item { key, line: record.line, request, record: to_spool(&record) }),
             Err(e) => Err((value, e)),
         }
     }
@@ -288,6 +334,19 @@ async fn feed(
         if claims.holds(record.line) {
             continue;
         }
+        // Media is read before the cache is asked (the answer is keyed on the parts' bytes)
+        // and goes into the job's input; media that cannot be read is the record's error row.
+        let mut record = record;
+        let mut request = None;
+        if !record.media.is_empty() {
+            match driver.request_with_media(&mut record).await {
+                Ok(r) => request = Some(r),
+                Err(error) => {
+                    let _ = tx.send(Ok(driver.reject(Box::new(weir_core::Failure::of(record, error, 0))))).await;
+                    continue;
+                }
+            }
+        }
         let key = job_key(&record);
         let answered =
             |record: &Record| Incoming::Answered { key: key.clone(), line: record.line, record: to_spool(record) };
@@ -322,7 +381,7 @@ async fn feed(
                 }
             },
             None => {
-                let request = driver.request_for(&record);
+                let request = request.unwrap_or_else(|| driver.request_for(&record));
                 Incoming::Job(Item { key, line: record.line, request, record: to_spool(&record) })
             }
         };

@@ -450,10 +450,16 @@ fn runtime_for(settings: &RunSettings, env: &(dyn Fn(&str) -> Option<String> + S
         pool: settings.pool.clone(),
     };
     let runtime = weir_runtime::Runtime::with_connector(runtime_settings, connector);
-    // Media in buckets through the tables' store clients (credentials, emulators).
+    media_from_buckets(&runtime);
+    runtime
+}
+
+/// Lets `runtime` read media in `gs://` and `s3://` buckets, through the tables' store clients
+/// (their credentials and emulators), besides files and URLs: for `weir run`, `weir sql` and
+/// cluster executors alike.
+pub fn media_from_buckets(runtime: &weir_runtime::Runtime) {
     let buckets = weir_tables::BucketMedia::new(Arc::new(|k: &str| std::env::var(k).ok()));
     runtime.set_media(Arc::new(weir_runtime::media::Loader::new(Some(Arc::new(buckets)))));
-    runtime
 }
 
 /// The endpoints' batch-job APIs when the run asks for jobs (`--mode batch`, or `--mode auto`

@@ -154,9 +154,11 @@ pub struct RunArgs {
     #[arg(long, value_name = "FIELD")]
     params_field: Option<String>,
     /// A field naming an image, audio, video or document to send after the prompt: a file
-    /// path or an https:// URL (repeat for several parts, sent in this order). Read when the
-    /// record is sent; a part that cannot be read or sent is that record's error, before any call.
-    #[arg(long = "media-field", value_name = "FIELD")]
+    /// path, an https:// URL, a gs:// or s3:// object, or the bytes (a Parquet binary column)
+    /// (repeat for several parts, sent in this order). Its type comes from the content;
+    /// FIELD:TYPE gives it (scan:application/pdf). Read when the record is sent; a part that
+    /// cannot be read or sent is that record's error, before any call.
+    #[arg(long = "media-field", value_name = "FIELD[:TYPE]")]
     media_fields: Vec<String>,
     #[command(flatten)]
     pub(crate) endpoint: EndpointArgs,
@@ -300,16 +302,10 @@ impl RunArgs {
                 return Err(UsageError(format!("{flag} needs a field name")));
             }
         }
-        if self.media_fields.iter().any(|f| f.trim().is_empty()) {
-            return Err(UsageError("--media-field needs a field name".into()));
+        for f in &self.media_fields {
+            weir_core::media::field_spec(f).map_err(|e| UsageError(format!("--media-field: {e}")))?;
         }
         if !self.media_fields.is_empty() {
-            if self.mode != ModeArg::Online {
-                return Err(UsageError(
-                    "--media-field runs online for now: drop --mode batch/auto (batch jobs do not take media yet)"
-                        .into(),
-                ));
-            }
             if self.task == TaskArg::Embed {
                 return Err(UsageError("--media-field does not apply to --task embed (text embeddings only)".into()));
             }
@@ -581,7 +577,7 @@ impl RunArgs {
             records: RecordSpec {
                 system_field: self.system_field.clone(),
                 params_field: self.params_field.clone(),
-                media_fields: self.media_fields.clone(),
+                media_fields: self.media_fields.iter().filter_map(|f| weir_core::media::field_spec(f).ok()).collect(),
                 ..RecordSpec::new(self.id_field.clone(), prompt)
             },
             driver: DriverSettings {

@@ -363,6 +363,7 @@ pub async fn run(mut args: SqlArgs) -> anyhow::Result<u8> {
     };
     let settings = RuntimeSettings { cache: cache.clone().map(|c| c as Arc<dyn weir_core::ResponseCache>), ..settings };
     let functions = Runtime::new(settings);
+    weir::pipeline::media_from_buckets(&functions);
     let ctx = match &args.cluster {
         None => {
             let runtime = RuntimeEnvBuilder::new()

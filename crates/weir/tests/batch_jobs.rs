@@ -582,3 +582,43 @@ async fn ended_jobs_block_fresh_a_damaged_spool_is_said_and_a_stream_is_refused(
     assert!(!dir.path("other.jsonl").exists());
     sim.shutdown().await;
 }
+
+/// Issue #35: records with media in batch jobs. Each image goes into the job's input (inline),
+/// is answered once, and its answer depends on it; a missing file is the record's error row
+/// and goes into no job; the finished run run again submits nothing (the answers are keyed on
+/// the images' bytes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_with_images_go_into_jobs_once_each() {
+    for model in ["gemini/gemini-2.5-flash", "openai/gpt-4o-mini"] {
+        let sim = sim(0.2, |_| {}).await;
+        let dir = Dir::new(&format!("batch-media-{}", model.replace('/', "-")));
+        let mut lines = String::new();
+        for i in 0..20 {
+            let mut png = b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR".to_vec();
+            png.extend_from_slice(format!("batch image {i}").as_bytes());
+            let p = dir.write(&format!("img{i}.png"), &png);
+            lines.push_str(&format!("{{\"key\":\"k{i}\",\"prompt\":\"describe\",\"image\":\"{}\"}}\n", p.display()));
+        }
+        lines.push_str(&format!(
+            "{{\"key\":\"gone\",\"prompt\":\"describe\",\"image\":\"{}\"}}\n",
+            dir.path("none.png").display()
+        ));
+        let input = dir.write("in.jsonl", lines.as_bytes());
+        let o = batch_run(&sim, model, &dir, &input, &["--media-field", "image"]).await;
+        let err = stderr(&o);
+        let out = rows(&dir.path("out.jsonl"));
+        assert_eq!(out.len(), 20, "{model}: {err}");
+        let errors = rows(&dir.path("out.errors.jsonl"));
+        assert_eq!(errors.len(), 1, "{model}: {err}");
+        assert!(errors[0]["message"].as_str().unwrap().contains("no such file"), "{}", errors[0]);
+        let s = sim.stats();
+        assert_eq!((s.requests, s.media_parts), (1, 1), "{model}: the first record online: {err}");
+        assert_eq!((s.batch_jobs, s.batch_answered, s.batch_media_parts), (1, 19, 19), "{model}: {err}");
+        let answers: std::collections::HashSet<&str> = out.iter().map(|r| r["response"].as_str().unwrap()).collect();
+        assert_eq!(answers.len(), 20, "{model}: each image its own answer");
+        let again = batch_run(&sim, model, &dir, &input, &["--media-field", "image"]).await;
+        let s = sim.stats();
+        assert_eq!((s.requests, s.batch_jobs), (1, 1), "{model}: nothing paid again: {}", stderr(&again));
+        sim.shutdown().await;
+    }
+}

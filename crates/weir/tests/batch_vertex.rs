@@ -360,3 +360,32 @@ async fn vertex_batch_embeddings_match_records_by_text_and_equal_the_online_vect
     gcs.shutdown().await;
     sim.shutdown().await;
 }
+
+/// Issue #35: images in `gs://` go into a Vertex AI job by reference (`fileData`): Vertex AI
+/// reads them itself, so an image over the 15 MB of inline parts is no problem, and weir reads
+/// only their first bytes.
+#[tokio::test(flavor = "multi_thread")]
+async fn vertex_batch_takes_gs_images_by_reference() {
+    let (sim, gcs) = start(0.2, |_| {}).await;
+    let dir = Dir::new("vertex-batch-media");
+    let http = reqwest::Client::new();
+    let mut lines = String::new();
+    for i in 0..10usize {
+        let mut png = b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR".to_vec();
+        png.extend_from_slice(&vec![i as u8; if i == 5 { 20_000_000 } else { 1000 + i }]);
+        let r = http.put(format!("{}/photos/p/{i}.png", gcs.url())).body(png).send().await.unwrap();
+        assert!(r.status().is_success(), "{}", r.status());
+        lines.push_str(&format!("{{\"key\":\"k{i}\",\"prompt\":\"describe\",\"image\":\"gs://photos/p/{i}.png\"}}\n"));
+    }
+    let input = dir.write("in.jsonl", lines.as_bytes());
+    let o =
+        weir_for(&sim, &gcs, &dir).args(args(&sim, &dir, &input, &["--media-field", "image"])).output().await.unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(0), "{err}\n{:?}", rows(&dir.path("out.errors.jsonl")));
+    assert_eq!(rows(&dir.path("out.jsonl")).len(), 10, "{err}");
+    let s = sim.stats();
+    assert_eq!((s.requests, s.media_parts, s.media_uris), (1, 1, 1), "the first record online: {err}");
+    assert_eq!((s.batch_jobs, s.batch_answered, s.batch_media_parts), (1, 9, 9), "{err}");
+    gcs.shutdown().await;
+    sim.shutdown().await;
+}

@@ -17,18 +17,37 @@ fn png(i: usize) -> Vec<u8> {
 }
 
 /// Serves `files` (path → bytes) over HTTP/1.1 on loopback, one request per connection.
+/// A body `FLAKY n rest` is answered 503 the first n times, then `rest`; `ALWAYS503` always.
 async fn serve(files: HashMap<String, Vec<u8>>) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
+    let hits = std::sync::Arc::new(std::sync::Mutex::new(HashMap::<String, usize>::new()));
     tokio::spawn(async move {
         while let Ok((mut s, _)) = listener.accept().await {
             let files = files.clone();
+            let hits = hits.clone();
             tokio::spawn(async move {
                 let mut buf = vec![0u8; 4096];
                 let n = s.read(&mut buf).await.unwrap_or(0);
                 let head = String::from_utf8_lossy(&buf[..n]).to_string();
                 let path = head.split_whitespace().nth(1).unwrap_or("/").to_string();
-                let reply = match files.get(&path) {
+                let hit = {
+                    let mut h = hits.lock().unwrap();
+                    let c = h.entry(path.clone()).or_default();
+                    *c += 1;
+                    *c
+                };
+                let unavailable =
+                    b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".to_vec();
+                let mut file = files.get(&path).cloned();
+                if let Some(body) = file.as_ref().filter(|b| b.starts_with(b"FLAKY ")) {
+                    let rest = &body[6..];
+                    let sp = rest.iter().position(|b| *b == b' ').unwrap();
+                    let n: usize = std::str::from_utf8(&rest[..sp]).unwrap().parse().unwrap();
+                    file = if hit <= n { Some(b"ALWAYS503".to_vec()) } else { Some(rest[sp + 1..].to_vec()) };
+                }
+                let reply = match file.as_ref() {
+                    Some(body) if body.as_slice() == b"ALWAYS503" => unavailable,
                     Some(body) if body.starts_with(b"REDIRECT ") => {
                         let to = String::from_utf8_lossy(&body[9..]).to_string();
                         format!(
@@ -104,8 +123,10 @@ async fn images_by_path_and_url_go_inline_and_bad_ones_are_error_rows_without_a_
         let err = stderr(&o);
         let out = rows(&dir.path("out.jsonl"));
         let errors = rows(&dir.path("out.errors.jsonl"));
-        assert_eq!(out.len(), 21, "{model}: {err}");
-        assert_eq!(errors.len(), 3, "{model}: {err}");
+        // The Gemini API takes the oversized part through its Files API; OpenAI refuses it.
+        let uploads = usize::from(model.starts_with("gemini/"));
+        assert_eq!(out.len(), 21 + uploads, "{model}: {err}");
+        assert_eq!(errors.len(), 3 - uploads, "{model}: {err}");
         for e in &errors {
             assert_eq!(e["kind"], "invalid_input", "{e}");
             let m = e["message"].as_str().unwrap();
@@ -119,11 +140,12 @@ async fn images_by_path_and_url_go_inline_and_bad_ones_are_error_rows_without_a_
             assert!(m.contains(why), "{e}");
         }
         let s = sim.stats();
-        assert_eq!(s.requests, 21, "{model}: no call for the bad media");
-        assert_eq!(s.media_parts, 20, "{model}: each image once");
+        assert_eq!(s.requests as usize, 21 + uploads, "{model}: no call for the bad media");
+        assert_eq!(s.media_parts as usize, 20 + uploads, "{model}: each image once");
+        assert_eq!((s.media_uris as usize, s.gemini_files_uploaded as usize), (uploads, uploads), "{model}");
         // Each image gets its own answer.
         let answers: std::collections::HashSet<&str> = out.iter().map(|r| r["response"].as_str().unwrap()).collect();
-        assert_eq!(answers.len(), 21, "{model}");
+        assert_eq!(answers.len(), 21 + uploads, "{model}");
         // The same bytes under other names, same ids: answered from the cache.
         let mut again = String::new();
         for i in 0..10 {
@@ -134,17 +156,22 @@ async fn images_by_path_and_url_go_inline_and_bad_ones_are_error_rows_without_a_
         let o = run_media(&sim, &dir, model, &input2, "out2.jsonl").await;
         assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
         assert_eq!(rows(&dir.path("out2.jsonl")).len(), 10);
-        assert_eq!(sim.stats().requests, 21, "{model}: the copies were answered from the cache: {}", stderr(&o));
+        assert_eq!(
+            sim.stats().requests as usize,
+            21 + uploads,
+            "{model}: the copies were answered from the cache: {}",
+            stderr(&o)
+        );
         sim.shutdown().await;
     }
 }
 
-/// `--media-field` with a batch run or embeddings is refused, before anything is read.
+/// `--media-field` with embeddings, or naming no field, is refused before anything is read.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn media_with_batch_jobs_or_embeddings_is_a_usage_error() {
+async fn media_with_embeddings_or_no_field_is_a_usage_error() {
     let dir = Dir::new("media-refused");
     let input = dir.write("in.jsonl", b"{\"id\":\"a\",\"prompt\":\"x\",\"image\":\"a.png\"}\n");
-    for extra in [&["--mode", "batch"][..], &["--task", "embed"][..], &["--media-field", ""][..]] {
+    for extra in [&["--task", "embed"][..], &["--media-field", ""][..], &["--media-field", "x:application/zip"][..]] {
         let o = weir()
             .args(["run", "--model", "sim/a", "--input", input.to_str().unwrap(), "--media-field", "image"])
             .args(["--output", dir.path("out.jsonl").to_str().unwrap()])
@@ -253,5 +280,179 @@ async fn a_fifo_a_password_an_outward_redirect_and_a_false_name_are_refused() {
         assert!(m.contains(want), "{e}");
     }
     assert_eq!(sim.stats().requests, 0, "no call for any of them");
+    sim.shutdown().await;
+}
+
+/// Images held as bytes in a Parquet binary column (the common layout for a photo dataset):
+/// each row's bytes go inline exactly once; bytes of no type a provider takes are that row's
+/// error, with no call; a null adds no part; the Parquet output keeps the column as bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn images_as_bytes_in_a_parquet_column_go_inline_once_each() {
+    if peer("WEIR_PYTHON").is_none() {
+        return;
+    }
+    let sim = sim(weir_sim::SimConfig::default()).await;
+    let dir = Dir::new("media-parquet-bytes");
+    let input = dir.path("photos.parquet");
+    let out = dir.path("out.parquet");
+    python(
+        r#"
+import sys, pyarrow as pa, pyarrow.parquet as pq
+def png(i):
+    return b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR" + f"image number {i}".encode()
+ids = [f"r{i}" for i in range(30)] + ["junk", "none"]
+imgs = [png(i) for i in range(30)] + [b"\x00\xff\xfe not an image", None]
+t = pa.table({"id": ids, "prompt": ["describe"] * 32, "image": pa.array(imgs, pa.binary())})
+pq.write_table(t, sys.argv[1], row_group_size=7)
+"#,
+        &[input.to_str().unwrap()],
+    );
+    let o = weir()
+        .args(["run", "--model", "gemini/gemini-2.5-flash", "--base-url", &sim.url(), "--progress", "never"])
+        .args(["--id-field", "id", "--media-field", "image", "--input", input.to_str().unwrap()])
+        .args(["--output", out.to_str().unwrap()])
+        .output()
+        .await
+        .unwrap();
+    let err = stderr(&o);
+    let s = sim.stats();
+    assert_eq!((s.requests, s.media_parts), (31, 30), "each image once, the null row as text: {err}");
+    let got = python(
+        r#"
+import sys, glob, pyarrow.parquet as pq, pyarrow as pa
+t = pa.concat_tables([pq.read_table(p) for p in sorted(glob.glob(sys.argv[1] + "/part-*.parquet"))])
+assert pa.types.is_binary(t.schema.field("image").type) or pa.types.is_large_binary(t.schema.field("image").type), t.schema
+rows = {r["id"]: r for r in t.to_pylist()}
+assert rows["r3"]["image"].endswith(b"image number 3"), rows["r3"]["image"]
+assert rows["none"]["image"] is None
+print(t.num_rows)
+"#,
+        &[out.to_str().unwrap()],
+    );
+    assert_eq!(got.trim(), "31", "{err}");
+    let errors = python(
+        r#"
+import sys, glob, pyarrow.parquet as pq
+for p in sorted(glob.glob(sys.argv[1] + "/part-*.parquet")):
+    for r in pq.read_table(p).to_pylist():
+        print(r["id"], r["message"])
+"#,
+        &[dir.path("out.errors.parquet").to_str().unwrap()],
+    );
+    assert_eq!(errors.lines().count(), 1, "{errors}\n{err}");
+    assert!(errors.starts_with("junk "), "{errors}");
+    for needle in ["media field 'image'", "bytes in the record", "not a type"] {
+        assert!(errors.contains(needle), "{errors}");
+    }
+    sim.shutdown().await;
+}
+
+/// A URL whose server fails for a while (503 twice) is fetched again and sent; one that keeps
+/// failing ends as a retryable `server` error row, not `invalid_input`, with no call, and
+/// `--retry-errors` sends it once the server is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_url_that_fails_for_a_while_is_fetched_again_and_one_that_keeps_failing_is_retryable() {
+    let sim = sim(weir_sim::SimConfig::default()).await;
+    let dir = Dir::new("media-flaky");
+    let mut served = HashMap::new();
+    served.insert("/flaky.png".to_string(), [b"FLAKY 2 ".to_vec(), png(1)].concat());
+    // Fails its first 3 fetches (one record's tries), then serves.
+    served.insert("/down.png".to_string(), [b"FLAKY 3 ".to_vec(), png(2)].concat());
+    let url = serve(served).await;
+    let lines = format!(
+        "{{\"id\":\"flaky\",\"prompt\":\"describe\",\"image\":\"{url}/flaky.png\"}}\n\
+         {{\"id\":\"down\",\"prompt\":\"describe\",\"image\":\"{url}/down.png\"}}\n"
+    );
+    let input = dir.write("in.jsonl", lines.as_bytes());
+    let o = run_media(&sim, &dir, "gemini/gemini-2.5-flash", &input, "out.jsonl").await;
+    let err = stderr(&o);
+    assert_eq!(rows(&dir.path("out.jsonl")).len(), 1, "{err}");
+    let errors = rows(&dir.path("out.errors.jsonl"));
+    assert_eq!(errors.len(), 1, "{err}");
+    assert_eq!(errors[0]["id"], "down");
+    assert_eq!(errors[0]["kind"], "server", "{}", errors[0]);
+    assert_eq!(errors[0]["retryable"], true, "{}", errors[0]);
+    assert!(errors[0]["message"].as_str().unwrap().contains("HTTP 503"), "{}", errors[0]);
+    assert_eq!(sim.stats().requests, 1, "no call for the record whose image could not be read");
+    let base = sim.url();
+    let again = weir()
+        .args(["run", "--model", "gemini/gemini-2.5-flash", "--base-url", &base, "--progress", "never"])
+        .args(["--id-field", "id", "--media-field", "image", "--retry-errors"])
+        .args(["--input", input.to_str().unwrap(), "--output", dir.path("out.jsonl").to_str().unwrap()])
+        .output()
+        .await
+        .unwrap();
+    let err = stderr(&again);
+    assert_eq!(rows(&dir.path("out.jsonl")).len(), 2, "{err}");
+    assert_eq!(rows(&dir.path("out.errors.jsonl")).len(), 0, "{err}");
+    let s = sim.stats();
+    assert_eq!((s.requests, s.media_parts), (2, 2), "{err}");
+    sim.shutdown().await;
+}
+
+/// Parts too large to go inline (over 15 MB) go to the Gemini API through its Files API and
+/// are referred to by URI; the same bytes in two records are uploaded once. An OpenAI-compatible
+/// server, which takes no uploads, gets the record's error row instead, with no call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_parts_go_through_the_gemini_files_api_once() {
+    let sim = sim(weir_sim::SimConfig::default()).await;
+    let dir = Dir::new("media-files-api");
+    let big = dir.write("big.png", &[png(7), vec![7u8; 18_000_000]].concat());
+    let copy = dir.write("copy.png", &std::fs::read(&big).unwrap());
+    let small = dir.write("small.png", &png(8));
+    let lines = format!(
+        "{{\"id\":\"big\",\"prompt\":\"describe\",\"image\":\"{}\"}}\n\
+         {{\"id\":\"copy\",\"prompt\":\"describe it\",\"image\":\"{}\"}}\n\
+         {{\"id\":\"small\",\"prompt\":\"describe\",\"image\":\"{}\"}}\n",
+        big.display(),
+        copy.display(),
+        small.display()
+    );
+    let input = dir.write("in.jsonl", lines.as_bytes());
+    let o = run_media(&sim, &dir, "gemini/gemini-2.5-flash", &input, "out.jsonl").await;
+    let err = stderr(&o);
+    assert_eq!(rows(&dir.path("out.jsonl")).len(), 3, "{err}");
+    let s = sim.stats();
+    assert_eq!((s.requests, s.media_parts, s.media_uris), (3, 3, 2), "{err}");
+    assert_eq!(s.gemini_files_uploaded, 1, "the same bytes are uploaded once: {err}");
+    // OpenAI-compatible servers take parts inline only.
+    let o = run_media(&sim, &dir, "openai/gpt-4o-mini", &input, "oai.jsonl").await;
+    let err = stderr(&o);
+    assert_eq!(rows(&dir.path("oai.jsonl")).len(), 1, "{err}");
+    let errors = rows(&dir.path("oai.errors.jsonl"));
+    assert_eq!(errors.len(), 2, "{err}");
+    assert!(errors.iter().all(|e| e["message"].as_str().unwrap().contains("over the")), "{errors:?}");
+    assert_eq!(sim.stats().requests, 4, "{err}");
+    sim.shutdown().await;
+}
+
+/// `--media-field FIELD:TYPE` gives a part's type where its content says none (a file of
+/// plain text under any name).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_given_type_is_the_parts_type() {
+    let sim = sim(weir_sim::SimConfig::default()).await;
+    let dir = Dir::new("media-given-type");
+    let notes = dir.write("notes.bin", b"meeting notes, plain text\n");
+    let input = dir.write(
+        "in.jsonl",
+        format!("{{\"id\":\"n\",\"prompt\":\"summarise\",\"doc\":\"{}\"}}\n", notes.display()).as_bytes(),
+    );
+    let run = |field: &'static str, out: &'static str| {
+        let (input, out, base) = (input.clone(), dir.path(out), sim.url());
+        async move {
+            weir()
+                .args(["run", "--model", "gemini/gemini-2.5-flash", "--base-url", &base, "--progress", "never"])
+                .args(["--id-field", "id", "--media-field", field, "--input", input.to_str().unwrap()])
+                .args(["--output", out.to_str().unwrap()])
+                .output()
+                .await
+                .unwrap()
+        }
+    };
+    let o = run("doc", "untyped.jsonl").await;
+    assert_eq!(rows(&dir.path("untyped.errors.jsonl")).len(), 1, "no type from a .bin of text: {}", stderr(&o));
+    let o = run("doc:text/plain", "typed.jsonl").await;
+    assert_eq!(rows(&dir.path("typed.jsonl")).len(), 1, "{}", stderr(&o));
+    assert_eq!(sim.stats().media_parts, 1);
     sim.shutdown().await;
 }

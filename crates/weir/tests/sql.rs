@@ -378,3 +378,60 @@ async fn a_second_run_of_a_deterministic_query_is_answered_from_the_cache() {
     let (_, err) = go(vec![sampled]).await;
     assert_eq!(calls(&err), 20, "a sampled answer was reused: {err}");
 }
+
+/// Issue #35 in SQL: media arguments after the options (a path as text, the bytes as binary)
+/// go inline once per row; with a literal `response_schema` in the options, `llm_generate`
+/// returns a struct of the schema's fields, which SQL can take apart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn media_arguments_and_a_schema_give_a_struct_per_row() {
+    use base64::Engine;
+    let dir = Dir::new("sql-media");
+    let mut lines = String::new();
+    for i in 0..6 {
+        let mut png = b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR".to_vec();
+        png.extend_from_slice(format!("sql image {i}").as_bytes());
+        let path = dir.write(&format!("p{i}.png"), &png);
+        let b64 = base64::engine::general_purpose::STANDARD.encode(&png);
+        lines.push_str(&format!("{{\"key\":\"k{i}\",\"path\":\"{}\",\"b64\":\"{b64}\"}}\n", path.display()));
+    }
+    dir.write("photos.jsonl", lines.as_bytes());
+    let sim = SimServer::start(SimConfig::default(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let options = r#"{"response_schema": {"type": "object", "properties": {"label": {"type": "string"}, "score": {"type": "number"}}, "required": ["label", "score"]}}"#;
+    let sql = format!(
+        "SELECT key, llm_generate('gemini/gemini-2.5-flash', 'classify', '{options}', path) AS by_path, \
+         llm_generate('gemini/gemini-2.5-flash', 'classify', '{options}', decode(b64, 'base64'))['label'] AS label \
+         FROM photos ORDER BY key"
+    );
+    let out = weir()
+        .current_dir(&dir.0)
+        .args(["sql", "--base-url", &sim.url(), "--table", "photos=photos.jsonl", "--format", "jsonl", &sql])
+        .output()
+        .await
+        .unwrap();
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    let rows: Vec<Value> =
+        String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(rows.len(), 6, "{err}");
+    for r in &rows {
+        assert!(r["by_path"]["label"].is_string() && r["by_path"]["score"].is_number(), "a struct: {r}");
+        assert!(r["label"].is_string(), "a field of the struct: {r}");
+        assert_eq!(r["by_path"]["label"], r["label"], "the same image by path and as bytes: {r}");
+    }
+    let s = sim.stats();
+    // Each image once by path; the same bytes again are answered from the cache or called once.
+    assert_eq!(s.media_parts, s.requests, "every call carried its image");
+    assert!(s.requests >= 6 && s.requests <= 12, "{}", s.requests);
+    // A media argument of a type that holds no media is refused before any call.
+    let bad = weir()
+        .current_dir(&dir.0)
+        .args(["sql", "--base-url", &sim.url(), "--table", "photos=photos.jsonl"])
+        .arg("SELECT llm_generate('gemini/gemini-2.5-flash', 'classify', '{}', 42) FROM photos")
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(2), "{}", stderr(&bad));
+    assert!(stderr(&bad).contains("is media"), "{}", stderr(&bad));
+    assert_eq!(sim.stats().requests, s.requests);
+    sim.shutdown().await;
+}

@@ -576,3 +576,45 @@ async fn streamed_calls_on_vertex_models_and_endpoints() {
         server.shutdown().await;
     }
 }
+
+/// Issue #35: on Vertex AI, media in `gs://` goes by reference (`fileData`): Vertex AI reads
+/// the object itself, so weir reads only its first bytes (for the type) and its version (for the
+/// cache), never the whole object. A missing object is the record's error row, with no call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gs_media_goes_to_vertex_by_reference() {
+    let server = sim(|_| {}).await;
+    let gcs = weir_sim::GcsServer::start(([127, 0, 0, 1], 0).into()).await.unwrap();
+    let dir = Dir::new("vertex-media-uri");
+    let http = reqwest::Client::new();
+    let mut lines = String::new();
+    for i in 0..4 {
+        let mut png = b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR".to_vec();
+        png.extend_from_slice(&vec![i as u8; 20_000_000 / (i + 1)]);
+        let r = http.put(format!("{}/bkt/p/{i}.png", gcs.url())).body(png).send().await.unwrap();
+        assert!(r.status().is_success(), "{}", r.status());
+        lines.push_str(&format!("{{\"key\":\"k{i}\",\"prompt\":\"describe\",\"image\":\"gs://bkt/p/{i}.png\"}}\n"));
+    }
+    lines.push_str("{\"key\":\"gone\",\"prompt\":\"describe\",\"image\":\"gs://bkt/p/none.png\"}\n");
+    let sa = service_account(&dir, &format!("{}/token", server.url()));
+    let input = dir.write("in.jsonl", lines.as_bytes());
+    let o = weir()
+        .args(["run", "--model", "vertex_ai/gemini-2.5-flash", "--base-url", &server.url(), "--id-field", "key"])
+        .args(["--input", input.to_str().unwrap(), "--output", dir.path("out.jsonl").to_str().unwrap()])
+        .args(["--media-field", "image", "--progress", "never", "--project", "p", "--location", "us-central1"])
+        .env("GOOGLE_APPLICATION_CREDENTIALS", &sa)
+        .env("STORAGE_EMULATOR_HOST", gcs.url())
+        .env("HOME", dir.path("home"))
+        .output()
+        .await
+        .unwrap();
+    let err = stderr(&o);
+    // An object of 20 MB, past the 15 MB of inline parts: by reference they are no problem.
+    assert_eq!(rows(&dir.path("out.jsonl")).len(), 4, "{err}");
+    let errors = rows(&dir.path("out.errors.jsonl"));
+    assert_eq!(errors.len(), 1, "{err}");
+    assert!(errors[0]["message"].as_str().unwrap().contains("no such object"), "{}", errors[0]);
+    let s = server.stats();
+    assert_eq!((s.media_parts, s.media_uris), (4, 4), "{err}");
+    gcs.shutdown().await;
+    server.shutdown().await;
+}

@@ -19,6 +19,7 @@ unknown model, a missing API key, settings weir does not take).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import atexit
 import difflib
 import json
@@ -66,6 +67,9 @@ class Result:
     prompt_tokens: int
     output_tokens: int
     model: str
+    value: Any = None
+    """With a ``response_schema``: the answer parsed (a dict, list, ...), which weir checked
+    against the schema before it counted the item as answered; ``None`` otherwise."""
 
     @property
     def cached(self) -> bool:
@@ -111,11 +115,29 @@ _MISPLACED = {
 }
 
 
-def _item(label: str, item: Any, embed: bool):
+def _media(label: str, item: Mapping[str, Any], fields: Iterable[str]):
+    """The media an item's ``media_fields`` hold, in order, as the native engine takes them: a
+    path or URL (str or path-like) or the bytes; a missing or ``None`` field adds nothing."""
+    out = []
+    for f in fields:
+        v = item.get(f)
+        if v is None:
+            continue
+        if isinstance(v, os.PathLike):
+            v = os.fspath(v)
+        if isinstance(v, (bytearray, memoryview)):
+            v = bytes(v)
+        if not isinstance(v, (str, bytes)):
+            raise TypeError(f"{label}: media field {f!r} must be a path or URL (str) or bytes, not {type(v).__name__}")
+        out.append((f, v))
+    return out
+
+
+def _item(label: str, item: Any, embed: bool, media_fields: Iterable[str] = ()):
     """An item as the native engine takes it, and its id; ``TypeError`` naming what is wrong."""
     text_key = "text" if embed else "prompt"
     if isinstance(item, str):
-        return (None, False, item if item.strip() else None, None, None, None), None
+        return (None, False, item if item.strip() else None, None, None, None, []), None
     if not isinstance(item, Mapping):
         raise TypeError(f"{label}: expected a str or a dict with {text_key!r}, not {type(item).__name__}")
     misplaced = sorted(_MISPLACED.intersection(item))
@@ -147,16 +169,48 @@ def _item(label: str, item: Any, embed: bool):
     if system is not None and not isinstance(system, str):
         raise TypeError(f"{label}: 'system' must be a str")
     params = _json_or_none(item.get("params"), label)
+    media = _media(label, item, media_fields)
     native_id = None if rid is None or rid == "" else str(rid)
-    return (native_id, isinstance(rid, int), prompt if prompt.strip() else None, model, system, params), rid
+    return (native_id, isinstance(rid, int), prompt if prompt.strip() else None, model, system, params, media), rid
 
 
-def _items(items: Iterable[Item], embed: bool):
+def _media_fields(fields: Any) -> List[str]:
+    """``media_fields`` checked: a list of field names (one name alone is taken as a list)."""
+    if fields is None:
+        return []
+    if isinstance(fields, str):
+        fields = [fields]
+    fields = list(fields)
+    if not all(isinstance(f, str) and f for f in fields):
+        raise ConfigError("media_fields: expected a list of field names, e.g. ['image']")
+    return fields
+
+
+def _items(items: Iterable[Item], embed: bool, media_fields: Iterable[str] = ()):
     """Items as the native engine takes them, and their ids."""
     if isinstance(items, (str, bytes, Mapping)):
         raise TypeError("expected a list of prompts or records, not a single one (wrap it in a list)")
-    pairs = [_item(f"item {i}", item, embed) for i, item in enumerate(items)]
+    pairs = [_item(f"item {i}", item, embed, media_fields) for i, item in enumerate(items)]
     return [n for n, _ in pairs], [rid for _, rid in pairs]
+
+
+def _has_schema(params: Optional[Mapping[str, Any]]) -> bool:
+    return isinstance(params, Mapping) and params.get("response_schema") is not None
+
+
+def _parsed(text: Optional[str]) -> Any:
+    """An answer to a response schema as a value (weir checked it; a fence is dropped)."""
+    if text is None:
+        return None
+    t = text.strip()
+    if t.startswith("```"):
+        t = t[3:]
+        t = t[4:] if t.startswith("json") else t
+        t = t[:-3] if t.endswith("```") else t
+    try:
+        return json.loads(t)
+    except ValueError:
+        return None
 
 
 async def _wait(pending):
@@ -169,8 +223,16 @@ async def _wait(pending):
         raise
 
 
-def _results(raw, ids) -> List[Result]:
-    return [Result(i, *r) for i, r in zip(ids, raw)]
+def _results(raw, ids, shaped=None) -> List[Result]:
+    """Results of native answers; ``shaped[k]`` says item k had a response schema, whose answer
+    is then also parsed into ``Result.value``."""
+    out = []
+    for k, (i, r) in enumerate(zip(ids, raw)):
+        res = Result(i, *r)
+        if shaped is not None and shaped[k] and res.ok:
+            res = dataclasses.replace(res, value=_parsed(res.text))
+        out.append(res)
+    return out
 
 
 class Engine:
@@ -202,8 +264,11 @@ class Engine:
         params: Optional[Mapping[str, Any]] = None,
         cache_dir: Optional[str] = None,
         cache: bool = True,
+        media_fields: Optional[Iterable[str]] = None,
         **settings: Any,
     ):
+        self._media_fields = _media_fields(media_fields)
+        self._schema = _has_schema(params)
         argv = _settings_argv(settings)
         if isinstance(base_url, (list, tuple)):
             # Replicas of one model that share its key: called as one pool.
@@ -236,11 +301,28 @@ class Engine:
         *,
         system: Optional[str] = None,
         params: Optional[Mapping[str, Any]] = None,
+        media_fields: Optional[Iterable[str]] = None,
     ) -> List[Result]:
         """Generates text for each item (a prompt, or a dict with ``prompt`` and optionally
         ``id``, ``system``, ``params``, ``model``); one :class:`Result` per item, in order. The
-        calls run concurrently, as many as the throttle admits; the GIL is released."""
-        return self._answer(*_items(items, embed=False), False, system, params)
+        calls run concurrently, as many as the throttle admits; the GIL is released.
+
+        ``media_fields`` (else the engine's) names the keys of an item that hold media sent
+        after its prompt, in order: a file path, an ``https://`` URL, a ``gs://`` or ``s3://``
+        URI, or the bytes. Media that cannot be read or sent is that item's
+        ``invalid_input`` result, with no call. With a ``response_schema`` in ``params``, each
+        answer is checked against it and parsed into ``Result.value``."""
+        native, ids = self._native_items(items, media_fields)
+        return self._answer(native, ids, False, system, params)
+
+    def _native_items(self, items: Iterable[Item], media_fields: Optional[Iterable[str]]):
+        fields = self._media_fields if media_fields is None else _media_fields(media_fields)
+        return _items(items, False, fields)
+
+    def _shaped(self, items_params: List[Optional[str]], params: Optional[Mapping[str, Any]]) -> List[bool]:
+        """Per item, whether a response schema applies (the engine's, the call's or its own)."""
+        base = self._schema or _has_schema(params)
+        return [base or (p is not None and "response_schema" in json.loads(p)) for p in items_params]
 
     def embed(self, items: Iterable[Item]) -> List[Result]:
         """Embeds each item (a text, or a dict with ``text`` and optionally ``id`` and
@@ -249,7 +331,8 @@ class Engine:
 
     def _answer(self, native, ids, embed: bool, system=None, params=None) -> List[Result]:
         """Answers items already made native (by :func:`_items`), blocking."""
-        return _results(self._native.start(native, embed, system, _json_or_none(params, "call")).wait(), ids)
+        raw = self._native.start(native, embed, system, _json_or_none(params, "call")).wait()
+        return _results(raw, ids, None if embed else self._shaped([n[5] for n in native], params))
 
     async def agenerate(
         self,
@@ -257,10 +340,12 @@ class Engine:
         *,
         system: Optional[str] = None,
         params: Optional[Mapping[str, Any]] = None,
+        media_fields: Optional[Iterable[str]] = None,
     ) -> List[Result]:
         """:meth:`generate` for asyncio: the calls run on weir's own threads."""
-        native, ids = _items(items, embed=False)
-        return _results(await _wait(self._native.start(native, False, system, _json_or_none(params, "call"))), ids)
+        native, ids = self._native_items(items, media_fields)
+        raw = await _wait(self._native.start(native, False, system, _json_or_none(params, "call")))
+        return _results(raw, ids, self._shaped([n[5] for n in native], params))
 
     async def aembed(self, items: Iterable[Item]) -> List[Result]:
         """:meth:`embed` for asyncio."""

@@ -14,7 +14,8 @@ between the process's threads through ``shared.Shared``), so every bundle of a p
 through one throttle per endpoint, and the calls of a batch run concurrently.
 
 Each element is a prompt (``str``) or a dict with ``prompt`` (or ``text`` for embeddings) and
-optionally ``id``, ``system``, ``params``, ``model``. Each result is a ``PredictionResult``
+optionally ``id``, ``system``, ``params``, ``model``, and the keys named by ``media_fields``
+(paths, URLs or bytes of images, audio, video or documents sent after the prompt). Each result is a ``PredictionResult``
 whose ``inference`` is a :class:`weir.Result` (text or vector, usage, attempts) and whose
 ``model_id`` is the ``provider/model`` that answered.
 
@@ -177,7 +178,7 @@ class WeirModelHandler(ModelHandler):
         good, native, ids, results = [], [], [], [None] * len(batch)
         for i, element in enumerate(batch):
             try:
-                n, rid = _item("element", element, embed)
+                n, rid = _item("element", element, embed, model._media_fields)
             except TypeError as e:
                 rid = element.get("id") if isinstance(element, Mapping) else None
                 results[i] = Result(rid, False, None, None, None, "invalid_input", str(e), False, 0, 0, 0, model.model)

@@ -146,6 +146,42 @@ def gemini_batch_from_file():
     assert all(l["response"]["candidates"][0]["content"]["parts"][0]["text"] for l in lines), lines[:2]
 
 
+PNG = b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR"
+
+
+def gemini_image_with_schema():
+    # An image as inline bytes (Part.from_bytes) and a response schema in Gemini's form: the
+    # answer parses and has the schema's shape; another image, another answer.
+    import json
+
+    c = gem("g-media")
+    schema = {
+        "type": "OBJECT",
+        "properties": {"label": {"type": "STRING"}, "score": {"type": "NUMBER"}},
+        "required": ["label", "score"],
+    }
+    config = types.GenerateContentConfig(response_mime_type="application/json", response_schema=schema)
+    answers = []
+    for i in range(2):
+        part = types.Part.from_bytes(data=PNG + f"client image {i}".encode(), mime_type="image/png")
+        r = c.models.generate_content(model="gemini-2.5-flash", contents=[part, "classify this photo"], config=config)
+        v = json.loads(r.text)
+        assert isinstance(v["label"], str) and isinstance(v["score"], (int, float)), v
+        answers.append(r.text)
+    assert answers[0] != answers[1], answers
+
+
+def openai_image_url():
+    import base64
+
+    url = "data:image/png;base64," + base64.b64encode(PNG + b"openai image").decode()
+    r = oai("o-media").chat.completions.create(
+        model="sim-1",
+        messages=[{"role": "user", "content": [{"type": "text", "text": "describe"}, {"type": "image_url", "image_url": {"url": url}}]}],
+    )
+    assert r.choices[0].message.content, r
+
+
 check("openai: chat completion", openai_call)
 check("openai: streamed chat completion with usage", openai_stream)
 check("openai: 429 raises RateLimitError", openai_429)
@@ -155,5 +191,7 @@ check("google-genai: generate_content_stream", gemini_stream)
 check("google-genai: 429 raises ClientError RESOURCE_EXHAUSTED with RetryInfo", gemini_429)
 check("google-genai: blocked prompt has prompt_feedback.block_reason", gemini_blocked)
 check("google-genai (Vertex AI mode): call and stream", vertex_call_and_stream)
+check("google-genai: an image by Part.from_bytes with a response schema", gemini_image_with_schema)
+check("openai: an image_url data URL", openai_image_url)
 check("google-genai: a batch job from an uploaded file, its results file downloaded", gemini_batch_from_file)
 print("all client checks passed")
