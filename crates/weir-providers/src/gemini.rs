@@ -8,8 +8,8 @@ use weir_core::{
 
 use crate::google_auth::TokenSource;
 use crate::http::{
-    clip, cut_stream, deltas, proto_duration, put_sampling, redact, status_error, Credential, Opened, SamplingNames,
-    Secret, StreamParser,
+    clip, cut_stream, deltas, encode, proto_duration, put_sampling, redact, status_error, Credential, Opened,
+    SamplingNames, Secret, StreamParser,
 };
 
 /// A client of one Gemini model.
@@ -91,14 +91,33 @@ impl GeminiHandler {
 
     /// The request body for `request`.
     pub fn body(request: &ModelRequest) -> Value {
+        Self::body_with(request, false)
+    }
+
+    /// The body of a call, written: inline media spliced in as it is written ([`encode`]).
+    fn encoded(request: &ModelRequest) -> Result<bytes::Bytes, ModelError> {
+        encode(&Self::body_with(request, true), &request.media)
+    }
+
+    /// The body, with each inline part's base64 in place, or (`marks`) a mark where
+    /// [`encode`] writes it.
+    fn body_with(request: &ModelRequest, marks: bool) -> Value {
         let mut body = Map::new();
         let mut parts = vec![json!({"text": request.prompt})];
+        let mut inline = 0;
         // Media after the text, inline (base64), as the record's fields list them.
         for p in request.media.iter() {
             parts.push(match &p.uri {
                 // Read by the endpoint itself (a `gs://` object on Vertex AI, an uploaded file).
                 Some(uri) => json!({"fileData": {"mimeType": p.mime, "fileUri": uri}}),
-                None => json!({"inlineData": {"mimeType": p.mime, "data": crate::http::base64(&p.data)}}),
+                None => {
+                    let data = match marks {
+                        true => crate::http::inline_mark(inline),
+                        false => crate::http::base64(&p.data),
+                    };
+                    inline += 1;
+                    json!({"inlineData": {"mimeType": p.mime, "data": data}})
+                }
             });
         }
         body.insert("contents".into(), json!([{"role": "user", "parts": parts}]));
@@ -323,7 +342,7 @@ impl StreamParser for ChunkParser {
 #[async_trait::async_trait]
 impl ModelHandler for GeminiHandler {
     async fn generate(&self, request: &ModelRequest) -> Result<ModelResponse, ModelError> {
-        let (reply, secret) = self.credential.post(&self.client, &self.url, &Self::body(request)).await?;
+        let (reply, secret) = self.credential.post_encoded(&self.client, &self.url, Self::encoded(request)?).await?;
         if reply.status != 200 {
             return Err(redact(classify_error(reply.status, &reply.headers, &reply.body), secret.as_ref()));
         }
@@ -335,7 +354,8 @@ impl ModelHandler for GeminiHandler {
     }
 
     async fn generate_stream(&self, request: &ModelRequest) -> Result<DeltaStream, ModelError> {
-        let (opened, secret) = self.credential.post_sse(&self.client, &self.stream_url, &Self::body(request)).await?;
+        let (opened, secret) =
+            self.credential.post_sse(&self.client, &self.stream_url, Self::encoded(request)?).await?;
         match opened {
             Opened::Events(events) => Ok(deltas(events, ChunkParser::default())),
             Opened::Error(reply) => {

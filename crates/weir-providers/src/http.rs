@@ -99,10 +99,20 @@ impl Credential {
         url: &str,
         body: &serde_json::Value,
     ) -> Result<(Reply, Option<Secret>), ModelError> {
+        self.post_encoded(client, url, encode(body, &[])?).await
+    }
+
+    /// As [`post`](Self::post), with the body already written ([`encode`]).
+    pub async fn post_encoded(
+        &self,
+        client: &reqwest::Client,
+        url: &str,
+        body: bytes::Bytes,
+    ) -> Result<(Reply, Option<Secret>), ModelError> {
         let mut tried = false;
         loop {
             let secret = self.secret().await?;
-            let reply = post_json(client, url, body, self.auth(secret.as_ref())).await?;
+            let reply = post_json(client, url, body.clone(), self.auth(secret.as_ref())).await?;
             if reply.status == 200 || !self.renew(reply.status, secret.as_ref(), tried).await {
                 return Ok((reply, secret));
             }
@@ -173,12 +183,12 @@ impl Credential {
         &self,
         client: &reqwest::Client,
         url: &str,
-        body: &serde_json::Value,
+        body: bytes::Bytes,
     ) -> Result<(Opened, Option<Secret>), ModelError> {
         let mut tried = false;
         loop {
             let secret = self.secret().await?;
-            match post_sse(client, url, body, self.auth(secret.as_ref())).await? {
+            match post_sse(client, url, body.clone(), self.auth(secret.as_ref())).await? {
                 Opened::Error(reply) if self.renew(reply.status, secret.as_ref(), tried).await => tried = true,
                 opened => return Ok((opened, secret)),
             }
@@ -348,18 +358,59 @@ fn size_hint(v: &serde_json::Value) -> usize {
     }
 }
 
+/// Where a request body holds inline part `i`'s base64 until [`encode`] writes it: a mark no
+/// text can hold by chance (a random token of this process), so a prompt that quotes it is
+/// left alone.
+pub fn inline_mark(i: usize) -> String {
+    static TOKEN: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    let token = TOKEN.get_or_init(|| {
+        let mut random = [0u8; 12];
+        // An error of the system's random source leaves zeros: still no text a user writes.
+        let _ = ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut random);
+        random.iter().map(|b| format!("{b:02x}")).collect()
+    });
+    format!("@weir-inline-{token}-{i}@")
+}
+
+/// `body` as JSON bytes, with part `i`'s bytes written as base64 where [`inline_mark`]`(i)`
+/// stands. The base64 goes straight into the body: not built as a string, copied into the
+/// JSON tree and scanned for characters to escape (it has none), which for a body of images
+/// cost more than the rest of the call (seen in a profile).
+pub fn encode(body: &serde_json::Value, parts: &[weir_core::media::Part]) -> Result<bytes::Bytes, ModelError> {
+    use base64::Engine;
+    let bad = |e: String| ModelError::new(ErrorKind::InvalidInput, e);
+    let mut json = Vec::with_capacity(size_hint(body));
+    serde_json::to_writer(&mut json, body).map_err(|e| bad(e.to_string()))?;
+    let inline: Vec<&weir_core::media::Part> = parts.iter().filter(|p| p.uri.is_none()).collect();
+    if inline.is_empty() {
+        return Ok(json.into());
+    }
+    let engine = &base64::engine::general_purpose::STANDARD;
+    let extra: usize = inline.iter().map(|p| base64::encoded_len(p.data.len(), true).unwrap_or(0)).sum();
+    let mut out = Vec::with_capacity(json.len() + extra);
+    let mut rest = &json[..];
+    for (i, p) in inline.iter().enumerate() {
+        let mark = inline_mark(i);
+        let at = memchr::memmem::find(rest, mark.as_bytes())
+            .ok_or_else(|| bad(format!("inline part {i} has no place in the body")))?;
+        out.extend_from_slice(&rest[..at]);
+        let start = out.len();
+        out.resize(start + base64::encoded_len(p.data.len(), true).unwrap_or(0), 0);
+        let n = engine.encode_slice(&p.data, &mut out[start..]).map_err(|e| bad(e.to_string()))?;
+        out.truncate(start + n);
+        rest = &rest[at + mark.len()..];
+    }
+    out.extend_from_slice(rest);
+    Ok(out.into())
+}
+
 /// A JSON POST carrying its credential.
 fn post(
     client: &reqwest::Client,
     url: &str,
-    body: &serde_json::Value,
+    body: bytes::Bytes,
     auth: Auth<'_>,
 ) -> Result<reqwest::RequestBuilder, ModelError> {
-    // Sized up front: a body with inline media is tens of kilobytes, and growing the buffer by
-    // doubling copied it and faulted fresh pages in every time (seen in a profile).
-    let mut bytes = Vec::with_capacity(size_hint(body));
-    serde_json::to_writer(&mut bytes, body).map_err(|e| ModelError::new(ErrorKind::InvalidInput, e.to_string()))?;
-    let body = bytes;
     let req = client.post(url).header(reqwest::header::CONTENT_TYPE, "application/json").body(body);
     Ok(match auth {
         Auth::None => req,
@@ -373,7 +424,7 @@ fn post(
 pub async fn post_json(
     client: &reqwest::Client,
     url: &str,
-    body: &serde_json::Value,
+    body: bytes::Bytes,
     auth: Auth<'_>,
 ) -> Result<Reply, ModelError> {
     let resp = post(client, url, body, auth)?.send().await.map_err(|e| transport_error(&e))?;
@@ -403,7 +454,7 @@ pub enum Opened {
 pub async fn post_sse(
     client: &reqwest::Client,
     url: &str,
-    body: &serde_json::Value,
+    body: bytes::Bytes,
     auth: Auth<'_>,
 ) -> Result<Opened, ModelError> {
     use eventsource_stream::{EventStreamError, Eventsource};
@@ -575,6 +626,30 @@ pub fn base64(bytes: &[u8]) -> String {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn inline_parts_are_spliced_in_as_base64() {
+        use bytes::Bytes;
+        use weir_core::media::Part;
+        let parts = [
+            Part::new("image/png".into(), Bytes::from_static(b"\x89PNG one")),
+            Part::new("image/png".into(), Bytes::from_static(b"two\"quoted")),
+        ];
+        // A prompt quoting a mark of another process is left alone.
+        let body = serde_json::json!({
+            "prompt": "@weir-inline-000000000000000000000000-0@",
+            "a": inline_mark(0),
+            "b": format!("data:image/png;base64,{}", inline_mark(1)),
+        });
+        let written = encode(&body, &parts).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&written).unwrap();
+        assert_eq!(v["a"], base64(b"\x89PNG one"));
+        assert_eq!(v["b"], format!("data:image/png;base64,{}", base64(b"two\"quoted")));
+        assert_eq!(v["prompt"], "@weir-inline-000000000000000000000000-0@");
+        // Without parts, the body as it is.
+        assert_eq!(encode(&body, &[]).unwrap(), serde_json::to_vec(&body).unwrap());
+    }
+
     use super::*;
     use reqwest::header::{HeaderValue, RETRY_AFTER};
 

@@ -8,7 +8,7 @@ use weir_core::{
 };
 
 use crate::http::{
-    clip, cut_stream, deltas, put_sampling, redact, status_error, Credential, Opened, SamplingNames, Secret,
+    clip, cut_stream, deltas, encode, put_sampling, redact, status_error, Credential, Opened, SamplingNames, Secret,
     StreamParser,
 };
 
@@ -75,13 +75,29 @@ impl OpenAiHandler {
 
     /// The request body for `request`.
     pub fn body(&self, request: &ModelRequest) -> Value {
+        self.body_with(request, false)
+    }
+
+    /// The body of a call, written: inline media spliced in as it is written ([`encode`]).
+    fn encoded(&self, request: &ModelRequest, stream: bool) -> Result<bytes::Bytes, ModelError> {
+        let mut body = self.body_with(request, true);
+        if stream {
+            body["stream"] = json!(true);
+            body["stream_options"] = json!({"include_usage": true});
+        }
+        encode(&body, &request.media)
+    }
+
+    /// The body, with each inline part's base64 in place, or (`marks`) a mark where
+    /// [`encode`] writes it.
+    fn body_with(&self, request: &ModelRequest, marks: bool) -> Value {
         let mut messages = Vec::with_capacity(2);
         if let Some(system) = &request.system {
             messages.push(json!({"role": "system", "content": &**system}));
         }
         messages.push(match request.media.is_empty() {
             true => json!({"role": "user", "content": request.prompt}),
-            false => json!({"role": "user", "content": content_parts(request)}),
+            false => json!({"role": "user", "content": content_parts(request, marks)}),
         });
         let mut body = Map::new();
         body.insert("model".into(), json!(self.model));
@@ -93,10 +109,13 @@ impl OpenAiHandler {
 
 /// A user message's content with media: the text, then each part in the form the Chat
 /// Completions API takes it (images as data URLs, audio as `input_audio`, other files as `file`).
-fn content_parts(request: &ModelRequest) -> Vec<Value> {
+fn content_parts(request: &ModelRequest, marks: bool) -> Vec<Value> {
     let mut content = vec![json!({"type": "text", "text": request.prompt})];
     for (i, p) in request.media.iter().enumerate() {
-        let data = crate::http::base64(&p.data);
+        let data = match marks {
+            true => crate::http::inline_mark(i),
+            false => crate::http::base64(&p.data),
+        };
         content.push(match p.mime.as_str() {
             m if m.starts_with("image/") => {
                 json!({"type": "image_url", "image_url": {"url": format!("data:{m};base64,{data}")}})
@@ -313,7 +332,8 @@ pub fn parse_response(body: &[u8]) -> Result<ModelResponse, ModelError> {
 #[async_trait::async_trait]
 impl ModelHandler for OpenAiHandler {
     async fn generate(&self, request: &ModelRequest) -> Result<ModelResponse, ModelError> {
-        let (reply, secret) = self.credential.post(&self.client, &self.url, &self.body(request)).await?;
+        let (reply, secret) =
+            self.credential.post_encoded(&self.client, &self.url, self.encoded(request, false)?).await?;
         if reply.status != 200 {
             return Err(redact(classify_error(reply.status, &reply.headers, &reply.body), secret.as_ref()));
         }
@@ -327,10 +347,7 @@ impl ModelHandler for OpenAiHandler {
     }
 
     async fn generate_stream(&self, request: &ModelRequest) -> Result<DeltaStream, ModelError> {
-        let mut body = self.body(request);
-        body["stream"] = json!(true);
-        body["stream_options"] = json!({"include_usage": true});
-        match self.credential.post_sse(&self.client, &self.stream_url, &body).await? {
+        match self.credential.post_sse(&self.client, &self.stream_url, self.encoded(request, true)?).await? {
             (Opened::Events(events), _) => Ok(deltas(events, ChunkParser::default())),
             (Opened::Error(reply), secret) => {
                 Err(redact(classify_error(reply.status, &reply.headers, &reply.body), secret.as_ref()))
