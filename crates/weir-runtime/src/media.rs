@@ -38,8 +38,10 @@ impl Loader {
             }
         });
         let client = reqwest::Client::builder()
-            .timeout(Duration::from_secs(120))
-            .connect_timeout(Duration::from_secs(20))
+            // A media fetch that stalls holds its record (and, tried three times, for long):
+            // 30 s is ample for the 15 MB a request takes inline.
+            .timeout(Duration::from_secs(30))
+            .connect_timeout(Duration::from_secs(10))
             .redirect(policy)
             .build()
             .ok();
@@ -147,6 +149,14 @@ impl MediaLoader for Loader {
                     return Err("not a file".into());
                 }
             }
+            // The system's own files are not a dataset's media: /proc/self/environ would send
+            // weir's environment (its keys) to the model. They report no size, and some never
+            // end; a file that says it is empty is refused before it is read.
+            if let Ok(real) = std::fs::canonicalize(&path) {
+                if ["/proc", "/sys", "/dev"].iter().any(|d| real.starts_with(d)) {
+                    return Err("a file of the system (/proc, /sys, /dev), not media".into());
+                }
+            }
             let f = std::fs::File::open(&path).map_err(|e| match e.kind() {
                 std::io::ErrorKind::NotFound => "no such file".to_string(),
                 _ => format!("cannot be read: {e}"),
@@ -157,6 +167,9 @@ impl MediaLoader for Loader {
             }
             if meta.len() > max as u64 {
                 return Err(MediaError::too_large(meta.len(), max));
+            }
+            if meta.len() == 0 {
+                return Err("it is empty".into());
             }
             let mut data = Vec::with_capacity(meta.len() as usize);
             // At most one byte past the limit: a file that grew since is caught too.

@@ -98,8 +98,10 @@ pub(crate) async fn start_writers(
 pub(crate) fn table_task(settings: &RunSettings) -> weir_tables::Task {
     if settings.provider.task == weir_providers::Task::Embed {
         weir_tables::Task::Embed
-    } else if let Some(schema) = &settings.driver.params.response_schema {
-        // Answers checked against a response schema: a column of its type.
+    } else if let (Some(schema), None) = (&settings.driver.params.response_schema, &settings.records.params_field) {
+        // Answers checked against a response schema: a column of its type. Not when records
+        // may bring their own schemas (`--params-field`): an answer of another shape would
+        // not fit the column and be lost, so the answers are kept as text.
         weir_tables::Task::Shaped(weir_tables::schema::arrow_type_of(schema))
     } else {
         weir_tables::Task::Generate

@@ -213,6 +213,17 @@ pub(crate) fn identity(
             if settings.provider.endpoint_format != weir_providers::EndpointFormat::default() {
                 call.push(format!("endpoint_format={:?}", settings.provider.endpoint_format).to_lowercase());
             }
+            // Records sent with other media are other requests: a run with other
+            // `--media-field`s is another run, not one to resume.
+            if !settings.records.media_fields.is_empty() {
+                let fields: Vec<String> = settings
+                    .records
+                    .media_fields
+                    .iter()
+                    .map(|(f, mime)| mime.as_ref().map_or(f.clone(), |m| format!("{f}:{m}")))
+                    .collect();
+                call.push(format!("media={}", fields.join(",")));
+            }
             (!call.is_empty()).then(|| call.join(" "))
         },
     })

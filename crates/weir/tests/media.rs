@@ -456,3 +456,47 @@ async fn a_given_type_is_the_parts_type() {
     assert_eq!(sim.stats().media_parts, 1);
     sim.shutdown().await;
 }
+
+/// Found by an outside tester: `/proc/self/environ` named as media (with a type given) sent
+/// weir's environment, keys and all, to the model; a finished text run was "resumed" with
+/// `--media-field` added, answering nothing with the images. The system's files are refused,
+/// and other media fields make another run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn system_files_are_not_media_and_other_media_fields_are_another_run() {
+    let sim = sim(weir_sim::SimConfig::default()).await;
+    let dir = Dir::new("media-proc");
+    let img = dir.write("a.png", &png(1));
+    let input = dir.write(
+        "in.jsonl",
+        format!(
+            "{{\"id\":\"env\",\"prompt\":\"x\",\"m\":\"/proc/self/environ\"}}\n{{\"id\":\"img\",\"prompt\":\"x\",\"m\":\"{}\"}}\n",
+            img.display()
+        )
+        .as_bytes(),
+    );
+    let run = |extra: &'static [&'static str]| {
+        let (input, out, base) = (input.clone(), dir.path("out.jsonl"), sim.url());
+        async move {
+            weir()
+                .env("GEMINI_API_KEY", "key-that-must-not-leave")
+                .args(["run", "--model", "gemini/gemini-2.5-flash", "--base-url", &base, "--progress", "never"])
+                .args(["--id-field", "id", "--input", input.to_str().unwrap(), "--output", out.to_str().unwrap()])
+                .args(extra)
+                .output()
+                .await
+                .unwrap()
+        }
+    };
+    let o = run(&[]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let before = sim.stats().requests;
+    let o = run(&["--media-field", "m:text/plain"]).await;
+    assert_eq!(o.status.code(), Some(2), "another run, not a resumed one: {}", stderr(&o));
+    assert_eq!(sim.stats().requests, before);
+    let o = run(&["--media-field", "m:text/plain", "--fresh"]).await;
+    let errors = rows(&dir.path("out.errors.jsonl"));
+    assert_eq!(errors.len(), 1, "{}", stderr(&o));
+    assert!(errors[0]["message"].as_str().unwrap().contains("a file of the system"), "{}", errors[0]);
+    assert_eq!(sim.stats().requests, before + 1, "only the image's record is sent");
+    sim.shutdown().await;
+}
