@@ -173,6 +173,51 @@ fn media_error(mut error: ModelError, e: &crate::media::MediaError) -> ModelErro
     error
 }
 
+/// `read`'s result, or a timeout (which may pass: the record is retryable) if it takes longer
+/// than `timeout`.
+async fn within<T>(
+    timeout: Duration,
+    read: impl Future<Output = Result<T, crate::media::MediaError>>,
+) -> Result<T, crate::media::MediaError> {
+    tokio::time::timeout(timeout, read).await.unwrap_or_else(|_| {
+        let why = format!("not read within the --timeout of {} s", timeout.as_secs_f64());
+        Err(crate::media::MediaError::transient(ErrorKind::Timeout, why))
+    })
+}
+
+/// A record's parts as read for its request, some of them perhaps still to be uploaded.
+struct Read {
+    parts: Vec<Part>,
+    /// Parts too large to go inline, by index, to be uploaded before they are sent (after the
+    /// cache is asked), each with the error naming its field should the upload fail.
+    pending: Vec<(usize, ModelError)>,
+    /// Held while a record has large parts in memory: one such record at a time.
+    _large: Option<tokio::sync::MutexGuard<'static, ()>>,
+}
+
+impl Read {
+    /// The parts as they key the cache: by their content, uploaded or not.
+    fn keyed(&self) -> Arc<[Part]> {
+        Arc::from(self.parts.clone())
+    }
+
+    /// The parts as they are sent: each large one uploaded through `handler` and referred to,
+    /// its bytes let go (the provider has them).
+    async fn uploaded(mut self, handler: &dyn ModelHandler) -> Result<Arc<[Part]>, ModelError> {
+        for (at, named) in std::mem::take(&mut self.pending) {
+            let part = &mut self.parts[at];
+            let uri = handler.upload_media(part).await.map_err(|e| {
+                let mut error = named.clone();
+                error.message = format!("{}: {}", error.message, e.message);
+                (error.kind, error.hint) = (e.kind, e.hint);
+                error
+            })?;
+            *part = Part { uri: Some(uri), data: bytes::Bytes::new(), ..part.clone() };
+        }
+        Ok(Arc::from(self.parts))
+    }
+}
+
 /// Runs records through a model handler and its endpoint's executor.
 pub struct Driver {
     /// The first endpoint's client: what every endpoint of the pool can do (stream, batch,
@@ -271,15 +316,16 @@ impl Driver {
     /// made) names the field, what it named and why it cannot be sent.
     ///
     /// Parts go inline, up to 15 MB for a request. Past that, an endpoint that takes uploads
-    /// (the Gemini API's Files API) gets the part uploaded and referred to; one large part at a
-    /// time in the process is read and uploaded, so memory holds at most one of them beside the
-    /// inline parts in flight. Media an endpoint reads itself (`gs://` on Vertex AI) is only
-    /// typed here, from its first bytes.
-    async fn parts_of(&self, record: &Record) -> Result<Arc<[Part]>, ModelError> {
-        /// One large part read and uploaded at a time in the process.
+    /// (the Gemini API's Files API) gets the part uploaded and referred to ([`Read::uploaded`],
+    /// once the cache has no answer: a cached answer costs no upload); one record's large
+    /// parts at a time in the process are read and uploaded, so memory holds at most those
+    /// beside the inline parts in flight. Media an endpoint reads itself (`gs://` on Vertex AI)
+    /// is only typed here, from its first bytes.
+    async fn parts_of(&self, record: &Record) -> Result<Read, ModelError> {
+        /// One record's large parts read and uploaded at a time in the process.
         static LARGE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
         if record.media.is_empty() {
-            return Ok(Arc::from(Vec::new()));
+            return Ok(Read { parts: Vec::new(), pending: Vec::new(), _large: None });
         }
         let bad = |r: &MediaRef, why: String| {
             let at = r.source.shown();
@@ -289,13 +335,15 @@ impl Driver {
         let untyped = |r: &MediaRef| {
             bad(r, format!("not a type the providers take as a part ({})", crate::media::TAKEN.join(", ")))
         };
-        let loader = || self.media.as_ref();
+        let loader = |r: &MediaRef| self.media.as_ref().ok_or_else(|| bad(r, "this front end reads no media".into()));
+        // A part is read within the run's --timeout, as a call is answered within it.
+        let timeout = self.settings.timeout;
         // An uploaded file is the uploading key's: uploads only for a driver of one endpoint.
         let upload_max = match self.handlers.as_slice() {
             [h] => h.max_upload_bytes().map(|m| m as usize),
             _ => None,
         };
-        let mut parts = Vec::with_capacity(record.media.len());
+        let (mut parts, mut pending, mut large) = (Vec::with_capacity(record.media.len()), Vec::new(), None);
         let mut total = 0usize;
         for r in &record.media {
             let inline_left = MAX_INLINE_BYTES - total;
@@ -304,8 +352,9 @@ impl Driver {
                 MediaSource::Bytes(b) => Err(crate::media::MediaError::too_large(b.len() as u64, inline_left)),
                 MediaSource::Named(source) if self.handlers.iter().all(|h| h.reads_by_reference(source)) => {
                     // Read by the endpoint itself: only its type and version are asked here.
-                    let loader = loader().ok_or_else(|| bad(r, "this front end reads no media".into()))?;
-                    let peek = loader.peek(source).await.map_err(|e| media_error(bad(r, e.message.clone()), &e))?;
+                    let peek = within(timeout, loader(r)?.peek(source))
+                        .await
+                        .map_err(|e| media_error(bad(r, e.message.clone()), &e))?;
                     if peek.size == 0 {
                         return Err(bad(r, "it is empty".into()));
                     }
@@ -316,8 +365,7 @@ impl Driver {
                     continue;
                 }
                 MediaSource::Named(source) => {
-                    let loader = loader().ok_or_else(|| bad(r, "this front end reads no media".into()))?;
-                    loader.load(source, inline_left).await.map(|d| (d, source.as_str()))
+                    within(timeout, loader(r)?.load(source, inline_left)).await.map(|d| (d, source.as_str()))
                 }
             };
             let (data, name) = match read {
@@ -325,13 +373,14 @@ impl Driver {
                 // Too large to go inline, to an endpoint that takes uploads.
                 Err(e) if e.over && upload_max.is_some() => {
                     let max = upload_max.unwrap_or(0);
-                    let _one = LARGE.lock().await;
+                    if large.is_none() {
+                        large = Some(LARGE.lock().await);
+                    }
                     let (data, name) = match &r.source {
                         MediaSource::Bytes(b) if b.len() <= max => (b.clone(), ""),
                         MediaSource::Bytes(b) => return Err(bad(r, crate::media::too_large(b.len() as u64, max))),
                         MediaSource::Named(source) => {
-                            let loader = loader().ok_or_else(|| bad(r, "this front end reads no media".into()))?;
-                            let data = loader
+                            let data = loader(r)?
                                 .load(source, max)
                                 .await
                                 .map_err(|e| media_error(bad(r, e.message.clone()), &e))?;
@@ -339,13 +388,8 @@ impl Driver {
                         }
                     };
                     let part = Part::typed_as(data, name, r.mime.as_deref()).ok_or_else(|| untyped(r))?;
-                    let uri = self.handler.upload_media(&part).await.map_err(|e| {
-                        let mut error = bad(r, format!("could not be uploaded: {}", e.message));
-                        (error.kind, error.hint) = (e.kind, e.hint);
-                        error
-                    })?;
-                    // The bytes are the provider's now: only the reference stays in memory.
-                    parts.push(Part { uri: Some(uri), data: bytes::Bytes::new(), ..part });
+                    pending.push((parts.len(), bad(r, "could not be uploaded".into())));
+                    parts.push(part);
                     continue;
                 }
                 Err(e) => return Err(media_error(bad(r, e.message.clone()), &e)),
@@ -356,7 +400,7 @@ impl Driver {
             }
             parts.push(Part::typed_as(data, name, r.mime.as_deref()).ok_or_else(|| untyped(r))?);
         }
-        Ok(Arc::from(parts))
+        Ok(Read { parts, pending, _large: large })
     }
 
     /// Starts as if connecting had failed for the whole detection window already: the first
@@ -423,6 +467,8 @@ impl Driver {
     /// Counts a failure that never reached the driver (invalid input) and passes it on.
     pub fn reject(&self, failure: Box<Failure>) -> Outcome {
         self.metrics.record_failure(failure.error.kind);
+        let id = failure.id.as_ref().map_or_else(|| format!("line {}", failure.line), |id| id.as_str().to_string());
+        self.metrics.record_failure_example(&id, failure.error.kind, &failure.error.message);
         Outcome::Failure(failure)
     }
 
@@ -458,7 +504,7 @@ impl Driver {
     /// the cache when it comes back. The error is the record's, as for a call.
     pub async fn request_with_media(&self, record: &mut Record) -> Result<ModelRequest, ModelError> {
         let mut request = self.request_of(record);
-        let parts = self.parts_of(record).await?;
+        let parts = self.parts_of(record).await?.uploaded(self.handler.as_ref()).await?;
         record.media_digests = parts.iter().map(|p| p.digest).collect();
         request.media = parts;
         Ok(request)
@@ -553,6 +599,7 @@ impl Driver {
                     failed.error
                 };
                 self.metrics.record_failure(error.kind);
+                self.metrics.record_failure_example(record.id.as_str(), error.kind, &error.message);
                 Outcome::Failure(Box::new(Failure::of(record, error, failed.attempts)))
             }
         }
@@ -615,13 +662,14 @@ impl Driver {
         let start = Instant::now();
         let mut request = self.request_of(&record);
         // Media is read now and let go with the request, once the record has its answer.
-        match self.parts_of(&record).await {
-            Ok(parts) => request.media = parts,
+        let read = match self.parts_of(&record).await {
+            Ok(read) => read,
             Err(e) => {
                 let failed = Failed { error: e, attempts: 0, cancelled: false };
                 return self.settle(record, Err(failed), None, start);
             }
-        }
+        };
+        request.media = read.keyed();
         let key = self.cache.as_ref().map(|_| cache_key(&self.source, &request, &record.id));
         let hit = |record: Record, response: ModelResponse, on_event: Option<E>| async move {
             if let Some(mut e) = on_event {
@@ -631,6 +679,14 @@ impl Driver {
         };
         if let Some(response) = self.cached(key.as_ref()) {
             return hit(record, response, on_event).await;
+        }
+        // Not answered before: large parts are uploaded now (and their bytes let go).
+        match read.uploaded(self.handler.as_ref()).await {
+            Ok(parts) => request.media = parts,
+            Err(e) => {
+                let failed = Failed { error: e, attempts: 0, cancelled: false };
+                return self.settle(record, Err(failed), None, start);
+            }
         }
         // One request at a time per deterministic key: the others then find its answer cached.
         let _single = match (&key, is_deterministic(&request.params)) {

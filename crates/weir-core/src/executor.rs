@@ -197,6 +197,7 @@ impl Executor {
                 if e.kind == ErrorKind::RateLimited {
                     self.metrics.record_rate_limited();
                 }
+                self.metrics.record_call_error(e.kind);
                 let (e, absorbed) = self.pool.learn(lane, Err(&e)).unwrap_or((e, Absorbed::No));
                 if absorbed == Absorbed::No {
                     self.observer.failed_attempt(&e, attempts + 1);

@@ -78,18 +78,22 @@ impl MediaSource {
 
 /// A field's value as media: a non-empty string names it; `{"base64": "…"}` (how bytes read
 /// from a table reach a record, and how JSON carries bytes) holds it. `Err` says why the value
-/// is neither; `Ok(None)` is no part (a null or missing field).
+/// is neither; `Ok(None)` is no part: a null or empty value (an empty CSV cell, an empty SQL
+/// or Python value: every front end reads "nothing here" the same way). A field the record
+/// lacks altogether is the caller's to refuse: it is more often a misspelt name than a record
+/// without media.
 pub fn source_of(value: Option<&serde_json::Value>) -> Result<Option<MediaSource>, &'static str> {
     use base64::Engine;
     use serde_json::Value;
     match value {
         None | Some(Value::Null) => Ok(None),
-        Some(Value::String(s)) if !s.trim().is_empty() => Ok(Some(MediaSource::Named(s.trim().to_string()))),
+        Some(Value::String(s)) if s.trim().is_empty() => Ok(None),
+        Some(Value::String(s)) => Ok(Some(MediaSource::Named(s.trim().to_string()))),
         Some(Value::Object(o)) if o.len() == 1 && o.contains_key("base64") => {
             let text = o["base64"].as_str().ok_or("its \"base64\" is not a string")?;
             let bytes =
                 base64::engine::general_purpose::STANDARD.decode(text).map_err(|_| "its \"base64\" is not base64")?;
-            Ok(Some(MediaSource::Bytes(Bytes::from(bytes))))
+            Ok((!bytes.is_empty()).then(|| MediaSource::Bytes(Bytes::from(bytes))))
         }
         Some(_) => Err("is not a file path, a URL or bytes"),
     }

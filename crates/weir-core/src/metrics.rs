@@ -80,6 +80,15 @@ pub struct RunMetrics {
     /// Records by how long they waited for their batch: counts per [`WAIT_BOUNDS_MS`] bucket.
     batch_waits: [AtomicU64; WAIT_BOUNDS_MS.len() + 1],
     failures_by_kind: Mutex<BTreeMap<ErrorKind, u64>>,
+    /// A few recent failed records of each kind (id, message), for a page that shows what is
+    /// failing; bounded, whatever fails.
+    failure_examples: Mutex<BTreeMap<ErrorKind, std::collections::VecDeque<(String, String)>>>,
+    /// Calls that failed, by kind (every attempt, not records: a 429 retried is one here).
+    call_errors: Mutex<BTreeMap<ErrorKind, u64>>,
+    /// Call latencies and times to first token since a watcher last took them
+    /// ([`RunMetrics::take_recent_latencies`]): percentiles over time, not since the start.
+    recent_latency: Sketch,
+    recent_first_token: Sketch,
     /// Streamed calls: time from sending to the first text.
     first_token: Sketch,
     /// Streamed calls: time between one piece of text and the next.
@@ -102,6 +111,13 @@ impl std::fmt::Debug for Sketch {
 impl Sketch {
     fn add(&self, d: Duration) {
         self.0.lock().unwrap_or_else(|e| e.into_inner()).add(d.as_secs_f64());
+    }
+
+    /// The summary so far, and empty again.
+    fn take(&self) -> Option<Percentiles> {
+        let summary = self.summary();
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Default::default();
+        summary
     }
 
     fn summary(&self) -> Option<Percentiles> {
@@ -261,8 +277,51 @@ impl RunMetrics {
         )
     }
 
+    /// The most examples kept of each kind of failure.
+    const EXAMPLES: usize = 3;
+
+    /// Keeps record `id`'s failure as an example of its kind (the newest few are kept, the
+    /// message cut to 300 characters). Messages name no keys (errors never carry them), and the
+    /// record's prompt is not kept.
+    pub fn record_failure_example(&self, id: &str, kind: ErrorKind, message: &str) {
+        let message: String = message.chars().take(300).collect();
+        self.count(&|m| {
+            let mut all = m.failure_examples.lock().unwrap_or_else(|e| e.into_inner());
+            let kept = all.entry(kind).or_default();
+            if kept.len() >= Self::EXAMPLES {
+                kept.pop_front();
+            }
+            kept.push_back((id.to_string(), message.clone()));
+        });
+    }
+
+    /// The newest examples of failures of `kind` (id, message), oldest first.
+    pub fn failure_examples(&self, kind: ErrorKind) -> Vec<(String, String)> {
+        let all = self.failure_examples.lock().unwrap_or_else(|e| e.into_inner());
+        all.get(&kind).map(|k| k.iter().cloned().collect()).unwrap_or_default()
+    }
+
+    /// Counts a call that failed with an error of `kind`.
+    pub fn record_call_error(&self, kind: ErrorKind) {
+        self.count(&|m| {
+            *m.call_errors.lock().unwrap_or_else(|e| e.into_inner()).entry(kind).or_default() += 1;
+        });
+    }
+
+    /// Calls that failed, by kind.
+    pub fn call_errors_by_kind(&self) -> BTreeMap<ErrorKind, u64> {
+        self.call_errors.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Percentiles of call latency and of time to first token since the last time this was
+    /// asked (`None`: nothing measured since), then forgotten: one watcher asks, once a period.
+    pub fn take_recent_latencies(&self) -> (Option<Percentiles>, Option<Percentiles>) {
+        (self.recent_latency.take(), self.recent_first_token.take())
+    }
+
     /// Records how long one call took, answered or not (a histogram when exported).
     pub fn record_latency(&self, d: Duration) {
+        self.count(&|m| m.recent_latency.add(d));
         if self.exports() {
             metrics::histogram!("weir_call_seconds", self.labels(&[])).record(d.as_secs_f64());
         }
@@ -270,7 +329,10 @@ impl RunMetrics {
 
     /// Records the time from sending a streamed call to its first text.
     pub fn record_first_token(&self, d: Duration) {
-        self.count(&|m| m.first_token.add(d));
+        self.count(&|m| {
+            m.first_token.add(d);
+            m.recent_first_token.add(d);
+        });
         if self.exports() {
             metrics::histogram!("weir_time_to_first_token_seconds", self.labels(&[])).record(d.as_secs_f64());
         }

@@ -219,7 +219,7 @@ pub struct RecordSpec {
     /// the run's; a missing or null field means the run's.
     pub params_field: Option<String>,
     /// Fields naming media sent after the prompt, in order (`--media-field`): a file path or a
-    /// URL; a missing or null field adds no part. With a MIME type when one was given
+    /// URL; a null or empty field adds no part, and a record without the field is invalid input. With a MIME type when one was given
     /// (`FIELD:TYPE`), which the content's does not replace.
     pub media_fields: Vec<(String, Option<String>)>,
 }
@@ -339,6 +339,12 @@ impl RecordSpec {
         };
         let mut media = Vec::with_capacity(self.media_fields.len());
         for (f, mime) in &self.media_fields {
+            if !input.contains_key(f) {
+                let msg = format!(
+                    "line {line}: has no media field '{f}' (--media-field; give it null for a record without this part)"
+                );
+                return Err(invalid(line, Some(id), Some(input), None, msg));
+            }
             match crate::media::source_of(input.get(f)) {
                 Ok(None) => {}
                 Ok(Some(source)) => media.push(crate::media::MediaRef { field: f.clone(), source, mime: mime.clone() }),

@@ -141,7 +141,7 @@ impl LlmUdf {
 const MAX_MEDIA: usize = 4;
 
 /// The Arrow type of `llm_generate`'s answers when its options are a literal with a
-/// `response_schema`: the schema's type ([`weir_tables::arrow_type_of`]), `None` for text.
+/// `response_schema`: the schema's type ([`weir_tables::arrow_type_of`]); `None` without one.
 fn shaped_type(options: Option<&datafusion::common::ScalarValue>) -> Option<DataType> {
     use datafusion::common::ScalarValue;
     let text = match options? {
@@ -149,8 +149,8 @@ fn shaped_type(options: Option<&datafusion::common::ScalarValue>) -> Option<Data
         _ => return None,
     };
     let v: serde_json::Value = serde_json::from_str(text).ok()?;
-    let t = weir_tables::arrow_type_of(v.get("response_schema")?);
-    (t != DataType::Utf8).then_some(t)
+    // Text too (a `"type": "string"` schema): shaped, a string answer loses its JSON quotes.
+    Some(weir_tables::arrow_type_of(v.get("response_schema")?))
 }
 
 /// A media argument's value at `row`: a path or URL (text) or the bytes; `None` for NULL.
@@ -340,9 +340,15 @@ impl AsyncScalarUDFImpl for LlmUdf {
                 }
             }
         }
+        // Options given as a literal with a response schema (as `return_field_from_args` saw
+        // them): the answers are values of its type, text included (a string without quotes).
+        let shaped = match args.args.get(2) {
+            Some(ColumnarValue::Scalar(v)) => shaped_type(Some(v)).is_some(),
+            _ => false,
+        };
         let array: ArrayRef = match self.kind {
             // With a response schema, the answers' JSON as a value of its type.
-            UdfKind::Generate if args.return_field.data_type() != &DataType::Utf8 => {
+            UdfKind::Generate if shaped => {
                 let answers = results.iter().map(|r| match r {
                     RowResult::Done(o, _) => match o.as_ref() {
                         Outcome::Success(s) => Some(s.response.text.as_str()),

@@ -180,6 +180,12 @@ pub struct StateDir {
 }
 
 impl StateDir {
+    /// A file of this output's run beside its record (`runs/<output>.<ext>`): its time series
+    /// (`series.json`) and the like.
+    pub fn file(&self, ext: &str) -> PathBuf {
+        self.meta.with_extension(ext)
+    }
+
     /// Records `identity` as this output's run. Called once the run is sure to start (after
     /// every check), so a refused command leaves no state that a later run would resume.
     pub fn record(&self, identity: &RunIdentity) -> Result<(), StateError> {

@@ -382,7 +382,7 @@ impl ModelHandler for GeminiHandler {
                 return Ok(uri.clone());
             }
         }
-        let hex: String = part.digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+        let hex = hex::encode(&part.digest[..8]);
         let data = part.data.clone();
         let file = crate::jobs::files_upload(
             &self.client,

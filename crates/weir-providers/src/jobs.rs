@@ -97,8 +97,7 @@ fn multipart(
     let mut random = [0u8; 16];
     // An error of the system's random source leaves the zeros and the input's length.
     let _ = ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut random);
-    let hex: String = random.iter().map(|b| format!("{b:02x}")).collect();
-    let boundary = format!("weir-jobs-{hex}-{}", input.len);
+    let boundary = format!("weir-jobs-{}-{}", hex::encode(random), input.len);
     let head = format!(
         "--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\n{purpose}\r\n\
          --{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{filename}\"\r\n\

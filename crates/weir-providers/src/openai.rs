@@ -148,12 +148,46 @@ pub(crate) const NAMES: SamplingNames = SamplingNames {
 pub fn apply_params(body: &mut Map<String, Value>, p: &GenParams) {
     put_sampling(body, p, &NAMES);
     if let Some(schema) = &p.response_schema {
+        let schema = weir_core::schema::to_json_schema(schema);
+        let strict = strict_ok(&schema);
         body.insert(
             "response_format".into(),
-            json!({"type": "json_schema", "json_schema": {"name": "response", "schema": weir_core::schema::to_json_schema(schema), "strict": true}}),
+            json!({"type": "json_schema", "json_schema": {"name": "response", "schema": schema, "strict": strict}}),
         );
     } else if p.response_mime_type.as_deref() == Some("application/json") {
         body.insert("response_format".into(), json!({"type": "json_object"}));
+    }
+}
+
+/// Whether OpenAI's strict structured output takes `schema`: every object closed
+/// (`additionalProperties: false`) with all its properties required. OpenAI refuses a strict
+/// schema that is not, failing every record; such a schema is sent as guidance instead, and
+/// weir's own check of each answer against it still holds.
+fn strict_ok(schema: &Value) -> bool {
+    match schema {
+        Value::Object(o) => {
+            let is_object = o
+                .get("type")
+                .is_some_and(|t| t == "object" || t.as_array().is_some_and(|a| a.contains(&json!("object"))))
+                || o.contains_key("properties");
+            if is_object {
+                let closed = o.get("additionalProperties") == Some(&Value::Bool(false));
+                let required: Vec<&str> = o
+                    .get("required")
+                    .and_then(Value::as_array)
+                    .into_iter()
+                    .flatten()
+                    .filter_map(Value::as_str)
+                    .collect();
+                let props = o.get("properties").and_then(Value::as_object);
+                if !closed || props.is_some_and(|p| p.keys().any(|k| !required.contains(&k.as_str()))) {
+                    return false;
+                }
+            }
+            o.values().all(strict_ok)
+        }
+        Value::Array(a) => a.iter().all(strict_ok),
+        _ => true,
     }
 }
 
@@ -374,6 +408,23 @@ impl ModelHandler for OpenAiHandler {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn only_closed_schemas_with_every_property_required_are_sent_strict() {
+        use serde_json::json;
+        let closed = json!({"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "array", "items": {"type": "object", "properties": {"c": {"type": "number"}}, "required": ["c"], "additionalProperties": false}}}, "required": ["a", "b"], "additionalProperties": false});
+        assert!(super::strict_ok(&closed));
+        let mut open = closed.clone();
+        open["additionalProperties"] = json!(true);
+        assert!(!super::strict_ok(&open));
+        let mut inner_open = closed.clone();
+        inner_open["properties"]["b"]["items"].as_object_mut().unwrap().remove("additionalProperties");
+        assert!(!super::strict_ok(&inner_open));
+        let mut optional = closed.clone();
+        optional["required"] = json!(["a"]);
+        assert!(!super::strict_ok(&optional));
+        assert!(super::strict_ok(&json!({"type": "string"})));
+    }
+
     use super::*;
     use reqwest::header::HeaderMap;
 

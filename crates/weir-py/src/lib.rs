@@ -91,10 +91,18 @@ fn params_over(base: &GenParams, json: Option<&str>, whose: &str) -> PyResult<Ar
 /// One item from Python: id (text, and whether it was a number), prompt, model, system text and
 /// parameters (JSON), each `None` when the item does not set it, and its media fields.
 /// The prompt is `None` when it is empty: such an item fails as invalid input, with no call.
-type Item =
-    (Option<String>, bool, Option<String>, Option<String>, Option<String>, Option<String>, Vec<(String, Media)>);
+type Item = (
+    Option<String>,
+    bool,
+    Option<String>,
+    Option<String>,
+    Option<String>,
+    Option<String>,
+    Vec<(String, Option<String>, Media)>,
+);
 
-/// A media field's value from Python: a path or URL, or the bytes.
+/// A media field's value from Python: a path or URL, or the bytes. The field comes with the
+/// MIME type given for it (`image:image/png`), if any.
 #[derive(FromPyObject)]
 enum Media {
     Named(String),
@@ -253,13 +261,13 @@ impl PyEngine {
             let id = id.map(|s| if numeric { RecordId::Number(s) } else { RecordId::Text(s) });
             let media = media
                 .into_iter()
-                .map(|(field, m)| weir_core::media::MediaRef {
+                .map(|(field, mime, m)| weir_core::media::MediaRef {
                     field,
                     source: match m {
                         Media::Named(s) => weir_core::media::MediaSource::Named(s),
                         Media::Bytes(b) => weir_core::media::MediaSource::Bytes(bytes::Bytes::copy_from_slice(&b)),
                     },
-                    mime: None,
+                    mime,
                 })
                 .collect();
             rows.push(Row { model: Some(model.unwrap_or_else(|| self.model.clone())), prompt, id, call, media });
@@ -452,6 +460,13 @@ fn setting_names() -> Vec<String> {
     Settings::command().get_arguments().filter_map(|a| a.get_long()).map(|l| l.replace('-', "_")).collect()
 }
 
+/// A `media_fields` entry as the CLI's `--media-field` takes it: `FIELD` or `FIELD:TYPE`, as
+/// (field, MIME type or `None`); `ConfigError` says what to fix (one parser for every front end).
+#[pyfunction]
+fn media_field(spec: &str) -> PyResult<(String, Option<String>)> {
+    weir_core::media::field_spec(spec).map_err(|e| ConfigError::new_err(format!("media_fields: {e}")))
+}
+
 /// Logs to stderr when `WEIR_LOG` is set (`warn`, `weir_core=debug`, …), as the CLI does; a
 /// Python process is left quiet otherwise (every failure is in its item's result).
 fn init_logging() {
@@ -494,5 +509,6 @@ fn _weir(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ConfigError", m.py().get_type::<ConfigError>())?;
     m.add_function(wrap_pyfunction!(setting_names, m)?)?;
     m.add_function(wrap_pyfunction!(leave_quotas, m)?)?;
+    m.add_function(wrap_pyfunction!(media_field, m)?)?;
     Ok(())
 }

@@ -465,6 +465,16 @@ def test_media_fields_send_paths_and_bytes_and_bad_media_is_the_items_error(sim,
         engine.generate([{"prompt": "x", "image": 5}])
     with pytest.raises(weir.ConfigError, match="media_fields"):
         weir.Engine(MODEL, sim.url, media_fields=[3])
+    # A misspelt field is no item's field: refused, not sent without its media.
+    with pytest.raises(TypeError, match="no media field 'imgae'"):
+        engine.generate([{"prompt": "x", "image": str(paths[0])}], media_fields=["imgae"])
+    # FIELD:TYPE as on the command line: the given type over the content's, checked up front.
+    typed = engine.generate([{"id": "junk", "prompt": "describe", "image": b"\x00\xff junk"}],
+                            media_fields=["image:image/png"])
+    assert typed[0].ok, typed[0]
+    assert sim.stats()["media_parts"] == 8
+    with pytest.raises(weir.ConfigError, match="not a type the providers take"):
+        weir.Engine(MODEL, sim.url, media_fields=["image:application/zip"])
 
 
 def test_a_response_schema_gives_parsed_values(sim):

@@ -8,6 +8,9 @@ use std::time::Duration;
 use weir_core::{DriverSettings, QuotaStore, RateSettings, RetryPolicy, ThrottleSettings};
 use weir_providers::ProviderOptions;
 
+/// The most times an answer that fails the schema is asked for again (`--max-invalid-retries`).
+const MAX_INVALID_RETRIES: u32 = 10;
+
 /// Settings that cannot be used, with what to fix (the CLI exits with status 2 on it).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
@@ -76,8 +79,8 @@ pub struct EndpointArgs {
     #[arg(long, value_name = "N", default_value_t = 8)]
     pub max_retries: u32,
     /// With a response schema (`--param response_schema=@FILE`): times an answer that is not
-    /// JSON matching it is asked for again (each is paid for), apart from --max-retries; then
-    /// the record is an `invalid_output` error row quoting the answer.
+    /// JSON matching it is asked for again (each is paid for; at most 10), apart from
+    /// --max-retries; then the record is an `invalid_output` error row quoting the answer.
     #[arg(long, value_name = "N", default_value_t = 2)]
     pub max_invalid_retries: u32,
     /// Where processes that call the same endpoint with the same key share its quota: `local`
@@ -143,6 +146,13 @@ impl EndpointArgs {
             }
         }
         quota_store(&self.quota_store)?;
+        // Each is a paid call: a large number is more likely a slip than a wish to pay for it.
+        if self.max_invalid_retries > MAX_INVALID_RETRIES {
+            return Err(SettingsError(format!(
+                "--max-invalid-retries {}: at most {MAX_INVALID_RETRIES} (each is paid for; an answer that fails the schema that often will not pass)",
+                self.max_invalid_retries
+            )));
+        }
         if !(self.timeout.is_finite() && self.timeout > 0.0 && self.timeout <= MAX_SECS) {
             return Err(SettingsError(format!(
                 "--timeout {}: must be a number of seconds > 0 and at most a week (604800)",

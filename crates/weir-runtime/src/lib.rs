@@ -15,6 +15,7 @@
 #[cfg(feature = "cli")]
 pub mod args;
 mod cache;
+pub mod dash;
 pub mod dispatch;
 pub mod endpoints;
 #[cfg(feature = "local")]

@@ -824,23 +824,28 @@ fn row_group_lines(
 }
 
 /// True for the column types that hold bytes (Parquet `BYTE_ARRAY` without the UTF-8 mark).
+/// A dictionary of bytes (how some writers store a column of repeated images or files) holds
+/// bytes too: its values are what a row has.
 fn is_binary(t: &DataType) -> bool {
-    matches!(t, DataType::Binary | DataType::LargeBinary | DataType::BinaryView | DataType::FixedSizeBinary(_))
+    match t {
+        DataType::Dictionary(_, values) => is_binary(values),
+        t => {
+            matches!(t, DataType::Binary | DataType::LargeBinary | DataType::BinaryView | DataType::FixedSizeBinary(_))
+        }
+    }
 }
 
 /// Bytes as JSON: text when they are UTF-8 (a prompt stored as bytes is still the prompt, not
 /// its hex); else `{"base64": …}`, which keeps them and is no string, so a prompt of such bytes
 /// is that record's error, found before any call.
-fn bytes_value(hex: &str) -> serde_json::Value {
+fn bytes_value(written: &str) -> serde_json::Value {
     use base64::Engine;
-    let bytes: Option<Vec<u8>> =
-        (0..hex.len()).step_by(2).map(|i| hex.get(i..i + 2).and_then(|h| u8::from_str_radix(h, 16).ok())).collect();
-    match bytes.map(String::from_utf8) {
+    match hex::decode(written).ok().map(String::from_utf8) {
         Some(Ok(text)) => serde_json::Value::String(text),
         Some(Err(e)) => {
             serde_json::json!({ "base64": base64::engine::general_purpose::STANDARD.encode(e.into_bytes()) })
         }
-        None => serde_json::Value::String(hex.to_string()),
+        None => serde_json::Value::String(written.to_string()),
     }
 }
 
@@ -949,4 +954,30 @@ fn json_lines(batch: &RecordBatch, first: u64) -> Result<Vec<RawLine>, arrow_sch
         .enumerate()
         .map(|(i, l)| RawLine { line: first + i as u64 + 1, bytes: l.to_vec(), malformed: None })
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow_array::{BinaryArray, DictionaryArray, Int32Array};
+
+    fn row(batch: &RecordBatch) -> serde_json::Value {
+        let lines = batch_lines(batch, 0).unwrap();
+        serde_json::from_slice(&lines[0].bytes).unwrap()
+    }
+
+    #[test]
+    fn bytes_reach_rows_as_base64_plain_or_dictionary_encoded() {
+        use base64::Engine;
+        let png: &[u8] = b"\x89PNG\r\n\x1a\n\x00\xff";
+        let b64 = base64::engine::general_purpose::STANDARD.encode(png);
+        let flat = BinaryArray::from(vec![png]);
+        let dict = DictionaryArray::new(Int32Array::from(vec![0]), Arc::new(BinaryArray::from(vec![png])));
+        for col in [Arc::new(flat) as arrow_array::ArrayRef, Arc::new(dict)] {
+            let schema = Schema::new(vec![arrow_schema::Field::new("img", col.data_type().clone(), true)]);
+            let batch = RecordBatch::try_new(Arc::new(schema.clone()), vec![col]).unwrap();
+            assert_eq!(row(&batch)["img"], serde_json::json!({ "base64": b64 }), "{:?}", schema.field(0));
+            assert_eq!(plain(&schema).field(0).data_type(), &DataType::Binary, "written back as bytes");
+        }
+    }
 }

@@ -225,17 +225,6 @@ pub fn shaped_column<'a>(
     Ok(batch.column(0).clone())
 }
 
-/// `bytes` in lower-case hex.
-fn hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut s = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        s.push(DIGITS[usize::from(b >> 4)] as char);
-        s.push(DIGITS[usize::from(b & 15)] as char);
-    }
-    s
-}
-
 /// The bytes a row's value holds for a binary column: a string's UTF-8, or `{"base64": …}`.
 fn bytes_of(v: &Value) -> Option<Vec<u8>> {
     use base64::Engine;
@@ -259,6 +248,9 @@ pub struct OutputColumns {
     pub errors: SchemaRef,
     /// weir's column names after any renaming, by their plain names.
     pub names: std::collections::HashMap<&'static str, String>,
+    /// The answers are a response schema's JSON: a string answer (`"type": "string"`) is
+    /// written as its text, not as JSON with quotes.
+    pub shaped: bool,
 }
 
 const RESULT_COLUMNS: &[&str] = &[
@@ -357,7 +349,8 @@ impl OutputColumns {
         ] {
             errors.push(Field::new(n(c), t, nullable));
         }
-        Ok(Self { kept, results: Arc::new(Schema::new(results)), errors: Arc::new(Schema::new(errors)), names })
+        let shaped = matches!(task, Task::Shaped(_));
+        Ok(Self { kept, results: Arc::new(Schema::new(results)), errors: Arc::new(Schema::new(errors)), names, shaped })
     }
 
     /// The name weir's column `plain` has in these tables.
@@ -380,7 +373,7 @@ impl OutputColumns {
                 // Bytes as the rows carry them (text, or `{"base64": …}`), as the hex the
                 // writer's decoder takes for a binary column.
                 (DataType::Binary, v) => match bytes_of(v) {
-                    Some(b) => Value::String(hex(&b)),
+                    Some(b) => Value::String(hex::encode(&b)),
                     None => continue,
                 },
                 _ => v.clone(),

@@ -396,6 +396,13 @@ fn result_row(s: &Success, c: &OutputColumns, text_only: bool) -> Map<String, Va
                         Err(_) => Value::Null,
                     }
                 }
+                // A string schema's answer is a JSON string: its text, without the quotes.
+                _ if c.shaped => {
+                    match serde_json::from_str::<Value>(weir_core::schema::strip_fence(&s.response.text)) {
+                        Ok(Value::String(text)) => text.into(),
+                        _ => s.response.text.clone().into(),
+                    }
+                }
                 _ => s.response.text.clone().into(),
             };
             put("response", value)

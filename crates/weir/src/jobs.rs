@@ -54,8 +54,7 @@ pub fn job_key(record: &Record) -> String {
     }
     use sha2::Digest;
     let digest = sha2::Sha256::digest(record.id.key_bytes());
-    let hex: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
-    format!("~{hex}")
+    format!("~{}", hex::encode(&digest[..16]))
 }
 
 /// What a resumed run knows is finished, to leave spooled records alone that have their rows.
@@ -77,6 +76,8 @@ pub(crate) struct JobsRun {
     pub max_concurrency: usize,
     pub tally: Arc<Mutex<JobsTally>>,
     pub finished: Finished,
+    /// The run's page and report, told where the jobs stand.
+    pub watch: Option<Arc<weir_runtime::dash::Watch>>,
 }
 
 /// The outcomes of `work`'s records, answered by batch jobs.
@@ -136,7 +137,7 @@ fn to_spool(record: &Record) -> weir_jobs::Record {
                 None => m.field.clone(),
             })
             .collect(),
-        digests: record.media_digests.iter().map(|d| d.iter().map(|b| format!("{b:02x}")).collect()).collect(),
+        digests: record.media_digests.iter().map(hex::encode).collect(),
     };
     serde_json::value::to_raw_value(&spooled).expect("a record is JSON")
 }
@@ -161,10 +162,8 @@ fn from_spool(value: &weir_jobs::Record) -> Result<Record, ModelError> {
     record.params = s.params.map(Box::new);
     record.media = media;
     for d in &s.digests {
-        let bytes: Option<Vec<u8>> =
-            (0..d.len()).step_by(2).map(|i| d.get(i..i + 2).and_then(|h| u8::from_str_radix(h, 16).ok())).collect();
-        let digest =
-            bytes.and_then(|b| <[u8; 32]>::try_from(b).ok()).ok_or_else(|| unreadable("a bad media digest"))?;
+        let mut digest = [0u8; 32];
+        hex::decode_to_slice(d, &mut digest).map_err(|_| unreadable("a bad media digest"))?;
         record.media_digests.push(digest);
     }
     Ok(record)
@@ -181,6 +180,7 @@ struct Rows {
     fallback: Option<mpsc::UnboundedSender<Record>>,
     progress: bool,
     last: (String, Instant),
+    watch: Option<Arc<weir_runtime::dash::Watch>>,
 }
 
 impl Rows {
@@ -286,6 +286,14 @@ impl weir_jobs::Host for Rows {
     }
 
     fn progress(&mut self, p: &weir_jobs::Progress) {
+        if let Some(w) = &self.watch {
+            w.set_jobs(weir_runtime::dash::JobsView {
+                states: p.jobs.iter().map(|(s, n)| (s.to_string(), u64::from(*n))).collect(),
+                answered: p.completed,
+                total: p.total,
+                settled: p.settled,
+            });
+        }
         if !self.progress || p.jobs.is_empty() {
             return;
         }
@@ -392,7 +400,8 @@ async fn feed(
 }
 
 async fn drive(work: impl futures::Stream<Item = Work> + Send + 'static, run: JobsRun, tx: Tx) {
-    let JobsRun { driver, sites, ledger, fresh, mode, interrupts, progress, max_concurrency, tally, finished } = run;
+    let JobsRun { driver, sites, ledger, fresh, mode, interrupts, progress, max_concurrency, tally, finished, watch } =
+        run;
     let cancel = CancellationToken::new();
     {
         let (cancel, mut interrupts) = (cancel.clone(), interrupts);
@@ -453,6 +462,7 @@ async fn drive(work: impl futures::Stream<Item = Work> + Send + 'static, run: Jo
         fallback,
         progress,
         last: (String::new(), Instant::now() - Duration::from_secs(3600)),
+        watch,
     };
     let result = weir_jobs::run(&sites, &mut ledger, &mut spool, &mut jobs_rx, &mode.jobs, &cancel, &mut rows).await;
     // The reader stops when the jobs do.

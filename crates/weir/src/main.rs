@@ -6,6 +6,7 @@ mod batch_cmd;
 mod cluster_cmd;
 #[cfg(feature = "sql")]
 mod credential_args;
+mod report_cmd;
 mod run_cmd;
 mod signals;
 mod sim_cmd;
@@ -38,6 +39,8 @@ enum Command {
     Sim(Box<sim_cmd::SimArgs>),
     /// The provider batch jobs of `weir run --mode batch` runs: status, cancel, fetch.
     Batch(Box<batch_cmd::BatchArgs>),
+    /// A run's HTML report (plots over time and the summary), rebuilt from its state directory.
+    Report(Box<report_cmd::ReportArgs>),
     /// SQL over tables with llm_generate and llm_embed (Apache DataFusion).
     #[cfg(feature = "sql")]
     Sql(Box<sql_cmd::SqlArgs>),
@@ -98,6 +101,7 @@ fn main() -> ExitCode {
             Command::Run(args) => run_cmd::run(*args).await,
             Command::Sim(args) => sim_cmd::run(*args).await,
             Command::Batch(args) => batch_cmd::run(*args).await,
+            Command::Report(args) => report_cmd::run(*args).await,
             #[cfg(feature = "sql")]
             Command::Sql(args) => sql_cmd::run(*args).await,
             #[cfg(feature = "cluster")]

@@ -120,6 +120,10 @@ pub struct RunSettings {
     pub store: weir_core::QuotaStore,
     /// Serve Prometheus metrics on this address during the run.
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// Serve the live page on this (loopback) address during the run.
+    pub ui: Option<std::net::SocketAddr>,
+    /// Write the HTML report here at the end.
+    pub report: Option<PathBuf>,
     /// The endpoints the model is called at (empty: the one `provider` names).
     pub pool: Vec<weir_runtime::EndpointEntry>,
     /// The input, when it is a table (then `input` only names it).
@@ -186,7 +190,8 @@ pub async fn run(
     if live_input && settings.jobs.as_ref().is_some_and(|m| m.auto_min_records.is_none()) {
         return Err(stream_refused_for_jobs());
     }
-    let total = if settings.progress { input.count()? } else { None };
+    // Counted for the progress bar and the live page (their time left).
+    let total = if settings.progress || settings.ui.is_some() { input.count()? } else { None };
     weir_runtime::sim::install(settings.sim_config.clone());
     // The process's endpoints (their throttles, health and counters), with the run's limits;
     // the run's model is connected now, so that a bad model or a missing key is said before
@@ -239,6 +244,21 @@ pub async fn run(
         None => None,
     };
     let remaining = total.map(|t| t.saturating_sub(recovered.finished_count()));
+    // The run watched: sampled into a time series (saved in the state directory), shown live
+    // with --ui, and written as a report at the end.
+    let series_path = state_dir.as_ref().map(|s| s.file("series.json"));
+    let watch = (settings.ui.is_some() || settings.report.is_some()).then(|| {
+        weir_runtime::dash::Watch::new(runtime.clone(), settings.output.display(), remaining, Some(live_cost()))
+    });
+    let sampler = watch.as_ref().map(|w| w.start(series_path.clone()));
+    let ui_task = match (&watch, settings.ui) {
+        (Some(w), Some(addr)) => {
+            let (bound, task) = weir_runtime::dash::serve(addr, w.clone()).await.map_err(RunError::Usage)?;
+            eprintln!("weir: live page on http://{bound}/");
+            Some(task)
+        }
+        _ => None,
+    };
     let progress = Progress::start(settings.progress, remaining, metrics.clone());
     let started = Instant::now();
 
@@ -302,6 +322,7 @@ pub async fn run(
                     max_concurrency: settings.max_concurrency,
                     tally: tally.clone(),
                     finished: crate::jobs::Finished { finished },
+                    watch: watch.clone(),
                 },
             )
             .boxed_local(),
@@ -332,6 +353,20 @@ pub async fn run(
     };
     progress.finish();
     if let Some(task) = metrics_task {
+        task.abort();
+    }
+    if let Some(task) = sampler {
+        task.abort();
+    }
+    if let Some(w) = &watch {
+        let how = match router.stop_reason() {
+            _ if interrupted => "interrupted".to_string(),
+            Some(r) => format!("stopped: {}", r.message),
+            None => "finished".to_string(),
+        };
+        w.end(&how).await;
+    }
+    if let Some(task) = ui_task {
         task.abort();
     }
     runtime.shutdown().await;
@@ -410,7 +445,34 @@ pub async fn run(
         None => crate::cost::Cost::estimate(&settings.model.to_string(), online, batch_tokens).into_iter().collect(),
     };
     report.jobs = jobs;
+    if let Some(w) = &watch {
+        let cost = (!report.costs.is_empty()).then(|| report.costs.iter().map(|c| c.usd).sum());
+        w.finish(&report.summary(), cost, Some((report.records, report.succeeded, report.failed)));
+        if let Some(path) = &series_path {
+            if let Err(e) = w.save(path) {
+                tracing::warn!("could not save the run's series to {}: {e}", path.display());
+            }
+        }
+        if let Some(path) = &settings.report {
+            match weir_io::state::write_atomic(path, w.report().as_bytes()) {
+                Ok(()) => report.html = Some(path.display().to_string()),
+                Err(e) => eprintln!("weir: could not write the report {}: {e}", path.display()),
+            }
+        }
+    }
     Ok(report)
+}
+
+/// The cost of the tokens paid for so far, each model's at its price (`None`: no model of the
+/// run has a known price), for the live page.
+pub fn live_cost() -> weir_runtime::dash::CostOf {
+    Arc::new(|endpoints: &[weir_runtime::EndpointState]| {
+        let costs: Vec<f64> = endpoints
+            .iter()
+            .filter_map(|e| crate::cost::Cost::estimate(&e.model, e.metrics.paid_tokens(), (0, 0)).map(|c| c.usd))
+            .collect();
+        (!costs.is_empty()).then(|| costs.iter().sum())
+    })
 }
 
 /// A stream can be read only once: a batch run stopped part-way could not be resumed (its

@@ -68,6 +68,8 @@ pub struct RunReport {
     pub batching: Option<BatchReport>,
     /// What provider batch jobs did (`--mode batch`).
     pub jobs: Option<JobsTally>,
+    /// Where the HTML report was written, if it was.
+    pub html: Option<String>,
     /// Estimated cost of the tokens this run paid for, one per model that has a price (several
     /// with `--model-field`).
     pub costs: Vec<crate::cost::Cost>,
@@ -195,6 +197,7 @@ impl RunReport {
                 }
             }),
             jobs: None,
+            html: None,
             costs: Vec::new(),
             other_limits: Vec::new(),
             pool: Vec::new(),
@@ -321,6 +324,9 @@ impl RunReport {
             s.push_str(&format!("  cost in all: about ${}\n", crate::cost::dollars(total)));
         }
         s.push_str(&format!("  results: {}\n", self.output));
+        if let Some(html) = &self.html {
+            s.push_str(&format!("  report:  {html}\n"));
+        }
         if self.failed > 0 {
             let kinds: Vec<String> = self.failures.iter().map(|(k, n)| format!("{k} {}", thousands(*n))).collect();
             s.push_str(&format!("  errors:  {} ({})\n", self.errors, kinds.join(", ")));

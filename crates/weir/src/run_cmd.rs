@@ -221,6 +221,20 @@ pub struct RunArgs {
     /// Serve the run's counters in the Prometheus text format at http://ADDR/metrics.
     #[arg(long, value_name = "ADDR", value_parser = weir::metrics_server::listen_addr)]
     metrics_listen: Option<std::net::SocketAddr>,
+    /// Serve a live page of the run at http://ADDR/: progress and time left, throughput
+    /// against the endpoint's limit, refusals, concurrency, latency, tokens and cost, failures
+    /// with examples. On this machine's loopback only; without ADDR, 127.0.0.1 and a free port
+    /// (said on stderr).
+    #[arg(long, value_name = "ADDR", num_args = 0..=1, default_missing_value = "127.0.0.1:0", value_parser = weir::metrics_server::listen_addr)]
+    ui: Option<std::net::SocketAddr>,
+    /// Where to write the run's report: the live page's plots and the summary, one HTML file
+    /// that opens offline. Default: beside the output (OUTPUT.report.html); none when the
+    /// output is stdout or in an object store, unless this is given.
+    #[arg(long, value_name = "PATH", conflicts_with = "no_report")]
+    report: Option<PathBuf>,
+    /// Write no HTML report.
+    #[arg(long)]
+    no_report: bool,
     /// Scenario (TOML, as for `weir sim --config`) of the built-in simulator behind sim/ models.
     #[arg(long, value_name = "FILE")]
     sim_config: Option<PathBuf>,
@@ -314,6 +328,29 @@ impl RunArgs {
                     "--media-field: vertex_endpoint/ models take text only; use gemini/, vertex_ai/ or openai/ models"
                         .into(),
                 ));
+            }
+        }
+        if let Some(addr) = self.ui {
+            if !addr.ip().is_loopback() {
+                return Err(UsageError(format!(
+                    "--ui {addr}: the page is served on this machine's loopback only (127.0.0.1 or [::1]); to see it from another machine, forward the port (ssh -L {port}:127.0.0.1:{port} HOST)",
+                    port = addr.port()
+                )));
+            }
+            std::net::TcpListener::bind(addr)
+                .map_err(|e| UsageError(format!("--ui {addr}: cannot listen there ({e})")))?;
+        }
+        if let Some(path) = &self.report {
+            let parent = weir_io::paths::parent_dir(path);
+            if !parent.is_dir() {
+                return Err(UsageError(format!(
+                    "--report {}: no directory {} to write it in",
+                    path.display(),
+                    parent.display()
+                )));
+            }
+            if path.is_dir() {
+                return Err(UsageError(format!("--report {}: is a directory; give a file path", path.display())));
             }
         }
         if let Some(addr) = self.metrics_listen {
@@ -544,6 +581,23 @@ impl RunArgs {
     ) -> RunSettings {
         let Parts { input, output, errors, state, tables: (table_input, table_output), progress } = parts;
         let output_for_events = if table_output.is_some() { OutputPath::File(PathBuf::new()) } else { output.clone() };
+        // The report beside a local output (a file, or a table's directory), unless told.
+        let report = match (&self.report, self.no_report) {
+            (_, true) => None,
+            (Some(p), _) => Some(p.clone()),
+            (None, false) => {
+                let beside = |p: &std::path::Path| {
+                    let mut name = p.as_os_str().to_owned();
+                    name.push(".report.html");
+                    PathBuf::from(name)
+                };
+                match (&table_output, &output) {
+                    (Some(t), _) => t.results.local_path().map(|p| beside(&p)),
+                    (None, OutputPath::File(p)) => Some(beside(p)),
+                    (None, _) => None,
+                }
+            }
+        };
         let keep_columns = self.keep_columns.as_ref().map(|cols| {
             let mut cols: Vec<String> = cols.iter().map(|c| c.trim().to_string()).filter(|c| !c.is_empty()).collect();
             if let Some(id) = &self.id_field {
@@ -599,6 +653,8 @@ impl RunArgs {
             sre_k: self.endpoint.sre_throttle,
             store: self.endpoint.throttle().store,
             metrics_listen: self.metrics_listen,
+            ui: self.ui,
+            report,
             pool: pool.clone(),
             table_input,
             table_output,

@@ -81,6 +81,15 @@ pub struct SqlArgs {
     /// Do not use the response cache.
     #[arg(long)]
     no_cache: bool,
+    /// Serve a live page of the query's model calls at http://ADDR/ (progress, throughput
+    /// against the limit, refusals, latency, cost; see `weir run --ui`). On loopback only;
+    /// without ADDR, 127.0.0.1 and a free port (said on stderr).
+    #[arg(long, value_name = "ADDR", num_args = 0..=1, default_missing_value = "127.0.0.1:0", value_parser = weir::metrics_server::listen_addr)]
+    ui: Option<std::net::SocketAddr>,
+    /// Write a report of the query's model calls (plots over time and the summary, one HTML
+    /// file that opens offline) to PATH.
+    #[arg(long, value_name = "PATH")]
+    report: Option<PathBuf>,
 }
 
 impl SqlArgs {
@@ -361,8 +370,43 @@ pub async fn run(mut args: SqlArgs) -> anyhow::Result<u8> {
             None
         }
     };
+    if args.cluster.is_some() && (args.ui.is_some() || args.report.is_some()) {
+        return Err(UsageError(
+            "--ui and --report are for queries run here; with --cluster the executors call the models (each serves its counters with --metrics-listen)".into(),
+        )
+        .into());
+    }
+    if let Some(addr) = args.ui {
+        if !addr.ip().is_loopback() {
+            return Err(UsageError(format!(
+                "--ui {addr}: the page is served on this machine's loopback only (127.0.0.1 or [::1]); forward the port to see it from elsewhere (ssh -L)"
+            ))
+            .into());
+        }
+    }
+    if let Some(path) = &args.report {
+        let parent = weir_io::paths::parent_dir(path);
+        if !parent.is_dir() || path.is_dir() {
+            return Err(
+                UsageError(format!("--report {}: not a file path in an existing directory", path.display())).into()
+            );
+        }
+    }
     let settings = RuntimeSettings { cache: cache.clone().map(|c| c as Arc<dyn weir_core::ResponseCache>), ..settings };
     let functions = Runtime::new(settings);
+    // The query's calls watched: a live page (--ui) and a report (--report).
+    let watch = (args.ui.is_some() || args.report.is_some()).then(|| {
+        weir_runtime::dash::Watch::new(functions.clone(), "weir sql", None, Some(weir::pipeline::live_cost()))
+    });
+    let sampler = watch.as_ref().map(|w| w.start(None));
+    let ui_task = match (&watch, args.ui) {
+        (Some(w), Some(addr)) => {
+            let (bound, task) = weir_runtime::dash::serve(addr, w.clone()).await.map_err(UsageError)?;
+            eprintln!("weir sql: live page on http://{bound}/");
+            Some(task)
+        }
+        _ => None,
+    };
     weir::pipeline::media_from_buckets(&functions);
     let ctx = match &args.cluster {
         None => {
@@ -396,8 +440,32 @@ pub async fn run(mut args: SqlArgs) -> anyhow::Result<u8> {
         // A cluster with no executor takes the query and waits for one, silently.
         _ = waiting_notice(args.cluster.as_deref()) => unreachable!("the notice never ends"),
     };
+    if let Some(task) = sampler {
+        task.abort();
+    }
+    if let Some(w) = &watch {
+        let how = match &result {
+            Ok(()) => "finished".to_string(),
+            Err(e) if stopped_by(e).is_some() => "interrupted".to_string(),
+            Err(_) => "failed".to_string(),
+        };
+        w.end(&how).await;
+    }
+    if let Some(task) = ui_task {
+        task.abort();
+    }
     match &args.cluster {
-        None => eprint!("{}", summary(&functions, started.elapsed(), "weir sql").await),
+        None => {
+            let text = summary(&functions, started.elapsed(), "weir sql").await;
+            eprint!("{text}");
+            if let (Some(w), Some(path)) = (&watch, &args.report) {
+                w.finish(&text, None, None);
+                match weir_io::state::write_atomic(path, w.report().as_bytes()) {
+                    Ok(()) => eprintln!("  report:  {}", path.display()),
+                    Err(e) => eprintln!("weir sql: could not write the report {}: {e}", path.display()),
+                }
+            }
+        }
         Some(_) if result.is_ok() => eprintln!(
             "weir sql: {:.2} s; the model calls ran on the cluster's executors (each prints its summary when \
              stopped and serves its counters with --metrics-listen; failed rows are NULL and counted there)",

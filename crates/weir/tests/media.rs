@@ -17,7 +17,8 @@ fn png(i: usize) -> Vec<u8> {
 }
 
 /// Serves `files` (path → bytes) over HTTP/1.1 on loopback, one request per connection.
-/// A body `FLAKY n rest` is answered 503 the first n times, then `rest`; `ALWAYS503` always.
+/// A body `FLAKY n rest` is answered 503 the first n times, then `rest`; `ALWAYS503` always;
+/// `STALL` never.
 async fn serve(files: HashMap<String, Vec<u8>>) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -47,6 +48,10 @@ async fn serve(files: HashMap<String, Vec<u8>>) -> String {
                     file = if hit <= n { Some(b"ALWAYS503".to_vec()) } else { Some(rest[sp + 1..].to_vec()) };
                 }
                 let reply = match file.as_ref() {
+                    Some(body) if body.as_slice() == b"STALL" => {
+                        tokio::time::sleep(std::time::Duration::from_secs(600)).await;
+                        return;
+                    }
                     Some(body) if body.as_slice() == b"ALWAYS503" => unavailable,
                     Some(body) if body.starts_with(b"REDIRECT ") => {
                         let to = String::from_utf8_lossy(&body[9..]).to_string();
@@ -117,7 +122,10 @@ async fn images_by_path_and_url_go_inline_and_bad_ones_are_error_rows_without_a_
         lines.push_str(&format!(
             "{{\"id\":\"404\",\"prompt\":\"describe\",\"image\":\"{url}/missing.png?sig=SECRET\"}}\n"
         ));
-        lines.push_str("{\"id\":\"text\",\"prompt\":\"describe\"}\n");
+        // null and empty are no part; a record without the field (a misspelt name) is an error.
+        lines.push_str("{\"id\":\"text\",\"prompt\":\"describe\",\"image\":null}\n");
+        lines.push_str("{\"id\":\"empty\",\"prompt\":\"describe it\",\"image\":\" \"}\n");
+        lines.push_str("{\"id\":\"typo\",\"prompt\":\"describe\",\"imgae\":\"a.png\"}\n");
         let input = dir.write("in.jsonl", lines.as_bytes());
         let o = run_media(&sim, &dir, model, &input, "out.jsonl").await;
         let err = stderr(&o);
@@ -125,8 +133,8 @@ async fn images_by_path_and_url_go_inline_and_bad_ones_are_error_rows_without_a_
         let errors = rows(&dir.path("out.errors.jsonl"));
         // The Gemini API takes the oversized part through its Files API; OpenAI refuses it.
         let uploads = usize::from(model.starts_with("gemini/"));
-        assert_eq!(out.len(), 21 + uploads, "{model}: {err}");
-        assert_eq!(errors.len(), 3 - uploads, "{model}: {err}");
+        assert_eq!(out.len(), 22 + uploads, "{model}: {err}");
+        assert_eq!(errors.len(), 4 - uploads, "{model}: {err}");
         for e in &errors {
             assert_eq!(e["kind"], "invalid_input", "{e}");
             let m = e["message"].as_str().unwrap();
@@ -134,18 +142,19 @@ async fn images_by_path_and_url_go_inline_and_bad_ones_are_error_rows_without_a_
             assert!(!m.contains("SECRET"), "a URL's query is not shown: {e}");
             let why = match e["id"].as_str().unwrap() {
                 "big" => "over the",
+                "typo" => "has no media field 'image'",
                 "gone" => "no such file",
                 _ => "HTTP 404",
             };
             assert!(m.contains(why), "{e}");
         }
         let s = sim.stats();
-        assert_eq!(s.requests as usize, 21 + uploads, "{model}: no call for the bad media");
+        assert_eq!(s.requests as usize, 22 + uploads, "{model}: no call for the bad media");
         assert_eq!(s.media_parts as usize, 20 + uploads, "{model}: each image once");
         assert_eq!((s.media_uris as usize, s.gemini_files_uploaded as usize), (uploads, uploads), "{model}");
         // Each image gets its own answer.
         let answers: std::collections::HashSet<&str> = out.iter().map(|r| r["response"].as_str().unwrap()).collect();
-        assert_eq!(answers.len(), 21 + uploads, "{model}");
+        assert_eq!(answers.len(), 22 + uploads, "{model}");
         // The same bytes under other names, same ids: answered from the cache.
         let mut again = String::new();
         for i in 0..10 {
@@ -158,7 +167,7 @@ async fn images_by_path_and_url_go_inline_and_bad_ones_are_error_rows_without_a_
         assert_eq!(rows(&dir.path("out2.jsonl")).len(), 10);
         assert_eq!(
             sim.stats().requests as usize,
-            21 + uploads,
+            22 + uploads,
             "{model}: the copies were answered from the cache: {}",
             stderr(&o)
         );
@@ -415,6 +424,13 @@ async fn large_parts_go_through_the_gemini_files_api_once() {
     let s = sim.stats();
     assert_eq!((s.requests, s.media_parts, s.media_uris), (3, 3, 2), "{err}");
     assert_eq!(s.gemini_files_uploaded, 1, "the same bytes are uploaded once: {err}");
+    // Run again into another output (another process): the answers come from the cache, and
+    // a cached answer costs no upload.
+    let o = run_media(&sim, &dir, "gemini/gemini-2.5-flash", &input, "again.jsonl").await;
+    let err = stderr(&o);
+    assert_eq!(rows(&dir.path("again.jsonl")).len(), 3, "{err}");
+    let s = sim.stats();
+    assert_eq!((s.requests, s.gemini_files_uploaded), (3, 1), "answered from the cache, nothing uploaded: {err}");
     // OpenAI-compatible servers take parts inline only.
     let o = run_media(&sim, &dir, "openai/gpt-4o-mini", &input, "oai.jsonl").await;
     let err = stderr(&o);
@@ -498,5 +514,46 @@ async fn system_files_are_not_media_and_other_media_fields_are_another_run() {
     assert_eq!(errors.len(), 1, "{}", stderr(&o));
     assert!(errors[0]["message"].as_str().unwrap().contains("a file of the system"), "{}", errors[0]);
     assert_eq!(sim.stats().requests, before + 1, "only the image's record is sent");
+    sim.shutdown().await;
+}
+
+/// A URL that never answers holds its record no longer than the run's `--timeout`: the record
+/// is a retryable `timeout` error row, with no call, and the run ends soon after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_url_that_never_answers_is_given_up_after_the_runs_timeout() {
+    let sim = sim(weir_sim::SimConfig::default()).await;
+    let dir = Dir::new("media-stall");
+    let mut served = HashMap::new();
+    served.insert("/stall.png".to_string(), b"STALL".to_vec());
+    served.insert("/ok.png".to_string(), png(3));
+    let url = serve(served).await;
+    let lines = format!(
+        "{{\"id\":\"stall\",\"prompt\":\"describe\",\"image\":\"{url}/stall.png\"}}\n\
+         {{\"id\":\"ok\",\"prompt\":\"describe\",\"image\":\"{url}/ok.png\"}}\n"
+    );
+    let input = dir.write("in.jsonl", lines.as_bytes());
+    let started = std::time::Instant::now();
+    let o = weir()
+        .args(["run", "--model", "gemini/gemini-2.5-flash", "--base-url", &sim.url(), "--progress", "never"])
+        .args(["--id-field", "id", "--media-field", "image", "--timeout", "2"])
+        .args(["--input", input.to_str().unwrap(), "--output", dir.path("out.jsonl").to_str().unwrap()])
+        .output()
+        .await
+        .unwrap();
+    let took = started.elapsed();
+    let err = stderr(&o);
+    assert!(took < std::time::Duration::from_secs(20), "took {took:?}: {err}");
+    assert_eq!(rows(&dir.path("out.jsonl")).len(), 1, "{err}");
+    let errors = rows(&dir.path("out.errors.jsonl"));
+    assert_eq!(errors.len(), 1, "{err}");
+    assert_eq!(
+        (errors[0]["id"].as_str(), errors[0]["kind"].as_str()),
+        (Some("stall"), Some("timeout")),
+        "{}",
+        errors[0]
+    );
+    assert_eq!(errors[0]["retryable"], true, "{}", errors[0]);
+    assert!(errors[0]["message"].as_str().unwrap().contains("--timeout"), "{}", errors[0]);
+    assert_eq!(sim.stats().requests, 1, "no call for the record whose image could not be read");
     sim.shutdown().await;
 }

@@ -108,6 +108,10 @@ async fn a_schema_that_does_not_compile_is_a_usage_error() {
         .unwrap();
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("response schema"), "{}", stderr(&o));
+    // Each invalid retry is paid for: a number past 10 is a slip, refused before any call.
+    let o = classify(&sim, &dir, "gemini/gemini-2.5-flash", 3, &["--max-invalid-retries", "1000000"]).await;
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("--max-invalid-retries 1000000: at most 10"), "{}", stderr(&o));
     assert_eq!(sim.stats().requests, 0);
     sim.shutdown().await;
 }
@@ -173,5 +177,26 @@ assert len(c) == 50 and all(json.loads(r["response"])["label"] for r in c), c[0]
         &[dir.path("out.parquet").to_str().unwrap(), dir.path("out.csv/part-00000.csv").to_str().unwrap()],
     );
     assert!(got.contains("struct<label: string, score: double, tags: list<"), "{got}");
+    // A string schema's answers are JSON strings: the column holds their text, no quotes.
+    let o = weir()
+        .args(["run", "--model", "gemini/gemini-2.5-flash", "--base-url", &sim.url(), "--progress", "never"])
+        .args(["--id-field", "id", "--input", input.to_str().unwrap()])
+        .args(["--output", dir.path("text.parquet").to_str().unwrap()])
+        .args(["--param", r#"response_schema={"type": "string"}"#])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let got = python(
+        r#"
+import sys, pyarrow.parquet as pq
+t = pq.read_table(sys.argv[1])
+print(t.schema.field("response").type)
+for r in t.to_pylist():
+    assert r["response"] and not r["response"].startswith('"'), r
+"#,
+        &[dir.path("text.parquet").to_str().unwrap()],
+    );
+    assert!(got.trim() == "string", "{got}");
     sim.shutdown().await;
 }

@@ -115,13 +115,17 @@ _MISPLACED = {
 }
 
 
-def _media(label: str, item: Mapping[str, Any], fields: Iterable[str]):
+def _media(label: str, item: Mapping[str, Any], fields: Iterable[Any]):
     """The media an item's ``media_fields`` hold, in order, as the native engine takes them: a
-    path or URL (str or path-like) or the bytes; a missing or ``None`` field adds nothing."""
+    path or URL (str or path-like) or the bytes, with the MIME type given for the field. A
+    ``None`` or empty field adds nothing; a field the item lacks is an error (a misspelt name
+    would otherwise send every item without its media)."""
     out = []
-    for f in fields:
-        v = item.get(f)
-        if v is None:
+    for f, mime in fields:
+        if f not in item:
+            raise TypeError(f"{label}: has no media field {f!r} (give it None for an item without this part)")
+        v = item[f]
+        if v is None or (isinstance(v, (str, bytes)) and not (v.strip() if isinstance(v, str) else v)):
             continue
         if isinstance(v, os.PathLike):
             v = os.fspath(v)
@@ -129,7 +133,7 @@ def _media(label: str, item: Mapping[str, Any], fields: Iterable[str]):
             v = bytes(v)
         if not isinstance(v, (str, bytes)):
             raise TypeError(f"{label}: media field {f!r} must be a path or URL (str) or bytes, not {type(v).__name__}")
-        out.append((f, v))
+        out.append((f, mime, v))
     return out
 
 
@@ -174,16 +178,17 @@ def _item(label: str, item: Any, embed: bool, media_fields: Iterable[str] = ()):
     return (native_id, isinstance(rid, int), prompt if prompt.strip() else None, model, system, params, media), rid
 
 
-def _media_fields(fields: Any) -> List[str]:
-    """``media_fields`` checked: a list of field names (one name alone is taken as a list)."""
+def _media_fields(fields: Any) -> List[Any]:
+    """``media_fields`` checked: a list of field names, each ``FIELD`` or ``FIELD:TYPE`` as the
+    CLI's ``--media-field`` (one name alone is taken as a list), as (field, MIME type or None)."""
     if fields is None:
         return []
     if isinstance(fields, str):
         fields = [fields]
     fields = list(fields)
     if not all(isinstance(f, str) and f for f in fields):
-        raise ConfigError("media_fields: expected a list of field names, e.g. ['image']")
-    return fields
+        raise ConfigError("media_fields: expected a list of field names, e.g. ['image'] or ['scan:application/pdf']")
+    return [_weir.media_field(f) for f in fields]
 
 
 def _items(items: Iterable[Item], embed: bool, media_fields: Iterable[str] = ()):

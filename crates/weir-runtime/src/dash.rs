@@ -1,0 +1,624 @@
+//! Watching a run: its counters sampled once a second into a bounded time series, served as a
+//! live page while it runs (`--ui`) and written as a self-contained HTML report when it ends.
+//!
+//! Built here, in the runtime, so every front end that runs records through it (`weir run`,
+//! `weir sql`, a cluster executor) shows the same figures. The page and its charting library
+//! ([uPlot](https://github.com/leeoniya/uPlot), MIT, embedded as an asset) are in the binary:
+//! nothing is fetched from elsewhere, so the page and the report work offline.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use tokio::time::Instant;
+use weir_core::{ErrorKind, RunMetrics};
+
+use crate::{EndpointState, Runtime};
+
+/// The page, with marks where the charting library and (in a report) the run's data go.
+const PAGE: &str = include_str!("../assets/dashboard.html");
+/// uPlot 1.6.32 (MIT; its license is beside it in `assets/uplot/`).
+const UPLOT_JS: &str = include_str!("../assets/uplot/uPlot.iife.min.js");
+const UPLOT_CSS: &str = include_str!("../assets/uplot/uPlot.min.css");
+
+/// The series' columns: seconds since the start, then the run's counters (cumulative: the page
+/// draws their rates) and gauges (as they stood), `null` where there was nothing to measure.
+pub const COLUMNS: [&str; 19] = [
+    "t",
+    "done",
+    "succeeded",
+    "failed",
+    "calls",
+    "rate_limited",
+    "server_errors",
+    "other_errors",
+    "cache_hits",
+    "tokens_in",
+    "tokens_out",
+    "cost",
+    "concurrency",
+    "limit_rps",
+    "lat_p50",
+    "lat_p95",
+    "lat_p99",
+    "ttft_p50",
+    "ttft_p95",
+];
+
+/// The most points kept. Past it every other point is dropped and the step between points
+/// doubles, so memory stays bounded (2,048 points of 19 values, about 600 KB at most) and a
+/// run of any length is seen whole, at a resolution that its length allows.
+pub const MAX_POINTS: usize = 2048;
+
+/// A time series of [`COLUMNS`], at most [`MAX_POINTS`] long.
+#[derive(Debug)]
+pub struct Series {
+    inner: Mutex<Points>,
+}
+
+#[derive(Debug)]
+struct Points {
+    /// Seconds between kept points (1 at first, doubled at each thinning).
+    step: f64,
+    /// How many times the points were thinned: a page that has points of an earlier
+    /// generation starts over.
+    generation: u64,
+    cols: Vec<Vec<Option<f64>>>,
+}
+
+impl Default for Series {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Series {
+    /// An empty series, one point a second to begin with.
+    pub fn new() -> Self {
+        Self { inner: Mutex::new(Points { step: 1.0, generation: 0, cols: vec![Vec::new(); COLUMNS.len()] }) }
+    }
+
+    fn points(&self) -> std::sync::MutexGuard<'_, Points> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Adds a point (its first value is its time) if a step has passed since the last one, or
+    /// in place of the last one when `last` (the run's end must be in the series).
+    pub fn push(&self, point: [Option<f64>; COLUMNS.len()], last: bool) {
+        let mut p = self.points();
+        let t = point[0].unwrap_or(0.0);
+        let previous = p.cols[0].last().copied().flatten();
+        match previous {
+            Some(before) if t - before < p.step * 0.999 => {
+                if !last {
+                    return;
+                }
+                // The end replaces a point newer than a step (kept: the series stays even).
+                if p.cols[0].len() > 1 {
+                    for c in p.cols.iter_mut() {
+                        c.pop();
+                    }
+                }
+            }
+            _ => {}
+        }
+        for (c, v) in p.cols.iter_mut().zip(point) {
+            c.push(v);
+        }
+        if p.cols[0].len() >= MAX_POINTS {
+            // Every other point, and the newest.
+            for c in p.cols.iter_mut() {
+                let newest = c.last().copied().flatten();
+                let mut kept: Vec<Option<f64>> = c.iter().step_by(2).copied().collect();
+                if c.len() % 2 == 0 {
+                    kept.push(newest);
+                }
+                *c = kept;
+            }
+            p.step *= 2.0;
+            p.generation += 1;
+        }
+    }
+
+    /// How many points there are.
+    pub fn len(&self) -> usize {
+        self.points().cols[0].len()
+    }
+
+    /// True before the first point.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The points from `since` on, by column, and the series' generation; all of them when the
+    /// caller's `generation` is another (the points were thinned since it last asked).
+    fn since(&self, since: usize, generation: Option<u64>) -> (BTreeMap<&'static str, Vec<Option<f64>>>, u64, bool) {
+        let p = self.points();
+        let reset = generation != Some(p.generation);
+        let from = if reset { 0 } else { since.min(p.cols[0].len()) };
+        let cols = COLUMNS.iter().zip(&p.cols).map(|(name, c)| (*name, c[from..].to_vec())).collect();
+        (cols, p.generation, reset)
+    }
+
+    /// The value of column `name` at the newest point, and `back` points before it.
+    fn recent(&self, name: &str, back: usize) -> Option<(f64, f64, f64)> {
+        let i = COLUMNS.iter().position(|c| *c == name)?;
+        let p = self.points();
+        let n = p.cols[0].len();
+        if n < 2 {
+            return None;
+        }
+        let j = n.saturating_sub(back + 1);
+        let (t0, t1) = (p.cols[0][j]?, p.cols[0][n - 1]?);
+        Some((p.cols[i][j].unwrap_or(0.0), p.cols[i][n - 1].unwrap_or(0.0), t1 - t0))
+    }
+}
+
+/// Where a run's provider batch jobs stand, as the page shows them.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct JobsView {
+    /// Jobs by state (`running`, `succeeded`, …).
+    pub states: Vec<(String, u64)>,
+    /// Requests the provider reports answered in the jobs not yet collected.
+    pub answered: u64,
+    /// Requests in those jobs.
+    pub total: u64,
+    /// Records whose outcome is known.
+    pub settled: u64,
+}
+
+/// What a run's cost is, given its endpoints (`None`: a model without a known price). The
+/// front end's: prices are its table.
+pub type CostOf = Arc<dyn Fn(&[EndpointState]) -> Option<f64> + Send + Sync>;
+
+/// One run watched: its series, sampled from `runtime`, and what the page says beside it.
+pub struct Watch {
+    runtime: Arc<Runtime>,
+    series: Series,
+    title: String,
+    started: Instant,
+    started_at: SystemTime,
+    total: Mutex<Option<u64>>,
+    cost: Option<CostOf>,
+    jobs: Mutex<Option<JobsView>>,
+    /// How the run ended (`finished`, `interrupted`, …), once it has.
+    ended: Mutex<Option<String>>,
+    /// The last summary sampled (the page's figures agree with the chart's last point).
+    last: Mutex<Value>,
+}
+
+impl Watch {
+    /// Watches `runtime`'s run named `title` (its output), of `total` records when known.
+    pub fn new(runtime: Arc<Runtime>, title: impl Into<String>, total: Option<u64>, cost: Option<CostOf>) -> Arc<Self> {
+        Arc::new(Self {
+            runtime,
+            series: Series::new(),
+            title: title.into(),
+            started: Instant::now(),
+            started_at: SystemTime::now(),
+            total: Mutex::new(total),
+            cost,
+            jobs: Mutex::new(None),
+            ended: Mutex::new(None),
+            last: Mutex::new(Value::Null),
+        })
+    }
+
+    /// The series kept so far.
+    pub fn series(&self) -> &Series {
+        &self.series
+    }
+
+    /// Where the run's provider jobs stand now.
+    pub fn set_jobs(&self, jobs: JobsView) {
+        *self.jobs.lock().unwrap_or_else(|e| e.into_inner()) = Some(jobs);
+    }
+
+    /// Starts sampling once a second until the returned task is aborted, saving what it has
+    /// to `save` every 10 s when given (so a run killed outright still leaves its series for
+    /// `weir report`).
+    pub fn start(self: &Arc<Self>, save: Option<std::path::PathBuf>) -> tokio::task::JoinHandle<()> {
+        let me = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            for n in 0u64.. {
+                tick.tick().await;
+                me.sample(false).await;
+                if let (Some(path), true) = (&save, n % 10 == 9) {
+                    if let Err(e) = me.save(path) {
+                        tracing::warn!("could not save the run's series to {}: {e}", path.display());
+                    }
+                }
+            }
+        })
+    }
+
+    /// Writes the series and the summary to `path` (whole or not at all), for `weir report`.
+    pub fn save(&self, path: &std::path::Path) -> std::io::Result<()> {
+        weir_io::state::write_atomic(path, self.update(0, None, false).to_string().as_bytes())
+    }
+
+    /// The run's own word at its end: its summary as printed, its cost as the summary counts
+    /// it (batch prices included) in place of the estimate made while it ran, and the records
+    /// it wrote rows for (done, succeeded, failed) in place of those its calls settled (a
+    /// stopped run leaves the records it did not finish to a resume, without rows).
+    pub fn finish(&self, summary: &str, cost: Option<f64>, rows: Option<(u64, u64, u64)>) {
+        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        if let Value::Object(s) = &mut *last {
+            s.insert("summary_text".into(), Value::String(summary.to_string()));
+            if cost.is_some() {
+                s.insert("cost_usd".into(), cost.into());
+            }
+            if let Some((done, succeeded, failed)) = rows {
+                s.insert("done".into(), done.into());
+                s.insert("succeeded".into(), succeeded.into());
+                s.insert("failed".into(), failed.into());
+            }
+        }
+    }
+
+    /// Marks the run ended (`how`: finished, interrupted, stopped) and takes its last point.
+    pub async fn end(&self, how: &str) {
+        *self.ended.lock().unwrap_or_else(|e| e.into_inner()) = Some(how.to_string());
+        self.sample(true).await;
+    }
+
+    /// Takes a point now (in place of the newest when `last`), and the summary beside it.
+    pub async fn sample(&self, last: bool) {
+        let endpoints = self.runtime.endpoints().await;
+        let m = self.runtime.totals();
+        let get = |c: &std::sync::atomic::AtomicU64| RunMetrics::get(c) as f64;
+        let errors = m.call_errors_by_kind();
+        let server: u64 = errors.iter().filter(|(k, _)| **k == ErrorKind::Server).map(|(_, n)| n).sum();
+        let other: u64 = errors
+            .iter()
+            .filter(|(k, _)| !matches!(k, ErrorKind::Server | ErrorKind::RateLimited))
+            .map(|(_, n)| n)
+            .sum();
+        let (latency, first_token) = m.take_recent_latencies();
+        let secs = |d: Duration| Some(d.as_secs_f64());
+        let cost = self.cost.as_ref().and_then(|c| c(&endpoints));
+        let concurrency: usize = endpoints.iter().map(|e| e.concurrency).sum();
+        let limit: Option<f64> = endpoints
+            .iter()
+            .filter_map(|e| e.rate.as_ref()?.requests.map(|(n, w, _)| n / w.as_secs_f64().max(1e-9)))
+            .reduce(|a, b| a + b);
+        let t = self.started.elapsed().as_secs_f64();
+        let point = [
+            Some(t),
+            Some(get(&m.done)),
+            Some(get(&m.succeeded)),
+            Some(get(&m.failed)),
+            Some(get(&m.calls)),
+            Some(get(&m.rate_limited)),
+            Some(server as f64),
+            Some(other as f64),
+            Some(get(&m.cache_hits)),
+            Some(get(&m.tokens_in)),
+            Some(get(&m.tokens_out)),
+            cost,
+            (!endpoints.is_empty()).then_some(concurrency as f64),
+            limit,
+            latency.and_then(|p| secs(p.p50)),
+            latency.and_then(|p| secs(p.p95)),
+            latency.and_then(|p| secs(p.p99)),
+            first_token.and_then(|p| secs(p.p50)),
+            first_token.and_then(|p| secs(p.p95)),
+        ];
+        self.series.push(point, last);
+        let summary = self.summarize(&endpoints, t, cost, server);
+        *self.last.lock().unwrap_or_else(|e| e.into_inner()) = summary;
+    }
+
+    /// The figures beside the charts.
+    fn summarize(&self, endpoints: &[EndpointState], elapsed: f64, cost: Option<f64>, server: u64) -> Value {
+        let m = self.runtime.totals();
+        let get = |c: &std::sync::atomic::AtomicU64| RunMetrics::get(c);
+        let done = get(&m.done);
+        let total = *self.total.lock().unwrap_or_else(|e| e.into_inner());
+        let ended = self.ended.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let stop = self.runtime.stop_reason();
+        // Records a second over the last minute (or what there is of it).
+        let back = (60.0 / self.step()).ceil() as usize;
+        let per_s = self.series.recent("done", back).map(|(a, b, dt)| (b - a) / dt.max(1e-9));
+        let eta = match (total, per_s) {
+            (Some(total), Some(r)) if r > 0.0 => Some(total.saturating_sub(done) as f64 / r),
+            _ => None,
+        };
+        let state = match (&ended, &stop) {
+            (Some(how), _) => how.clone(),
+            (None, Some(s)) => format!("stopping: {}", s.message),
+            (None, None) => "running".into(),
+        };
+        let alert = match (&stop, &ended) {
+            (Some(s), _) => Some(format!("Stopped: {}", s.message)),
+            // The front end's word (a run's driver stopped, not the runtime's).
+            (None, Some(how)) => how.strip_prefix("stopped: ").map(|why| format!("Stopped: {why}")),
+            (None, None) => self.failing(endpoints),
+        };
+        let failures: Vec<Value> = m
+            .failures_by_kind()
+            .into_iter()
+            .map(|(kind, n)| {
+                let examples: Vec<Value> = m
+                    .failure_examples(kind)
+                    .into_iter()
+                    .map(|(id, message)| serde_json::json!({ "id": id, "message": message }))
+                    .collect();
+                serde_json::json!({ "kind": kind.as_str(), "records": n, "examples": examples })
+            })
+            .collect();
+        let endpoints: Vec<Value> = endpoints
+            .iter()
+            .flat_map(|e| {
+                let limit = |r: &weir_core::RateSnapshot| {
+                    r.requests.map(|(n, w, learned)| {
+                        format!("{n:.0} per {:.0} s ({})", w.as_secs_f64(), if learned { "learned" } else { "told" })
+                    })
+                };
+                let row = |endpoint: &str, state: String, concurrency: usize, limit: Option<String>, calls, refused| {
+                    serde_json::json!({
+                        "model": e.model, "endpoint": endpoint, "state": state, "concurrency": concurrency,
+                        "limit": limit, "calls": calls, "rate_limited": refused,
+                    })
+                };
+                if e.pool.is_empty() {
+                    let state = match self.failing(std::slice::from_ref(e)) {
+                        Some(_) => "not answering".to_string(),
+                        None => "up".to_string(),
+                    };
+                    vec![row(
+                        &e.endpoint,
+                        state,
+                        e.concurrency,
+                        e.rate.as_ref().and_then(limit),
+                        get(&e.metrics.calls),
+                        get(&e.metrics.rate_limited),
+                    )]
+                } else {
+                    e.pool
+                        .iter()
+                        .map(|p| {
+                            let state = match p.why {
+                                Some(why) => format!("{:?}: {why}", p.health).to_lowercase(),
+                                None => format!("{:?}", p.health).to_lowercase(),
+                            };
+                            row(&p.endpoint, state, p.concurrency, limit(&p.rates), p.calls, p.rate_limited)
+                        })
+                        .collect()
+                }
+            })
+            .collect();
+        let started = humantime_utc(self.started_at);
+        serde_json::json!({
+            "title": self.title,
+            "state": state,
+            "alert": alert,
+            "started": started,
+            "elapsed_secs": elapsed,
+            "total": total,
+            "done": done,
+            "succeeded": get(&m.succeeded),
+            "failed": get(&m.failed),
+            "records_per_s": per_s,
+            "eta_secs": eta,
+            "calls": get(&m.calls),
+            "rate_limited": get(&m.rate_limited),
+            "server_errors": server,
+            "cache_hits": get(&m.cache_hits),
+            "tokens_in": get(&m.tokens_in),
+            "tokens_out": get(&m.tokens_out),
+            "cost_usd": cost,
+            "endpoints": endpoints,
+            "failures": failures,
+            "jobs": self.jobs.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|j| serde_json::json!({
+                "states": j.states.iter().map(|(s, n)| serde_json::json!({ "state": s, "jobs": n })).collect::<Vec<_>>(),
+                "answered": j.answered, "total": j.total, "settled": j.settled,
+            })),
+        })
+    }
+
+    /// Why the endpoints look dead, if they do: calls made in the last 5 s and none answered,
+    /// with failures of the kinds a dead endpoint gives (refused or cut connections, timeouts).
+    fn failing(&self, endpoints: &[EndpointState]) -> Option<String> {
+        let back = (5.0 / self.step()).ceil() as usize;
+        let (c0, c1, _) = self.series.recent("calls", back)?;
+        let (s0, s1, _) = self.series.recent("succeeded", back)?;
+        let (e0, e1, _) = self.series.recent("other_errors", back)?;
+        if c1 > c0 && s1 == s0 && e1 > e0 {
+            let names: Vec<&str> = endpoints.iter().map(|e| e.endpoint.as_str()).collect();
+            Some(format!("The endpoint is not answering: no call answered in the last 5 s ({})", names.join(", ")))
+        } else {
+            None
+        }
+    }
+
+    fn step(&self) -> f64 {
+        self.series.points().step
+    }
+
+    /// What a page that has `since` points of `generation` needs to be up to date.
+    pub fn update(&self, since: usize, generation: Option<u64>, live: bool) -> Value {
+        let (columns, generation, reset) = self.series.since(since, generation);
+        let mut summary = self.last.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        if let Value::Object(s) = &mut summary {
+            s.insert("live".into(), Value::Bool(live));
+            if !live {
+                s.insert("written".into(), Value::String(humantime_utc(SystemTime::now())));
+            }
+        }
+        serde_json::json!({ "step": generation, "reset": reset, "columns": columns, "summary": summary })
+    }
+
+    /// The report: the page with the whole series and the summary in it.
+    pub fn report(&self) -> String {
+        page(Some(&self.update(0, None, false)))
+    }
+}
+
+/// The page: live (it asks the run for its data) when `data` is `None`, else a report of it.
+pub fn page(data: Option<&Value>) -> String {
+    // `</` in the data would end its script element.
+    let data = data.map_or("null".to_string(), |d| d.to_string().replace("</", "<\\/"));
+    let title = data_title(&data);
+    PAGE.replacen("/*UPLOT_CSS*/", UPLOT_CSS, 1)
+        .replacen("/*UPLOT_JS*/", UPLOT_JS, 1)
+        .replacen("/*DATA*/null", &data, 1)
+        .replacen("__TITLE__", &title, 1)
+}
+
+/// The run's title for the page's `<title>`, escaped for HTML.
+fn data_title(data: &str) -> String {
+    let v: Value = serde_json::from_str(&data.replace("<\\/", "</")).unwrap_or(Value::Null);
+    let t = v.pointer("/summary/title").and_then(Value::as_str).unwrap_or("run");
+    t.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
+}
+
+/// A report rebuilt from the data a run saved ([`Watch::update`] with everything).
+pub fn report_of(saved: &str) -> Result<String, String> {
+    let v: Value = serde_json::from_str(saved).map_err(|e| format!("not a run's saved series: {e}"))?;
+    if v.get("columns").and_then(Value::as_object).is_none() {
+        return Err("not a run's saved series (no columns)".into());
+    }
+    let mut v = v;
+    if let Some(s) = v.get_mut("summary").and_then(Value::as_object_mut) {
+        s.insert("live".into(), Value::Bool(false));
+        s.insert("written".into(), Value::String(humantime_utc(SystemTime::now())));
+    }
+    Ok(page(Some(&v)))
+}
+
+/// `t` as `2026-11-28T04:30:00Z`.
+fn humantime_utc(t: SystemTime) -> String {
+    humantime::format_rfc3339_seconds(t).to_string()
+}
+
+/// Serves the live page of `watch` on `addr` (loopback only: the page is not encrypted) until
+/// the returned task is aborted; the address it listens on (a port of 0 picks a free one).
+pub async fn serve(addr: SocketAddr, watch: Arc<Watch>) -> Result<(SocketAddr, tokio::task::JoinHandle<()>), String> {
+    use hyper::service::service_fn;
+    if !addr.ip().is_loopback() {
+        return Err(format!(
+            "{addr}: the page is served on this machine's loopback only (127.0.0.1 or [::1]); to see it from elsewhere, forward the port over SSH (ssh -L)"
+        ));
+    }
+    let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| format!("{addr}: {e}"))?;
+    let bound = listener.local_addr().map_err(|e| e.to_string())?;
+    let live = Arc::new(page(None));
+    let task = tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else { continue };
+            let (watch, live) = (watch.clone(), live.clone());
+            tokio::spawn(async move {
+                let service = service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                    let reply = answer(&watch, &live, req.method(), req.uri());
+                    async move { Ok::<_, std::convert::Infallible>(reply) }
+                });
+                let io = hyper_util::rt::TokioIo::new(stream);
+                let _ = hyper::server::conn::http1::Builder::new().serve_connection(io, service).await;
+            });
+        }
+    });
+    Ok((bound, task))
+}
+
+/// The answer to one request of the page.
+fn answer(
+    watch: &Watch,
+    live: &str,
+    method: &hyper::Method,
+    uri: &hyper::Uri,
+) -> hyper::Response<http_body_util::Full<bytes::Bytes>> {
+    let reply = |status: u16, kind: &str, body: String| {
+        hyper::Response::builder()
+            .status(status)
+            .header("content-type", kind)
+            .header("cache-control", "no-store")
+            .body(http_body_util::Full::new(bytes::Bytes::from(body)))
+            .unwrap_or_default()
+    };
+    if method != hyper::Method::GET {
+        return reply(405, "text/plain", "only GET\n".into());
+    }
+    match uri.path() {
+        "/" => reply(200, "text/html; charset=utf-8", live.to_string()),
+        "/api/update" => {
+            let mut since = 0usize;
+            let mut generation = None;
+            for pair in uri.query().unwrap_or("").split('&') {
+                match pair.split_once('=') {
+                    Some(("since", v)) => since = v.parse().unwrap_or(0),
+                    Some(("step", v)) => generation = v.parse().ok(),
+                    _ => {}
+                }
+            }
+            reply(200, "application/json", watch.update(since, generation, true).to_string())
+        }
+        _ => reply(404, "text/plain", "not found\n".into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn point(t: f64) -> [Option<f64>; COLUMNS.len()] {
+        let mut p = [None; COLUMNS.len()];
+        p[0] = Some(t);
+        p[1] = Some(t * 10.0);
+        p
+    }
+
+    #[test]
+    fn the_series_stays_bounded_and_whole() {
+        let s = Series::new();
+        // A week of seconds.
+        for i in 0..604_800 {
+            s.push(point(i as f64), false);
+        }
+        s.push(point(604_800.5), true);
+        let n = s.len();
+        assert!((MAX_POINTS / 2..=MAX_POINTS).contains(&n), "{n} points");
+        let (cols, generation, _) = s.since(0, None);
+        assert!(generation > 0);
+        assert_eq!(cols["t"][0], Some(0.0), "the start is kept");
+        assert_eq!(cols["t"][n - 1], Some(604_800.5), "the end is kept");
+        assert_eq!(cols["done"][n - 1], Some(6_048_005.0));
+        let t: Vec<f64> = cols["t"].iter().map(|x| x.unwrap()).collect();
+        assert!(t.windows(2).all(|w| w[1] > w[0]), "in order");
+    }
+
+    #[test]
+    fn a_page_gets_the_new_points_or_all_after_a_thinning() {
+        let s = Series::new();
+        for i in 0..10 {
+            s.push(point(i as f64), false);
+        }
+        let (cols, generation, reset) = s.since(7, Some(0));
+        assert!(!reset && generation == 0);
+        assert_eq!(cols["t"], vec![Some(7.0), Some(8.0), Some(9.0)]);
+        let (cols, _, reset) = s.since(7, Some(5));
+        assert!(reset);
+        assert_eq!(cols["t"].len(), 10);
+        // Less than a step later: not kept, unless it is the end.
+        s.push(point(9.5), false);
+        assert_eq!(s.len(), 10);
+        s.push(point(9.6), true);
+        assert_eq!(s.len(), 10);
+        assert_eq!(s.since(9, Some(0)).0["t"], vec![Some(9.6)]);
+    }
+
+    #[test]
+    fn data_cannot_end_the_script_it_is_in() {
+        let v = serde_json::json!({ "columns": {}, "summary": { "title": "</script><b>x" } });
+        let html = page(Some(&v));
+        assert!(!html.contains("</script><b>"), "escaped in the data and the title");
+        assert!(html.contains("<title>weir: &lt;/script&gt;&lt;b&gt;x</title>"));
+        assert!(html.contains("uPlot"), "the library is in the page");
+        assert!(!html.contains("/*DATA*/"));
+    }
+}

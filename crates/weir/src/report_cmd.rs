@@ -1,0 +1,59 @@
+//! `weir report`: a run's HTML report rebuilt from the time series its state directory keeps
+//! (after a run killed before it could write one, or to write it elsewhere).
+
+use anyhow::Context;
+use clap::Args;
+use std::path::PathBuf;
+
+use crate::UsageError;
+
+/// `weir report`'s arguments.
+#[derive(Debug, Args)]
+pub struct ReportArgs {
+    /// The run's --output; its series is in the state directory beside it.
+    #[arg(long, value_name = "PATH")]
+    output: String,
+    /// The run's state directory, if `weir run` was given --state.
+    #[arg(long, value_name = "DIR")]
+    state: Option<PathBuf>,
+    /// Where to write the report (default: beside the output, OUTPUT.report.html).
+    #[arg(long, value_name = "PATH")]
+    report: Option<PathBuf>,
+}
+
+/// Writes the report of the run `args` names.
+pub async fn run(args: ReportArgs) -> anyhow::Result<u8> {
+    let trimmed = args.output.trim_end_matches('/');
+    let output = std::path::Path::new(trimmed);
+    let dir = match (&args.state, trimmed.contains("://")) {
+        (Some(d), _) => d.clone(),
+        (None, true) => PathBuf::from(".weir"),
+        (None, false) => weir_io::state::default_dir(output),
+    };
+    // Named as `weir run` names the output's state: a file's, or a table's.
+    let mut names = vec![weir_io::state::output_state_name(output, &dir)];
+    if let Ok(location) = weir_tables::Location::parse(&args.output) {
+        names.push(weir::pipeline::table_state_name(&location));
+    }
+    let series = names.iter().map(|n| dir.join("runs").join(format!("{n}.series.json"))).find(|p| p.is_file());
+    let Some(series) = series else {
+        return Err(UsageError(format!(
+            "no saved series of a run with --output {} in {} (a run keeps one unless it had --no-state; give --state if the run had one)",
+            args.output,
+            dir.display()
+        ))
+        .into());
+    };
+    let saved = std::fs::read_to_string(&series).with_context(|| format!("cannot read {}", series.display()))?;
+    let html = weir_runtime::dash::report_of(&saved).map_err(|e| UsageError(format!("{}: {e}", series.display())))?;
+    let to = match args.report {
+        Some(p) => p,
+        None if trimmed.contains("://") => {
+            return Err(UsageError("the output is in an object store: give --report PATH".into()).into())
+        }
+        None => PathBuf::from(format!("{trimmed}.report.html")),
+    };
+    weir_io::state::write_atomic(&to, html.as_bytes()).with_context(|| format!("cannot write {}", to.display()))?;
+    eprintln!("weir: report written to {}", to.display());
+    Ok(0)
+}

@@ -1,0 +1,194 @@
+//! Issue #36: watching a run. A real browser (headless Chromium) loads the live page of a
+//! quota-bound run against `weir sim` and the report after it, and the figures it shows are
+//! checked against the run's summary; a run whose endpoint is dead says so on its page.
+
+mod util;
+
+use std::process::Stdio;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use util::*;
+
+/// The page at `url` as Chromium shows it once its scripts have run.
+async fn dom(chromium: &str, url: &str) -> String {
+    // A profile of its own: two browsers on one profile hand the page to each other and exit.
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let profile = std::env::temp_dir().join(format!("weir-chromium-{}-{n}", std::process::id()));
+    let o = tokio::process::Command::new(chromium)
+        .args(["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-dev-shm-usage"])
+        .arg(format!("--user-data-dir={}", profile.display()))
+        .args(["--virtual-time-budget=3000", "--dump-dom", url])
+        .stdin(Stdio::null())
+        .output()
+        .await
+        .expect("chromium runs");
+    let _ = std::fs::remove_dir_all(&profile);
+    assert!(o.status.success(), "chromium failed: {}", String::from_utf8_lossy(&o.stderr));
+    let html = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(html.contains("</html>"), "chromium showed no page for {url}: {}", String::from_utf8_lossy(&o.stderr));
+    html
+}
+
+/// The text of the element with `id` in `html` (as the page wrote it: plain text).
+fn shown(html: &str, id: &str) -> String {
+    let at = html.find(&format!("id=\"{id}\"")).unwrap_or_else(|| panic!("no #{id} in the page"));
+    let rest = &html[at..];
+    let start = rest.find('>').unwrap() + 1;
+    let end = rest[start..].find('<').unwrap() + start;
+    rest[start..end].replace("&amp;", "&").trim().to_string()
+}
+
+/// A figure as the page shows it (`1,234`), as a number.
+fn number(html: &str, id: &str) -> f64 {
+    let s = shown(html, id).replace([',', '$'], "");
+    s.parse().unwrap_or_else(|_| panic!("#{id} shows {s:?}"))
+}
+
+/// Starts `weir run` with `--ui` and waits for it to say where its page is.
+async fn start(args: &[String]) -> (tokio::process::Child, String, tokio::task::JoinHandle<String>) {
+    let mut child = weir().args(args).args(["--ui"]).stderr(Stdio::piped()).spawn().unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let url = loop {
+        let line = tokio::time::timeout(std::time::Duration::from_secs(30), lines.next_line())
+            .await
+            .expect("the page's address in time")
+            .unwrap()
+            .expect("weir said where its page is");
+        if let Some(at) = line.find("http://") {
+            break line[at..].trim().to_string();
+        }
+    };
+    // The rest of stderr (the summary), read as it comes.
+    let rest = tokio::spawn(async move {
+        let mut all = String::new();
+        while let Ok(Some(l)) = lines.next_line().await {
+            all.push_str(&l);
+            all.push('\n');
+        }
+        all
+    });
+    (child, url, rest)
+}
+
+/// `weir run`'s arguments for Gemini at `base`, from `input` to `out`.
+fn gemini_at(base: &str, input: &std::path::Path, out: &std::path::Path) -> Vec<String> {
+    let args = ["run", "--model", "gemini/gemini-2.5-flash", "--base-url", base, "--id-field", "key"];
+    let files = ["--progress", "never", "--input", input.to_str().unwrap(), "--output", out.to_str().unwrap()];
+    args.iter().chain(&files).map(|a| a.to_string()).collect()
+}
+
+/// The number after `before` in `text` (`calls 300 (` → 300).
+fn after(text: &str, before: &str) -> f64 {
+    let at = text.find(before).unwrap_or_else(|| panic!("no {before:?} in {text}")) + before.len();
+    let digits: String = text[at..]
+        .chars()
+        .skip_while(|c| *c == ' ')
+        .take_while(|c| c.is_ascii_digit() || *c == ',' || *c == '.')
+        .collect();
+    digits.replace(',', "").trim_end_matches('.').parse().unwrap_or_else(|_| panic!("{before:?} in {text}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_live_page_and_the_report_show_what_the_summary_says() {
+    let Some(chromium) = peer("WEIR_CHROMIUM") else { return };
+    let mut config = weir_sim::SimConfig::default();
+    // A quota the run meets: 40 requests per second, refusals advised in whole seconds.
+    config.quota.requests_per_window = 40;
+    config.quota.window_secs = 1.0;
+    config.quota.round_advice = true;
+    let sim = sim(config).await;
+    let dir = Dir::new("ui-live");
+    let (data, _) = prompts(400);
+    let input = dir.write("in.jsonl", &data);
+    let out = dir.path("out.jsonl");
+    let base = sim.url();
+    let (mut child, url, rest) = start(&gemini_at(&base, &input, &out)).await;
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    let live = dom(&chromium, &url).await;
+    assert_eq!(shown(&live, "state"), "running", "{live}");
+    let done = number(&live, "records-done");
+    assert!(done > 0.0 && done < 400.0, "records done while it runs: {done}");
+    assert!(shown(&live, "of-total").contains("400"), "{}", shown(&live, "of-total"));
+    assert!(live.contains(&base), "the endpoint is listed");
+    assert!(live.contains("class=\"u-wrap\""), "the charts are drawn (uPlot)");
+    let status = child.wait().await.unwrap();
+    let summary = rest.await.unwrap();
+    assert_eq!(status.code(), Some(0), "{summary}");
+    // The report: the same figures as the summary.
+    let report = dir.path("out.jsonl.report.html");
+    assert!(summary.contains(&format!("report:  {}", report.display())), "{summary}");
+    let html = dom(&chromium, &format!("file://{}", report.display())).await;
+    assert_eq!(shown(&html, "state"), "finished");
+    assert_eq!(number(&html, "records-done"), 400.0);
+    assert_eq!(number(&html, "succeeded"), 400.0);
+    assert_eq!(number(&html, "calls"), after(&summary, "calls "), "{summary}");
+    assert_eq!(number(&html, "rate-limited"), after(&summary, "retries, "), "{summary}");
+    let cost = number(&html, "cost");
+    let said = after(&summary, "cost: about $");
+    assert!((cost - said).abs() <= 0.00015 + said * 0.001, "report ${cost}, summary ${said}: {summary}");
+    assert!(html.contains("weir: 400 records"), "the summary is in the report");
+    let s = sim.stats();
+    assert_eq!(number(&html, "calls") as u64, s.requests, "every call the simulator saw");
+    // Rebuilt from the state directory by `weir report`.
+    std::fs::remove_file(&report).unwrap();
+    let o = weir().args(["report", "--output", out.to_str().unwrap()]).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let again = dom(&chromium, &format!("file://{}", report.display())).await;
+    assert_eq!(number(&again, "calls"), number(&html, "calls"));
+    assert_eq!(number(&again, "records-done"), 400.0);
+    sim.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_endpoint_shows_on_the_page_and_in_the_report() {
+    let Some(chromium) = peer("WEIR_CHROMIUM") else { return };
+    let dir = Dir::new("ui-dead");
+    let (data, _) = prompts(50);
+    let input = dir.write("in.jsonl", &data);
+    let out = dir.path("out.jsonl");
+    let dead = format!("http://127.0.0.1:{}", free_port());
+    let (mut child, url, rest) = start(&gemini_at(&dead, &input, &out)).await;
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    let live = dom(&chromium, &url).await;
+    let alert = shown(&live, "alert");
+    assert!(
+        alert.contains("not answering") || alert.contains("Stopped"),
+        "the page says the endpoint is dead: {alert:?}"
+    );
+    assert!(!alert.contains("page does not answer"), "the run's own page answered: {alert:?}");
+    child.wait().await.unwrap();
+    let summary = rest.await.unwrap();
+    let html = dom(&chromium, &format!("file://{}", dir.path("out.jsonl.report.html").display())).await;
+    assert!(shown(&html, "alert").starts_with("Stopped"), "{summary}");
+    assert!(shown(&html, "state").starts_with("stopped"), "{}", shown(&html, "state"));
+    assert_eq!(number(&html, "records-done"), 0.0, "{summary}");
+    assert!(html.contains("50 records not finished"), "the summary is in the report");
+}
+
+/// `--ui` off loopback, or a report path with no directory, is a usage error before anything
+/// is done; `--no-report` writes none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ui_and_report_flags_are_checked_and_no_report_writes_none() {
+    let dir = Dir::new("ui-flags");
+    let (data, _) = prompts(5);
+    let input = dir.write("in.jsonl", &data);
+    let out = dir.path("out.jsonl");
+    let base = ["run", "--model", "sim/demo", "--input", input.to_str().unwrap(), "--output", out.to_str().unwrap()];
+    for (extra, says) in [
+        (vec!["--ui", "0.0.0.0:0"], "loopback only"),
+        (vec!["--report", "/nonexistent-dir/r.html"], "no directory"),
+        (vec!["--report", "r.html", "--no-report"], "cannot be used with"),
+    ] {
+        let o = weir().args(base).args(&extra).output().await.unwrap();
+        assert_eq!(o.status.code(), Some(2), "{extra:?}: {}", stderr(&o));
+        assert!(stderr(&o).contains(says), "{extra:?}: {}", stderr(&o));
+        assert!(!out.exists(), "nothing written");
+    }
+    let o = weir().args(base).args(["--no-report"]).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(!dir.path("out.jsonl.report.html").exists());
+    let o = weir().args(base).args(["--fresh"]).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let html = std::fs::read_to_string(dir.path("out.jsonl.report.html")).unwrap();
+    assert!(html.contains("uPlot") && !html.contains("<script src"), "self-contained");
+}
