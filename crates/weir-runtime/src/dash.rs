@@ -497,16 +497,24 @@ fn humantime_utc(t: SystemTime) -> String {
     humantime::format_rfc3339_seconds(t).to_string()
 }
 
+/// Why the page cannot be served at `addr`, if it cannot: it is served on loopback only (it is
+/// not encrypted, and says what the run is doing to anyone who asks), and the port must be free.
+pub fn check_listen(addr: SocketAddr) -> Result<(), String> {
+    if !addr.ip().is_loopback() {
+        return Err(format!(
+            "--ui {addr}: the page is served on this machine's loopback only (127.0.0.1 or [::1]); to see it from another machine, forward the port (ssh -L {port}:127.0.0.1:{port} HOST)",
+            port = addr.port()
+        ));
+    }
+    std::net::TcpListener::bind(addr).map(drop).map_err(|e| format!("--ui {addr}: cannot listen there ({e})"))
+}
+
 /// Serves the live page of `watch` on `addr` (loopback only: the page is not encrypted) until
 /// the returned task is aborted; the address it listens on (a port of 0 picks a free one).
 pub async fn serve(addr: SocketAddr, watch: Arc<Watch>) -> Result<(SocketAddr, tokio::task::JoinHandle<()>), String> {
     use hyper::service::service_fn;
-    if !addr.ip().is_loopback() {
-        return Err(format!(
-            "{addr}: the page is served on this machine's loopback only (127.0.0.1 or [::1]); to see it from elsewhere, forward the port over SSH (ssh -L)"
-        ));
-    }
-    let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| format!("{addr}: {e}"))?;
+    check_listen(addr)?;
+    let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| format!("--ui {addr}: {e}"))?;
     let bound = listener.local_addr().map_err(|e| e.to_string())?;
     let live = Arc::new(page(None));
     let task = tokio::spawn(async move {
@@ -560,6 +568,23 @@ fn answer(
         }
         _ => reply(404, "text/plain", "not found\n".into()),
     }
+}
+
+/// Watches `runtime`'s calls under `title` and serves the page at `addr`, saying where on
+/// stderr (as `who`); the sampler and the server, to abort when the process ends. For front ends
+/// without a run of their own (SQL, a cluster executor).
+pub async fn watch_and_serve(
+    runtime: Arc<Runtime>,
+    title: &str,
+    cost: Option<CostOf>,
+    addr: SocketAddr,
+    who: &str,
+) -> Result<(Arc<Watch>, [tokio::task::JoinHandle<()>; 2]), String> {
+    let watch = Watch::new(runtime, title, None, cost);
+    let (bound, server) = serve(addr, watch.clone()).await?;
+    eprintln!("{who}: live page on http://{bound}/");
+    let sampler = watch.start(None);
+    Ok((watch, [sampler, server]))
 }
 
 #[cfg(test)]

@@ -128,6 +128,11 @@ struct ExecutorArgs {
     /// format at http://ADDR/metrics.
     #[arg(long, value_name = "ADDR", value_parser = weir::metrics_server::listen_addr)]
     metrics_listen: Option<SocketAddr>,
+    /// Serve a live page of this executor's model calls at http://ADDR/ (throughput against the
+    /// limit, refusals, latency, cost; see `weir run --ui`). On loopback only; without ADDR,
+    /// 127.0.0.1 and a free port (said on stderr).
+    #[arg(long, value_name = "ADDR", num_args = 0..=1, default_missing_value = "127.0.0.1:0", value_parser = weir::metrics_server::listen_addr)]
+    ui: Option<SocketAddr>,
     #[command(flatten)]
     endpoint: EndpointArgs,
     /// Scenario (TOML, as for `weir sim --config`) of the built-in simulator behind sim/ models.
@@ -286,6 +291,21 @@ async fn executor(a: ExecutorArgs) -> anyhow::Result<u8> {
         ),
         None => None,
     };
+    let title = format!("executor {}:{}", a.host, a.port);
+    let page = match a.ui {
+        Some(addr) => Some(
+            weir_runtime::dash::watch_and_serve(
+                functions.clone(),
+                &title,
+                Some(weir::pipeline::live_cost()),
+                addr,
+                "weir cluster executor",
+            )
+            .await
+            .map_err(UsageError)?,
+        ),
+        None => None,
+    };
     let work = private_work_dir(a.work_dir.as_deref())?;
     let place = ExecutorPlace {
         scheduler: a.scheduler,
@@ -327,6 +347,11 @@ async fn executor(a: ExecutorArgs) -> anyhow::Result<u8> {
             e
         }
     });
+    if let Some((_, tasks)) = page {
+        for task in tasks {
+            task.abort();
+        }
+    }
     // What this executor's calls came to, over its whole life.
     eprint!("{}", crate::sql_cmd::summary(&functions, started.elapsed(), "weir cluster executor").await);
     functions.shutdown().await;

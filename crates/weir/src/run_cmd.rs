@@ -331,14 +331,7 @@ impl RunArgs {
             }
         }
         if let Some(addr) = self.ui {
-            if !addr.ip().is_loopback() {
-                return Err(UsageError(format!(
-                    "--ui {addr}: the page is served on this machine's loopback only (127.0.0.1 or [::1]); to see it from another machine, forward the port (ssh -L {port}:127.0.0.1:{port} HOST)",
-                    port = addr.port()
-                )));
-            }
-            std::net::TcpListener::bind(addr)
-                .map_err(|e| UsageError(format!("--ui {addr}: cannot listen there ({e})")))?;
+            weir_runtime::dash::check_listen(addr).map_err(UsageError)?;
         }
         if let Some(path) = &self.report {
             let parent = weir_io::paths::parent_dir(path);

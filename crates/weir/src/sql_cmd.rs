@@ -377,12 +377,7 @@ pub async fn run(mut args: SqlArgs) -> anyhow::Result<u8> {
         .into());
     }
     if let Some(addr) = args.ui {
-        if !addr.ip().is_loopback() {
-            return Err(UsageError(format!(
-                "--ui {addr}: the page is served on this machine's loopback only (127.0.0.1 or [::1]); forward the port to see it from elsewhere (ssh -L)"
-            ))
-            .into());
-        }
+        weir_runtime::dash::check_listen(addr).map_err(UsageError)?;
     }
     if let Some(path) = &args.report {
         let parent = weir_io::paths::parent_dir(path);
@@ -395,17 +390,20 @@ pub async fn run(mut args: SqlArgs) -> anyhow::Result<u8> {
     let settings = RuntimeSettings { cache: cache.clone().map(|c| c as Arc<dyn weir_core::ResponseCache>), ..settings };
     let functions = Runtime::new(settings);
     // The query's calls watched: a live page (--ui) and a report (--report).
-    let watch = (args.ui.is_some() || args.report.is_some()).then(|| {
-        weir_runtime::dash::Watch::new(functions.clone(), "weir sql", None, Some(weir::pipeline::live_cost()))
-    });
-    let sampler = watch.as_ref().map(|w| w.start(None));
-    let ui_task = match (&watch, args.ui) {
-        (Some(w), Some(addr)) => {
-            let (bound, task) = weir_runtime::dash::serve(addr, w.clone()).await.map_err(UsageError)?;
-            eprintln!("weir sql: live page on http://{bound}/");
-            Some(task)
+    let cost = Some(weir::pipeline::live_cost());
+    let (watch, tasks) = match args.ui {
+        Some(addr) => {
+            let (w, tasks) = weir_runtime::dash::watch_and_serve(functions.clone(), "weir sql", cost, addr, "weir sql")
+                .await
+                .map_err(UsageError)?;
+            (Some(w), tasks.into_iter().collect())
         }
-        _ => None,
+        None if args.report.is_some() => {
+            let w = weir_runtime::dash::Watch::new(functions.clone(), "weir sql", None, cost);
+            let sampler = w.start(None);
+            (Some(w), vec![sampler])
+        }
+        None => (None, Vec::new()),
     };
     weir::pipeline::media_from_buckets(&functions);
     let ctx = match &args.cluster {
@@ -440,9 +438,6 @@ pub async fn run(mut args: SqlArgs) -> anyhow::Result<u8> {
         // A cluster with no executor takes the query and waits for one, silently.
         _ = waiting_notice(args.cluster.as_deref()) => unreachable!("the notice never ends"),
     };
-    if let Some(task) = sampler {
-        task.abort();
-    }
     if let Some(w) = &watch {
         let how = match &result {
             Ok(()) => "finished".to_string(),
@@ -451,7 +446,7 @@ pub async fn run(mut args: SqlArgs) -> anyhow::Result<u8> {
         };
         w.end(&how).await;
     }
-    if let Some(task) = ui_task {
+    for task in tasks {
         task.abort();
     }
     match &args.cluster {
