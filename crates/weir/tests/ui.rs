@@ -192,3 +192,32 @@ async fn ui_and_report_flags_are_checked_and_no_report_writes_none() {
     let html = std::fs::read_to_string(dir.path("out.jsonl.report.html")).unwrap();
     assert!(html.contains("uPlot") && !html.contains("<script src"), "self-contained");
 }
+
+/// Provider batch jobs on the page: their states while they run, and in the report.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_jobs_and_their_states_are_on_the_page() {
+    let Some(chromium) = peer("WEIR_CHROMIUM") else { return };
+    let mut config = weir_sim::SimConfig::default();
+    config.batch.run_secs = 6.0;
+    let sim = sim(config).await;
+    let dir = Dir::new("ui-jobs");
+    let (data, _) = prompts(60);
+    let input = dir.write("in.jsonl", &data);
+    let out = dir.path("out.jsonl");
+    let mut args = gemini_at(&sim.url(), &input, &out);
+    args.extend(["--mode", "batch", "--poll-secs", "0.2", "--job-max-requests", "30"].map(String::from));
+    let (mut child, url, rest) = start(&args).await;
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    let live = dom(&chromium, &url).await;
+    let jobs = shown(&live, "jobs-line");
+    assert!(jobs.contains("requests answered"), "the jobs are on the page: {jobs:?}");
+    let table = &live[live.find("id=\"jobs\"").unwrap()..];
+    assert!(table.contains("<td class=\"n\">2</td>"), "two jobs in one state: {}", &table[..table.len().min(400)]);
+    let status = child.wait().await.unwrap();
+    let summary = rest.await.unwrap();
+    assert_eq!(status.code(), Some(0), "{summary}");
+    let html = dom(&chromium, &format!("file://{}", dir.path("out.jsonl.report.html").display())).await;
+    assert_eq!(number(&html, "records-done"), 60.0, "{summary}");
+    assert!(shown(&html, "jobs-line").contains("records settled"), "{}", shown(&html, "jobs-line"));
+    sim.shutdown().await;
+}
