@@ -313,6 +313,10 @@ impl weir_jobs::Host for Rows {
     }
 }
 
+/// Records whose media is read ahead of the one going into a job (their parts held meanwhile:
+/// at most this many records' inline media, 15 MB each at most).
+const MEDIA_READS_AHEAD: usize = 8;
+
 /// Reads the input for the jobs: error rows and cache answers written at once, records a
 /// spool holds from an earlier run left to it, the rest handed to the jobs in input order. A
 /// new run's first record goes online first (see `drive`); false when that stopped the run.
@@ -325,8 +329,27 @@ async fn feed(
     tally: Arc<Mutex<JobsTally>>,
     jobs: mpsc::Sender<Incoming>,
 ) {
+    // Media is read for several records at once, in input order: a slow or dead URL holds
+    // only its own record's read (its tries), not every record behind it.
+    let claims = Arc::new(claims);
+    let reading = {
+        let (driver, claims) = (driver.clone(), claims.clone());
+        move |w: Work| {
+            let (driver, claims) = (driver.clone(), claims.clone());
+            async move {
+                match w {
+                    Work::Call(mut record) if !record.media.is_empty() && !claims.holds(record.line) => {
+                        let read = driver.request_with_media(&mut record).await;
+                        (Work::Call(record), Some(read))
+                    }
+                    other => (other, None),
+                }
+            }
+        }
+    };
+    let work = work.map(reading).buffered(MEDIA_READS_AHEAD);
     futures::pin_mut!(work);
-    while let Some(w) = work.next().await {
+    while let Some((w, read)) = work.next().await {
         let record = match w {
             Work::Done(f) => {
                 let _ = tx.send(Ok(driver.reject(f))).await;
@@ -342,19 +365,17 @@ async fn feed(
         if claims.holds(record.line) {
             continue;
         }
-        // Media is read before the cache is asked (the answer is keyed on the parts' bytes)
-        // and goes into the job's input; media that cannot be read is the record's error row.
-        let mut record = record;
-        let mut request = None;
-        if !record.media.is_empty() {
-            match driver.request_with_media(&mut record).await {
-                Ok(r) => request = Some(r),
-                Err(error) => {
-                    let _ = tx.send(Ok(driver.reject(Box::new(weir_core::Failure::of(record, error, 0))))).await;
-                    continue;
-                }
+        // Media was read (above) before the cache is asked (the answer is keyed on the parts'
+        // bytes) and goes into the job's input; media that cannot be read is the record's
+        // error row.
+        let request = match read {
+            None => None,
+            Some(Ok(r)) => Some(r),
+            Some(Err(error)) => {
+                let _ = tx.send(Ok(driver.reject(Box::new(weir_core::Failure::of(record, error, 0))))).await;
+                continue;
             }
-        }
+        };
         let key = job_key(&record);
         let answered =
             |record: &Record| Incoming::Answered { key: key.clone(), line: record.line, record: to_spool(record) };
