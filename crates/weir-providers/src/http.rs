@@ -218,7 +218,13 @@ pub fn one_per_item(mut got: Vec<Result<weir_core::ModelResponse, ModelError>>, 
 
 /// The HTTP client of a run: one connection pool shared by every call.
 pub fn client() -> Result<reqwest::Client, ProviderError> {
+    client_with(HeaderMap::new())
+}
+
+/// As [`client`], sending `headers` with every request (an API's version header).
+pub fn client_with(headers: HeaderMap) -> Result<reqwest::Client, ProviderError> {
     reqwest::Client::builder()
+        .default_headers(headers)
         .connect_timeout(Duration::from_secs(10))
         .pool_idle_timeout(Duration::from_secs(60))
         .tcp_nodelay(true)

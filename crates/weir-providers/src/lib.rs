@@ -23,6 +23,7 @@
 
 #![warn(missing_docs)]
 
+pub mod anthropic;
 pub mod connectors;
 pub mod embed;
 pub mod gemini;
@@ -48,6 +49,8 @@ pub const ENV_VARS: &[&str] = &[
     "GOOGLE_API_KEY",
     "OPENAI_API_KEY",
     "OPENAI_BASE_URL",
+    "ANTHROPIC_API_KEY",
+    "ANTHROPIC_BASE_URL",
     "GOOGLE_CLOUD_PROJECT",
     "GOOGLE_CLOUD_LOCATION",
     "GOOGLE_APPLICATION_CREDENTIALS",
@@ -73,6 +76,8 @@ pub enum ProviderError {
 pub enum Provider {
     /// Any OpenAI-compatible server.
     OpenAi,
+    /// Anthropic's Messages API (Claude).
+    Anthropic,
     /// The Gemini API.
     Gemini,
     /// Gemini on Vertex AI.
@@ -125,6 +130,7 @@ impl FromStr for ModelSpec {
         }
         let provider = match provider {
             "openai" => Provider::OpenAi,
+            "anthropic" => Provider::Anthropic,
             "gemini" => Provider::Gemini,
             "vertex_ai" => Provider::Vertex,
             "vertex_endpoint" => Provider::VertexEndpoint,
@@ -132,7 +138,7 @@ impl FromStr for ModelSpec {
             "local" => Provider::Local,
             other => {
                 return Err(ProviderError::Config(format!(
-                    "--model {s}: unknown provider '{other}'; known providers: openai, gemini, vertex_ai, vertex_endpoint, sim, local"
+                    "--model {s}: unknown provider '{other}'; known providers: openai, anthropic, gemini, vertex_ai, vertex_endpoint, sim, local"
                 )))
             }
         };
@@ -164,6 +170,7 @@ impl std::fmt::Display for ModelSpec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let p = match self.provider {
             Provider::OpenAi => "openai",
+            Provider::Anthropic => "anthropic",
             Provider::Gemini => "gemini",
             Provider::Vertex => "vertex_ai",
             Provider::VertexEndpoint => "vertex_endpoint",
@@ -198,7 +205,8 @@ pub struct ProviderOptions {
 
 /// The environment variables a provider reads its credential from, which
 /// [`ProviderOptions::key_var`] stands in for.
-pub const KEY_VARS: &[&str] = &["GEMINI_API_KEY", "GOOGLE_API_KEY", "OPENAI_API_KEY", "GOOGLE_APPLICATION_CREDENTIALS"];
+pub const KEY_VARS: &[&str] =
+    &["GEMINI_API_KEY", "GOOGLE_API_KEY", "OPENAI_API_KEY", "ANTHROPIC_API_KEY", "GOOGLE_APPLICATION_CREDENTIALS"];
 
 /// What a model is asked for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -351,6 +359,28 @@ fn openai_site(
     Ok((base, key))
 }
 
+/// The Messages API's root and key: `--base-url`, else `ANTHROPIC_BASE_URL`, else Anthropic's;
+/// `ANTHROPIC_API_KEY`, required for Anthropic's own servers.
+fn anthropic_site(
+    options: &ProviderOptions,
+    env: &(dyn Fn(&str) -> Option<String> + Sync),
+) -> Result<(reqwest::Url, Option<Secret>), ProviderError> {
+    let nonempty = |k: &str| env(k).filter(|v| !v.trim().is_empty());
+    let base = options
+        .base_url
+        .clone()
+        .or_else(|| nonempty("ANTHROPIC_BASE_URL"))
+        .unwrap_or_else(|| "https://api.anthropic.com".into());
+    let base = http::check_base_url(&base)?;
+    let key = nonempty("ANTHROPIC_API_KEY").map(Secret::new);
+    if key.is_none() && base.host_str() == Some("api.anthropic.com") {
+        return Err(ProviderError::Config(
+            "anthropic: set ANTHROPIC_API_KEY, or point --base-url at a server that speaks the Messages API".into(),
+        ));
+    }
+    Ok((base, key))
+}
+
 /// Sets up an embedding client for `spec` (`--task embed`).
 async fn connect_embed(
     spec: &ModelSpec,
@@ -381,6 +411,9 @@ async fn connect_embed(
             let url = format!("{}/publishers/google/models/{}:predict", site.root("v1"), spec.model);
             make(EmbedApi::Vertex, url, http::Credential::Tokens(site.tokens.clone()))
         }
+        Provider::Anthropic => return Err(ProviderError::Config(format!(
+            "--task embed: {spec}: Anthropic has no embedding models; use openai/, gemini/, vertex_ai/ or local/ ones"
+        ))),
         Provider::VertexEndpoint => {
             return Err(ProviderError::Config(format!(
                 "--task embed: {spec} is a deployed endpoint; for Vertex AI's embedding models use \
@@ -460,8 +493,9 @@ pub fn connect_jobs(
                 false => jobs.with_limits(limit(jobs::VERTEX_LIMITS)),
             }))
         }
-        Provider::VertexEndpoint | Provider::Local => Err(ProviderError::Config(format!(
-            "--mode batch: {spec}: batch jobs are supported for openai/, gemini/ and vertex_ai/ models"
+        Provider::VertexEndpoint | Provider::Local | Provider::Anthropic => Err(ProviderError::Config(format!(
+            "--mode batch: {spec}: batch jobs are supported for openai/, gemini/ and vertex_ai/ models (Anthropic's \
+             Message Batches are not yet: run --mode online)"
         ))),
     }
 }
@@ -488,6 +522,11 @@ pub async fn connect(
         Provider::OpenAi => {
             let (base, key) = openai_site(options, env)?;
             Ok(Endpoint { handler: Arc::new(OpenAiHandler::new(client, &base, &spec.model, key)), resident: None })
+        }
+        Provider::Anthropic => {
+            let (base, key) = anthropic_site(options, env)?;
+            let handler = anthropic::AnthropicHandler::new(anthropic::client()?, &base, &spec.model, key);
+            Ok(Endpoint { handler: Arc::new(handler), resident: None })
         }
         Provider::Gemini => {
             let base = options.base_url.clone().unwrap_or_else(|| "https://generativelanguage.googleapis.com".into());
