@@ -411,9 +411,11 @@ async fn connect_embed(
             let url = format!("{}/publishers/google/models/{}:predict", site.root("v1"), spec.model);
             make(EmbedApi::Vertex, url, http::Credential::Tokens(site.tokens.clone()))
         }
-        Provider::Anthropic => return Err(ProviderError::Config(format!(
+        Provider::Anthropic => {
+            return Err(ProviderError::Config(format!(
             "--task embed: {spec}: Anthropic has no embedding models; use openai/, gemini/, vertex_ai/ or local/ ones"
-        ))),
+        )))
+        }
         Provider::VertexEndpoint => {
             return Err(ProviderError::Config(format!(
                 "--task embed: {spec} is a deployed endpoint; for Vertex AI's embedding models use \

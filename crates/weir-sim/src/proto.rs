@@ -18,6 +18,8 @@ pub enum Api {
     OpenAi,
     /// A Vertex AI endpoint's `:predict`.
     Predict,
+    /// Anthropic's Messages API (`/v1/messages`), `x-api-key` auth.
+    Anthropic,
 }
 
 /// How a streamed Gemini answer is framed.
@@ -310,6 +312,147 @@ pub fn parse_openai(body: &Value) -> Result<SimRequest, BadRequest> {
         media,
         file_uris: 0,
     })
+}
+
+/// Parses an Anthropic Messages API request: `max_tokens` is required; image and document
+/// blocks are decoded and counted as media; a forced tool's `input_schema` is the answer's
+/// schema.
+pub fn parse_anthropic(body: &Value) -> Result<SimRequest, BadRequest> {
+    let model = body.get("model").and_then(Value::as_str).ok_or_else(|| BadRequest("model: Field required".into()))?;
+    let max_tokens =
+        as_u32(body.get("max_tokens"), "max_tokens")?.ok_or_else(|| BadRequest("max_tokens: Field required".into()))?;
+    let Some(Value::Array(messages)) = body.get("messages") else {
+        return Err(BadRequest("messages: Field required".into()));
+    };
+    let mut prompt = String::new();
+    let mut media = Vec::new();
+    if let Some(system) = body.get("system").and_then(Value::as_str) {
+        prompt.push_str(system);
+    }
+    for m in messages {
+        let mut push = |t: &str| {
+            if !prompt.is_empty() {
+                prompt.push('\n');
+            }
+            prompt.push_str(t);
+        };
+        match m.get("content") {
+            Some(Value::String(t)) => push(t),
+            Some(Value::Array(blocks)) => {
+                for (i, b) in blocks.iter().enumerate() {
+                    let at = format!("messages.content.{i}");
+                    match b.get("type").and_then(Value::as_str) {
+                        Some("text") => push(b.get("text").and_then(Value::as_str).unwrap_or("")),
+                        Some("image" | "document") => {
+                            if b.pointer("/source/type").and_then(Value::as_str) != Some("base64") {
+                                return Err(BadRequest(format!("{at}.source: only base64 sources are served here")));
+                            }
+                            let mime = b.pointer("/source/media_type").and_then(Value::as_str);
+                            media.push(media_digest(mime, b.pointer("/source/data").and_then(Value::as_str), &at)?);
+                        }
+                        _ => return Err(BadRequest(format!("{at}.type: Input tag not found"))),
+                    }
+                }
+            }
+            _ => return Err(BadRequest("messages.content: Field required".into())),
+        }
+    }
+    let mut settings = Map::new();
+    for k in ["temperature", "top_p", "top_k", "stop_sequences", "tools", "tool_choice"] {
+        if let Some(v) = body.get(k) {
+            settings.insert(k.into(), v.clone());
+        }
+    }
+    let forced = body.pointer("/tool_choice/name").and_then(Value::as_str);
+    let schema = body.get("tools").and_then(Value::as_array).and_then(|tools| {
+        tools.iter().find(|t| t.get("name").and_then(Value::as_str) == forced)?.get("input_schema").cloned()
+    });
+    let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    Ok(SimRequest {
+        api: Api::Anthropic,
+        model: model.to_string(),
+        prompt,
+        max_tokens: Some(max_tokens),
+        stream: stream.then_some(StreamFraming::Sse),
+        include_usage: true,
+        settings: Value::Object(settings).to_string(),
+        instances: Vec::new(),
+        chat_predict: false,
+        embed: None,
+        schema,
+        media,
+        file_uris: 0,
+    })
+}
+
+/// The tool a forced `tool_choice` names, if any (its input is the answer).
+pub fn anthropic_tool(settings: &str) -> Option<String> {
+    let v: Value = serde_json::from_str(settings).ok()?;
+    v.pointer("/tool_choice/name").and_then(Value::as_str).map(str::to_string)
+}
+
+/// An Anthropic message: the answer as a text block, or as the forced tool's input (the
+/// answer's JSON, or the text as is when it is not JSON: a broken answer).
+pub fn anthropic_response(model: &str, id: &str, gen: &Generation, prompt_tokens: u64, tool: Option<&str>) -> Value {
+    let text = gen.text();
+    let (block, stop) = match (tool, serde_json::from_str::<Value>(&text)) {
+        (Some(name), Ok(input)) => {
+            (json!({"type": "tool_use", "id": format!("toolu_{id}"), "name": name, "input": input}), "tool_use")
+        }
+        _ => (json!({"type": "text", "text": text}), if gen.truncated_by_limit { "max_tokens" } else { "end_turn" }),
+    };
+    json!({
+        "id": format!("msg_{id}"),
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [block],
+        "stop_reason": stop,
+        "stop_sequence": null,
+        "usage": {"input_tokens": prompt_tokens, "output_tokens": gen.tokens.len() as u64,
+                  "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0},
+    })
+}
+
+/// A streamed Anthropic message's events (name, data): `message_start`, a text block's
+/// deltas in pieces of `chunk` tokens, `message_delta` with the stop reason, `message_stop`.
+pub fn anthropic_events(
+    model: &str,
+    id: &str,
+    gen: &Generation,
+    prompt_tokens: u64,
+    chunk: usize,
+) -> Vec<(&'static str, Value)> {
+    let mut events = vec![
+        (
+            "message_start",
+            json!({"type": "message_start", "message": {
+            "id": format!("msg_{id}"), "type": "message", "role": "assistant", "model": model, "content": [],
+            "stop_reason": null, "stop_sequence": null,
+            "usage": {"input_tokens": prompt_tokens, "output_tokens": 1}}}),
+        ),
+        (
+            "content_block_start",
+            json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
+        ),
+        ("ping", json!({"type": "ping"})),
+    ];
+    for piece in gen.tokens.chunks(chunk.max(1)) {
+        events.push((
+            "content_block_delta",
+            json!({"type": "content_block_delta", "index": 0,
+            "delta": {"type": "text_delta", "text": piece.concat()}}),
+        ));
+    }
+    let stop = if gen.truncated_by_limit { "max_tokens" } else { "end_turn" };
+    events.push(("content_block_stop", json!({"type": "content_block_stop", "index": 0})));
+    events.push((
+        "message_delta",
+        json!({"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": null},
+        "usage": {"output_tokens": gen.tokens.len() as u64}}),
+    ));
+    events.push(("message_stop", json!({"type": "message_stop"})));
+    events
 }
 
 /// Parses a Vertex AI endpoint `:predict` request, plain or chat form.
@@ -698,6 +841,18 @@ fn google_status(code: u16) -> &'static str {
 /// A plain error in the API's own format.
 pub fn error(api: Api, status: u16, message: &str) -> ErrorReply {
     let body = match api {
+        Api::Anthropic => {
+            let kind = match status {
+                400 | 413 => "invalid_request_error",
+                401 => "authentication_error",
+                403 => "permission_error",
+                404 => "not_found_error",
+                429 => "rate_limit_error",
+                529 | 503 => "overloaded_error",
+                _ => "api_error",
+            };
+            json!({"type": "error", "error": {"type": kind, "message": message}})
+        }
         Api::OpenAi => {
             let (kind, code) = match status {
                 400 | 404 => ("invalid_request_error", Value::Null),
@@ -731,6 +886,7 @@ pub fn auth_error(api: Api, present: bool) -> ErrorReply {
             }}),
         },
         Api::Gemini => error(api, 403, "Method doesn't allow unregistered callers (callers without established identity). Please use API Key or other form of API consumer identity to call this API."),
+        Api::Anthropic => error(api, 401, "invalid x-api-key"),
         Api::OpenAi => error(api, 401, if present { "Incorrect API key provided. You can find your API key at https://platform.openai.com/account/api-keys." } else { "You didn't provide an API key. You need to provide your API key in an Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)." }),
         _ => error(api, 401, "Request had invalid authentication credentials. Expected OAuth 2 access token, login cookie or other valid authentication credential."),
     }
@@ -793,6 +949,16 @@ pub fn quota_error(api: Api, model: &str, rejection: &Rejection) -> ErrorReply {
                 "status": "RESOURCE_EXHAUSTED",
             }}),
         },
+        Api::Anthropic => {
+            let what = if tokens { "input tokens per minute" } else { "requests per minute" };
+            let secs = retry_after.as_secs_f64().ceil().max(1.0) as u64;
+            ErrorReply {
+                status: 429,
+                headers: vec![("retry-after", secs.to_string())],
+                body: json!({"type": "error", "error": {"type": "rate_limit_error",
+                    "message": format!("This request would exceed the rate limit for your organization of {limit} {what}. Please try again later.")}}),
+            }
+        }
         Api::OpenAi => {
             let (kind, what) = match (per_day, tokens) {
                 (true, _) => ("requests", "requests per day (RPD)"),
@@ -835,6 +1001,23 @@ pub fn openai_limit_headers(usage: &Usage) -> Vec<(&'static str, String)> {
         h.push(("x-ratelimit-limit-tokens", usage.token_limit.to_string()));
         h.push(("x-ratelimit-remaining-tokens", usage.tokens_remaining.to_string()));
         h.push(("x-ratelimit-reset-tokens", openai_duration(usage.tokens_reset)));
+    }
+    h
+}
+
+/// Anthropic's rate-limit headers for an admitted request (resets as RFC 3339 times).
+pub fn anthropic_limit_headers(usage: &Usage) -> Vec<(&'static str, String)> {
+    let at = |d: Duration| humantime::format_rfc3339_seconds(std::time::SystemTime::now() + d).to_string();
+    let mut h = Vec::new();
+    if usage.request_limit > 0 {
+        h.push(("anthropic-ratelimit-requests-limit", usage.request_limit.to_string()));
+        h.push(("anthropic-ratelimit-requests-remaining", usage.requests_remaining.to_string()));
+        h.push(("anthropic-ratelimit-requests-reset", at(usage.requests_reset)));
+    }
+    if usage.token_limit > 0 {
+        h.push(("anthropic-ratelimit-tokens-limit", usage.token_limit.to_string()));
+        h.push(("anthropic-ratelimit-tokens-remaining", usage.tokens_remaining.to_string()));
+        h.push(("anthropic-ratelimit-tokens-reset", at(usage.tokens_reset)));
     }
     h
 }

@@ -326,6 +326,7 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Bo
         (Some(form), api) => proto::parse_embed(api, form, &route.model, &parsed),
         (None, Api::Gemini | Api::Vertex) => proto::parse_gemini(route.api, &route.model, &parsed, route.stream),
         (None, Api::OpenAi) => proto::parse_openai(&parsed),
+        (None, Api::Anthropic) => proto::parse_anthropic(&parsed),
         (None, Api::Predict) => proto::parse_predict(&route.model, &parsed),
     };
     let request = match request {
@@ -362,6 +363,10 @@ struct Route {
 /// The API key a request carries, where its API carries it.
 fn key_of(api: Api, parts: &hyper::http::request::Parts) -> Option<String> {
     match api {
+        // `x-api-key`, or a bearer token (as newer Anthropic clients send the key).
+        Api::Anthropic if parts.headers.contains_key("x-api-key") => {
+            parts.headers.get("x-api-key").and_then(|v| v.to_str().ok()).map(str::to_string)
+        }
         Api::Gemini => parts
             .headers
             .get("x-goog-api-key")
@@ -395,6 +400,9 @@ fn query_param(query: Option<&str>, name: &str) -> Option<String> {
 }
 
 fn route(path: &str, query: Option<&str>) -> Option<Route> {
+    if path == "/v1/messages" {
+        return Some(Route { api: Api::Anthropic, model: String::new(), stream: None, embed: None });
+    }
     if path.ends_with("/chat/completions") {
         return Some(Route { api: Api::OpenAi, model: String::new(), stream: None, embed: None });
     }
@@ -576,11 +584,12 @@ async fn serve_model(
                 return Ok(error_reply(&state, e));
             }
             OverloadMode::Unavailable => {
-                let msg = match req.api {
-                    Api::OpenAi => "The server is overloaded or not ready yet.",
-                    _ => "The model is overloaded. Please try again later.",
+                let (status, msg) = match req.api {
+                    Api::OpenAi => (503, "The server is overloaded or not ready yet."),
+                    Api::Anthropic => (529, "Overloaded"),
+                    _ => (503, "The model is overloaded. Please try again later."),
                 };
-                return Ok(error_reply(&state, proto::error(req.api, 503, msg)));
+                return Ok(error_reply(&state, proto::error(req.api, status, msg)));
             }
             OverloadMode::Slow => slow = guard.level as f64 / cfg.concurrency.max_in_flight as f64,
         }
@@ -636,6 +645,7 @@ async fn serve_model(
     };
     let limit_headers = match (&usage, req.api) {
         (Some(u), Api::OpenAi) => proto::openai_limit_headers(u),
+        (Some(u), Api::Anthropic) => proto::anthropic_limit_headers(u),
         _ => Vec::new(),
     };
 
@@ -659,11 +669,13 @@ async fn serve_model(
         }
         Some(Fault::E503) => {
             sleep_ms(fixed).await;
-            let msg = match req.api {
-                Api::OpenAi => "The engine is currently overloaded, please try again later.",
-                _ => "The model is overloaded. Please try again later.",
+            let (status, msg) = match req.api {
+                Api::OpenAi => (503, "The engine is currently overloaded, please try again later."),
+                // Anthropic's overload is 529 overloaded_error.
+                Api::Anthropic => (529, "Overloaded"),
+                _ => (503, "The model is overloaded. Please try again later."),
             };
-            return Ok(error_reply(&state, proto::error(req.api, 503, msg)));
+            return Ok(error_reply(&state, proto::error(req.api, status, msg)));
         }
         Some(Fault::Reset) => {
             sleep_ms(fixed).await;
@@ -747,6 +759,10 @@ async fn serve_model(
     let body = match req.api {
         Api::Gemini | Api::Vertex => proto::gemini_response(&req.model, &id, first, prompt_tokens, ending),
         Api::OpenAi => proto::openai_response(&req.model, &id, created, first, prompt_tokens, ending),
+        Api::Anthropic => {
+            let tool = req.schema.as_ref().and(proto::anthropic_tool(&req.settings));
+            proto::anthropic_response(&req.model, &id, first, prompt_tokens, tool.as_deref())
+        }
         Api::Predict => {
             let answered = state.short_predictions(&req, n);
             if answered < req.instances.len() {
@@ -816,6 +832,16 @@ fn stream_reply(
                     events.push(proto::openai_usage_chunk(&model, &id, created, prompt_tokens, tokens as u64));
                 }
             }
+            Api::Anthropic => {
+                let gen = if ending == Ending::Normal {
+                    gen.clone()
+                } else {
+                    Generation { tokens: Vec::new(), ..gen.clone() }
+                };
+                events.extend(
+                    proto::anthropic_events(&model, &id, &gen, prompt_tokens, chunk).into_iter().map(|(_, v)| v),
+                );
+            }
             _ => match ending {
                 Ending::Normal => {
                     let pieces: Vec<String> = gen.tokens.chunks(chunk).map(|p| p.concat()).collect();
@@ -834,6 +860,10 @@ fn stream_reply(
         let encode = |i: usize, v: &Value| -> Bytes {
             let s = serde_json::to_string(v).unwrap_or_default();
             match framing {
+                // Anthropic's events are named (their `type`).
+                StreamFraming::Sse if req.api == Api::Anthropic => {
+                    Bytes::from(format!("event: {}\r\ndata: {s}\r\n\r\n", v["type"].as_str().unwrap_or("")))
+                }
                 StreamFraming::Sse => Bytes::from(format!("data: {s}\r\n\r\n")),
                 StreamFraming::JsonArray => Bytes::from(format!("{}{s}", if i == 0 { "[" } else { ",\r\n" })),
             }
@@ -841,6 +871,8 @@ fn stream_reply(
         // Which event carries the first text: OpenAI's first chunk only names the role.
         let first_text = match req.api {
             Api::OpenAi => 1,
+            // message_start, content_block_start, ping, then the first text.
+            Api::Anthropic => 3,
             _ => 0,
         };
         let mut timing = StreamTiming { prompt: req.prompt.clone(), received_us, first_text_us: None, events: 0 };

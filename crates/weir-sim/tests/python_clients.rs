@@ -40,8 +40,8 @@ async fn official_python_clients_work_against_the_simulator() {
     let stats = sim.stats();
     // The upload followed the Files API's resumable protocol, as the simulator checks it.
     assert_eq!((stats.gemini_files_uploaded, stats.gemini_upload_refusals), (1, 0));
-    assert_eq!(stats.rate_limited, 2, "one 429 for each client");
-    assert_eq!(stats.media_parts, 3, "two images through google-genai, one through openai");
+    assert_eq!(stats.rate_limited, 3, "one 429 for each client");
+    assert_eq!(stats.media_parts, 4, "two images through google-genai, one through openai, one through anthropic");
     assert!(stats.streams >= 3);
     sim.shutdown().await;
 }

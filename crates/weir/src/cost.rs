@@ -91,7 +91,7 @@ impl Cost {
                 dollars(online)
             ));
         }
-        s.push_str("; prices of 2026-03, see prices.toml)\n");
+        s.push_str("; prices as dated in prices.toml)\n");
         s
     }
 }

@@ -1,4 +1,5 @@
-"""The official Python clients, pointed at `weir sim`, must work unchanged.
+"""The official Python clients (openai, google-genai, anthropic), pointed at `weir sim`, must work
+unchanged.
 
 Usage: python clients.py BASE_URL. The simulator must run with a quota of 2 requests per window
 per key. Each check uses its own key; the rate-limit check makes a third call and must get the
@@ -6,6 +7,7 @@ client's own rate-limit error. Prints one line per check; exits non-zero on the 
 """
 import sys
 
+import anthropic
 import openai
 from google import genai
 from google.genai import errors as genai_errors
@@ -182,6 +184,61 @@ def openai_image_url():
     assert r.choices[0].message.content, r
 
 
+def claude(key):
+    return anthropic.Anthropic(base_url=base, api_key=key, max_retries=0)
+
+
+def anthropic_call():
+    r = claude("a-call").messages.create(
+        model="claude-sonnet-4-5", max_tokens=50, system="be brief", messages=[{"role": "user", "content": "hello"}]
+    )
+    assert r.content[0].type == "text" and r.content[0].text, r
+    assert r.stop_reason in ("end_turn", "max_tokens"), r
+    assert r.usage.input_tokens > 0 and r.usage.output_tokens > 0, r
+
+
+def anthropic_stream():
+    with claude("a-stream").messages.stream(
+        model="claude-sonnet-4-5", max_tokens=50, messages=[{"role": "user", "content": "hello"}]
+    ) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text and final.content[0].text == text, (text, final)
+    assert final.stop_reason in ("end_turn", "max_tokens") and final.usage.output_tokens > 0, final
+
+
+def anthropic_429():
+    c = claude("a-limit")
+    for _ in range(2):
+        c.messages.create(model="claude-sonnet-4-5", max_tokens=10, messages=[{"role": "user", "content": "x"}])
+    try:
+        c.messages.create(model="claude-sonnet-4-5", max_tokens=10, messages=[{"role": "user", "content": "x"}])
+    except anthropic.RateLimitError as e:
+        assert e.status_code == 429
+        assert e.response.headers.get("retry-after"), e.response.headers
+        return
+    raise AssertionError("no RateLimitError")
+
+
+def anthropic_image_and_tool():
+    import base64
+
+    data = base64.b64encode(PNG + b"anthropic image").decode()
+    r = claude("a-media").messages.create(
+        model="claude-sonnet-4-5",
+        max_tokens=100,
+        tools=[{"name": "answer", "input_schema": {"type": "object", "properties": {"label": {"type": "string"}}, "required": ["label"]}}],
+        tool_choice={"type": "tool", "name": "answer"},
+        messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}},
+            {"type": "text", "text": "label this"},
+        ]}],
+    )
+    block = r.content[0]
+    assert block.type == "tool_use" and block.name == "answer" and isinstance(block.input["label"], str), r
+    assert r.stop_reason == "tool_use", r
+
+
 check("openai: chat completion", openai_call)
 check("openai: streamed chat completion with usage", openai_stream)
 check("openai: 429 raises RateLimitError", openai_429)
@@ -194,4 +251,8 @@ check("google-genai (Vertex AI mode): call and stream", vertex_call_and_stream)
 check("google-genai: an image by Part.from_bytes with a response schema", gemini_image_with_schema)
 check("openai: an image_url data URL", openai_image_url)
 check("google-genai: a batch job from an uploaded file, its results file downloaded", gemini_batch_from_file)
+check("anthropic: messages.create", anthropic_call)
+check("anthropic: messages.stream", anthropic_stream)
+check("anthropic: 429 raises RateLimitError with retry-after", anthropic_429)
+check("anthropic: an image block and a forced tool", anthropic_image_and_tool)
 print("all client checks passed")
