@@ -466,9 +466,7 @@ impl Driver {
 
     /// Counts a failure that never reached the driver (invalid input) and passes it on.
     pub fn reject(&self, failure: Box<Failure>) -> Outcome {
-        self.metrics.record_failure(failure.error.kind);
-        let id = failure.id.as_ref().map_or_else(|| format!("line {}", failure.line), |id| id.as_str().to_string());
-        self.metrics.record_failure_example(&id, failure.error.kind, &failure.error.message);
+        self.metrics.record_rejected(&failure);
         Outcome::Failure(failure)
     }
 

@@ -90,9 +90,10 @@ pub fn source_of(value: Option<&serde_json::Value>) -> Result<Option<MediaSource
         Some(Value::String(s)) if s.trim().is_empty() => Ok(None),
         Some(Value::String(s)) => Ok(Some(MediaSource::Named(s.trim().to_string()))),
         Some(Value::Object(o)) if o.len() == 1 && o.contains_key("base64") => {
-            let text = o["base64"].as_str().ok_or("its \"base64\" is not a string")?;
-            let bytes =
-                base64::engine::general_purpose::STANDARD.decode(text).map_err(|_| "its \"base64\" is not base64")?;
+            let text = o["base64"].as_str().ok_or("has a \"base64\" that is not a string")?;
+            let bytes = base64::engine::general_purpose::STANDARD
+                .decode(text)
+                .map_err(|_| "has a \"base64\" that is not base64")?;
             Ok((!bytes.is_empty()).then(|| MediaSource::Bytes(Bytes::from(bytes))))
         }
         Some(_) => Err("is not a file path, a URL or bytes"),

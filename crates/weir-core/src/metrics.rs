@@ -277,6 +277,14 @@ impl RunMetrics {
         )
     }
 
+    /// Counts `failure` (a record that failed without a call) and keeps it as an example of its
+    /// kind.
+    pub fn record_rejected(&self, failure: &crate::Failure) {
+        self.record_failure(failure.error.kind);
+        let id = failure.id.as_ref().map_or_else(|| format!("line {}", failure.line), |id| id.as_str().to_string());
+        self.record_failure_example(&id, failure.error.kind, &failure.error.message);
+    }
+
     /// The most examples kept of each kind of failure.
     const EXAMPLES: usize = 3;
 

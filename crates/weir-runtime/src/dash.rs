@@ -157,6 +157,21 @@ impl Series {
     }
 }
 
+/// A run's rows at its end, as its summary counts them.
+#[derive(Debug, Clone, Default)]
+pub struct EndRows {
+    /// Records with a row.
+    pub done: u64,
+    /// Of them, results.
+    pub succeeded: u64,
+    /// Of them, errors.
+    pub failed: u64,
+    /// Records without a row, left to a resume (`None`: a stream, which cannot be counted).
+    pub unfinished: Option<u64>,
+    /// Error rows by kind (`rate_limited`, …).
+    pub failures: BTreeMap<String, u64>,
+}
+
 /// Where a run's provider batch jobs stand, as the page shows them.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
 pub struct JobsView {
@@ -243,21 +258,42 @@ impl Watch {
     }
 
     /// The run's own word at its end: its summary as printed, its cost as the summary counts
-    /// it (batch prices included) in place of the estimate made while it ran, and the records
-    /// it wrote rows for (done, succeeded, failed) in place of those its calls settled (a
-    /// stopped run leaves the records it did not finish to a resume, without rows).
-    pub fn finish(&self, summary: &str, cost: Option<f64>, rows: Option<(u64, u64, u64)>) {
+    /// it (batch prices included) in place of the estimate made while it ran, and its rows
+    /// (`rows`) in place of the outcomes its calls settled: a stopped run leaves the records it
+    /// did not finish to a resume, without rows, and they are neither done nor failed.
+    pub fn finish(&self, summary: &str, cost: Option<f64>, rows: Option<&EndRows>) {
         let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
-        if let Value::Object(s) = &mut *last {
-            s.insert("summary_text".into(), Value::String(summary.to_string()));
-            if cost.is_some() {
-                s.insert("cost_usd".into(), cost.into());
-            }
-            if let Some((done, succeeded, failed)) = rows {
-                s.insert("done".into(), done.into());
-                s.insert("succeeded".into(), succeeded.into());
-                s.insert("failed".into(), failed.into());
-            }
+        let Value::Object(s) = &mut *last else { return };
+        s.insert("summary_text".into(), Value::String(summary.to_string()));
+        if cost.is_some() {
+            s.insert("cost_usd".into(), cost.into());
+        }
+        let Some(r) = rows else { return };
+        s.insert("done".into(), r.done.into());
+        s.insert("succeeded".into(), r.succeeded.into());
+        s.insert("failed".into(), r.failed.into());
+        let elapsed = s.get("elapsed_secs").and_then(Value::as_f64).unwrap_or(0.0);
+        s.insert("records_per_s".into(), (elapsed > 0.0).then(|| r.done as f64 / elapsed).into());
+        s.insert("total".into(), r.unfinished.map(|u| r.done + u).into());
+        s.insert("eta_secs".into(), Value::Null);
+        let failures: Vec<Value> = s
+            .get("failures")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .filter_map(|f| {
+                let n = *r.failures.get(f.get("kind")?.as_str()?)?;
+                let mut f = f.clone();
+                f["records"] = n.into();
+                Some(f)
+            })
+            .collect();
+        s.insert("failures".into(), Value::Array(failures));
+        let unfinished = r.unfinished.unwrap_or(0);
+        if unfinished > 0 && s.get("alert").is_none_or(Value::is_null) {
+            let msg =
+                format!("Not finished: {unfinished} records have no row yet; run the same command again to resume.");
+            s.insert("alert".into(), Value::String(msg));
         }
     }
 
@@ -478,6 +514,63 @@ fn data_title(data: &str) -> String {
     t.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
 }
 
+/// How a report weir wrote begins: a file that does not is not replaced by one.
+const REPORT_MARK: &str = "<!doctype html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">";
+
+/// Why a report cannot be written at `path`, if it cannot: it must be a regular file (or not
+/// exist yet) in an existing directory, not one of the run's own files (`own`: its input,
+/// outputs, events), not under /dev, /proc or /sys, and, if it exists, a report weir wrote
+/// (anything else there, another run's results for one, is not replaced).
+pub fn check_report_path(path: &std::path::Path, own: &[&std::path::Path]) -> Result<(), String> {
+    let shown = path.display();
+    let parent = match path.parent() {
+        Some(p) if p.as_os_str().is_empty() => std::path::Path::new("."),
+        Some(p) => p,
+        None => return Err(format!("--report {shown}: not a file path")),
+    };
+    let dir = std::fs::canonicalize(parent)
+        .map_err(|_| format!("--report {shown}: no directory {} to write it in", parent.display()))?;
+    if ["/dev", "/proc", "/sys"].iter().any(|d| dir.starts_with(d)) {
+        return Err(format!("--report {shown}: a report is a file, not a device or a file of the system"));
+    }
+    let full = dir.join(path.file_name().ok_or_else(|| format!("--report {shown}: not a file path"))?);
+    for o in own {
+        let same = std::fs::canonicalize(o).map(|c| c == full).unwrap_or(false) || *o == path;
+        if same {
+            return Err(format!(
+                "--report {shown}: is one of the run's own files ({}); give another path",
+                o.display()
+            ));
+        }
+    }
+    match std::fs::metadata(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(format!("--report {shown}: {e}")),
+        Ok(m) if !m.is_file() => Err(format!("--report {shown}: exists and is not a regular file; give a file path")),
+        Ok(_) => {
+            let mut head = [0u8; REPORT_MARK.len()];
+            let ours = std::fs::File::open(path)
+                .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut head))
+                .map(|_| head == REPORT_MARK.as_bytes())
+                .unwrap_or(false);
+            match ours {
+                true => Ok(()),
+                false => Err(format!(
+                    "--report {shown}: exists and is not a report weir wrote; weir does not replace it (give another path, or remove it)"
+                )),
+            }
+        }
+    }
+}
+
+/// Writes `html` (a report) to `path` whole or not at all, after [`check_report_path`] (again:
+/// the file may have appeared since the run began).
+pub fn write_report(path: &std::path::Path, html: &str, own: &[&std::path::Path]) -> Result<(), String> {
+    check_report_path(path, own)?;
+    weir_io::state::write_atomic(path, html.as_bytes())
+        .map_err(|e| format!("could not write the report {}: {e}", path.display()))
+}
+
 /// A report rebuilt from the data a run saved ([`Watch::update`] with everything).
 pub fn report_of(saved: &str) -> Result<String, String> {
     let v: Value = serde_json::from_str(saved).map_err(|e| format!("not a run's saved series: {e}"))?;
@@ -488,6 +581,15 @@ pub fn report_of(saved: &str) -> Result<String, String> {
     if let Some(s) = v.get_mut("summary").and_then(Value::as_object_mut) {
         s.insert("live".into(), Value::Bool(false));
         s.insert("written".into(), Value::String(humantime_utc(SystemTime::now())));
+        // Saved while it ran, never at its end: it was killed (or its machine stopped).
+        if s.get("state").and_then(Value::as_str).is_some_and(|st| st == "running" || st.starts_with("stopping")) {
+            s.insert("state".into(), "ended without a word (killed?)".into());
+            s.insert("eta_secs".into(), Value::Null);
+            s.insert(
+                "alert".into(),
+                "The run did not end normally (killed, or its machine stopped): these figures are as of its last save, up to 10 s before; its output holds what it wrote.".into(),
+            );
+        }
     }
     Ok(page(Some(&v)))
 }
@@ -502,8 +604,8 @@ fn humantime_utc(t: SystemTime) -> String {
 pub fn check_listen(addr: SocketAddr) -> Result<(), String> {
     if !addr.ip().is_loopback() {
         return Err(format!(
-            "--ui {addr}: the page is served on this machine's loopback only (127.0.0.1 or [::1]); to see it from another machine, forward the port (ssh -L {port}:127.0.0.1:{port} HOST)",
-            port = addr.port()
+            "--ui {addr}: the page is served on this machine's loopback only (127.0.0.1 or [::1]); to see it from another machine, give a port (--ui 127.0.0.1:{port}) and forward it (ssh -L {port}:127.0.0.1:{port} HOST)",
+            port = if addr.port() == 0 { 8765 } else { addr.port() }
         ));
     }
     std::net::TcpListener::bind(addr).map(drop).map_err(|e| format!("--ui {addr}: cannot listen there ({e})"))
@@ -523,7 +625,8 @@ pub async fn serve(addr: SocketAddr, watch: Arc<Watch>) -> Result<(SocketAddr, t
             let (watch, live) = (watch.clone(), live.clone());
             tokio::spawn(async move {
                 let service = service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-                    let reply = answer(&watch, &live, req.method(), req.uri());
+                    let host = req.headers().get(hyper::header::HOST).and_then(|h| h.to_str().ok());
+                    let reply = answer(&watch, &live, req.method(), req.uri(), host);
                     async move { Ok::<_, std::convert::Infallible>(reply) }
                 });
                 let io = hyper_util::rt::TokioIo::new(stream);
@@ -540,6 +643,7 @@ fn answer(
     live: &str,
     method: &hyper::Method,
     uri: &hyper::Uri,
+    host: Option<&str>,
 ) -> hyper::Response<http_body_util::Full<bytes::Bytes>> {
     let reply = |status: u16, kind: &str, body: String| {
         hyper::Response::builder()
@@ -551,6 +655,16 @@ fn answer(
     };
     if method != hyper::Method::GET {
         return reply(405, "text/plain", "only GET\n".into());
+    }
+    // Asked for by this machine's name for itself only: a page elsewhere that renamed its own
+    // host to 127.0.0.1 (DNS rebinding) must not read the run's figures.
+    if !host.is_some_and(|h| {
+        let name =
+            h.rsplit_once(':').map_or(h, |(n, port)| if port.chars().all(|c| c.is_ascii_digit()) { n } else { h });
+        matches!(name, "localhost" | "127.0.0.1" | "[::1]")
+            || name.parse::<std::net::Ipv4Addr>().is_ok_and(|a| a.is_loopback())
+    }) {
+        return reply(403, "text/plain", "this page answers to localhost, 127.0.0.1 or [::1] only\n".into());
     }
     match uri.path() {
         "/" => reply(200, "text/html; charset=utf-8", live.to_string()),
@@ -645,5 +759,6 @@ mod tests {
         assert!(html.contains("<title>weir: &lt;/script&gt;&lt;b&gt;x</title>"));
         assert!(html.contains("uPlot"), "the library is in the page");
         assert!(!html.contains("/*DATA*/"));
+        assert!(html.starts_with(REPORT_MARK), "a report says it is one");
     }
 }

@@ -88,7 +88,7 @@ impl Router {
     pub fn reject(&self, failure: Box<Failure>) -> Outcome {
         match &self.runtime {
             Some(runtime) => {
-                runtime.unrouted().record_failure(failure.error.kind);
+                runtime.unrouted().record_rejected(&failure);
                 Outcome::Failure(failure)
             }
             None => self.default.reject(failure),

@@ -447,16 +447,34 @@ pub async fn run(
     report.jobs = jobs;
     if let Some(w) = &watch {
         let cost = (!report.costs.is_empty()).then(|| report.costs.iter().map(|c| c.usd).sum());
-        w.finish(&report.summary(), cost, Some((report.records, report.succeeded, report.failed)));
+        let rows = weir_runtime::dash::EndRows {
+            done: report.records,
+            succeeded: report.succeeded,
+            failed: report.failed,
+            unfinished: report.unfinished,
+            failures: report.failures.iter().map(|(k, n)| (k.as_str().to_string(), *n)).collect(),
+        };
+        w.finish(&report.summary(), cost, Some(&rows));
         if let Some(path) = &series_path {
             if let Err(e) = w.save(path) {
                 tracing::warn!("could not save the run's series to {}: {e}", path.display());
             }
         }
         if let Some(path) = &settings.report {
-            match weir_io::state::write_atomic(path, w.report().as_bytes()) {
+            let input = match &settings.input {
+                weir_io::InputPath::File(p) => Some(p.as_path()),
+                weir_io::InputPath::Stdin => None,
+            };
+            let file = |o: &'_ OutputPath| match o {
+                OutputPath::File(p) => Some(p.clone()),
+                _ => None,
+            };
+            let outputs: Vec<PathBuf> =
+                [file(&settings.output), file(&settings.errors)].into_iter().flatten().collect();
+            let own: Vec<&std::path::Path> = input.into_iter().chain(outputs.iter().map(PathBuf::as_path)).collect();
+            match weir_runtime::dash::write_report(path, &w.report(), &own) {
                 Ok(()) => report.html = Some(path.display().to_string()),
-                Err(e) => eprintln!("weir: could not write the report {}: {e}", path.display()),
+                Err(e) => eprintln!("weir: the report was not written: {e}"),
             }
         }
     }

@@ -53,7 +53,8 @@ pub async fn run(args: ReportArgs) -> anyhow::Result<u8> {
         }
         None => PathBuf::from(format!("{trimmed}.report.html")),
     };
-    weir_io::state::write_atomic(&to, html.as_bytes()).with_context(|| format!("cannot write {}", to.display()))?;
+    let own = [output, series.as_path()];
+    weir_runtime::dash::write_report(&to, &html, &own).map_err(UsageError)?;
     eprintln!("weir: report written to {}", to.display());
     Ok(0)
 }

@@ -334,17 +334,13 @@ impl RunArgs {
             weir_runtime::dash::check_listen(addr).map_err(UsageError)?;
         }
         if let Some(path) = &self.report {
-            let parent = weir_io::paths::parent_dir(path);
-            if !parent.is_dir() {
-                return Err(UsageError(format!(
-                    "--report {}: no directory {} to write it in",
-                    path.display(),
-                    parent.display()
-                )));
-            }
-            if path.is_dir() {
-                return Err(UsageError(format!("--report {}: is a directory; give a file path", path.display())));
-            }
+            let own: Vec<&std::path::Path> =
+                [Some(self.input()), Some(self.output.as_str()), self.errors.as_deref(), self.events.as_deref()]
+                    .into_iter()
+                    .flatten()
+                    .map(std::path::Path::new)
+                    .collect();
+            weir_runtime::dash::check_report_path(path, &own).map_err(UsageError)?;
         }
         if let Some(addr) = self.metrics_listen {
             // Found out before any file is created (the exporter binds it again later).

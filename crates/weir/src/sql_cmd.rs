@@ -380,12 +380,7 @@ pub async fn run(mut args: SqlArgs) -> anyhow::Result<u8> {
         weir_runtime::dash::check_listen(addr).map_err(UsageError)?;
     }
     if let Some(path) = &args.report {
-        let parent = weir_io::paths::parent_dir(path);
-        if !parent.is_dir() || path.is_dir() {
-            return Err(
-                UsageError(format!("--report {}: not a file path in an existing directory", path.display())).into()
-            );
-        }
+        weir_runtime::dash::check_report_path(path, &table_paths(&args.tables)).map_err(UsageError)?;
     }
     let settings = RuntimeSettings { cache: cache.clone().map(|c| c as Arc<dyn weir_core::ResponseCache>), ..settings };
     let functions = Runtime::new(settings);
@@ -455,9 +450,9 @@ pub async fn run(mut args: SqlArgs) -> anyhow::Result<u8> {
             eprint!("{text}");
             if let (Some(w), Some(path)) = (&watch, &args.report) {
                 w.finish(&text, None, None);
-                match weir_io::state::write_atomic(path, w.report().as_bytes()) {
+                match weir_runtime::dash::write_report(path, &w.report(), &table_paths(&args.tables)) {
                     Ok(()) => eprintln!("  report:  {}", path.display()),
-                    Err(e) => eprintln!("weir sql: could not write the report {}: {e}", path.display()),
+                    Err(e) => eprintln!("weir sql: the report was not written: {e}"),
                 }
             }
         }
@@ -652,6 +647,11 @@ async fn print_rows(
         }
     }
     Ok(())
+}
+
+/// The local files `--table NAME=PATH` names (a report must not be written over one).
+fn table_paths(tables: &[String]) -> Vec<&std::path::Path> {
+    tables.iter().filter_map(|t| t.split_once('=')).map(|(_, p)| std::path::Path::new(p)).collect()
 }
 
 /// The summary on stderr: per model, calls, refusals, tokens and cost.

@@ -111,6 +111,14 @@ async fn the_live_page_and_the_report_show_what_the_summary_says() {
     assert!(shown(&live, "of-total").contains("400"), "{}", shown(&live, "of-total"));
     assert!(live.contains(&base), "the endpoint is listed");
     assert!(live.contains("class=\"u-wrap\""), "the charts are drawn (uPlot)");
+    // Another host name for this address (DNS rebinding) is refused.
+    let foreign = reqwest::Client::new()
+        .get(format!("{url}api/update"))
+        .header(reqwest::header::HOST, "evil.example.com")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(foreign.status().as_u16(), 403);
     let status = child.wait().await.unwrap();
     let summary = rest.await.unwrap();
     assert_eq!(status.code(), Some(0), "{summary}");
@@ -184,6 +192,21 @@ async fn ui_and_report_flags_are_checked_and_no_report_writes_none() {
         assert!(stderr(&o).contains(says), "{extra:?}: {}", stderr(&o));
         assert!(!out.exists(), "nothing written");
     }
+    // A report is never written over a file it did not write: the run's own, another's, a device.
+    let other = dir.write("results-of-another-run.jsonl", b"{\"id\":\"x\"}\n");
+    for (target, says) in [
+        (input.to_str().unwrap(), "one of the run's own files"),
+        (other.to_str().unwrap(), "not a report weir wrote"),
+        ("/dev/null", "not a device"),
+    ] {
+        let o = weir().args(base).args(["--report", target]).output().await.unwrap();
+        assert_eq!(o.status.code(), Some(2), "{target}: {}", stderr(&o));
+        assert!(stderr(&o).contains(says) || stderr(&o).contains("device"), "{target}: {}", stderr(&o));
+    }
+    assert_eq!(std::fs::read(&other).unwrap(), b"{\"id\":\"x\"}\n");
+    assert_eq!(std::fs::read(&input).unwrap(), data);
+    use std::os::unix::fs::FileTypeExt;
+    assert!(std::fs::metadata("/dev/null").unwrap().file_type().is_char_device());
     let o = weir().args(base).args(["--no-report"]).output().await.unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     assert!(!dir.path("out.jsonl.report.html").exists());
