@@ -26,10 +26,17 @@ const ANSWER_TOOL: &str = "answer";
 pub struct AnthropicHandler {
     client: reqwest::Client,
     url: String,
+    /// Where streamed calls go (Vertex AI's `:streamRawPredict`; the same URL on Anthropic's).
+    stream_url: String,
     model: String,
     model_id: String,
     credential: Credential,
+    /// Claude on Vertex AI: the model is in the URL, and the body names the API version.
+    vertex: bool,
 }
+
+/// The API version Claude on Vertex AI takes in the body (`anthropic_version`).
+pub const VERTEX_VERSION: &str = "vertex-2023-10-16";
 
 impl AnthropicHandler {
     /// `base` is the API root (`https://api.anthropic.com`, or `ANTHROPIC_BASE_URL`); `client`
@@ -37,7 +44,23 @@ impl AnthropicHandler {
     pub fn new(client: reqwest::Client, base: &reqwest::Url, model: &str, key: Option<Secret>) -> Self {
         let url = format!("{}/v1/messages", base.as_str().trim_end_matches('/'));
         let credential = key.map_or(Credential::None, |k| Credential::Key(k, Some("x-api-key")));
-        Self { client, url, model: model.to_string(), model_id: format!("anthropic/{model}"), credential }
+        let model_id = format!("anthropic/{model}");
+        Self { client, stream_url: url.clone(), url, model: model.to_string(), model_id, credential, vertex: false }
+    }
+
+    /// Claude on Vertex AI: `root` is the publisher model's URL
+    /// (`…/locations/L/publishers/anthropic/models/M`), called at `:rawPredict` and
+    /// `:streamRawPredict` with Google access tokens (`tokens`).
+    pub fn vertex(client: reqwest::Client, root: &str, tokens: Credential, model: &str, model_id: String) -> Self {
+        Self {
+            client,
+            url: format!("{root}:rawPredict"),
+            stream_url: format!("{root}:streamRawPredict"),
+            model: model.to_string(),
+            model_id,
+            credential: tokens,
+            vertex: true,
+        }
     }
 
     /// The request body for `request` (`stream`: as a streamed call).
@@ -47,7 +70,10 @@ impl AnthropicHandler {
 
     fn body_with(&self, request: &ModelRequest, stream: bool, marks: bool) -> Result<Value, ModelError> {
         let mut body = Map::new();
-        body.insert("model".into(), json!(self.model));
+        match self.vertex {
+            true => body.insert("anthropic_version".into(), json!(VERTEX_VERSION)),
+            false => body.insert("model".into(), json!(self.model)),
+        };
         let content = match request.media.is_empty() {
             true => json!(request.prompt),
             false => Value::Array(content_blocks(request, marks)?),
@@ -374,7 +400,7 @@ impl ModelHandler for AnthropicHandler {
     }
 
     async fn generate_stream(&self, request: &ModelRequest) -> Result<DeltaStream, ModelError> {
-        match self.credential.post_sse(&self.client, &self.url, self.encoded(request, true)?).await? {
+        match self.credential.post_sse(&self.client, &self.stream_url, self.encoded(request, true)?).await? {
             (Opened::Events(events), _) => Ok(deltas(events, EventParser::default())),
             (Opened::Error(reply), secret) => {
                 Err(redact(classify_error(reply.status, &reply.headers, &reply.body), secret.as_ref()))
@@ -427,6 +453,21 @@ mod tests {
         let seeded = GenParams { seed: Some(1), ..GenParams::default() };
         r.params = std::sync::Arc::new(seeded);
         assert_eq!(handler().body(&r, false).unwrap_err().kind, ErrorKind::BadRequest);
+    }
+
+    #[test]
+    fn on_vertex_ai_the_model_is_in_the_url_and_the_version_in_the_body() {
+        let h = AnthropicHandler::vertex(
+            reqwest::Client::new(),
+            "https://x/v1/projects/p/locations/l/publishers/anthropic/models/claude-x",
+            Credential::None,
+            "claude-x",
+            "vertex_ai/claude-x".into(),
+        );
+        let b = h.body(&request("hi"), true).unwrap();
+        assert!(b.get("model").is_none());
+        assert_eq!(b["anthropic_version"], VERTEX_VERSION);
+        assert!(h.url.ends_with("/claude-x:rawPredict") && h.stream_url.ends_with("/claude-x:streamRawPredict"));
     }
 
     #[test]

@@ -537,6 +537,15 @@ pub async fn connect(
             let handler = GeminiHandler::new(client, &base, &spec.model, key, spec.to_string());
             Ok(Endpoint { handler: Arc::new(handler), resident: None })
         }
+        // Claude on Vertex AI: Anthropic's publisher models, through `:rawPredict`.
+        Provider::Vertex if spec.model.starts_with("claude") => {
+            let site = VertexSite::find(options, env)?;
+            check_name("model", &spec.model)?;
+            let root = format!("{}/publishers/anthropic/models/{}", site.root("v1"), spec.model);
+            let credential = http::Credential::Tokens(site.tokens.clone());
+            let handler = anthropic::AnthropicHandler::vertex(client, &root, credential, &spec.model, spec.to_string());
+            Ok(Endpoint { handler: Arc::new(handler), resident: None })
+        }
         Provider::Vertex => {
             let site = VertexSite::find(options, env)?;
             check_name("model", &spec.model)?;

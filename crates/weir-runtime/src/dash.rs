@@ -243,7 +243,9 @@ impl Watch {
             for n in 0u64.. {
                 tick.tick().await;
                 me.sample(false).await;
-                if let (Some(path), true) = (&save, n % 10 == 9) {
+                // The first second's point saved at once (a run killed early still leaves its
+                // series), then every 10 s.
+                if let (Some(path), true) = (&save, n % 10 == 0) {
                     if let Err(e) = me.save(path) {
                         tracing::warn!("could not save the run's series to {}: {e}", path.display());
                     }

@@ -317,8 +317,21 @@ pub fn parse_openai(body: &Value) -> Result<SimRequest, BadRequest> {
 /// Parses an Anthropic Messages API request: `max_tokens` is required; image and document
 /// blocks are decoded and counted as media; a forced tool's `input_schema` is the answer's
 /// schema.
-pub fn parse_anthropic(body: &Value) -> Result<SimRequest, BadRequest> {
-    let model = body.get("model").and_then(Value::as_str).ok_or_else(|| BadRequest("model: Field required".into()))?;
+/// On Vertex AI (`publisher`: the model in the URL) the body names no model but the API version,
+/// `anthropic_version: "vertex-2023-10-16"`.
+pub fn parse_anthropic(body: &Value, publisher: &str) -> Result<SimRequest, BadRequest> {
+    let model = match publisher {
+        "" => body.get("model").and_then(Value::as_str).ok_or_else(|| BadRequest("model: Field required".into()))?,
+        m => {
+            if body.get("anthropic_version").and_then(Value::as_str) != Some("vertex-2023-10-16") {
+                return Err(BadRequest("anthropic_version: must be \"vertex-2023-10-16\" on Vertex AI".into()));
+            }
+            if body.get("model").is_some() {
+                return Err(BadRequest("model: Extra inputs are not permitted (the model is in the URL)".into()));
+            }
+            m
+        }
+    };
     let max_tokens =
         as_u32(body.get("max_tokens"), "max_tokens")?.ok_or_else(|| BadRequest("max_tokens: Field required".into()))?;
     let Some(Value::Array(messages)) = body.get("messages") else {

@@ -326,7 +326,7 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Bo
         (Some(form), api) => proto::parse_embed(api, form, &route.model, &parsed),
         (None, Api::Gemini | Api::Vertex) => proto::parse_gemini(route.api, &route.model, &parsed, route.stream),
         (None, Api::OpenAi) => proto::parse_openai(&parsed),
-        (None, Api::Anthropic) => proto::parse_anthropic(&parsed),
+        (None, Api::Anthropic) => proto::parse_anthropic(&parsed, &route.model),
         (None, Api::Predict) => proto::parse_predict(&route.model, &parsed),
     };
     let request = match request {
@@ -425,6 +425,12 @@ fn route(path: &str, query: Option<&str>) -> Option<Route> {
             // (`:streamRawPredict` the same with `"stream": true`, answered as events).
             let api = if method == "predict" { Api::Predict } else { Api::OpenAi };
             return match segs.as_slice() {
+                // Claude on Vertex AI: Anthropic's Messages API at the publisher model.
+                ["v1" | "v1beta1", "projects", _, "locations", _, "publishers", "anthropic", "models", model]
+                    if method != "predict" =>
+                {
+                    Some(Route { api: Api::Anthropic, model: model.to_string(), stream: None, embed: None })
+                }
                 ["v1" | "v1beta1", "projects", _, "locations", _, "endpoints", id] => {
                     Some(Route { api, model: id.to_string(), stream: None, embed: None })
                 }

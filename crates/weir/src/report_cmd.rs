@@ -38,7 +38,7 @@ pub async fn run(args: ReportArgs) -> anyhow::Result<u8> {
     let series = names.iter().map(|n| dir.join("runs").join(format!("{n}.series.json"))).find(|p| p.is_file());
     let Some(series) = series else {
         return Err(UsageError(format!(
-            "no saved series of a run with --output {} in {} (a run keeps one unless it had --no-state; give --state if the run had one)",
+            "no saved series of a run with --output {} in {} (a run keeps one in its state directory unless it had --no-state or --no-report, or was killed in its first second; give --state if the run had one)",
             args.output,
             dir.display()
         ))

@@ -618,3 +618,52 @@ async fn gs_media_goes_to_vertex_by_reference() {
     gcs.shutdown().await;
     server.shutdown().await;
 }
+
+/// Claude on Vertex AI (#37): `vertex_ai/claude-…` through the publisher `anthropic` routes
+/// (`:rawPredict`, `:streamRawPredict`) with the same Google credentials as Gemini, the API
+/// version in the body; answered, streamed, and refused without the token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claude_on_vertex_through_raw_predict() {
+    let server = sim(|c| c.capture_requests = 4).await;
+    let dir = Dir::new("vertex-claude");
+    let (o, out, ids) = model_run(
+        "vertex_ai/claude-haiku-4-5",
+        &server,
+        &dir,
+        &prompts(30),
+        &["--project", "p", "--location", "us-east5"],
+    )
+    .await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let results = rows(&out);
+    assert_each_id_once(&ids, &results, &[]);
+    assert_eq!(results[0]["model"], "vertex_ai/claude-haiku-4-5");
+    let seen = server.captured();
+    let last = seen.last().unwrap();
+    assert!(last.path.ends_with("/publishers/anthropic/models/claude-haiku-4-5:rawPredict"), "{}", last.path);
+    assert_eq!(last.body["anthropic_version"], "vertex-2023-10-16");
+    assert!(stderr(&o).contains("claude-haiku-4-5 at $1/$5"), "{}", stderr(&o));
+    let events = dir.path("events.jsonl");
+    let (o, _, _) = model_run(
+        "vertex_ai/claude-haiku-4-5",
+        &server,
+        &dir,
+        &prompts(3),
+        &[
+            "--project",
+            "p",
+            "--location",
+            "us-east5",
+            "--stream",
+            "--events",
+            events.to_str().unwrap(),
+            "--fresh",
+            "--no-cache",
+        ],
+    )
+    .await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(server.captured().last().unwrap().path.ends_with(":streamRawPredict"));
+    assert!(!std::fs::read_to_string(&events).unwrap().is_empty());
+    server.shutdown().await;
+}
