@@ -985,6 +985,13 @@ impl RateLimiter {
                         refusing.failed(ticket.id);
                     }
                 }
+                // Nothing listened: the request reached no server, which counted nothing. Kept
+                // as a send, a storm of refused connections would look like a window that takes
+                // far more than the quota, and be learned as one when the server came back.
+                Err(e) if e.unreachable => {
+                    s.0.forget(ticket.id);
+                    s.1.forget(ticket.id);
+                }
                 Err(_) => {
                     s.0.failed(ticket.id);
                     s.1.failed(ticket.id);
@@ -1404,6 +1411,30 @@ mod tests {
         assert!(learned);
         assert_eq!(cap, 5.0);
         assert_eq!(window, Duration::from_secs(2));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn sends_that_reached_no_server_teach_no_quota() {
+        let rl = RateLimiter::new(RateSettings::default());
+        let mut tickets = Vec::new();
+        for _ in 0..11 {
+            tickets.push(rl.acquire(1).await);
+        }
+        let last = tickets.pop().unwrap();
+        for (i, t) in tickets.into_iter().enumerate() {
+            if i % 2 == 0 {
+                let mut refused = ModelError::new(ErrorKind::Transport, "connection refused");
+                refused.unreachable = true;
+                rl.complete(t, &Err(refused));
+            } else {
+                rl.complete(t, &ok(2));
+            }
+        }
+        tokio::time::advance(Duration::from_millis(100)).await;
+        rl.complete(last, &quota_429(Duration::from_millis(1900)));
+        let (cap, _, learned) = rl.snapshot().requests.unwrap();
+        assert!(learned);
+        assert_eq!(cap, 5.0, "the five answered sends, not the five refused connections");
     }
 
     #[tokio::test(start_paused = true)]

@@ -153,7 +153,7 @@ async fn queries_that_cannot_work_fail_with_what_to_fix() {
     ctx.register_table("t", Arc::new(table(3, 1, "bad", &[]))).unwrap();
     for (sql, expect) in [
         ("SELECT llm_generate('gpt-4', prompt) FROM t", "provider/model"),
-        ("SELECT llm_generate('anthropic/claude', prompt) FROM t", "unknown provider"),
+        ("SELECT llm_generate('mistral/large', prompt) FROM t", "unknown provider"),
         (&*format!("SELECT llm_generate('{MODEL}', prompt, '{{\"temprature\": 1}}') FROM t"), "temprature"),
         (&*format!("SELECT llm_generate('{MODEL}', prompt, 'temperature=1') FROM t"), "not JSON"),
         (&*format!("SELECT llm_embed('{MODEL}', prompt, '{{\"temperature\": 1}}') FROM t"), "does not apply"),
