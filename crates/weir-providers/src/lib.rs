@@ -599,7 +599,8 @@ mod tests {
         assert_eq!((s.provider, s.model.as_str()), (Provider::OpenAi, "meta-llama/Llama-3.1-8B"));
         assert_eq!(s.to_string(), "openai/meta-llama/Llama-3.1-8B");
         assert!("gpt-4".parse::<ModelSpec>().is_err());
-        assert!("anthropic/claude".parse::<ModelSpec>().unwrap_err().to_string().contains("unknown provider"));
+        assert!("mistral/large".parse::<ModelSpec>().unwrap_err().to_string().contains("unknown provider"));
+        assert_eq!("anthropic/claude-haiku-4-5".parse::<ModelSpec>().unwrap().provider, Provider::Anthropic);
         assert!("sim/".parse::<ModelSpec>().is_err());
         assert!("sim/a/b".parse::<ModelSpec>().unwrap_err().to_string().contains("without '/'"));
         for walking in ["gemini/%2e%2e/%2e%2e/x", "gemini/../x", "gemini//x", "gemini/a?b", "gemini/a#b", "openai/a b"]
