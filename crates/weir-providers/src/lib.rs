@@ -343,20 +343,9 @@ fn openai_site(
     options: &ProviderOptions,
     env: &(dyn Fn(&str) -> Option<String> + Sync),
 ) -> Result<(reqwest::Url, Option<Secret>), ProviderError> {
-    let nonempty = |k: &str| env(k).filter(|v| !v.trim().is_empty());
-    let base = options
-        .base_url
-        .clone()
-        .or_else(|| nonempty("OPENAI_BASE_URL"))
-        .unwrap_or_else(|| "https://api.openai.com/v1".into());
-    let base = http::check_base_url(&base)?;
-    let key = nonempty("OPENAI_API_KEY").map(Secret::new);
-    if key.is_none() && base.host_str() == Some("api.openai.com") {
-        return Err(ProviderError::Config(
-            "openai: set OPENAI_API_KEY, or point --base-url at your OpenAI-compatible server".into(),
-        ));
-    }
-    Ok((base, key))
+    keyed_site(options, env, ("OPENAI_BASE_URL", "https://api.openai.com/v1", "OPENAI_API_KEY"), || {
+        "openai: set OPENAI_API_KEY, or point --base-url at your OpenAI-compatible server"
+    })
 }
 
 /// The Messages API's root and key: `--base-url`, else `ANTHROPIC_BASE_URL`, else Anthropic's;
@@ -365,18 +354,26 @@ fn anthropic_site(
     options: &ProviderOptions,
     env: &(dyn Fn(&str) -> Option<String> + Sync),
 ) -> Result<(reqwest::Url, Option<Secret>), ProviderError> {
+    keyed_site(options, env, ("ANTHROPIC_BASE_URL", "https://api.anthropic.com", "ANTHROPIC_API_KEY"), || {
+        "anthropic: set ANTHROPIC_API_KEY, or point --base-url at a server that speaks the Messages API"
+    })
+}
+
+/// A provider's base URL and key: `--base-url`, else the `base_var` variable, else `default`;
+/// the key from `key_var`, required (`missing` says so) when the base is the provider's own host.
+fn keyed_site(
+    options: &ProviderOptions,
+    env: &(dyn Fn(&str) -> Option<String> + Sync),
+    (base_var, default, key_var): (&str, &str, &str),
+    missing: impl Fn() -> &'static str,
+) -> Result<(reqwest::Url, Option<Secret>), ProviderError> {
     let nonempty = |k: &str| env(k).filter(|v| !v.trim().is_empty());
-    let base = options
-        .base_url
-        .clone()
-        .or_else(|| nonempty("ANTHROPIC_BASE_URL"))
-        .unwrap_or_else(|| "https://api.anthropic.com".into());
+    let base = options.base_url.clone().or_else(|| nonempty(base_var)).unwrap_or_else(|| default.into());
     let base = http::check_base_url(&base)?;
-    let key = nonempty("ANTHROPIC_API_KEY").map(Secret::new);
-    if key.is_none() && base.host_str() == Some("api.anthropic.com") {
-        return Err(ProviderError::Config(
-            "anthropic: set ANTHROPIC_API_KEY, or point --base-url at a server that speaks the Messages API".into(),
-        ));
+    let key = nonempty(key_var).map(Secret::new);
+    let own = reqwest::Url::parse(default).ok().and_then(|u| u.host_str().map(str::to_string));
+    if key.is_none() && base.host_str().is_some() && base.host_str() == own.as_deref() {
+        return Err(ProviderError::Config(missing().into()));
     }
     Ok((base, key))
 }
