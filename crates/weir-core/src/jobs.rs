@@ -152,6 +152,30 @@ impl LineSplitter {
     }
 }
 
+/// A job weir may have made without recording its id (the run stopped, or the answer to its
+/// submission was lost, in between): what is known of it, for [`JobApi::find`] to look it up.
+/// Providers that name jobs look for the name; Anthropic's Message Batches carry no name, and
+/// are matched by their size and creation time instead.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sought {
+    /// The name it was submitted under.
+    pub name: String,
+    /// Its requests.
+    pub count: u64,
+    /// When it was planned (seconds since the Unix epoch), if recorded: a job made for it was
+    /// created after.
+    pub since: Option<u64>,
+    /// Ids of the run's jobs already recorded, which are other chunks' (never this one's).
+    pub known: Vec<String>,
+}
+
+impl Sought {
+    /// A job known by its name alone (a probe of whether the provider has jobs at all).
+    pub fn named(name: &str) -> Self {
+        Self { name: name.to_string(), count: 0, since: None, known: Vec::new() }
+    }
+}
+
 /// One request's result from a job: its key and its answer or error.
 pub type JobResult = (String, Result<ModelResponse, ModelError>);
 
@@ -180,9 +204,9 @@ pub trait JobApi: Send + Sync {
     /// Submits `input` as one job named `name`.
     async fn submit(&self, name: &str, input: &JobInput) -> Result<JobRef, ModelError>;
 
-    /// The job submitted under `name`, if the provider has one (a run that stopped between
+    /// The job submitted for `sought`, if the provider has one (a run that stopped between
     /// submitting and recording the id finds it here instead of submitting again).
-    async fn find(&self, name: &str) -> Result<Option<JobRef>, ModelError>;
+    async fn find(&self, sought: &Sought) -> Result<Option<JobRef>, ModelError>;
 
     /// The job's state and counts.
     async fn status(&self, job: &JobRef) -> Result<JobStatus, ModelError>;

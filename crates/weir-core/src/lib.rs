@@ -31,7 +31,7 @@ pub use driver::{Driver, DriverSettings, StopReason};
 pub use error::{ErrorKind, ModelError, QuotaScope, RetryHint};
 pub use executor::{Done, Executor, Failed, Metered, NoObserver, Observer, StreamEvent};
 pub use handler::{BatchAnswer, Delta, DeltaStream, ModelHandler, ModelRequest};
-pub use jobs::{JobApi, JobInput, JobLimits, JobRef, JobResult, JobStaging, JobState, JobStatus, LineSplitter};
+pub use jobs::{JobApi, JobInput, JobLimits, JobRef, JobResult, JobStaging, JobState, JobStatus, LineSplitter, Sought};
 pub use limit::{Adaptive, AdaptiveLimit, CallResult, ConcurrencyLimit, FixedLimit, Gate};
 pub use metrics::{Percentiles, RunMetrics};
 pub use outcome::{Failure, LimitInfo, ModelResponse, Outcome, Success, Usage};

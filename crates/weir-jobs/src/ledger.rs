@@ -35,6 +35,9 @@ enum Entry {
         /// Its requests.
         #[serde(default)]
         count: u64,
+        /// When it was planned, in seconds since the Unix epoch (absent in older ledgers).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        at: Option<u64>,
     },
     /// The job the provider made of a chunk.
     Submitted { chunk: u32, job: JobRef },
@@ -72,6 +75,22 @@ pub struct Chunk {
     pub job: Option<JobRef>,
     /// Why its endpoint refused it, proving no job was made (its records went elsewhere).
     pub refused: Option<String>,
+    /// When it was planned (seconds since the Unix epoch), if recorded: a job made of it was
+    /// created after.
+    pub planned_at: Option<u64>,
+}
+
+impl Chunk {
+    /// What a provider is told to find this chunk's job by, when its id was not recorded:
+    /// its name, size and time, and the ids of the run's other jobs (`chunks`), which are not it.
+    pub fn sought<'a>(&self, chunks: impl IntoIterator<Item = &'a Chunk>) -> weir_core::Sought {
+        weir_core::Sought {
+            name: self.name.clone(),
+            count: self.count,
+            since: self.planned_at,
+            known: chunks.into_iter().filter_map(|c| c.job.as_ref().map(|j| j.id.clone())).collect(),
+        }
+    }
 }
 
 /// Why the ledger cannot be read or written.
@@ -145,10 +164,23 @@ impl Ledger {
             let Ok(entry) = serde_json::from_str::<Entry>(&line) else { break };
             good_len += n as u64;
             match entry {
-                Entry::Planned { chunk, round, name, keys, site, spool, lines, count } => {
+                Entry::Planned { chunk, round, name, keys, site, spool, lines, count, at } => {
                     let count = if spool.is_some() { count } else { keys.len() as u64 };
-                    let (job, refused, held) = (None, None, true);
-                    let c = Chunk { number: chunk, round, name, keys, site, spool, lines, count, held, job, refused };
+                    let (job, refused, held, planned_at) = (None, None, true, at);
+                    let c = Chunk {
+                        number: chunk,
+                        round,
+                        name,
+                        keys,
+                        site,
+                        spool,
+                        lines,
+                        count,
+                        held,
+                        job,
+                        refused,
+                        planned_at,
+                    };
                     chunks.insert(chunk, c);
                 }
                 Entry::Submitted { chunk, job } => {
@@ -263,6 +295,7 @@ impl Ledger {
         let number = self.next_number();
         let Plan { round, name, site, spool, lines, count } = plan;
         let site = site.to_string();
+        let planned_at = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).ok().map(|d| d.as_secs());
         self.append(&Entry::Planned {
             chunk: number,
             round,
@@ -272,9 +305,10 @@ impl Ledger {
             spool: Some(spool),
             lines,
             count,
+            at: planned_at,
         })?;
         let (keys, job, refused, held, spool) = (Vec::new(), None, None, true, Some(spool));
-        let chunk = Chunk { number, round, name, keys, site, spool, lines, count, held, job, refused };
+        let chunk = Chunk { number, round, name, keys, site, spool, lines, count, held, job, refused, planned_at };
         self.chunks.insert(number, chunk.clone());
         Ok(chunk)
     }

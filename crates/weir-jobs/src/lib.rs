@@ -582,13 +582,14 @@ impl Run<'_> {
             let job = match chunk.job.clone() {
                 Some(job) => Some(job),
                 // Recorded, but the run stopped before the id was: the provider may have it.
-                None => match with_tries(self.settings.api_tries, self.cancel, || api.find(&chunk.name)).await? {
-                    Some(job) => {
+                None => {
+                    let sought = chunk.sought(self.ledger.chunks());
+                    let found = with_tries(self.settings.api_tries, self.cancel, || api.find(&sought)).await?;
+                    if let Some(job) = &found {
                         self.ledger.submitted(chunk.number, job.clone())?;
-                        Some(job)
                     }
-                    None => None,
-                },
+                    found
+                }
             };
             match job {
                 // Rounds count from this call: records an earlier job left unanswered (or that
@@ -758,9 +759,10 @@ impl Run<'_> {
             // name before it is made again (found by an outside tester: the same records were
             // paid for three times).
             let tried = std::sync::atomic::AtomicBool::new(first.is_some());
+            let sought = chunk.sought(self.ledger.chunks());
             let submit = || async {
                 if tried.swap(true, std::sync::atomic::Ordering::Relaxed) {
-                    if let Some(job) = api.find(&name).await? {
+                    if let Some(job) = api.find(&sought).await? {
                         tracing::info!("job {} was made by a try whose answer was lost", job.id);
                         return Ok(job);
                     }
@@ -1138,7 +1140,8 @@ mod tests {
             }
             Ok(JobRef { id: name.to_string(), file: None })
         }
-        async fn find(&self, name: &str) -> Result<Option<JobRef>, ModelError> {
+        async fn find(&self, sought: &weir_core::Sought) -> Result<Option<JobRef>, ModelError> {
+            let name = &sought.name;
             Ok(self.jobs.lock().unwrap().contains_key(name).then(|| JobRef { id: name.to_string(), file: None }))
         }
         async fn status(&self, job: &JobRef) -> Result<JobStatus, ModelError> {

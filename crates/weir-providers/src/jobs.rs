@@ -1,13 +1,15 @@
 //! Batch-prediction job clients: the OpenAI Batch API (`/files` + `/batches`, also what vLLM's
 //! batch runner reads), the Gemini API's batch mode (`:batchGenerateContent` with the
-//! requests inline) and Vertex AI's `batchPredictionJobs` (JSONL staged in Cloud Storage). Requests are built by the online clients' own code, so a job asks exactly
-//! what an online call would; results are parsed and classified by it too.
+//! requests inline), Vertex AI's `batchPredictionJobs` (JSONL staged in Cloud Storage) and
+//! Anthropic's Message Batches (requests inline). Requests are built by the online clients' own
+//! code, so a job asks exactly what an online call would; results are parsed and classified by
+//! it too.
 
 use serde_json::{json, Value};
 use std::sync::Arc;
 use weir_core::{
     ErrorKind, JobApi, JobInput, JobLimits, JobRef, JobResult, JobStaging, JobState, JobStatus, ModelError,
-    ModelRequest,
+    ModelRequest, Sought,
 };
 
 use crate::http::{clip, redact, Credential, Reply, Secret};
@@ -278,7 +280,8 @@ impl JobApi for OpenAiJobs {
         Self::job_ref(&batch)
     }
 
-    async fn find(&self, name: &str) -> Result<Option<JobRef>, ModelError> {
+    async fn find(&self, sought: &Sought) -> Result<Option<JobRef>, ModelError> {
+        let name = sought.name.as_str();
         let mut after: Option<String> = None;
         loop {
             let path = match &after {
@@ -601,7 +604,8 @@ impl JobApi for GeminiJobs {
         Self::job_ref(&op)
     }
 
-    async fn find(&self, name: &str) -> Result<Option<JobRef>, ModelError> {
+    async fn find(&self, sought: &Sought) -> Result<Option<JobRef>, ModelError> {
+        let name = sought.name.as_str();
         let mut token: Option<String> = None;
         loop {
             let path = match &token {
@@ -889,7 +893,8 @@ impl JobApi for VertexJobs {
         Self::job_ref(&job)
     }
 
-    async fn find(&self, name: &str) -> Result<Option<JobRef>, ModelError> {
+    async fn find(&self, sought: &Sought) -> Result<Option<JobRef>, ModelError> {
+        let name = sought.name.as_str();
         let mut token: Option<String> = None;
         loop {
             let mut url = format!("{}/batchPredictionJobs?pageSize=100", self.site);
@@ -968,9 +973,325 @@ impl JobApi for VertexJobs {
     }
 }
 
+/// Anthropic's Message Batches limits: 100,000 requests and 256 MB per batch (weir keeps the
+/// body a little under, for the JSON around the requests).
+pub const ANTHROPIC_LIMITS: JobLimits = JobLimits { max_lines: 100_000, max_bytes: 250 * 1000 * 1000 };
+
+/// How far a provider's clock may be behind this machine's when a batch is looked up by its
+/// creation time ([`AnthropicJobs`]' `find`).
+const CLOCK_SLACK_SECS: u64 = 120;
+
+/// Anthropic's Message Batches (`POST {base}/v1/messages/batches`): the requests go inline as
+/// `{"custom_id", "params"}` items, the batch is polled, and its results read as JSON lines.
+/// A batch has no name of its own, so a batch made but not recorded is found by its size and
+/// creation time (see [`Sought`]).
+#[derive(Debug)]
+pub struct AnthropicJobs {
+    client: reqwest::Client,
+    /// `{base}/v1/messages/batches`.
+    root: String,
+    online: crate::anthropic::AnthropicHandler,
+    model_id: String,
+    credential: Credential,
+    limits: JobLimits,
+}
+
+/// The `custom_id` of the request keyed `key`: the key itself when the API takes it (1 to 64 of
+/// letters, digits, `_` and `-`), else `k_` and a digest of it (keys are record ids, which may
+/// hold any character). Keys that start with `k_` are digested too, so no two keys share an id.
+fn custom_id(key: &str) -> std::borrow::Cow<'_, str> {
+    let takes = |b: u8| b.is_ascii_alphanumeric() || b == b'_' || b == b'-';
+    if !key.is_empty() && key.len() <= 64 && !key.starts_with("k_") && key.bytes().all(takes) {
+        return key.into();
+    }
+    let digest = ring::digest::digest(&ring::digest::SHA256, key.as_bytes());
+    format!("k_{}", hex::encode(&digest.as_ref()[..20])).into()
+}
+
+impl AnthropicJobs {
+    /// Batches at `base` (the API root, as for online calls; `client` sends the API version,
+    /// see [`crate::anthropic::client`]) for `model`.
+    pub fn new(client: reqwest::Client, base: &reqwest::Url, model: &str, key: Option<Secret>) -> Self {
+        let online = crate::anthropic::AnthropicHandler::new(client.clone(), base, model, key.clone());
+        let credential = key.map_or(Credential::None, |k| Credential::Key(k, Some("x-api-key")));
+        let root = format!("{}/v1/messages/batches", base.as_str().trim_end_matches('/'));
+        let model_id = format!("anthropic/{model}");
+        Self { client, root, online, model_id, credential, limits: ANTHROPIC_LIMITS }
+    }
+
+    /// Smaller batches than the API allows.
+    pub fn with_limits(mut self, limits: JobLimits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    async fn get(&self, url: &str) -> Result<Value, ModelError> {
+        let reply = send_ok(&self.credential, || self.client.get(url), crate::anthropic::classify_error).await?;
+        json_of(&reply)
+    }
+
+    fn job_ref(v: &Value) -> Result<JobRef, ModelError> {
+        let id = v.get("id").and_then(Value::as_str).ok_or_else(|| malformed("a message batch without an id"))?;
+        Ok(JobRef { id: id.to_string(), file: None })
+    }
+
+    /// Seconds since the Unix epoch of a batch's `created_at` (RFC 3339), if readable.
+    fn created(v: &Value) -> Option<u64> {
+        let text = v.get("created_at")?.as_str()?;
+        let at = humantime::parse_rfc3339_weak(text.trim_end_matches('Z')).ok()?;
+        at.duration_since(std::time::UNIX_EPOCH).ok().map(|d| d.as_secs())
+    }
+
+    /// A batch's requests by what became of them: (succeeded, errored, canceled, expired,
+    /// processing).
+    fn counts(v: &Value) -> [u64; 5] {
+        let n = |k: &str| v.pointer(&format!("/request_counts/{k}")).and_then(Value::as_u64).unwrap_or(0);
+        [n("succeeded"), n("errored"), n("canceled"), n("expired"), n("processing")]
+    }
+}
+
+/// One line of a message batch's results: its `custom_id` and the message or why there is none.
+fn anthropic_result(line: &[u8]) -> Option<JobResult> {
+    let v: Value = serde_json::from_slice(line).ok()?;
+    let key = v.get("custom_id")?.as_str()?.to_string();
+    let result = v.get("result")?;
+    let outcome = match result.get("type")?.as_str()? {
+        "succeeded" => {
+            let message = serde_json::to_vec(result.get("message")?).unwrap_or_default();
+            crate::anthropic::parse_response(&message)
+        }
+        "errored" => {
+            // `{"type": "error", "error": {"type", "message"}}`, read as the online error body.
+            let body = serde_json::to_vec(result.get("error").unwrap_or(&Value::Null)).unwrap_or_default();
+            let kind = result.pointer("/error/error/type").and_then(Value::as_str).unwrap_or("");
+            let status = match kind {
+                "invalid_request_error" => 400,
+                "authentication_error" => 401,
+                "permission_error" => 403,
+                "not_found_error" => 404,
+                "request_too_large" => 413,
+                "rate_limit_error" => 429,
+                "overloaded_error" => 529,
+                _ => 500,
+            };
+            Err(crate::anthropic::classify_error(status, &reqwest::header::HeaderMap::new(), &body))
+        }
+        // Not run before the batch was cancelled or expired: a retryable kind, so that the
+        // record goes to a follow-up batch, or to an error row a later run tries again.
+        other @ ("canceled" | "expired") => {
+            Err(ModelError::new(ErrorKind::Server, format!("not run: the batch's request was {other}")))
+        }
+        _ => return None,
+    };
+    Some((key, outcome))
+}
+
+#[async_trait::async_trait]
+impl JobApi for AnthropicJobs {
+    fn model_id(&self) -> &str {
+        &self.model_id
+    }
+
+    fn limits(&self) -> JobLimits {
+        self.limits
+    }
+
+    fn line(&self, key: &str, request: &ModelRequest) -> Result<Vec<u8>, ModelError> {
+        let line = json!({"custom_id": custom_id(key), "params": self.online.body(request, false)?});
+        let mut bytes =
+            serde_json::to_vec(&line).map_err(|e| ModelError::new(ErrorKind::InvalidInput, e.to_string()))?;
+        bytes.push(b'\n');
+        Ok(bytes)
+    }
+
+    fn answer_key(&self, key: &str, _line: &[u8]) -> Option<String> {
+        match custom_id(key) {
+            std::borrow::Cow::Owned(id) => Some(id),
+            std::borrow::Cow::Borrowed(_) => None,
+        }
+    }
+
+    async fn submit(&self, name: &str, input: &JobInput) -> Result<JobRef, ModelError> {
+        use futures::StreamExt;
+        // `{"requests": [line, line, …]}`, streamed from the input: its lines are JSON objects
+        // (a raw newline occurs only between them), so each newline becomes a comma, and the
+        // last one a space.
+        let (head, tail) = (&b"{\"requests\":["[..], &b"]}"[..]);
+        let len = head.len() as u64 + input.len + tail.len() as u64;
+        let body = || {
+            let mut at = 0u64;
+            let end = input.len;
+            let lines = input.stream().map(move |chunk| {
+                chunk.map(|c| {
+                    let mut c = c.to_vec();
+                    for b in c.iter_mut() {
+                        at += 1;
+                        if *b == b'\n' {
+                            *b = if at == end { b' ' } else { b',' };
+                        }
+                    }
+                    bytes::Bytes::from(c)
+                })
+            });
+            let part = |b: &'static [u8]| futures::stream::once(futures::future::ready(Ok(bytes::Bytes::from(b))));
+            reqwest::Body::wrap_stream(part(head).chain(lines).chain(part(tail)))
+        };
+        let reply = send_ok(
+            &self.credential,
+            || {
+                self.client
+                    .post(&self.root)
+                    .header(reqwest::header::CONTENT_TYPE, "application/json")
+                    .header(reqwest::header::CONTENT_LENGTH, len)
+                    .body(body())
+            },
+            crate::anthropic::classify_error,
+        )
+        .await?;
+        let batch = json_of(&reply)?;
+        let job = Self::job_ref(&batch)?;
+        tracing::debug!("message batch {} made for {name}", job.id);
+        Ok(job)
+    }
+
+    async fn find(&self, sought: &Sought) -> Result<Option<JobRef>, ModelError> {
+        // Newest first. Without a time to start from, only whether the API answers is learnt.
+        let mut after: Option<String> = None;
+        let mut best: Option<(u64, JobRef)> = None;
+        for _page in 0..20 {
+            let url = match &after {
+                Some(a) => format!("{}?limit=100&after_id={a}", self.root),
+                None => format!("{}?limit=100", self.root),
+            };
+            let page = self.get(&url).await?;
+            let Some(since) = sought.since else { return Ok(None) };
+            let from = since.saturating_sub(CLOCK_SLACK_SECS);
+            let data = page.get("data").and_then(Value::as_array).cloned().unwrap_or_default();
+            let mut older = false;
+            for b in &data {
+                let Some(created) = Self::created(b) else { continue };
+                if created < from {
+                    older = true;
+                    continue;
+                }
+                let total: u64 = Self::counts(b).iter().sum();
+                let id = b.get("id").and_then(Value::as_str).unwrap_or("");
+                if total == sought.count && !id.is_empty() && !sought.known.iter().any(|k| k == id) {
+                    // The earliest made after planning is the one this run made first.
+                    if best.as_ref().is_none_or(|(t, _)| created < *t) {
+                        best = Some((created, Self::job_ref(b)?));
+                    }
+                }
+            }
+            let more = page.get("has_more").and_then(Value::as_bool).unwrap_or(false);
+            let last = page.get("last_id").and_then(Value::as_str).map(str::to_string);
+            match last {
+                Some(last) if more && !older => after = Some(last),
+                _ => break,
+            }
+        }
+        if let Some((_, job)) = &best {
+            tracing::info!(
+                "message batch {} matches {} ({} requests, made after it was planned)",
+                job.id,
+                sought.name,
+                sought.count
+            );
+        }
+        Ok(best.map(|(_, job)| job))
+    }
+
+    async fn status(&self, job: &JobRef) -> Result<JobStatus, ModelError> {
+        let b = self.get(&format!("{}/{}", self.root, job.id)).await?;
+        let [succeeded, errored, canceled, expired, processing] = Self::counts(&b);
+        let state = match b.get("processing_status").and_then(Value::as_str).unwrap_or("") {
+            "ended" if b.get("cancel_initiated_at").is_some_and(|c| !c.is_null()) => JobState::Cancelled,
+            "ended" if expired > 0 => JobState::Expired,
+            "ended" => JobState::Succeeded,
+            _ => JobState::Running,
+        };
+        let message = match state {
+            JobState::Cancelled => Some(format!("cancelled; {canceled} requests were not run")),
+            JobState::Expired => Some(format!("expired (24 h) with {expired} requests not run")),
+            _ => None,
+        };
+        Ok(JobStatus {
+            state,
+            total: succeeded + errored + canceled + expired + processing,
+            completed: succeeded,
+            failed: errored + canceled + expired,
+            message,
+            described: Some(Arc::new(b)),
+        })
+    }
+
+    async fn results(
+        &self,
+        job: &JobRef,
+        _status: &JobStatus,
+        each: &mut (dyn FnMut(JobResult) + Send),
+    ) -> Result<(), ModelError> {
+        // Read at the API's own route for them, not at `results_url`: the key goes only to the
+        // host the run was pointed at.
+        let url = format!("{}/{}/results", self.root, job.id);
+        let mut unread = 0usize;
+        let mut line = |l: &[u8]| match anthropic_result(l) {
+            Some(r) => each(r),
+            None if !l.iter().all(u8::is_ascii_whitespace) => unread += 1,
+            None => {}
+        };
+        lines_ok(&self.credential, || self.client.get(&url), crate::anthropic::classify_error, &mut line).await?;
+        unreadable(&job.id, unread);
+        Ok(())
+    }
+
+    async fn cancel(&self, job: &JobRef) -> Result<(), ModelError> {
+        let url = format!("{}/{}/cancel", self.root, job.id);
+        send_ok(&self.credential, || self.client.post(&url), crate::anthropic::classify_error).await.map(|_| ())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Record ids the Messages Batches API does not take as `custom_id`s get `k_` and a digest;
+    /// no two keys share an id (a plain key that looks like a digest is digested too).
+    #[test]
+    fn custom_ids_are_what_anthropic_takes_and_unique() {
+        assert_eq!(custom_id("r-17_a"), "r-17_a");
+        let taken = |id: &str| {
+            (1..=64).contains(&id.len()) && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+        };
+        let keys = ["a b", "#7", "~0123", "k_1", &"x".repeat(65), "é", ""];
+        let ids: std::collections::HashSet<String> = keys.iter().map(|k| custom_id(k).into_owned()).collect();
+        assert_eq!(ids.len(), keys.len());
+        assert!(ids.iter().all(|id| taken(id) && id.starts_with("k_")), "{ids:?}");
+    }
+
+    /// A message batch's result lines: a message, an error read as the online error, and
+    /// requests not run (retryable, for a follow-up batch).
+    #[test]
+    fn anthropic_result_lines() {
+        let ok = br#"{"custom_id":"a","result":{"type":"succeeded","message":{"id":"m","type":"message","role":"assistant","model":"claude-x","content":[{"type":"text","text":"hi"}],"stop_reason":"end_turn","usage":{"input_tokens":3,"output_tokens":1}}}}"#;
+        let (key, r) = anthropic_result(ok).unwrap();
+        let r = r.unwrap();
+        assert_eq!((key.as_str(), r.text.as_str(), r.finish_reason.as_str()), ("a", "hi", "stop"));
+        assert_eq!((r.usage.prompt_tokens, r.usage.output_tokens), (3, 1));
+        let bad = br#"{"custom_id":"b","result":{"type":"errored","error":{"type":"error","error":{"type":"invalid_request_error","message":"max_tokens: too large"}}}}"#;
+        let e = anthropic_result(bad).unwrap().1.unwrap_err();
+        assert_eq!(e.kind, ErrorKind::BadRequest, "{e}");
+        assert!(e.message.contains("max_tokens: too large"), "{e}");
+        let busy = br#"{"custom_id":"c","result":{"type":"errored","error":{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}}}"#;
+        assert!(anthropic_result(busy).unwrap().1.unwrap_err().kind.is_retryable());
+        for not_run in ["canceled", "expired"] {
+            let line = format!(r#"{{"custom_id":"d","result":{{"type":"{not_run}"}}}}"#);
+            let e = anthropic_result(line.as_bytes()).unwrap().1.unwrap_err();
+            assert!(e.kind.is_retryable() && e.message.contains(not_run), "{e}");
+        }
+        assert!(anthropic_result(b"{\"custom_id\":\"e\"}").is_none());
+        assert!(anthropic_result(b"not json").is_none());
+    }
 
     #[tokio::test]
     async fn multipart_streams_the_file_between_its_parts() {

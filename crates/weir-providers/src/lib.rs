@@ -475,6 +475,10 @@ pub fn connect_jobs(
              openai/<model> with --base-url http://127.0.0.1:PORT (its batch APIs are served there)"
                 .into(),
         )),
+        Provider::Vertex if spec.model.starts_with("claude") => Err(ProviderError::Config(format!(
+            "--mode batch: {spec}: weir runs Claude's batches through Anthropic's Message Batches (anthropic/ models); \
+             Claude on Vertex AI runs --mode online"
+        ))),
         Provider::Vertex => {
             let Some(staging) = staging else {
                 return Err(ProviderError::Config(
@@ -492,9 +496,13 @@ pub fn connect_jobs(
                 false => jobs.with_limits(limit(jobs::VERTEX_LIMITS)),
             }))
         }
-        Provider::VertexEndpoint | Provider::Local | Provider::Anthropic => Err(ProviderError::Config(format!(
-            "--mode batch: {spec}: batch jobs are supported for openai/, gemini/ and vertex_ai/ models (Anthropic's \
-             Message Batches are not yet: run --mode online)"
+        Provider::Anthropic => {
+            let (base, key) = anthropic_site(options, env)?;
+            let jobs = jobs::AnthropicJobs::new(anthropic::client()?, &base, &spec.model, key);
+            Ok(Arc::new(jobs.with_limits(limit(jobs::ANTHROPIC_LIMITS))))
+        }
+        Provider::VertexEndpoint | Provider::Local => Err(ProviderError::Config(format!(
+            "--mode batch: {spec}: batch jobs are supported for openai/, anthropic/, gemini/ and vertex_ai/ models"
         ))),
     }
 }

@@ -1,6 +1,7 @@
 //! Batch-prediction jobs, as the OpenAI Batch API (`/v1/files`, `/v1/batches`), the Gemini
-//! API's batch mode (`:batchGenerateContent` with inline requests, `/v1beta/batches`) and
-//! Vertex AI (`…/locations/L/batchPredictionJobs`, JSONL read from and written to the
+//! API's batch mode (`:batchGenerateContent` with inline requests, `/v1beta/batches`),
+//! Anthropic's Message Batches (`/v1/messages/batches`, requests inline, results as JSON lines)
+//! and Vertex AI (`…/locations/L/batchPredictionJobs`, JSONL read from and written to the
 //! simulator's GCS bucket, see [`crate::gcs`]) run them:
 //! a job is accepted, pending for a fifth of its time, running for the rest, then terminal.
 //! Answers are the same pure function of the request as online ones. Per-request failures
@@ -24,6 +25,7 @@ enum Kind {
     OpenAi,
     Gemini,
     Vertex,
+    Anthropic,
 }
 
 /// Where a Vertex AI job reads its input and writes its output.
@@ -292,6 +294,7 @@ impl Job {
         let answered = self.answered_in_the_end(cfg);
         let api = match (&self.kind, &self.vertex) {
             (Kind::OpenAi, _) => Api::OpenAi,
+            (Kind::Anthropic, _) => Api::Anthropic,
             (_, Some(v)) if v.embed => Api::Vertex,
             _ => Api::Gemini,
         };
@@ -389,6 +392,24 @@ impl Job {
                 }
             }
         }
+        // A message batch's results: a line for every request, in the order they were sent.
+        if self.kind == Kind::Anthropic {
+            let mut out = Vec::new();
+            let not_run = if self.cancelled_at.is_some() { "canceled" } else { "expired" };
+            for (i, (key, _)) in self.requests.iter().enumerate() {
+                let result = match results.get(i) {
+                    Some((_, Ok(message))) => json!({"type": "succeeded", "message": message}),
+                    Some((_, Err((_, body)))) => json!({"type": "errored", "error": body}),
+                    None => json!({"type": not_run}),
+                };
+                out.extend_from_slice(json!({"custom_id": key, "result": result}).to_string().as_bytes());
+                out.push(b'\n');
+            }
+            *next += 1;
+            let id = format!("msgbatch-results-{next}");
+            files.insert(id.clone(), out);
+            self.output_file = Some(id);
+        }
         // A job answered in files (OpenAI, Gemini from a file, Vertex AI) keeps only what its
         // status needs: its requests' keys and which of them failed. Holding every request and
         // answer as JSON trees (about 2 KB a request, twice over) ran the simulator out of
@@ -469,6 +490,37 @@ impl Job {
 }
 
 impl Job {
+    /// A message batch as Anthropic describes it: in progress, then ended, with its requests
+    /// counted by what became of them.
+    fn anthropic_view(&self, cfg: &SimConfig, host: &str) -> Value {
+        let total = self.requests.len() as u64;
+        let (ok, errored, canceled, expired, processing) = match &self.results {
+            Some(r) => {
+                let errored = r.iter().filter(|(_, x)| x.is_err()).count() as u64;
+                let not_run = total - r.len() as u64;
+                match self.cancelled_at.is_some() {
+                    true => (r.len() as u64 - errored, errored, not_run, 0, 0),
+                    false => (r.len() as u64 - errored, errored, 0, not_run, 0),
+                }
+            }
+            None => {
+                let ok = (total as f64 * self.progress(cfg)).floor() as u64;
+                (ok, 0, 0, 0, total - ok)
+            }
+        };
+        let ended = self.results.is_some();
+        let at = crate::gcs::rfc3339_of;
+        json!({"id": self.id, "type": "message_batch",
+            "processing_status": if ended { "ended" } else if self.cancelled_at.is_some() { "canceling" } else { "in_progress" },
+            "request_counts": {"processing": processing, "succeeded": ok, "errored": errored,
+                "canceled": canceled, "expired": expired},
+            "ended_at": if ended { json!(at(unix_now())) } else { Value::Null },
+            "created_at": at(self.created_unix), "expires_at": at(self.created_unix + 86_400),
+            "archived_at": null,
+            "cancel_initiated_at": match self.cancelled_at { Some(_) => json!(at(unix_now())), None => Value::Null },
+            "results_url": if ended { json!(format!("http://{host}/v1/messages/batches/{}/results", self.id)) } else { Value::Null }})
+    }
+
     fn vertex_view(&self, cfg: &SimConfig) -> Value {
         let (total, ok, failed) = self.counts(cfg);
         let state = self.state_name(cfg);
@@ -561,6 +613,7 @@ fn answer(
     }
     let req = match api {
         Api::OpenAi => proto::parse_openai(body),
+        Api::Anthropic => proto::parse_anthropic(body, ""),
         _ => proto::parse_gemini(Api::Gemini, model, body, None),
     }
     .map_err(|proto::BadRequest(m)| (400, proto::error(api, 400, &m).body))?;
@@ -573,7 +626,13 @@ fn answer(
     // The answer depends on the media's content too, as online.
     *media += req.media.len() as u64;
     let parts: Vec<u8> = req.media.iter().flat_map(|d| d.to_le_bytes()).collect();
-    let h = stable_hash(&[&seed, req.model.as_bytes(), req.prompt.as_bytes(), req.settings.as_bytes(), &limit, &parts]);
+    // Hashed as online (the media only when there is some), so a job answers as a call would.
+    let mut fields: Vec<&[u8]> =
+        vec![&seed, req.model.as_bytes(), req.prompt.as_bytes(), req.settings.as_bytes(), &limit];
+    if !parts.is_empty() {
+        fields.push(&parts);
+    }
+    let h = stable_hash(&fields);
     let g = match &req.schema {
         Some(schema) => crate::gen::shaped(schema, h, crate::server::broken_draw(cfg.output.invalid_json_rate)),
         None => generate(h, cfg.output.min_tokens, cfg.output.max_tokens, req.max_tokens, 0.0),
@@ -592,6 +651,10 @@ fn answer(
                 return Err((400, e.body));
             }
             proto::openai_response(&req.model, &id, unix_now(), &g, prompt_tokens, Ending::Normal)
+        }
+        Api::Anthropic => {
+            let tool = req.schema.as_ref().and(proto::anthropic_tool(&req.settings));
+            proto::anthropic_response(&req.model, &id, &g, prompt_tokens, tool.as_deref())
         }
         _ => {
             let ending = if req.prompt.contains("[sim:block_prompt]") { Ending::BlockPrompt } else { Ending::Normal };
@@ -736,6 +799,96 @@ impl Jobs {
                 true => Reply::Json(200, inner.jobs[*id].openai_view(cfg)),
                 false => openai_error(404, &format!("No such Batch object: {id}")),
             },
+            // ---- Anthropic's Message Batches
+            ("POST", ["v1", "messages", "batches"]) => {
+                let anthropic_error =
+                    |status, m: &str| Reply::Json(status, proto::error(Api::Anthropic, status, m).body);
+                if body.len() as u64 > cfg.batch.max_inline_bytes.max(256 * 1000 * 1000) {
+                    return Some(anthropic_error(413, "a batch's body may be at most 256 MB"));
+                }
+                let b = json_body();
+                let Some(list) = b.get("requests").and_then(Value::as_array) else {
+                    return Some(anthropic_error(400, "requests: Field required"));
+                };
+                let mut requests = Vec::new();
+                let mut keys = std::collections::HashSet::new();
+                let takes = |k: &str| {
+                    !k.is_empty()
+                        && k.len() <= 64
+                        && k.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'_' || c == b'-')
+                };
+                for (n, r) in list.iter().enumerate() {
+                    let (Some(key), Some(params)) = (r.get("custom_id").and_then(Value::as_str), r.get("params"))
+                    else {
+                        return Some(anthropic_error(400, &format!("requests.{n}: custom_id and params are required")));
+                    };
+                    if !takes(key) {
+                        return Some(anthropic_error(
+                            400,
+                            &format!("requests.{n}.custom_id: String should match pattern '^[a-zA-Z0-9_-]{{1,64}}$'"),
+                        ));
+                    }
+                    if !keys.insert(key.to_string()) {
+                        return Some(anthropic_error(400, &format!("requests.{n}: duplicate custom_id {key}")));
+                    }
+                    requests.push((key.to_string(), params.clone()));
+                }
+                if requests.is_empty() {
+                    return Some(anthropic_error(400, "requests: List should have at least 1 item"));
+                }
+                if let Some(m) = over_limit(cfg, requests.len()) {
+                    return Some(anthropic_error(400, &m));
+                }
+                let model = requests[0].1.get("model").and_then(Value::as_str).unwrap_or("").to_string();
+                let id = format!("msgbatch_sim{:06}", inner.next_job());
+                let job = Job::new(Kind::Anthropic, id.clone(), String::new(), model, None, requests);
+                let view = job.anthropic_view(cfg, &header("host"));
+                inner.add(id, job);
+                Reply::Json(200, view)
+            }
+            ("GET", ["v1", "messages", "batches"]) => {
+                let param = |name: &str| {
+                    query.and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix(name)?.strip_prefix('=')))
+                };
+                let limit: usize = param("limit").and_then(|l| l.parse().ok()).unwrap_or(20).clamp(1, 1000);
+                // Newest first, as Anthropic lists them.
+                let all: Vec<&Job> = inner.jobs.values().rev().filter(|j| j.kind == Kind::Anthropic).collect();
+                let start =
+                    param("after_id").and_then(|a| all.iter().position(|j| j.id == a).map(|p| p + 1)).unwrap_or(0);
+                let host = header("host");
+                let page: Vec<Value> =
+                    all.iter().skip(start).take(limit).map(|j| j.anthropic_view(cfg, &host)).collect();
+                let (first, last) = (page.first().map(|v| v["id"].clone()), page.last().map(|v| v["id"].clone()));
+                let more = all.len() > start + page.len();
+                Reply::Json(200, json!({"data": page, "has_more": more, "first_id": first, "last_id": last}))
+            }
+            ("GET", ["v1", "messages", "batches", id]) => {
+                match inner.jobs.get(*id).filter(|j| j.kind == Kind::Anthropic) {
+                    Some(j) => Reply::Json(200, j.anthropic_view(cfg, &header("host"))),
+                    None => Reply::Json(404, proto::error(Api::Anthropic, 404, &format!("batch {id} not found")).body),
+                }
+            }
+            ("GET", ["v1", "messages", "batches", id, "results"]) => {
+                match inner.jobs.get(*id).filter(|j| j.kind == Kind::Anthropic) {
+                    Some(j) => match j.output_file.as_ref().and_then(|f| inner.files.get(f)) {
+                        Some(bytes) => Reply::Bytes(bytes.clone()),
+                        None => Reply::Json(
+                            400,
+                            proto::error(Api::Anthropic, 400, &format!("batch {id} has not ended")).body,
+                        ),
+                    },
+                    None => Reply::Json(404, proto::error(Api::Anthropic, 404, &format!("batch {id} not found")).body),
+                }
+            }
+            ("POST", ["v1", "messages", "batches", id, "cancel"])
+                if inner.jobs.get(*id).is_some_and(|j| j.kind == Kind::Anthropic) =>
+            {
+                inner.cancel(id, cfg, gcs);
+                Reply::Json(200, inner.jobs[*id].anthropic_view(cfg, &header("host")))
+            }
+            ("POST", ["v1", "messages", "batches", id, "cancel"]) => {
+                Reply::Json(404, proto::error(Api::Anthropic, 404, &format!("batch {id} not found")).body)
+            }
             // ---- Gemini
             ("POST", ["v1beta", model_method]) | ("POST", ["v1beta", "models", model_method])
                 if model_method.ends_with(":batchGenerateContent") =>

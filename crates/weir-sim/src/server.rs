@@ -255,6 +255,7 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Bo
     {
         let api = match path {
             _ if path.contains("/batchPredictionJobs") => Api::Vertex,
+            _ if path.starts_with("/v1/messages/") => Api::Anthropic,
             _ if path.starts_with("/v1/") => Api::OpenAi,
             _ => Api::Gemini,
         };

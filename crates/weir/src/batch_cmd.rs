@@ -238,7 +238,7 @@ async fn each_job(t: &Target, cancel: bool) -> anyhow::Result<u8> {
             return Ok(u8::from(failed));
         }
         for chunk in &chunks {
-            let line = match job_line(&sites, chunk, cancel).await {
+            let line = match job_line(&sites, chunk, &chunks, cancel).await {
                 Ok(line) => line,
                 Err(line) => {
                     failed = true;
@@ -274,7 +274,12 @@ fn say(line: &str) -> anyhow::Result<bool> {
 
 /// One chunk's line of `weir batch status` (cancelling its job if `cancel`); an error line
 /// when the provider could not be asked or the cancel failed.
-async fn job_line(sites: &weir_jobs::Sites, chunk: &weir_jobs::Chunk, cancel: bool) -> Result<String, String> {
+async fn job_line(
+    sites: &weir_jobs::Sites,
+    chunk: &weir_jobs::Chunk,
+    chunks: &[weir_jobs::Chunk],
+    cancel: bool,
+) -> Result<String, String> {
     let at = if chunk.site.is_empty() { String::new() } else { format!(" at {}", chunk.site) };
     if let Some(why) = &chunk.refused {
         return Ok(format!(
@@ -286,8 +291,8 @@ async fn job_line(sites: &weir_jobs::Sites, chunk: &weir_jobs::Chunk, cancel: bo
     let (job, found) = match &chunk.job {
         Some(job) => (job.clone(), ""),
         // The run stopped while submitting it: the provider may have it under its name.
-        None => match api.find(&chunk.name).await {
-            Ok(Some(job)) => (job, " (not recorded as submitted; found by its name)"),
+        None => match api.find(&chunk.sought(chunks)).await {
+            Ok(Some(job)) => (job, " (not recorded as submitted; found at the provider)"),
             Ok(None) => {
                 return Ok(format!(
                     "  chunk {}: {} records, not submitted{at} (name {}); a resumed run sends them",

@@ -609,7 +609,7 @@ async fn choose_jobs(
             let min = b.auto_min_records.unwrap_or(0);
             let known = if total.is_none() { input.count()? } else { total };
             // A server without the Batch API (vLLM's OpenAI server, say) answers its routes 404.
-            let available = match api.first().find("weir-probe").await {
+            let available = match api.first().find(&weir_core::Sought::named("weir-probe")).await {
                 Err(e) if e.kind == ErrorKind::BadRequest => {
                     tracing::info!("--mode auto: no batch jobs at this endpoint ({e})");
                     false

@@ -621,7 +621,7 @@ pub(crate) async fn guard_jobs(
         // still be a job: asked by its name.
         let job = match &chunk.job {
             Some(job) => job.clone(),
-            None => match api.find(&chunk.name).await {
+            None => match api.find(&chunk.sought(&chunks)).await {
                 Ok(Some(job)) => job,
                 Ok(None) => continue,
                 Err(e) => {

@@ -89,6 +89,11 @@ async fn gemini_batch_of_10000_is_split_and_every_id_comes_once() {
     ten_thousand("gemini/gemini-2.5-flash", "batch-gemini-10k").await;
 }
 
+#[tokio::test(flavor = "multi_thread")]
+async fn anthropic_batch_of_10000_is_split_and_every_id_comes_once() {
+    ten_thousand("anthropic/claude-haiku-4-5", "batch-anthropic-10k").await;
+}
+
 /// Issue #34: a Gemini API job over 1 MB uploads its input as a JSONL file (the Files API's
 /// resumable protocol, which the simulator checks) and reads its answers from the results file,
 /// so a 22 MB input is one job (inline requests would have needed two, under 20 MB each); a
@@ -168,7 +173,7 @@ async fn expired_jobs_keep_their_answers_and_the_rest_go_online() {
     // Without the fallback, the unanswered half are error rows that may succeed later (OpenAI
     // reports them as `batch_expired` results, Gemini leaves them out), and --retry-errors
     // sends them in new jobs.
-    for model in ["gemini/gemini-2.5-flash", "openai/gpt-4o-mini"] {
+    for model in ["gemini/gemini-2.5-flash", "openai/gpt-4o-mini", "anthropic/claude-haiku-4-5"] {
         let dir = Dir::new(&format!("batch-expired-nofallback-{}", &model[..6]));
         let (data, ids) = prompts(100);
         let input = dir.write("in.jsonl", &data);
@@ -241,6 +246,134 @@ async fn a_killed_openai_run_re_attaches_to_its_jobs_and_submits_nothing_twice()
 #[tokio::test(flavor = "multi_thread")]
 async fn a_killed_gemini_run_re_attaches_to_its_jobs_and_submits_nothing_twice() {
     killed_and_resumed("gemini/gemini-2.5-flash", "batch-killed-gemini").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_killed_anthropic_run_re_attaches_to_its_batches_and_submits_nothing_twice() {
+    killed_and_resumed("anthropic/claude-haiku-4-5", "batch-killed-anthropic").await;
+}
+
+/// Issue #37: a message batch has no name, so a run killed after Anthropic made a batch but
+/// before weir wrote its id down finds it again by its size and the time it was planned (the
+/// other batches of the run, whose ids are written, are not taken for it). Record ids the API
+/// does not take as `custom_id`s (spaces, `#`, over 64 characters) come back to their records;
+/// the results carry the batch price, and `weir batch status`, `cancel` and `fetch` work on
+/// message batches.
+#[tokio::test(flavor = "multi_thread")]
+async fn anthropic_batches_made_but_not_recorded_are_found_by_size_and_time() {
+    let sim = sim(8.0, |_| {}).await;
+    let dir = Dir::new("batch-anthropic-unrecorded");
+    let long = "x".repeat(70);
+    let mut data = Vec::new();
+    let mut ids = Vec::new();
+    for i in 0..601 {
+        let id = match i % 4 {
+            0 => format!("a {i}"),
+            1 => format!("k_{i}"),
+            2 => format!("{long}{i}"),
+            _ => format!("r-{i}"),
+        };
+        data.extend_from_slice(format!("{{\"key\":\"{id}\",\"prompt\":\"{i} river\"}}\n").as_bytes());
+        ids.push(id);
+    }
+    let input = dir.write("in.jsonl", &data);
+    let out = dir.path("out.jsonl");
+    let model = "anthropic/claude-haiku-4-5";
+    let args = batch_args(&sim, model, &dir, &input, &["--job-max-requests", "300"]);
+    let mut child = weir().args(&args).stderr(std::process::Stdio::null()).spawn().unwrap();
+    for _ in 0..1000 {
+        if sim.stats().batch_jobs == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(sim.stats().batch_jobs, 2);
+    child.start_kill().unwrap();
+    let _ = child.wait().await;
+    let target = ["--model", model, "--base-url", &sim.url(), "--output", out.to_str().unwrap()];
+    let status = run(&[&["batch", "status"][..], &target[..]].concat()).await;
+    let text = String::from_utf8_lossy(&status.stdout).into_owned();
+    assert_eq!(status.status.code(), Some(0), "{}", stderr(&status));
+    assert_eq!(text.matches(": running").count(), 2, "{text}");
+    // As if killed between the batches' making and their ids' writing: the second chunk's id
+    // is forgotten (the first's stays, and must not be taken for the second).
+    let ledger = walk(&dir.0).into_iter().find(|p| p.to_string_lossy().ends_with(".jobs.jsonl")).unwrap();
+    let full = std::fs::read_to_string(&ledger).unwrap();
+    let kept: String = full
+        .lines()
+        .filter(|l| !(l.contains("\"job\"") && l.contains("\"chunk\":1")))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    assert_eq!(kept.lines().count(), 3, "{full}");
+    std::fs::write(&ledger, &kept).unwrap();
+    let status = run(&[&["batch", "status"][..], &target[..]].concat()).await;
+    let text = String::from_utf8_lossy(&status.stdout).into_owned();
+    assert!(text.contains("found at the provider"), "{text}");
+    let o = weir().args(&args).output().await.unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert_each_id_once(&ids, &rows(&out), &rows(&dir.path("out.errors.jsonl")));
+    let s = sim.stats();
+    assert_eq!((s.batch_jobs, s.batch_keys_in_two_jobs), (2, 0), "re-attached to both, none made again: {err}");
+    assert!(err.contains("batch jobs: 2 (0 submitted by this run)"), "{err}");
+    assert!(err.contains("claude-haiku-4-5") && err.contains("batch jobs at 50 %"), "{err}");
+    assert_eq!(s.batch_answered, 600, "every request in a batch answered once: {err}");
+    // Each answer went to its own record: the same prompts online (no cache) get the same
+    // answers, whatever their ids looked like.
+    let few = Dir::new("batch-anthropic-unrecorded-online");
+    let picked: Vec<String> =
+        data.split(|b| *b == b'\n').skip(1).take(8).map(|l| String::from_utf8_lossy(l).into()).collect();
+    let few_input = few.write("in.jsonl", format!("{}\n", picked.join("\n")).as_bytes());
+    let few_out = few.path("out.jsonl");
+    let o = weir()
+        .args(["run", "--model", model, "--base-url", &sim.url(), "--id-field", "key", "--no-cache", "--input"])
+        .args([few_input.to_str().unwrap(), "--output", few_out.to_str().unwrap()])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let batch: std::collections::HashMap<String, serde_json::Value> =
+        rows(&out).into_iter().map(|r| (r["id"].as_str().unwrap().to_string(), r["response"].clone())).collect();
+    for r in rows(&few_out) {
+        assert_eq!(batch[r["id"].as_str().unwrap()], r["response"], "{r}");
+    }
+    // One batch's results, as JSON lines; a cancel of ended batches asks nothing of them.
+    let fetch =
+        run(&["batch", "fetch", "--model", model, "--base-url", &sim.url(), "--job", "msgbatch_sim000002"]).await;
+    assert_eq!(fetch.status.code(), Some(0), "{}", stderr(&fetch));
+    assert_eq!(String::from_utf8_lossy(&fetch.stdout).lines().count(), 300);
+    sim.shutdown().await;
+}
+
+/// Issue #37: `weir batch cancel` cancels running message batches; the run waiting on them
+/// sends what they left in follow-up batches, every id once.
+#[tokio::test(flavor = "multi_thread")]
+async fn cancelled_anthropic_batches_leave_their_records_to_follow_ups() {
+    let sim = sim(10.0, |_| {}).await;
+    let dir = Dir::new("batch-anthropic-cancel");
+    let (data, ids) = prompts(801);
+    let input = dir.write("in.jsonl", &data);
+    let model = "anthropic/claude-haiku-4-5";
+    let args = batch_args(&sim, model, &dir, &input, &["--job-max-requests", "400"]);
+    let child = weir().args(&args).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    for _ in 0..1000 {
+        if sim.stats().batch_jobs == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let out = dir.path("out.jsonl");
+    let target = ["--model", model, "--base-url", &sim.url(), "--output", out.to_str().unwrap()];
+    let cancel = run(&[&["batch", "cancel"][..], &target[..]].concat()).await;
+    let text = String::from_utf8_lossy(&cancel.stdout).into_owned();
+    assert_eq!(text.matches("cancel requested").count(), 2, "{text}");
+    let o = child.wait_with_output().await.unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert_each_id_once(&ids, &rows(&out), &rows(&dir.path("out.errors.jsonl")));
+    assert!(sim.stats().batch_jobs > 2, "follow-up batches for what the cancelled ones left: {err}");
+    assert_eq!(sim.stats().batch_answered, 800, "what the cancelled batches answered is not asked again: {err}");
+    sim.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -239,6 +239,34 @@ def anthropic_image_and_tool():
     assert r.stop_reason == "tool_use", r
 
 
+def anthropic_batch():
+    # A message batch: made, polled until it ends, its results read by custom_id; a second one
+    # cancelled at once, its requests canceled (none answered).
+    import time
+
+    c = claude("a-batch")
+    reqs = [{"custom_id": f"req-{i}", "params": {"model": "claude-haiku-4-5", "max_tokens": 30,
+             "messages": [{"role": "user", "content": f"hello {i}"}]}} for i in range(12)]
+    batch = c.messages.batches.create(requests=reqs)
+    assert batch.processing_status == "in_progress" and batch.request_counts.processing == 12, batch
+    for _ in range(100):
+        batch = c.messages.batches.retrieve(batch.id)
+        if batch.processing_status == "ended":
+            break
+        time.sleep(0.2)
+    assert batch.processing_status == "ended" and batch.request_counts.succeeded == 12, batch
+    results = list(c.messages.batches.results(batch.id))
+    assert sorted(r.custom_id for r in results) == sorted(f"req-{i}" for i in range(12)), results[:2]
+    assert all(r.result.type == "succeeded" and r.result.message.content[0].text for r in results), results[:2]
+    listed = [b.id for b in c.messages.batches.list(limit=10)]
+    assert batch.id in listed, listed
+    other = c.messages.batches.create(requests=reqs[:3])
+    cancelled = c.messages.batches.cancel(other.id)
+    assert cancelled.cancel_initiated_at is not None, cancelled
+    ended = c.messages.batches.retrieve(other.id)
+    assert ended.processing_status == "ended" and ended.request_counts.succeeded + ended.request_counts.canceled == 3, ended
+
+
 check("openai: chat completion", openai_call)
 check("openai: streamed chat completion with usage", openai_stream)
 check("openai: 429 raises RateLimitError", openai_429)
@@ -255,4 +283,5 @@ check("anthropic: messages.create", anthropic_call)
 check("anthropic: messages.stream", anthropic_stream)
 check("anthropic: 429 raises RateLimitError with retry-after", anthropic_429)
 check("anthropic: an image block and a forced tool", anthropic_image_and_tool)
+check("anthropic: a message batch made, polled, read; another cancelled", anthropic_batch)
 print("all client checks passed")
