@@ -67,6 +67,7 @@ async fn run() -> Result<Report, Box<dyn std::error::Error>> {
                             system: None,
                             params: params.clone(),
                             media: Default::default(),
+                            fields: None,
                         };
                         async move {
                             let weight = executor.throttle().estimate(request.prompt.len(), None);

@@ -48,6 +48,11 @@ pub fn cache_key(model_id: &str, request: &ModelRequest, record: &RecordId) -> C
     for part in request.media.iter() {
         field(&part.digest);
     }
+    // The record's fields a request is built from (an `http/` model's body), when it has any.
+    if let Some(fields) = &request.fields {
+        field(b"fields");
+        field(serde_json::to_string(&**fields).unwrap_or_default().as_bytes());
+    }
     if is_deterministic(&request.params) {
         field(b"shared");
     } else {
@@ -76,6 +81,7 @@ mod tests {
             system: system.map(Arc::from),
             params: Arc::new(GenParams { temperature: temp, ..GenParams::default() }),
             media: Default::default(),
+            fields: None,
         }
     }
 
@@ -109,6 +115,7 @@ mod tests {
                 system: None,
                 params: Arc::new(GenParams { seed: Some(3), temperature: Some(1.0), ..GenParams::default() }),
                 media: Default::default(),
+                fields: None,
             };
             cache_key("m", &r, id)
         };

@@ -494,6 +494,12 @@ impl Driver {
                 .iter()
                 .map(|d| Part { mime: String::new(), data: bytes::Bytes::new(), digest: *d, uri: None })
                 .collect(),
+            fields: match self.handler.record_fields() {
+                [] => None,
+                names => Some(Arc::new(
+                    names.iter().filter_map(|n| record.input.get(n).map(|v| (n.clone(), v.clone()))).collect(),
+                )),
+            },
         }
     }
 

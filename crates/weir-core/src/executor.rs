@@ -1093,6 +1093,7 @@ mod tests {
             system: None,
             params: Default::default(),
             media: Default::default(),
+            fields: None,
         };
         let one = One.generate_batch(&[req("x")]).await.unwrap();
         assert_eq!(one[0].as_ref().unwrap().text, "x");

@@ -26,6 +26,10 @@ pub struct ModelRequest {
     /// Media parts after the prompt, in the order of the record's media fields (read when the
     /// record is about to be sent; empty for text).
     pub media: Arc<[crate::media::Part]>,
+    /// The record's fields that the handler builds its request from
+    /// ([`ModelHandler::record_fields`]: an `http/` model's templates), those the record has;
+    /// `None` for handlers that read the prompt alone.
+    pub fields: Option<Arc<serde_json::Map<String, serde_json::Value>>>,
 }
 
 /// A piece of a streamed answer.
@@ -70,6 +74,13 @@ pub trait ModelHandler: Send + Sync {
     /// a simulator, another project or another server answers differently.
     fn endpoint(&self) -> &str {
         self.model_id()
+    }
+
+    /// The record fields a request is built from besides the prompt (an `http/` model's body
+    /// template names them): the engine hands them over in [`ModelRequest::fields`], and the
+    /// response cache keys on them. Empty for models that read the prompt alone.
+    fn record_fields(&self) -> &[String] {
+        &[]
     }
 
     /// What tells apart the quotas of calls to the same endpoint: the API key the calls carry,

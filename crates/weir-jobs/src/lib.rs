@@ -1198,6 +1198,7 @@ mod tests {
                 system: None,
                 params: Default::default(),
                 media: Default::default(),
+                fields: None,
             },
             record: serde_json::value::to_raw_value(key).unwrap(),
         }

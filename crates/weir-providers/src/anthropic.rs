@@ -426,7 +426,13 @@ mod tests {
     use super::*;
 
     fn request(prompt: &str) -> ModelRequest {
-        ModelRequest { prompt: prompt.into(), system: None, params: Default::default(), media: Vec::new().into() }
+        ModelRequest {
+            prompt: prompt.into(),
+            system: None,
+            params: Default::default(),
+            media: Vec::new().into(),
+            fields: None,
+        }
     }
 
     fn handler() -> AnthropicHandler {

@@ -12,6 +12,7 @@
 //!   any Model Garden or custom container), same credentials, project and location; called
 //!   through `:predict` with many records per request (see [`vertex_endpoint`]), or through the
 //!   endpoint's OpenAI-compatible route or `:rawPredict` ([`EndpointFormat`]);
+//! - `http/<name>`: any JSON-over-HTTP API, described in a small TOML file (see [`webapi`]);
 //! - `sim/<name>`: a simulator started in-process on loopback; no key, no network;
 //! - `local/<model>`: a model run in the process.
 //!
@@ -32,6 +33,7 @@ pub mod http;
 pub mod jobs;
 pub mod openai;
 pub mod vertex_endpoint;
+pub mod webapi;
 
 use std::str::FromStr;
 use std::sync::Arc;
@@ -58,6 +60,7 @@ pub const ENV_VARS: &[&str] = &[
     "HOME",
     "GCE_METADATA_HOST",
     "WEIR_MODELS",
+    webapi::MODELS_VAR,
 ];
 
 /// A provider that cannot be set up as asked; the message says what to fix.
@@ -84,6 +87,8 @@ pub enum Provider {
     Vertex,
     /// A model deployed to a Vertex AI endpoint.
     VertexEndpoint,
+    /// Any JSON-over-HTTP API, as a models file describes it.
+    Http,
     /// The in-process simulator.
     Sim,
     /// A model run inside weir's process (the `local` feature of the `weir` binary).
@@ -134,11 +139,12 @@ impl FromStr for ModelSpec {
             "gemini" => Provider::Gemini,
             "vertex_ai" => Provider::Vertex,
             "vertex_endpoint" => Provider::VertexEndpoint,
+            "http" => Provider::Http,
             "sim" => Provider::Sim,
             "local" => Provider::Local,
             other => {
                 return Err(ProviderError::Config(format!(
-                    "--model {s}: unknown provider '{other}'; known providers: openai, anthropic, gemini, vertex_ai, vertex_endpoint, sim, local"
+                    "--model {s}: unknown provider '{other}'; known providers: openai, anthropic, gemini, vertex_ai, vertex_endpoint, http, sim, local"
                 )))
             }
         };
@@ -155,6 +161,11 @@ impl FromStr for ModelSpec {
         if walks || model.chars().any(|c| c.is_whitespace() || c.is_control() || "%?#\\".contains(c)) {
             return Err(ProviderError::Config(format!(
                 "--model {s}: a model name may not hold '%', '?', '#', '\\', spaces, empty, '.' or '..' parts"
+            )));
+        }
+        if provider == Provider::Http && !model.chars().all(|c| c.is_ascii_alphanumeric() || "-_".contains(c)) {
+            return Err(ProviderError::Config(format!(
+                "--model {s}: an http model is named by its [models.NAME] table: letters, digits, '-' and '_'"
             )));
         }
         if provider == Provider::Sim && model.contains('/') {
@@ -174,6 +185,7 @@ impl std::fmt::Display for ModelSpec {
             Provider::Gemini => "gemini",
             Provider::Vertex => "vertex_ai",
             Provider::VertexEndpoint => "vertex_endpoint",
+            Provider::Http => "http",
             Provider::Sim => "sim",
             Provider::Local => "local",
         };
@@ -201,6 +213,8 @@ pub struct ProviderOptions {
     /// provider's usual one ([`KEY_VARS`]): one endpoint of a pool called with another key,
     /// or another service account's credentials file for Vertex AI.
     pub key_var: Option<String>,
+    /// The file describing `http/<name>` models (`--http-models`; default `WEIR_HTTP_MODELS`).
+    pub http_models: Option<String>,
 }
 
 /// The environment variables a provider reads its credential from, which
@@ -408,10 +422,11 @@ async fn connect_embed(
             let url = format!("{}/publishers/google/models/{}:predict", site.root("v1"), spec.model);
             make(EmbedApi::Vertex, url, http::Credential::Tokens(site.tokens.clone()))
         }
-        Provider::Anthropic => {
+        Provider::Anthropic | Provider::Http => {
             return Err(ProviderError::Config(format!(
-            "--task embed: {spec}: Anthropic has no embedding models; use openai/, gemini/, vertex_ai/ or local/ ones"
-        )))
+                "--task embed: {spec} has no embeddings weir knows how to ask for; use openai/, gemini/, vertex_ai/ or \
+                 local/ models"
+            )))
         }
         Provider::VertexEndpoint => {
             return Err(ProviderError::Config(format!(
@@ -501,7 +516,7 @@ pub fn connect_jobs(
             let jobs = jobs::AnthropicJobs::new(anthropic::client()?, &base, &spec.model, key);
             Ok(Arc::new(jobs.with_limits(limit(jobs::ANTHROPIC_LIMITS))))
         }
-        Provider::VertexEndpoint | Provider::Local => Err(ProviderError::Config(format!(
+        Provider::VertexEndpoint | Provider::Local | Provider::Http => Err(ProviderError::Config(format!(
             "--mode batch: {spec}: batch jobs are supported for openai/, anthropic/, gemini/ and vertex_ai/ models"
         ))),
     }
@@ -589,6 +604,10 @@ pub async fn connect(
                 }
             };
             Ok(Endpoint { handler, resident: None })
+        }
+        Provider::Http => {
+            let handler = webapi::connect(&spec.model, options.http_models.as_deref(), env)?;
+            Ok(Endpoint { handler: Arc::new(handler), resident: None })
         }
         Provider::Local | Provider::Sim => unreachable!("served by registered connectors (see connect)"),
     }

@@ -17,6 +17,7 @@ fn request(prompt: &str) -> ModelRequest {
         system: None,
         params: Arc::new(GenParams::default()),
         media: Default::default(),
+        fields: None,
     }
 }
 

@@ -497,3 +497,54 @@ def test_a_response_schema_gives_parsed_values(sim):
         [{"prompt": "b", "params": {"response_schema": schema}}, "c"]
     )
     assert isinstance(per_item[0].value, dict) and per_item[1].value is None, per_item
+
+
+def test_an_http_model_from_a_models_file(tmp_path, monkeypatch):
+    # Issue #37: any JSON API as http/<name>; templates in Python know {prompt} and {system}.
+    import http.server
+    import json
+
+    calls = []
+
+    class Api(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            ok = self.headers.get("X-Api-Key") == "py-secret-77"
+            calls.append(body["q"])
+            out = json.dumps({"out": {"text": body["q"][::-1], "lang": body["target"]}} if ok else {"error": "key"}).encode()
+            self.send_response(200 if ok else 401)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Api)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        models = tmp_path / "models.toml"
+        models.write_text(
+            f'[models.rev]\nurl = "http://127.0.0.1:{server.server_port}/rev"\n'
+            'headers = { X-Api-Key = "${PY_REV_KEY}" }\n'
+            'body = { q = "{prompt}", target = "{system}" }\nanswer = "/out/text"\n'
+        )
+        monkeypatch.setenv("PY_REV_KEY", "py-secret-77")
+        engine = weir.Engine("http/rev", http_models=str(models), system="de", cache=False)
+        r = engine.generate(["abc", {"id": 2, "prompt": "hello"}])
+        assert [x.text for x in r] == ["cba", "olleh"], r
+        assert sorted(calls) == ["abc", "hello"]
+        # A field other than prompt and system is the item's error, with no call.
+        other = tmp_path / "models-lang.toml"
+        other.write_text(models.read_text().replace('target = "{system}"', 'target = "{lang}"'))
+        engine = weir.Engine("http/rev", http_models=str(other), cache=False, max_retries=0)
+        r = engine.generate(["x"])
+        assert not r[0].ok and r[0].error_kind == "invalid_input" and "'lang'" in r[0].error_message, r[0]
+        assert len(calls) == 2
+        unset = tmp_path / "models-unset.toml"
+        unset.write_text(models.read_text().replace("PY_REV_KEY", "PY_REV_UNSET_KEY"))
+        with pytest.raises(weir.ConfigError, match="PY_REV_UNSET_KEY"):
+            weir.Engine("http/rev", http_models=str(unset), cache=False).generate(["y"])
+    finally:
+        server.shutdown()

@@ -48,6 +48,11 @@ pub struct EndpointArgs {
     /// weight, rpm and tpm, all optional (see the README). Keys stay in the environment.
     #[arg(long, value_name = "FILE")]
     pub endpoints: Option<String>,
+    /// The TOML file describing http/<name> models, one [models.NAME] table each: url, method,
+    /// headers (values may read ${ENV_VARS}), body template, answer and usage JSON pointers,
+    /// and which statuses to retry (see the README) [default: WEIR_HTTP_MODELS].
+    #[arg(long, value_name = "FILE")]
+    pub http_models: Option<String>,
     /// Most calls in flight at once.
     #[arg(long, value_name = "N", default_value_t = 64)]
     pub max_concurrency: usize,
@@ -203,6 +208,7 @@ impl EndpointArgs {
             base_url: self.base_url.first().cloned(),
             project: self.project.clone(),
             location: self.locations().first().cloned(),
+            http_models: self.http_models.clone(),
             ..ProviderOptions::default()
         }
     }

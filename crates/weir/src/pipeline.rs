@@ -507,9 +507,13 @@ fn stream_refused_for_jobs() -> RunError {
 /// The process's endpoints (`weir_runtime`), with the run's limits and timeouts, connecting
 /// with the keys `env` holds.
 fn runtime_for(settings: &RunSettings, env: &(dyn Fn(&str) -> Option<String> + Sync)) -> Arc<weir_runtime::Runtime> {
-    // The pool's own key variables too.
-    let names =
-        weir_providers::ENV_VARS.iter().copied().chain(settings.pool.iter().filter_map(|e| e.key_env.as_deref()));
+    // The pool's own key variables too, and those an http/ models file reads.
+    let http = weir_providers::webapi::variables(settings.provider.http_models.as_deref(), env);
+    let names = weir_providers::ENV_VARS
+        .iter()
+        .copied()
+        .chain(settings.pool.iter().filter_map(|e| e.key_env.as_deref()))
+        .chain(http.iter().map(String::as_str));
     let env: HashMap<String, String> = names.filter_map(|k| env(k).map(|v| (k.to_string(), v))).collect();
     let connector: weir_runtime::Connector = Arc::new(move |spec, options| {
         let env = env.clone();

@@ -372,6 +372,7 @@ assert "".join(ch.text or "" for ch in c.models.generate_content_stream(model="g
         system: Some("be brief".into()),
         params: std::sync::Arc::new(params),
         media: Default::default(),
+        fields: None,
     };
     endpoint.handler.generate(&request).await.unwrap();
     use futures::StreamExt;

@@ -1,0 +1,659 @@
+//! `http/<name>`: any JSON-over-HTTP API called once per record, as Beam's `RequestResponseIO`
+//! calls one: a translation, moderation or classification service that is not a language
+//! model. A small TOML file (`--http-models FILE`, or `WEIR_HTTP_MODELS`) says for each name the
+//! method and URL, the headers (values may take environment variables, which are treated as
+//! secrets), a body template over the record's fields, where the answer and the usage are in
+//! the response (JSON pointers), and which statuses mean "slow down", "try again" or "give up".
+//! Everything else — throttle, retries, cache, resume, tables, SQL, Python — is the engine's,
+//! as for every other model.
+//!
+//! ```toml
+//! [models.translate]
+//! url = "https://translation.example.com/v2/translate"
+//! headers = { Authorization = "Bearer ${TRANSLATE_KEY}" }
+//! body = { q = "{prompt}", target = "de" }
+//! answer = "/data/translations/0/translatedText"
+//! ```
+//!
+//! Keys go in headers (`${VAR}` there reads the environment); the URL is written as is, with
+//! placeholders after its host.
+//!
+//! Templates hold `{name}` placeholders: `{prompt}` (the record's prompt, as `--prompt-field` or
+//! `--prompt-template` make it), `{system}`, or any field of the record. In the body, a string
+//! that is a placeholder alone takes the field's JSON value (a number stays a number); inside
+//! other text it takes the value's text. In the URL the text is percent-encoded. `{{` and `}}`
+//! are literal braces.
+
+use serde::Deserialize;
+use serde_json::{Map, Value};
+use std::collections::{BTreeMap, BTreeSet};
+use weir_core::{ErrorKind, ModelError, ModelHandler, ModelRequest, ModelResponse, RetryHint, Usage};
+
+use crate::http::{clip, Credential, Reply, Secret};
+use crate::ProviderError;
+
+/// The environment variable naming the models file when `--http-models` is not given.
+pub const MODELS_VAR: &str = "WEIR_HTTP_MODELS";
+
+/// The file as written.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawFile {
+    models: BTreeMap<String, RawModel>,
+}
+
+/// One model as written.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawModel {
+    url: String,
+    #[serde(default)]
+    method: Option<String>,
+    #[serde(default)]
+    headers: BTreeMap<String, String>,
+    #[serde(default)]
+    body: Option<toml::Value>,
+    answer: String,
+    #[serde(default)]
+    prompt_tokens: Option<String>,
+    #[serde(default)]
+    output_tokens: Option<String>,
+    #[serde(default)]
+    retry_later: Option<Vec<u16>>,
+    #[serde(default)]
+    retry: Option<Vec<u16>>,
+    #[serde(default)]
+    permanent: Option<Vec<u16>>,
+}
+
+/// A piece of a template: literal text, or a placeholder's name.
+#[derive(Debug, Clone, PartialEq)]
+enum Piece {
+    Text(String),
+    Field(String),
+}
+
+/// A string with `{name}` placeholders (`{{`, `}}`: literal braces).
+#[derive(Debug, Clone, PartialEq)]
+struct Text(Vec<Piece>);
+
+impl Text {
+    fn parse(s: &str, at: &str) -> Result<Self, String> {
+        let mut pieces = Vec::new();
+        let mut lit = String::new();
+        let mut chars = s.chars().peekable();
+        while let Some(c) = chars.next() {
+            match c {
+                '{' if chars.peek() == Some(&'{') => {
+                    chars.next();
+                    lit.push('{');
+                }
+                '}' if chars.peek() == Some(&'}') => {
+                    chars.next();
+                    lit.push('}');
+                }
+                '{' => {
+                    let mut name = String::new();
+                    loop {
+                        match chars.next() {
+                            Some('}') => break,
+                            Some(c) => name.push(c),
+                            None => {
+                                return Err(format!("{at}: '{{{name}' is not closed by '}}' (write {{{{ for a brace)"))
+                            }
+                        }
+                    }
+                    let name = name.trim();
+                    if name.is_empty() || name.contains(['{', '"']) {
+                        return Err(format!("{at}: '{{{name}}}' does not name a field (write {{{{ for a brace)"));
+                    }
+                    if !lit.is_empty() {
+                        pieces.push(Piece::Text(std::mem::take(&mut lit)));
+                    }
+                    pieces.push(Piece::Field(name.to_string()));
+                }
+                '}' => return Err(format!("{at}: a lone '}}' (write }}}} for a brace)")),
+                c => lit.push(c),
+            }
+        }
+        if !lit.is_empty() {
+            pieces.push(Piece::Text(lit));
+        }
+        Ok(Self(pieces))
+    }
+
+    fn names(&self) -> impl Iterator<Item = &str> {
+        self.0.iter().filter_map(|p| match p {
+            Piece::Field(n) => Some(n.as_str()),
+            Piece::Text(_) => None,
+        })
+    }
+
+    /// The text with each placeholder's value; `escape` makes a value's text fit (the URL's).
+    fn render(&self, vars: &Vars<'_>, escape: fn(&str) -> String) -> Result<String, ModelError> {
+        let mut out = String::new();
+        for p in &self.0 {
+            match p {
+                Piece::Text(t) => out.push_str(t),
+                Piece::Field(n) => out.push_str(&escape(&text_of(&vars.get(n)?))),
+            }
+        }
+        Ok(out)
+    }
+
+    /// The placeholder's name, when the template is one placeholder and nothing else.
+    fn alone(&self) -> Option<&str> {
+        match self.0.as_slice() {
+            [Piece::Field(n)] => Some(n),
+            _ => None,
+        }
+    }
+}
+
+/// A value's text: a string as it is, anything else as JSON.
+fn text_of(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+/// A JSON body whose strings (and keys) are templates.
+#[derive(Debug, Clone)]
+enum Body {
+    Text(Text),
+    Array(Vec<Body>),
+    Object(Vec<(Text, Body)>),
+    Other(Value),
+}
+
+impl Body {
+    fn parse(v: &Value, at: &str) -> Result<Self, String> {
+        Ok(match v {
+            Value::String(s) => Body::Text(Text::parse(s, at)?),
+            Value::Array(a) => Body::Array(
+                a.iter().enumerate().map(|(i, x)| Body::parse(x, &format!("{at}[{i}]"))).collect::<Result<_, _>>()?,
+            ),
+            Value::Object(o) => Body::Object(
+                o.iter()
+                    .map(|(k, x)| Ok((Text::parse(k, at)?, Body::parse(x, &format!("{at}.{k}"))?)))
+                    .collect::<Result<_, String>>()?,
+            ),
+            other => Body::Other(other.clone()),
+        })
+    }
+
+    fn names<'a>(&'a self, out: &mut BTreeSet<&'a str>) {
+        match self {
+            Body::Text(t) => out.extend(t.names()),
+            Body::Array(a) => a.iter().for_each(|b| b.names(out)),
+            Body::Object(o) => o.iter().for_each(|(k, b)| {
+                out.extend(k.names());
+                b.names(out)
+            }),
+            Body::Other(_) => {}
+        }
+    }
+
+    fn render(&self, vars: &Vars<'_>) -> Result<Value, ModelError> {
+        Ok(match self {
+            Body::Text(t) => match t.alone() {
+                Some(name) => vars.get(name)?,
+                None => Value::String(t.render(vars, str::to_string)?),
+            },
+            Body::Array(a) => Value::Array(a.iter().map(|b| b.render(vars)).collect::<Result<_, _>>()?),
+            Body::Object(o) => {
+                let mut m = Map::new();
+                for (k, b) in o {
+                    m.insert(k.render(vars, str::to_string)?, b.render(vars)?);
+                }
+                Value::Object(m)
+            }
+            Body::Other(v) => v.clone(),
+        })
+    }
+}
+
+/// What placeholders name, for one request.
+struct Vars<'a> {
+    request: &'a ModelRequest,
+}
+
+impl Vars<'_> {
+    fn get(&self, name: &str) -> Result<Value, ModelError> {
+        match name {
+            "prompt" => Ok(Value::String(self.request.prompt.clone())),
+            "system" => Ok(Value::String(self.request.system.as_deref().unwrap_or("").to_string())),
+            field => self.request.fields.as_ref().and_then(|f| f.get(field)).cloned().ok_or_else(|| {
+                ModelError::new(
+                    ErrorKind::InvalidInput,
+                    format!(
+                        "the record has no field '{field}', which the http model's template names (weir sql and \
+                         Python give templates {{prompt}} and {{system}} only)"
+                    ),
+                )
+            }),
+        }
+    }
+}
+
+/// How an answer's status is taken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Class {
+    /// Slow down: a rate limit (waits as `Retry-After` says; the throttle learns from it).
+    Later,
+    /// Try again after a back-off.
+    Retry,
+    /// Give up on the record.
+    Permanent,
+}
+
+/// One `http/<name>` model, checked.
+#[derive(Debug)]
+struct Spec {
+    method: reqwest::Method,
+    url: Text,
+    /// The URL with placeholders left out, for the cache's and the quota's name of the endpoint.
+    endpoint: String,
+    headers: Vec<(reqwest::header::HeaderName, String)>,
+    secrets: Vec<Secret>,
+    body: Option<Body>,
+    answer: String,
+    prompt_tokens: Option<String>,
+    output_tokens: Option<String>,
+    classes: BTreeMap<u16, Class>,
+    fields: Vec<String>,
+}
+
+fn pointer(p: &str, at: &str) -> Result<String, String> {
+    if p.is_empty() || p.starts_with('/') {
+        Ok(p.to_string())
+    } else {
+        Err(format!(
+            "{at}: '{p}' is not a JSON pointer (it starts with '/', e.g. /data/0/text; \"\" is the whole answer)"
+        ))
+    }
+}
+
+/// `${VAR}` in `value` replaced by the variable's value (each a secret); `$$` is a `$`.
+fn expand(
+    value: &str,
+    at: &str,
+    env: &(dyn Fn(&str) -> Option<String> + Sync),
+) -> Result<(String, Vec<Secret>), String> {
+    let mut out = String::new();
+    let mut secrets = Vec::new();
+    let mut rest = value;
+    while let Some(i) = rest.find('$') {
+        out.push_str(&rest[..i]);
+        let after = &rest[i + 1..];
+        if let Some(r) = after.strip_prefix('$') {
+            out.push('$');
+            rest = r;
+        } else if let Some(r) = after.strip_prefix('{') {
+            let end = r.find('}').ok_or_else(|| format!("{at}: '${{' is not closed by '}}'"))?;
+            let var = &r[..end];
+            let v = env(var)
+                .filter(|v| !v.trim().is_empty())
+                .ok_or_else(|| format!("{at}: the environment variable {var} is not set (or empty)"))?;
+            out.push_str(&v);
+            secrets.push(Secret::new(v));
+            rest = &r[end + 1..];
+        } else {
+            out.push('$');
+            rest = after;
+        }
+    }
+    out.push_str(rest);
+    Ok((out, secrets))
+}
+
+impl Spec {
+    fn check(name: &str, raw: RawModel, env: &(dyn Fn(&str) -> Option<String> + Sync)) -> Result<Self, String> {
+        let at = |what: &str| format!("models.{name}.{what}");
+        let method = match raw.method.as_deref().map(str::to_ascii_uppercase).as_deref() {
+            None | Some("POST") => reqwest::Method::POST,
+            Some("GET") => reqwest::Method::GET,
+            Some("PUT") => reqwest::Method::PUT,
+            Some(other) => return Err(format!("{}: '{other}' is not GET, POST or PUT", at("method"))),
+        };
+        let url = Text::parse(&raw.url, &at("url"))?;
+        // Where the calls go, written out before any placeholder or query: https, or plain
+        // http to this machine only (a field may not choose the host).
+        let endpoint = raw.url.split(['?', '#', '{']).next().unwrap_or("").to_string();
+        let whole = endpoint.len() == raw.url.split(['?', '#']).next().unwrap_or("").len();
+        if !whole && !endpoint.split_once("://").is_some_and(|(_, rest)| rest.contains('/')) {
+            return Err(format!("{}: the scheme and host must be written out, not come from a field", at("url")));
+        }
+        crate::http::check_base_url(&endpoint).map_err(|e| format!("{}: {e}", at("url")))?;
+        let mut headers = Vec::new();
+        let mut secrets = Vec::new();
+        for (k, v) in &raw.headers {
+            let header = reqwest::header::HeaderName::from_bytes(k.as_bytes())
+                .map_err(|_| format!("{}: '{k}' is not a header name", at("headers")))?;
+            let (value, s) = expand(v, &at(&format!("headers.{k}")), env)?;
+            reqwest::header::HeaderValue::from_str(&value)
+                .map_err(|_| format!("{}: not a header value (a control character?)", at(&format!("headers.{k}"))))?;
+            headers.push((header, value));
+            secrets.extend(s);
+        }
+        let body = match raw.body {
+            None => None,
+            // A table is the JSON body; a string holds the JSON text.
+            Some(toml::Value::String(s)) => {
+                let v: Value = serde_json::from_str(&s).map_err(|e| format!("{}: not JSON: {e}", at("body")))?;
+                Some(Body::parse(&v, &at("body"))?)
+            }
+            Some(t) => {
+                let v = serde_json::to_value(t).map_err(|e| format!("{}: {e}", at("body")))?;
+                Some(Body::parse(&v, &at("body"))?)
+            }
+        };
+        if body.is_some() && method == reqwest::Method::GET {
+            return Err(format!("{}: a GET request has no body; put the fields in the URL", at("body")));
+        }
+        // The defaults of lists not given, then the lists given, which override them.
+        let lists = [
+            (raw.retry_later, Class::Later, vec![429]),
+            (raw.retry, Class::Retry, [408, 500, 502, 503, 504].to_vec()),
+            (raw.permanent, Class::Permanent, vec![]),
+        ];
+        let mut classes = BTreeMap::new();
+        for (list, class, default) in &lists {
+            if list.is_none() {
+                classes.extend(default.iter().map(|s| (*s, *class)));
+            }
+        }
+        let mut given = BTreeMap::new();
+        for (list, class, _) in &lists {
+            for s in list.iter().flatten().copied() {
+                if !(300..=599).contains(&s) {
+                    return Err(format!("models.{name}: {s} is not an error status (300-599)"));
+                }
+                if given.insert(s, *class).is_some_and(|c| c != *class) {
+                    return Err(format!("models.{name}: status {s} is in two of retry_later, retry and permanent"));
+                }
+                classes.insert(s, *class);
+            }
+        }
+        let mut names = BTreeSet::new();
+        names.extend(url.names());
+        if let Some(b) = &body {
+            b.names(&mut names);
+        }
+        let fields = names.into_iter().filter(|n| !matches!(*n, "prompt" | "system")).map(str::to_string).collect();
+        Ok(Self {
+            method,
+            url,
+            endpoint,
+            headers,
+            secrets,
+            body,
+            answer: pointer(&raw.answer, &at("answer"))?,
+            prompt_tokens: raw.prompt_tokens.as_deref().map(|p| pointer(p, &at("prompt_tokens"))).transpose()?,
+            output_tokens: raw.output_tokens.as_deref().map(|p| pointer(p, &at("output_tokens"))).transpose()?,
+            classes,
+            fields,
+        })
+    }
+}
+
+/// The environment variables the models file (`path`, else [`MODELS_VAR`]) reads in its
+/// headers: a front end that hands the providers a snapshot of the environment takes these too.
+/// None when there is no file or it cannot be read (connecting says why).
+pub fn variables(path: Option<&str>, env: &(dyn Fn(&str) -> Option<String> + Sync)) -> Vec<String> {
+    let Some(path) = path.map(str::to_string).or_else(|| env(MODELS_VAR)) else { return Vec::new() };
+    let Ok(file) =
+        std::fs::read_to_string(&path).map_err(drop).and_then(|t| toml::from_str::<RawFile>(&t).map_err(drop))
+    else {
+        return Vec::new();
+    };
+    let mut names = BTreeSet::new();
+    for value in file.models.values().flat_map(|m| m.headers.values()) {
+        for part in value.split("${").skip(1) {
+            if let Some((name, _)) = part.split_once('}') {
+                names.insert(name.to_string());
+            }
+        }
+    }
+    names.into_iter().collect()
+}
+
+/// The model `name` from the models file (`path`, else [`MODELS_VAR`]), with its header
+/// variables read from `env`.
+pub fn connect(
+    name: &str,
+    path: Option<&str>,
+    env: &(dyn Fn(&str) -> Option<String> + Sync),
+) -> Result<HttpModel, ProviderError> {
+    let path =
+        path.map(str::to_string).or_else(|| env(MODELS_VAR).filter(|p| !p.trim().is_empty())).ok_or_else(|| {
+            ProviderError::Config(format!(
+                "--model http/{name}: say where http models are described with --http-models FILE (or {MODELS_VAR})"
+            ))
+        })?;
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| ProviderError::Config(format!("--http-models {path}: cannot read it: {e}")))?;
+    let file: RawFile =
+        toml::from_str(&text).map_err(|e| ProviderError::Config(format!("--http-models {path}: {e}")))?;
+    let known: Vec<String> = file.models.keys().cloned().collect();
+    let mut models = file.models;
+    let raw = models.remove(name).ok_or_else(|| {
+        ProviderError::Config(format!(
+            "--model http/{name}: {path} has no [models.{name}] (it has: {})",
+            if known.is_empty() { "none".to_string() } else { known.join(", ") }
+        ))
+    })?;
+    let spec = Spec::check(name, raw, env).map_err(|e| ProviderError::Config(format!("--http-models {path}: {e}")))?;
+    let client = crate::http::client()?;
+    Ok(HttpModel {
+        client,
+        model_id: format!("http/{name}"),
+        quota: spec.secrets.iter().map(|s| s.expose().to_string()).collect::<Vec<_>>().join("\n"),
+        spec,
+    })
+}
+
+/// A client of one `http/<name>` model.
+#[derive(Debug)]
+pub struct HttpModel {
+    client: reqwest::Client,
+    model_id: String,
+    /// The secrets the calls carry, joined: what tells this quota from another key's.
+    quota: String,
+    spec: Spec,
+}
+
+impl HttpModel {
+    /// The request for `request`: its URL and body.
+    fn build(&self, request: &ModelRequest) -> Result<(String, Option<bytes::Bytes>), ModelError> {
+        let vars = Vars { request };
+        let escape = |s: &str| url::form_urlencoded::byte_serialize(s.as_bytes()).collect::<String>();
+        let url = self.spec.url.render(&vars, escape)?;
+        let body = match &self.spec.body {
+            Some(b) => Some(bytes::Bytes::from(serde_json::to_vec(&b.render(&vars)?).unwrap_or_default())),
+            None => None,
+        };
+        Ok((url, body))
+    }
+
+    /// Masks every secret the calls carry in `e`'s message.
+    fn redacted(&self, e: ModelError) -> ModelError {
+        self.spec.secrets.iter().fold(e, |e, s| crate::http::redact(e, Some(s)))
+    }
+
+    /// An answer other than 2xx, taken as the model's file says.
+    fn classify(&self, reply: &Reply) -> ModelError {
+        let status = reply.status;
+        let text = String::from_utf8_lossy(&reply.body);
+        let message = clip(&format!("HTTP {status}: {}", text.trim()));
+        let e = crate::http::status_error(status, &reply.headers, message.clone());
+        match self.spec.classes.get(&status) {
+            Some(Class::Later) => ModelError {
+                kind: ErrorKind::RateLimited,
+                hint: RetryHint::Later(crate::http::retry_after(&reply.headers)),
+                ..e
+            },
+            Some(Class::Retry) => ModelError { kind: ErrorKind::Server, hint: RetryHint::Backoff, ..e },
+            Some(Class::Permanent) => ModelError { kind: ErrorKind::BadRequest, hint: RetryHint::Never, ..e },
+            // Unlisted: as any HTTP API's (401/403 a rejected key, other 4xx the request's fault).
+            None => e,
+        }
+    }
+
+    fn parse(&self, body: &[u8]) -> Result<ModelResponse, ModelError> {
+        let v: Value = serde_json::from_slice(body)
+            .map_err(|e| ModelError::new(ErrorKind::MalformedResponse, format!("the answer is not JSON: {e}")))?;
+        let answer = v.pointer(&self.spec.answer).ok_or_else(|| {
+            ModelError::new(
+                ErrorKind::MalformedResponse,
+                clip(&format!("the answer has nothing at {}: {v}", self.spec.answer)),
+            )
+        })?;
+        let count = |p: &Option<String>| p.as_deref().and_then(|p| v.pointer(p)).and_then(Value::as_u64).unwrap_or(0);
+        let (prompt_tokens, output_tokens) = (count(&self.spec.prompt_tokens), count(&self.spec.output_tokens));
+        Ok(ModelResponse {
+            text: text_of(answer),
+            finish_reason: "stop".into(),
+            usage: Usage { prompt_tokens, output_tokens, total_tokens: prompt_tokens + output_tokens },
+            model_version: None,
+            limits: None,
+            embedding: None,
+        })
+    }
+}
+
+#[async_trait::async_trait]
+impl ModelHandler for HttpModel {
+    async fn generate(&self, request: &ModelRequest) -> Result<ModelResponse, ModelError> {
+        let (url, body) = self.build(request)?;
+        let build = || {
+            let mut req = self.client.request(self.spec.method.clone(), &url);
+            for (k, v) in &self.spec.headers {
+                req = req.header(k, v);
+            }
+            match &body {
+                Some(b) => req.header(reqwest::header::CONTENT_TYPE, "application/json").body(b.clone()),
+                None => req,
+            }
+        };
+        let (reply, _) = Credential::None.send(build).await.map_err(|e| self.redacted(e))?;
+        if !(200..300).contains(&reply.status) {
+            return Err(self.redacted(self.classify(&reply)));
+        }
+        self.parse(&reply.body).map_err(|e| self.redacted(e))
+    }
+
+    fn model_id(&self) -> &str {
+        &self.model_id
+    }
+
+    fn endpoint(&self) -> &str {
+        &self.spec.endpoint
+    }
+
+    fn record_fields(&self) -> &[String] {
+        &self.spec.fields
+    }
+
+    fn quota_credential(&self) -> Option<&str> {
+        (!self.quota.is_empty()).then_some(self.quota.as_str())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    fn model(toml_text: &str, env: &[(&str, &str)]) -> Result<HttpModel, String> {
+        let raw: RawFile = toml::from_str(toml_text).map_err(|e| e.to_string())?;
+        let (name, raw) = raw.models.into_iter().next().unwrap();
+        let env: Vec<(String, String)> = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let get = move |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+        let spec = Spec::check(&name, raw, &get)?;
+        Ok(HttpModel { client: reqwest::Client::new(), model_id: format!("http/{name}"), quota: String::new(), spec })
+    }
+
+    fn request(prompt: &str, fields: Value) -> ModelRequest {
+        ModelRequest {
+            prompt: prompt.into(),
+            system: None,
+            params: Default::default(),
+            media: Vec::new().into(),
+            fields: fields.as_object().cloned().map(Arc::new),
+        }
+    }
+
+    #[test]
+    fn bodies_and_urls_are_rendered_from_the_record() {
+        let m = model(
+            r#"[models.t]
+url = "http://127.0.0.1:9/v2/{lang}/translate?q={prompt}"
+headers = { Authorization = "Bearer ${KEY}", X-Fixed = "a$$b" }
+body = { q = "{prompt}", n = "{n}", tags = ["{lang}", "x {n} y"], "{lang}" = 1, braces = "{{lit}}" }
+answer = "/data/0/text"
+"#,
+            &[("KEY", "s3cret")],
+        )
+        .unwrap();
+        assert_eq!(m.record_fields(), ["lang", "n"]);
+        let (url, body) = m.build(&request("a b&c", serde_json::json!({"lang": "de/at", "n": 7}))).unwrap();
+        assert_eq!(url, "http://127.0.0.1:9/v2/de%2Fat/translate?q=a+b%26c");
+        let body: Value = serde_json::from_slice(&body.unwrap()).unwrap();
+        assert_eq!(
+            body,
+            serde_json::json!({"q": "a b&c", "n": 7, "tags": ["de/at", "x 7 y"], "de/at": 1, "braces": "{lit}"})
+        );
+        assert_eq!(m.spec.headers[0].1, "Bearer s3cret");
+        assert_eq!(m.spec.headers[1].1, "a$b");
+        let missing = m.build(&request("p", serde_json::json!({"lang": "de"}))).unwrap_err();
+        assert_eq!(missing.kind, ErrorKind::InvalidInput);
+        assert!(missing.message.contains("'n'"), "{missing}");
+    }
+
+    #[test]
+    fn bad_models_are_refused_saying_what_to_fix() {
+        let base = "url = \"https://api.example.com/x\"\nanswer = \"/a\"\n";
+        for (extra, says) in [
+            ("method = \"DELETE\"", "is not GET, POST or PUT"),
+            ("headers = { A = \"${NOPE}\" }", "NOPE is not set"),
+            ("body = \"{not json\"", "not JSON"),
+            ("body = { q = \"{unclosed\" }", "is not closed"),
+            ("retry = [429]\nretry_later = [429]", "two of"),
+            ("retry = [200]", "not an error status"),
+            ("colour = 1", "unknown field"),
+        ] {
+            let e = model(&format!("[models.m]\n{base}{extra}\n"), &[]).err().unwrap();
+            assert!(e.contains(says), "{extra}: {e}");
+        }
+        let e = model("[models.m]\nurl = \"http://example.com/x\"\nanswer = \"/a\"\n", &[]).err().unwrap();
+        assert!(e.contains("https"), "{e}");
+        let e = model("[models.m]\nurl = \"https://x.com/\"\nanswer = \"a\"\n", &[]).err().unwrap();
+        assert!(e.contains("JSON pointer"), "{e}");
+        for url in ["{host}/x", "https://{host}/x", "https://api.{domain}.com/x"] {
+            let e = model(&format!("[models.m]\nurl = \"{url}\"\nanswer = \"/a\"\n"), &[]).err().unwrap();
+            assert!(e.contains("written out"), "{url}: {e}");
+        }
+    }
+
+    #[test]
+    fn answers_usage_and_statuses_are_read_as_the_file_says() {
+        let m = model(
+            "[models.m]\nurl = \"https://x.com/\"\nanswer = \"/out\"\nprompt_tokens = \"/u/in\"\noutput_tokens = \"/u/out\"\nretry_later = [429, 503]\npermanent = [500]\n",
+            &[],
+        )
+        .unwrap();
+        let r = m.parse(br#"{"out": "hallo", "u": {"in": 3, "out": 2}}"#).unwrap();
+        assert_eq!((r.text.as_str(), r.usage.prompt_tokens, r.usage.output_tokens), ("hallo", 3, 2));
+        let r = m.parse(br#"{"out": {"label": "ok", "score": 0.5}}"#).unwrap();
+        assert_eq!(r.text, r#"{"label":"ok","score":0.5}"#);
+        assert_eq!(m.parse(br#"{"other": 1}"#).unwrap_err().kind, ErrorKind::MalformedResponse);
+        let reply = |status: u16| Reply { status, headers: Default::default(), body: bytes::Bytes::from_static(b"{}") };
+        assert_eq!(m.classify(&reply(503)).kind, ErrorKind::RateLimited);
+        assert_eq!(m.classify(&reply(500)).kind, ErrorKind::BadRequest);
+        assert_eq!(m.classify(&reply(502)).kind, ErrorKind::Server);
+        assert_eq!(m.classify(&reply(401)).kind, ErrorKind::Auth);
+        assert_eq!(m.classify(&reply(422)).kind, ErrorKind::BadRequest);
+    }
+}

@@ -1,0 +1,235 @@
+//! `http/<name>` models (issue #37): any JSON-over-HTTP API, here a translation service on
+//! loopback that enforces a quota of 20 requests per 1-second window and answers above it with
+//! 429 and a whole-second `Retry-After`. Every record is answered once (the service counts the
+//! calls that succeeded for each text), a finished run pays nothing again, a record without a
+//! field the template names is an error row with no call, and the key never leaves the
+//! request.
+
+mod util;
+
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use util::*;
+
+const KEY: &str = "tr-key-4f1c9e0b77";
+
+#[derive(Default)]
+struct Seen {
+    /// Successful calls for each text.
+    answered: HashMap<String, u32>,
+    refused: u32,
+    window: (u64, u32),
+}
+
+/// The service: `POST /v2/translate {"q", "target"}` → `{"data": {"translations":
+/// [{"translatedText"}]}, "usage": {"characters"}}`, the text reversed and tagged.
+async fn serve(limit: u32) -> (String, Arc<Mutex<Seen>>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let start = Instant::now();
+    let state = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let state = state.clone();
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                    let state = state.clone();
+                    async move {
+                        let auth = req.headers().get("authorization").and_then(|v| v.to_str().ok()).unwrap_or("");
+                        let ok_key = auth == format!("Bearer {KEY}");
+                        let path = req.uri().path().to_string();
+                        let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+                        let reply = |status: u16, headers: &[(&str, &str)], body: String| {
+                            let mut r = hyper::Response::builder().status(status);
+                            for (k, v) in headers {
+                                r = r.header(*k, *v);
+                            }
+                            Ok::<_, std::convert::Infallible>(r.body(Full::new(Bytes::from(body))).unwrap())
+                        };
+                        if !ok_key {
+                            return reply(401, &[], r#"{"error": "bad key"}"#.into());
+                        }
+                        if path != "/v2/translate" {
+                            return reply(404, &[], "{}".into());
+                        }
+                        let v: serde_json::Value = match serde_json::from_slice(&body) {
+                            Ok(v) => v,
+                            Err(_) => return reply(400, &[], r#"{"error": "not JSON"}"#.into()),
+                        };
+                        let (Some(q), Some(target)) = (v["q"].as_str(), v["target"].as_str()) else {
+                            return reply(400, &[], r#"{"error": "q and target are required"}"#.into());
+                        };
+                        {
+                            let mut s = state.lock().unwrap();
+                            let window = start.elapsed().as_secs();
+                            if s.window.0 != window {
+                                s.window = (window, 0);
+                            }
+                            if s.window.1 >= limit {
+                                s.refused += 1;
+                                return reply(429, &[("retry-after", "1")], r#"{"error": "quota"}"#.into());
+                            }
+                            s.window.1 += 1;
+                            *s.answered.entry(q.to_string()).or_default() += 1;
+                        }
+                        tokio::time::sleep(Duration::from_millis(30)).await;
+                        let text: String = q.chars().rev().collect();
+                        let out = serde_json::json!({"data": {"translations": [{"translatedText": format!("{target}:{text}")}]},
+                            "usage": {"characters": q.chars().count()}});
+                        reply(200, &[("content-type", "application/json")], out.to_string())
+                    }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    (format!("http://{addr}"), seen)
+}
+
+fn models(dir: &Dir, url: &str) -> std::path::PathBuf {
+    dir.write(
+        "models.toml",
+        format!(
+            r#"[models.translate]
+url = "{url}/v2/translate"
+headers = {{ Authorization = "Bearer ${{TR_KEY}}" }}
+body = {{ q = "{{prompt}}", target = "{{lang}}", format = "text" }}
+answer = "/data/translations/0/translatedText"
+prompt_tokens = "/usage/characters"
+"#
+        )
+        .as_bytes(),
+    )
+}
+
+fn args(dir: &Dir, models: &std::path::Path, input: &std::path::Path) -> Vec<String> {
+    let out = dir.path("out.jsonl");
+    [
+        "run",
+        "--model",
+        "http/translate",
+        "--http-models",
+        models.to_str().unwrap(),
+        "--input",
+        input.to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+        "--id-field",
+        "id",
+        "--prompt-field",
+        "text",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_http_model_under_a_quota_answers_every_record_once() {
+    let (url, seen) = serve(20).await;
+    let dir = Dir::new("http-api-quota");
+    let models = models(&dir, &url);
+    let mut data = Vec::new();
+    let mut ids = Vec::new();
+    for i in 0..300 {
+        let lang = ["de", "fr", "ja"][i % 3];
+        data.extend_from_slice(
+            format!("{{\"id\":\"t{i}\",\"text\":\"sentence {i}\",\"lang\":\"{lang}\"}}\n").as_bytes(),
+        );
+        ids.push(format!("t{i}"));
+    }
+    // A record without the field the body names: an error row, no call.
+    data.extend_from_slice(b"{\"id\":\"nolang\",\"text\":\"sentence x\"}\n");
+    let input = dir.write("in.jsonl", &data);
+    let started = Instant::now();
+    let o = weir().args(args(&dir, &models, &input)).env("TR_KEY", KEY).output().await.unwrap();
+    let took = started.elapsed();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "one error row: {err}");
+    let (results, errors) = (rows(&dir.path("out.jsonl")), rows(&dir.path("out.errors.jsonl")));
+    let mut all = ids.clone();
+    all.push("nolang".into());
+    assert_each_id_once(&all, &results, &errors);
+    assert_eq!(results.len(), 300, "{err}");
+    for r in &results {
+        let i: usize = r["id"].as_str().unwrap()[1..].parse().unwrap();
+        let want =
+            format!("{}:{}", ["de", "fr", "ja"][i % 3], format!("sentence {i}").chars().rev().collect::<String>());
+        assert_eq!(r["response"], want.as_str(), "{r}");
+        assert_eq!(r["model"], "http/translate");
+        assert_eq!(r["usage"]["prompt_tokens"], format!("sentence {i}").len() as u64, "{r}");
+    }
+    assert_eq!(errors[0]["kind"], "invalid_input", "{}", errors[0]);
+    assert!(errors[0]["message"].as_str().unwrap().contains("'lang'"), "{}", errors[0]);
+    let (answered, refused) = {
+        let s = seen.lock().unwrap();
+        (s.answered.clone(), s.refused)
+    };
+    assert_eq!(answered.len(), 300, "each text once");
+    assert!(answered.values().all(|n| *n == 1), "a text answered twice");
+    assert!(!answered.contains_key("sentence x"), "the record without its field made no call");
+    // 300 calls at 20 per second take 15 windows at least.
+    assert!(took >= Duration::from_secs(14), "{took:?}");
+    eprintln!("http model: 300 calls in {took:?}, {refused} refused ({:.1} %)", 100.0 * refused as f64 / 300.0);
+    assert!((refused as f64) < 0.25 * 300.0, "{refused} refusals: {err}");
+    // The key is in no file weir wrote, and not in its log.
+    assert!(!err.contains(KEY));
+    for path in walk(&dir.0) {
+        if path.file_name().is_some_and(|n| n == "models.toml") {
+            continue;
+        }
+        let bytes = std::fs::read(&path).unwrap_or_default();
+        assert!(!String::from_utf8_lossy(&bytes).contains(KEY), "{}", path.display());
+    }
+    // Run again: every record is finished, nothing is sent.
+    let o = weir().args(args(&dir, &models, &input)).env("TR_KEY", KEY).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert_eq!(seen.lock().unwrap().answered.values().sum::<u32>(), 300, "{}", stderr(&o));
+}
+
+/// A models file that cannot work is exit 2 before any call, saying what to fix; a rejected
+/// key stops the run without showing the key.
+#[tokio::test(flavor = "multi_thread")]
+async fn http_model_mistakes_are_usage_errors_and_a_wrong_key_stops_the_run() {
+    let (url, seen) = serve(100).await;
+    let dir = Dir::new("http-api-refusals");
+    let input = dir.write("in.jsonl", b"{\"id\":\"a\",\"text\":\"x\",\"lang\":\"de\"}\n");
+    let good = models(&dir, &url);
+    let bad = |name: &str, text: &str| dir.write(name, text.as_bytes());
+    for (models, env, says) in [
+        (good.clone(), None, "TR_KEY is not set"),
+        (
+            bad("m1.toml", "[models.other]\nurl = \"https://x.com/\"\nanswer = \"/a\"\n"),
+            Some(KEY),
+            "has no [models.translate]",
+        ),
+        (bad("m2.toml", "[models.translate]\nurl = \"http://example.com/\"\nanswer = \"/a\"\n"), Some(KEY), "https"),
+        (
+            bad("m3.toml", "[models.translate]\nurl = \"https://x.com/\"\nanswer = \"/a\"\ncolour = 1\n"),
+            Some(KEY),
+            "unknown field",
+        ),
+        (dir.path("missing.toml"), Some(KEY), "cannot read it"),
+    ] {
+        let mut cmd = weir();
+        cmd.args(args(&dir, &models, &input));
+        match env {
+            Some(k) => cmd.env("TR_KEY", k),
+            None => cmd.env_remove("TR_KEY"),
+        };
+        let o = cmd.output().await.unwrap();
+        assert_eq!(o.status.code(), Some(2), "{says}: {}", stderr(&o));
+        assert!(stderr(&o).contains(says), "{says}: {}", stderr(&o));
+    }
+    let o = weir().args(args(&dir, &good, &input)).env("TR_KEY", "wrong-key-123456").output().await.unwrap();
+    let err = stderr(&o);
+    assert_ne!(o.status.code(), Some(0), "{err}");
+    assert!(!err.contains("wrong-key-123456"), "{err}");
+    assert!(seen.lock().unwrap().answered.is_empty());
+}
