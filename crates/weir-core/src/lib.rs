@@ -37,7 +37,7 @@ pub use metrics::{Percentiles, RunMetrics};
 pub use outcome::{Failure, LimitInfo, ModelResponse, Outcome, Success, Usage};
 pub use params::{GenParams, ParamError};
 pub use pool::{Absorbed, EndpointHealth, EndpointStatus, Pool, PoolMember};
-pub use record::{PromptSource, Record, RecordId, RecordSpec, Template, TemplateError};
+pub use record::{template_pieces, PromptSource, Record, RecordId, RecordSpec, Template, TemplateError, TemplatePiece};
 pub use retry::{Decision, RetryPolicy};
 pub use throttle::{
     is_pushback, Admitted, Delegate, Grant, QuotaStore, RateLimiter, RateSettings, RateSnapshot, Sharing, SreThrottler,

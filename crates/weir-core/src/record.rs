@@ -108,10 +108,61 @@ pub struct Template {
     pieces: Vec<Piece>,
 }
 
+/// A piece of a `{field}` template: literal text, or the name of a field.
 #[derive(Debug, Clone, PartialEq)]
-enum Piece {
+pub enum TemplatePiece {
+    /// Text as it is (with `{{` and `}}` already made single braces).
     Text(String),
+    /// A placeholder's field name (trimmed).
     Field(String),
+}
+use TemplatePiece as Piece;
+
+/// Splits `text` into literal text and `{field}` placeholders (`{{` and `}}` are literal
+/// braces), rejecting unbalanced braces and empty names: the one reading of templates, for
+/// prompts and for `http/` models' bodies alike.
+pub fn template_pieces(text: &str) -> Result<Vec<TemplatePiece>, String> {
+    let mut pieces = Vec::new();
+    let mut lit = String::new();
+    let mut chars = text.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '{' if chars.peek() == Some(&'{') => {
+                chars.next();
+                lit.push('{');
+            }
+            '}' if chars.peek() == Some(&'}') => {
+                chars.next();
+                lit.push('}');
+            }
+            '{' => {
+                let mut name = String::new();
+                loop {
+                    match chars.next() {
+                        Some('}') => break,
+                        Some('{') | None => {
+                            return Err(format!("unclosed '{{' in {text:?}; write {{{{ for a literal brace"))
+                        }
+                        Some(c) => name.push(c),
+                    }
+                }
+                let name = name.trim().to_string();
+                if name.is_empty() {
+                    return Err(format!("empty field name '{{}}' in {text:?}"));
+                }
+                if !lit.is_empty() {
+                    pieces.push(Piece::Text(std::mem::take(&mut lit)));
+                }
+                pieces.push(Piece::Field(name));
+            }
+            '}' => return Err(format!("unmatched '}}' in {text:?}; write }}}} for a literal brace")),
+            c => lit.push(c),
+        }
+    }
+    if !lit.is_empty() {
+        pieces.push(Piece::Text(lit));
+    }
+    Ok(pieces)
 }
 
 /// A template that cannot be used.
@@ -122,50 +173,7 @@ pub struct TemplateError(String);
 impl Template {
     /// Parses a template, rejecting unbalanced braces and empty field names.
     pub fn parse(text: &str) -> Result<Self, TemplateError> {
-        let mut pieces = Vec::new();
-        let mut lit = String::new();
-        let mut chars = text.chars().peekable();
-        while let Some(c) = chars.next() {
-            match c {
-                '{' if chars.peek() == Some(&'{') => {
-                    chars.next();
-                    lit.push('{');
-                }
-                '}' if chars.peek() == Some(&'}') => {
-                    chars.next();
-                    lit.push('}');
-                }
-                '{' => {
-                    let mut name = String::new();
-                    loop {
-                        match chars.next() {
-                            Some('}') => break,
-                            Some('{') | None => {
-                                return Err(TemplateError(format!(
-                                    "unclosed '{{' in {text:?}; write {{{{ for a literal brace"
-                                )))
-                            }
-                            Some(c) => name.push(c),
-                        }
-                    }
-                    let name = name.trim().to_string();
-                    if name.is_empty() {
-                        return Err(TemplateError(format!("empty field name '{{}}' in {text:?}")));
-                    }
-                    if !lit.is_empty() {
-                        pieces.push(Piece::Text(std::mem::take(&mut lit)));
-                    }
-                    pieces.push(Piece::Field(name));
-                }
-                '}' => {
-                    return Err(TemplateError(format!("unmatched '}}' in {text:?}; write }}}} for a literal brace")))
-                }
-                c => lit.push(c),
-            }
-        }
-        if !lit.is_empty() {
-            pieces.push(Piece::Text(lit));
-        }
+        let pieces = template_pieces(text).map_err(TemplateError)?;
         if !pieces.iter().any(|p| matches!(p, Piece::Field(_))) {
             return Err(TemplateError(format!("{text:?} names no {{field}}, so every prompt would be the same")));
         }

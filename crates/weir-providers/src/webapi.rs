@@ -66,60 +66,16 @@ struct RawModel {
     permanent: Option<Vec<u16>>,
 }
 
-/// A piece of a template: literal text, or a placeholder's name.
-#[derive(Debug, Clone, PartialEq)]
-enum Piece {
-    Text(String),
-    Field(String),
-}
+use weir_core::TemplatePiece as Piece;
 
-/// A string with `{name}` placeholders (`{{`, `}}`: literal braces).
+/// A string with `{name}` placeholders (`{{`, `}}`: literal braces), read as prompt templates
+/// are ([`weir_core::template_pieces`]).
 #[derive(Debug, Clone, PartialEq)]
 struct Text(Vec<Piece>);
 
 impl Text {
     fn parse(s: &str, at: &str) -> Result<Self, String> {
-        let mut pieces = Vec::new();
-        let mut lit = String::new();
-        let mut chars = s.chars().peekable();
-        while let Some(c) = chars.next() {
-            match c {
-                '{' if chars.peek() == Some(&'{') => {
-                    chars.next();
-                    lit.push('{');
-                }
-                '}' if chars.peek() == Some(&'}') => {
-                    chars.next();
-                    lit.push('}');
-                }
-                '{' => {
-                    let mut name = String::new();
-                    loop {
-                        match chars.next() {
-                            Some('}') => break,
-                            Some(c) => name.push(c),
-                            None => {
-                                return Err(format!("{at}: '{{{name}' is not closed by '}}' (write {{{{ for a brace)"))
-                            }
-                        }
-                    }
-                    let name = name.trim();
-                    if name.is_empty() || name.contains(['{', '"']) {
-                        return Err(format!("{at}: '{{{name}}}' does not name a field (write {{{{ for a brace)"));
-                    }
-                    if !lit.is_empty() {
-                        pieces.push(Piece::Text(std::mem::take(&mut lit)));
-                    }
-                    pieces.push(Piece::Field(name.to_string()));
-                }
-                '}' => return Err(format!("{at}: a lone '}}' (write }}}} for a brace)")),
-                c => lit.push(c),
-            }
-        }
-        if !lit.is_empty() {
-            pieces.push(Piece::Text(lit));
-        }
-        Ok(Self(pieces))
+        weir_core::template_pieces(s).map(Self).map_err(|e| format!("{at}: {e}"))
     }
 
     fn names(&self) -> impl Iterator<Item = &str> {
@@ -619,7 +575,7 @@ answer = "/data/0/text"
             ("method = \"DELETE\"", "is not GET, POST or PUT"),
             ("headers = { A = \"${NOPE}\" }", "NOPE is not set"),
             ("body = \"{not json\"", "not JSON"),
-            ("body = { q = \"{unclosed\" }", "is not closed"),
+            ("body = { q = \"{unclosed\" }", "unclosed '{'"),
             ("retry = [429]\nretry_later = [429]", "two of"),
             ("retry = [200]", "not an error status"),
             ("colour = 1", "unknown field"),
