@@ -14,7 +14,8 @@ Cases (simulated quota windows of a few seconds, so each case runs in about a mi
      (every window full from the start) and the share of 429s;
   7. a hidden concurrency cap shared by four processes on one key (issue #32), against a sweep
      of fixed totals run in the same invocation.
-Usage: bench/quota.py [CASE...]   (default: all). Needs a release build (it makes one, unless
+Usage: bench/quota.py [CASE...]   (default: all); MODEL=provider/model (default
+gemini/gemini-2.5-flash; anthropic/claude-haiku-4-5 for the Anthropic client). Needs a release build (it makes one, unless
 WEIR_BIN names the binary to measure).
 """
 import json, os, socket, subprocess, sys, tempfile, time, urllib.request
@@ -27,6 +28,9 @@ if not BIN:
     TARGET = os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target"))
     BIN = os.path.join(TARGET, "release", "weir")
 WORK = tempfile.mkdtemp()
+# MODEL=anthropic/claude-haiku-4-5 measures the Anthropic client (its 429s and rate-limit
+# headers, as the simulator gives them) instead of the Gemini API's.
+MODEL = os.environ.get("MODEL", "gemini/gemini-2.5-flash")
 
 
 def free_port():
@@ -60,7 +64,7 @@ def dataset(name, n, prompt_len=40):
 def run(url, data, *extra):
     out = os.path.join(WORK, f"out-{time.monotonic_ns()}.jsonl")
     t0 = time.monotonic()
-    p = subprocess.run([BIN, "run", "--model", "gemini/gemini-2.5-flash", "--base-url", url, "--input", data,
+    p = subprocess.run([BIN, "run", "--model", MODEL, "--base-url", url, "--input", data,
                         "--output", out, "--id-field", "id", "--no-state", "--progress", "never", "--max-retries", "50", *extra],
                        capture_output=True, text=True)
     secs = time.monotonic() - t0
@@ -170,7 +174,7 @@ def run_many(url, paths, weir_args, kill_at=0.0):
     """Runs one `weir run` per input in `paths` at once; when each ended (seconds from the start),
     their stderr, and whether the first was killed with SIGKILL at `kill_at` seconds."""
     t0 = time.monotonic()
-    ps = [subprocess.Popen([BIN, "run", "--model", "gemini/gemini-2.5-flash", "--base-url", url, "--input", p,
+    ps = [subprocess.Popen([BIN, "run", "--model", MODEL, "--base-url", url, "--input", p,
                             "--output", p + f".{time.monotonic_ns()}.out", "--id-field", "id", "--no-state",
                             "--progress", "never", "--max-retries", "50", *weir_args],
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -226,8 +226,16 @@ pub fn limit_headers(headers: &reqwest::header::HeaderMap) -> Option<LimitInfo> 
     let text = |k: &str| headers.get(k).and_then(|v| v.to_str().ok()).map(str::trim);
     let num = |k: &str| text(k).and_then(|v| v.parse::<u64>().ok());
     let reset = |k: &str| {
-        let at = humantime::parse_rfc3339_weak(text(k)?.trim_end_matches('Z')).ok()?;
-        Some(at.duration_since(std::time::SystemTime::now()).unwrap_or_default())
+        let stamp = text(k)?.trim_end_matches('Z');
+        let at = humantime::parse_rfc3339_weak(stamp).ok()?;
+        let left = at.duration_since(std::time::SystemTime::now()).unwrap_or_default();
+        // A time in whole seconds is the true one cut down to its second: the wait is rounded
+        // up to whole seconds, which is then never shorter than the true one by a second (a
+        // quota window learned from it would be a second short: 100 per 4 s for 100 per 5 s).
+        Some(match stamp.contains('.') {
+            true => left,
+            false => std::time::Duration::from_secs(left.as_secs() + u64::from(left.subsec_nanos() > 0)),
+        })
     };
     let (tokens, tokens_reset) = match num("anthropic-ratelimit-tokens-limit") {
         Some(n) => (Some(n), reset("anthropic-ratelimit-tokens-reset")),
@@ -523,8 +531,8 @@ mod tests {
         h.insert("anthropic-ratelimit-input-tokens-limit", "40000".parse().unwrap());
         let l = limit_headers(&h).unwrap();
         assert_eq!((l.requests, l.tokens), (Some(50), Some(40000)));
-        let r = l.requests_reset.unwrap().as_secs();
-        assert!((28..=30).contains(&r), "{r}");
+        // Whole seconds: the wait rounded up, never a second short of the true 30 s.
+        assert_eq!(l.requests_reset, Some(std::time::Duration::from_secs(30)));
     }
 
     #[test]

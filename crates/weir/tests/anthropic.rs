@@ -39,9 +39,11 @@ async fn claude_at_its_quota_with_whole_second_advice() {
     assert!(out.iter().all(|r| r["usage"]["output_tokens"].as_u64() > Some(0)));
     let s = sim.stats();
     assert_eq!(s.requests - s.rate_limited, 300, "each record answered once");
-    // Bounded, not the issue's ≤ 2 %: under a loaded machine (CI) this 1 s window saw 12 %
-    // (its reset headers are whole seconds, too coarse for a 1 s window); see the note on #37.
-    assert!(s.rate_limited * 100 <= s.requests * 25, "{} of {} refused: {err}", s.rate_limited, s.requests);
+    eprintln!("anthropic quota: {} of {} refused", s.rate_limited, s.requests);
+    // Reset headers in whole seconds are rounded up, not down (read as 0 s for a 1 s window,
+    // they sent a window's worth early: 12 % refused on a loaded machine); 0 of 300 here
+    // unloaded, and the issue's ≤ 2 % is measured in bench/quota.py. Bounded at 5 % for load.
+    assert!(s.rate_limited * 100 <= s.requests * 5, "{} of {} refused: {err}", s.rate_limited, s.requests);
     assert!(err.contains("claude-haiku-4-5 at $1/$5"), "{err}");
     assert!(!err.contains("SECRET") && !std::fs::read_to_string(dir.path("out.jsonl")).unwrap().contains("SECRET"));
     sim.shutdown().await;
