@@ -233,3 +233,46 @@ async fn http_model_mistakes_are_usage_errors_and_a_wrong_key_stops_the_run() {
     assert!(!err.contains("wrong-key-123456"), "{err}");
     assert!(seen.lock().unwrap().answered.is_empty());
 }
+
+/// The same model over a CSV table in `weir run`, and in `weir sql` (where its template has the
+/// prompt: `llm_generate('http/…', column)`), each row answered once.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_http_model_over_tables_and_in_sql() {
+    let (url, seen) = serve(100).await;
+    let dir = Dir::new("http-api-tables");
+    let models = models(&dir, &url);
+    let csv = dir.write("in.csv", b"id,text,lang\nc1,first line,de\nc2,\"second, quoted\",fr\nc3,third,ja\n");
+    let o = weir().args(args(&dir, &models, &csv)).env("TR_KEY", KEY).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out: HashMap<String, String> = rows(&dir.path("out.jsonl"))
+        .into_iter()
+        .map(|r| (r["id"].as_str().unwrap().to_string(), r["response"].as_str().unwrap().to_string()))
+        .collect();
+    assert_eq!(out["c2"], "fr:detouq ,dnoces");
+    assert_eq!(out.len(), 3);
+    if cfg!(feature = "sql") {
+        // In SQL the template knows {prompt} only: a model whose body names no other field.
+        let sql_models = dir.write(
+            "sql-models.toml",
+            format!(
+                "[models.de]\nurl = \"{url}/v2/translate\"\nheaders = {{ Authorization = \"Bearer ${{TR_KEY}}\" }}\n\
+                 body = {{ q = \"{{prompt}}\", target = \"de\" }}\nanswer = \"/data/translations/0/translatedText\"\n"
+            )
+            .as_bytes(),
+        );
+        let o = weir()
+            .current_dir(&dir.0)
+            .env("TR_KEY", KEY)
+            .args(["sql", "--format", "jsonl", "--http-models", sql_models.to_str().unwrap()])
+            .arg("SELECT id, llm_generate('http/de', text) AS t FROM 'in.csv' ORDER BY id")
+            .output()
+            .await
+            .unwrap();
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        let rows: Vec<serde_json::Value> =
+            String::from_utf8_lossy(&o.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        let got: Vec<&str> = rows.iter().map(|r| r["t"].as_str().unwrap()).collect();
+        assert_eq!(got, ["de:enil tsrif", "de:detouq ,dnoces", "de:driht"]);
+    }
+    assert_eq!(seen.lock().unwrap().answered.values().sum::<u32>(), if cfg!(feature = "sql") { 6 } else { 3 });
+}
