@@ -209,7 +209,8 @@ enum Class {
 struct Spec {
     method: reqwest::Method,
     url: Text,
-    /// The URL with placeholders left out, for the cache's and the quota's name of the endpoint.
+    /// The URL up to its first placeholder or query, and a digest of the request's shape: the
+    /// cache's and the quota's name of the endpoint.
     endpoint: String,
     headers: Vec<(reqwest::header::HeaderName, String)>,
     secrets: Vec<Secret>,
@@ -282,6 +283,21 @@ impl Spec {
             return Err(format!("{}: the scheme and host must be written out, not come from a field", at("url")));
         }
         crate::http::check_base_url(&endpoint).map_err(|e| format!("{}: {e}", at("url")))?;
+        // The endpoint names the answers' source for the response cache: it carries a digest of
+        // everything that shapes a request and reads its answer as written (headers with their
+        // variables' names, never their values), so that a model file changed between runs (a
+        // target language, another pointer) is not answered from the old one's cache.
+        let shape = serde_json::json!([
+            raw.method.as_deref().unwrap_or("POST").to_ascii_uppercase(),
+            raw.url,
+            raw.headers,
+            raw.body.as_ref().map(|b| serde_json::to_value(b).unwrap_or_default()),
+            raw.answer,
+            raw.prompt_tokens,
+            raw.output_tokens,
+        ]);
+        let digest = ring::digest::digest(&ring::digest::SHA256, shape.to_string().as_bytes());
+        let endpoint = format!("{endpoint}#{}", hex::encode(&digest.as_ref()[..6]));
         let mut headers = Vec::new();
         let mut secrets = Vec::new();
         for (k, v) in &raw.headers {
@@ -554,6 +570,14 @@ answer = "/data/0/text"
         )
         .unwrap();
         assert_eq!(m.record_fields(), ["lang", "n"]);
+        assert!(m.endpoint().starts_with("http://127.0.0.1:9/v2/#"), "{}", m.endpoint());
+        // Another body is another source of answers (the cache keeps them apart).
+        let other = model(
+            "[models.t]\nurl = \"http://127.0.0.1:9/v2/{lang}/translate?q={prompt}\"\nanswer = \"/data/0/text\"\n",
+            &[],
+        )
+        .unwrap();
+        assert_ne!(m.endpoint(), other.endpoint());
         let (url, body) = m.build(&request("a b&c", serde_json::json!({"lang": "de/at", "n": 7}))).unwrap();
         assert_eq!(url, "http://127.0.0.1:9/v2/de%2Fat/translate?q=a+b%26c");
         let body: Value = serde_json::from_slice(&body.unwrap()).unwrap();

@@ -250,6 +250,16 @@ async fn an_http_model_over_tables_and_in_sql() {
         .collect();
     assert_eq!(out["c2"], "fr:detouq ,dnoces");
     assert_eq!(out.len(), 3);
+    // The models file changed (the same fields, another body): new answers, not the cached ones.
+    let changed = std::fs::read_to_string(&models).unwrap().replace("q = \"{prompt}\"", "q = \"{prompt}!\"");
+    let changed = dir.write("models-xx.toml", changed.as_bytes());
+    let mut again = args(&dir, &changed, &csv);
+    let at = again.iter().position(|a| a == "--output").unwrap();
+    again[at + 1] = dir.path("out-xx.jsonl").to_str().unwrap().to_string();
+    let o = weir().args(&again).env("TR_KEY", KEY).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let xx = rows(&dir.path("out-xx.jsonl"));
+    assert!(xx.len() == 3 && xx.iter().all(|r| r["response"].as_str().unwrap().contains(":!")), "{xx:?}");
     if cfg!(feature = "sql") {
         // In SQL the template knows {prompt} only: a model whose body names no other field.
         let sql_models = dir.write(
@@ -274,5 +284,5 @@ async fn an_http_model_over_tables_and_in_sql() {
         let got: Vec<&str> = rows.iter().map(|r| r["t"].as_str().unwrap()).collect();
         assert_eq!(got, ["de:enil tsrif", "de:detouq ,dnoces", "de:driht"]);
     }
-    assert_eq!(seen.lock().unwrap().answered.values().sum::<u32>(), if cfg!(feature = "sql") { 6 } else { 3 });
+    assert_eq!(seen.lock().unwrap().answered.values().sum::<u32>(), if cfg!(feature = "sql") { 9 } else { 6 });
 }
