@@ -546,7 +546,17 @@ pub fn check_report_path(path: &std::path::Path, own: &[&std::path::Path]) -> Re
         }
     }
     match std::fs::metadata(path) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        // Found before the run, not after it: the directory takes a new file.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let probe = dir.join(format!(".weir-report-probe-{}", std::process::id()));
+            match std::fs::OpenOptions::new().write(true).create_new(true).open(&probe) {
+                Ok(_) => {
+                    let _ = std::fs::remove_file(&probe);
+                    Ok(())
+                }
+                Err(e) => Err(format!("--report {shown}: cannot write in {}: {e}", dir.display())),
+            }
+        }
         Err(e) => Err(format!("--report {shown}: {e}")),
         Ok(m) if !m.is_file() => Err(format!("--report {shown}: exists and is not a regular file; give a file path")),
         Ok(_) => {

@@ -23,30 +23,39 @@ pub struct ReportArgs {
 
 /// Writes the report of the run `args` names.
 pub async fn run(args: ReportArgs) -> anyhow::Result<u8> {
-    let trimmed = args.output.trim_end_matches('/');
+    let to = rebuild(&args.output, args.state, args.report)?;
+    eprintln!("weir: report written to {}", to.display());
+    Ok(0)
+}
+
+/// Writes the report of the run with `--output` `output` (and `--state` `state`) from the series
+/// its state directory keeps, to `report` (default: beside the output); where it went.
+pub fn rebuild(output: &str, state: Option<PathBuf>, report: Option<PathBuf>) -> anyhow::Result<PathBuf> {
+    let trimmed = output.trim_end_matches('/');
+    let output_arg = output;
     let output = std::path::Path::new(trimmed);
-    let dir = match (&args.state, trimmed.contains("://")) {
+    let dir = match (&state, trimmed.contains("://")) {
         (Some(d), _) => d.clone(),
         (None, true) => PathBuf::from(".weir"),
         (None, false) => weir_io::state::default_dir(output),
     };
     // Named as `weir run` names the output's state: a file's, or a table's.
     let mut names = vec![weir_io::state::output_state_name(output, &dir)];
-    if let Ok(location) = weir_tables::Location::parse(&args.output) {
+    if let Ok(location) = weir_tables::Location::parse(output_arg) {
         names.push(weir::pipeline::table_state_name(&location));
     }
     let series = names.iter().map(|n| dir.join("runs").join(format!("{n}.series.json"))).find(|p| p.is_file());
     let Some(series) = series else {
         return Err(UsageError(format!(
             "no saved series of a run with --output {} in {} (a run keeps one in its state directory unless it had --no-state or --no-report, or was killed in its first second; give --state if the run had one)",
-            args.output,
+            output_arg,
             dir.display()
         ))
         .into());
     };
     let saved = std::fs::read_to_string(&series).with_context(|| format!("cannot read {}", series.display()))?;
     let html = weir_runtime::dash::report_of(&saved).map_err(|e| UsageError(format!("{}: {e}", series.display())))?;
-    let to = match args.report {
+    let to = match report {
         Some(p) => p,
         None if trimmed.contains("://") => {
             return Err(UsageError("the output is in an object store: give --report PATH".into()).into())
@@ -55,6 +64,5 @@ pub async fn run(args: ReportArgs) -> anyhow::Result<u8> {
     };
     let own = [output, series.as_path()];
     weir_runtime::dash::write_report(&to, &html, &own).map_err(UsageError)?;
-    eprintln!("weir: report written to {}", to.display());
-    Ok(0)
+    Ok(to)
 }

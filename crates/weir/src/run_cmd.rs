@@ -970,6 +970,13 @@ pub async fn run(args: RunArgs) -> anyhow::Result<u8> {
     } else {
         "run the same command again to resume"
     };
+    // A run stopped at once still gets its report, from the series saved last (at most 10 s
+    // old): the end of the run is not in it.
+    // (A table output's is left to `weir report`.)
+    let saved_report = match (&settings.report, &settings.state, &settings.table_output) {
+        (Some(to), weir::StateMode::Dir(dir), None) => Some((settings.output.display(), dir.clone(), to.clone())),
+        _ => None,
+    };
     let mut signals = crate::signals::StopSignals::new()?;
     let last = Arc::new(std::sync::Mutex::new(crate::signals::Stop::Interrupt));
     let seen = last.clone();
@@ -981,6 +988,15 @@ pub async fn run(args: RunArgs) -> anyhow::Result<u8> {
             presses += 1;
             if presses >= 2 {
                 eprintln!("weir: stopped at once; {after_second}");
+                if let Some((output, dir, to)) = &saved_report {
+                    match crate::report_cmd::rebuild(output, Some(dir.clone()), Some(to.clone())) {
+                        Ok(to) => eprintln!(
+                            "weir: report written to {} (from the series saved last: its last seconds are not in it)",
+                            to.display()
+                        ),
+                        Err(e) => eprintln!("weir: no report: {e}"),
+                    }
+                }
                 std::process::exit(stop.exit_status().into());
             }
             let _ = tx.send(presses);

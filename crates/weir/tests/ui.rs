@@ -244,3 +244,36 @@ async fn batch_jobs_and_their_states_are_on_the_page() {
     assert!(shown(&html, "jobs-line").contains("records settled"), "{}", shown(&html, "jobs-line"));
     sim.shutdown().await;
 }
+
+/// A run stopped at once (Ctrl-C twice) still writes its report, from the series it saved last
+/// (found by an outside tester: it wrote none).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_run_stopped_at_once_writes_its_report_from_the_saved_series() {
+    // Calls of 10 s: the first press waits for them, the second does not.
+    let mut config = weir_sim::SimConfig::default();
+    config.latency.fixed_ms = 10_000.0;
+    let sim = sim(config).await;
+    let dir = Dir::new("ui-stopped-at-once");
+    let (data, _) = prompts(200);
+    let input = dir.write("in.jsonl", &data);
+    let out = dir.path("out.jsonl");
+    let child = weir()
+        .args(["run", "--model", "gemini/gemini-2.5-flash", "--base-url", &sim.url(), "--id-field", "key"])
+        .args(["--input", input.to_str().unwrap(), "--output", out.to_str().unwrap(), "--progress", "never"])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
+    let pid = child.id().unwrap().to_string();
+    for _ in 0..2 {
+        assert!(std::process::Command::new("kill").args(["-INT", &pid]).status().unwrap().success());
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    let o = child.wait_with_output().await.unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(130), "{err}");
+    assert!(err.contains("stopped at once") && err.contains("report written to"), "{err}");
+    let report = std::fs::read_to_string(dir.path("out.jsonl.report.html")).unwrap();
+    assert!(report.starts_with("<!doctype html>"), "{}", &report[..80.min(report.len())]);
+    sim.shutdown().await;
+}
