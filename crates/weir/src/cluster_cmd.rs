@@ -297,7 +297,7 @@ async fn executor(a: ExecutorArgs) -> anyhow::Result<u8> {
             weir_runtime::dash::watch_and_serve(
                 functions.clone(),
                 &title,
-                Some(weir::pipeline::live_cost()),
+                Some(weir::pipeline::live_cost(None)),
                 addr,
                 "weir cluster executor",
             )

@@ -247,8 +247,12 @@ pub async fn run(
     // The run watched: sampled into a time series (saved in the state directory), shown live
     // with --ui, and written as a report at the end.
     let series_path = state_dir.as_ref().map(|s| s.file("series.json"));
+    // What batch jobs settled, as they settle (the live cost prices their tokens at the batch
+    // share; the summary reads it at the end).
+    let tally = Arc::new(std::sync::Mutex::new(crate::jobs::JobsTally::default()));
     let watch = (settings.ui.is_some() || settings.report.is_some()).then(|| {
-        weir_runtime::dash::Watch::new(runtime.clone(), settings.output.display(), remaining, Some(live_cost()))
+        let cost = live_cost(Some(tally.clone()));
+        weir_runtime::dash::Watch::new(runtime.clone(), settings.output.display(), remaining, Some(cost))
     });
     let sampler = watch.as_ref().map(|w| w.start(series_path.clone()));
     let ui_task = match (&watch, settings.ui) {
@@ -289,7 +293,6 @@ pub async fn run(
         }
     };
     let work = input.records(settings.records.clone(), skip, input_stop);
-    let tally = Arc::new(std::sync::Mutex::new(crate::jobs::JobsTally::default()));
     // --mode auto: jobs for a large input (or to re-attach to an earlier run's jobs), else online.
     let jobs_api =
         choose_jobs(&settings, jobs_api, &input, total, resuming && jobs_ledger.as_deref().is_some_and(has_jobs))
@@ -481,13 +484,22 @@ pub async fn run(
     Ok(report)
 }
 
-/// The cost of the tokens paid for so far, each model's at its price (`None`: no model of the
-/// run has a known price), for the live page.
-pub fn live_cost() -> weir_runtime::dash::CostOf {
-    Arc::new(|endpoints: &[weir_runtime::EndpointState]| {
+/// The cost of the tokens paid for so far, each model's at its price and those `jobs` settled
+/// at the batch share (`None`: no model of the run has a known price), for the live page.
+pub fn live_cost(jobs: Option<Arc<std::sync::Mutex<crate::jobs::JobsTally>>>) -> weir_runtime::dash::CostOf {
+    Arc::new(move |endpoints: &[weir_runtime::EndpointState]| {
+        // Tokens of answers batch jobs settled are in their endpoint's counts too; they cost
+        // the batch share (a run with jobs has one model).
+        let mut batch = jobs.as_ref().map_or((0, 0), |t| t.lock().unwrap_or_else(|e| e.into_inner()).tokens);
         let costs: Vec<f64> = endpoints
             .iter()
-            .filter_map(|e| crate::cost::Cost::estimate(&e.model, e.metrics.paid_tokens(), (0, 0)).map(|c| c.usd))
+            .filter_map(|e| {
+                let paid = e.metrics.paid_tokens();
+                let by_jobs = (batch.0.min(paid.0), batch.1.min(paid.1));
+                batch = (batch.0 - by_jobs.0, batch.1 - by_jobs.1);
+                let online = (paid.0 - by_jobs.0, paid.1 - by_jobs.1);
+                crate::cost::Cost::estimate(&e.model, online, by_jobs).map(|c| c.usd)
+            })
             .collect();
         (!costs.is_empty()).then(|| costs.iter().sum())
     })

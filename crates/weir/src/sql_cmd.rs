@@ -385,7 +385,7 @@ pub async fn run(mut args: SqlArgs) -> anyhow::Result<u8> {
     let settings = RuntimeSettings { cache: cache.clone().map(|c| c as Arc<dyn weir_core::ResponseCache>), ..settings };
     let functions = Runtime::new(settings);
     // The query's calls watched: a live page (--ui) and a report (--report).
-    let cost = Some(weir::pipeline::live_cost());
+    let cost = Some(weir::pipeline::live_cost(None));
     let (watch, tasks) = match args.ui {
         Some(addr) => {
             let (w, tasks) = weir_runtime::dash::watch_and_serve(functions.clone(), "weir sql", cost, addr, "weir sql")

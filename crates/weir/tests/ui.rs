@@ -242,6 +242,13 @@ async fn batch_jobs_and_their_states_are_on_the_page() {
     let html = dom(&chromium, &format!("file://{}", dir.path("out.jsonl.report.html").display())).await;
     assert_eq!(number(&html, "records-done"), 60.0, "{summary}");
     assert!(shown(&html, "jobs-line").contains("records settled"), "{}", shown(&html, "jobs-line"));
+    // The cost chart prices what jobs settled at the batch share, as the summary does (it
+    // showed the online price, twice the summary's).
+    let series = walk(&dir.0).into_iter().find(|p| p.to_string_lossy().ends_with(".series.json")).unwrap();
+    let saved: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(series).unwrap()).unwrap();
+    let charted = saved["columns"]["cost"].as_array().unwrap().last().unwrap().as_f64().unwrap();
+    let said = after(&summary, "cost: about $");
+    assert!((charted - said).abs() <= said * 0.01, "chart ${charted}, summary ${said}: {summary}");
     sim.shutdown().await;
 }
 
