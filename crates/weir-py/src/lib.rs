@@ -369,6 +369,10 @@ impl PyEngine {
                     cache: cache.clone().map(|c| c as Arc<dyn ResponseCache>),
                     pool: e.pool().map_err(|err| ConfigError::new_err(settings_error_text(&err.0)))?,
                 });
+                // Media fields may name gs:// and s3:// objects, read with the environment's
+                // credentials (or emulators), as `weir run` reads them.
+                let buckets = weir_tables::BucketMedia::new(Arc::new(|k: &str| std::env::var(k).ok()));
+                engine.set_media(Arc::new(weir_runtime::media::Loader::new(Some(Arc::new(buckets)))));
                 let s = Arc::new(Shared { engine, cache, reported: Mutex::new(HashMap::new()) });
                 engines.retain(|_, w| w.strong_count() > 0);
                 engines.insert(key, Arc::downgrade(&s));

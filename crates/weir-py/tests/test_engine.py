@@ -548,3 +548,48 @@ def test_an_http_model_from_a_models_file(tmp_path, monkeypatch):
             weir.Engine("http/rev", http_models=str(unset), cache=False).generate(["y"])
     finally:
         server.shutdown()
+
+
+def test_media_fields_read_s3_objects(sim, monkeypatch):
+    # Issue #35: media in an s3:// bucket (moto's S3 on loopback), read with the environment's
+    # credentials as `weir run` reads them; a missing object is the item's error, with no call.
+    peer = os.environ.get("WEIR_PYTHON")
+    if not peer:
+        pytest.skip("WEIR_PYTHON (with moto) is not set; scripts/setup-peers provides it")
+    moto_bin = os.path.join(os.path.dirname(peer), "moto_server")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    moto = subprocess.Popen([moto_bin, "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(100):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        put = (
+            "import sys, boto3\n"
+            "c = boto3.client('s3', endpoint_url=sys.argv[1], aws_access_key_id='test', aws_secret_access_key='test', region_name='us-east-1')\n"
+            "c.create_bucket(Bucket='bkt')\n"
+            "for i in range(3): c.put_object(Bucket='bkt', Key=f'photos/{i}.png', Body=bytes.fromhex(sys.argv[2]) + f'object {i}'.encode())\n"
+        )
+        subprocess.run([peer, "-c", put, url, PNG.hex()], check=True)
+        for k, v in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_REGION": "us-east-1",
+                     "AWS_ENDPOINT_URL": url}.items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.delenv("AWS_PROFILE", raising=False)
+        engine = weir.Engine(MODEL, sim.url, media_fields=["image"], cache=False)
+        items = [{"id": f"s{i}", "prompt": "describe", "image": f"s3://bkt/photos/{i}.png"} for i in range(3)]
+        items.append({"id": "gone", "prompt": "describe", "image": "s3://bkt/photos/none.png"})
+        r = {x.id: x for x in engine.generate(items)}
+        assert all(r[f"s{i}"].ok for i in range(3)), r
+        assert r["s0"].text != r["s1"].text, "the answer depends on the object's bytes"
+        assert not r["gone"].ok and r["gone"].error_kind == "invalid_input" and r["gone"].attempts == 0, r["gone"]
+        s = sim.stats()
+        assert (s["requests"], s["media_parts"]) == (3, 3), s
+    finally:
+        moto.terminate()
+        moto.wait()
