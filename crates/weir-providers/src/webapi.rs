@@ -91,7 +91,17 @@ impl Text {
         for p in &self.0 {
             match p {
                 Piece::Text(t) => out.push_str(t),
-                Piece::Field(n) => out.push_str(&escape(&text_of(&vars.get(n)?))),
+                // Inside text a null has no text (as in prompt templates); alone in the body it
+                // is the JSON null.
+                Piece::Field(n) => match vars.get(n)? {
+                    Value::Null => {
+                        return Err(ModelError::new(
+                            ErrorKind::InvalidInput,
+                            format!("the record's field '{n}' is null, and the http model's template puts it in text"),
+                        ))
+                    }
+                    v => out.push_str(&escape(&text_of(&v))),
+                },
             }
         }
         Ok(out)
@@ -587,6 +597,8 @@ answer = "/data/0/text"
         );
         assert_eq!(m.spec.headers[0].1, "Bearer s3cret");
         assert_eq!(m.spec.headers[1].1, "a$b");
+        let null = m.build(&request("p", serde_json::json!({"lang": null, "n": 1}))).unwrap_err();
+        assert!(null.kind == ErrorKind::InvalidInput && null.message.contains("'lang' is null"), "{null}");
         let missing = m.build(&request("p", serde_json::json!({"lang": "de"}))).unwrap_err();
         assert_eq!(missing.kind, ErrorKind::InvalidInput);
         assert!(missing.message.contains("'n'"), "{missing}");
