@@ -96,9 +96,18 @@ impl AnthropicHandler {
 
 /// An HTTP client that sends the API's version header with every request.
 pub fn client() -> Result<reqwest::Client, crate::ProviderError> {
+    crate::http::client_with(version_header())
+}
+
+/// [`client`] for Message Batches (with the job APIs' read timeout).
+pub fn job_client() -> Result<reqwest::Client, crate::ProviderError> {
+    crate::http::job_client_with(version_header())
+}
+
+fn version_header() -> reqwest::header::HeaderMap {
     let mut headers = reqwest::header::HeaderMap::new();
     headers.insert("anthropic-version", reqwest::header::HeaderValue::from_static(API_VERSION));
-    crate::http::client_with(headers)
+    headers
 }
 
 /// A user message's content with media: the text, then images (`image`) and PDFs and plain

@@ -221,16 +221,35 @@ pub fn client() -> Result<reqwest::Client, ProviderError> {
     client_with(HeaderMap::new())
 }
 
+/// How long a batch-job API call may go without receiving a byte before it fails and is tried
+/// again: a server that takes the connection and never answers held a run waiting on its jobs
+/// for ever (found by an outside tester). Long enough for an upload of a job's input to finish
+/// before the answer is read; downloads of large results go on while bytes arrive.
+pub const JOB_READ_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// The client of batch-job APIs: [`client_with`], with [`JOB_READ_TIMEOUT`]. (Model calls have
+/// `--timeout`, applied by the executor around each call.)
+pub fn job_client_with(headers: HeaderMap) -> Result<reqwest::Client, ProviderError> {
+    builder(headers)
+        .read_timeout(JOB_READ_TIMEOUT)
+        .build()
+        .map_err(|e| ProviderError::Config(format!("cannot build the HTTP client: {e}")))
+}
+
 /// As [`client`], sending `headers` with every request (an API's version header).
 pub fn client_with(headers: HeaderMap) -> Result<reqwest::Client, ProviderError> {
+    builder(headers).build().map_err(|e| ProviderError::Config(format!("cannot build the HTTP client: {e}")))
+}
+
+/// The settings every client of weir's has: `headers` on every request, a connection within
+/// 10 s, idle connections kept a minute.
+fn builder(headers: HeaderMap) -> reqwest::ClientBuilder {
     reqwest::Client::builder()
         .default_headers(headers)
         .connect_timeout(Duration::from_secs(10))
         .pool_idle_timeout(Duration::from_secs(60))
         .tcp_nodelay(true)
         .user_agent(concat!("weir/", env!("CARGO_PKG_VERSION")))
-        .build()
-        .map_err(|e| ProviderError::Config(format!("cannot build the HTTP client: {e}")))
 }
 
 /// A provider's names for the sampling parameters, which every provider takes with the same

@@ -459,7 +459,7 @@ pub fn connect_jobs(
 ) -> Result<Arc<dyn weir_core::JobApi>, ProviderError> {
     let keyed = |k: &str| keyed_env(options, env, k);
     let env: &(dyn Fn(&str) -> Option<String> + Sync) = &keyed;
-    let client = http::client()?;
+    let client = http::job_client_with(Default::default())?;
     let limit = |mut l: weir_core::JobLimits| {
         // Only ever lower than the provider's own limit.
         if let Some(n) = max_requests {
@@ -513,7 +513,7 @@ pub fn connect_jobs(
         }
         Provider::Anthropic => {
             let (base, key) = anthropic_site(options, env)?;
-            let jobs = jobs::AnthropicJobs::new(anthropic::client()?, &base, &spec.model, key);
+            let jobs = jobs::AnthropicJobs::new(anthropic::job_client()?, &base, &spec.model, key);
             Ok(Arc::new(jobs.with_limits(limit(jobs::ANTHROPIC_LIMITS))))
         }
         Provider::VertexEndpoint | Provider::Local | Provider::Http => Err(ProviderError::Config(format!(
