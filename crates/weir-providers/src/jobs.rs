@@ -83,6 +83,13 @@ fn json_post(client: &reqwest::Client, url: &str, body: &bytes::Bytes) -> reqwes
     client.post(url).header(reqwest::header::CONTENT_TYPE, "application/json").body(body.clone())
 }
 
+/// A job input line: `line` as JSON, newline-terminated.
+fn json_line(line: &Value) -> Result<Vec<u8>, ModelError> {
+    let mut bytes = serde_json::to_vec(line).map_err(|e| ModelError::new(ErrorKind::InvalidInput, e.to_string()))?;
+    bytes.push(b'\n');
+    Ok(bytes)
+}
+
 fn json_of(reply: &Reply) -> Result<Value, ModelError> {
     serde_json::from_slice(&reply.body).map_err(|e| malformed(&format!("the answer is not JSON: {e}")))
 }
@@ -245,10 +252,7 @@ impl JobApi for OpenAiJobs {
             false => self.online.body(request),
         };
         let line = json!({"custom_id": key, "method": "POST", "url": self.endpoint(), "body": body});
-        let mut bytes =
-            serde_json::to_vec(&line).map_err(|e| ModelError::new(ErrorKind::InvalidInput, e.to_string()))?;
-        bytes.push(b'\n');
-        Ok(bytes)
+        json_line(&line)
     }
 
     async fn submit(&self, name: &str, input: &JobInput) -> Result<JobRef, ModelError> {
@@ -577,10 +581,7 @@ impl JobApi for GeminiJobs {
     /// rewritten as the inline form wants it.
     fn line(&self, key: &str, request: &ModelRequest) -> Result<Vec<u8>, ModelError> {
         let line = json!({"key": key, "request": GeminiHandler::body(request)});
-        let mut bytes =
-            serde_json::to_vec(&line).map_err(|e| ModelError::new(ErrorKind::InvalidInput, e.to_string()))?;
-        bytes.push(b'\n');
-        Ok(bytes)
+        json_line(&line)
     }
 
     async fn submit(&self, name: &str, input: &JobInput) -> Result<JobRef, ModelError> {
@@ -865,10 +866,7 @@ impl JobApi for VertexJobs {
             true => json!({"content": request.prompt}),
             false => json!({"key": key, "request": GeminiHandler::body(request)}),
         };
-        let mut bytes =
-            serde_json::to_vec(&line).map_err(|e| ModelError::new(ErrorKind::InvalidInput, e.to_string()))?;
-        bytes.push(b'\n');
-        Ok(bytes)
+        json_line(&line)
     }
 
     fn answer_key(&self, _key: &str, line: &[u8]) -> Option<String> {
@@ -1098,10 +1096,7 @@ impl JobApi for AnthropicJobs {
 
     fn line(&self, key: &str, request: &ModelRequest) -> Result<Vec<u8>, ModelError> {
         let line = json!({"custom_id": custom_id(key), "params": self.online.body(request, false)?});
-        let mut bytes =
-            serde_json::to_vec(&line).map_err(|e| ModelError::new(ErrorKind::InvalidInput, e.to_string()))?;
-        bytes.push(b'\n');
-        Ok(bytes)
+        json_line(&line)
     }
 
     fn answer_key(&self, key: &str, _line: &[u8]) -> Option<String> {
