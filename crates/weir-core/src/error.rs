@@ -153,6 +153,22 @@ pub enum QuotaScope {
     Tokens,
 }
 
+/// The longest wait a server may advise (`Retry-After` and the like) that weir waits out; see
+/// [`ModelError::within_reason`]. Per-minute quotas advise seconds; a longer wait is a quota of a
+/// day or an hour spent.
+pub const LONGEST_ADVISED_WAIT: Duration = Duration::from_secs(600);
+
+/// `d` as a person reads it: `3 h 20 min`, `12 min`, `45 s`.
+fn human(d: Duration) -> String {
+    let s = d.as_secs();
+    match s {
+        0..=119 => format!("{s} s"),
+        120..=7199 => format!("{} min", s / 60),
+        7200..=172_799 => format!("{} h {} min", s / 3600, s % 3600 / 60),
+        _ => format!("{} days", s / 86_400),
+    }
+}
+
 impl ModelError {
     /// An error of `kind` with the hint that kind usually implies.
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
@@ -189,6 +205,28 @@ impl ModelError {
         self
     }
 
+    /// This error, unless the server advised a wait longer than [`LONGEST_ADVISED_WAIT`] (a
+    /// `Retry-After` of a day, or a date years away): then the quota is spent for now, and the
+    /// run stops saying so and resumes when run again. Waiting it out would hold every call in
+    /// silence (and, through a shared quota directory, every later run too).
+    pub fn within_reason(self) -> Self {
+        match self.hint {
+            RetryHint::Later(Some(advised)) if advised > LONGEST_ADVISED_WAIT => Self {
+                kind: ErrorKind::QuotaExhausted,
+                hint: RetryHint::StopRun,
+                message: format!(
+                    "the endpoint asks to wait {} before the next call (weir waits out at most {} min): the run \
+                     stops here, and the same command run again after then goes on where it stopped: {}",
+                    human(advised),
+                    LONGEST_ADVISED_WAIT.as_secs() / 60,
+                    self.message
+                ),
+                ..self
+            },
+            _ => self,
+        }
+    }
+
     /// The delay the server advised, if any.
     pub fn retry_after(&self) -> Option<Duration> {
         match self.hint {
@@ -201,6 +239,20 @@ impl ModelError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_wait_of_hours_stops_the_run_saying_so() {
+        let later = |s: u64| {
+            ModelError::new(ErrorKind::RateLimited, "429").with_hint(RetryHint::Later(Some(Duration::from_secs(s))))
+        };
+        for s in [60, 600] {
+            assert_eq!(later(s).within_reason().hint, later(s).hint);
+        }
+        let e = later(86_400).within_reason();
+        assert_eq!((e.kind, e.hint), (ErrorKind::QuotaExhausted, RetryHint::StopRun));
+        assert!(e.message.contains("wait 24 h 0 min") && e.message.ends_with(": 429"), "{}", e.message);
+        assert!(later(2_000_000_000).within_reason().message.contains("23148 days"));
+    }
 
     #[test]
     fn one_definition_of_what_is_retried() {

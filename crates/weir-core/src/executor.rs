@@ -176,7 +176,7 @@ impl Executor {
         // A call on the wire is not cancelled: the endpoint may already have counted (and
         // billed) it, so its answer is worth waiting for. Cancellation ends calls at their
         // next wait; a caller that cannot wait drops the future.
-        let result = cut(self.timeout, held, call(lane)).await;
+        let result = cut(self.timeout, held, call(lane)).await.map_err(ModelError::within_reason);
         self.metrics.record_latency(sent.elapsed());
         let first_token = result.as_ref().ok().and_then(Metered::first_token);
         admitted.finish_timed(result.as_ref().map(|v| (v.usage(), v.limits())), first_token);

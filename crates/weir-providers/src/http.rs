@@ -231,6 +231,7 @@ pub const JOB_READ_TIMEOUT: Duration = Duration::from_secs(600);
 /// `--timeout`, applied by the executor around each call.)
 pub fn job_client_with(headers: HeaderMap) -> Result<reqwest::Client, ProviderError> {
     builder(headers)
+        .redirect(reqwest::redirect::Policy::custom(same_origin))
         .read_timeout(JOB_READ_TIMEOUT)
         .build()
         .map_err(|e| ProviderError::Config(format!("cannot build the HTTP client: {e}")))
@@ -241,10 +242,34 @@ pub fn client_with(headers: HeaderMap) -> Result<reqwest::Client, ProviderError>
     builder(headers).build().map_err(|e| ProviderError::Config(format!("cannot build the HTTP client: {e}")))
 }
 
+/// A job API's redirect is followed only to the same scheme, host and port (at most 10): an
+/// API key travels in a header of its own (`x-goog-api-key`, `x-api-key`), which reqwest, unlike
+/// `Authorization`, would carry to whatever host a redirect names. Another origin's redirect is
+/// the 3xx answer itself, an error that names where it pointed.
+fn same_origin(attempt: reqwest::redirect::Attempt<'_>) -> reqwest::redirect::Action {
+    let first = attempt
+        .previous()
+        .first()
+        .map(|u| (u.scheme().to_string(), u.host_str().map(str::to_string), u.port_or_known_default()));
+    let next = attempt.url();
+    let same = first.is_some_and(|(scheme, host, port)| {
+        scheme == next.scheme() && host.as_deref() == next.host_str() && port == next.port_or_known_default()
+    });
+    if same && attempt.previous().len() <= 10 {
+        attempt.follow()
+    } else {
+        attempt.stop()
+    }
+}
+
 /// The settings every client of weir's has: `headers` on every request, a connection within
-/// 10 s, idle connections kept a minute.
+/// 10 s, idle connections kept a minute, and no redirects followed. A model call's redirect is
+/// an error (see [`status_error`]): following one would carry a key in a custom header to another
+/// host, and a 301/302 turns the POST into a GET without its body, whose answer would be taken
+/// for the record's.
 fn builder(headers: HeaderMap) -> reqwest::ClientBuilder {
     reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
         .default_headers(headers)
         .connect_timeout(Duration::from_secs(10))
         .pool_idle_timeout(Duration::from_secs(60))
@@ -598,6 +623,21 @@ pub fn status_error(status: u16, headers: &HeaderMap, message: String) -> ModelE
             ErrorKind::BadRequest,
             format!(
                 "{message} (the model or its route was not found: check --model, --base-url, --project and --location)"
+            ),
+        )
+        .with_hint(RetryHint::StopRun),
+        // weir follows no redirect of a model call (see `builder`): the endpoint moved, and every
+        // record would get the same answer.
+        300..=399 => ModelError::new(
+            ErrorKind::BadRequest,
+            format!(
+                "{message} (the endpoint redirects{}; weir does not follow redirects, which could carry the key to \
+                 another host: put the new address in --base-url or the model's url)",
+                headers
+                    .get(reqwest::header::LOCATION)
+                    .and_then(|v| v.to_str().ok())
+                    .map(|l| format!(" to {}", clip(l.split('?').next().unwrap_or(l))))
+                    .unwrap_or_default()
             ),
         )
         .with_hint(RetryHint::StopRun),

@@ -275,6 +275,26 @@ fn expand(
     Ok((out, secrets))
 }
 
+impl RawModel {
+    /// A digest of everything that shapes a request and reads its answer as written (headers
+    /// with their variables' names, never their values): a models file changed between runs (a
+    /// target language, another pointer) is another source of answers, for the response cache
+    /// and for resuming a run.
+    fn shape(&self) -> String {
+        let shape = serde_json::json!([
+            self.method.as_deref().unwrap_or("POST").to_ascii_uppercase(),
+            self.url,
+            self.headers,
+            self.body.as_ref().map(|b| serde_json::to_value(b).unwrap_or_default()),
+            self.answer,
+            self.prompt_tokens,
+            self.output_tokens,
+        ]);
+        let digest = ring::digest::digest(&ring::digest::SHA256, shape.to_string().as_bytes());
+        hex::encode(&digest.as_ref()[..6])
+    }
+}
+
 impl Spec {
     fn check(name: &str, raw: RawModel, env: &(dyn Fn(&str) -> Option<String> + Sync)) -> Result<Self, String> {
         let at = |what: &str| format!("models.{name}.{what}");
@@ -293,21 +313,9 @@ impl Spec {
             return Err(format!("{}: the scheme and host must be written out, not come from a field", at("url")));
         }
         crate::http::check_base_url(&endpoint).map_err(|e| format!("{}: {e}", at("url")))?;
-        // The endpoint names the answers' source for the response cache: it carries a digest of
-        // everything that shapes a request and reads its answer as written (headers with their
-        // variables' names, never their values), so that a model file changed between runs (a
-        // target language, another pointer) is not answered from the old one's cache.
-        let shape = serde_json::json!([
-            raw.method.as_deref().unwrap_or("POST").to_ascii_uppercase(),
-            raw.url,
-            raw.headers,
-            raw.body.as_ref().map(|b| serde_json::to_value(b).unwrap_or_default()),
-            raw.answer,
-            raw.prompt_tokens,
-            raw.output_tokens,
-        ]);
-        let digest = ring::digest::digest(&ring::digest::SHA256, shape.to_string().as_bytes());
-        let endpoint = format!("{endpoint}#{}", hex::encode(&digest.as_ref()[..6]));
+        // The endpoint names the answers' source for the response cache, with the digest of the
+        // model as written (see `shape`).
+        let endpoint = format!("{endpoint}#{}", raw.shape());
         let mut headers = Vec::new();
         let mut secrets = Vec::new();
         for (k, v) in &raw.headers {
@@ -380,16 +388,18 @@ impl Spec {
     }
 }
 
+/// The models file (`path`, else [`MODELS_VAR`]) as written; None when there is none or it
+/// cannot be read (connecting says why).
+fn read_file(path: Option<&str>, env: &(dyn Fn(&str) -> Option<String> + Sync)) -> Option<RawFile> {
+    let path = path.map(str::to_string).or_else(|| env(MODELS_VAR))?;
+    std::fs::read_to_string(&path).ok().and_then(|t| toml::from_str::<RawFile>(&t).ok())
+}
+
 /// The environment variables the models file (`path`, else [`MODELS_VAR`]) reads in its
 /// headers: a front end that hands the providers a snapshot of the environment takes these too.
 /// None when there is no file or it cannot be read (connecting says why).
 pub fn variables(path: Option<&str>, env: &(dyn Fn(&str) -> Option<String> + Sync)) -> Vec<String> {
-    let Some(path) = path.map(str::to_string).or_else(|| env(MODELS_VAR)) else { return Vec::new() };
-    let Ok(file) =
-        std::fs::read_to_string(&path).map_err(drop).and_then(|t| toml::from_str::<RawFile>(&t).map_err(drop))
-    else {
-        return Vec::new();
-    };
+    let Some(file) = read_file(path, env) else { return Vec::new() };
     let mut names = BTreeSet::new();
     for value in file.models.values().flat_map(|m| m.headers.values()) {
         for part in value.split("${").skip(1) {
@@ -399,6 +409,22 @@ pub fn variables(path: Option<&str>, env: &(dyn Fn(&str) -> Option<String> + Syn
         }
     }
     names.into_iter().collect()
+}
+
+/// Each model of the models file (`path`, else [`MODELS_VAR`]) as `name#digest` of how it is
+/// written (names given: those; none: every model), for a run's identity: a run resumed after
+/// its model's body or pointers were edited would mix the old answers with the new ones.
+pub fn shapes(
+    names: Option<&[&str]>,
+    path: Option<&str>,
+    env: &(dyn Fn(&str) -> Option<String> + Sync),
+) -> Vec<String> {
+    let Some(file) = read_file(path, env) else { return Vec::new() };
+    file.models
+        .iter()
+        .filter(|(n, _)| names.is_none_or(|names| names.contains(&n.as_str())))
+        .map(|(n, m)| format!("{n}#{}", m.shape()))
+        .collect()
 }
 
 /// The model `name` from the models file (`path`, else [`MODELS_VAR`]), with its header

@@ -180,6 +180,7 @@ pub(crate) fn identity(
     input_file: Option<&std::path::Path>,
     table: Option<&weir_tables::TableInput>,
     followed: Option<&str>,
+    env: &(dyn Fn(&str) -> Option<String> + Sync),
 ) -> Result<RunIdentity, RunError> {
     let input = match (input_file, &settings.input) {
         _ if table.is_some() => table.map(|t| t.identity()).transpose().map_err(table_error)?.unwrap_or_default(),
@@ -223,6 +224,21 @@ pub(crate) fn identity(
                     .map(|(f, mime)| mime.as_ref().map_or(f.clone(), |m| format!("{f}:{m}")))
                     .collect();
                 call.push(format!("media={}", fields.join(",")));
+            }
+            // An http/ model is its description in the models file: a run resumed after it was
+            // edited would mix the old answers with the new ones.
+            let model = settings.model.to_string();
+            let http = match (model.strip_prefix("http/"), &settings.model_field) {
+                (_, Some(_)) => Some(None),
+                (Some(name), None) => Some(Some(vec![name])),
+                (None, None) => None,
+            };
+            if let Some(names) = http {
+                let shapes =
+                    weir_providers::webapi::shapes(names.as_deref(), settings.provider.http_models.as_deref(), env);
+                if !shapes.is_empty() {
+                    call.push(format!("http={}", shapes.join(",")));
+                }
             }
             (!call.is_empty()).then(|| call.join(" "))
         },
@@ -321,7 +337,7 @@ pub(crate) async fn resume(
             let mut run_id = None;
             let journaled = if let StateMode::Dir(dir) = state_mode {
                 let name = table_state_name(&t.results);
-                let id = identity(settings, None, input.table.as_ref(), followed.as_deref())?;
+                let id = identity(settings, None, input.table.as_ref(), followed.as_deref(), env)?;
                 let ledger = weir_jobs::Ledger::path_in(dir, &name);
                 guard_jobs(&ledger, jobs_api, settings, &t.results.display).await?;
                 let (sd, resume) =
@@ -370,7 +386,7 @@ pub(crate) async fn resume(
         }
         (StateMode::Dir(dir), OutputPath::File(out), OutputPath::File(errs)) => {
             let name = state::output_state_name(out, dir);
-            let id = identity(settings, input_file.as_deref(), input.table.as_ref(), followed.as_deref())?;
+            let id = identity(settings, input_file.as_deref(), input.table.as_ref(), followed.as_deref(), env)?;
             let ledger = weir_jobs::Ledger::path_in(dir, &name);
             guard_jobs(&ledger, jobs_api, settings, &out.display().to_string()).await?;
             let (sd, resume) =

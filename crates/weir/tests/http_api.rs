@@ -253,6 +253,11 @@ async fn an_http_model_over_tables_and_in_sql() {
     // The models file changed (the same fields, another body): new answers, not the cached ones.
     let changed = std::fs::read_to_string(&models).unwrap().replace("q = \"{prompt}\"", "q = \"{prompt}!\"");
     let changed = dir.write("models-xx.toml", changed.as_bytes());
+    // Resuming the first run's output with the edited model is refused: its answers would mix
+    // with the old ones.
+    let o = weir().args(args(&dir, &changed, &csv)).env("TR_KEY", KEY).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("http=translate#"), "{}", stderr(&o));
     let mut again = args(&dir, &changed, &csv);
     let at = again.iter().position(|a| a == "--output").unwrap();
     again[at + 1] = dir.path("out-xx.jsonl").to_str().unwrap().to_string();
@@ -285,4 +290,142 @@ async fn an_http_model_over_tables_and_in_sql() {
         assert_eq!(got, ["de:enil tsrif", "de:detouq ,dnoces", "de:driht"]);
     }
     assert_eq!(seen.lock().unwrap().answered.values().sum::<u32>(), if cfg!(feature = "sql") { 9 } else { 6 });
+}
+
+/// A server that answers every request with `status` and the header `name: value`, and one that
+/// keeps every request line and header value it saw.
+async fn fixed(status: u16, name: &'static str, to: String) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let to = to.clone();
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(move |_req: hyper::Request<hyper::body::Incoming>| {
+                    let to = to.clone();
+                    async move {
+                        Ok::<_, std::convert::Infallible>(
+                            hyper::Response::builder()
+                                .status(status)
+                                .header(name, to)
+                                .body(Full::new(Bytes::from_static(b"")))
+                                .unwrap(),
+                        )
+                    }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    format!("http://{addr}")
+}
+
+async fn catcher() -> (String, Arc<Mutex<Vec<String>>>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let state = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let state = state.clone();
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                    let state = state.clone();
+                    async move {
+                        let mut s = state.lock().unwrap();
+                        s.push(format!("{} {}", req.method(), req.uri()));
+                        s.extend(req.headers().values().map(|v| String::from_utf8_lossy(v.as_bytes()).to_string()));
+                        Ok::<_, std::convert::Infallible>(hyper::Response::new(Full::new(Bytes::from_static(
+                            br#"{"data":{"translations":[{"translatedText":"caught"}]}}"#,
+                        ))))
+                    }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    (format!("http://{addr}"), seen)
+}
+
+/// A model endpoint that redirects (to another host here: another port) is not followed, for
+/// an `http/` model with its key in a custom header and for the Gemini API (`x-goog-api-key`):
+/// the key never reaches the other host, no answer of a POST turned GET is taken, and the run
+/// stops saying the endpoint redirects.
+#[tokio::test(flavor = "multi_thread")]
+async fn redirects_are_not_followed_and_carry_no_key_away() {
+    let (elsewhere, caught) = catcher().await;
+    let dir = Dir::new("http-api-redirect");
+    let input = dir.write("in.jsonl", b"{\"id\":\"a\",\"text\":\"x\"}\n{\"id\":\"b\",\"text\":\"y\"}\n");
+    for status in [301u16, 302, 307, 308] {
+        let moved = fixed(status, "location", format!("{elsewhere}/v2/translate")).await;
+        let models = dir.write(
+            "models.toml",
+            format!(
+                "[models.translate]\nurl = \"{moved}/v2/translate\"\nheaders = {{ X-Api-Key = \"${{TR_KEY}}\" }}\n\
+                 body = {{ q = \"{{prompt}}\" }}\nanswer = \"/data/translations/0/translatedText\"\n"
+            )
+            .as_bytes(),
+        );
+        let out = dir.path(&format!("out-{status}.jsonl"));
+        let o = weir()
+            .args(["run", "--model", "http/translate", "--http-models", models.to_str().unwrap()])
+            .args(["--input", input.to_str().unwrap(), "--output", out.to_str().unwrap()])
+            .args(["--id-field", "id", "--prompt-field", "text"])
+            .env("TR_KEY", KEY)
+            .output()
+            .await
+            .unwrap();
+        let err = stderr(&o);
+        assert_ne!(o.status.code(), Some(0), "{status}: {err}");
+        assert!(rows(&out).is_empty(), "{status}: an answer was taken: {err}");
+        assert!(err.contains("redirects"), "{status}: {err}");
+        let gemini =
+            fixed(status, "location", format!("{elsewhere}/v1beta/models/gemini-2.5-flash:generateContent")).await;
+        let out = dir.path(&format!("gemini-{status}.jsonl"));
+        let o = weir()
+            .args(["run", "--model", "gemini/gemini-2.5-flash", "--base-url", &gemini])
+            .args(["--input", input.to_str().unwrap(), "--output", out.to_str().unwrap()])
+            .args(["--id-field", "id", "--prompt-field", "text"])
+            .env("GEMINI_API_KEY", KEY)
+            .output()
+            .await
+            .unwrap();
+        assert_ne!(o.status.code(), Some(0), "gemini {status}: {}", stderr(&o));
+        assert!(rows(&out).is_empty(), "gemini {status}: {}", stderr(&o));
+    }
+    let caught = caught.lock().unwrap();
+    assert!(caught.is_empty(), "requests reached the other host: {caught:?}");
+}
+
+/// A refusal that asks to wait a day (or until a date years away) stops the run at once saying
+/// so, rather than holding every call in silence; the next run is not held either.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_retry_after_of_a_day_stops_the_run_saying_so() {
+    let dir = Dir::new("http-api-retry-after");
+    let input = dir.write("in.jsonl", b"{\"id\":\"a\",\"text\":\"x\"}\n{\"id\":\"b\",\"text\":\"y\"}\n");
+    for (i, after) in ["86400", "Fri, 01 Jan 2100 00:00:00 GMT"].into_iter().enumerate() {
+        let url = fixed(429, "retry-after", after.to_string()).await;
+        let models = dir.write(
+            "models.toml",
+            format!("[models.t]\nurl = \"{url}/t\"\nbody = {{ q = \"{{prompt}}\" }}\nanswer = \"/a\"\n").as_bytes(),
+        );
+        let out = dir.path(&format!("out-{i}.jsonl"));
+        let started = Instant::now();
+        let o = weir()
+            .args(["run", "--model", "http/t", "--http-models", models.to_str().unwrap()])
+            .args(["--input", input.to_str().unwrap(), "--output", out.to_str().unwrap()])
+            .args(["--id-field", "id", "--prompt-field", "text"])
+            .output()
+            .await
+            .unwrap();
+        let err = stderr(&o);
+        assert!(started.elapsed() < Duration::from_secs(30), "{after}: {:?} {err}", started.elapsed());
+        assert_ne!(o.status.code(), Some(0), "{after}: {err}");
+        assert!(err.contains("asks to wait") && err.contains("run again"), "{after}: {err}");
+        assert!(rows(&out).is_empty(), "{after}");
+    }
 }
