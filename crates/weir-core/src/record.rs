@@ -211,6 +211,9 @@ pub enum PromptSource {
     Field(String),
     /// A template over the row's fields.
     Template(Template),
+    /// No prompt: the model's request is made from other fields (an `http/` model whose
+    /// templates name no `{prompt}`), so a record needs none.
+    Unused,
 }
 
 /// How rows become records; built once from the command line.
@@ -317,8 +320,9 @@ impl RecordSpec {
                 Ok(p) => p,
                 Err(msg) => return Err(invalid(line, Some(id), Some(input), None, format!("line {line}: {msg}"))),
             },
+            PromptSource::Unused => String::new(),
         };
-        if prompt.trim().is_empty() {
+        if prompt.trim().is_empty() && !matches!(self.prompt, PromptSource::Unused) {
             return Err(invalid(line, Some(id), Some(input), None, format!("line {line}: the prompt is empty")));
         }
         let system = match self.system_field.as_deref().map(|f| (f, input.get(f))) {

@@ -17,6 +17,31 @@ impl Secret {
         Self(value)
     }
 
+    /// `text` with every form of this secret a server may echo masked: as sent, escaped in a
+    /// JSON string (`\"`, `\\`, and `\/` as some encoders write it) and percent-encoded.
+    pub fn masked_in(&self, text: &str) -> String {
+        let s = self.expose();
+        if s.len() < 4 {
+            return text.to_string();
+        }
+        let json = serde_json::to_string(s).unwrap_or_default();
+        let json = json.trim_matches('"').to_string();
+        let forms = [
+            s.to_string(),
+            json.replace('/', "\\/"),
+            json,
+            url::form_urlencoded::byte_serialize(s.as_bytes()).collect::<String>(),
+            s.replace('/', "\\/"),
+        ];
+        let mut out = text.to_string();
+        for form in forms {
+            if out.contains(&form) {
+                out = out.replace(&form, "***");
+            }
+        }
+        out
+    }
+
     /// The value, for a request header only.
     pub fn expose(&self) -> &str {
         &self.0
@@ -478,10 +503,42 @@ pub async fn post_json(
     auth: Auth<'_>,
 ) -> Result<Reply, ModelError> {
     let resp = post(client, url, body, auth)?.send().await.map_err(|e| transport_error(&e))?;
-    read_reply(resp).await
+    read_answer(resp).await
 }
 
-/// Reads an answer whole.
+/// The most of one model call's answer weir reads: far above any record's answer, and a bound
+/// on the memory a server answering without end (or a wrong endpoint serving a file) can take.
+pub const MAX_ANSWER_BYTES: usize = 64 << 20;
+
+/// Reads one model call's answer whole, up to [`MAX_ANSWER_BYTES`]; a longer one is the
+/// record's error (sent again, it would be as long).
+pub async fn read_answer(mut resp: reqwest::Response) -> Result<Reply, ModelError> {
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let too_long = || {
+        ModelError::new(
+            ErrorKind::BadRequest,
+            format!(
+                "HTTP {status}: the answer is longer than {} MiB, the most weir reads of one",
+                MAX_ANSWER_BYTES >> 20
+            ),
+        )
+        .with_status(status)
+    };
+    if resp.content_length().is_some_and(|n| n > MAX_ANSWER_BYTES as u64) {
+        return Err(too_long());
+    }
+    let mut body = bytes::BytesMut::new();
+    while let Some(chunk) = resp.chunk().await.map_err(|e| transport_error(&e))? {
+        if body.len() + chunk.len() > MAX_ANSWER_BYTES {
+            return Err(too_long());
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(Reply { status, headers, body: body.freeze() })
+}
+
+/// Reads an answer whole (a batch-job API's: a job's inline results may be large).
 async fn read_reply(resp: reqwest::Response) -> Result<Reply, ModelError> {
     let status = resp.status().as_u16();
     let headers = resp.headers().clone();
@@ -662,10 +719,8 @@ pub fn status_error(status: u16, headers: &HeaderMap, message: String) -> ModelE
 /// Masks `secret` wherever a server echoed it into an error's message (some proxies and
 /// gateways echo the `Authorization` header whole), so it never reaches an errors file or log.
 pub fn redact(mut e: ModelError, secret: Option<&Secret>) -> ModelError {
-    if let Some(s) = secret.map(Secret::expose).filter(|s| s.len() >= 4) {
-        if e.message.contains(s) {
-            e.message = e.message.replace(s, "***");
-        }
+    if let Some(s) = secret {
+        e.message = s.masked_in(&e.message);
     }
     e
 }

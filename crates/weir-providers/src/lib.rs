@@ -112,6 +112,31 @@ impl ModelSpec {
         task == Task::Embed || (self.provider == Provider::VertexEndpoint && format == EndpointFormat::Raw)
     }
 
+    /// Why `params` cannot be sent to this model, found before any call (sent, every request
+    /// would be refused): a parameter Anthropic's Messages API has no place for, or any
+    /// parameter for an `http/` model, whose body the models file writes.
+    pub fn refused_params(&self, params: &weir_core::GenParams) -> Option<String> {
+        if self.provider == Provider::Http && *params != weir_core::GenParams::default() {
+            return Some(format!(
+                "--param does not apply to {self}: an http/ model's request is its body in the models file; write the \
+                 API's own parameters there"
+            ));
+        }
+        let claude = self.provider == Provider::Anthropic
+            || (self.provider == Provider::Vertex && self.model.starts_with("claude"));
+        let unknown = [
+            ("seed", params.seed.is_some()),
+            ("presence_penalty", params.presence_penalty.is_some()),
+            ("frequency_penalty", params.frequency_penalty.is_some()),
+        ];
+        match unknown.iter().find(|(_, set)| *set) {
+            Some((name, _)) if claude => {
+                Some(format!("--param {name}: Anthropic's Messages API (Claude) has no such parameter; leave it out"))
+            }
+            _ => None,
+        }
+    }
+
     /// Whether a request for this model can carry a response schema or MIME type: not a
     /// `vertex_endpoint/` `:predict` instance (raw or chat), whose body has no place for one.
     pub fn takes_response_schema(&self, format: EndpointFormat) -> bool {

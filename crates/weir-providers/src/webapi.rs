@@ -29,7 +29,7 @@ use serde_json::{Map, Value};
 use std::collections::{BTreeMap, BTreeSet};
 use weir_core::{ErrorKind, ModelError, ModelHandler, ModelRequest, ModelResponse, RetryHint, Usage};
 
-use crate::http::{clip, Credential, Reply, Secret};
+use crate::http::{clip, Reply, Secret};
 use crate::ProviderError;
 
 /// The environment variable naming the models file when `--http-models` is not given.
@@ -68,6 +68,10 @@ struct RawModel {
 
 use weir_core::TemplatePiece as Piece;
 
+/// How a value's text is put into a template: told the placeholder's name and whether it stands
+/// after a `?`, and given the text.
+type Escape<'a> = dyn Fn((&str, bool), &str) -> Result<String, ModelError> + 'a;
+
 /// A string with `{name}` placeholders (`{{`, `}}`: literal braces), read as prompt templates
 /// are ([`weir_core::template_pieces`]).
 #[derive(Debug, Clone, PartialEq)]
@@ -85,12 +89,40 @@ impl Text {
         })
     }
 
-    /// The text with each placeholder's value; `escape` makes a value's text fit (the URL's).
-    fn render(&self, vars: &Vars<'_>, escape: fn(&str) -> String) -> Result<String, ModelError> {
+    /// The text with each placeholder's value as it is.
+    fn render(&self, vars: &Vars<'_>) -> Result<String, ModelError> {
+        self.render_with(vars, &|_, text| Ok(text.to_string()))
+    }
+
+    /// The URL with each placeholder's value percent-encoded. A value that is `.` or `..` in
+    /// the path is refused: it would name another path of the API (`/v2/../admin`).
+    fn render_url(&self, vars: &Vars<'_>) -> Result<String, ModelError> {
+        self.render_with(vars, &|(name, in_query), text| {
+            if !in_query && matches!(text, "." | "..") {
+                return Err(ModelError::new(
+                    ErrorKind::InvalidInput,
+                    format!("the record's field '{name}' is '{text}', which cannot stand in the http model's URL path"),
+                ));
+            }
+            Ok(percent_encoding::utf8_percent_encode(text, percent_encoding::NON_ALPHANUMERIC).to_string())
+        })
+    }
+
+    /// The text with each placeholder's value's text through `escape`, told the placeholder's
+    /// name and whether it stands after a `?`.
+    fn render_with(
+        &self,
+        vars: &Vars<'_>,
+        escape: &Escape<'_>,
+    ) -> Result<String, ModelError> {
         let mut out = String::new();
+        let mut in_query = false;
         for p in &self.0 {
             match p {
-                Piece::Text(t) => out.push_str(t),
+                Piece::Text(t) => {
+                    in_query |= t.contains('?');
+                    out.push_str(t)
+                }
                 // Inside text a null has no text (as in prompt templates); alone in the body it
                 // is the JSON null.
                 Piece::Field(n) => match vars.get(n)? {
@@ -100,7 +132,7 @@ impl Text {
                             format!("the record's field '{n}' is null, and the http model's template puts it in text"),
                         ))
                     }
-                    v => out.push_str(&escape(&text_of(&v))),
+                    v => out.push_str(&escape((n, in_query), &text_of(&v))?),
                 },
             }
         }
@@ -165,13 +197,23 @@ impl Body {
         Ok(match self {
             Body::Text(t) => match t.alone() {
                 Some(name) => vars.get(name)?,
-                None => Value::String(t.render(vars, str::to_string)?),
+                None => Value::String(t.render(vars)?),
             },
             Body::Array(a) => Value::Array(a.iter().map(|b| b.render(vars)).collect::<Result<_, _>>()?),
             Body::Object(o) => {
                 let mut m = Map::new();
                 for (k, b) in o {
-                    m.insert(k.render(vars, str::to_string)?, b.render(vars)?);
+                    let key = k.render(vars)?;
+                    // A key from a field may not replace one the file writes (or another's).
+                    if m.insert(key.clone(), b.render(vars)?).is_some() {
+                        return Err(ModelError::new(
+                            ErrorKind::InvalidInput,
+                            format!(
+                                "the http model's body would have the key '{}' twice (a key comes from the record)",
+                                clip(&key)
+                            ),
+                        ));
+                    }
                 }
                 Value::Object(m)
             }
@@ -233,7 +275,11 @@ struct Spec {
 }
 
 fn pointer(p: &str, at: &str) -> Result<String, String> {
-    if p.is_empty() || p.starts_with('/') {
+    // `~` escapes only `~0` (a ~) and `~1` (a /) in a JSON pointer; anything else finds nothing.
+    let bad_escape = p.match_indices('~').any(|(i, _)| !matches!(p.as_bytes().get(i + 1), Some(b'0' | b'1')));
+    if bad_escape {
+        Err(format!("{at}: '{p}' has a '~' that is not ~0 (a ~) or ~1 (a /), the only escapes of a JSON pointer"))
+    } else if p.is_empty() || p.starts_with('/') {
         Ok(p.to_string())
     } else {
         Err(format!(
@@ -312,7 +358,20 @@ impl Spec {
         if !whole && !endpoint.split_once("://").is_some_and(|(_, rest)| rest.contains('/')) {
             return Err(format!("{}: the scheme and host must be written out, not come from a field", at("url")));
         }
-        crate::http::check_base_url(&endpoint).map_err(|e| format!("{}: {e}", at("url")))?;
+        crate::http::check_base_url(&endpoint).map_err(|e| {
+            let e = e.to_string().replacen("--base-url ", "", 1);
+            let e = e.replace("use the API key variables", "put a key in a header, as ${VAR}");
+            format!("{}: {e}", at("url"))
+        })?;
+        // `${VAR}` reads the environment in headers only: in the URL or body it would be taken
+        // for the record's field VAR, missing from every record.
+        let body_text = raw.body.as_ref().map(|b| serde_json::to_string(b).unwrap_or_default()).unwrap_or_default();
+        if raw.url.contains("${") || body_text.contains("${") {
+            return Err(format!(
+                "models.{name}: ${{VAR}} reads the environment in headers only (keys go in a header); the url and \
+                 body take {{field}} placeholders from the record"
+            ));
+        }
         // The endpoint names the answers' source for the response cache, with the digest of the
         // model as written (see `shape`).
         let endpoint = format!("{endpoint}#{}", raw.shape());
@@ -321,6 +380,23 @@ impl Spec {
         for (k, v) in &raw.headers {
             let header = reqwest::header::HeaderName::from_bytes(k.as_bytes())
                 .map_err(|_| format!("{}: '{k}' is not a header name", at("headers")))?;
+            // Header values are not templates: a `{field}` there would be sent as written.
+            let without_vars: String = v
+                .split("${")
+                .enumerate()
+                .map(|(i, part)| if i == 0 { part } else { part.split_once('}').map_or(part, |(_, rest)| rest) })
+                .collect();
+            if weir_core::template_pieces(&without_vars).is_ok_and(|p| {
+                p.iter().any(
+                    |p| matches!(p, Piece::Field(n) if n.chars().all(|c| c.is_alphanumeric() || "_-.".contains(c))),
+                )
+            }) {
+                return Err(format!(
+                    "{}: header values take no {{field}} placeholders (a record's field goes in the url or body); \
+                     ${{VAR}} reads the environment",
+                    at(&format!("headers.{k}"))
+                ));
+            }
             let (value, s) = expand(v, &at(&format!("headers.{k}")), env)?;
             reqwest::header::HeaderValue::from_str(&value)
                 .map_err(|_| format!("{}: not a header value (a control character?)", at(&format!("headers.{k}"))))?;
@@ -411,6 +487,25 @@ pub fn variables(path: Option<&str>, env: &(dyn Fn(&str) -> Option<String> + Syn
     names.into_iter().collect()
 }
 
+/// The placeholders model `name`'s URL and body name (`prompt`, `system`, record fields), when
+/// the models file (`path`, else [`MODELS_VAR`]) describes it well enough to tell: a front end
+/// checks with them that its prompt and system flags are used at all.
+pub fn placeholders(
+    name: &str,
+    path: Option<&str>,
+    env: &(dyn Fn(&str) -> Option<String> + Sync),
+) -> Option<BTreeSet<String>> {
+    let raw = read_file(path, env)?.models.remove(name)?;
+    let spec = Spec::check(name, raw, &|_| Some("x".to_string())).ok()?;
+    let mut names: BTreeSet<String> = spec.url.names().map(str::to_string).collect();
+    if let Some(b) = &spec.body {
+        let mut in_body = BTreeSet::new();
+        b.names(&mut in_body);
+        names.extend(in_body.into_iter().map(str::to_string));
+    }
+    Some(names)
+}
+
 /// Each model of the models file (`path`, else [`MODELS_VAR`]) as `name#digest` of how it is
 /// written (names given: those; none: every model), for a run's identity: a run resumed after
 /// its model's body or pointers were edited would mix the old answers with the new ones.
@@ -476,8 +571,7 @@ impl HttpModel {
     /// The request for `request`: its URL and body.
     fn build(&self, request: &ModelRequest) -> Result<(String, Option<bytes::Bytes>), ModelError> {
         let vars = Vars { request };
-        let escape = |s: &str| url::form_urlencoded::byte_serialize(s.as_bytes()).collect::<String>();
-        let url = self.spec.url.render(&vars, escape)?;
+        let url = self.spec.url.render_url(&vars)?;
         let body = match &self.spec.body {
             Some(b) => Some(bytes::Bytes::from(serde_json::to_vec(&b.render(&vars)?).unwrap_or_default())),
             None => None,
@@ -490,10 +584,17 @@ impl HttpModel {
         self.spec.secrets.iter().fold(e, |e, s| crate::http::redact(e, Some(s)))
     }
 
+    /// `text` with every secret the calls carry masked, in any form an API may echo it (an
+    /// echo service answers with the request's headers).
+    fn masked(&self, text: &str) -> String {
+        self.spec.secrets.iter().fold(text.to_string(), |t, s| s.masked_in(&t))
+    }
+
     /// An answer other than 2xx, taken as the model's file says.
     fn classify(&self, reply: &Reply) -> ModelError {
         let status = reply.status;
-        let text = String::from_utf8_lossy(&reply.body);
+        // Masked before it is cut, so that no part of a secret is left at the cut.
+        let text = self.masked(&String::from_utf8_lossy(&reply.body));
         let message = clip(&format!("HTTP {status}: {}", text.trim()));
         let e = crate::http::status_error(status, &reply.headers, message.clone());
         match self.spec.classes.get(&status) {
@@ -515,13 +616,13 @@ impl HttpModel {
         let answer = v.pointer(&self.spec.answer).ok_or_else(|| {
             ModelError::new(
                 ErrorKind::MalformedResponse,
-                clip(&format!("the answer has nothing at {}: {v}", self.spec.answer)),
+                clip(&format!("the answer has nothing at {}: {}", self.spec.answer, self.masked(&v.to_string()))),
             )
         })?;
         let count = |p: &Option<String>| p.as_deref().and_then(|p| v.pointer(p)).and_then(Value::as_u64).unwrap_or(0);
         let (prompt_tokens, output_tokens) = (count(&self.spec.prompt_tokens), count(&self.spec.output_tokens));
         Ok(ModelResponse {
-            text: text_of(answer),
+            text: self.masked(&text_of(answer)),
             finish_reason: "stop".into(),
             usage: Usage { prompt_tokens, output_tokens, total_tokens: prompt_tokens + output_tokens },
             model_version: None,
@@ -545,7 +646,8 @@ impl ModelHandler for HttpModel {
                 None => req,
             }
         };
-        let (reply, _) = Credential::None.send(build).await.map_err(|e| self.redacted(e))?;
+        let resp = build().send().await.map_err(|e| self.redacted(crate::http::transport_error(&e)))?;
+        let reply = crate::http::read_answer(resp).await.map_err(|e| self.redacted(e))?;
         if !(200..300).contains(&reply.status) {
             return Err(self.redacted(self.classify(&reply)));
         }
@@ -615,7 +717,16 @@ answer = "/data/0/text"
         .unwrap();
         assert_ne!(m.endpoint(), other.endpoint());
         let (url, body) = m.build(&request("a b&c", serde_json::json!({"lang": "de/at", "n": 7}))).unwrap();
-        assert_eq!(url, "http://127.0.0.1:9/v2/de%2Fat/translate?q=a+b%26c");
+        assert_eq!(url, "http://127.0.0.1:9/v2/de%2Fat/translate?q=a%20b%26c");
+        // A dot segment from a field would name another path of the API; in the query it is text.
+        for dots in [".", ".."] {
+            let e = m.build(&request("p", serde_json::json!({"lang": dots, "n": 1}))).unwrap_err();
+            assert!(e.kind == ErrorKind::InvalidInput && e.message.contains("URL path"), "{e}");
+        }
+        assert!(m.build(&request("..", serde_json::json!({"lang": "de", "n": 1}))).unwrap().0.ends_with("q=%2E%2E"));
+        // A key from a field may not replace a key the file writes.
+        let e = m.build(&request("p", serde_json::json!({"lang": "q", "n": 1}))).unwrap_err();
+        assert!(e.kind == ErrorKind::InvalidInput && e.message.contains("'q' twice"), "{e}");
         let body: Value = serde_json::from_slice(&body.unwrap()).unwrap();
         assert_eq!(
             body,
@@ -641,12 +752,23 @@ answer = "/data/0/text"
             ("retry = [429]\nretry_later = [429]", "two of"),
             ("retry = [200]", "not an error status"),
             ("colour = 1", "unknown field"),
+            ("body = { q = \"${KEY}\" }", "headers only"),
+            ("headers = { X-Lang = \"{lang}\" }", "no {field} placeholders"),
+            ("prompt_tokens = \"/a~2b\"", "~0"),
         ] {
             let e = model(&format!("[models.m]\n{base}{extra}\n"), &[]).err().unwrap();
             assert!(e.contains(says), "{extra}: {e}");
         }
         let e = model("[models.m]\nurl = \"http://example.com/x\"\nanswer = \"/a\"\n", &[]).err().unwrap();
-        assert!(e.contains("https"), "{e}");
+        assert!(e.contains("https") && !e.contains("--base-url"), "{e}");
+        let e = model("[models.m]\nurl = \"https://x.com/{q}?k=${KEY}\"\nanswer = \"/a\"\n", &[]).err().unwrap();
+        assert!(e.contains("headers only"), "{e}");
+        // Braces that are no placeholder (JSON in a header) are sent as written.
+        assert!(model(
+            "[models.m]\nurl = \"https://x.com/\"\nheaders = { X-J = '{\"a\": 1}' }\nanswer = \"/a\"\n",
+            &[]
+        )
+        .is_ok());
         let e = model("[models.m]\nurl = \"https://x.com/\"\nanswer = \"a\"\n", &[]).err().unwrap();
         assert!(e.contains("JSON pointer"), "{e}");
         for url in ["{host}/x", "https://{host}/x", "https://api.{domain}.com/x"] {
@@ -673,5 +795,29 @@ answer = "/data/0/text"
         assert_eq!(m.classify(&reply(502)).kind, ErrorKind::Server);
         assert_eq!(m.classify(&reply(401)).kind, ErrorKind::Auth);
         assert_eq!(m.classify(&reply(422)).kind, ErrorKind::BadRequest);
+    }
+
+    /// A key an API echoes, as sent or escaped in JSON (`\"`, `\/`) or percent-encoded, is
+    /// masked in error messages and in answers.
+    #[test]
+    fn echoed_secrets_are_masked_in_every_form() {
+        let key = r#"k3y/with"quote+plus"#;
+        let m = model(
+            "[models.m]\nurl = \"https://x.com/\"\nheaders = { X-Key = \"${K}\" }\nanswer = \"/echo\"\n",
+            &[("K", key)],
+        )
+        .unwrap();
+        let bodies = [
+            serde_json::json!({"echo": key}).to_string(),
+            serde_json::json!({"echo": key}).to_string().replace('/', "\\/"),
+            format!("{{\"echo\": \"{}\"}}", url::form_urlencoded::byte_serialize(key.as_bytes()).collect::<String>()),
+        ];
+        for body in bodies {
+            let r = m.parse(body.as_bytes()).unwrap();
+            assert!(!r.text.contains("k3y"), "{}", r.text);
+            let reply = Reply { status: 401, headers: Default::default(), body: bytes::Bytes::from(body.clone()) };
+            let e = m.redacted(m.classify(&reply));
+            assert!(!e.message.contains("k3y") && e.message.contains("***"), "{}", e.message);
+        }
     }
 }

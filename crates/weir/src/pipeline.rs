@@ -676,7 +676,7 @@ fn report_places(settings: &RunSettings) -> crate::report::Places {
 pub(crate) fn text_columns(settings: &RunSettings) -> Vec<String> {
     let prompt = match &settings.records.prompt {
         weir_core::record::PromptSource::Field(f) => Some(f.clone()),
-        weir_core::record::PromptSource::Template(_) => None,
+        weir_core::record::PromptSource::Template(_) | weir_core::record::PromptSource::Unused => None,
     };
     settings.records.id_field.iter().cloned().chain(prompt).chain(settings.records.system_field.clone()).collect()
 }

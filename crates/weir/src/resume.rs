@@ -202,6 +202,7 @@ pub(crate) fn identity(
         prompt: match &settings.records.prompt {
             PromptSource::Field(f) => format!("field:{f}"),
             PromptSource::Template(t) => format!("template:{}", t.source()),
+            PromptSource::Unused => "none".to_string(),
         },
         id_field: settings.records.id_field.clone(),
         system: settings.driver.system.as_deref().map(str::to_string),

@@ -278,10 +278,16 @@ impl RunArgs {
             self.model.parse().map_err(|e: weir_providers::ProviderError| UsageError(e.to_string()))?;
         let params =
             GenParams::from_specs(self.params.iter().map(String::as_str)).map_err(|e| UsageError(e.to_string()))?;
-        let prompt = match &self.template {
+        if let Some(why) = model.refused_params(&params) {
+            return Err(UsageError(why));
+        }
+        let mut prompt = match &self.template {
             Some(t) => PromptSource::Template(Template::parse(t).map_err(|e| UsageError(e.to_string()))?),
             None => PromptSource::Field(self.prompt_field.clone()),
         };
+        if model.provider == weir_providers::Provider::Http {
+            prompt = self.http_prompt(&model, prompt)?;
+        }
         if self.mode == ModeArg::Online
             && (self.fallback != FallbackArg::None
                 || self.job_max_requests.is_some()
@@ -478,6 +484,46 @@ impl RunArgs {
     }
 
     /// Whether the run streams its answers.
+    /// An http/ model takes what its models file's templates name and nothing else: flags that
+    /// would shape another provider's request are refused rather than ignored, and a model whose
+    /// templates name no `{prompt}` needs no prompt field.
+    fn http_prompt(&self, model: &ModelSpec, prompt: PromptSource) -> Result<PromptSource, UsageError> {
+        let not_here =
+            |flag: &str, instead: &str| Err(UsageError(format!("{flag} does not apply to {model}: {instead}")));
+        if !self.endpoint.base_url.is_empty() || self.endpoint.endpoints.is_some() {
+            return not_here("--base-url and --endpoints", "its url is in the models file");
+        }
+        if self.streaming() {
+            return not_here("--stream and --events", "an http/ model's answer is read whole");
+        }
+        if !self.media_fields.is_empty() {
+            return not_here("--media-field", "an http/ model's request is the JSON body its template writes");
+        }
+        if self.task == TaskArg::Embed {
+            return not_here("--task embed", "an http/ model's answer is the text at its answer pointer");
+        }
+        let name = &model.model;
+        let Some(names) = weir_providers::webapi::placeholders(name, self.endpoint.http_models.as_deref(), &|k| {
+            std::env::var(k).ok()
+        }) else {
+            // The file is missing or wrong: connecting says what to fix.
+            return Ok(prompt);
+        };
+        if (self.system.is_some() || self.system_field.is_some()) && !names.contains("system") {
+            return not_here("--system and --system-field", "the model's url and body name no {system}");
+        }
+        if names.contains("prompt") {
+            return Ok(prompt);
+        }
+        match prompt {
+            PromptSource::Template(_) => not_here("--template", "the model's url and body name no {prompt}"),
+            PromptSource::Field(f) if f != "prompt" => {
+                not_here("--prompt-field", "the model's url and body name no {prompt} (name the record's fields there)")
+            }
+            _ => Ok(PromptSource::Unused),
+        }
+    }
+
     fn streaming(&self) -> bool {
         self.stream || self.events.is_some()
     }

@@ -429,3 +429,55 @@ async fn a_retry_after_of_a_day_stops_the_run_saying_so() {
         assert!(rows(&out).is_empty(), "{after}");
     }
 }
+
+/// A model whose templates name no `{prompt}` needs no prompt field; flags that would shape
+/// another provider's request are exit 2, not ignored (and so is a parameter Claude has no
+/// place for), before any call.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_model_without_a_prompt_and_flags_that_do_not_apply() {
+    let (url, seen) = serve(100).await;
+    let dir = Dir::new("http-api-no-prompt");
+    let models = dir.write(
+        "models.toml",
+        format!(
+            "[models.translate]\nurl = \"{url}/v2/translate\"\nheaders = {{ Authorization = \"Bearer ${{TR_KEY}}\" }}\n\
+             body = {{ q = \"{{text}}\", target = \"{{lang}}\" }}\nanswer = \"/data/translations/0/translatedText\"\n"
+        )
+        .as_bytes(),
+    );
+    let input = dir.write("in.jsonl", b"{\"id\":\"a\",\"text\":\"hello\",\"lang\":\"de\"}\n");
+    let out = dir.path("out.jsonl");
+    let base = |extra: &[&str]| {
+        let mut c = weir();
+        c.args(["run", "--model", "http/translate", "--http-models", models.to_str().unwrap()])
+            .args(["--input", input.to_str().unwrap(), "--output", out.to_str().unwrap(), "--id-field", "id"])
+            .args(extra)
+            .env("TR_KEY", KEY);
+        c
+    };
+    for (extra, says) in [
+        (&["--param", "temperature=0.2"][..], "--param does not apply"),
+        (&["--base-url", "http://127.0.0.1:9/v1"][..], "--base-url"),
+        (&["--stream"][..], "--stream"),
+        (&["--system", "be brief"][..], "{system}"),
+        (&["--template", "say {text}"][..], "{prompt}"),
+        (&["--prompt-field", "text"][..], "{prompt}"),
+    ] {
+        let o = base(extra).output().await.unwrap();
+        assert_eq!(o.status.code(), Some(2), "{extra:?}: {}", stderr(&o));
+        assert!(stderr(&o).contains(says), "{extra:?}: {}", stderr(&o));
+    }
+    assert!(seen.lock().unwrap().answered.is_empty());
+    let o = base(&[]).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(rows(&out)[0]["response"], "de:olleh");
+    let o = weir()
+        .args(["run", "--model", "anthropic/claude-haiku-4-5", "--param", "seed=1"])
+        .args(["--input", input.to_str().unwrap(), "--output", dir.path("c.jsonl").to_str().unwrap()])
+        .env("ANTHROPIC_API_KEY", "k-123456")
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("--param seed"), "{}", stderr(&o));
+}
