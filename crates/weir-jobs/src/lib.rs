@@ -314,6 +314,11 @@ where
 /// API refusing is seldom fixed in a quarter of a second.
 const JOB_API_BACKOFF: (Duration, Duration) = (Duration::from_secs(1), Duration::from_secs(60));
 
+/// How long asking about jobs already submitted (their state, their results) is tried again
+/// before the run stops: the jobs go on at the provider meanwhile, and a run of hours should
+/// ride out a network or API outage of minutes (an outage of 7 s once stopped one).
+const READ_PATIENCE: Duration = Duration::from_secs(600);
+
 async fn tries_while<T, F, Fut>(
     tries: u32,
     cancel: &CancellationToken,
@@ -326,19 +331,24 @@ where
 {
     use rand::SeedableRng;
     let policy = weir_core::RetryPolicy {
-        max_retries: tries.max(1) - 1,
+        // Asking about jobs goes on for READ_PATIENCE whatever the count.
+        max_retries: if auth_again { u32::MAX } else { tries.max(1) - 1 },
         base: JOB_API_BACKOFF.0,
         cap: JOB_API_BACKOFF.1,
         ..Default::default()
     };
     let mut rng = rand::rngs::SmallRng::from_entropy();
     let mut attempts = 0;
+    let started = tokio::time::Instant::now();
     loop {
         attempts += 1;
         let e = match f().await {
             Ok(v) => return Ok(v),
             Err(e) => e,
         };
+        if auth_again && attempts >= tries && started.elapsed() >= READ_PATIENCE {
+            return Err(BatchError::Api(e));
+        }
         let judged = if auth_again && e.kind == ErrorKind::Auth {
             ModelError { hint: weir_core::RetryHint::Backoff, ..e.clone() }
         } else {
@@ -1030,6 +1040,34 @@ mod tests {
         assert_eq!(reading(5, &cancel, once).await.unwrap(), 7);
         calls.store(0, std::sync::atomic::Ordering::Relaxed);
         assert!(matches!(with_tries(5, &cancel, once).await, Err(BatchError::Api(e)) if e.kind == ErrorKind::Auth));
+    }
+
+    /// Asking about submitted jobs rides out an outage of minutes (one of 7 s stopped a run
+    /// when it had 5 tries), and gives up after READ_PATIENCE; a submission keeps its count.
+    #[tokio::test(start_paused = true)]
+    async fn asking_about_jobs_rides_out_an_outage_of_minutes() {
+        let cancel = CancellationToken::new();
+        let start = tokio::time::Instant::now();
+        let down_for = |d: Duration| {
+            move || async move {
+                match start.elapsed() < d {
+                    true => Err(ModelError::new(ErrorKind::Server, "connection reset").with_unreachable()),
+                    false => Ok(1),
+                }
+            }
+        };
+        assert_eq!(reading(5, &cancel, down_for(Duration::from_secs(300))).await.unwrap(), 1);
+        let over = start.elapsed();
+        assert!(over >= Duration::from_secs(300) && over < Duration::from_secs(300 + 61), "{over:?}");
+        let start = tokio::time::Instant::now();
+        assert!(reading(5, &cancel, || async { Err::<u32, _>(ModelError::new(ErrorKind::Server, "down")) })
+            .await
+            .is_err());
+        let gave_up = start.elapsed();
+        assert!(gave_up >= READ_PATIENCE && gave_up < READ_PATIENCE + Duration::from_secs(61), "{gave_up:?}");
+        let start = tokio::time::Instant::now();
+        assert!(with_tries(5, &cancel, down_for(Duration::from_secs(3600))).await.is_err());
+        assert!(start.elapsed() < Duration::from_secs(120), "{:?}", start.elapsed());
     }
 
     /// Job API calls are retried by the same policy as model calls: the server's advised delay

@@ -110,11 +110,7 @@ impl Text {
 
     /// The text with each placeholder's value's text through `escape`, told the placeholder's
     /// name and whether it stands after a `?`.
-    fn render_with(
-        &self,
-        vars: &Vars<'_>,
-        escape: &Escape<'_>,
-    ) -> Result<String, ModelError> {
+    fn render_with(&self, vars: &Vars<'_>, escape: &Escape<'_>) -> Result<String, ModelError> {
         let mut out = String::new();
         let mut in_query = false;
         for p in &self.0 {

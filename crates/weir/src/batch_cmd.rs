@@ -232,6 +232,24 @@ async fn each_job(t: &Target, cancel: bool) -> anyhow::Result<u8> {
     let sites = connect(&t.site)?;
     let mut failed = false;
     for path in ledgers(t)? {
+        // The run's jobs are at its model's provider: asked with another --model, another API
+        // would be asked about ids it never made.
+        let identity =
+            path.to_str().and_then(|p| p.strip_suffix(".jobs.jsonl")).map(|p| PathBuf::from(format!("{p}.json")));
+        let stored = identity
+            .and_then(|p| std::fs::read(p).ok())
+            .and_then(|b| serde_json::from_slice::<weir_io::state::RunIdentity>(&b).ok());
+        let provider = |m: &str| m.split('/').next().unwrap_or_default().to_string();
+        if let Some(stored) = stored.filter(|s| provider(&s.model) != provider(&t.site.model)) {
+            return Err(UsageError(format!(
+                "{}: that run's jobs are {}'s (it ran --model {}): give --model {}",
+                path.display(),
+                stored.model.split('/').next().unwrap_or_default(),
+                stored.model,
+                stored.model
+            ))
+            .into());
+        }
         // Read only: the run may be appending to it.
         let chunks = weir_jobs::Ledger::read(&path).map_err(|e| anyhow::anyhow!(e))?;
         if !say(&format!("{}:", path.display()))? {

@@ -317,6 +317,10 @@ impl weir_jobs::Host for Rows {
 /// at most this many records' inline media, 15 MB each at most).
 const MEDIA_READS_AHEAD: usize = 8;
 
+/// How many of a new run's first records may be refused online (each for what it holds, a
+/// 400) before the run stops as misconfigured without submitting a job.
+const PROBES: u32 = 3;
+
 /// Reads the input for the jobs: error rows and cache answers written at once, records a
 /// spool holds from an earlier run left to it, the rest handed to the jobs in input order. A
 /// new run's first record goes online first (see `drive`); false when that stopped the run.
@@ -325,13 +329,14 @@ async fn feed(
     driver: Arc<Driver>,
     tx: Tx,
     claims: weir_jobs::Claims,
-    mut probe: bool,
+    probe: bool,
     tally: Arc<Mutex<JobsTally>>,
     jobs: mpsc::Sender<Incoming>,
 ) {
     // Media is read for several records at once, in input order: a slow or dead URL holds
     // only its own record's read (its tries), not every record behind it.
     let claims = Arc::new(claims);
+    let mut probes_left = if probe { PROBES } else { 0 };
     let reading = {
         let (driver, claims) = (driver.clone(), claims.clone());
         move |w: Work| {
@@ -388,27 +393,43 @@ async fn feed(
             // provider hours later, and a request it refuses (an unknown model, a bad
             // parameter, a rejected key) would fail every record then. Its answer is that
             // record's, so nothing is paid twice.
-            None if std::mem::take(&mut probe) => match driver.run(record.clone()).await {
-                Outcome::Failure(f) if matches!(f.error.kind, ErrorKind::BadRequest | ErrorKind::Auth) => {
-                    let message = format!(
-                        "the endpoint refused the first request online, so no job was submitted: {}",
-                        f.error.message
-                    );
-                    driver.stop(StopReason { kind: f.error.kind, message });
-                    let _ = tx.send(Ok(Outcome::Failure(f))).await;
-                    return;
+            // A request refused for what the record holds (a prompt too long, a bad image)
+            // says nothing of the others: up to PROBES records are tried so, and only their
+            // refusal together (or a rejected key at once) stops the run.
+            None if probes_left > 0 => {
+                let outcome = driver.run(record.clone()).await;
+                let refused = match &outcome {
+                    Outcome::Failure(f) if matches!(f.error.kind, ErrorKind::BadRequest | ErrorKind::Auth) => {
+                        Some((f.error.kind, f.error.message.clone()))
+                    }
+                    _ => None,
+                };
+                match refused {
+                    Some((kind, message)) if kind == ErrorKind::Auth || probes_left == 1 => {
+                        let first = if kind == ErrorKind::Auth {
+                            "first request".to_string()
+                        } else {
+                            format!("first {PROBES} requests")
+                        };
+                        let message =
+                            format!("the endpoint refused the {first} online, so no job was submitted: {message}");
+                        driver.stop(StopReason { kind, message });
+                        let _ = tx.send(Ok(outcome)).await;
+                        return;
+                    }
+                    // Nothing can be reached, or the driver stopped the run for another reason.
+                    _ if driver.is_stopped() => {
+                        let _ = tx.send(Ok(outcome)).await;
+                        return;
+                    }
+                    refused => {
+                        probes_left = if refused.is_some() { probes_left - 1 } else { 0 };
+                        tally.lock().unwrap_or_else(|e| e.into_inner()).online += 1;
+                        let _ = tx.send(Ok(outcome)).await;
+                        answered(&record)
+                    }
                 }
-                // Nothing can be reached, or the driver stopped the run for another reason.
-                outcome if driver.is_stopped() => {
-                    let _ = tx.send(Ok(outcome)).await;
-                    return;
-                }
-                outcome => {
-                    tally.lock().unwrap_or_else(|e| e.into_inner()).online += 1;
-                    let _ = tx.send(Ok(outcome)).await;
-                    answered(&record)
-                }
-            },
+            }
             None => {
                 let request = request.unwrap_or_else(|| driver.request_for(&record));
                 Incoming::Job(Item { key, line: record.line, request, record: to_spool(&record) })

@@ -359,7 +359,10 @@ pub async fn run(
         task.abort();
     }
     if let Some(task) = sampler {
+        // Waited for, not only aborted: a save of the series it is making would race the
+        // final one below (two writers of one temporary file; one failed with a warning).
         task.abort();
+        let _ = task.await;
     }
     if let Some(w) = &watch {
         let how = match router.stop_reason() {

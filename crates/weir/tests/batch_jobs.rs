@@ -295,6 +295,11 @@ async fn anthropic_batches_made_but_not_recorded_are_found_by_size_and_time() {
     let text = String::from_utf8_lossy(&status.stdout).into_owned();
     assert_eq!(status.status.code(), Some(0), "{}", stderr(&status));
     assert_eq!(text.matches(": running").count(), 2, "{text}");
+    // Asked with another provider's model, the wrong API is not asked about these batches.
+    let other = ["--model", "openai/gpt-4o-mini", "--base-url", &sim.url(), "--output", out.to_str().unwrap()];
+    let status = run(&[&["batch", "status"][..], &other[..]].concat()).await;
+    assert_eq!(status.status.code(), Some(2), "{}", stderr(&status));
+    assert!(stderr(&status).contains("give --model anthropic/claude-haiku-4-5"), "{}", stderr(&status));
     // As if killed between the batches' making and their ids' writing: the second chunk's id
     // is forgotten (the first's stays, and must not be taken for the second).
     let ledger = walk(&dir.0).into_iter().find(|p| p.to_string_lossy().ends_with(".jobs.jsonl")).unwrap();
@@ -754,4 +759,40 @@ async fn records_with_images_go_into_jobs_once_each() {
         assert_eq!((s.requests, s.batch_jobs), (1, 1), "{model}: nothing paid again: {}", stderr(&again));
         sim.shutdown().await;
     }
+}
+
+/// A new batch run's first record goes online first; a 400 for what that record holds (a
+/// prompt refused) says nothing of the others: the run goes on to its batches, that record an
+/// error row. Three refused in a row stop it before any batch, as a misconfigured run.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_first_records_own_refusal_does_not_stop_a_batch_run() {
+    let sim = sim(0.2, |_| {}).await;
+    let model = "anthropic/claude-haiku-4-5";
+    let dir = Dir::new("batch-first-refused");
+    let mut data = b"{\"key\":\"bad\",\"prompt\":\"no [sim:block_prompt]\"}\n".to_vec();
+    let (rest, mut ids) = prompts(50);
+    data.extend_from_slice(&rest);
+    ids.push("bad".into());
+    let input = dir.write("in.jsonl", &data);
+    let o = batch_run(&sim, model, &dir, &input, &[]).await;
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "one error row: {err}");
+    let errors = rows(&dir.path("out.errors.jsonl"));
+    assert_each_id_once(&ids, &rows(&dir.path("out.jsonl")), &errors);
+    assert_eq!((errors.len(), errors[0]["id"].as_str()), (1, Some("bad")), "{err}");
+    assert_eq!(sim.stats().batch_jobs, 1, "{err}");
+    // Three refused first: no batch.
+    let dir = Dir::new("batch-first-three-refused");
+    let mut data = Vec::new();
+    for i in 0..3 {
+        data.extend_from_slice(format!("{{\"key\":\"bad{i}\",\"prompt\":\"no [sim:block_prompt]\"}}\n").as_bytes());
+    }
+    data.extend_from_slice(&prompts(20).0);
+    let input = dir.write("in.jsonl", &data);
+    let o = batch_run(&sim, model, &dir, &input, &[]).await;
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(3), "{err}");
+    assert!(err.contains("refused the first 3 requests online, so no job was submitted"), "{err}");
+    assert_eq!(sim.stats().batch_jobs, 1, "{err}");
+    sim.shutdown().await;
 }
