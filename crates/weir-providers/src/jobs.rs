@@ -66,6 +66,21 @@ async fn lines_ok(
     }
 }
 
+/// Hands each line of a job's results that `parse` reads to `each`, counting in `unread` those
+/// it cannot read (blank lines are not counted): one such line names no record, whose request is
+/// then missing from the results and tried again.
+fn result_lines<'a>(
+    parse: impl Fn(&[u8]) -> Option<JobResult> + Send + 'a,
+    each: &'a mut (dyn FnMut(JobResult) + Send),
+    unread: &'a mut usize,
+) -> impl FnMut(&[u8]) + Send + 'a {
+    move |l: &[u8]| match parse(l) {
+        Some(r) => each(r),
+        None if !l.iter().all(u8::is_ascii_whitespace) => *unread += 1,
+        None => {}
+    }
+}
+
 /// Says how many lines of a job's results could not be read (each names no record, whose
 /// request is then tried again): a provider's format weir does not know, or a file cut short.
 fn unreadable(job: &str, lines: usize) {
@@ -344,12 +359,7 @@ impl JobApi for OpenAiJobs {
                 // tried again.
                 let embed = self.embed;
                 let mut unread = 0usize;
-                let mut line = |l: &[u8]| match openai_result(l, embed) {
-                    Some(r) => each(r),
-                    None if !l.iter().all(u8::is_ascii_whitespace) => unread += 1,
-                    None => {}
-                };
-                self.file_lines(id, &mut line).await?;
+                self.file_lines(id, &mut result_lines(|l| openai_result(l, embed), each, &mut unread)).await?;
                 unreadable(&job.id, unread);
             }
         }
@@ -664,15 +674,12 @@ impl JobApi for GeminiJobs {
         if let Some(file) = file {
             // A line that cannot be read names no key: its record is missing and tried again.
             let mut unread = 0usize;
-            let mut line = |l: &[u8]| {
-                let item = serde_json::from_slice::<Value>(l).ok();
-                match item.as_ref().and_then(|i| i.get("key").and_then(Value::as_str).map(|k| (i, k))) {
-                    Some((item, key)) => each((key.to_string(), gemini_item(item))),
-                    None if !l.iter().all(u8::is_ascii_whitespace) => unread += 1,
-                    None => {}
-                }
+            let parse = |l: &[u8]| {
+                let item = serde_json::from_slice::<Value>(l).ok()?;
+                let key = item.get("key").and_then(Value::as_str)?.to_string();
+                Some((key, gemini_item(&item)))
             };
-            self.download_lines(file, &mut line).await?;
+            self.download_lines(file, &mut result_lines(parse, each, &mut unread)).await?;
             unreadable(&job.id, unread);
             return Ok(());
         }
@@ -948,12 +955,7 @@ impl JobApi for VertexJobs {
         };
         let parse = if self.embed { vertex_embed_result } else { vertex_result };
         let mut unread = 0usize;
-        let mut line = |l: &[u8]| match parse(l) {
-            Some(r) => each(r),
-            None if !l.iter().all(u8::is_ascii_whitespace) => unread += 1,
-            None => {}
-        };
-        self.staging.read_lines(dir, &mut line).await?;
+        self.staging.read_lines(dir, &mut result_lines(parse, each, &mut unread)).await?;
         unreadable(&job.id, unread);
         Ok(())
     }
@@ -1230,12 +1232,10 @@ impl JobApi for AnthropicJobs {
         // host the run was pointed at.
         let url = format!("{}/{}/results", self.root, job.id);
         let mut unread = 0usize;
-        let mut line = |l: &[u8]| match anthropic_result(l) {
-            Some(r) => each(r),
-            None if !l.iter().all(u8::is_ascii_whitespace) => unread += 1,
-            None => {}
-        };
-        lines_ok(&self.credential, || self.client.get(&url), crate::anthropic::classify_error, &mut line).await?;
+        {
+            let mut line = result_lines(anthropic_result, each, &mut unread);
+            lines_ok(&self.credential, || self.client.get(&url), crate::anthropic::classify_error, &mut line).await?;
+        }
         unreadable(&job.id, unread);
         Ok(())
     }
