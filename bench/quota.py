@@ -14,7 +14,8 @@ Cases (simulated quota windows of a few seconds, so each case runs in about a mi
      (every window full from the start) and the share of 429s;
   7. a hidden concurrency cap shared by four processes on one key (issue #32), against a sweep
      of fixed totals run in the same invocation.
-Usage: bench/quota.py [CASE...]   (default: all); MODEL=provider/model (default
+Usage: bench/quota.py [CASE...]   (default: all); SERVER=ref runs case 6 against
+bench/refserver.py (a quota server apart from weir sim); MODEL=provider/model (default
 gemini/gemini-2.5-flash; anthropic/claude-haiku-4-5 for the Anthropic client). Needs a release build (it makes one, unless
 WEIR_BIN names the binary to measure).
 """
@@ -40,6 +41,17 @@ def free_port():
 def start_sim(*args):
     port = free_port()
     p = subprocess.Popen([BIN, "sim", "--listen", f"127.0.0.1:{port}", *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    p.stdout.readline()
+    return p, f"http://127.0.0.1:{port}"
+
+
+def start_ref(rpm, window, lat, jitter):
+    """`bench/refserver.py` (SERVER=ref): a quota server written apart from `weir sim`, a fixed
+    window counted at arrival, refusals advising whole seconds in the body only."""
+    port = free_port()
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "bench", "refserver.py"), "--listen", f"127.0.0.1:{port}",
+                          "--rpm", str(rpm), "--window-secs", str(window), "--latency-ms", str(lat),
+                          "--jitter-ms", str(jitter)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     p.stdout.readline()
     return p, f"http://127.0.0.1:{port}"
 
@@ -235,8 +247,13 @@ def coarse_case():
     extra = os.environ.get("SIM_ARGS", "").split()
     weir_args = os.environ.get("WEIR_ARGS", "").split()
     kill_at = float(os.environ.get("KILL_AT", "0"))
-    sim, url = start_sim("--rpm", str(R), "--window-secs", str(W), "--latency-ms", str(lat), "--jitter-ms", "20",
-                         "--round-advice", *extra)
+    # SERVER=ref measures against bench/refserver.py instead of weir sim (SIM_ARGS then ignored).
+    if os.environ.get("SERVER") == "ref":
+        sim, url = start_ref(R, W, lat, 20)
+        extra = ["bench/refserver.py: fixed window counted at arrival, retryDelay in the body only"]
+    else:
+        sim, url = start_sim("--rpm", str(R), "--window-secs", str(W), "--latency-ms", str(lat), "--jitter-ms", "20",
+                             "--round-advice", *extra)
     ideal = ((N - 1) // R) * W + lat / 1000
     told = " ".join(weir_args) if weir_args else "nothing told"
     print(f"== 6. advice in whole seconds: quota {R} requests per {W} s, latency {lat}±10 ms, {N} records, "

@@ -483,7 +483,6 @@ impl RunArgs {
         Ok(self.assemble(parts, model, params, prompt, sim_config, endpoint_format, embed, bucketing))
     }
 
-    /// Whether the run streams its answers.
     /// An http/ model takes what its models file's templates name and nothing else: flags that
     /// would shape another provider's request are refused rather than ignored, and a model whose
     /// templates name no `{prompt}` needs no prompt field.
@@ -524,6 +523,7 @@ impl RunArgs {
         }
     }
 
+    /// Whether the run streams its answers.
     fn streaming(&self) -> bool {
         self.stream || self.events.is_some()
     }
