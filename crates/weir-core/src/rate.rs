@@ -162,6 +162,9 @@ pub struct Budget {
     reset_at: Option<Instant>,
     /// The only client of its quota this process knows of (see [`Budget::sole`]).
     sole: bool,
+    /// The capacity is one this process was told (`--rpm`, `--tpm`), not one an endpoint's
+    /// headers gave: a run not told it does not take it from a state written down.
+    told: bool,
     /// Until when refusals are of the burst that showed the window too short.
     short_until: Option<Instant>,
     /// Credits held back until the server has room for them: when, and how much.
@@ -208,6 +211,10 @@ pub struct Seed {
     /// Where the budget was in learning the window (absent from what older versions wrote).
     #[serde(default)]
     learning: Option<Learning>,
+    /// The capacity was told to the process that wrote this, not learned (absent from what
+    /// older versions wrote).
+    #[serde(default)]
+    told: bool,
 }
 
 impl Seed {
@@ -349,7 +356,7 @@ impl Budget {
 
     /// A budget of `capacity` per `window`.
     pub fn fixed(capacity: f64, window: Duration) -> Self {
-        Self::with_mode(Mode::Static { capacity }, Some(window))
+        Self { told: true, ..Self::with_mode(Mode::Static { capacity }, Some(window)) }
     }
 
     fn with_mode(mode: Mode, window: Option<Duration>) -> Self {
@@ -378,6 +385,7 @@ impl Budget {
             reserved: None,
             scout: Scout::Trusted,
             scouts_admitted: 0,
+            told: false,
             hold_until: None,
             opened: None,
             ends: VecDeque::new(),
@@ -1179,6 +1187,7 @@ impl Budget {
             sends,
             fixed: self.period.is_some() && self.period == self.window,
             learning,
+            told: self.told && matches!(self.mode, Mode::Static { .. }),
         }
     }
 
@@ -1254,7 +1263,11 @@ impl Budget {
         sends.sort();
         let weights = seed.sends.iter().map(|s| s.1);
         match (self.mode, seed.mode) {
-            (Mode::Unlimited, Mode::Unlimited) => {
+            // Limits another run was told (`--rpm`) are not this one's: a run that ended would
+            // hold every later run to them, silently. Its sends are in the server's window.
+            (Mode::Unlimited, Mode::Unlimited) | (Mode::Unlimited, Mode::Static { .. })
+                if seed.mode == Mode::Unlimited || seed.told =>
+            {
                 // Nothing learned on either side: the other's sends are in the server's window,
                 // and the first refusal here measures from them too.
                 self.log.clear();
@@ -1344,6 +1357,7 @@ impl Budget {
         if self.mode != (Mode::Static { capacity: capacity as f64 }) || self.window != Some(window) {
             let pending: f64 = self.log.iter().map(|e| e.weight).sum();
             self.mode = Mode::Static { capacity: capacity as f64 };
+            self.told = false;
             self.window = Some(window);
             self.in_window = pending;
             self.overdue.clear();
@@ -2018,6 +2032,30 @@ mod tests {
         });
         assert_eq!(told.mode(), Mode::Static { capacity: 5.0 });
         assert_eq!((300..310u64).filter(|&id| told.try_take(id, 1.0, t0 + ms(200)).is_ok()).count(), 1);
+    }
+
+    /// A limit another run was told (`--rpm 2`) is not taken from its state by a run told
+    /// nothing (it held later runs to 2 a minute, silently; found by an outside tester); one an
+    /// endpoint's headers gave is.
+    #[tokio::test(start_paused = true)]
+    async fn a_told_limit_is_not_handed_to_a_run_told_nothing() {
+        let t0 = Instant::now();
+        let mut told = Budget::fixed(2.0, Duration::from_secs(60));
+        assert!(told.try_take(1, 1.0, t0).is_ok());
+        let mut next = 10;
+        let mut ids = || {
+            next += 1;
+            next
+        };
+        let mut untold = Budget::unlimited();
+        untold.seed(&told.export(t0 + ms(10)), ms(0), t0 + ms(10), &mut ids);
+        assert_eq!(untold.mode(), Mode::Unlimited);
+        assert_eq!((100..110u64).filter(|&id| untold.try_take(id, 1.0, t0 + ms(20)).is_ok()).count(), 10);
+        let mut headers = Budget::unlimited();
+        headers.learn_capacity(2, Some(Duration::from_secs(60)));
+        let mut taker = Budget::unlimited();
+        taker.seed(&headers.export(t0), ms(0), t0, &mut ids);
+        assert_eq!(taker.mode(), Mode::Static { capacity: 2.0 });
     }
 
     #[tokio::test(start_paused = true)]

@@ -29,9 +29,11 @@ impl Secret {
         let forms = [
             s.to_string(),
             json.replace('/', "\\/"),
-            json,
+            json.clone(),
             url::form_urlencoded::byte_serialize(s.as_bytes()).collect::<String>(),
             s.replace('/', "\\/"),
+            // As encoders that escape HTML's characters in JSON write it (Go's).
+            json.replace('<', "\\u003c").replace('>', "\\u003e").replace('&', "\\u0026"),
         ];
         let mut out = text.to_string();
         for form in forms {
@@ -689,11 +691,20 @@ pub fn status_error(status: u16, headers: &HeaderMap, message: String) -> ModelE
             ErrorKind::BadRequest,
             format!(
                 "{message} (the endpoint redirects{}; weir does not follow redirects, which could carry the key to \
-                 another host: put the new address in --base-url or the model's url)",
+                 another host: write the new address where the endpoint is named)",
+                // Only where it points: its path or query may carry a key or a signature.
                 headers
                     .get(reqwest::header::LOCATION)
                     .and_then(|v| v.to_str().ok())
-                    .map(|l| format!(" to {}", clip(l.split('?').next().unwrap_or(l))))
+                    .map(|l| match reqwest::Url::parse(l) {
+                        Ok(u) => format!(
+                            " to {}://{}{}",
+                            u.scheme(),
+                            u.host_str().unwrap_or(""),
+                            u.port().map(|p| format!(":{p}")).unwrap_or_default()
+                        ),
+                        Err(_) => " to another path of the same host".to_string(),
+                    })
                     .unwrap_or_default()
             ),
         )

@@ -68,6 +68,11 @@ struct RawModel {
 
 use weir_core::TemplatePiece as Piece;
 
+/// What a URL value is percent-encoded against: everything but RFC 3986's unreserved characters
+/// (letters, digits, `-._~`), so a value never adds a path segment, query or fragment.
+const URL_VALUE: &percent_encoding::AsciiSet =
+    &percent_encoding::NON_ALPHANUMERIC.remove(b'-').remove(b'.').remove(b'_').remove(b'~');
+
 /// How a value's text is put into a template: told the placeholder's name and whether it stands
 /// after a `?`, and given the text.
 type Escape<'a> = dyn Fn((&str, bool), &str) -> Result<String, ModelError> + 'a;
@@ -98,13 +103,13 @@ impl Text {
     /// the path is refused: it would name another path of the API (`/v2/../admin`).
     fn render_url(&self, vars: &Vars<'_>) -> Result<String, ModelError> {
         self.render_with(vars, &|(name, in_query), text| {
-            if !in_query && matches!(text, "." | "..") {
+            if !in_query && matches!(text, "" | "." | "..") {
                 return Err(ModelError::new(
                     ErrorKind::InvalidInput,
                     format!("the record's field '{name}' is '{text}', which cannot stand in the http model's URL path"),
                 ));
             }
-            Ok(percent_encoding::utf8_percent_encode(text, percent_encoding::NON_ALPHANUMERIC).to_string())
+            Ok(percent_encoding::utf8_percent_encode(text, URL_VALUE).to_string())
         })
     }
 
@@ -317,6 +322,44 @@ fn expand(
     Ok((out, secrets))
 }
 
+/// Headers the HTTP client sets itself, from the URL and the body.
+const FRAMING_HEADERS: [&str; 9] =
+    ["host", "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade", "te", "trailer", "expect"];
+
+/// Whether a header (its lowercase name) carries a credential: its `${VAR}` values are secrets.
+fn is_credential(name: &str) -> bool {
+    matches!(name, "authorization" | "proxy-authorization" | "cookie")
+        || ["key", "token", "secret", "auth", "signature", "password", "credential", "session"]
+            .iter()
+            .any(|w| name.contains(w))
+}
+
+/// The model's description for the cache and a run's identity: the digest of how it is written,
+/// and of the settings its non-credential headers read from the environment (they shape the
+/// answers too: a model version, a tenant).
+fn described(shape: String, settings: &[(String, String)]) -> String {
+    match settings.is_empty() {
+        true => shape,
+        false => format!("{shape}-{}", digest_of(&serde_json::json!(settings))),
+    }
+}
+
+/// The values of `raw`'s non-credential headers that read `${VAR}`s, read from `env` (those
+/// that cannot be read are left out: connecting says why).
+fn settings_of(raw: &RawModel, env: &(dyn Fn(&str) -> Option<String> + Sync)) -> Vec<(String, String)> {
+    raw.headers
+        .iter()
+        .filter(|(k, v)| v.contains("${") && !is_credential(&k.to_ascii_lowercase()))
+        .filter_map(|(k, v)| expand(v, k, env).ok().map(|(value, _)| (k.clone(), value)))
+        .collect()
+}
+
+/// A short digest of `v`'s JSON text.
+fn digest_of(v: &Value) -> String {
+    let digest = ring::digest::digest(&ring::digest::SHA256, v.to_string().as_bytes());
+    hex::encode(&digest.as_ref()[..6])
+}
+
 impl RawModel {
     /// A digest of everything that shapes a request and reads its answer as written (headers
     /// with their variables' names, never their values): a models file changed between runs (a
@@ -332,8 +375,7 @@ impl RawModel {
             self.prompt_tokens,
             self.output_tokens,
         ]);
-        let digest = ring::digest::digest(&ring::digest::SHA256, shape.to_string().as_bytes());
-        hex::encode(&digest.as_ref()[..6])
+        digest_of(&shape)
     }
 }
 
@@ -362,7 +404,7 @@ impl Spec {
         // `${VAR}` reads the environment in headers only: in the URL or body it would be taken
         // for the record's field VAR, missing from every record.
         let body_text = raw.body.as_ref().map(|b| serde_json::to_string(b).unwrap_or_default()).unwrap_or_default();
-        if raw.url.contains("${") || body_text.contains("${") {
+        if raw.url.replace("$$", "").contains("${") || body_text.replace("$$", "").contains("${") {
             return Err(format!(
                 "models.{name}: ${{VAR}} reads the environment in headers only (keys go in a header); the url and \
                  body take {{field}} placeholders from the record"
@@ -370,12 +412,21 @@ impl Spec {
         }
         // The endpoint names the answers' source for the response cache, with the digest of the
         // model as written (see `shape`).
-        let endpoint = format!("{endpoint}#{}", raw.shape());
+        let shape = raw.shape();
         let mut headers = Vec::new();
         let mut secrets = Vec::new();
+        let settings = settings_of(&raw, env);
         for (k, v) in &raw.headers {
             let header = reqwest::header::HeaderName::from_bytes(k.as_bytes())
                 .map_err(|_| format!("{}: '{k}' is not a header name", at("headers")))?;
+            // Framing and routing are the HTTP client's: a Content-Length of its own cut the
+            // body (and desynchronised the connection), a Host sent the call elsewhere.
+            if FRAMING_HEADERS.contains(&header.as_str()) {
+                return Err(format!(
+                    "{}: {k} is set by weir's HTTP client from the url and body, not in headers",
+                    at("headers")
+                ));
+            }
             // Header values are not templates: a `{field}` there would be sent as written.
             let without_vars: String = v
                 .split("${")
@@ -394,11 +445,16 @@ impl Spec {
                 ));
             }
             let (value, s) = expand(v, &at(&format!("headers.{k}")), env)?;
+            // A variable in a header that carries a credential is a secret (masked wherever a
+            // server echoes it, kept out of the run's identity); in any other header it is a
+            // setting, which shapes the answers: part of the model's description.
+            let s = if is_credential(header.as_str()) { s } else { Vec::new() };
             reqwest::header::HeaderValue::from_str(&value)
                 .map_err(|_| format!("{}: not a header value (a control character?)", at(&format!("headers.{k}"))))?;
             headers.push((header, value));
             secrets.extend(s);
         }
+        let endpoint = format!("{endpoint}#{}", described(shape, &settings));
         let body = match raw.body {
             None => None,
             // A table is the JSON body; a string holds the JSON text.
@@ -514,7 +570,7 @@ pub fn shapes(
     file.models
         .iter()
         .filter(|(n, _)| names.is_none_or(|names| names.contains(&n.as_str())))
-        .map(|(n, m)| format!("{n}#{}", m.shape()))
+        .map(|(n, m)| format!("{n}#{}", described(m.shape(), &settings_of(m, env))))
         .collect()
 }
 
@@ -609,7 +665,7 @@ impl HttpModel {
     fn parse(&self, body: &[u8]) -> Result<ModelResponse, ModelError> {
         let v: Value = serde_json::from_slice(body)
             .map_err(|e| ModelError::new(ErrorKind::MalformedResponse, format!("the answer is not JSON: {e}")))?;
-        let answer = v.pointer(&self.spec.answer).ok_or_else(|| {
+        let answer = v.pointer(&self.spec.answer).filter(|a| !a.is_null()).ok_or_else(|| {
             ModelError::new(
                 ErrorKind::MalformedResponse,
                 clip(&format!("the answer has nothing at {}: {}", self.spec.answer, self.masked(&v.to_string()))),
@@ -638,6 +694,9 @@ impl ModelHandler for HttpModel {
                 req = req.header(k, v);
             }
             match &body {
+                Some(b) if self.spec.headers.iter().any(|(k, _)| k == reqwest::header::CONTENT_TYPE) => {
+                    req.body(b.clone())
+                }
                 Some(b) => req.header(reqwest::header::CONTENT_TYPE, "application/json").body(b.clone()),
                 None => req,
             }
@@ -714,12 +773,15 @@ answer = "/data/0/text"
         assert_ne!(m.endpoint(), other.endpoint());
         let (url, body) = m.build(&request("a b&c", serde_json::json!({"lang": "de/at", "n": 7}))).unwrap();
         assert_eq!(url, "http://127.0.0.1:9/v2/de%2Fat/translate?q=a%20b%26c");
+        // Unreserved characters stay as they are (servers that route on the raw path).
+        let (url, _) = m.build(&request("a-b.c_d~e", serde_json::json!({"lang": "pt_BR", "n": 1}))).unwrap();
+        assert_eq!(url, "http://127.0.0.1:9/v2/pt_BR/translate?q=a-b.c_d~e");
         // A dot segment from a field would name another path of the API; in the query it is text.
-        for dots in [".", ".."] {
+        for dots in ["", ".", ".."] {
             let e = m.build(&request("p", serde_json::json!({"lang": dots, "n": 1}))).unwrap_err();
             assert!(e.kind == ErrorKind::InvalidInput && e.message.contains("URL path"), "{e}");
         }
-        assert!(m.build(&request("..", serde_json::json!({"lang": "de", "n": 1}))).unwrap().0.ends_with("q=%2E%2E"));
+        assert!(m.build(&request("..", serde_json::json!({"lang": "de", "n": 1}))).unwrap().0.ends_with("q=.."));
         // A key from a field may not replace a key the file writes.
         let e = m.build(&request("p", serde_json::json!({"lang": "q", "n": 1}))).unwrap_err();
         assert!(e.kind == ErrorKind::InvalidInput && e.message.contains("'q' twice"), "{e}");
@@ -751,6 +813,8 @@ answer = "/data/0/text"
             ("body = { q = \"${KEY}\" }", "headers only"),
             ("headers = { X-Lang = \"{lang}\" }", "no {field} placeholders"),
             ("prompt_tokens = \"/a~2b\"", "~0"),
+            ("headers = { Content-Length = \"5\" }", "set by weir's HTTP client"),
+            ("headers = { host = \"evil.example.com\" }", "set by weir's HTTP client"),
         ] {
             let e = model(&format!("[models.m]\n{base}{extra}\n"), &[]).err().unwrap();
             assert!(e.contains(says), "{extra}: {e}");
@@ -793,11 +857,29 @@ answer = "/data/0/text"
         assert_eq!(m.classify(&reply(422)).kind, ErrorKind::BadRequest);
     }
 
+    /// A variable in a header that carries no credential is a setting: not masked, and part of
+    /// the model's description (another value is another source of answers).
+    #[test]
+    fn settings_from_the_environment_shape_the_model() {
+        let text = "[models.m]\nurl = \"https://x.com/\"\nheaders = { X-Api-Key = \"${K}\", X-Model-Version = \"${V}\" }\nanswer = \"/a\"\n";
+        let v1 = model(text, &[("K", "secret-key-1"), ("V", "fine")]).unwrap();
+        let v2 = model(text, &[("K", "secret-key-1"), ("V", "v2")]).unwrap();
+        let other_key = model(text, &[("K", "secret-key-2"), ("V", "fine")]).unwrap();
+        assert_ne!(v1.endpoint(), v2.endpoint());
+        assert_eq!(v1.endpoint(), other_key.endpoint(), "a key is not the model's description");
+        assert_eq!(v1.masked("fine and secret-key-1"), "fine and ***");
+        let raw: RawFile = toml::from_str(text).unwrap();
+        let env = |k: &str| Some(if k == "V" { "v2" } else { "k" }.to_string());
+        assert_ne!(described(raw.models["m"].shape(), &settings_of(&raw.models["m"], &env)), raw.models["m"].shape());
+        // A null at the answer's pointer is no answer.
+        assert_eq!(v1.parse(br#"{"a": null}"#).unwrap_err().kind, ErrorKind::MalformedResponse);
+    }
+
     /// A key an API echoes, as sent or escaped in JSON (`\"`, `\/`) or percent-encoded, is
     /// masked in error messages and in answers.
     #[test]
     fn echoed_secrets_are_masked_in_every_form() {
-        let key = r#"k3y/with"quote+plus"#;
+        let key = r#"k3y/with"quote+plus<a>&\b"#;
         let m = model(
             "[models.m]\nurl = \"https://x.com/\"\nheaders = { X-Key = \"${K}\" }\nanswer = \"/echo\"\n",
             &[("K", key)],
@@ -808,7 +890,12 @@ answer = "/data/0/text"
             serde_json::json!({"echo": key}).to_string().replace('/', "\\/"),
             format!("{{\"echo\": \"{}\"}}", url::form_urlencoded::byte_serialize(key.as_bytes()).collect::<String>()),
         ];
-        for body in bodies {
+        let go = serde_json::json!({"echo": key})
+            .to_string()
+            .replace('<', "\\u003c")
+            .replace('>', "\\u003e")
+            .replace('&', "\\u0026");
+        for body in bodies.into_iter().chain([go]) {
             let r = m.parse(body.as_bytes()).unwrap();
             assert!(!r.text.contains("k3y"), "{}", r.text);
             let reply = Reply { status: 401, headers: Default::default(), body: bytes::Bytes::from(body.clone()) };

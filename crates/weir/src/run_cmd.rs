@@ -501,6 +501,9 @@ impl RunArgs {
         if self.task == TaskArg::Embed {
             return not_here("--task embed", "an http/ model's answer is the text at its answer pointer");
         }
+        if self.params_field.is_some() {
+            return not_here("--params-field", "an http/ model's request is its body in the models file");
+        }
         let name = &model.model;
         let Some(names) = weir_providers::webapi::placeholders(name, self.endpoint.http_models.as_deref(), &|k| {
             std::env::var(k).ok()
