@@ -404,7 +404,9 @@ impl Spec {
         // `${VAR}` reads the environment in headers only: in the URL or body it would be taken
         // for the record's field VAR, missing from every record.
         let body_text = raw.body.as_ref().map(|b| serde_json::to_string(b).unwrap_or_default()).unwrap_or_default();
-        if raw.url.replace("$$", "").contains("${") || body_text.replace("$$", "").contains("${") {
+        // (`${{x}}` is a literal `${x}`: braces doubled are literal.)
+        let reads_env = |t: &str| t.match_indices("${").any(|(i, _)| !t[i + 2..].starts_with('{'));
+        if reads_env(&raw.url) || reads_env(&body_text) {
             return Err(format!(
                 "models.{name}: ${{VAR}} reads the environment in headers only (keys go in a header); the url and \
                  body take {{field}} placeholders from the record"
@@ -811,6 +813,7 @@ answer = "/data/0/text"
             ("retry = [200]", "not an error status"),
             ("colour = 1", "unknown field"),
             ("body = { q = \"${KEY}\" }", "headers only"),
+            ("body = { q = \"$${KEY}\" }", "headers only"),
             ("headers = { X-Lang = \"{lang}\" }", "no {field} placeholders"),
             ("prompt_tokens = \"/a~2b\"", "~0"),
             ("headers = { Content-Length = \"5\" }", "set by weir's HTTP client"),
@@ -823,6 +826,12 @@ answer = "/data/0/text"
         assert!(e.contains("https") && !e.contains("--base-url"), "{e}");
         let e = model("[models.m]\nurl = \"https://x.com/{q}?k=${KEY}\"\nanswer = \"/a\"\n", &[]).err().unwrap();
         assert!(e.contains("headers only"), "{e}");
+        // `${{x}}` in a body is the literal text `${x}`.
+        let lit = model("[models.m]\nurl = \"https://x.com/\"\nbody = { q = \"${{amount}}\" }\nanswer = \"/a\"\n", &[])
+            .unwrap();
+        let body: Value =
+            serde_json::from_slice(&lit.build(&request("p", serde_json::json!({}))).unwrap().1.unwrap()).unwrap();
+        assert_eq!(body, serde_json::json!({"q": "${amount}"}));
         // Braces that are no placeholder (JSON in a header) are sent as written.
         assert!(model(
             "[models.m]\nurl = \"https://x.com/\"\nheaders = { X-J = '{\"a\": 1}' }\nanswer = \"/a\"\n",
