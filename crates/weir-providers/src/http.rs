@@ -7,6 +7,24 @@ use weir_core::{Delta, DeltaStream, ErrorKind, ModelError, RetryHint};
 
 use crate::ProviderError;
 
+/// `s` with the hex digits of its `%XX` escapes in lower case.
+pub(crate) fn lower_hex(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut left = 0;
+    for c in s.chars() {
+        if c == '%' {
+            left = 2;
+            out.push(c);
+        } else if left > 0 {
+            left -= 1;
+            out.push(c.to_ascii_lowercase());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 /// A credential. Its `Debug` never shows the value, so it cannot leak into logs or errors.
 #[derive(Clone)]
 pub struct Secret(String);
@@ -26,15 +44,33 @@ impl Secret {
         }
         let json = serde_json::to_string(s).unwrap_or_default();
         let json = json.trim_matches('"').to_string();
-        let forms = [
+        let mut forms = vec![
             s.to_string(),
             json.replace('/', "\\/"),
             json.clone(),
-            url::form_urlencoded::byte_serialize(s.as_bytes()).collect::<String>(),
             s.replace('/', "\\/"),
             // As encoders that escape HTML's characters in JSON write it (Go's).
             json.replace('<', "\\u003c").replace('>', "\\u003e").replace('&', "\\u0026"),
         ];
+        // Percent-encoded as URLs and forms write it: every byte but letters and digits, or
+        // all but the unreserved ones, with `/` left as is (a path), a space as `+` (a form);
+        // in upper- and lower-case hex.
+        use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
+        const UNRESERVED: &AsciiSet = &NON_ALPHANUMERIC.remove(b'-').remove(b'.').remove(b'_').remove(b'~');
+        const PATH: &AsciiSet = &UNRESERVED.remove(b'/');
+        let encoded = [
+            utf8_percent_encode(s, NON_ALPHANUMERIC).to_string(),
+            utf8_percent_encode(s, UNRESERVED).to_string(),
+            utf8_percent_encode(s, PATH).to_string(),
+            url::form_urlencoded::byte_serialize(s.as_bytes()).collect::<String>(),
+        ];
+        for e in encoded {
+            let lower = lower_hex(&e);
+            forms.push(e);
+            forms.push(lower);
+        }
+        forms.sort_by_key(|f| std::cmp::Reverse(f.len()));
+        forms.dedup();
         let mut out = text.to_string();
         for form in forms {
             if out.contains(&form) {

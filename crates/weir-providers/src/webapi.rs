@@ -647,8 +647,14 @@ impl HttpModel {
     /// An answer other than 2xx, taken as the model's file says.
     fn classify(&self, reply: &Reply) -> ModelError {
         let status = reply.status;
-        // Masked before it is cut, so that no part of a secret is left at the cut.
-        let text = self.masked(&String::from_utf8_lossy(&reply.body));
+        // A JSON body is read and written again first, so that a key in `\u` escapes of any
+        // case is in the one form masking knows; masked before it is cut, so that no part of
+        // a secret is left at the cut.
+        let text = match serde_json::from_slice::<Value>(&reply.body) {
+            Ok(v) => v.to_string(),
+            Err(_) => String::from_utf8_lossy(&reply.body).into_owned(),
+        };
+        let text = self.masked(&text);
         let message = clip(&format!("HTTP {status}: {}", text.trim()));
         let e = crate::http::status_error(status, &reply.headers, message.clone());
         match self.spec.classes.get(&status) {
@@ -899,12 +905,19 @@ answer = "/data/0/text"
             serde_json::json!({"echo": key}).to_string().replace('/', "\\/"),
             format!("{{\"echo\": \"{}\"}}", url::form_urlencoded::byte_serialize(key.as_bytes()).collect::<String>()),
         ];
+        let quoted = |lower: bool| {
+            const PATH: &percent_encoding::AsciiSet = &URL_VALUE.remove(b'/');
+            let q = percent_encoding::utf8_percent_encode(key, PATH).to_string();
+            let q = if lower { crate::http::lower_hex(&q) } else { q };
+            format!("{{\"echo\": \"{q}\"}}")
+        };
+        let upper_u = serde_json::json!({"echo": key}).to_string().replace('<', "\\u003C");
         let go = serde_json::json!({"echo": key})
             .to_string()
             .replace('<', "\\u003c")
             .replace('>', "\\u003e")
             .replace('&', "\\u0026");
-        for body in bodies.into_iter().chain([go]) {
+        for body in bodies.into_iter().chain([go, quoted(false), quoted(true), upper_u]) {
             let r = m.parse(body.as_bytes()).unwrap();
             assert!(!r.text.contains("k3y"), "{}", r.text);
             let reply = Reply { status: 401, headers: Default::default(), body: bytes::Bytes::from(body.clone()) };

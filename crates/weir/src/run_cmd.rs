@@ -489,8 +489,12 @@ impl RunArgs {
     fn http_prompt(&self, model: &ModelSpec, prompt: PromptSource) -> Result<PromptSource, UsageError> {
         let not_here =
             |flag: &str, instead: &str| Err(UsageError(format!("{flag} does not apply to {model}: {instead}")));
-        if !self.endpoint.base_url.is_empty() || self.endpoint.endpoints.is_some() {
-            return not_here("--base-url and --endpoints", "its url is in the models file");
+        if !self.endpoint.base_url.is_empty()
+            || self.endpoint.endpoints.is_some()
+            || self.endpoint.project.is_some()
+            || self.endpoint.location.is_some()
+        {
+            return not_here("--base-url, --endpoints, --project and --location", "its url is in the models file");
         }
         if self.streaming() {
             return not_here("--stream and --events", "an http/ model's answer is read whole");
