@@ -347,10 +347,22 @@ impl RunReport {
         if self.unfinished != Some(0) || self.stopped.is_some() {
             if let Some(state) = &self.state {
                 match self.unfinished {
-                    Some(n) => s.push_str(&format!(
-                        "  {} records not finished; run the same command again to resume (state in {state})\n",
-                        thousands(n)
-                    )),
+                    Some(n) => {
+                        // Error rows about the run (a spent quota, a rejected key, a stop) are
+                        // run again by a resume too: said, so the count is the whole of it.
+                        let again: u64 =
+                            self.failures.iter().filter(|(k, _)| k.is_about_the_run()).map(|(_, n)| n).sum();
+                        let rows = match again {
+                            0 => String::new(),
+                            a => {
+                                format!(" (and {} error rows of the run's own trouble, tried again too)", thousands(a))
+                            }
+                        };
+                        s.push_str(&format!(
+                            "  {} records not finished{rows}; run the same command again to resume (state in {state})\n",
+                            thousands(n)
+                        ))
+                    }
                     None if self.followed => s.push_str(&format!(
                         "  stopped following; run the same command again to go on from where it stopped (state in \
                          {state})\n"
