@@ -337,11 +337,13 @@ fn is_credential(name: &str) -> bool {
 /// The model's description for the cache and a run's identity: the digest of how it is written,
 /// and of the settings its non-credential headers read from the environment (they shape the
 /// answers too: a model version, a tenant).
+/// Each setting shows as `header=digest`, so that a run refused after one changed says which.
 fn described(shape: String, settings: &[(String, String)]) -> String {
-    match settings.is_empty() {
-        true => shape,
-        false => format!("{shape}-{}", digest_of(&serde_json::json!(settings))),
+    let mut out = shape;
+    for (header, value) in settings {
+        out.push_str(&format!(";{header}={}", digest_of(&Value::String(value.clone()))));
     }
+    out
 }
 
 /// The values of `raw`'s non-credential headers that read `${VAR}`s, read from `env` (those
@@ -881,6 +883,7 @@ answer = "/data/0/text"
         let v2 = model(text, &[("K", "secret-key-1"), ("V", "v2")]).unwrap();
         let other_key = model(text, &[("K", "secret-key-2"), ("V", "fine")]).unwrap();
         assert_ne!(v1.endpoint(), v2.endpoint());
+        assert!(v1.endpoint().contains(";X-Model-Version="), "says which setting: {}", v1.endpoint());
         assert_eq!(v1.endpoint(), other_key.endpoint(), "a key is not the model's description");
         assert_eq!(v1.masked("fine and secret-key-1"), "fine and ***");
         let raw: RawFile = toml::from_str(text).unwrap();
