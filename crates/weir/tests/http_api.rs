@@ -27,61 +27,75 @@ struct Seen {
 /// The service: `POST /v2/translate {"q", "target"}` → `{"data": {"translations":
 /// [{"translatedText"}]}, "usage": {"characters"}}`, the text reversed and tagged.
 async fn serve(limit: u32) -> (String, Arc<Mutex<Seen>>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
     let seen = Arc::new(Mutex::new(Seen::default()));
     let start = Instant::now();
     let state = seen.clone();
+    let url = listen(move |req| {
+        let state = state.clone();
+        async move {
+            let auth = req.headers().get("authorization").and_then(|v| v.to_str().ok()).unwrap_or("");
+            let ok_key = auth == format!("Bearer {KEY}");
+            let path = req.uri().path().to_string();
+            let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+            let reply = |status: u16, headers: &[(&str, &str)], body: String| {
+                let mut r = hyper::Response::builder().status(status);
+                for (k, v) in headers {
+                    r = r.header(*k, *v);
+                }
+                r.body(Full::new(Bytes::from(body))).unwrap()
+            };
+            if !ok_key {
+                return reply(401, &[], r#"{"error": "bad key"}"#.into());
+            }
+            if path != "/v2/translate" {
+                return reply(404, &[], "{}".into());
+            }
+            let v: serde_json::Value = match serde_json::from_slice(&body) {
+                Ok(v) => v,
+                Err(_) => return reply(400, &[], r#"{"error": "not JSON"}"#.into()),
+            };
+            let (Some(q), Some(target)) = (v["q"].as_str(), v["target"].as_str()) else {
+                return reply(400, &[], r#"{"error": "q and target are required"}"#.into());
+            };
+            {
+                let mut s = state.lock().unwrap();
+                let window = start.elapsed().as_secs();
+                if s.window.0 != window {
+                    s.window = (window, 0);
+                }
+                if s.window.1 >= limit {
+                    s.refused += 1;
+                    return reply(429, &[("retry-after", "1")], r#"{"error": "quota"}"#.into());
+                }
+                s.window.1 += 1;
+                *s.answered.entry(q.to_string()).or_default() += 1;
+            }
+            tokio::time::sleep(Duration::from_millis(30)).await;
+            let text: String = q.chars().rev().collect();
+            let out = serde_json::json!({"data": {"translations": [{"translatedText": format!("{target}:{text}")}]},
+                            "usage": {"characters": q.chars().count()}});
+            reply(200, &[("content-type", "application/json")], out.to_string())
+        }
+    })
+    .await;
+    (url, seen)
+}
+
+/// Serves `answer` on a free loopback port, each connection in a task of its own: the URL.
+async fn listen<F, Fut>(answer: F) -> String
+where
+    F: Fn(hyper::Request<hyper::body::Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: std::future::Future<Output = hyper::Response<Full<Bytes>>> + Send + 'static,
+{
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
         while let Ok((stream, _)) = listener.accept().await {
-            let state = state.clone();
+            let answer = answer.clone();
             tokio::spawn(async move {
-                let service = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-                    let state = state.clone();
-                    async move {
-                        let auth = req.headers().get("authorization").and_then(|v| v.to_str().ok()).unwrap_or("");
-                        let ok_key = auth == format!("Bearer {KEY}");
-                        let path = req.uri().path().to_string();
-                        let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
-                        let reply = |status: u16, headers: &[(&str, &str)], body: String| {
-                            let mut r = hyper::Response::builder().status(status);
-                            for (k, v) in headers {
-                                r = r.header(*k, *v);
-                            }
-                            Ok::<_, std::convert::Infallible>(r.body(Full::new(Bytes::from(body))).unwrap())
-                        };
-                        if !ok_key {
-                            return reply(401, &[], r#"{"error": "bad key"}"#.into());
-                        }
-                        if path != "/v2/translate" {
-                            return reply(404, &[], "{}".into());
-                        }
-                        let v: serde_json::Value = match serde_json::from_slice(&body) {
-                            Ok(v) => v,
-                            Err(_) => return reply(400, &[], r#"{"error": "not JSON"}"#.into()),
-                        };
-                        let (Some(q), Some(target)) = (v["q"].as_str(), v["target"].as_str()) else {
-                            return reply(400, &[], r#"{"error": "q and target are required"}"#.into());
-                        };
-                        {
-                            let mut s = state.lock().unwrap();
-                            let window = start.elapsed().as_secs();
-                            if s.window.0 != window {
-                                s.window = (window, 0);
-                            }
-                            if s.window.1 >= limit {
-                                s.refused += 1;
-                                return reply(429, &[("retry-after", "1")], r#"{"error": "quota"}"#.into());
-                            }
-                            s.window.1 += 1;
-                            *s.answered.entry(q.to_string()).or_default() += 1;
-                        }
-                        tokio::time::sleep(Duration::from_millis(30)).await;
-                        let text: String = q.chars().rev().collect();
-                        let out = serde_json::json!({"data": {"translations": [{"translatedText": format!("{target}:{text}")}]},
-                            "usage": {"characters": q.chars().count()}});
-                        reply(200, &[("content-type", "application/json")], out.to_string())
-                    }
+                let service = hyper::service::service_fn(move |req| {
+                    let reply = answer(req);
+                    async move { Ok::<_, std::convert::Infallible>(reply.await) }
                 });
                 let _ = hyper::server::conn::http1::Builder::new()
                     .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
@@ -89,7 +103,7 @@ async fn serve(limit: u32) -> (String, Arc<Mutex<Seen>>) {
             });
         }
     });
-    (format!("http://{addr}"), seen)
+    format!("http://{addr}")
 }
 
 fn models(dir: &Dir, url: &str) -> std::path::PathBuf {
@@ -292,63 +306,35 @@ async fn an_http_model_over_tables_and_in_sql() {
     assert_eq!(seen.lock().unwrap().answered.values().sum::<u32>(), if cfg!(feature = "sql") { 9 } else { 6 });
 }
 
-/// A server that answers every request with `status` and the header `name: value`, and one that
-/// keeps every request line and header value it saw.
+/// A server that answers every request with `status` and the header `name: value`.
 async fn fixed(status: u16, name: &'static str, to: String) -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        while let Ok((stream, _)) = listener.accept().await {
-            let to = to.clone();
-            tokio::spawn(async move {
-                let service = hyper::service::service_fn(move |_req: hyper::Request<hyper::body::Incoming>| {
-                    let to = to.clone();
-                    async move {
-                        Ok::<_, std::convert::Infallible>(
-                            hyper::Response::builder()
-                                .status(status)
-                                .header(name, to)
-                                .body(Full::new(Bytes::from_static(b"")))
-                                .unwrap(),
-                        )
-                    }
-                });
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
-                    .await;
-            });
-        }
-    });
-    format!("http://{addr}")
+    listen(move |_req| {
+        let answer = hyper::Response::builder()
+            .status(status)
+            .header(name, to.clone())
+            .body(Full::new(Bytes::from_static(b"")))
+            .unwrap();
+        async move { answer }
+    })
+    .await
 }
 
+/// A server that keeps every request line and header value it saw.
 async fn catcher() -> (String, Arc<Mutex<Vec<String>>>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
     let seen = Arc::new(Mutex::new(Vec::new()));
     let state = seen.clone();
-    tokio::spawn(async move {
-        while let Ok((stream, _)) = listener.accept().await {
-            let state = state.clone();
-            tokio::spawn(async move {
-                let service = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-                    let state = state.clone();
-                    async move {
-                        let mut s = state.lock().unwrap();
-                        s.push(format!("{} {}", req.method(), req.uri()));
-                        s.extend(req.headers().values().map(|v| String::from_utf8_lossy(v.as_bytes()).to_string()));
-                        Ok::<_, std::convert::Infallible>(hyper::Response::new(Full::new(Bytes::from_static(
-                            br#"{"data":{"translations":[{"translatedText":"caught"}]}}"#,
-                        ))))
-                    }
-                });
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
-                    .await;
-            });
+    let url = listen(move |req| {
+        let mut s = state.lock().unwrap();
+        s.push(format!("{} {}", req.method(), req.uri()));
+        s.extend(req.headers().values().map(|v| String::from_utf8_lossy(v.as_bytes()).to_string()));
+        async move {
+            hyper::Response::new(Full::new(Bytes::from_static(
+                br#"{"data":{"translations":[{"translatedText":"caught"}]}}"#,
+            )))
         }
-    });
-    (format!("http://{addr}"), seen)
+    })
+    .await;
+    (url, seen)
 }
 
 /// A model endpoint that redirects (to another host here: another port) is not followed, for
