@@ -7,6 +7,12 @@ use weir_core::{Delta, DeltaStream, ErrorKind, ModelError, RetryHint};
 
 use crate::ProviderError;
 
+/// What percent-encoding leaves as it is: RFC 3986's unreserved characters (letters, digits,
+/// `-._~`); everything else is escaped, so an encoded value adds no path segment, query or
+/// fragment to a URL.
+pub(crate) const UNRESERVED: &percent_encoding::AsciiSet =
+    &percent_encoding::NON_ALPHANUMERIC.remove(b'-').remove(b'.').remove(b'_').remove(b'~');
+
 /// `s` with the hex digits of its `%XX` escapes in lower case.
 pub(crate) fn lower_hex(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
@@ -56,7 +62,6 @@ impl Secret {
         // all but the unreserved ones, with `/` left as is (a path), a space as `+` (a form);
         // in upper- and lower-case hex.
         use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
-        const UNRESERVED: &AsciiSet = &NON_ALPHANUMERIC.remove(b'-').remove(b'.').remove(b'_').remove(b'~');
         const PATH: &AsciiSet = &UNRESERVED.remove(b'/');
         let encoded = [
             utf8_percent_encode(s, NON_ALPHANUMERIC).to_string(),

@@ -68,11 +68,6 @@ struct RawModel {
 
 use weir_core::TemplatePiece as Piece;
 
-/// What a URL value is percent-encoded against: everything but RFC 3986's unreserved characters
-/// (letters, digits, `-._~`), so a value never adds a path segment, query or fragment.
-const URL_VALUE: &percent_encoding::AsciiSet =
-    &percent_encoding::NON_ALPHANUMERIC.remove(b'-').remove(b'.').remove(b'_').remove(b'~');
-
 /// How a value's text is put into a template: told the placeholder's name and whether it stands
 /// after a `?`, and given the text.
 type Escape<'a> = dyn Fn((&str, bool), &str) -> Result<String, ModelError> + 'a;
@@ -109,7 +104,7 @@ impl Text {
                     format!("the record's field '{name}' is '{text}', which cannot stand in the http model's URL path"),
                 ));
             }
-            Ok(percent_encoding::utf8_percent_encode(text, URL_VALUE).to_string())
+            Ok(percent_encoding::utf8_percent_encode(text, crate::http::UNRESERVED).to_string())
         })
     }
 
@@ -335,9 +330,9 @@ fn is_credential(name: &str) -> bool {
 }
 
 /// The model's description for the cache and a run's identity: the digest of how it is written,
-/// and of the settings its non-credential headers read from the environment (they shape the
-/// answers too: a model version, a tenant).
-/// Each setting shows as `header=digest`, so that a run refused after one changed says which.
+/// then each setting its non-credential headers read from the environment (they shape the
+/// answers too: a model version, a tenant) as `;header=digest`, so that a run refused after
+/// one changed says which.
 fn described(shape: String, settings: &[(String, String)]) -> String {
     let mut out = shape;
     for (header, value) in settings {
@@ -909,7 +904,7 @@ answer = "/data/0/text"
             format!("{{\"echo\": \"{}\"}}", url::form_urlencoded::byte_serialize(key.as_bytes()).collect::<String>()),
         ];
         let quoted = |lower: bool| {
-            const PATH: &percent_encoding::AsciiSet = &URL_VALUE.remove(b'/');
+            const PATH: &percent_encoding::AsciiSet = &crate::http::UNRESERVED.remove(b'/');
             let q = percent_encoding::utf8_percent_encode(key, PATH).to_string();
             let q = if lower { crate::http::lower_hex(&q) } else { q };
             format!("{{\"echo\": \"{q}\"}}")
