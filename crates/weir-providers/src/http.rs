@@ -41,12 +41,13 @@ impl Secret {
         Self(value)
     }
 
-    /// `text` with every form of this secret a server may echo masked: as sent, escaped in a
-    /// JSON string (`\"`, `\\`, and `\/` as some encoders write it) and percent-encoded.
-    pub fn masked_in(&self, text: &str) -> String {
+    /// Every form of this secret a server may echo, longest first: as sent, escaped in a JSON
+    /// string (`\"`, `\\`, `\/` and Go's `\u003c`), and percent-encoded as URLs and forms
+    /// write it, in either case of hex. None for a value too short to tell from other text.
+    pub fn forms(&self) -> Vec<String> {
         let s = self.expose();
         if s.len() < 4 {
-            return text.to_string();
+            return Vec::new();
         }
         let json = serde_json::to_string(s).unwrap_or_default();
         let json = json.trim_matches('"').to_string();
@@ -76,13 +77,12 @@ impl Secret {
         }
         forms.sort_by_key(|f| std::cmp::Reverse(f.len()));
         forms.dedup();
-        let mut out = text.to_string();
-        for form in forms {
-            if out.contains(&form) {
-                out = out.replace(&form, "***");
-            }
-        }
-        out
+        forms
+    }
+
+    /// `text` with every form of this secret a server may echo ([`Secret::forms`]) masked.
+    pub fn masked_in(&self, text: &str) -> String {
+        mask(text, &self.forms())
     }
 
     /// The value, for a request header only.
@@ -95,6 +95,17 @@ impl std::fmt::Debug for Secret {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("Secret(***)")
     }
+}
+
+/// `text` with each of `forms` (longest first) replaced by `***`.
+pub fn mask(text: &str, forms: &[String]) -> String {
+    let mut out = text.to_string();
+    for form in forms {
+        if out.contains(form.as_str()) {
+            out = out.replace(form.as_str(), "***");
+        }
+    }
+    out
 }
 
 /// How a provider's requests are authorised.

@@ -262,6 +262,9 @@ struct Spec {
     endpoint: String,
     headers: Vec<(reqwest::header::HeaderName, String)>,
     secrets: Vec<Secret>,
+    /// Every form of every secret a server may echo, longest first ([`Secret::forms`]): made
+    /// once, as every answer is masked with them.
+    masks: Vec<String>,
     body: Option<Body>,
     answer: String,
     prompt_tokens: Option<String>,
@@ -499,12 +502,15 @@ impl Spec {
             b.names(&mut names);
         }
         let fields = names.into_iter().filter(|n| !matches!(*n, "prompt" | "system")).map(str::to_string).collect();
+        let mut masks: Vec<String> = secrets.iter().flat_map(Secret::forms).collect();
+        masks.sort_by_key(|f| std::cmp::Reverse(f.len()));
         Ok(Self {
             method,
             url,
             endpoint,
             headers,
             secrets,
+            masks,
             body,
             answer: pointer(&raw.answer, &at("answer"))?,
             prompt_tokens: raw.prompt_tokens.as_deref().map(|p| pointer(p, &at("prompt_tokens"))).transpose()?,
@@ -631,14 +637,15 @@ impl HttpModel {
     }
 
     /// Masks every secret the calls carry in `e`'s message.
-    fn redacted(&self, e: ModelError) -> ModelError {
-        self.spec.secrets.iter().fold(e, |e, s| crate::http::redact(e, Some(s)))
+    fn redacted(&self, mut e: ModelError) -> ModelError {
+        e.message = self.masked(&e.message);
+        e
     }
 
     /// `text` with every secret the calls carry masked, in any form an API may echo it (an
     /// echo service answers with the request's headers).
     fn masked(&self, text: &str) -> String {
-        self.spec.secrets.iter().fold(text.to_string(), |t, s| s.masked_in(&t))
+        crate::http::mask(text, &self.spec.masks)
     }
 
     /// An answer other than 2xx, taken as the model's file says.
