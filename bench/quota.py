@@ -272,9 +272,8 @@ def coarse_case():
                     f"({ideal / secs:.1%}); 429s {s['rate_limited']} of {s['requests']} ({s['rate_limited'] / s['requests']:.2%})"
                     + (f"; each ended at {', '.join(f'{d:.1f}' for d in done)} s" if procs > 1 else ""))
             print(line)
-            if kill_at:
-                per_window = windows(s["successes_per_second"], W, skip_first=False)
-                print(f"   successes per {W} s window: {per_window} (killed at {kill_at:g} s)")
+            per_window = windows(s["successes_per_second"], W, skip_first=False)
+            print(f"   successes per {W} s window: {per_window}" + (f" (killed at {kill_at:g} s)" if kill_at else ""))
             refused = windows(s.get("rate_limited_per_second", []), W, skip_first=False)
             print(f"   429s per {W} s window: {refused}")
             shared = [l.strip() for l in errs[-1].splitlines() if "quota shared" in l]
