@@ -30,8 +30,12 @@ pub enum ErrorKind {
     /// The answer is not JSON matching the run's response schema (tried again up to
     /// `--max-invalid-retries` times, apart from the other retries).
     InvalidOutput,
-    /// The provider rejected the request as invalid (HTTP 400, 404, 422).
+    /// The provider rejected the request as invalid (HTTP 400, 422).
     BadRequest,
+    /// The endpoint is not where the run was told (HTTP 404 or 405 for a model or route, a
+    /// redirect): every record would fail alike. The run's failure, not the record's, so a
+    /// resumed run tries the record again once the address is put right.
+    Endpoint,
     /// Credentials missing or rejected (HTTP 401, 403).
     Auth,
     /// The run stopped before this record was tried (after a fatal error or an interrupt).
@@ -52,13 +56,14 @@ impl ErrorKind {
             ErrorKind::MalformedResponse => "malformed_response",
             ErrorKind::InvalidOutput => "invalid_output",
             ErrorKind::BadRequest => "bad_request",
+            ErrorKind::Endpoint => "endpoint",
             ErrorKind::Auth => "auth",
             ErrorKind::Aborted => "aborted",
         }
     }
 
     /// Every kind, in the order of the enum.
-    pub const ALL: [ErrorKind; 12] = [
+    pub const ALL: [ErrorKind; 13] = [
         ErrorKind::InvalidInput,
         ErrorKind::Blocked,
         ErrorKind::RateLimited,
@@ -69,6 +74,7 @@ impl ErrorKind {
         ErrorKind::MalformedResponse,
         ErrorKind::InvalidOutput,
         ErrorKind::BadRequest,
+        ErrorKind::Endpoint,
         ErrorKind::Auth,
         ErrorKind::Aborted,
     ];
@@ -96,7 +102,7 @@ impl ErrorKind {
     /// The failure belongs to the run, not to the record (not tried, a spent daily quota,
     /// rejected credentials): its row does not finish the record, and a resumed run tries it.
     pub fn is_about_the_run(self) -> bool {
-        matches!(self, ErrorKind::Aborted | ErrorKind::QuotaExhausted | ErrorKind::Auth)
+        matches!(self, ErrorKind::Aborted | ErrorKind::QuotaExhausted | ErrorKind::Auth | ErrorKind::Endpoint)
     }
 
     /// Whether a later run may succeed where this one failed (the `retryable` column of the

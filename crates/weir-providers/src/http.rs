@@ -13,24 +13,6 @@ use crate::ProviderError;
 pub(crate) const UNRESERVED: &percent_encoding::AsciiSet =
     &percent_encoding::NON_ALPHANUMERIC.remove(b'-').remove(b'.').remove(b'_').remove(b'~');
 
-/// `s` with the hex digits of its `%XX` escapes in lower case.
-pub(crate) fn lower_hex(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    let mut left = 0;
-    for c in s.chars() {
-        if c == '%' {
-            left = 2;
-            out.push(c);
-        } else if left > 0 {
-            left -= 1;
-            out.push(c.to_ascii_lowercase());
-        } else {
-            out.push(c);
-        }
-    }
-    out
-}
-
 /// A credential. Its `Debug` never shows the value, so it cannot leak into logs or errors.
 #[derive(Clone)]
 pub struct Secret(String);
@@ -41,48 +23,10 @@ impl Secret {
         Self(value)
     }
 
-    /// Every form of this secret a server may echo, longest first: as sent, escaped in a JSON
-    /// string (`\"`, `\\`, `\/` and Go's `\u003c`), and percent-encoded as URLs and forms
-    /// write it, in either case of hex. None for a value too short to tell from other text.
-    pub fn forms(&self) -> Vec<String> {
-        let s = self.expose();
-        if s.len() < 4 {
-            return Vec::new();
-        }
-        let json = serde_json::to_string(s).unwrap_or_default();
-        let json = json.trim_matches('"').to_string();
-        let mut forms = vec![
-            s.to_string(),
-            json.replace('/', "\\/"),
-            json.clone(),
-            s.replace('/', "\\/"),
-            // As encoders that escape HTML's characters in JSON write it (Go's).
-            json.replace('<', "\\u003c").replace('>', "\\u003e").replace('&', "\\u0026"),
-        ];
-        // Percent-encoded as URLs and forms write it: every byte but letters and digits, or
-        // all but the unreserved ones, with `/` left as is (a path), a space as `+` (a form);
-        // in upper- and lower-case hex.
-        use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
-        const PATH: &AsciiSet = &UNRESERVED.remove(b'/');
-        let encoded = [
-            utf8_percent_encode(s, NON_ALPHANUMERIC).to_string(),
-            utf8_percent_encode(s, UNRESERVED).to_string(),
-            utf8_percent_encode(s, PATH).to_string(),
-            url::form_urlencoded::byte_serialize(s.as_bytes()).collect::<String>(),
-        ];
-        for e in encoded {
-            let lower = lower_hex(&e);
-            forms.push(e);
-            forms.push(lower);
-        }
-        forms.sort_by_key(|f| std::cmp::Reverse(f.len()));
-        forms.dedup();
-        forms
-    }
-
-    /// `text` with every form of this secret a server may echo ([`Secret::forms`]) masked.
+    /// `text` with this secret masked wherever a server echoed it, however escaped (see
+    /// [`mask`]).
     pub fn masked_in(&self, text: &str) -> String {
-        mask(text, &self.forms())
+        mask(text, std::slice::from_ref(self))
     }
 
     /// The value, for a request header only.
@@ -97,15 +41,156 @@ impl std::fmt::Debug for Secret {
     }
 }
 
-/// `text` with each of `forms` (longest first) replaced by `***`.
-pub fn mask(text: &str, forms: &[String]) -> String {
-    let mut out = text.to_string();
-    for form in forms {
-        if out.contains(form.as_str()) {
-            out = out.replace(form.as_str(), "***");
+/// `text` with each of `secrets` replaced by `***` wherever a server echoed it, however each
+/// of its characters was written: as itself, percent-encoded (either case of hex; any set of
+/// characters left as they are, as every URL and form encoder leaves a different set; a space
+/// as `+`), escaped for JSON or JavaScript (`\uXXXX` in either case, surrogate pairs, `\/`,
+/// `\"`, `\xXX`) or for HTML (`&amp;`, `&#60;`, `&#x3c;`). Decoding each character where it
+/// stands, rather than listing the encoders' forms of the whole value, finds the mixtures
+/// those encoders write (JavaScript's `encodeURIComponent` keeps `*`, PHP's `urlencode`
+/// escapes it; Go keeps `~`, Java escapes it). A value under 4 characters is not masked: it
+/// cannot be told from other text.
+pub fn mask(text: &str, secrets: &[Secret]) -> String {
+    let keys: Vec<Vec<char>> =
+        secrets.iter().map(|s| s.expose().chars().collect::<Vec<char>>()).filter(|k| k.len() >= 4).collect();
+    if keys.is_empty() {
+        return text.to_string();
+    }
+    // The bytes an echo can start with: a key's first character as itself, or an escape.
+    let mut starts: Vec<u8> = b"%+\\&".to_vec();
+    starts.extend(keys.iter().map(|k| k[0].to_string().as_bytes()[0]));
+    let mut out = String::with_capacity(text.len());
+    let mut i = 0;
+    while i < text.len() {
+        let found = if starts.contains(&text.as_bytes()[i]) {
+            keys.iter().filter_map(|k| echo_at(text, i, k)).max()
+        } else {
+            None
+        };
+        match found {
+            Some(end) => {
+                out.push_str("***");
+                i = end;
+            }
+            None => {
+                let c = text[i..].chars().next().expect("i is a char boundary within text");
+                out.push(c);
+                i += c.len_utf8();
+            }
         }
     }
     out
+}
+
+/// Where an echo of `key` that starts at byte `i` of `text` ends (the longest), if one does.
+fn echo_at(text: &str, i: usize, key: &[char]) -> Option<usize> {
+    // The ends reachable after each character of the key: escapes make a few at most.
+    let mut ends = vec![i];
+    for &c in key {
+        let mut next = Vec::new();
+        for &at in &ends {
+            char_echo_ends(text.as_bytes(), at, c, &mut next);
+        }
+        next.sort_unstable();
+        next.dedup();
+        if next.is_empty() {
+            return None;
+        }
+        ends = next;
+    }
+    ends.pop()
+}
+
+/// Pushes to `ends` where each way of writing `c` that starts at byte `at` of `text` ends.
+fn char_echo_ends(text: &[u8], at: usize, c: char, ends: &mut Vec<usize>) {
+    let rest = &text[at.min(text.len())..];
+    let mut utf8 = [0u8; 4];
+    let bytes = c.encode_utf8(&mut utf8).as_bytes();
+    if rest.starts_with(bytes) {
+        ends.push(at + bytes.len());
+    }
+    match rest.first() {
+        Some(b'%') => {
+            // Each byte as `%XX`.
+            let n = bytes.len();
+            if rest.len() >= 3 * n
+                && (0..n).all(|k| rest[3 * k] == b'%' && hex_byte(&rest[3 * k + 1..3 * k + 3]) == Some(bytes[k]))
+            {
+                ends.push(at + 3 * n);
+            }
+        }
+        Some(b'+') if c == ' ' => ends.push(at + 1),
+        Some(b'\\') => {
+            let code = c as u32;
+            let simple = match c {
+                '/' => Some(b'/'),
+                '"' => Some(b'"'),
+                '\\' => Some(b'\\'),
+                '\'' => Some(b'\''),
+                '\n' => Some(b'n'),
+                '\t' => Some(b't'),
+                '\r' => Some(b'r'),
+                _ => None,
+            };
+            if simple.is_some_and(|e| rest.get(1) == Some(&e)) {
+                ends.push(at + 2);
+            }
+            let unit = |s: &[u8]| (s.len() >= 6 && s[1] == b'u').then(|| hex_u16(&s[2..6])).flatten();
+            if code < 0x10000 {
+                if unit(rest) == Some(code as u16) {
+                    ends.push(at + 6);
+                }
+            } else {
+                let v = code - 0x10000;
+                let (hi, lo) = ((0xD800 + (v >> 10)) as u16, (0xDC00 + (v & 0x3FF)) as u16);
+                if unit(rest) == Some(hi) && rest.len() >= 12 && rest[6] == b'\\' && unit(&rest[6..]) == Some(lo) {
+                    ends.push(at + 12);
+                }
+            }
+            if code < 0x100 && rest.len() >= 4 && rest[1] == b'x' && hex_byte(&rest[2..4]) == Some(code as u8) {
+                ends.push(at + 4);
+            }
+        }
+        Some(b'&') => {
+            let named: &[u8] = match c {
+                '&' => b"&amp;",
+                '<' => b"&lt;",
+                '>' => b"&gt;",
+                '"' => b"&quot;",
+                '\'' => b"&apos;",
+                _ => b"",
+            };
+            if !named.is_empty() && rest.starts_with(named) {
+                ends.push(at + named.len());
+            }
+            // `&#NN;` or `&#xHH;`, with any leading zeros.
+            if rest.get(1) == Some(&b'#') {
+                let (digits, radix) = if matches!(rest.get(2), Some(b'x' | b'X')) { (3, 16) } else { (2, 10) };
+                if let Some(len) = rest[digits.min(rest.len())..].iter().take(10).position(|&b| b == b';') {
+                    let n = std::str::from_utf8(&rest[digits..digits + len])
+                        .ok()
+                        .filter(|d| d.bytes().all(|b| b.is_ascii_hexdigit()))
+                        .and_then(|d| u32::from_str_radix(d, radix).ok());
+                    if len > 0 && n == Some(c as u32) {
+                        ends.push(at + digits + len + 1);
+                    }
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
+/// The byte two hex digits (either case) write.
+fn hex_byte(s: &[u8]) -> Option<u8> {
+    let h = std::str::from_utf8(s.get(..2)?).ok()?;
+    h.bytes().all(|b| b.is_ascii_hexdigit()).then(|| u8::from_str_radix(h, 16).ok()).flatten()
+}
+
+/// The 16-bit unit four hex digits (either case) write.
+fn hex_u16(s: &[u8]) -> Option<u16> {
+    let h = std::str::from_utf8(s.get(..4)?).ok()?;
+    h.bytes().all(|b| b.is_ascii_hexdigit()).then(|| u16::from_str_radix(h, 16).ok()).flatten()
 }
 
 /// How a provider's requests are authorised.
@@ -731,7 +816,7 @@ pub fn status_error(status: u16, headers: &HeaderMap, message: String) -> ModelE
     let e = match status {
         // No such model or route: no other record can fare better.
         404 | 405 => ModelError::new(
-            ErrorKind::BadRequest,
+            ErrorKind::Endpoint,
             format!(
                 "{message} (the model or its route was not found: check --model, --base-url, --project and --location)"
             ),
@@ -740,7 +825,7 @@ pub fn status_error(status: u16, headers: &HeaderMap, message: String) -> ModelE
         // weir follows no redirect of a model call (see `builder`): the endpoint moved, and every
         // record would get the same answer.
         300..=399 => ModelError::new(
-            ErrorKind::BadRequest,
+            ErrorKind::Endpoint,
             format!(
                 "{message} (the endpoint redirects{}; weir does not follow redirects, which could carry the key to \
                  another host: write the new address where the endpoint is named)",
@@ -887,6 +972,37 @@ mod tests {
         let e = ModelError::new(ErrorKind::Auth, "HTTP 401: Incorrect API key provided: Bearer sk-LEAKCHECK-777");
         let e = redact(e, Some(&key));
         assert_eq!(e.message, "HTTP 401: Incorrect API key provided: Bearer ***");
+    }
+
+    /// However an encoder wrote the key, it is masked: an outside tester's forms, each of
+    /// which leaked before (`quote_plus` keeps `~`, PHP's `urlencode` escapes `*`,
+    /// JavaScript's `encodeURIComponent` keeps `!'()*`, `\u` escapes in a text body), with
+    /// HTML's, and partial escapes of either case mixed within one echo.
+    #[test]
+    fn a_key_is_masked_however_it_was_escaped() {
+        let cases: &[(&str, &str)] = &[
+            ("a b~c", "k=a+b~c end"),
+            ("key with space*", "k=key+with+space%2A end"),
+            ("key with space*", "k=key%20with%20space* end"),
+            ("ab!c(d)e*f'g~h i", "k=ab!c(d)e*f'g~h%20i end"),
+            ("abcdeJ123", r"Error: your key \u0061\u0062\u0063\u0064\u0065\u004A\u0031\u0032\u0033 end"),
+            ("abcdef123", r"Error: your key \u0061\u0062c\x64ef1%323 end"),
+            ("sk-\u{1F600}-xyz", r"key sk-\ud83d\ude00-xyz end"),
+            ("sk-\u{1F600}-xyz", "key sk-%F0%9F%98%80-xyz end"),
+            ("a<b>&c\"d'e", "key a&lt;b&gt;&amp;c&quot;d&#39;e end"),
+            ("a<b>&c\"d'e", "key a&#x3C;b&#62;&#0038;c\\\"d\\'e end"),
+            ("a/b/c/d", r"key a\/b%2fc%2Fd end"),
+            ("plain-key-1", "key plain-key-1 end"),
+        ];
+        for (key, echo) in cases {
+            let masked = mask(echo, &[Secret::new(key.to_string())]);
+            assert!(masked.ends_with("*** end") && !masked.contains(key), "{key:?} in {echo:?}: {masked:?}");
+        }
+        // Around it, text is kept as it was, escapes and all; a key under 4 characters is not
+        // masked; a near miss is not masked.
+        let k = [Secret::new("s3cr3t".into())];
+        assert_eq!(mask("x %41 s3cr3t \\u0041 s3cr3", &k), "x %41 *** \\u0041 s3cr3");
+        assert_eq!(mask("key abc", &[Secret::new("abc".into())]), "key abc");
     }
 
     #[test]

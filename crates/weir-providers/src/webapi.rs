@@ -262,15 +262,14 @@ struct Spec {
     endpoint: String,
     headers: Vec<(reqwest::header::HeaderName, String)>,
     secrets: Vec<Secret>,
-    /// Every form of every secret a server may echo, longest first ([`Secret::forms`]): made
-    /// once, as every answer is masked with them.
-    masks: Vec<String>,
     body: Option<Body>,
     answer: String,
     prompt_tokens: Option<String>,
     output_tokens: Option<String>,
     classes: BTreeMap<u16, Class>,
     fields: Vec<String>,
+    /// The model's name in the file, for messages.
+    name: String,
 }
 
 fn pointer(p: &str, at: &str) -> Result<String, String> {
@@ -450,7 +449,12 @@ impl Spec {
             // A variable in a header that carries a credential is a secret (masked wherever a
             // server echoes it, kept out of the run's identity); in any other header it is a
             // setting, which shapes the answers: part of the model's description.
-            let s = if is_credential(header.as_str()) { s } else { Vec::new() };
+            let mut s = if is_credential(header.as_str()) { s } else { Vec::new() };
+            // A credential written into the file itself (no `${VAR}`) is masked as well: the
+            // words of such a header long enough to be a key (not its scheme, `Bearer`).
+            if is_credential(header.as_str()) {
+                s.extend(without_vars.split_whitespace().filter(|w| w.len() >= 8).map(|w| Secret::new(w.to_string())));
+            }
             reqwest::header::HeaderValue::from_str(&value)
                 .map_err(|_| format!("{}: not a header value (a control character?)", at(&format!("headers.{k}"))))?;
             headers.push((header, value));
@@ -487,8 +491,14 @@ impl Spec {
         let mut given = BTreeMap::new();
         for (list, class, _) in &lists {
             for s in list.iter().flatten().copied() {
-                if !(300..=599).contains(&s) {
-                    return Err(format!("models.{name}: {s} is not an error status (300-599)"));
+                if (300..=399).contains(&s) {
+                    return Err(format!(
+                        "models.{name}: {s} is a redirect, which weir never follows (it could carry the key to \
+                         another host) and which stops the run: it goes in no list"
+                    ));
+                }
+                if !(400..=599).contains(&s) {
+                    return Err(format!("models.{name}: {s} is not an error status (400-599)"));
                 }
                 if given.insert(s, *class).is_some_and(|c| c != *class) {
                     return Err(format!("models.{name}: status {s} is in two of retry_later, retry and permanent"));
@@ -502,21 +512,19 @@ impl Spec {
             b.names(&mut names);
         }
         let fields = names.into_iter().filter(|n| !matches!(*n, "prompt" | "system")).map(str::to_string).collect();
-        let mut masks: Vec<String> = secrets.iter().flat_map(Secret::forms).collect();
-        masks.sort_by_key(|f| std::cmp::Reverse(f.len()));
         Ok(Self {
             method,
             url,
             endpoint,
             headers,
             secrets,
-            masks,
             body,
             answer: pointer(&raw.answer, &at("answer"))?,
             prompt_tokens: raw.prompt_tokens.as_deref().map(|p| pointer(p, &at("prompt_tokens"))).transpose()?,
             output_tokens: raw.output_tokens.as_deref().map(|p| pointer(p, &at("output_tokens"))).transpose()?,
             classes,
             fields,
+            name: name.to_string(),
         })
     }
 }
@@ -645,7 +653,7 @@ impl HttpModel {
     /// `text` with every secret the calls carry masked, in any form an API may echo it (an
     /// echo service answers with the request's headers).
     fn masked(&self, text: &str) -> String {
-        crate::http::mask(text, &self.spec.masks)
+        crate::http::mask(text, &self.spec.secrets)
     }
 
     /// An answer other than 2xx, taken as the model's file says.
@@ -669,8 +677,24 @@ impl HttpModel {
             },
             Some(Class::Retry) => ModelError { kind: ErrorKind::Server, hint: RetryHint::Backoff, ..e },
             Some(Class::Permanent) => ModelError { kind: ErrorKind::BadRequest, hint: RetryHint::Never, ..e },
-            // Unlisted: as any HTTP API's (401/403 a rejected key, other 4xx the request's fault).
-            None => e,
+            // Not listed: a redirect and a rejected key stop the run, as for every provider.
+            None if (300..400).contains(&status) || matches!(status, 401 | 403) => e,
+            // A URL the records fill in names a record's resource: not found is that record's.
+            // A fixed URL not found (or not taking the method) fails every record alike: the
+            // run stops, and its records are tried again once the url is put right.
+            None if matches!(status, 404 | 405) && self.spec.url.names().next().is_none() => ModelError::new(
+                ErrorKind::Endpoint,
+                format!(
+                    "{message} (the url of models.{} was not found or takes no {})",
+                    self.spec.name, self.spec.method
+                ),
+            )
+            .with_hint(RetryHint::StopRun)
+            .with_status(status),
+            // Any other status is the record's error, as the file's lists leave it: retried only
+            // when listed. A 5xx keeps its kind (`server`), so `--retry-errors` runs it again.
+            None if status >= 500 => ModelError { kind: ErrorKind::Server, hint: RetryHint::Never, ..e },
+            None => ModelError::new(ErrorKind::BadRequest, message).with_status(status),
         }
     }
 
@@ -874,6 +898,31 @@ answer = "/data/0/text"
         assert_eq!(m.classify(&reply(502)).kind, ErrorKind::Server);
         assert_eq!(m.classify(&reply(401)).kind, ErrorKind::Auth);
         assert_eq!(m.classify(&reply(422)).kind, ErrorKind::BadRequest);
+        // Statuses in no list: an outside tester saw 409, 425, 501 and 529 retried, and 429
+        // waited out after `retry_later` left it out. Only the listed are tried again.
+        let class = |m: &HttpModel, status| {
+            let e = m.classify(&reply(status));
+            (e.kind, e.hint)
+        };
+        let m2 = model("[models.m]\nurl = \"https://x.com/a\"\nanswer = \"/out\"\nretry_later = [420]\n", &[]).unwrap();
+        for status in [409, 425, 429, 418] {
+            assert_eq!(class(&m2, status), (ErrorKind::BadRequest, RetryHint::Never), "{status}");
+        }
+        for status in [501, 529] {
+            assert_eq!(class(&m2, status), (ErrorKind::Server, RetryHint::Never), "{status}");
+        }
+        assert_eq!(class(&m2, 503).1, RetryHint::Backoff);
+        assert!(matches!(class(&m2, 420), (ErrorKind::RateLimited, RetryHint::Later(_))));
+        // A fixed url not found stops the run, its records tried again by the next; a url a
+        // record fills in names that record's resource.
+        assert_eq!(class(&m2, 404), (ErrorKind::Endpoint, RetryHint::StopRun));
+        assert!(m2.classify(&reply(404)).message.contains("the url of models.m"));
+        assert_eq!(class(&m2, 302), (ErrorKind::Endpoint, RetryHint::StopRun));
+        let per_record = model("[models.m]\nurl = \"https://x.com/items/{id}\"\nanswer = \"/out\"\n", &[]).unwrap();
+        assert_eq!(class(&per_record, 404), (ErrorKind::BadRequest, RetryHint::Never));
+        // A redirect goes in no list.
+        let e = model("[models.m]\nurl = \"https://x.com/\"\nanswer = \"/out\"\nretry = [302]\n", &[]).unwrap_err();
+        assert!(e.contains("redirect"), "{e}");
     }
 
     /// A variable in a header that carries no credential is a setting: not masked, and part of
@@ -888,11 +937,33 @@ answer = "/data/0/text"
         assert!(v1.endpoint().contains(";X-Model-Version="), "says which setting: {}", v1.endpoint());
         assert_eq!(v1.endpoint(), other_key.endpoint(), "a key is not the model's description");
         assert_eq!(v1.masked("fine and secret-key-1"), "fine and ***");
+        // A key written into the file is masked too (an outside tester's answers kept it).
+        let literal = "[models.m]\nurl = \"https://x.com/\"\nheaders = { Authorization = \"Bearer LiteralSecret_5566\" }\nanswer = \"/a\"\n";
+        let m = model(literal, &[]).unwrap();
+        assert_eq!(m.masked("Bearer LiteralSecret_5566 as sent"), "Bearer *** as sent");
         let raw: RawFile = toml::from_str(text).unwrap();
         let env = |k: &str| Some(if k == "V" { "v2" } else { "k" }.to_string());
         assert_ne!(described(raw.models["m"].shape(), &settings_of(&raw.models["m"], &env)), raw.models["m"].shape());
         // A null at the answer's pointer is no answer.
         assert_eq!(v1.parse(br#"{"a": null}"#).unwrap_err().kind, ErrorKind::MalformedResponse);
+    }
+
+    /// `s` with the hex digits of its `%XX` escapes in lower case.
+    fn lower_hex(s: &str) -> String {
+        let mut out = String::with_capacity(s.len());
+        let mut left = 0;
+        for c in s.chars() {
+            if c == '%' {
+                left = 2;
+                out.push(c);
+            } else if left > 0 {
+                left -= 1;
+                out.push(c.to_ascii_lowercase());
+            } else {
+                out.push(c);
+            }
+        }
+        out
     }
 
     /// A key an API echoes, as sent or escaped in JSON (`\"`, `\/`) or percent-encoded, is
@@ -913,7 +984,7 @@ answer = "/data/0/text"
         let quoted = |lower: bool| {
             const PATH: &percent_encoding::AsciiSet = &crate::http::UNRESERVED.remove(b'/');
             let q = percent_encoding::utf8_percent_encode(key, PATH).to_string();
-            let q = if lower { crate::http::lower_hex(&q) } else { q };
+            let q = if lower { lower_hex(&q) } else { q };
             format!("{{\"echo\": \"{q}\"}}")
         };
         let upper_u = serde_json::json!({"echo": key}).to_string().replace('<', "\\u003C");

@@ -561,7 +561,7 @@ impl Runtime {
                 // A model the endpoint does not have (404: a misspelt name in a column) is that
                 // model's rows' error, each failed with the reason: the other models' rows of
                 // the request are answered, and the request is not failed after paying for them.
-                Some(reason) if reason.kind == ErrorKind::BadRequest => {}
+                Some(reason) if matches!(reason.kind, ErrorKind::BadRequest | ErrorKind::Endpoint) => {}
                 Some(reason) => {
                     *self.stopped.lock().unwrap_or_else(|e| e.into_inner()) = Some(reason.clone());
                     *stopped_now.lock().unwrap_or_else(|e| e.into_inner()) = Some(reason);

@@ -30,7 +30,7 @@ enum Action {
 /// Which provider: the same flags as the run's.
 #[derive(Debug, Args)]
 struct Site {
-    /// The model of the run, as given to `weir run` (openai/…, gemini/…, vertex_ai/…).
+    /// The model of the run, as given to `weir run` (openai/…, gemini/…, vertex_ai/…, anthropic/…).
     #[arg(long, value_name = "MODEL")]
     model: String,
     /// The base URL given to `weir run`, if any (every one, for a pool of replicas).
@@ -156,7 +156,7 @@ pub async fn run(args: BatchArgs) -> anyhow::Result<u8> {
             let plain = |c: char| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | '/' | ':');
             if f.job.is_empty() || f.job.contains("..") || !f.job.chars().all(plain) {
                 return Err(UsageError(format!(
-                    "--job '{}': not a job id (as `weir batch status` shows them: batch_…, batches/…)",
+                    "--job '{}': not a job id (as `weir batch status` shows them: batch_…, batches/…, msgbatch_…)",
                     f.job
                 ))
                 .into());

@@ -238,8 +238,8 @@ pub struct RunArgs {
     /// Scenario (TOML, as for `weir sim --config`) of the built-in simulator behind sim/ models.
     #[arg(long, value_name = "FILE")]
     sim_config: Option<PathBuf>,
-    /// `batch`: answer through the provider's batch jobs (openai/, gemini/ and vertex_ai/
-    /// models) at about half the price; a stopped run re-attaches to its jobs.
+    /// `batch`: answer through the provider's batch jobs (openai/, gemini/, vertex_ai/ and
+    /// anthropic/ models) at about half the price; a stopped run re-attaches to its jobs.
     #[arg(long, value_enum, default_value_t = ModeArg::Online)]
     mode: ModeArg,
     /// With --mode auto: the fewest records that go to batch jobs.
@@ -487,17 +487,31 @@ impl RunArgs {
     /// would shape another provider's request are refused rather than ignored, and a model whose
     /// templates name no `{prompt}` needs no prompt field.
     fn http_prompt(&self, model: &ModelSpec, prompt: PromptSource) -> Result<PromptSource, UsageError> {
-        let not_here =
-            |flag: &str, instead: &str| Err(UsageError(format!("{flag} does not apply to {model}: {instead}")));
-        if !self.endpoint.base_url.is_empty()
-            || self.endpoint.endpoints.is_some()
-            || self.endpoint.project.is_some()
-            || self.endpoint.location.is_some()
-        {
-            return not_here("--base-url, --endpoints, --project and --location", "its url is in the models file");
+        let not_here = |flag: &str, instead: &str| {
+            let verb = if flag.contains(" and ") { "do" } else { "does" };
+            Err(UsageError(format!("{flag} {verb} not apply to {model}: {instead}")))
+        };
+        let given = |flags: &[(&str, bool)]| {
+            let named: Vec<&str> = flags.iter().filter(|f| f.1).map(|f| f.0).collect();
+            match named.split_last() {
+                Some((last, [])) => Some(last.to_string()),
+                Some((last, rest)) => Some(format!("{} and {last}", rest.join(", "))),
+                None => None,
+            }
+        };
+        if let Some(flags) = given(&[
+            ("--base-url", !self.endpoint.base_url.is_empty()),
+            ("--endpoints", self.endpoint.endpoints.is_some()),
+            ("--project", self.endpoint.project.is_some()),
+            ("--location", self.endpoint.location.is_some()),
+        ]) {
+            return not_here(&flags, "its url is in the models file");
         }
         if self.streaming() {
-            return not_here("--stream and --events", "an http/ model's answer is read whole");
+            return not_here(
+                if self.stream { "--stream" } else { "--events" },
+                "an http/ model's answer is read whole",
+            );
         }
         if !self.media_fields.is_empty() {
             return not_here("--media-field", "an http/ model's request is the JSON body its template writes");
@@ -516,7 +530,10 @@ impl RunArgs {
             return Ok(prompt);
         };
         if (self.system.is_some() || self.system_field.is_some()) && !names.contains("system") {
-            return not_here("--system and --system-field", "the model's url and body name no {system}");
+            return not_here(
+                if self.system.is_some() { "--system" } else { "--system-field" },
+                "the model's url and body name no {system}",
+            );
         }
         if names.contains("prompt") {
             return Ok(prompt);

@@ -467,3 +467,45 @@ async fn a_model_without_a_prompt_and_flags_that_do_not_apply() {
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("--param seed"), "{}", stderr(&o));
 }
+
+/// Statuses in none of the file's lists are not tried again (an outside tester saw 409, 425,
+/// 501 and 529 retried); a fixed url not found (404) stops the run, and its record is the run's
+/// failure (`endpoint`), tried again by the next run, where it was a finished `bad_request`.
+#[tokio::test(flavor = "multi_thread")]
+async fn unlisted_statuses_are_not_retried_and_a_missing_url_is_the_runs_failure() {
+    let dir = Dir::new("http-api-statuses");
+    let input = dir.write("in.jsonl", b"{\"id\":\"a\",\"text\":\"x\"}\n");
+    for (status, code, kind) in [(409u16, 1, "bad_request"), (529, 1, "server"), (404, 3, "endpoint")] {
+        let calls = Arc::new(Mutex::new(0u32));
+        let counted = calls.clone();
+        let url = listen(move |_req| {
+            *counted.lock().unwrap() += 1;
+            let answer = hyper::Response::builder().status(status).body(Full::new(Bytes::from_static(b"{}"))).unwrap();
+            async move { answer }
+        })
+        .await;
+        let models = dir.write(
+            "models.toml",
+            format!("[models.t]\nurl = \"{url}/t\"\nbody = {{ q = \"{{prompt}}\" }}\nanswer = \"/a\"\n").as_bytes(),
+        );
+        let out = dir.path(&format!("out-{status}.jsonl"));
+        let run = || {
+            let mut c = weir();
+            c.args(["run", "--model", "http/t", "--http-models", models.to_str().unwrap()])
+                .args(["--input", input.to_str().unwrap(), "--output", out.to_str().unwrap()])
+                .args(["--id-field", "id", "--prompt-field", "text"]);
+            c
+        };
+        let o = run().output().await.unwrap();
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(code), "{status}: {err}");
+        assert_eq!(*calls.lock().unwrap(), 1, "{status}: tried once: {err}");
+        let errors = rows(&dir.path(&format!("out-{status}.errors.jsonl")));
+        assert_eq!(errors.len(), 1, "{status}: {err}");
+        assert_eq!(errors[0]["kind"], kind, "{status}: {}", errors[0]);
+        let o = run().output().await.unwrap();
+        // A record's own error is finished; the run's is tried again.
+        let again = if status == 404 { 2 } else { 1 };
+        assert_eq!(*calls.lock().unwrap(), again, "{status}: {}", stderr(&o));
+    }
+}
