@@ -675,7 +675,15 @@ impl HttpModel {
                 hint: RetryHint::Later(crate::http::retry_after(&reply.headers)),
                 ..e
             },
-            Some(Class::Retry) => ModelError { kind: ErrorKind::Server, hint: RetryHint::Backoff, ..e },
+            // After the wait a `Retry-After` asks for, if the answer gives one (a 503 often does).
+            Some(Class::Retry) => ModelError {
+                kind: ErrorKind::Server,
+                hint: match crate::http::retry_after(&reply.headers) {
+                    Some(d) => RetryHint::Later(Some(d)),
+                    None => RetryHint::Backoff,
+                },
+                ..e
+            },
             Some(Class::Permanent) => ModelError { kind: ErrorKind::BadRequest, hint: RetryHint::Never, ..e },
             // Not listed: a redirect and a rejected key stop the run, as for every provider.
             None if (300..400).contains(&status) || matches!(status, 401 | 403) => e,
@@ -912,6 +920,11 @@ answer = "/data/0/text"
             assert_eq!(class(&m2, status), (ErrorKind::Server, RetryHint::Never), "{status}");
         }
         assert_eq!(class(&m2, 503).1, RetryHint::Backoff);
+        // A status in `retry` waits as its `Retry-After` asks, when it gives one.
+        let mut headers = reqwest::header::HeaderMap::new();
+        headers.insert(reqwest::header::RETRY_AFTER, "7".parse().unwrap());
+        let e = m2.classify(&Reply { status: 503, headers, body: bytes::Bytes::from_static(b"{}") });
+        assert_eq!((e.kind, e.hint), (ErrorKind::Server, RetryHint::Later(Some(std::time::Duration::from_secs(7)))));
         assert!(matches!(class(&m2, 420), (ErrorKind::RateLimited, RetryHint::Later(_))));
         // A fixed url not found stops the run, its records tried again by the next; a url a
         // record fills in names that record's resource.

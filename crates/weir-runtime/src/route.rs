@@ -61,6 +61,11 @@ impl Router {
         if spec.to_string() == self.default.model_id() {
             return Ok(self.default.clone());
         }
+        // Parameters the run was given that this model has no place for: the record's error,
+        // not parameters dropped in silence (an `http/` model takes none).
+        if let Some(why) = spec.refused_params(&runtime.settings().driver.params) {
+            return Err(format!("line {}: model field '{field}': {why}", record.line));
+        }
         let mut others = self.others.lock().await;
         if let Some(d) = others.get(&spec.to_string()) {
             return Ok(d.clone());

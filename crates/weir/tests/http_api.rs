@@ -509,3 +509,33 @@ async fn unlisted_statuses_are_not_retried_and_a_missing_url_is_the_runs_failure
         assert_eq!(*calls.lock().unwrap(), again, "{status}: {}", stderr(&o));
     }
 }
+
+/// A record that `--model-field` sends to an `http/` model, in a run given `--param`, is that
+/// record's error naming the flag: the parameters were dropped in silence before.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_record_routed_to_an_http_model_with_params_is_its_error() {
+    let (url, seen) = serve(100).await;
+    let dir = Dir::new("http-api-routed-params");
+    let models = dir.write(
+        "models.toml",
+        format!("[models.t]\nurl = \"{url}/v2/translate\"\nbody = {{ q = \"{{prompt}}\" }}\nanswer = \"/data/translations/0/translatedText\"\n")
+            .as_bytes(),
+    );
+    let input = dir.write("in.jsonl", b"{\"id\":\"a\",\"text\":\"x\",\"m\":\"http/t\"}\n");
+    let out = dir.path("out.jsonl");
+    let o = weir()
+        .args(["run", "--model", "gemini/gemini-2.5-flash", "--base-url", &url, "--model-field", "m"])
+        .args(["--http-models", models.to_str().unwrap(), "--param", "temperature=0.2"])
+        .args(["--input", input.to_str().unwrap(), "--output", out.to_str().unwrap()])
+        .args(["--id-field", "id", "--prompt-field", "text"])
+        .env("GEMINI_API_KEY", "k")
+        .output()
+        .await
+        .unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    let errors = rows(&dir.path("out.errors.jsonl"));
+    assert_eq!(errors.len(), 1, "{err}");
+    assert!(errors[0]["message"].as_str().unwrap().contains("--param does not apply"), "{}", errors[0]);
+    assert!(seen.lock().unwrap().answered.is_empty(), "no call");
+}
