@@ -48,6 +48,7 @@ pub async fn scheduler(
     bind: SocketAddr,
     functions: Arc<Runtime>,
     allowed: crate::fence::Allowed,
+    page: Arc<weir_runtime::gather::Gathered>,
 ) -> Result<(), String> {
     let udfs = crate::udf::all(&functions);
     let builder = Arc::new(move |config: SessionConfig| {
@@ -86,7 +87,7 @@ pub async fn scheduler(
     let quota_addr = crate::quota::service_addr(bind).ok_or_else(|| format!("{bind}: the port must be at least 2"))?;
     let quota_listener =
         tokio::net::TcpListener::bind(quota_addr).await.map_err(|e| format!("{quota_addr} (quota service): {e}"))?;
-    let quotas = crate::quota::serve(quota_listener, creds.clone());
+    let quotas = crate::quota::serve(quota_listener, creds.clone(), page);
     let server = async { start_server(cluster, inner, Arc::new(config)).await.map_err(|e| e.to_string()) };
     match creds {
         None => tokio::select! {
@@ -121,6 +122,8 @@ pub struct ExecutorPlace {
     pub work_dir: Option<String>,
     /// Where its queries may read and write files.
     pub allowed: crate::fence::Allowed,
+    /// Its model calls, watched: told to the scheduler for the cluster's page.
+    pub watch: Option<Arc<weir_runtime::dash::Watch>>,
 }
 
 /// Ballista's execution engine with each task's plan checked against the places the executor
@@ -255,7 +258,13 @@ pub async fn executor(place: ExecutorPlace, functions: Arc<Runtime>) -> Result<(
     // Calls of every executor that share an endpoint and key are admitted by one throttle, the
     // scheduler's (see crate::quota).
     if let Some(hub) = crate::quota::SchedulerHub::new(place.scheduler, creds.clone()) {
-        weir_runtime::share::use_hub(Arc::new(hub));
+        let hub: Arc<dyn weir_runtime::share::Hub> = Arc::new(hub);
+        weir_runtime::share::use_hub(hub.clone());
+        // Its calls on the scheduler's page, through the same service.
+        if let Some(watch) = place.watch.clone() {
+            let who = format!("{}:{}", place.host, place.port);
+            tokio::spawn(weir_runtime::gather::report_to(hub, watch, who));
+        }
     }
     let bind_host = if creds.is_some() { "127.0.0.1".to_string() } else { place.host.clone() };
     let producer: Option<ballista_core::ConfigProducer> = creds.as_ref().map(|c| {

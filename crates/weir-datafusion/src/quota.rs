@@ -12,6 +12,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use weir_runtime::gather::Gathered;
 use weir_runtime::share::{Hub, Keeper, Link};
 
 use crate::guard::Credentials;
@@ -31,7 +32,14 @@ const MAX_CONNECTIONS: usize = 1024;
 /// Serves the quota service on `listener` until it fails, admitting only the cluster's
 /// processes (all of them when the cluster has no credentials: it then listens on loopback, or
 /// where the user said `--insecure`).
-pub async fn serve(listener: tokio::net::TcpListener, creds: Option<Arc<Credentials>>) -> Result<(), String> {
+///
+/// The same service takes the executors' reports for the cluster's page (`page`, see
+/// [`weir_runtime::gather`]): a connection's first line says which it is.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    creds: Option<Arc<Credentials>>,
+    page: Arc<Gathered>,
+) -> Result<(), String> {
     let keeper = Keeper::new();
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     loop {
@@ -44,7 +52,7 @@ pub async fn serve(listener: tokio::net::TcpListener, creds: Option<Arc<Credenti
             }
         };
         let Ok(slot) = slots.clone().try_acquire_owned() else { continue };
-        let (keeper, creds) = (keeper.clone(), creds.clone());
+        let (keeper, creds, page) = (keeper.clone(), creds.clone(), page.clone());
         tokio::spawn(async move {
             let _slot = slot;
             let _ = socket.set_nodelay(true);
@@ -62,7 +70,7 @@ pub async fn serve(listener: tokio::net::TcpListener, creds: Option<Arc<Credenti
                 None => Box::new(socket),
             };
             let link = match creds.as_ref().and_then(|c| c.token.as_ref()) {
-                Some(token) => match tokio::time::timeout(PROVE_WITHIN, first_line(link)).await {
+                Some(token) => match tokio::time::timeout(PROVE_WITHIN, first_line(link, 256)).await {
                     Ok(Ok((link, line))) if token.proves(&line) => link,
                     Ok(Ok(_)) => {
                         tracing::warn!(
@@ -74,16 +82,28 @@ pub async fn serve(listener: tokio::net::TcpListener, creds: Option<Arc<Credenti
                 },
                 None => link,
             };
-            keeper.serve(link).await;
+            // A quota's hello, or an executor's report for the page.
+            let Ok(Ok((link, first))) = tokio::time::timeout(PROVE_WITHIN, first_line(link, HELLO_BYTES)).await else {
+                return;
+            };
+            let first = String::from_utf8_lossy(&first).trim_end().to_string();
+            match serde_json::from_str::<weir_runtime::gather::Hello>(&first) {
+                Ok(hello) => page.serve(hello, link).await,
+                Err(_) => keeper.serve(Some(first), link).await,
+            }
         });
     }
 }
 
-/// Reads the connection's first line (at most 256 bytes), byte by byte so that nothing after it
-/// is taken from the stream.
-async fn first_line(mut link: Box<dyn Link>) -> std::io::Result<(Box<dyn Link>, Vec<u8>)> {
+/// The longest first line taken after the guard (a quota's hello with its told limits, or an
+/// executor's for the page).
+const HELLO_BYTES: usize = 4096;
+
+/// Reads the connection's first line (at most `most` bytes), byte by byte so that nothing after
+/// it is taken from the stream.
+async fn first_line(mut link: Box<dyn Link>, most: usize) -> std::io::Result<(Box<dyn Link>, Vec<u8>)> {
     let mut line = Vec::new();
-    while line.len() < 256 {
+    while line.len() < most {
         let b = link.read_u8().await?;
         line.push(b);
         if b == b'\n' {

@@ -123,6 +123,13 @@ impl Series {
         }
     }
 
+    /// The newest point, if there is one.
+    pub fn last_point(&self) -> Option<Vec<Option<f64>>> {
+        let p = self.points();
+        p.cols[0].last()?;
+        Some(p.cols.iter().map(|c| c.last().copied().flatten()).collect())
+    }
+
     /// How many points there are.
     pub fn len(&self) -> usize {
         self.points().cols[0].len()
@@ -135,7 +142,11 @@ impl Series {
 
     /// The points from `since` on, by column, and the series' generation; all of them when the
     /// caller's `generation` is another (the points were thinned since it last asked).
-    fn since(&self, since: usize, generation: Option<u64>) -> (BTreeMap<&'static str, Vec<Option<f64>>>, u64, bool) {
+    pub(crate) fn since(
+        &self,
+        since: usize,
+        generation: Option<u64>,
+    ) -> (BTreeMap<&'static str, Vec<Option<f64>>>, u64, bool) {
         let p = self.points();
         let reset = generation != Some(p.generation);
         let from = if reset { 0 } else { since.min(p.cols[0].len()) };
@@ -144,7 +155,7 @@ impl Series {
     }
 
     /// The value of column `name` at the newest point, and `back` points before it.
-    fn recent(&self, name: &str, back: usize) -> Option<(f64, f64, f64)> {
+    pub(crate) fn recent(&self, name: &str, back: usize) -> Option<(f64, f64, f64)> {
         let i = COLUMNS.iter().position(|c| *c == name)?;
         let p = self.points();
         let n = p.cols[0].len();
@@ -496,6 +507,33 @@ impl Watch {
     pub fn report(&self) -> String {
         page(Some(&self.update(0, None, false)))
     }
+
+    /// What a cluster executor tells its scheduler's page (see [`crate::gather`]): its newest
+    /// point and summary, once it has sampled.
+    pub fn latest(&self) -> Option<Value> {
+        let point = self.series.last_point()?;
+        let summary = self.last.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        Some(serde_json::json!({ "point": point, "summary": summary }))
+    }
+}
+
+impl std::fmt::Debug for Watch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Watch").field("title", &self.title).finish_non_exhaustive()
+    }
+}
+
+/// What a live page asks for: a run's [`Watch`], or a cluster scheduler's gathering of its
+/// executors' ([`crate::gather::Gathered`]). One page serves both.
+pub trait Updates: Send + Sync {
+    /// What a page that has `since` points of `generation` needs to be up to date.
+    fn update(&self, since: usize, generation: Option<u64>, live: bool) -> Value;
+}
+
+impl Updates for Watch {
+    fn update(&self, since: usize, generation: Option<u64>, live: bool) -> Value {
+        Watch::update(self, since, generation, live)
+    }
 }
 
 /// The page: live (it asks the run for its data) when `data` is `None`, else a report of it.
@@ -625,7 +663,10 @@ pub fn check_listen(addr: SocketAddr) -> Result<(), String> {
 
 /// Serves the live page of `watch` on `addr` (loopback only: the page is not encrypted) until
 /// the returned task is aborted; the address it listens on (a port of 0 picks a free one).
-pub async fn serve(addr: SocketAddr, watch: Arc<Watch>) -> Result<(SocketAddr, tokio::task::JoinHandle<()>), String> {
+pub async fn serve(
+    addr: SocketAddr,
+    watch: Arc<dyn Updates>,
+) -> Result<(SocketAddr, tokio::task::JoinHandle<()>), String> {
     use hyper::service::service_fn;
     check_listen(addr)?;
     let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| format!("--ui {addr}: {e}"))?;
@@ -638,7 +679,7 @@ pub async fn serve(addr: SocketAddr, watch: Arc<Watch>) -> Result<(SocketAddr, t
             tokio::spawn(async move {
                 let service = service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
                     let host = req.headers().get(hyper::header::HOST).and_then(|h| h.to_str().ok());
-                    let reply = answer(&watch, &live, req.method(), req.uri(), host);
+                    let reply = answer(watch.as_ref(), &live, req.method(), req.uri(), host);
                     async move { Ok::<_, std::convert::Infallible>(reply) }
                 });
                 let io = hyper_util::rt::TokioIo::new(stream);
@@ -651,7 +692,7 @@ pub async fn serve(addr: SocketAddr, watch: Arc<Watch>) -> Result<(SocketAddr, t
 
 /// The answer to one request of the page.
 fn answer(
-    watch: &Watch,
+    watch: &dyn Updates,
     live: &str,
     method: &hyper::Method,
     uri: &hyper::Uri,

@@ -18,6 +18,7 @@ mod cache;
 pub mod dash;
 pub mod dispatch;
 pub mod endpoints;
+pub mod gather;
 #[cfg(feature = "local")]
 mod local;
 pub mod media;

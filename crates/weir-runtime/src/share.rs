@@ -1197,14 +1197,20 @@ impl Keeper {
         Arc::default()
     }
 
-    /// Serves one executor's connection (already past the cluster's guard) until it ends.
-    pub async fn serve(self: &Arc<Self>, link: impl Link) {
+    /// Serves one executor's connection (already past the cluster's guard) until it ends;
+    /// `first` is its first line when the caller read it already (to tell it from another
+    /// service's).
+    pub async fn serve(self: &Arc<Self>, first: Option<String>, link: impl Link) {
         let (read, write) = tokio::io::split(link);
         let mut lines = BufReader::new(read).lines();
-        let hello = match tokio::time::timeout(HELLO_WITHIN, lines.next_line()).await {
-            Ok(Ok(Some(l))) => serde_json::from_str::<Hello>(&l).ok(),
-            _ => None,
+        let first = match first {
+            Some(l) => Some(l),
+            None => match tokio::time::timeout(HELLO_WITHIN, lines.next_line()).await {
+                Ok(Ok(l)) => l,
+                _ => None,
+            },
         };
+        let hello = first.and_then(|l| serde_json::from_str::<Hello>(&l).ok());
         let Some(hello) = hello else {
             // Said at most every 10 s: a stranger's flood of connections must not flood the log.
             static LAST: Mutex<Option<std::time::Instant>> = Mutex::new(None);

@@ -92,6 +92,12 @@ struct SchedulerArgs {
     insecure: bool,
     #[command(flatten)]
     credentials: crate::credential_args::CredentialArgs,
+    /// Serve a live page of the whole cluster's model calls at http://ADDR/: what every
+    /// executor's calls add up to over time (throughput against the limit, refusals, latency,
+    /// cost), and each executor as a row. On loopback only; without ADDR, 127.0.0.1 and a free
+    /// port (said on stderr).
+    #[arg(long, value_name = "ADDR", num_args = 0..=1, default_missing_value = "127.0.0.1:0", value_parser = weir::metrics_server::listen_addr)]
+    ui: Option<SocketAddr>,
 }
 
 /// Options of `weir cluster executor`.
@@ -187,9 +193,21 @@ pub async fn run(args: ClusterArgs) -> anyhow::Result<u8> {
             }
             // The scheduler plans only: its functions are never called.
             let functions = Runtime::new(RuntimeSettings::default());
+            // The executors' calls, as they report them: the cluster's page.
+            let page = weir_runtime::gather::Gathered::new(format!("cluster at {}", a.bind));
+            let _page = match a.ui {
+                Some(addr) => {
+                    let (bound, server) = weir_runtime::dash::serve(addr, page.clone()).await.map_err(UsageError)?;
+                    eprintln!("weir cluster scheduler: live page of the cluster on http://{bound}/");
+                    Some((server, page.start()))
+                }
+                None => None,
+            };
             let scheme = if guarded.tls { "dfs" } else { "df" };
             eprintln!("weir: scheduler listening on {} (clients: weir sql --cluster {scheme}://{})", a.bind, a.bind);
-            weir_datafusion::cluster::scheduler(a.bind, functions, allowed).await.map_err(|e| anyhow::anyhow!(e))?;
+            weir_datafusion::cluster::scheduler(a.bind, functions, allowed, page)
+                .await
+                .map_err(|e| anyhow::anyhow!(e))?;
             Ok(0)
         }
         ClusterCommand::Executor(a) => executor(*a).await,
@@ -292,19 +310,22 @@ async fn executor(a: ExecutorArgs) -> anyhow::Result<u8> {
         None => None,
     };
     let title = format!("executor {}:{}", a.host, a.port);
-    let page = match a.ui {
-        Some(addr) => Some(
-            weir_runtime::dash::watch_and_serve(
-                functions.clone(),
-                &title,
-                Some(weir::pipeline::live_cost(None)),
-                addr,
-                "weir cluster executor",
-            )
-            .await
-            .map_err(UsageError)?,
-        ),
-        None => None,
+    // Watched always: the scheduler's page gathers every executor's calls; with --ui this
+    // executor serves its own page too.
+    let cost = Some(weir::pipeline::live_cost(None));
+    let (watch, page) = match a.ui {
+        Some(addr) => {
+            let (watch, tasks) =
+                weir_runtime::dash::watch_and_serve(functions.clone(), &title, cost, addr, "weir cluster executor")
+                    .await
+                    .map_err(UsageError)?;
+            (watch, tasks.into_iter().collect::<Vec<_>>())
+        }
+        None => {
+            let watch = weir_runtime::dash::Watch::new(functions.clone(), &title, None, cost);
+            let sampler = watch.start(None);
+            (watch, vec![sampler])
+        }
     };
     let work = private_work_dir(a.work_dir.as_deref())?;
     let place = ExecutorPlace {
@@ -315,6 +336,7 @@ async fn executor(a: ExecutorArgs) -> anyhow::Result<u8> {
         slots: a.slots,
         work_dir: Some(work.path().display().to_string()),
         allowed,
+        watch: Some(watch),
     };
     // Ballista reports a port in use only in its log, and may go on without the server. With
     // credentials its servers take 127.0.0.1 at the same ports, behind weir's guards.
@@ -347,10 +369,8 @@ async fn executor(a: ExecutorArgs) -> anyhow::Result<u8> {
             e
         }
     });
-    if let Some((_, tasks)) = page {
-        for task in tasks {
-            task.abort();
-        }
+    for task in page {
+        task.abort();
     }
     // What this executor's calls came to, over its whole life.
     eprint!("{}", crate::sql_cmd::summary(&functions, started.elapsed(), "weir cluster executor").await);

@@ -81,6 +81,8 @@ struct Cluster {
     scheduler: u16,
     executors: Vec<tokio::process::Child>,
     metric_ports: Vec<u16>,
+    /// The scheduler's live page of the cluster (`--ui`).
+    ui_port: u16,
     _scheduler: tokio::process::Child,
 }
 
@@ -93,14 +95,17 @@ impl Cluster {
     /// As [`Cluster::start`], with more flags for each executor.
     async fn start_with(sim: &SimServer, executors: usize, dir: &std::path::Path, extra: &[&str]) -> Cluster {
         let scheduler = scheduler_port();
+        let ui_port = free_port();
         let sched = weir()
             .current_dir(dir)
             .args(["cluster", "scheduler", "--bind", &format!("127.0.0.1:{scheduler}")])
+            .args(["--ui", &format!("127.0.0.1:{ui_port}")])
             .stderr(std::process::Stdio::null())
             .kill_on_drop(true)
             .spawn()
             .unwrap();
         wait_for_port(scheduler).await;
+        wait_for_port(ui_port).await;
         let mut children = Vec::new();
         let mut metric_ports = Vec::new();
         for _ in 0..executors {
@@ -122,7 +127,7 @@ impl Cluster {
             children.push(child);
             metric_ports.push(mport);
         }
-        Cluster { scheduler, executors: children, metric_ports, _scheduler: sched }
+        Cluster { scheduler, executors: children, metric_ports, ui_port, _scheduler: sched }
     }
 }
 
@@ -213,7 +218,8 @@ async fn two_executors_answer_every_row_once() {
     // Four files, so the scan has partitions to spread.
     let keys = parted_input(&dir, 800, 4).await;
     let sim = SimServer::start(SimConfig::default(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
-    let Cluster { scheduler, mut executors, metric_ports, _scheduler: _sched } = Cluster::start(&sim, 2, &dir.0).await;
+    let Cluster { scheduler, mut executors, metric_ports, _scheduler: _sched, .. } =
+        Cluster::start(&sim, 2, &dir.0).await;
     let out = weir()
         .current_dir(&dir.0)
         .args(["sql", "--cluster", &format!("df://127.0.0.1:{scheduler}"), "--partitions", "4"])
@@ -885,6 +891,53 @@ async fn executors_keep_one_quota_through_their_scheduler() {
         }
     }
     assert_eq!(both_executors_called, 2);
+    drop(cluster);
+    sim.shutdown().await;
+}
+
+/// The scheduler's page gathers its executors' (issue #36): what the cluster's calls add up to
+/// and each executor as a row, as the page `weir run --ui` shows, from the executors' reports.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_schedulers_page_gathers_its_executors_calls() {
+    let dir = Dir::new("cluster-page");
+    let keys = parted_input(&dir, 40, 2).await;
+    let sim = SimServer::start(SimConfig::default(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let cluster = Cluster::start(&sim, 2, &dir.0).await;
+    let out = bounded(
+        weir()
+            .current_dir(&dir.0)
+            .args(["sql", "--cluster", &format!("df://127.0.0.1:{}", cluster.scheduler), "--partitions", "2"])
+            .args(["--table", "reviews=parts"])
+            .arg(
+                "COPY (SELECT key, llm_generate('gemini/gemini-2.5-flash', prompt) AS answer FROM reviews) \
+                 TO 'answers.jsonl'",
+            ),
+    )
+    .await;
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert_every_row_once(&dir.path("answers.jsonl"), &keys);
+    let calls = sim.stats().requests;
+    // Executors report every 2 s and the page sums once a second.
+    let url = format!("http://127.0.0.1:{}/api/update", cluster.ui_port);
+    let mut summary = serde_json::Value::Null;
+    for _ in 0..40 {
+        tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+        let update: serde_json::Value = reqwest::get(&url).await.unwrap().json().await.unwrap();
+        summary = update["summary"].clone();
+        if summary["calls"].as_u64() == Some(calls) && summary["done"].as_u64() == Some(40) {
+            break;
+        }
+    }
+    assert_eq!(summary["calls"].as_u64(), Some(calls), "{summary}");
+    assert_eq!((summary["done"].as_u64(), summary["succeeded"].as_u64()), (Some(40), Some(40)), "{summary}");
+    assert_eq!(summary["state"], "2 executors reporting", "{summary}");
+    let rows: Vec<&str> =
+        summary["endpoints"].as_array().unwrap().iter().filter_map(|r| r["endpoint"].as_str()).collect();
+    assert_eq!(rows.len(), 2, "{summary}");
+    assert!(rows.iter().all(|r| r.starts_with("127.0.0.1:") && r.contains(&sim.url())), "{rows:?}");
+    // The page itself, and only on loopback by name.
+    let page = reqwest::get(format!("http://127.0.0.1:{}/", cluster.ui_port)).await.unwrap().text().await.unwrap();
+    assert!(page.contains("uPlot"), "the page with its charts");
     drop(cluster);
     sim.shutdown().await;
 }
