@@ -846,6 +846,22 @@ async fn with_a_shared_token_only_its_holders_get_in() {
     sim.shutdown().await;
 }
 
+/// `weir sql --cluster` answering the parted table `reviews` of `dir` into `answers.jsonl`, in
+/// two partitions, on the cluster whose scheduler listens on `scheduler`.
+async fn answer_reviews(dir: &Dir, scheduler: u16) -> std::process::Output {
+    bounded(
+        weir()
+            .current_dir(&dir.0)
+            .args(["sql", "--cluster", &format!("df://127.0.0.1:{scheduler}"), "--partitions", "2"])
+            .args(["--table", "reviews=parts"])
+            .arg(
+                "COPY (SELECT key, llm_generate('gemini/gemini-2.5-flash', prompt) AS answer FROM reviews) \
+                 TO 'answers.jsonl'",
+            ),
+    )
+    .await
+}
+
 /// Executors share one quota through their scheduler (issue #32): two executors each told
 /// `--rpm 10 --limit-window 1` send 10 a second together, not 20, and each counts two
 /// processes sharing it.
@@ -864,17 +880,7 @@ async fn executors_keep_one_quota_through_their_scheduler() {
     .unwrap();
     let cluster = Cluster::start_with(&sim, 2, &dir.0, &["--rpm", "10", "--limit-window", "1"]).await;
     let started = std::time::Instant::now();
-    let out = bounded(
-        weir()
-            .current_dir(&dir.0)
-            .args(["sql", "--cluster", &format!("df://127.0.0.1:{}", cluster.scheduler), "--partitions", "2"])
-            .args(["--table", "reviews=parts"])
-            .arg(
-                "COPY (SELECT key, llm_generate('gemini/gemini-2.5-flash', prompt) AS answer FROM reviews) \
-                 TO 'answers.jsonl'",
-            ),
-    )
-    .await;
+    let out = answer_reviews(&dir, cluster.scheduler).await;
     let took = started.elapsed();
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     assert_every_row_once(&dir.path("answers.jsonl"), &keys);
@@ -903,17 +909,7 @@ async fn the_schedulers_page_gathers_its_executors_calls() {
     let keys = parted_input(&dir, 40, 2).await;
     let sim = SimServer::start(SimConfig::default(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
     let cluster = Cluster::start(&sim, 2, &dir.0).await;
-    let out = bounded(
-        weir()
-            .current_dir(&dir.0)
-            .args(["sql", "--cluster", &format!("df://127.0.0.1:{}", cluster.scheduler), "--partitions", "2"])
-            .args(["--table", "reviews=parts"])
-            .arg(
-                "COPY (SELECT key, llm_generate('gemini/gemini-2.5-flash', prompt) AS answer FROM reviews) \
-                 TO 'answers.jsonl'",
-            ),
-    )
-    .await;
+    let out = answer_reviews(&dir, cluster.scheduler).await;
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     assert_every_row_once(&dir.path("answers.jsonl"), &keys);
     let calls = sim.stats().requests;
