@@ -820,7 +820,7 @@ impl Run<'_> {
             a.status = match reading(self.settings.api_tries, self.cancel, || api.status(&a.job)).await {
                 // A job the provider does not know (any more): gone, with nothing answered;
                 // its records go to a follow-up job.
-                Err(BatchError::Api(e)) if e.kind == ErrorKind::BadRequest => {
+                Err(BatchError::Api(e)) if matches!(e.kind, ErrorKind::BadRequest | ErrorKind::Endpoint) => {
                     tracing::warn!("job {} is unknown to the provider ({e}); its records are sent again", a.job.id);
                     Some(JobStatus {
                         state: JobState::Failed,

@@ -399,14 +399,18 @@ async fn feed(
             None if probes_left > 0 => {
                 let outcome = driver.run(record.clone()).await;
                 let refused = match &outcome {
-                    Outcome::Failure(f) if matches!(f.error.kind, ErrorKind::BadRequest | ErrorKind::Auth) => {
+                    Outcome::Failure(f)
+                        if matches!(f.error.kind, ErrorKind::BadRequest | ErrorKind::Auth | ErrorKind::Endpoint) =>
+                    {
                         Some((f.error.kind, f.error.message.clone()))
                     }
                     _ => None,
                 };
+                // A rejected key, or a model or route not there, is every record's.
+                let everyones = |kind| matches!(kind, ErrorKind::Auth | ErrorKind::Endpoint);
                 match refused {
-                    Some((kind, message)) if kind == ErrorKind::Auth || probes_left == 1 => {
-                        let first = if kind == ErrorKind::Auth {
+                    Some((kind, message)) if everyones(kind) || probes_left == 1 => {
+                        let first = if everyones(kind) {
                             "first request".to_string()
                         } else {
                             format!("first {PROBES} requests")

@@ -629,7 +629,7 @@ async fn choose_jobs(
             let known = if total.is_none() { input.count()? } else { total };
             // A server without the Batch API (vLLM's OpenAI server, say) answers its routes 404.
             let available = match api.first().find(&weir_core::Sought::named("weir-probe")).await {
-                Err(e) if e.kind == ErrorKind::BadRequest => {
+                Err(e) if matches!(e.kind, ErrorKind::BadRequest | ErrorKind::Endpoint) => {
                     tracing::info!("--mode auto: no batch jobs at this endpoint ({e})");
                     false
                 }
