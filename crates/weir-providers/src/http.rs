@@ -111,6 +111,13 @@ fn char_echo_ends(text: &[u8], at: usize, c: char, ends: &mut Vec<usize>) {
     }
     match rest.first() {
         Some(b'%') => {
+            // JavaScript's `escape()`: `%uXXXX` for a character past Latin-1.
+            if rest.get(1) == Some(&b'u')
+                && hex_u16(&rest[2.min(rest.len())..]) == Some(c as u32 as u16)
+                && (c as u32) < 0x10000
+            {
+                ends.push(at + 6);
+            }
             // Each byte as `%XX`.
             let n = bytes.len();
             if rest.len() >= 3 * n
@@ -121,7 +128,38 @@ fn char_echo_ends(text: &[u8], at: usize, c: char, ends: &mut Vec<usize>) {
         }
         Some(b'+') if c == ' ' => ends.push(at + 1),
         Some(b'\\') => {
+            // An escape escaped again (JSON in a JSON string: `\\/`, `\\u0041`) is the same
+            // escape behind more backslashes; a backslash itself is two or four of them then.
+            let run = rest.iter().take_while(|&&b| b == b'\\').count();
+            let (at, rest) = if c == '\\' {
+                for n in [2, 4] {
+                    if run >= n {
+                        ends.push(at + n);
+                    }
+                }
+                (at, rest)
+            } else {
+                (at + run - 1, &rest[run - 1..])
+            };
             let code = c as u32;
+            // `\u{2f}` (JavaScript since ES2015, Rust) and `\U0001F600` (Python, C).
+            if rest.get(1) == Some(&b'u') && rest.get(2) == Some(&b'{') {
+                if let Some(len) = rest[3..].iter().take(7).position(|&b| b == b'}') {
+                    let digits = &rest[3..3 + len];
+                    if len > 0 && digits.iter().all(u8::is_ascii_hexdigit) {
+                        let n = std::str::from_utf8(digits).ok().and_then(|d| u32::from_str_radix(d, 16).ok());
+                        if n == Some(code) {
+                            ends.push(at + 4 + len);
+                        }
+                    }
+                }
+            }
+            if rest.len() >= 10 && rest[1] == b'U' && rest[2..10].iter().all(u8::is_ascii_hexdigit) {
+                let n = std::str::from_utf8(&rest[2..10]).ok().and_then(|d| u32::from_str_radix(d, 16).ok());
+                if n == Some(code) {
+                    ends.push(at + 10);
+                }
+            }
             let simple = match c {
                 '/' => Some(b'/'),
                 '"' => Some(b'"'),
@@ -152,16 +190,12 @@ fn char_echo_ends(text: &[u8], at: usize, c: char, ends: &mut Vec<usize>) {
             }
         }
         Some(b'&') => {
-            let named: &[u8] = match c {
-                '&' => b"&amp;",
-                '<' => b"&lt;",
-                '>' => b"&gt;",
-                '"' => b"&quot;",
-                '\'' => b"&apos;",
-                _ => b"",
-            };
-            if !named.is_empty() && rest.starts_with(named) {
-                ends.push(at + named.len());
+            for name in html_names(c) {
+                let len = name.len() + 2;
+                if rest.len() >= len && rest[len - 1] == b';' && rest[1..len - 1].eq_ignore_ascii_case(name.as_bytes())
+                {
+                    ends.push(at + len);
+                }
             }
             // `&#NN;` or `&#xHH;`, with any leading zeros.
             if rest.get(1) == Some(&b'#') {
@@ -175,6 +209,65 @@ fn char_echo_ends(text: &[u8], at: usize, c: char, ends: &mut Vec<usize>) {
                         ends.push(at + digits + len + 1);
                     }
                 }
+            }
+        }
+        _ => {}
+    }
+}
+
+/// HTML's names for an ASCII character (`&sol;` for `/`, as PHP's `htmlentities` writes them
+/// with `ENT_HTML5`); `&lt;` and the other three are also matched in capitals, as HTML allows.
+fn html_names(c: char) -> &'static [&'static str] {
+    match c {
+        '&' => &["amp"],
+        '<' => &["lt"],
+        '>' => &["gt"],
+        '"' => &["quot"],
+        '\'' => &["apos"],
+        '/' => &["sol"],
+        '+' => &["plus"],
+        '=' => &["equals"],
+        '(' => &["lpar"],
+        ')' => &["rpar"],
+        '!' => &["excl"],
+        '#' => &["num"],
+        '$' => &["dollar"],
+        '%' => &["percnt"],
+        '*' => &["ast", "midast"],
+        ',' => &["comma"],
+        '.' => &["period"],
+        ':' => &["colon"],
+        ';' => &["semi"],
+        '?' => &["quest"],
+        '@' => &["commat"],
+        '[' => &["lsqb", "lbrack"],
+        ']' => &["rsqb", "rbrack"],
+        '\\' => &["bsol"],
+        '^' => &["hat"],
+        '_' => &["lowbar"],
+        '`' => &["grave"],
+        '{' => &["lcub", "lbrace"],
+        '}' => &["rcub", "rbrace"],
+        '|' => &["verbar", "vert"],
+        '~' => &["tilde"],
+        ' ' => &["nbsp"],
+        _ => &[],
+    }
+}
+
+/// `v` with each of `secrets` masked in every string it holds (and every key), however
+/// escaped (see [`mask`]): masked where each string is itself, not in the JSON text, whose
+/// escaping of a string inside a string (`\\\/`) would hide an echo.
+pub fn mask_value(v: &mut serde_json::Value, secrets: &[Secret]) {
+    use serde_json::Value;
+    match v {
+        Value::String(s) => *s = mask(s, secrets),
+        Value::Array(items) => items.iter_mut().for_each(|i| mask_value(i, secrets)),
+        Value::Object(map) => {
+            let fields = std::mem::take(map);
+            for (k, mut item) in fields {
+                mask_value(&mut item, secrets);
+                map.insert(mask(&k, secrets), item);
             }
         }
         _ => {}
@@ -993,6 +1086,14 @@ mod tests {
             ("a<b>&c\"d'e", "key a&#x3C;b&#62;&#0038;c\\\"d\\'e end"),
             ("a/b/c/d", r"key a\/b%2fc%2Fd end"),
             ("plain-key-1", "key plain-key-1 end"),
+            // A second tester's: `\/` escaped again (JSON in a JSON string), `\u{2f}`, Python's
+            // `\U`, `escape()`'s `%u`, HTML5's names (any case), a key with a backslash.
+            ("abc/def+gh=", r"key abc\\/def+gh= end"),
+            ("abc/def+gh=", r"key abc\\\/def\\x2bgh\\u003d end"),
+            ("abc/def+gh=", r"key abc\u{2f}def\u{2B}gh\U0000003d end"),
+            ("sk-\u{e9}\u{1F600}x", r"key sk-%u00E9\U0001F600x end"),
+            ("abc/def+gh=", "key abc&sol;def&PLUS;gh&equals; end"),
+            ("ab\\cd\\ef", r"key ab\\cd\\\\ef end"),
         ];
         for (key, echo) in cases {
             let masked = mask(echo, &[Secret::new(key.to_string())]);
@@ -1003,6 +1104,13 @@ mod tests {
         let k = [Secret::new("s3cr3t".into())];
         assert_eq!(mask("x %41 s3cr3t \\u0041 s3cr3", &k), "x %41 *** \\u0041 s3cr3");
         assert_eq!(mask("key abc", &[Secret::new("abc".into())]), "key abc");
+        // In JSON, each string is masked as itself: an escaped key in a string inside a string,
+        // and in an object's key.
+        let mut v: serde_json::Value =
+            serde_json::from_str(r#"{"error": {"message": "k={\"key\": \"abc\\/def+gh=\"}"}, "abc/def+gh=": 1}"#)
+                .unwrap();
+        mask_value(&mut v, &[Secret::new("abc/def+gh=".into())]);
+        assert!(!v.to_string().contains("abc"), "{v}");
     }
 
     #[test]

@@ -268,6 +268,8 @@ struct Spec {
     output_tokens: Option<String>,
     classes: BTreeMap<u16, Class>,
     fields: Vec<String>,
+    /// Whether the url or body names `{system}`.
+    takes_system: bool,
     /// The model's name in the file, for messages.
     name: String,
 }
@@ -511,6 +513,7 @@ impl Spec {
         if let Some(b) = &body {
             b.names(&mut names);
         }
+        let takes_system = names.contains("system");
         let fields = names.into_iter().filter(|n| !matches!(*n, "prompt" | "system")).map(str::to_string).collect();
         Ok(Self {
             method,
@@ -524,6 +527,7 @@ impl Spec {
             output_tokens: raw.output_tokens.as_deref().map(|p| pointer(p, &at("output_tokens"))).transpose()?,
             classes,
             fields,
+            takes_system,
             name: name.to_string(),
         })
     }
@@ -635,6 +639,17 @@ pub struct HttpModel {
 impl HttpModel {
     /// The request for `request`: its URL and body.
     fn build(&self, request: &ModelRequest) -> Result<(String, Option<bytes::Bytes>), ModelError> {
+        // System text this model has no place for (a record `--model-field` routed here, in a
+        // run given --system or --system-field): the record's error, not text dropped in silence.
+        if request.system.as_deref().is_some_and(|s| !s.is_empty()) && !self.spec.takes_system {
+            return Err(ModelError::new(
+                ErrorKind::InvalidInput,
+                format!(
+                    "--system and --system-field do not apply to http/{}: its url and body name no {{system}}",
+                    self.spec.name
+                ),
+            ));
+        }
         let vars = Vars { request };
         let url = self.spec.url.render_url(&vars)?;
         let body = match &self.spec.body {
@@ -659,11 +674,14 @@ impl HttpModel {
     /// An answer other than 2xx, taken as the model's file says.
     fn classify(&self, reply: &Reply) -> ModelError {
         let status = reply.status;
-        // A JSON body is read and written again first, so that a key in `\u` escapes of any
-        // case is in the one form masking knows; masked before it is cut, so that no part of
-        // a secret is left at the cut.
+        // A JSON body is masked string by string (an escaped key inside a string that is
+        // itself JSON is found there), then as text; masked before it is cut, so that no part
+        // of a secret is left at the cut.
         let text = match serde_json::from_slice::<Value>(&reply.body) {
-            Ok(v) => v.to_string(),
+            Ok(mut v) => {
+                crate::http::mask_value(&mut v, &self.spec.secrets);
+                v.to_string()
+            }
             Err(_) => String::from_utf8_lossy(&reply.body).into_owned(),
         };
         let text = self.masked(&text);
@@ -709,16 +727,21 @@ impl HttpModel {
     fn parse(&self, body: &[u8]) -> Result<ModelResponse, ModelError> {
         let v: Value = serde_json::from_slice(body)
             .map_err(|e| ModelError::new(ErrorKind::MalformedResponse, format!("the answer is not JSON: {e}")))?;
-        let answer = v.pointer(&self.spec.answer).filter(|a| !a.is_null()).ok_or_else(|| {
+        let answer = v.pointer(&self.spec.answer).filter(|a| !a.is_null()).cloned().ok_or_else(|| {
+            let mut v = v.clone();
+            crate::http::mask_value(&mut v, &self.spec.secrets);
             ModelError::new(
                 ErrorKind::MalformedResponse,
                 clip(&format!("the answer has nothing at {}: {}", self.spec.answer, self.masked(&v.to_string()))),
             )
         })?;
+        // An answer that is an object is masked string by string, then as the text written.
+        let mut answer = answer;
+        crate::http::mask_value(&mut answer, &self.spec.secrets);
         let count = |p: &Option<String>| p.as_deref().and_then(|p| v.pointer(p)).and_then(Value::as_u64).unwrap_or(0);
         let (prompt_tokens, output_tokens) = (count(&self.spec.prompt_tokens), count(&self.spec.output_tokens));
         Ok(ModelResponse {
-            text: self.masked(&text_of(answer)),
+            text: self.masked(&text_of(&answer)),
             finish_reason: "stop".into(),
             usage: Usage { prompt_tokens, output_tokens, total_tokens: prompt_tokens + output_tokens },
             model_version: None,

@@ -537,5 +537,23 @@ async fn a_record_routed_to_an_http_model_with_params_is_its_error() {
     let errors = rows(&dir.path("out.errors.jsonl"));
     assert_eq!(errors.len(), 1, "{err}");
     assert!(errors[0]["message"].as_str().unwrap().contains("--param does not apply"), "{}", errors[0]);
+    // --system too, where the model's templates name no {system}.
+    let o = weir()
+        .args(["run", "--model", "gemini/gemini-2.5-flash", "--base-url", &url, "--model-field", "m"])
+        .args(["--http-models", models.to_str().unwrap(), "--system", "Be brief."])
+        .args(["--input", input.to_str().unwrap(), "--output", out.to_str().unwrap(), "--fresh"])
+        .args(["--id-field", "id", "--prompt-field", "text"])
+        .env("GEMINI_API_KEY", "k")
+        .output()
+        .await
+        .unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    let errors = rows(&dir.path("out.errors.jsonl"));
+    assert!(
+        errors[0]["message"].as_str().unwrap().contains("--system and --system-field do not apply"),
+        "{}",
+        errors[0]
+    );
     assert!(seen.lock().unwrap().answered.is_empty(), "no call");
 }
