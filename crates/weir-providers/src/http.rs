@@ -111,12 +111,19 @@ fn char_echo_ends(text: &[u8], at: usize, c: char, ends: &mut Vec<usize>) {
     }
     match rest.first() {
         Some(b'%') => {
-            // JavaScript's `escape()`: `%uXXXX` for a character past Latin-1.
-            if rest.get(1) == Some(&b'u')
-                && hex_u16(&rest[2.min(rest.len())..]) == Some(c as u32 as u16)
-                && (c as u32) < 0x10000
-            {
-                ends.push(at + 6);
+            // JavaScript's `escape()`: `%XX` for a Latin-1 character, `%uXXXX` past it (a
+            // surrogate pair past the BMP).
+            let code = c as u32;
+            if (0x80..0x100).contains(&code) && hex_byte(&rest[1.min(rest.len())..]) == Some(code as u8) {
+                ends.push(at + 3);
+            }
+            let unit = |s: &[u8]| (s.len() >= 6 && s[0] == b'%' && s[1] == b'u').then(|| hex_u16(&s[2..6])).flatten();
+            match surrogates(code) {
+                None if unit(rest) == Some(code as u16) => ends.push(at + 6),
+                Some((hi, lo)) if unit(rest) == Some(hi) && unit(&rest[6.min(rest.len())..]) == Some(lo) => {
+                    ends.push(at + 12)
+                }
+                _ => {}
             }
             // Each byte as `%XX`.
             let n = bytes.len();
@@ -131,16 +138,14 @@ fn char_echo_ends(text: &[u8], at: usize, c: char, ends: &mut Vec<usize>) {
             // An escape escaped again (JSON in a JSON string: `\\/`, `\\u0041`) is the same
             // escape behind more backslashes; a backslash itself is two or four of them then.
             let run = rest.iter().take_while(|&&b| b == b'\\').count();
-            let (at, rest) = if c == '\\' {
+            if c == '\\' {
                 for n in [2, 4] {
                     if run >= n {
                         ends.push(at + n);
                     }
                 }
-                (at, rest)
-            } else {
-                (at + run - 1, &rest[run - 1..])
-            };
+            }
+            let (at, rest) = (at + run - 1, &rest[run - 1..]);
             let code = c as u32;
             // `\u{2f}` (JavaScript since ES2015, Rust) and `\U0001F600` (Python, C).
             if rest.get(1) == Some(&b'u') && rest.get(2) == Some(&b'{') {
@@ -179,10 +184,11 @@ fn char_echo_ends(text: &[u8], at: usize, c: char, ends: &mut Vec<usize>) {
                     ends.push(at + 6);
                 }
             } else {
-                let v = code - 0x10000;
-                let (hi, lo) = ((0xD800 + (v >> 10)) as u16, (0xDC00 + (v & 0x3FF)) as u16);
-                if unit(rest) == Some(hi) && rest.len() >= 12 && rest[6] == b'\\' && unit(&rest[6..]) == Some(lo) {
-                    ends.push(at + 12);
+                // The second half behind as many backslashes as the first (escaped again or not).
+                let (hi, lo) = surrogates(code).expect("past the BMP");
+                let second = rest.get(6..).map_or(0, |r| r.iter().take_while(|&&b| b == b'\\').count());
+                if unit(rest) == Some(hi) && second >= 1 && unit(&rest[6 + second - 1..]) == Some(lo) {
+                    ends.push(at + 6 + second - 1 + 6);
                 }
             }
             if code < 0x100 && rest.len() >= 4 && rest[1] == b'x' && hex_byte(&rest[2..4]) == Some(code as u8) {
@@ -200,19 +206,28 @@ fn char_echo_ends(text: &[u8], at: usize, c: char, ends: &mut Vec<usize>) {
             // `&#NN;` or `&#xHH;`, with any leading zeros.
             if rest.get(1) == Some(&b'#') {
                 let (digits, radix) = if matches!(rest.get(2), Some(b'x' | b'X')) { (3, 16) } else { (2, 10) };
-                if let Some(len) = rest[digits.min(rest.len())..].iter().take(10).position(|&b| b == b';') {
-                    let n = std::str::from_utf8(&rest[digits..digits + len])
-                        .ok()
-                        .filter(|d| d.bytes().all(|b| b.is_ascii_hexdigit()))
-                        .and_then(|d| u32::from_str_radix(d, radix).ok());
-                    if len > 0 && n == Some(c as u32) {
-                        ends.push(at + digits + len + 1);
-                    }
+                // Its digits, and the `;` after them, which HTML lets a browser do without.
+                let tail = &rest[digits.min(rest.len())..];
+                let len = tail
+                    .iter()
+                    .take(10)
+                    .take_while(|b| if radix == 16 { b.is_ascii_hexdigit() } else { b.is_ascii_digit() })
+                    .count();
+                let n = std::str::from_utf8(&tail[..len]).ok().and_then(|d| u32::from_str_radix(d, radix).ok());
+                if len > 0 && n == Some(c as u32) {
+                    let semi = usize::from(tail.get(len) == Some(&b';'));
+                    ends.push(at + digits + len + semi);
                 }
             }
         }
         _ => {}
     }
+}
+
+/// The UTF-16 surrogate pair that writes `code`, if it is past the BMP.
+fn surrogates(code: u32) -> Option<(u16, u16)> {
+    let v = code.checked_sub(0x10000)?;
+    Some(((0xD800 + (v >> 10)) as u16, (0xDC00 + (v & 0x3FF)) as u16))
 }
 
 /// HTML's names for an ASCII character (`&sol;` for `/`, as PHP's `htmlentities` writes them
@@ -1094,6 +1109,13 @@ mod tests {
             ("sk-\u{e9}\u{1F600}x", r"key sk-%u00E9\U0001F600x end"),
             ("abc/def+gh=", "key abc&sol;def&PLUS;gh&equals; end"),
             ("ab\\cd\\ef", r"key ab\\cd\\\\ef end"),
+            // A third tester's: `escape()`'s `%E9` and `%uD83D%uDE00`, a pair escaped again,
+            // `\u005c` escaped again, numeric references without their `;`.
+            ("abcd\u{e9}fgh1234", "key abcd%E9fgh1234 end"),
+            ("abcDEF12\u{1F600}xyz789", r"key abcDEF12%uD83D%ude00xyz789 end"),
+            ("abcDEF12\u{1F600}xyz789", r"key abcDEF12\\ud83d\\ude00xyz789 end"),
+            ("Q7\\zZ\"p/+", r#"key Q7\\u005czZ\\\"p/+ end"#),
+            ("abc/def+gh=", "key abc&#47def&#43gh&#x3d end"),
         ];
         for (key, echo) in cases {
             let masked = mask(echo, &[Secret::new(key.to_string())]);
