@@ -114,12 +114,12 @@ fn char_echo_ends(text: &[u8], at: usize, c: char, ends: &mut Vec<usize>) {
             // JavaScript's `escape()`: `%XX` for a Latin-1 character, `%uXXXX` past it (a
             // surrogate pair past the BMP).
             let code = c as u32;
-            if (0x80..0x100).contains(&code) && hex_byte(&rest[1.min(rest.len())..]) == Some(code as u8) {
+            if (0x80..0x100).contains(&code) && hex(rest.get(1..3)) == Some(code) {
                 ends.push(at + 3);
             }
-            let unit = |s: &[u8]| (s.len() >= 6 && s[0] == b'%' && s[1] == b'u').then(|| hex_u16(&s[2..6])).flatten();
+            let unit = |s: &[u8]| s.starts_with(b"%u").then(|| hex(s.get(2..6))).flatten();
             match surrogates(code) {
-                None if unit(rest) == Some(code as u16) => ends.push(at + 6),
+                None if unit(rest) == Some(code) => ends.push(at + 6),
                 Some((hi, lo)) if unit(rest) == Some(hi) && unit(&rest[6.min(rest.len())..]) == Some(lo) => {
                     ends.push(at + 12)
                 }
@@ -128,7 +128,7 @@ fn char_echo_ends(text: &[u8], at: usize, c: char, ends: &mut Vec<usize>) {
             // Each byte as `%XX`.
             let n = bytes.len();
             if rest.len() >= 3 * n
-                && (0..n).all(|k| rest[3 * k] == b'%' && hex_byte(&rest[3 * k + 1..3 * k + 3]) == Some(bytes[k]))
+                && (0..n).all(|k| rest[3 * k] == b'%' && hex(rest.get(3 * k + 1..3 * k + 3)) == Some(bytes[k].into()))
             {
                 ends.push(at + 3 * n);
             }
@@ -150,20 +150,13 @@ fn char_echo_ends(text: &[u8], at: usize, c: char, ends: &mut Vec<usize>) {
             // `\u{2f}` (JavaScript since ES2015, Rust) and `\U0001F600` (Python, C).
             if rest.get(1) == Some(&b'u') && rest.get(2) == Some(&b'{') {
                 if let Some(len) = rest[3..].iter().take(7).position(|&b| b == b'}') {
-                    let digits = &rest[3..3 + len];
-                    if len > 0 && digits.iter().all(u8::is_ascii_hexdigit) {
-                        let n = std::str::from_utf8(digits).ok().and_then(|d| u32::from_str_radix(d, 16).ok());
-                        if n == Some(code) {
-                            ends.push(at + 4 + len);
-                        }
+                    if hex(rest.get(3..3 + len)) == Some(code) {
+                        ends.push(at + 4 + len);
                     }
                 }
             }
-            if rest.len() >= 10 && rest[1] == b'U' && rest[2..10].iter().all(u8::is_ascii_hexdigit) {
-                let n = std::str::from_utf8(&rest[2..10]).ok().and_then(|d| u32::from_str_radix(d, 16).ok());
-                if n == Some(code) {
-                    ends.push(at + 10);
-                }
+            if rest.get(1) == Some(&b'U') && hex(rest.get(2..10)) == Some(code) {
+                ends.push(at + 10);
             }
             let simple = match c {
                 '/' => Some(b'/'),
@@ -178,9 +171,9 @@ fn char_echo_ends(text: &[u8], at: usize, c: char, ends: &mut Vec<usize>) {
             if simple.is_some_and(|e| rest.get(1) == Some(&e)) {
                 ends.push(at + 2);
             }
-            let unit = |s: &[u8]| (s.len() >= 6 && s[1] == b'u').then(|| hex_u16(&s[2..6])).flatten();
+            let unit = |s: &[u8]| (s.get(1) == Some(&b'u')).then(|| hex(s.get(2..6))).flatten();
             if code < 0x10000 {
-                if unit(rest) == Some(code as u16) {
+                if unit(rest) == Some(code) {
                     ends.push(at + 6);
                 }
             } else {
@@ -191,7 +184,7 @@ fn char_echo_ends(text: &[u8], at: usize, c: char, ends: &mut Vec<usize>) {
                     ends.push(at + 6 + second - 1 + 6);
                 }
             }
-            if code < 0x100 && rest.len() >= 4 && rest[1] == b'x' && hex_byte(&rest[2..4]) == Some(code as u8) {
+            if rest.get(1) == Some(&b'x') && hex(rest.get(2..4)) == Some(code) {
                 ends.push(at + 4);
             }
         }
@@ -225,9 +218,9 @@ fn char_echo_ends(text: &[u8], at: usize, c: char, ends: &mut Vec<usize>) {
 }
 
 /// The UTF-16 surrogate pair that writes `code`, if it is past the BMP.
-fn surrogates(code: u32) -> Option<(u16, u16)> {
+fn surrogates(code: u32) -> Option<(u32, u32)> {
     let v = code.checked_sub(0x10000)?;
-    Some(((0xD800 + (v >> 10)) as u16, (0xDC00 + (v & 0x3FF)) as u16))
+    Some((0xD800 + (v >> 10), 0xDC00 + (v & 0x3FF)))
 }
 
 /// HTML's names for an ASCII character (`&sol;` for `/`, as PHP's `htmlentities` writes them
@@ -289,16 +282,11 @@ pub fn mask_value(v: &mut serde_json::Value, secrets: &[Secret]) {
     }
 }
 
-/// The byte two hex digits (either case) write.
-fn hex_byte(s: &[u8]) -> Option<u8> {
-    let h = std::str::from_utf8(s.get(..2)?).ok()?;
-    h.bytes().all(|b| b.is_ascii_hexdigit()).then(|| u8::from_str_radix(h, 16).ok()).flatten()
-}
-
-/// The 16-bit unit four hex digits (either case) write.
-fn hex_u16(s: &[u8]) -> Option<u16> {
-    let h = std::str::from_utf8(s.get(..4)?).ok()?;
-    h.bytes().all(|b| b.is_ascii_hexdigit()).then(|| u16::from_str_radix(h, 16).ok()).flatten()
+/// The number `digits` write in hex (either case): none when there are none (the text ended
+/// first) or one is not a hex digit.
+fn hex(digits: Option<&[u8]>) -> Option<u32> {
+    let d = digits.filter(|d| !d.is_empty() && d.iter().all(u8::is_ascii_hexdigit))?;
+    u32::from_str_radix(std::str::from_utf8(d).ok()?, 16).ok()
 }
 
 /// How a provider's requests are authorised.

@@ -451,12 +451,14 @@ impl Spec {
             // A variable in a header that carries a credential is a secret (masked wherever a
             // server echoes it, kept out of the run's identity); in any other header it is a
             // setting, which shapes the answers: part of the model's description.
-            let mut s = if is_credential(header.as_str()) { s } else { Vec::new() };
             // A credential written into the file itself (no `${VAR}`) is masked as well: the
             // words of such a header long enough to be a key (not its scheme, `Bearer`).
-            if is_credential(header.as_str()) {
-                s.extend(without_vars.split_whitespace().filter(|w| w.len() >= 8).map(|w| Secret::new(w.to_string())));
-            }
+            let s = if is_credential(header.as_str()) {
+                let written = without_vars.split_whitespace().filter(|w| w.len() >= 8);
+                s.into_iter().chain(written.map(|w| Secret::new(w.to_string()))).collect()
+            } else {
+                Vec::new()
+            };
             reqwest::header::HeaderValue::from_str(&value)
                 .map_err(|_| format!("{}: not a header value (a control character?)", at(&format!("headers.{k}"))))?;
             headers.push((header, value));
