@@ -523,37 +523,25 @@ async fn a_record_routed_to_an_http_model_with_params_is_its_error() {
     );
     let input = dir.write("in.jsonl", b"{\"id\":\"a\",\"text\":\"x\",\"m\":\"http/t\"}\n");
     let out = dir.path("out.jsonl");
-    let o = weir()
-        .args(["run", "--model", "gemini/gemini-2.5-flash", "--base-url", &url, "--model-field", "m"])
-        .args(["--http-models", models.to_str().unwrap(), "--param", "temperature=0.2"])
-        .args(["--input", input.to_str().unwrap(), "--output", out.to_str().unwrap()])
-        .args(["--id-field", "id", "--prompt-field", "text"])
-        .env("GEMINI_API_KEY", "k")
-        .output()
-        .await
-        .unwrap();
-    let err = stderr(&o);
-    assert_eq!(o.status.code(), Some(1), "{err}");
-    let errors = rows(&dir.path("out.errors.jsonl"));
-    assert_eq!(errors.len(), 1, "{err}");
-    assert!(errors[0]["message"].as_str().unwrap().contains("--param does not apply"), "{}", errors[0]);
     // --system too, where the model's templates name no {system}.
-    let o = weir()
-        .args(["run", "--model", "gemini/gemini-2.5-flash", "--base-url", &url, "--model-field", "m"])
-        .args(["--http-models", models.to_str().unwrap(), "--system", "Be brief."])
-        .args(["--input", input.to_str().unwrap(), "--output", out.to_str().unwrap(), "--fresh"])
-        .args(["--id-field", "id", "--prompt-field", "text"])
-        .env("GEMINI_API_KEY", "k")
-        .output()
-        .await
-        .unwrap();
-    let err = stderr(&o);
-    assert_eq!(o.status.code(), Some(1), "{err}");
-    let errors = rows(&dir.path("out.errors.jsonl"));
-    assert!(
-        errors[0]["message"].as_str().unwrap().contains("--system and --system-field do not apply"),
-        "{}",
-        errors[0]
-    );
+    for (flag, value, says) in [
+        ("--param", "temperature=0.2", "--param does not apply"),
+        ("--system", "Be brief.", "--system and --system-field do not apply"),
+    ] {
+        let o = weir()
+            .args(["run", "--model", "gemini/gemini-2.5-flash", "--base-url", &url, "--model-field", "m"])
+            .args(["--http-models", models.to_str().unwrap(), flag, value, "--fresh"])
+            .args(["--input", input.to_str().unwrap(), "--output", out.to_str().unwrap()])
+            .args(["--id-field", "id", "--prompt-field", "text"])
+            .env("GEMINI_API_KEY", "k")
+            .output()
+            .await
+            .unwrap();
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(1), "{flag}: {err}");
+        let errors = rows(&dir.path("out.errors.jsonl"));
+        assert_eq!(errors.len(), 1, "{flag}: {err}");
+        assert!(errors[0]["message"].as_str().unwrap().contains(says), "{flag}: {}", errors[0]);
+    }
     assert!(seen.lock().unwrap().answered.is_empty(), "no call");
 }
