@@ -89,7 +89,7 @@ pub async fn serve(
             let first = String::from_utf8_lossy(&first).trim_end().to_string();
             match serde_json::from_str::<weir_runtime::gather::Hello>(&first) {
                 Ok(hello) => page.serve(hello, link).await,
-                Err(_) => keeper.serve(Some(first), link).await,
+                Err(_) => keeper.serve(&first, link).await,
             }
         });
     }

@@ -123,6 +123,11 @@ impl Series {
         }
     }
 
+    /// Seconds between the points kept now.
+    pub(crate) fn step(&self) -> f64 {
+        self.points().step
+    }
+
     /// The newest point, if there is one.
     pub fn last_point(&self) -> Option<Vec<Option<f64>>> {
         let p = self.points();
@@ -487,7 +492,7 @@ impl Watch {
     }
 
     fn step(&self) -> f64 {
-        self.series.points().step
+        self.series.step()
     }
 
     /// What a page that has `since` points of `generation` needs to be up to date.

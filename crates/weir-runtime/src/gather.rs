@@ -145,8 +145,9 @@ impl Gathered {
         }
         self.series.push(point, false);
         let sum = |name: &str| point[column(name)].unwrap_or(0.0);
-        // Records a second over the last minute's points (or what there is of them).
-        let per_s = self.series.recent("done", 60).map(|(a, b, dt)| (b - a) / dt.max(1e-9));
+        // Records a second over the last minute (or what there is of it), as a run's page.
+        let back = (60.0 / self.series.step()).ceil() as usize;
+        let per_s = self.series.recent("done", back).map(|(a, b, dt)| (b - a) / dt.max(1e-9));
         let mut endpoints = Vec::new();
         let mut failures: BTreeMap<String, (u64, Vec<Value>)> = BTreeMap::new();
         for ((executor, _), h) in heard.iter() {

@@ -1188,9 +1188,6 @@ struct Kept {
 /// learns afresh.
 const KEEP_AFTER_LAST: Duration = Duration::from_secs(60);
 
-/// How soon a connection must say which quota it shares.
-const HELLO_WITHIN: Duration = Duration::from_secs(10);
-
 impl Keeper {
     /// A keeper with no quotas yet.
     pub fn new() -> Arc<Self> {
@@ -1198,20 +1195,10 @@ impl Keeper {
     }
 
     /// Serves one executor's connection (already past the cluster's guard) until it ends;
-    /// `first` is its first line when the caller read it already (to tell it from another
-    /// service's).
-    pub async fn serve(self: &Arc<Self>, first: Option<String>, link: impl Link) {
-        let (read, write) = tokio::io::split(link);
-        let mut lines = BufReader::new(read).lines();
-        let first = match first {
-            Some(l) => Some(l),
-            None => match tokio::time::timeout(HELLO_WITHIN, lines.next_line()).await {
-                Ok(Ok(l)) => l,
-                _ => None,
-            },
-        };
-        let hello = first.and_then(|l| serde_json::from_str::<Hello>(&l).ok());
-        let Some(hello) = hello else {
+    /// `first` is its first line, which the service read to tell a quota's hello from another
+    /// service's (and which it had to send within the time the service allows).
+    pub async fn serve(self: &Arc<Self>, first: &str, link: impl Link) {
+        let Ok(hello) = serde_json::from_str::<Hello>(first) else {
             // Said at most every 10 s: a stranger's flood of connections must not flood the log.
             static LAST: Mutex<Option<std::time::Instant>> = Mutex::new(None);
             let mut last = LAST.lock().unwrap_or_else(|e| e.into_inner());
@@ -1245,7 +1232,8 @@ impl Keeper {
             kept.members += 1;
             (kept.throttle.clone(), kept.peers.clone(), kept.members)
         };
-        serve_peer(&throttle, lines, write, &peers, member, 0, Some(HOLDER_SILENT)).await;
+        let (read, write) = tokio::io::split(link);
+        serve_peer(&throttle, BufReader::new(read).lines(), write, &peers, member, 0, Some(HOLDER_SILENT)).await;
         if peers.load(Relaxed) == 0 {
             let me = self.clone();
             tokio::spawn(async move {
