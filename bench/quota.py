@@ -19,7 +19,9 @@ bench/refserver.py (a quota server apart from weir sim); MODEL=provider/model (d
 gemini/gemini-2.5-flash; anthropic/claude-haiku-4-5 for the Anthropic client). Needs a release build (it makes one, unless
 WEIR_BIN names the binary to measure).
 """
-import json, os, socket, subprocess, sys, tempfile, time, urllib.request
+import json, os, subprocess, sys, tempfile, time, urllib.request
+
+from servers import free_port, start_ref
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # WEIR_BIN=path measures another build (an older commit's, side by side) instead of this one.
@@ -34,24 +36,9 @@ WORK = tempfile.mkdtemp()
 MODEL = os.environ.get("MODEL", "gemini/gemini-2.5-flash")
 
 
-def free_port():
-    s = socket.socket(); s.bind(("127.0.0.1", 0)); p = s.getsockname()[1]; s.close(); return p
-
-
 def start_sim(*args):
     port = free_port()
     p = subprocess.Popen([BIN, "sim", "--listen", f"127.0.0.1:{port}", *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    p.stdout.readline()
-    return p, f"http://127.0.0.1:{port}"
-
-
-def start_ref(rpm, window, lat, jitter):
-    """`bench/refserver.py` (SERVER=ref): a quota server written apart from `weir sim`, a fixed
-    window counted at arrival, refusals advising whole seconds in the body only."""
-    port = free_port()
-    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "bench", "refserver.py"), "--listen", f"127.0.0.1:{port}",
-                          "--rpm", str(rpm), "--window-secs", str(window), "--latency-ms", str(lat),
-                          "--jitter-ms", str(jitter)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     p.stdout.readline()
     return p, f"http://127.0.0.1:{port}"
 

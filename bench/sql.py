@@ -5,7 +5,8 @@ Cases:
   1. cluster: a Ballista scheduler and EXECUTORS (default 2) weir executors answer one query
      against one simulated quota (R requests per W-second window, advice rounded to whole
      seconds, latency LATENCY_MS, default 50, ±10 ms; SIM_ARGS adds simulator flags, e.g.
-     `--window fixed`; WEIR_ARGS adds executor flags, e.g. `--quota-store off`), nothing told:
+     `--window fixed`; SERVER=ref uses bench/refserver.py instead of the simulator; WEIR_ARGS
+     adds executor flags, e.g. `--quota-store off`), nothing told:
      completion time against the ideal (every window full from the start), the share of 429s,
      the rows each executor answered and how many shared the quota (issue #32);
   2. overhead: the same N rows (zero latency) through `weir sql` (COPY … TO a JSONL file) and
@@ -16,21 +17,29 @@ Cases:
      the ratio of the plain time to each.
 Usage: bench/sql.py [CASE...]   (default: 1 and 2). Builds weir with --features cluster (release;
 WEIR_BENCH_PROFILE=debug uses the debug build instead, for quota-bound cases whose time the quota
-sets; WEIR_BENCH_FEATURES=local,cluster reuses a build made with those features).
+sets; WEIR_BENCH_FEATURES=local,cluster reuses a build made with those features; WEIR_BIN=PATH measures
+that binary, built with --features cluster, without building).
 """
 import json, os, socket, statistics, subprocess, sys, tempfile, time, urllib.request
+
+from servers import start_ref
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROFILE = os.environ.get("WEIR_BENCH_PROFILE", "release")
 FEATURES = os.environ.get("WEIR_BENCH_FEATURES", "cluster")
-subprocess.run(["cargo", "build", "-q", "-p", "weir", "--features", FEATURES] + (["--release"] if PROFILE == "release" else []),
-               cwd=ROOT, check=True)
-TARGET = os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target"))
 WORK = tempfile.mkdtemp()
 # A copy: another build into the same target directory (other features) must not swap it mid-run.
 BIN = os.path.join(WORK, "weir")
-subprocess.run(["cp", os.path.join(TARGET, PROFILE, "weir"), BIN], check=True)
-print(f"weir built with the {PROFILE} profile")
+if os.environ.get("WEIR_BIN"):
+    # WEIR_BIN=path measures that build (made with --features cluster) as it is.
+    subprocess.run(["cp", os.environ["WEIR_BIN"], BIN], check=True)
+    print(f"weir from {os.environ['WEIR_BIN']}")
+else:
+    subprocess.run(["cargo", "build", "-q", "-p", "weir", "--features", FEATURES] + (["--release"] if PROFILE == "release" else []),
+                   cwd=ROOT, check=True)
+    TARGET = os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target"))
+    subprocess.run(["cp", os.path.join(TARGET, PROFILE, "weir"), BIN], check=True)
+    print(f"weir built with the {PROFILE} profile")
 MODEL = "gemini/gemini-2.5-flash"
 
 
@@ -113,8 +122,13 @@ def cluster_case(tls=False, token=False):
     n_exec = int(os.environ.get("EXECUTORS", "2"))
     sim_args = os.environ.get("SIM_ARGS", "").split()
     weir_args = os.environ.get("WEIR_ARGS", "").split()
-    sim, url = start_sim("--rpm", str(R), "--window-secs", str(W), "--latency-ms", str(lat), "--jitter-ms", "20",
-                         "--round-advice", *sim_args)
+    # SERVER=ref measures against bench/refserver.py instead of weir sim (SIM_ARGS then ignored).
+    if os.environ.get("SERVER") == "ref":
+        sim, url = start_ref(R, W, lat, 20)
+        sim_args = ["bench/refserver.py: fixed window counted at arrival, retryDelay in the body only"]
+    else:
+        sim, url = start_sim("--rpm", str(R), "--window-secs", str(W), "--latency-ms", str(lat), "--jitter-ms", "20",
+                             "--round-advice", *sim_args)
     procs = [sim]
     try:
         sched = scheduler_port(host)

@@ -123,11 +123,6 @@ impl Series {
         }
     }
 
-    /// Seconds between the points kept now.
-    pub(crate) fn step(&self) -> f64 {
-        self.points().step
-    }
-
     /// The newest point, if there is one.
     pub fn last_point(&self) -> Option<Vec<Option<f64>>> {
         let p = self.points();
@@ -159,16 +154,20 @@ impl Series {
         (cols, p.generation, reset)
     }
 
-    /// The value of column `name` at the newest point, and `back` points before it.
-    pub(crate) fn recent(&self, name: &str, back: usize) -> Option<(f64, f64, f64)> {
+    /// The value of column `name` at the newest point and at the oldest point at most `span`
+    /// seconds before it (the one before the newest, if none is that close), and the seconds
+    /// between them. By time, not by a count of points: points are a second apart or more,
+    /// and further apart once the series has thinned.
+    pub(crate) fn recent(&self, name: &str, span: f64) -> Option<(f64, f64, f64)> {
         let i = COLUMNS.iter().position(|c| *c == name)?;
         let p = self.points();
         let n = p.cols[0].len();
         if n < 2 {
             return None;
         }
-        let j = n.saturating_sub(back + 1);
-        let (t0, t1) = (p.cols[0][j]?, p.cols[0][n - 1]?);
+        let t1 = p.cols[0][n - 1]?;
+        let j = p.cols[0][..n - 1].iter().position(|t| t.is_some_and(|t| t1 - t <= span + 1e-6)).unwrap_or(n - 2);
+        let t0 = p.cols[0][j]?;
         Some((p.cols[i][j].unwrap_or(0.0), p.cols[i][n - 1].unwrap_or(0.0), t1 - t0))
     }
 }
@@ -377,8 +376,7 @@ impl Watch {
         let ended = self.ended.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let stop = self.runtime.stop_reason();
         // Records a second over the last minute (or what there is of it).
-        let back = (60.0 / self.step()).ceil() as usize;
-        let per_s = self.series.recent("done", back).map(|(a, b, dt)| (b - a) / dt.max(1e-9));
+        let per_s = self.series.recent("done", 60.0).map(|(a, b, dt)| (b - a) / dt.max(1e-9));
         let eta = match (total, per_s) {
             (Some(total), Some(r)) if r > 0.0 => Some(total.saturating_sub(done) as f64 / r),
             _ => None,
@@ -479,20 +477,15 @@ impl Watch {
     /// Why the endpoints look dead, if they do: calls made in the last 5 s and none answered,
     /// with failures of the kinds a dead endpoint gives (refused or cut connections, timeouts).
     fn failing(&self, endpoints: &[EndpointState]) -> Option<String> {
-        let back = (5.0 / self.step()).ceil() as usize;
-        let (c0, c1, _) = self.series.recent("calls", back)?;
-        let (s0, s1, _) = self.series.recent("succeeded", back)?;
-        let (e0, e1, _) = self.series.recent("other_errors", back)?;
+        let (c0, c1, _) = self.series.recent("calls", 5.0)?;
+        let (s0, s1, _) = self.series.recent("succeeded", 5.0)?;
+        let (e0, e1, _) = self.series.recent("other_errors", 5.0)?;
         if c1 > c0 && s1 == s0 && e1 > e0 {
             let names: Vec<&str> = endpoints.iter().map(|e| e.endpoint.as_str()).collect();
             Some(format!("The endpoint is not answering: no call answered in the last 5 s ({})", names.join(", ")))
         } else {
             None
         }
-    }
-
-    fn step(&self) -> f64 {
-        self.series.step()
     }
 
     /// What a page that has `since` points of `generation` needs to be up to date.
@@ -787,6 +780,26 @@ mod tests {
         assert_eq!(cols["done"][n - 1], Some(6_048_005.0));
         let t: Vec<f64> = cols["t"].iter().map(|x| x.unwrap()).collect();
         assert!(t.windows(2).all(|w| w[1] > w[0]), "in order");
+    }
+
+    /// A rate over the last minute spans a minute whatever the points' spacing: a cluster's
+    /// page samples every 2 s, and a long run's series thins to wider steps.
+    #[test]
+    fn recent_figures_span_a_time_not_a_count_of_points() {
+        let s = Series::new();
+        for i in 0..100 {
+            s.push(point(2.0 * i as f64), false);
+        }
+        assert_eq!(s.recent("done", 60.0), Some((1380.0, 1980.0, 60.0)));
+        let thinned = Series::new();
+        for i in 0..5_000 {
+            thinned.push(point(i as f64), false);
+        }
+        let (a, b, dt) = thinned.recent("done", 60.0).unwrap();
+        assert!((56.0..=60.0).contains(&dt), "{dt}");
+        assert_eq!(b - a, dt * 10.0);
+        // Fewer seconds than asked: what there is, and never nothing.
+        assert_eq!(s.recent("done", 0.5), Some((1960.0, 1980.0, 2.0)));
     }
 
     #[test]

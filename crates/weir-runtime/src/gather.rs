@@ -114,11 +114,13 @@ impl Gathered {
         }
     }
 
-    /// Starts summing what was heard once a second, until the returned task is aborted.
+    /// Starts summing what was heard every [`REPORT_EVERY`], until the returned task is aborted.
+    /// Sampling as often as executors report: once a second, every other point would hold no
+    /// new report and the page's rates would swing between nothing and twice the truth.
     pub fn start(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
         let me = self.clone();
         tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            let mut tick = tokio::time::interval(REPORT_EVERY);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tick.tick().await;
@@ -136,8 +138,11 @@ impl Gathered {
         point[0] = Some(t);
         for (i, slot) in point.iter_mut().enumerate().skip(1) {
             let values = heard.values().filter_map(|h| h.point[i]);
-            // Counters and gauges of the whole add up; a latency is the slowest executor's.
-            *slot = if COLUMNS[i].starts_with("lat_") || COLUMNS[i].starts_with("ttft_") {
+            // Counters and gauges of the whole add up; a latency is the slowest executor's. A
+            // limit is the highest any executor learned or was told: executors calling an
+            // endpoint with one key share its quota through the scheduler, and each reports
+            // the key's limit, not a part of it.
+            *slot = if COLUMNS[i].starts_with("lat_") || COLUMNS[i].starts_with("ttft_") || COLUMNS[i] == "limit_rps" {
                 values.reduce(f64::max)
             } else {
                 values.reduce(|a, b| a + b)
@@ -146,8 +151,7 @@ impl Gathered {
         self.series.push(point, false);
         let sum = |name: &str| point[column(name)].unwrap_or(0.0);
         // Records a second over the last minute (or what there is of it), as a run's page.
-        let back = (60.0 / self.series.step()).ceil() as usize;
-        let per_s = self.series.recent("done", back).map(|(a, b, dt)| (b - a) / dt.max(1e-9));
+        let per_s = self.series.recent("done", 60.0).map(|(a, b, dt)| (b - a) / dt.max(1e-9));
         let mut endpoints = Vec::new();
         let mut failures: BTreeMap<String, (u64, Vec<Value>)> = BTreeMap::new();
         for ((executor, _), h) in heard.iter() {
@@ -263,6 +267,7 @@ mod tests {
 
     fn line(done: f64, calls: f64, lat: f64) -> String {
         let mut point = vec![Some(1.0); COLUMNS.len()];
+        point[COLUMNS.iter().position(|c| *c == "limit_rps").unwrap()] = Some(20.0);
         point[COLUMNS.iter().position(|c| *c == "done").unwrap()] = Some(done);
         point[COLUMNS.iter().position(|c| *c == "calls").unwrap()] = Some(calls);
         point[COLUMNS.iter().position(|c| *c == "lat_p95").unwrap()] = Some(lat);
@@ -294,6 +299,7 @@ mod tests {
         assert_eq!(s["failures"][0]["records"].as_u64(), Some(4), "{s}");
         let cols = g.update(0, None, true)["columns"].clone();
         assert_eq!(cols["lat_p95"][0].as_f64(), Some(0.9));
+        assert_eq!(cols["limit_rps"][0].as_f64(), Some(20.0), "one key's limit, not the sum");
         // Started again: a second process at b's address.
         let b2 = Hello { watch: "10.0.0.2:50051".into(), started: "t2".into() };
         g.take(&b2, &line(1.0, 1.0, 0.1));

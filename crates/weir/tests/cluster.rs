@@ -931,9 +931,24 @@ async fn the_schedulers_page_gathers_its_executors_calls() {
         summary["endpoints"].as_array().unwrap().iter().filter_map(|r| r["endpoint"].as_str()).collect();
     assert_eq!(rows.len(), 2, "{summary}");
     assert!(rows.iter().all(|r| r.starts_with("127.0.0.1:") && r.contains(&sim.url())), "{rows:?}");
-    // The page itself, and only on loopback by name.
-    let page = reqwest::get(format!("http://127.0.0.1:{}/", cluster.ui_port)).await.unwrap().text().await.unwrap();
-    assert!(page.contains("uPlot"), "the page with its charts");
+    // The page as a browser shows it: the same figures, a row per executor, the charts drawn.
+    let page = format!("http://127.0.0.1:{}/", cluster.ui_port);
+    if let Some(chromium) = peer("WEIR_CHROMIUM") {
+        let html = dom(&chromium, &page).await;
+        assert_eq!(shown(&html, "state"), "2 executors reporting", "{html}");
+        assert_eq!(number(&html, "records-done"), 40.0);
+        assert_eq!(number(&html, "succeeded"), 40.0);
+        assert_eq!(number(&html, "calls"), calls as f64);
+        assert_eq!(shown(&html, "eta"), "–", "no total, no time left");
+        let table = &html[html.find("id=\"endpoints\"").unwrap()..];
+        let table = &table[..table.find("</table>").unwrap()];
+        let shown_rows = table.split("<tr").filter(|r| r.contains(&sim.url())).count();
+        assert_eq!(shown_rows, 2, "a row per executor: {table}");
+        assert!(html.contains("class=\"u-wrap\""), "the charts are drawn (uPlot)");
+    } else {
+        let text = reqwest::get(&page).await.unwrap().text().await.unwrap();
+        assert!(text.contains("uPlot"), "the page with its charts");
+    }
     drop(cluster);
     sim.shutdown().await;
 }

@@ -8,42 +8,6 @@ use std::process::Stdio;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use util::*;
 
-/// The page at `url` as Chromium shows it once its scripts have run.
-async fn dom(chromium: &str, url: &str) -> String {
-    // A profile of its own: two browsers on one profile hand the page to each other and exit.
-    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let profile = std::env::temp_dir().join(format!("weir-chromium-{}-{n}", std::process::id()));
-    let o = tokio::process::Command::new(chromium)
-        .args(["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-dev-shm-usage"])
-        .arg(format!("--user-data-dir={}", profile.display()))
-        .args(["--virtual-time-budget=3000", "--dump-dom", url])
-        .stdin(Stdio::null())
-        .output()
-        .await
-        .expect("chromium runs");
-    let _ = std::fs::remove_dir_all(&profile);
-    assert!(o.status.success(), "chromium failed: {}", String::from_utf8_lossy(&o.stderr));
-    let html = String::from_utf8_lossy(&o.stdout).into_owned();
-    assert!(html.contains("</html>"), "chromium showed no page for {url}: {}", String::from_utf8_lossy(&o.stderr));
-    html
-}
-
-/// The text of the element with `id` in `html` (as the page wrote it: plain text).
-fn shown(html: &str, id: &str) -> String {
-    let at = html.find(&format!("id=\"{id}\"")).unwrap_or_else(|| panic!("no #{id} in the page"));
-    let rest = &html[at..];
-    let start = rest.find('>').unwrap() + 1;
-    let end = rest[start..].find('<').unwrap() + start;
-    rest[start..end].replace("&amp;", "&").trim().to_string()
-}
-
-/// A figure as the page shows it (`1,234`), as a number.
-fn number(html: &str, id: &str) -> f64 {
-    let s = shown(html, id).replace([',', '$'], "");
-    s.parse().unwrap_or_else(|_| panic!("#{id} shows {s:?}"))
-}
-
 /// Starts `weir run` with `--ui` and waits for it to say where its page is.
 async fn start(args: &[String]) -> (tokio::process::Child, String, tokio::task::JoinHandle<String>) {
     let mut child = weir().args(args).args(["--ui"]).stderr(Stdio::piped()).spawn().unwrap();
@@ -109,6 +73,7 @@ async fn the_live_page_and_the_report_show_what_the_summary_says() {
     let done = number(&live, "records-done");
     assert!(done > 0.0 && done < 400.0, "records done while it runs: {done}");
     assert!(shown(&live, "of-total").contains("400"), "{}", shown(&live, "of-total"));
+    assert!(shown(&live, "eta").ends_with('s'), "time left while it runs: {}", shown(&live, "eta"));
     assert!(live.contains(&base), "the endpoint is listed");
     assert!(live.contains("class=\"u-wrap\""), "the charts are drawn (uPlot)");
     // Another host name for this address (DNS rebinding) is refused.
@@ -127,6 +92,7 @@ async fn the_live_page_and_the_report_show_what_the_summary_says() {
     assert!(summary.contains(&format!("report:  {}", report.display())), "{summary}");
     let html = dom(&chromium, &format!("file://{}", report.display())).await;
     assert_eq!(shown(&html, "state"), "finished");
+    assert_eq!(shown(&html, "eta"), "0s");
     assert_eq!(number(&html, "records-done"), 400.0);
     assert_eq!(number(&html, "succeeded"), 400.0);
     assert_eq!(number(&html, "calls"), after(&summary, "calls "), "{summary}");

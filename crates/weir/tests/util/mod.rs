@@ -207,3 +207,39 @@ pub fn s3_env(cmd: &mut tokio::process::Command, endpoint: &str) {
         .env("AWS_ENDPOINT_URL", endpoint)
         .env_remove("AWS_PROFILE");
 }
+
+/// The page at `url` as Chromium shows it once its scripts have run.
+pub async fn dom(chromium: &str, url: &str) -> String {
+    // A profile of its own: two browsers on one profile hand the page to each other and exit.
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let profile = std::env::temp_dir().join(format!("weir-chromium-{}-{n}", std::process::id()));
+    let o = tokio::process::Command::new(chromium)
+        .args(["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-dev-shm-usage"])
+        .arg(format!("--user-data-dir={}", profile.display()))
+        .args(["--virtual-time-budget=3000", "--dump-dom", url])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .await
+        .expect("chromium runs");
+    let _ = std::fs::remove_dir_all(&profile);
+    assert!(o.status.success(), "chromium failed: {}", String::from_utf8_lossy(&o.stderr));
+    let html = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(html.contains("</html>"), "chromium showed no page for {url}: {}", String::from_utf8_lossy(&o.stderr));
+    html
+}
+
+/// The text of the element with `id` in `html` (as the page wrote it: plain text).
+pub fn shown(html: &str, id: &str) -> String {
+    let at = html.find(&format!("id=\"{id}\"")).unwrap_or_else(|| panic!("no #{id} in the page"));
+    let rest = &html[at..];
+    let start = rest.find('>').unwrap() + 1;
+    let end = rest[start..].find('<').unwrap() + start;
+    rest[start..end].replace("&amp;", "&").trim().to_string()
+}
+
+/// A figure as the page shows it (`1,234`), as a number.
+pub fn number(html: &str, id: &str) -> f64 {
+    let s = shown(html, id).replace([',', '$'], "");
+    s.parse().unwrap_or_else(|_| panic!("#{id} shows {s:?}"))
+}
