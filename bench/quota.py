@@ -129,15 +129,17 @@ def cap_case():
             reset(url)
             secs, err = run(url, data, *extra)
             s = stats(url)
-            results[mode] = (N / secs, s["unavailable"] / s["requests"], s["requests"], err)
+            results[mode] = (N / secs, s["unavailable"] / s["requests"], s["requests"], err,
+                             s.get("unavailable_per_second", []))
     finally:
         sim.terminate()
     best = max(v[0] for k, v in results.items() if k != "adaptive")
     print(f"== 4. hidden concurrency cap: {C} in flight (503 above), latency 110±10 ms, {N} records each, nothing told")
-    for k, (rate, rej, req, _) in results.items():
+    for k, (rate, rej, req, _, _) in results.items():
         print(f"   {k:9s} {rate:7.1f} records/s  rejected {rej:6.2%} of {req} requests")
     a = results["adaptive"]
     print(f"   adaptive: {a[0] / best:.1%} of the best fixed setting; rejected {a[1]:.2%}")
+    print(f"   adaptive: 503s per second {a[4]}")
     print("   " + [l for l in a[3].splitlines() if "limits:" in l][0].strip())
 
 
@@ -210,18 +212,20 @@ def shared_cap_case():
             paths = [dataset(f"k{i}-{mode.replace(' ', '')}.jsonl", N // K) for i in range(K)]
             done, errs, _ = run_many(url, paths, extra)
             s = stats(url)
-            results[mode] = (N / max(done), s["unavailable"] / s["requests"], s["requests"], done, errs)
+            results[mode] = (N / max(done), s["unavailable"] / s["requests"], s["requests"], done, errs,
+                             s.get("unavailable_per_second", []))
     finally:
         sim.terminate()
     best = max(v[0] for k, v in results.items() if k != "adaptive")
     print(f"== 7. hidden concurrency cap shared by {K} processes: {C} in flight (503 above), latency 110±10 ms, "
           f"{N} records split evenly, nothing told (fixed N: each process given --max-concurrency N, which the "
           f"shared throttle applies to all)")
-    for k, (rate, rej, req, done, _) in results.items():
+    for k, (rate, rej, req, done, _, _) in results.items():
         print(f"   {k:9s} {rate:7.1f} records/s  rejected {rej:6.2%} of {req} requests; each ended at "
               f"{', '.join(f'{d:.1f}' for d in done)} s")
     a = results["adaptive"]
     print(f"   adaptive: {a[0] / best:.1%} of the best fixed setting; rejected {a[1]:.2%}")
+    print(f"   adaptive: 503s per second {a[5]}")
     print("   last process: " + ([l for l in a[4][-1].splitlines() if "limits:" in l] or ["?"])[0].strip())
 
 

@@ -49,6 +49,8 @@ struct Timeline {
     tokens_per_second: Vec<u64>,
     /// 429s per whole second since `start` (bounded as `per_second`).
     refused_per_second: Vec<u64>,
+    /// 503s per whole second since `start` (bounded as `per_second`).
+    unavailable_per_second: Vec<u64>,
 }
 
 /// Seconds a timeline counts, from its start: bounds its memory in a simulator left running.
@@ -155,6 +157,9 @@ pub struct StatsSnapshot {
     /// only how often.
     #[serde(default)]
     pub rate_limited_per_second: Vec<u64>,
+    /// 503s in each whole second since start or the last reset (overload and injected).
+    #[serde(default)]
+    pub unavailable_per_second: Vec<u64>,
 }
 
 impl Default for Stats {
@@ -189,6 +194,7 @@ impl Default for Stats {
                 per_second: Vec::new(),
                 tokens_per_second: Vec::new(),
                 refused_per_second: Vec::new(),
+                unavailable_per_second: Vec::new(),
             }),
         }
     }
@@ -234,10 +240,11 @@ impl Stats {
 
     /// Counts an answer by its HTTP status.
     pub fn status(&self, status: u16) {
-        if status == 429 {
+        if status == 429 || status == 503 {
             let mut t = self.timeline.lock().unwrap_or_else(|e| e.into_inner());
             let sec = t.start.elapsed().as_secs() as usize;
-            count_at(&mut t.refused_per_second, sec, 1);
+            let per_second = if status == 429 { &mut t.refused_per_second } else { &mut t.unavailable_per_second };
+            count_at(per_second, sec, 1);
         }
         match status {
             429 => self.rate_limited.fetch_add(1, Relaxed),
@@ -343,6 +350,7 @@ impl Stats {
             successes_per_second: t.per_second.clone(),
             tokens_per_second: t.tokens_per_second.clone(),
             rate_limited_per_second: t.refused_per_second.clone(),
+            unavailable_per_second: t.unavailable_per_second.clone(),
         }
     }
 
@@ -383,6 +391,7 @@ impl Stats {
             per_second: Vec::new(),
             tokens_per_second: Vec::new(),
             refused_per_second: Vec::new(),
+            unavailable_per_second: Vec::new(),
         };
     }
 }
