@@ -88,7 +88,9 @@ if [ -n "${SHOT:-}" ] && command -v chromium > /dev/null; then
 fi
 wait "$QUERY" || { echo "the query failed:" >&2; cat sql.log >&2; exit 1; }
 secs=$(echo "$(date +%s.%N) - $start" | bc -l)
-sleep 3  # the last reports
+sleep 6  # the last reports: an executor samples every second and reports every 2 s, the page sums every 2 s
+sim_calls=$(curl -s "http://127.0.0.1:$SIM_PORT/stats" | python3 -c 'import json,sys; print(json.load(sys.stdin)["requests"])')
+echo "the simulator saw $sim_calls calls"
 curl -s "http://127.0.0.1:$UI/api/update" | python3 -c '
 import json, sys
 s = json.load(sys.stdin)["summary"]
