@@ -21,7 +21,7 @@ WEIR_BIN names the binary to measure).
 """
 import json, os, subprocess, sys, tempfile, time, urllib.request
 
-from servers import free_port, start_ref
+from servers import free_port, start_quota
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # WEIR_BIN=path measures another build (an older commit's, side by side) instead of this one.
@@ -239,12 +239,7 @@ def coarse_case():
     weir_args = os.environ.get("WEIR_ARGS", "").split()
     kill_at = float(os.environ.get("KILL_AT", "0"))
     # SERVER=ref measures against bench/refserver.py instead of weir sim (SIM_ARGS then ignored).
-    if os.environ.get("SERVER") == "ref":
-        sim, url = start_ref(R, W, lat, 20)
-        extra = ["bench/refserver.py: fixed window counted at arrival, retryDelay in the body only"]
-    else:
-        sim, url = start_sim("--rpm", str(R), "--window-secs", str(W), "--latency-ms", str(lat), "--jitter-ms", "20",
-                             "--round-advice", *extra)
+    sim, url, extra = start_quota(start_sim, R, W, lat, extra)
     ideal = ((N - 1) // R) * W + lat / 1000
     told = " ".join(weir_args) if weir_args else "nothing told"
     print(f"== 6. advice in whole seconds: quota {R} requests per {W} s, latency {lat}±10 ms, {N} records, "

@@ -22,7 +22,7 @@ that binary, built with --features cluster, without building).
 """
 import json, os, socket, statistics, subprocess, sys, tempfile, time, urllib.request
 
-from servers import start_ref
+from servers import start_quota
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROFILE = os.environ.get("WEIR_BENCH_PROFILE", "release")
@@ -123,12 +123,7 @@ def cluster_case(tls=False, token=False):
     sim_args = os.environ.get("SIM_ARGS", "").split()
     weir_args = os.environ.get("WEIR_ARGS", "").split()
     # SERVER=ref measures against bench/refserver.py instead of weir sim (SIM_ARGS then ignored).
-    if os.environ.get("SERVER") == "ref":
-        sim, url = start_ref(R, W, lat, 20)
-        sim_args = ["bench/refserver.py: fixed window counted at arrival, retryDelay in the body only"]
-    else:
-        sim, url = start_sim("--rpm", str(R), "--window-secs", str(W), "--latency-ms", str(lat), "--jitter-ms", "20",
-                             "--round-advice", *sim_args)
+    sim, url, sim_args = start_quota(start_sim, R, W, lat, sim_args)
     procs = [sim]
     try:
         sched = scheduler_port(host)
