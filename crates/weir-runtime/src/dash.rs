@@ -172,6 +172,38 @@ impl Series {
     }
 }
 
+/// Seconds without a record done after which a run's time left is not guessed ("–").
+const STALLED_AFTER: f64 = 15.0;
+
+/// The column `name`'s place in a point.
+pub(crate) fn column(name: &str) -> usize {
+    COLUMNS.iter().position(|c| *c == name).expect("a column of the series")
+}
+
+/// Seconds left for `remaining` records at `per_s` records a second (over the last minute),
+/// or `None` when there is no honest guess: nothing done lately, or the run `stalled` (its
+/// endpoint not answering, a stop under way), where the last minute's rate would only make the
+/// guess grow. A run that called faster than its learned or told limit (`limit_rps`; the
+/// first window's burst, before the limit was learned) cannot keep that pace: its rate is
+/// scaled down to what the limit allows.
+fn time_left(
+    remaining: u64,
+    per_s: Option<f64>,
+    calls_per_s: Option<f64>,
+    limit_rps: Option<f64>,
+    stalled: bool,
+) -> Option<f64> {
+    if remaining == 0 {
+        return Some(0.0);
+    }
+    let r = per_s.filter(|r| *r > 0.0 && !stalled)?;
+    let over = match (calls_per_s, limit_rps) {
+        (Some(c), Some(l)) if l > 0.0 && c > l => l / c,
+        _ => 1.0,
+    };
+    Some(remaining as f64 / (r * over))
+}
+
 /// A run's rows at its end, as its summary counts them.
 #[derive(Debug, Clone, Default)]
 pub struct EndRows {
@@ -218,6 +250,9 @@ pub struct Watch {
     ended: Mutex<Option<String>>,
     /// The last summary sampled (the page's figures agree with the chart's last point).
     last: Mutex<Value>,
+    /// Records an earlier run of this output finished (a resumed run's page counts this run's
+    /// records against what was left, and says how many were done before).
+    resumed: std::sync::atomic::AtomicU64,
 }
 
 impl Watch {
@@ -234,7 +269,13 @@ impl Watch {
             jobs: Mutex::new(None),
             ended: Mutex::new(None),
             last: Mutex::new(Value::Null),
+            resumed: Default::default(),
         })
+    }
+
+    /// Says that an earlier run of this output had finished `records` (this run resumes it).
+    pub fn set_resumed(&self, records: u64) {
+        self.resumed.store(records, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The series kept so far.
@@ -377,10 +418,12 @@ impl Watch {
         let stop = self.runtime.stop_reason();
         // Records a second over the last minute (or what there is of it).
         let per_s = self.series.recent("done", 60.0).map(|(a, b, dt)| (b - a) / dt.max(1e-9));
-        let eta = match (total, per_s) {
-            (Some(total), Some(r)) if r > 0.0 => Some(total.saturating_sub(done) as f64 / r),
-            _ => None,
-        };
+        let calls_per_s = self.series.recent("calls", 60.0).map(|(a, b, dt)| (b - a) / dt.max(1e-9));
+        let limit_rps = self.series.last_point().and_then(|p| p[column("limit_rps")]);
+        let stalled = self.failing(endpoints).is_some()
+            || stop.is_some()
+            || self.series.recent("done", STALLED_AFTER).is_some_and(|(a, b, dt)| b == a && dt >= STALLED_AFTER - 1.0);
+        let eta = total.and_then(|t| time_left(t.saturating_sub(done), per_s, calls_per_s, limit_rps, stalled));
         let state = match (&ended, &stop) {
             (Some(how), _) => how.clone(),
             (None, Some(s)) => format!("stopping: {}", s.message),
@@ -454,6 +497,7 @@ impl Watch {
             "elapsed_secs": elapsed,
             "total": total,
             "done": done,
+            "resumed": self.resumed.load(std::sync::atomic::Ordering::Relaxed),
             "succeeded": get(&m.succeeded),
             "failed": get(&m.failed),
             "records_per_s": per_s,
@@ -573,7 +617,19 @@ pub fn check_report_path(path: &std::path::Path, own: &[&std::path::Path]) -> Re
     }
     let full = dir.join(path.file_name().ok_or_else(|| format!("--report {shown}: not a file path"))?);
     for o in own {
-        let same = std::fs::canonicalize(o).map(|c| c == full).unwrap_or(false) || *o == path;
+        // Compared by directory and name: an own file not written yet (the errors file before
+        // the first error) is the same path all the same.
+        let o_full = match (o.parent(), o.file_name()) {
+            (Some(p), Some(name)) => {
+                std::fs::canonicalize(if p.as_os_str().is_empty() { std::path::Path::new(".") } else { p })
+                    .ok()
+                    .map(|d| d.join(name))
+            }
+            _ => None,
+        };
+        let same = std::fs::canonicalize(o).map(|c| c == full).unwrap_or(false)
+            || o_full.is_some_and(|c| c == full)
+            || *o == path;
         if same {
             return Err(format!(
                 "--report {shown}: is one of the run's own files ({}); give another path",
@@ -784,6 +840,21 @@ mod tests {
 
     /// A rate over the last minute spans a minute whatever the points' spacing: a cluster's
     /// page samples every 2 s, and a long run's series thins to wider steps.
+    /// Time left: none when stalled or nothing is done lately; the pace of a run that called
+    /// faster than its limit is scaled down to the limit's.
+    #[test]
+    fn time_left_is_not_guessed_when_stalled_and_keeps_to_the_limit() {
+        assert_eq!(time_left(100, Some(10.0), Some(10.0), None, false), Some(10.0));
+        assert_eq!(time_left(100, Some(10.0), Some(10.0), None, true), None, "endpoint dead");
+        assert_eq!(time_left(100, Some(0.0), Some(3.0), None, false), None, "nothing done lately");
+        assert_eq!(time_left(100, None, None, None, false), None);
+        assert_eq!(time_left(0, None, None, None, true), Some(0.0), "nothing left");
+        // The first window's burst: 40 calls/s against a learned 20/s.
+        assert_eq!(time_left(100, Some(40.0), Some(40.0), Some(20.0), false), Some(5.0));
+        // Under the limit: the rate as it is.
+        assert_eq!(time_left(100, Some(10.0), Some(10.0), Some(20.0), false), Some(10.0));
+    }
+
     #[test]
     fn recent_figures_span_a_time_not_a_count_of_points() {
         let s = Series::new();

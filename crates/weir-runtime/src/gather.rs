@@ -16,7 +16,7 @@ use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::time::Instant;
 
-use crate::dash::{Series, Updates, Watch, COLUMNS};
+use crate::dash::{column, Series, Updates, Watch, COLUMNS};
 use crate::share::Hub;
 
 /// How often an executor tells the scheduler where it stands.
@@ -133,7 +133,6 @@ impl Gathered {
     pub fn sample(&self) {
         let heard = self.heard.lock().unwrap_or_else(|e| e.into_inner());
         let t = self.started.elapsed().as_secs_f64();
-        let column = |name: &str| COLUMNS.iter().position(|c| *c == name).expect("a column");
         let mut point = [None; COLUMNS.len()];
         point[0] = Some(t);
         for (i, slot) in point.iter_mut().enumerate().skip(1) {
@@ -196,7 +195,10 @@ impl Gathered {
         let cost = point[column("cost")];
         let summary = serde_json::json!({
             "title": self.title,
-            "state": format!("{executors} executor{} reporting", if executors == 1 { "" } else { "s" }),
+            "state": match silent {
+                0 => format!("{executors} executor{} reporting", if executors == 1 { "" } else { "s" }),
+                _ => format!("{} of {executors} executors reporting", executors - silent),
+            },
             "alert": (silent > 0).then(|| format!("{silent} of {executors} executors not heard from for {} s or more", SILENT_AFTER.as_secs())),
             "started": humantime::format_rfc3339_seconds(self.started_at).to_string(),
             "elapsed_secs": t,
@@ -307,6 +309,22 @@ mod tests {
         let s = g.update(0, None, true)["summary"].clone();
         assert_eq!(s["done"].as_u64(), Some(16), "{s}");
         assert_eq!(s["state"], "3 executors reporting");
+    }
+
+    /// An executor not heard from is not counted as reporting, and the alert names how many.
+    #[tokio::test(start_paused = true)]
+    async fn a_silent_executor_is_not_reporting() {
+        let g = Gathered::new("cluster");
+        let a = Hello { watch: "10.0.0.1:50051".into(), started: "t1".into() };
+        let b = Hello { watch: "10.0.0.2:50051".into(), started: "t1".into() };
+        g.take(&a, &line(1.0, 1.0, 0.1));
+        g.take(&b, &line(1.0, 1.0, 0.1));
+        tokio::time::advance(SILENT_AFTER + Duration::from_secs(1)).await;
+        g.take(&a, &line(2.0, 2.0, 0.1));
+        g.sample();
+        let s = g.update(0, None, true)["summary"].clone();
+        assert_eq!(s["state"], "1 of 2 executors reporting", "{s}");
+        assert!(s["alert"].as_str().unwrap().starts_with("1 of 2 executors not heard from"), "{s}");
     }
 
     /// A report line longer than the bound closes the connection; the lines before it count.

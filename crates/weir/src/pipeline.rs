@@ -252,7 +252,9 @@ pub async fn run(
     let tally = Arc::new(std::sync::Mutex::new(crate::jobs::JobsTally::default()));
     let watch = (settings.ui.is_some() || settings.report.is_some()).then(|| {
         let cost = live_cost(Some(tally.clone()));
-        weir_runtime::dash::Watch::new(runtime.clone(), settings.output.display(), remaining, Some(cost))
+        let w = weir_runtime::dash::Watch::new(runtime.clone(), settings.output.display(), remaining, Some(cost));
+        w.set_resumed(recovered.finished_count());
+        w
     });
     let sampler = watch.as_ref().map(|w| w.start(series_path.clone()));
     let ui_task = match (&watch, settings.ui) {

@@ -435,6 +435,10 @@ impl RunArgs {
         }
         let input = InputPath::parse(self.input());
         check_distinct_files(&input, &output, &errors, self.errors.is_some(), self.events_path(&output).as_ref())?;
+        if let (Some(report), OutputPath::File(errors)) = (&self.report, &errors) {
+            // The errors file by default (beside the output) is the run's own too.
+            weir_runtime::dash::check_report_path(report, &[errors.as_path()]).map_err(UsageError)?;
+        }
         let progress = self.progress();
         let state = if self.no_state {
             StateMode::Off
@@ -464,8 +468,9 @@ impl RunArgs {
                 (Ok(parent), Ok(d)) => parent.starts_with(d),
                 _ => false,
             };
-            for (flag, p) in [("--output", &output), ("--errors", &errors)] {
-                if let OutputPath::File(p) = p {
+            let report = self.report.as_ref().map(|p| OutputPath::File(p.clone()));
+            for (flag, p) in [("--output", Some(&output)), ("--errors", Some(&errors)), ("--report", report.as_ref())] {
+                if let Some(OutputPath::File(p)) = p {
                     if inside(p) {
                         return Err(UsageError(format!(
                             "{flag} {}: is inside the state directory {}; choose a path outside it",

@@ -180,6 +180,20 @@ async fn ui_and_report_flags_are_checked_and_no_report_writes_none() {
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let html = std::fs::read_to_string(dir.path("out.jsonl.report.html")).unwrap();
     assert!(html.contains("uPlot") && !html.contains("<script src"), "self-contained");
+    // The errors file by default (not written yet: no errors) and the state directory's files
+    // are the run's own too: refused before the run, with nothing done.
+    let results = std::fs::read(&out).unwrap();
+    for target in [dir.path("out.errors.jsonl"), dir.path(".weir/runs/out.jsonl.series.json")] {
+        let o = weir().args(base).args(["--fresh", "--report", target.to_str().unwrap()]).output().await.unwrap();
+        assert_eq!(o.status.code(), Some(2), "{}: {}", target.display(), stderr(&o));
+        assert!(stderr(&o).contains("--report"), "{}", stderr(&o));
+    }
+    assert_eq!(std::fs::read(&out).unwrap(), results, "the results are untouched");
+    // A resumed run's page says how many records were done before it.
+    let o = weir().args(base).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let html = std::fs::read_to_string(dir.path("out.jsonl.report.html")).unwrap();
+    assert!(html.contains("\"resumed\":5"), "the records done before are on the page");
 }
 
 /// Provider batch jobs on the page: their states while they run, and in the report.
