@@ -350,21 +350,37 @@ impl RecordSpec {
             }
         };
         let mut media = Vec::with_capacity(self.media_fields.len());
+        let mut wrong = None;
         for (f, mime) in &self.media_fields {
             if !input.contains_key(f) {
-                let msg = format!(
+                wrong = Some(format!(
                     "line {line}: has no media field '{f}' (--media-field; give it null for a record without this part)"
-                );
-                return Err(invalid(line, Some(id), Some(input), None, msg));
+                ));
+                break;
             }
             match crate::media::source_of(input.get(f)) {
                 Ok(None) => {}
                 Ok(Some(source)) => media.push(crate::media::MediaRef { field: f.clone(), source, mime: mime.clone() }),
                 Err(why) => {
-                    let msg = format!("line {line}: media field '{f}' {why}");
-                    return Err(invalid(line, Some(id), Some(input), None, msg));
+                    wrong = Some(format!("line {line}: media field '{f}' {why}"));
+                    break;
                 }
             }
+        }
+        // The record's part keeps its source whole; the input its rows echo does not keep a
+        // signed URL's signature or a password in a URL (a result or error row, a table's
+        // carried column, never holds them).
+        let mut input = input;
+        for (f, _) in &self.media_fields {
+            if let Some(Value::String(s)) = input.get(f) {
+                let shown = crate::media::shown(s.trim());
+                if shown != s.trim() {
+                    input.insert(f.clone(), Value::String(shown));
+                }
+            }
+        }
+        if let Some(msg) = wrong {
+            return Err(invalid(line, Some(id), Some(input), None, msg));
         }
         Ok(Record { id, line, prompt, system, params, input, media, media_digests: Vec::new() })
     }
@@ -391,6 +407,24 @@ mod tests {
         let text = spec(Some("key")).parse(1, br#"{"prompt":"hi","key":"42"}"#).unwrap();
         assert_ne!(text.id, r.id, "42 and \"42\" are different ids");
         assert_ne!(text.id.key_bytes(), r.id.key_bytes());
+    }
+
+    /// A media URL's part keeps it whole; the input rows echo shows it without its query (a
+    /// signed URL's signature) or password, also in the error row of a bad record.
+    #[test]
+    fn a_signed_media_url_is_not_echoed_whole() {
+        let mut s = spec(None);
+        s.media_fields = vec![("a".into(), None), ("b".into(), None)];
+        let signed = "https://u:pw@h/p.png?X-Goog-Signature=SECRET";
+        let line = format!(r#"{{"prompt":"hi","a":"{signed}","b":"photo.jpg"}}"#);
+        let r = s.parse(1, line.as_bytes()).unwrap();
+        assert_eq!(r.media[0].source, crate::media::MediaSource::Named(signed.into()));
+        assert_eq!(r.input["a"], "https://h/p.png");
+        assert_eq!(r.input["b"], "photo.jpg", "a path as it was");
+        let line = format!(r#"{{"prompt":"hi","a":"{signed}","b":7}}"#);
+        let f = s.parse(1, line.as_bytes()).unwrap_err();
+        let echoed = serde_json::to_string(&f.input).unwrap();
+        assert!(!echoed.contains("SECRET") && !echoed.contains("pw"), "{echoed}");
     }
 
     #[test]

@@ -110,6 +110,10 @@ struct Spooled {
     /// `FIELD:TYPE`); what they hold is in `input`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     media: Vec<String>,
+    /// What each of those fields named, whole, where `input` (as rows echo it) shows a URL
+    /// without its query or password: the job is built from it after a restart too.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    sources: Vec<Option<String>>,
     /// The digests of its media parts as read for its job (hex): they key its answer in the
     /// cache, and a follow-up job whose media changed since is caught by them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -137,6 +141,18 @@ fn to_spool(record: &Record) -> weir_jobs::Record {
                 None => m.field.clone(),
             })
             .collect(),
+        sources: record
+            .media
+            .iter()
+            .map(|m| match &m.source {
+                weir_core::media::MediaSource::Named(name)
+                    if record.input.get(&m.field).and_then(|v| v.as_str()) != Some(name.as_str()) =>
+                {
+                    Some(name.clone())
+                }
+                _ => None,
+            })
+            .collect(),
         digests: record.media_digests.iter().map(hex::encode).collect(),
     };
     serde_json::value::to_raw_value(&spooled).expect("a record is JSON")
@@ -151,9 +167,13 @@ fn from_spool(value: &weir_jobs::Record) -> Result<Record, ModelError> {
     };
     let unreadable = |what: &str| ModelError::new(ErrorKind::Server, format!("a batch job spool's record: {what}"));
     let mut media = Vec::with_capacity(s.media.len());
-    for spec in &s.media {
+    for (i, spec) in s.media.iter().enumerate() {
         let (field, mime) = weir_core::media::field_spec(spec).map_err(|e| unreadable(&e))?;
-        if let Some(source) = weir_core::media::source_of(s.input.get(&field)).map_err(unreadable)? {
+        let source = match s.sources.get(i) {
+            Some(Some(whole)) => Some(weir_core::media::MediaSource::Named(whole.clone())),
+            _ => weir_core::media::source_of(s.input.get(&field)).map_err(unreadable)?,
+        };
+        if let Some(source) = source {
             media.push(weir_core::media::MediaRef { field, source, mime });
         }
     }
@@ -599,5 +619,18 @@ mod tests {
         let seven =
             Record::new(RecordId::from_value(&serde_json::json!(7)).unwrap(), 1, "p".into(), Default::default());
         assert_ne!(job_key(&seven), job_key(&rec("7")));
+    }
+
+    /// A spooled record's media comes back whole (a job built after a restart reads it),
+    /// while the input its rows echo keeps the URL shown without its signature.
+    #[test]
+    fn a_spooled_record_keeps_its_media_source_whole() {
+        let mut spec = weir_core::RecordSpec::new(None, weir_core::PromptSource::Field("prompt".into()));
+        spec.media_fields = vec![("image".into(), None), ("scan".into(), Some("application/pdf".into()))];
+        let line = br#"{"prompt":"p","image":"https://h/a.png?X-Amz-Signature=SECRET","scan":"s.pdf"}"#;
+        let record = spec.parse(1, line).unwrap();
+        let back = from_spool(&to_spool(&record)).unwrap();
+        assert_eq!(back.media, record.media);
+        assert_eq!(back.input["image"], "https://h/a.png");
     }
 }

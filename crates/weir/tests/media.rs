@@ -107,11 +107,14 @@ async fn images_by_path_and_url_go_inline_and_bad_ones_are_error_rows_without_a_
         for i in 0..10 {
             let p = dir.write(&format!("img{i}.png"), &png(i));
             lines.push_str(&format!("{{\"id\":\"p{i}\",\"prompt\":\"describe\",\"image\":\"{}\"}}\n", p.display()));
-            served.insert(format!("/u{i}.png"), png(100 + i));
+            // Served only to the signed URL: the fetch uses it whole.
+            served.insert(format!("/u{i}.png?sig=SECRET"), png(100 + i));
         }
         let url = serve(served).await;
         for i in 0..10 {
-            lines.push_str(&format!("{{\"id\":\"u{i}\",\"prompt\":\"describe\",\"image\":\"{url}/u{i}.png\"}}\n"));
+            lines.push_str(&format!(
+                "{{\"id\":\"u{i}\",\"prompt\":\"describe\",\"image\":\"{url}/u{i}.png?sig=SECRET\"}}\n"
+            ));
         }
         let big = dir.write("big.png", &[png(0), vec![0u8; 21_000_000]].concat());
         lines.push_str(&format!("{{\"id\":\"big\",\"prompt\":\"describe\",\"image\":\"{}\"}}\n", big.display()));
@@ -147,6 +150,13 @@ async fn images_by_path_and_url_go_inline_and_bad_ones_are_error_rows_without_a_
                 _ => "HTTP 404",
             };
             assert!(m.contains(why), "{e}");
+        }
+        // Rows echo a signed URL without its signature; nothing weir wrote holds it.
+        assert!(out.iter().any(|r| r["input"]["image"] == format!("{url}/u0.png")), "{model}");
+        for file in walk(&dir.0) {
+            let text = String::from_utf8_lossy(&std::fs::read(&file).unwrap()).to_string();
+            let input = file.file_name().is_some_and(|n| n == "in.jsonl");
+            assert!(input || !text.contains("SECRET"), "{model}: {} holds a signature", file.display());
         }
         let s = sim.stats();
         assert_eq!(s.requests as usize, 22 + uploads, "{model}: no call for the bad media");
