@@ -193,6 +193,51 @@ struct Read {
     pending: Vec<(usize, ModelError)>,
     /// Held while a record has large parts in memory: one such record at a time.
     _large: Option<tokio::sync::MutexGuard<'static, ()>>,
+    /// The inline parts' share of [`MEDIA_BUDGET`], held until the record has its answer.
+    held: Held,
+}
+
+/// A share of [`MEDIA_BUDGET`], in KiB.
+type Held = Option<tokio::sync::SemaphorePermit<'static>>;
+
+/// The most bytes of media read from files, URLs and buckets that the records of a process
+/// hold at once, inline parts waiting or in flight: a run of 15 MB scans at a concurrency in
+/// the hundreds would otherwise hold gigabytes (and their base64 bodies beside them). Records
+/// over it wait for their turn to read; a part over it alone still goes (the budget is taken
+/// whole). Parts given as bytes (a Parquet column) are in memory already and not counted.
+pub const MEDIA_BUDGET_BYTES: usize = 512 * 1024 * 1024;
+
+/// [`MEDIA_BUDGET_BYTES`] in KiB permits.
+static MEDIA_BUDGET: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(MEDIA_BUDGET_BYTES / 1024);
+
+/// What a part of unknown size (a URL, an object) is taken to need before it is read; the rest
+/// is taken once its size is known.
+const UNKNOWN_SIZE_GUESS: usize = 1024 * 1024;
+
+/// Makes `held` (a record's share of the media budget) `bytes`: the excess let go, or, to
+/// take more, all of it let go first and the whole asked for again in line (the semaphore is
+/// fair), so that records each waiting for more cannot hold the budget between them and wait
+/// on each other forever. At most the whole budget is taken: a part larger than it still goes.
+async fn fit_budget(held: Held, bytes: usize) -> Held {
+    fit(&MEDIA_BUDGET, MEDIA_BUDGET_BYTES, held, bytes).await
+}
+
+/// [`fit_budget`] of `budget`, of `whole` bytes.
+async fn fit(budget: &'static tokio::sync::Semaphore, whole: usize, held: Held, bytes: usize) -> Held {
+    if bytes == 0 {
+        return None;
+    }
+    let kib = bytes.div_ceil(1024).min(whole / 1024);
+    match held {
+        Some(mut h) if h.num_permits() >= kib => {
+            drop(h.split(h.num_permits() - kib));
+            Some(h)
+        }
+        other => {
+            drop(other);
+            Some(budget.acquire_many(kib as u32).await.expect("the media budget is never closed"))
+        }
+    }
 }
 
 impl Read {
@@ -203,7 +248,8 @@ impl Read {
 
     /// The parts as they are sent: each large one uploaded through `handler` and referred to,
     /// its bytes let go (the provider has them).
-    async fn uploaded(mut self, handler: &dyn ModelHandler) -> Result<Arc<[Part]>, ModelError> {
+    async fn uploaded(mut self, handler: &dyn ModelHandler) -> Result<(Arc<[Part]>, Held), ModelError> {
+        let held = self.held.take();
         for (at, named) in std::mem::take(&mut self.pending) {
             let part = &mut self.parts[at];
             let uri = handler.upload_media(part).await.map_err(|e| {
@@ -214,7 +260,7 @@ impl Read {
             })?;
             *part = Part { uri: Some(uri), data: bytes::Bytes::new(), ..part.clone() };
         }
-        Ok(Arc::from(self.parts))
+        Ok((Arc::from(self.parts), held))
     }
 }
 
@@ -325,7 +371,7 @@ impl Driver {
         /// One record's large parts read and uploaded at a time in the process.
         static LARGE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
         if record.media.is_empty() {
-            return Ok(Read { parts: Vec::new(), pending: Vec::new(), _large: None });
+            return Ok(Read { parts: Vec::new(), pending: Vec::new(), _large: None, held: None });
         }
         let bad = |r: &MediaRef, why: String| {
             let at = r.source.shown();
@@ -345,6 +391,8 @@ impl Driver {
         };
         let (mut parts, mut pending, mut large) = (Vec::with_capacity(record.media.len()), Vec::new(), None);
         let mut total = 0usize;
+        // Bytes read from files, URLs and objects for this record, and their share of the budget.
+        let (mut read_bytes, mut held): (usize, Held) = (0, None);
         for r in &record.media {
             let inline_left = MAX_INLINE_BYTES - total;
             let read = match &r.source {
@@ -365,7 +413,16 @@ impl Driver {
                     continue;
                 }
                 MediaSource::Named(source) => {
-                    within(timeout, loader(r)?.load(source, inline_left)).await.map(|d| (d, source.as_str()))
+                    // The budget is taken before the bytes are read: a file's size, or a guess.
+                    let size = (!source.contains("://"))
+                        .then(|| std::fs::metadata(source).ok().filter(|m| m.is_file()).map(|m| m.len() as usize))
+                        .flatten();
+                    let guess = size.unwrap_or(UNKNOWN_SIZE_GUESS).min(inline_left);
+                    held = fit_budget(held, read_bytes + guess).await;
+                    let read = within(timeout, loader(r)?.load(source, inline_left)).await;
+                    read_bytes += read.as_ref().map_or(0, |d| d.len());
+                    held = fit_budget(held, read_bytes).await;
+                    read.map(|d| (d, source.as_str()))
                 }
             };
             let (data, name) = match read {
@@ -400,7 +457,7 @@ impl Driver {
             }
             parts.push(Part::typed_as(data, name, r.mime.as_deref()).ok_or_else(|| untyped(r))?);
         }
-        Ok(Read { parts, pending, _large: large })
+        Ok(Read { parts, pending, _large: large, held })
     }
 
     /// Starts as if connecting had failed for the whole detection window already: the first
@@ -508,7 +565,7 @@ impl Driver {
     /// the cache when it comes back. The error is the record's, as for a call.
     pub async fn request_with_media(&self, record: &mut Record) -> Result<ModelRequest, ModelError> {
         let mut request = self.request_of(record);
-        let parts = self.parts_of(record).await?.uploaded(self.handler.as_ref()).await?;
+        let (parts, _held) = self.parts_of(record).await?.uploaded(self.handler.as_ref()).await?;
         record.media_digests = parts.iter().map(|p| p.digest).collect();
         request.media = parts;
         Ok(request)
@@ -685,13 +742,17 @@ impl Driver {
             return hit(record, response, on_event).await;
         }
         // Not answered before: large parts are uploaded now (and their bytes let go).
-        match read.uploaded(self.handler.as_ref()).await {
-            Ok(parts) => request.media = parts,
+        // The parts' share of the media budget, held until the record has its answer.
+        let _held = match read.uploaded(self.handler.as_ref()).await {
+            Ok((parts, held)) => {
+                request.media = parts;
+                held
+            }
             Err(e) => {
                 let failed = Failed { error: e, attempts: 0, cancelled: false };
                 return self.settle(record, Err(failed), None, start);
             }
-        }
+        };
         // One request at a time per deterministic key: the others then find its answer cached.
         let _single = match (&key, is_deterministic(&request.params)) {
             (Some(k), true) => {
@@ -859,6 +920,35 @@ mod tests {
     use crate::record::RecordId;
     use crate::throttle::ThrottleSettings;
     use std::collections::VecDeque;
+
+    /// The media budget: a record's share shrinks to what it read; one that needs more than is
+    /// free waits, holding nothing, until another lets its share go; a part over the whole
+    /// budget takes all of it rather than waiting forever.
+    #[tokio::test]
+    async fn the_media_budget_holds_what_records_read_and_makes_the_rest_wait() {
+        static BUDGET: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(10);
+        const WHOLE: usize = 10 * 1024;
+        let a = fit(&BUDGET, WHOLE, None, 4 * 1024).await;
+        assert_eq!(BUDGET.available_permits(), 6);
+        let a = fit(&BUDGET, WHOLE, a, 1500).await;
+        assert_eq!((a.as_ref().unwrap().num_permits(), BUDGET.available_permits()), (2, 8), "the guess shrunk");
+        let b = fit(&BUDGET, WHOLE, None, 8 * 1024).await;
+        assert_eq!(BUDGET.available_permits(), 0);
+        // b wants more than is free: it lets its 8 go (first in line for them) and waits for 9
+        // until a lets go.
+        let grow = tokio::spawn(fit(&BUDGET, WHOLE, b, 9 * 1024));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!grow.is_finished(), "waits while a holds its share");
+        drop(a);
+        let b = grow.await.unwrap();
+        assert_eq!(b.as_ref().unwrap().num_permits(), 9);
+        drop(b);
+        let huge = fit(&BUDGET, WHOLE, None, 50 * 1024).await;
+        assert_eq!(huge.as_ref().unwrap().num_permits(), 10, "the whole budget, not a wait forever");
+        drop(huge);
+        assert!(fit(&BUDGET, WHOLE, None, 0).await.is_none());
+        assert_eq!(BUDGET.available_permits(), 10);
+    }
 
     /// A handler that replays a script of results, one per call, and counts calls.
     struct Scripted {
