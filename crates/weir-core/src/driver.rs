@@ -722,8 +722,18 @@ impl Driver {
     {
         let start = Instant::now();
         let mut request = self.request_of(&record);
-        // Media is read now and let go with the request, once the record has its answer.
-        let read = match self.parts_of(&record).await {
+        // Media is read now and let go with the request, once the record has its answer. A
+        // read is no call paid for: a run that stops (Ctrl-C) gives it up at once, and the
+        // record is not finished, rather than waiting out a slow URL's fetches.
+        let read = tokio::select! {
+            read = self.parts_of(&record) => read,
+            _ = self.rules.cancel.cancelled(), if !record.media.is_empty() => {
+                let error = ModelError::new(ErrorKind::Aborted, "the run stopped while its media was read");
+                let failed = Failed { error, attempts: 0, cancelled: true };
+                return self.settle(record, Err(failed), None, start);
+            }
+        };
+        let read = match read {
             Ok(read) => read,
             Err(e) => {
                 let failed = Failed { error: e, attempts: 0, cancelled: false };

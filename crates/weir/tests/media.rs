@@ -567,3 +567,53 @@ async fn a_url_that_never_answers_is_given_up_after_the_runs_timeout() {
     assert_eq!(sim.stats().requests, 1, "no call for the record whose image could not be read");
     sim.shutdown().await;
 }
+
+/// Ctrl-C while records' media is being fetched from a URL that does not answer: the fetches
+/// are given up at once (no call was paid for them), with `--output -` (each record an
+/// `aborted` row) as with a file (each record left to a resume).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ctrl_c_gives_up_media_fetches_at_once() {
+    let dir = Dir::new("media-ctrl-c");
+    let mut served = HashMap::new();
+    let mut lines = String::new();
+    for i in 0..6 {
+        served.insert(format!("/s{i}.png"), b"STALL".to_vec());
+    }
+    let url = serve(served).await;
+    for i in 0..6 {
+        lines.push_str(&format!("{{\"id\":\"s{i}\",\"prompt\":\"describe\",\"image\":\"{url}/s{i}.png\"}}\n"));
+    }
+    let input = dir.write("in.jsonl", lines.as_bytes());
+    for out in ["-", "out.jsonl"] {
+        let target = if out == "-" { out.to_string() } else { dir.path(out).to_str().unwrap().to_string() };
+        let child = weir()
+            .args(["run", "--model", "sim/demo", "--progress", "never", "--id-field", "id", "--media-field", "image"])
+            .args(["--input", input.to_str().unwrap(), "--output", &target])
+            .current_dir(&dir.0)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+        let pid = child.id().unwrap().to_string();
+        let interrupted = std::time::Instant::now();
+        assert!(std::process::Command::new("kill").args(["-INT", &pid]).status().unwrap().success());
+        let o = tokio::time::timeout(std::time::Duration::from_secs(20), child.wait_with_output())
+            .await
+            .expect("weir ended soon after Ctrl-C")
+            .unwrap();
+        let err = stderr(&o);
+        assert!(
+            interrupted.elapsed() < std::time::Duration::from_secs(10),
+            "{out}: {:?}: {err}",
+            interrupted.elapsed()
+        );
+        if out == "-" {
+            let errors = rows(&dir.path("weir.errors.jsonl"));
+            assert_eq!(errors.len(), 6, "{err}");
+            assert!(errors.iter().all(|e| e["kind"] == "aborted"), "{errors:?}");
+        } else {
+            assert!(err.contains("6 records not finished"), "{err}");
+        }
+    }
+}
