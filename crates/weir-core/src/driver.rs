@@ -34,6 +34,13 @@ use crate::throttle::{RateSnapshot, Throttle, Weight};
 /// for a server that is still starting, short enough not to burn through the input.
 const DEAD_ENDPOINT_AFTER: Duration = Duration::from_secs(5);
 
+/// How long connecting may fail with no answer between, after the endpoint had answered, before
+/// the run stops (the server went away: a crashed vLLM, a closed tunnel), unless a record used
+/// up its retries on it first. Every record tried meanwhile would only use up its retries into
+/// a `transport` error row; stopped, the records not yet tried are left to a resume (or
+/// `aborted` rows).
+const GONE_ENDPOINT_AFTER: Duration = Duration::from_secs(60);
+
 /// Settings of the driver, validated by the caller.
 #[derive(Debug, Clone)]
 pub struct DriverSettings {
@@ -81,6 +88,10 @@ struct StopRules {
     max_retries: u32,
     answered: AtomicBool,
     first_unreachable: Mutex<Option<Instant>>,
+    /// Since when connecting has failed with no answer between, after answers (and whether it
+    /// has: checked before the lock on every answer).
+    unreachable_since: Mutex<Option<Instant>>,
+    unreachable: AtomicBool,
     metrics: Arc<RunMetrics>,
 }
 
@@ -105,11 +116,38 @@ impl Observer for StopRules {
     fn answered(&self) {
         self.answered.store(true, Relaxed);
         self.auth_in_a_row.store(0, Relaxed);
+        self.reached();
     }
 
     fn failed_attempt(&self, error: &ModelError, attempts: u32) {
         if error.status.is_some() {
             self.answered.store(true, Relaxed);
+            self.reached();
+        }
+        // An endpoint that answered and then went away: connecting has failed, with nothing
+        // answered between, for GONE_ENDPOINT_AFTER.
+        let mut streak = Duration::ZERO;
+        let gone = error.unreachable && self.answered.load(Relaxed) && {
+            let now = Instant::now();
+            self.unreachable.store(true, Relaxed);
+            let since = *self.unreachable_since.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(now);
+            // Or a record used up its retries on it, with nothing answered for a while (in a
+            // pool, other endpoints' answers end the streak): every other record would fare
+            // the same.
+            streak = now.duration_since(since);
+            streak >= GONE_ENDPOINT_AFTER || (attempts > self.max_retries && streak >= DEAD_ENDPOINT_AFTER)
+        };
+        if gone {
+            self.stop(StopReason {
+                kind: ErrorKind::Transport,
+                message: format!(
+                    "the endpoint stopped answering: connecting has failed for {} s with no answer since: {}; \
+                     run the same command again once the server is back",
+                    streak.as_secs(),
+                    error.message
+                ),
+            });
+            return;
         }
         // A dead endpoint: no call of the run has ever reached a server, and connecting has
         // failed for a while (a server still starting up gets that long) or a record is out of
@@ -159,6 +197,13 @@ impl Observer for StopRules {
 impl StopRules {
     fn answered_ok(&self) -> bool {
         self.metrics.succeeded.load(Relaxed) > 0
+    }
+
+    /// A call reached a server: a streak of failed connections, if any, is over.
+    fn reached(&self) {
+        if self.unreachable.swap(false, Relaxed) {
+            *self.unreachable_since.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        }
     }
 }
 
@@ -324,6 +369,8 @@ impl Driver {
             max_retries: settings.retry.max_retries,
             answered: AtomicBool::new(false),
             first_unreachable: Mutex::new(None),
+            unreachable_since: Mutex::new(None),
+            unreachable: AtomicBool::new(false),
             metrics: metrics.clone(),
         });
         let executor = Executor::pooled(pool, settings.retry.clone(), settings.timeout, metrics.clone())
@@ -1109,6 +1156,44 @@ mod tests {
         assert!(d.is_stopped(), "{} calls", h.calls.load(Relaxed));
         assert_eq!(h.calls.load(Relaxed), 5 + 3 * REVOKED_FACTOR, "refusals in a row until the stop");
         assert!(d.stop_reason().unwrap().message.contains("stopped working"));
+    }
+
+    /// An endpoint that answered and then went away (connection refused on every call) stops
+    /// the run once connecting has failed for GONE_ENDPOINT_AFTER with no answer between,
+    /// instead of using up every record's retries into an error row; a refusal now and then
+    /// between answers does not.
+    #[tokio::test(start_paused = true)]
+    async fn an_endpoint_that_goes_away_stops_the_run() {
+        let refused = || Err(ModelError { unreachable: true, ..ModelError::new(ErrorKind::Transport, "refused") });
+        // Answers with a refused connection now and then, for longer than the bound: no stop.
+        let mut script: Vec<Result<Duration, ModelError>> = Vec::new();
+        for _ in 0..30 {
+            script.extend([refused(), Ok(Duration::from_secs(5))]);
+        }
+        let (d, _) = driver(script, DriverSettings::default());
+        for i in 0..30 {
+            assert!(matches!(d.run(record(&i.to_string())).await, Outcome::Success(_)));
+        }
+        assert!(!d.is_stopped(), "answers between refusals");
+        // Answers, then only refusals.
+        let mut script: Vec<Result<Duration, ModelError>> = (0..3).map(|_| Ok(Duration::from_millis(1))).collect();
+        script.extend((0..10_000).map(|_| refused()));
+        let (d, h) = driver(script, DriverSettings::default());
+        let started = Instant::now();
+        let mut failed = 0;
+        for i in 0..1000 {
+            if let Outcome::Failure(f) = d.run(record(&i.to_string())).await {
+                failed += usize::from(f.error.kind == ErrorKind::Transport);
+            }
+            if d.is_stopped() {
+                break;
+            }
+        }
+        assert!(d.is_stopped(), "{} calls, {failed} transport rows", h.calls.load(Relaxed));
+        assert_eq!(failed, 1, "one record used up its retries, then the run stopped");
+        assert!(started.elapsed() < GONE_ENDPOINT_AFTER, "{:?}", started.elapsed());
+        assert!(d.stop_reason().unwrap().message.contains("stopped answering"));
+        assert!(matches!(d.run(record("later")).await, Outcome::Failure(f) if f.error.kind == ErrorKind::Aborted));
     }
 
     /// A handler that takes up to four requests per call, answers each with its prompt, and
