@@ -420,7 +420,8 @@ impl Watch {
         let per_s = self.series.recent("done", 60.0).map(|(a, b, dt)| (b - a) / dt.max(1e-9));
         let calls_per_s = self.series.recent("calls", 60.0).map(|(a, b, dt)| (b - a) / dt.max(1e-9));
         let limit_rps = self.series.last_point().and_then(|p| p[column("limit_rps")]);
-        let stalled = self.failing(endpoints).is_some()
+        let failing = self.failing(endpoints);
+        let stalled = failing.is_some()
             || stop.is_some()
             || self.series.recent("done", STALLED_AFTER).is_some_and(|(a, b, dt)| b == a && dt >= STALLED_AFTER - 1.0);
         let eta = total.and_then(|t| time_left(t.saturating_sub(done), per_s, calls_per_s, limit_rps, stalled));
@@ -433,7 +434,7 @@ impl Watch {
             (Some(s), _) => Some(format!("Stopped: {}", s.message)),
             // The front end's word (a run's driver stopped, not the runtime's).
             (None, Some(how)) => how.strip_prefix("stopped: ").map(|why| format!("Stopped: {why}")),
-            (None, None) => self.failing(endpoints),
+            (None, None) => failing,
         };
         let failures: Vec<Value> = m
             .failures_by_kind()
@@ -619,14 +620,8 @@ pub fn check_report_path(path: &std::path::Path, own: &[&std::path::Path]) -> Re
     for o in own {
         // Compared by directory and name: an own file not written yet (the errors file before
         // the first error) is the same path all the same.
-        let o_full = match (o.parent(), o.file_name()) {
-            (Some(p), Some(name)) => {
-                std::fs::canonicalize(if p.as_os_str().is_empty() { std::path::Path::new(".") } else { p })
-                    .ok()
-                    .map(|d| d.join(name))
-            }
-            _ => None,
-        };
+        let o_full =
+            o.file_name().and_then(|name| Some(std::fs::canonicalize(weir_io::paths::parent_dir(o)).ok()?.join(name)));
         let same = std::fs::canonicalize(o).map(|c| c == full).unwrap_or(false)
             || o_full.is_some_and(|c| c == full)
             || *o == path;
@@ -838,8 +833,6 @@ mod tests {
         assert!(t.windows(2).all(|w| w[1] > w[0]), "in order");
     }
 
-    /// A rate over the last minute spans a minute whatever the points' spacing: a cluster's
-    /// page samples every 2 s, and a long run's series thins to wider steps.
     /// Time left: none when stalled or nothing is done lately; the pace of a run that called
     /// faster than its limit is scaled down to the limit's.
     #[test]
@@ -855,6 +848,8 @@ mod tests {
         assert_eq!(time_left(100, Some(10.0), Some(10.0), Some(20.0), false), Some(10.0));
     }
 
+    /// A rate over the last minute spans a minute whatever the points' spacing: a cluster's
+    /// page samples every 2 s, and a long run's series thins to wider steps.
     #[test]
     fn recent_figures_span_a_time_not_a_count_of_points() {
         let s = Series::new();

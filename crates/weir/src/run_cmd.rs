@@ -340,12 +340,21 @@ impl RunArgs {
             weir_runtime::dash::check_listen(addr).map_err(UsageError)?;
         }
         if let Some(path) = &self.report {
-            let own: Vec<&std::path::Path> =
-                [Some(self.input()), Some(self.output.as_str()), self.errors.as_deref(), self.events.as_deref()]
-                    .into_iter()
-                    .flatten()
-                    .map(std::path::Path::new)
-                    .collect();
+            // The errors file is the run's own too, also by default (beside the output).
+            let errors = match &self.errors {
+                Some(e) => OutputPath::parse(e),
+                None => default_errors_path(&OutputPath::parse(&self.output)),
+            };
+            let errors = match &errors {
+                OutputPath::File(p) => Some(p.as_path()),
+                _ => None,
+            };
+            let own: Vec<&std::path::Path> = [Some(self.input()), Some(self.output.as_str()), self.events.as_deref()]
+                .into_iter()
+                .flatten()
+                .map(std::path::Path::new)
+                .chain(errors)
+                .collect();
             weir_runtime::dash::check_report_path(path, &own).map_err(UsageError)?;
         }
         if let Some(addr) = self.metrics_listen {
@@ -435,10 +444,6 @@ impl RunArgs {
         }
         let input = InputPath::parse(self.input());
         check_distinct_files(&input, &output, &errors, self.errors.is_some(), self.events_path(&output).as_ref())?;
-        if let (Some(report), OutputPath::File(errors)) = (&self.report, &errors) {
-            // The errors file by default (beside the output) is the run's own too.
-            weir_runtime::dash::check_report_path(report, &[errors.as_path()]).map_err(UsageError)?;
-        }
         let progress = self.progress();
         let state = if self.no_state {
             StateMode::Off
