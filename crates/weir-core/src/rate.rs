@@ -330,6 +330,15 @@ pub fn surely_busy(d: Duration) -> Duration {
     }
 }
 
+/// Whether a window of `shorter` may be the server's while `w` is in force. A window taken too
+/// long was measured across a reset, from a send of the window before, so it is less than twice
+/// the server's: anything shorter than half of it is no fixed window found but a sliding
+/// window's refusals, which advise a second or so at any time (with other traffic on the key
+/// before the run, one was taken as 1 s and refused down to a few sends a second).
+fn may_shorten_to(shorter: Duration, w: Duration) -> bool {
+    shorter * 2 >= w
+}
+
 /// How many ends of the server's window a budget keeps to find a fixed window's period.
 const ENDS_KEPT: usize = 6;
 
@@ -987,19 +996,13 @@ impl Budget {
                 && window < shorter_than
                 && before.get(window.as_secs() as usize - 1).is_none_or(|&sent| sent <= admitted * 1.02 + 1.0)
         };
-        // A window in force too long was measured across a reset, from a send of the window
-        // before: less than twice the server's. A shorter one is no fixed window that opened
-        // anew during the hold: a sliding window's refusals advise a second or so at any time
-        // (with other traffic on the key before the run, one was taken as 1 s and refused down
-        // to a few sends a second).
-        let plausible = |c: Duration| c * 2 >= w;
         let window = if fits(w) {
             w
         } else {
             let found = (longer_than.as_secs()..shorter_than.as_secs_f64().ceil() as u64)
                 .map(Duration::from_secs)
-                .find(|&c| fits(c) && plausible(c));
-            match found.or(Some(longer_than).filter(|&c| plausible(c))) {
+                .find(|&c| fits(c) && may_shorten_to(c, w));
+            match found.or(Some(longer_than).filter(|&c| may_shorten_to(c, w))) {
                 Some(window) => window,
                 None => return false,
             }
@@ -1026,8 +1029,8 @@ impl Budget {
         let below = (now + d + Duration::from_secs(1)).saturating_duration_since(reset);
         let above = end_lo.saturating_duration_since(reset);
         let shorter = Duration::from_secs((below.as_secs_f64().ceil() as u64).saturating_sub(1));
-        // Not below half of `w`, for the reason `Budget::measure_opened` gives.
-        (w >= below && shorter > above && shorter >= Duration::from_secs(1) && shorter * 2 >= w).then_some(shorter)
+        (w >= below && shorter > above && shorter >= Duration::from_secs(1) && may_shorten_to(shorter, w))
+            .then_some(shorter)
     }
 
     /// Takes the quota as `window` long, admitting `admitted` (what we sent in it before the
@@ -1138,9 +1141,7 @@ impl Budget {
         let shortest_gap = gaps.iter().map(|g| g.0 .1).fold(f64::INFINITY, f64::min);
         let mut fitting = (1..=shortest_gap.floor() as u64).map(Duration::from_secs).filter(|&p| fits(p) && tells(p));
         let period = if self.sole {
-            // Shorter than the window in force only as a window measured across a reset is too
-            // long: from a send of the window before, so less than twice the server's.
-            fitting.rfind(|&p| p * 2 >= w)?
+            fitting.rfind(|&p| may_shorten_to(p, w))?
         } else {
             // Beside others, a window too long is never shortened again (see
             // `Budget::settle_period`): the least lengthening the ends allow, or none.
@@ -1894,7 +1895,6 @@ mod tests {
                     b.window(),
                     b.effective_capacity()
                 );
-                // Sixty windows: all but the first two full, about one refusal a window.
                 // Sixty windows: all but the first two full, a refusal or two a window.
                 let strict = admitted >= 5800
                     && refusals <= 3 * 60 + in_flight as u64
