@@ -13,7 +13,8 @@
 //!   which is when the provider's window frees its slot; sends spend credits. A refused request
 //!   hands back nothing, so a quota that shrinks is followed within one window; a window with
 //!   no refusal while sends are waiting mints one probe credit, and an admitted probe mints two
-//!   more (doubling every round trip until a refusal), so a quota that grows, or that another
+//!   more while sends still wait (doubling every round trip until a refusal; credits that no send
+//!   waits for prove nothing and are not minted), so a quota that grows, or that another
 //!   process stopped using, is taken up within a window or two. Beside other processes that
 //!   decide alone (no shared throttle), a probe whose round is refused doubles the windows to
 //!   the next one, up to two: their probes take each other's slots.
@@ -680,8 +681,17 @@ impl Budget {
                 // after it opens, full or not (our sends are spread over it), and doubling
                 // would fill it with probes before the first refusal; one more each time.
                 let more = if self.period.is_some() { 1.0 } else { 2.0 } * self.probe;
-                self.credits += more;
-                self.unspent_probe = (self.unspent_probe.0 + more, Some(Probe::Capacity { epoch }));
+                // Only while sends wait for credits: with fewer calls out than the budget allows,
+                // every send would take probe credits, and each admitted one would mint two
+                // more, without bound. Not while the probe credits minted before are still
+                // unspent, nor while a quarter of the budget's own credits are.
+                let idle = self.credits - self.unspent_probe.0;
+                if self.unspent_probe.0 <= more * (self.probes.len() + 1) as f64
+                    && idle < (self.effective_capacity().unwrap_or(0.0) / 4.0).max(more)
+                {
+                    self.credits += more;
+                    self.unspent_probe = (self.unspent_probe.0 + more, Some(Probe::Capacity { epoch }));
+                }
             }
         }
         if let Some(i) = self.position(id) {
@@ -1706,6 +1716,25 @@ mod tests {
             t += step;
         }
         (admitted, refusals)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn probes_do_not_grow_a_budget_that_calls_out_leave_unspent() {
+        // A run with few calls out (`--max-concurrency 4`) learned a quota, then sent no faster
+        // than its calls came back: its probes were admitted, each minted two more credits that
+        // no send waited for, and the summary said "1,165 requests per 1.0 s" learned. Credits
+        // nothing waits for prove nothing: the budget grows only by what its sends take.
+        let t0 = Instant::now();
+        let mut server = Server::sliding(20, Duration::from_secs(5));
+        let mut b = Budget::unlimited();
+        drive_latent(&mut b, &mut server, t0, 30, ms(300), 64);
+        assert_eq!(b.window(), Some(Duration::from_secs(5)));
+        server.capacity = 10_000;
+        // Two calls out, 0.3 s each: at most 34 sends per 5 s window.
+        let (admitted, refusals) = drive_latent(&mut b, &mut server, t0 + Duration::from_secs(30), 120, ms(300), 2);
+        let capacity = b.effective_capacity().unwrap();
+        assert!(admitted >= 750 && refusals == 0, "{admitted} admitted, {refusals} refused");
+        assert!(capacity <= 2.0 * 34.0, "capacity {capacity} per {:?}", b.window());
     }
 
     #[tokio::test(start_paused = true)]
