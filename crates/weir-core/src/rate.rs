@@ -366,6 +366,11 @@ const MAX_PROBE_GAP: u32 = 2;
 /// (Before the period is known, refused probes help find it: every window.)
 const MAX_SOLE_PROBE_GAP: u32 = 4;
 
+/// The longest advised wait taken as a lower bound on the window (beside other processes that
+/// decide alone): a minute, the longest window of the rate quotas weir learns; longer advice is
+/// for another quota (a day's) or a penalty.
+const LONGEST_ADVISED_WINDOW: Duration = Duration::from_secs(60);
+
 /// The default window when a refusal does not say when to come back.
 pub const DEFAULT_WINDOW: Duration = Duration::from_secs(60);
 
@@ -818,7 +823,26 @@ impl Budget {
                 if let (Some(d), Some(w)) = (delay, self.window) {
                     if is_coarse(d) {
                         let weight = removed.as_ref().map_or(0.0, |e| e.weight);
-                        if new_end && self.settle_period(id, now, d, w) {
+                        if !self.sole && d > w && d <= (w * 2).max(LONGEST_ADVISED_WINDOW) {
+                            // The server's window is at least as long as it tells a refused send
+                            // to wait (a fixed window's time to its end, a sliding window's to its
+                            // oldest request's expiry; rounded up, the wait was more than `d` less
+                            // a second, and the window is whole seconds). Of what a refusal says,
+                            // it is the one bound other processes' sends cannot fake. Beside them,
+                            // a window taken short from the first refusal (a fixed window entered
+                            // late: 1 s for 5) was lengthened only once three ends agreed on the
+                            // period, and until then each round its credits funded early was
+                            // refused whole (in a paused-time model of four runs of 500 sends,
+                            // 7.6-10.2 % refused, now 3.3-5.0 %). Longer advice is not this
+                            // window's (a day's quota, a penalty).
+                            self.window = Some(d);
+                            self.changed_at = Some(now);
+                            self.short_until = Some(now + d);
+                            // The credits in hand came back early: they wait for the advised time.
+                            self.deferred.push((now + d, weight + self.credits.max(0.0)));
+                            self.credits = self.credits.min(0.0);
+                            tracing::debug!(window = ?self.window, "window lengthened to the advised wait");
+                        } else if new_end && self.settle_period(id, now, d, w) {
                             // The window changed to a fixed window's period; the refusal shrank
                             // its capacity (measured from what it admitted).
                         } else if self.lengthen_whole(id, now, d, w, probe, scouted) {
@@ -1735,6 +1759,98 @@ mod tests {
         let capacity = b.effective_capacity().unwrap();
         assert!(admitted >= 750 && refusals == 0, "{admitted} admitted, {refusals} refused");
         assert!(capacity <= 2.0 * 34.0, "capacity {capacity} per {:?}", b.window());
+    }
+
+    /// Runs `records` sends through each of `budgets` (processes deciding alone, answers in
+    /// 290-310 ms, slow start from 16 calls out to `in_flight`) against `server`: when each
+    /// finished, the refusals, and the refusals per 5 s.
+    fn drive_runs(
+        budgets: &mut [Budget],
+        server: &mut Server,
+        t0: Instant,
+        records: usize,
+        in_flight: usize,
+    ) -> (Vec<f64>, usize, Vec<usize>) {
+        type Out = (Instant, u64, Result<Instant, Duration>);
+        let n_b = budgets.len();
+        let mut out: Vec<Vec<Out>> = vec![Vec::new(); n_b];
+        let mut hold = vec![t0; n_b];
+        let mut done = vec![0usize; n_b];
+        let mut sent_ok = vec![0usize; n_b];
+        let mut ended = vec![0.0; n_b];
+        let mut limit = vec![16usize.min(in_flight); n_b];
+        let mut per_window = vec![0usize; 90];
+        let (mut id, mut refused) = (0u64, 0usize);
+        let mut t = t0;
+        while ended.contains(&0.0) && t < t0 + Duration::from_secs(400) {
+            let first = (t.duration_since(t0).as_millis() as usize) % n_b;
+            for k in 0..n_b {
+                let i = (first + k) % n_b;
+                let b = &mut budgets[i];
+                let out = &mut out[i];
+                out.sort_by_key(|o| std::cmp::Reverse(o.0));
+                while out.last().is_some_and(|o| o.0 <= t) {
+                    let (_, n, r) = out.pop().expect("not empty");
+                    match r {
+                        Ok(_) => {
+                            b.admitted(n, 1.0);
+                            done[i] += 1;
+                            limit[i] = (limit[i] + 1).min(in_flight);
+                        }
+                        Err(d) => {
+                            b.refused(n, t, Some(d));
+                            refused += 1;
+                            per_window[(t.duration_since(t0).as_secs() / 5) as usize] += 1;
+                            sent_ok[i] -= 1;
+                            hold[i] = hold[i].max(t + if b.mode() == Mode::Learned { surely_busy(d) } else { d });
+                        }
+                    }
+                }
+                if done[i] == records && ended[i] == 0.0 {
+                    ended[i] = t.duration_since(t0).as_secs_f64();
+                }
+                while sent_ok[i] < records && hold[i] <= t && out.len() < limit[i] && b.try_take(id, 1.0, t).is_ok() {
+                    sent_ok[i] += 1;
+                    match server.admit(t) {
+                        Ok(()) => out.push((t + ms(290 + (id * 7919) % 21), id, Ok(t))),
+                        Err(d) => out.push((t + ms(2), id, Err(d))),
+                    }
+                    id += 1;
+                }
+            }
+            t += ms(1);
+        }
+        while per_window.last() == Some(&0) {
+            per_window.pop();
+        }
+        (ended, refused, per_window)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn four_runs_deciding_alone_on_a_fixed_window_entered_late_refuse_few() {
+        // #32's row with no coordination: four runs of 500 records on one key that cannot reach
+        // each other, a fixed window of 100 per 5 s entered anywhere in it, answers in 0.3 s.
+        // Each takes the window short from its first refusal (1 s for 5, entered 4 s late);
+        // before, only three ends agreeing on the period lengthened it, and each round that
+        // early credits funded until then was refused whole: 7.6-10.2 % refused entered 1 to
+        // 4.5 s late. The advised wait bounds the window from below whoever else sends.
+        let mut seen = Vec::new();
+        let mut refused_all = Vec::new();
+        for late in [0u64, 500, 1000, 1500, 2000, 2500, 3000, 3500, 4000, 4500] {
+            let t0 = Instant::now();
+            let mut server = Server { fixed: Some(t0 - ms(late)), ..Server::sliding(100, Duration::from_secs(5)) };
+            let mut b = [Budget::unlimited(), Budget::unlimited(), Budget::unlimited(), Budget::unlimited()];
+            let (ended, refused, per_window) = drive_runs(&mut b, &mut server, t0, 500, 64);
+            let last = ended.iter().copied().fold(0.0, f64::max);
+            refused_all.push(refused);
+            // The ideal is 95.3 s (every window full from the start); the unluckiest run sets
+            // the end (the share is not fair: a run that took more at the start ends first).
+            if refused > 120 || last > 115.0 {
+                seen.push(format!("late {late} ms: {refused} refused {per_window:?}, ended {ended:.1?}"));
+            }
+        }
+        refused_all.sort_unstable();
+        assert!(seen.is_empty() && refused_all[5] <= 100, "{refused_all:?} {seen:#?}");
     }
 
     #[tokio::test(start_paused = true)]
