@@ -835,12 +835,9 @@ impl Budget {
                             // refused whole (in a paused-time model of four runs of 500 sends,
                             // 7.6-10.2 % refused, now 3.3-5.0 %). Longer advice is not this
                             // window's (a day's quota, a penalty).
-                            self.window = Some(d);
-                            self.changed_at = Some(now);
-                            self.short_until = Some(now + d);
-                            // The credits in hand came back early: they wait for the advised time.
-                            self.deferred.push((now + d, weight + self.credits.max(0.0)));
-                            self.credits = self.credits.min(0.0);
+                            self.change_window(d, now, d);
+                            // The refused send's slot is back when the server said, too.
+                            self.deferred.push((now + d, weight));
                             tracing::debug!(window = ?self.window, "window lengthened to the advised wait");
                         } else if new_end && self.settle_period(id, now, d, w) {
                             // The window changed to a fixed window's period; the refusal shrank
@@ -995,16 +992,12 @@ impl Budget {
         if longer <= w {
             return false;
         }
-        self.window = Some(longer);
-        self.changed_at = Some(now);
-        self.short_until = Some(now + d);
+        self.change_window(longer, now, d);
         // Not trusted until a scout finds the lengthened window open: the next send, funded
         // by a credit back on the new schedule or held back until the advised time, goes alone.
         if self.sole && !matches!(self.scout, Scout::Out(..)) {
             self.distrust(now);
         }
-        self.deferred.push((now + d, self.credits.max(0.0)));
-        self.credits = self.credits.min(0.0);
         tracing::debug!(window = ?self.window, advised = ?d, "whole-second window lengthened");
         true
     }
@@ -1075,12 +1068,19 @@ impl Budget {
         if let Some(capacity) = self.effective_capacity() {
             self.credits -= (capacity - admitted - after).max(0.0);
         }
+        self.change_window(window, now, d);
+        tracing::debug!(window = ?self.window, capacity = ?self.effective_capacity(), "fixed window measured");
+    }
+
+    /// Takes the window as `window`, on a refusal at `now` that advised `d`: the credits in hand
+    /// came back on the old schedule, too early, and wait for the advised time; until then,
+    /// refusals of the same burst are the window's, not the capacity's.
+    fn change_window(&mut self, window: Duration, now: Instant, d: Duration) {
         self.window = Some(window);
         self.changed_at = Some(now);
         self.short_until = Some(now + d);
         self.deferred.push((now + d, self.credits.max(0.0)));
         self.credits = self.credits.min(0.0);
-        tracing::debug!(window = ?self.window, capacity = ?self.effective_capacity(), "fixed window measured");
     }
 
     /// A refusal of send `id`, told `d` in whole seconds with the window taken as `w`, started a
