@@ -147,6 +147,9 @@ pub struct Budget {
     credits: f64,
     overdue: HashMap<u64, f64>,
     last_refusal: Option<Instant>,
+    /// While unlimited: a refusal came with no send of ours admitted or out, so other traffic
+    /// filled the window; the advised time passing says nothing of our own sends then.
+    others_filled: bool,
     last_probe: Option<Instant>,
     /// Windows between capacity probes: one, or, while probes keep meeting refusals, up to
     /// [`MAX_SOLE_PROBE_GAP`] (up to [`MAX_PROBE_GAP`] beside other processes deciding alone;
@@ -418,6 +421,7 @@ impl Budget {
             opened: None,
             ends: VecDeque::new(),
             period: None,
+            others_filled: false,
         }
     }
 
@@ -757,14 +761,37 @@ impl Budget {
             Mode::Unlimited => {
                 // The window is full. It frees its oldest slot when the server said to come back;
                 // our oldest admitted send is that slot.
-                // Sends still in flight count too: a refusal is fast and can overtake the answers
-                // of the sends that filled the window.
-                let oldest = self.log.iter().find(|e| e.state == State::Ok).or_else(|| self.log.front()).map(|e| e.at);
+                let ours_admitted = self.log.iter().any(|e| e.state == State::Ok);
+                let oldest = match self.reset_at.filter(|_| !self.others_filled) {
+                    // A wave of ours filled the window and more (a first wave bigger than the
+                    // quota): its refusals came back before any of its answers, taught nothing,
+                    // and the server's advised time has passed since. Sends made before that
+                    // time were in a window that has reset or slid on: measured from them, a
+                    // sliding window of 5 s read as 10. Measure from the sends made since.
+                    Some(reset) => self
+                        .log
+                        .iter()
+                        .filter(|e| e.at >= reset)
+                        .find(|e| e.state == State::Ok)
+                        .or_else(|| self.log.iter().find(|e| e.at >= reset))
+                        .or_else(|| self.log.iter().find(|e| e.state == State::Ok)),
+                    None => self.log.iter().find(|e| e.state == State::Ok),
+                }
+                .filter(|_| ours_admitted)
+                .map(|e| e.at);
+                if oldest.is_none() && self.log.is_empty() {
+                    // Every send of ours refused, none admitted or out: someone else filled
+                    // the window (another process on the key, a run just before this one).
+                    self.others_filled = true;
+                }
                 if oldest.is_none() {
-                    // Refused with no other send of ours admitted or out: someone else filled the
-                    // window (another process on the same key), and nothing about its size can
-                    // be told from that. The server's advised pause holds the calls; learn from
-                    // a refusal that follows sends of our own.
+                    // Refused before any send of ours was admitted: the refusal is fast and
+                    // overtakes the answers, so whose requests fill the window cannot be told.
+                    // Another run's (one that ended just before this one, on a sliding window)
+                    // would be taken for ours: measured from our sends still in flight, a run
+                    // learned "84 per 4 s" for 100 per 5 s and had a third of its sends refused.
+                    // The server's advised pause holds the calls; learn from a refusal that
+                    // comes once the window holds sends of ours.
                     self.last_refusal = Some(now);
                     return;
                 }
@@ -1851,6 +1878,48 @@ mod tests {
         }
         refused_all.sort_unstable();
         assert!(seen.is_empty() && refused_all[5] <= 100, "{refused_all:?} {seen:#?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_run_started_while_another_runs_requests_fill_a_sliding_window_waits_for_its_own() {
+        // A run deciding alone (`--quota-store off`) started 0-3 s after another ended, on 100
+        // per sliding 5 s with whole-second advice: the window still holds the other run's last
+        // round. Its first refusals come back before any answer of its own. Learning from them
+        // took the window from its own sends still in flight: 4 s with a capacity of 81, and
+        // 200-204 of its 300 sends refused, ending at 32-34 s (on weir sim, "84 per 4 s" and a
+        // third refused). Learning once the window holds sends of ours, 96-102 are refused and
+        // it ends by 26 s. Not yet well: the other run's slots free while ours are admitted, so
+        // the window is still taken as 3-4 s, not 5 (the ideal end is about 15 s).
+        let mut seen = Vec::new();
+        for gap in [0u64, 500, 1000, 1500, 2000, 2500, 3000] {
+            let t0 = Instant::now();
+            let mut server = Server::sliding(100, Duration::from_secs(5));
+            // The other run's last round: 100 sends in 1.5 s as its credits came back (a run
+            // sends each window's round as its first did), answered 0.3 s after the last.
+            server.log = (0..100).map(|i| t0 - ms(gap) - ms(1800) + ms(15 * i)).collect();
+            let mut b = [Budget::unlimited()];
+            let (ended, refused, per_window) = drive_runs(&mut b, &mut server, t0, 300, 64);
+            if refused > 130 || ended[0] > 28.0 {
+                seen.push(format!("gap {gap} ms: {refused} refused {per_window:?}, ended {:.1} s", ended[0]));
+            }
+        }
+        assert!(seen.is_empty(), "{seen:#?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_first_wave_bigger_than_the_quota_is_measured_from_the_sends_after_it() {
+        // 64 calls out at once into 20 per sliding 5 s: 44 refused before any answer, which
+        // teaches nothing (whose requests fill the window cannot be told yet). Learned at the
+        // next refusal from our oldest admitted send, the window read 10 s (that send's slot
+        // had freed when the advised time came); measured from the sends made since, 5 s.
+        for fixed in [false, true] {
+            let t0 = Instant::now();
+            let mut server = Server { fixed: fixed.then_some(t0), ..Server::sliding(20, Duration::from_secs(5)) };
+            let mut b = Budget::unlimited();
+            drive_latent(&mut b, &mut server, t0, 30, ms(300), 64);
+            assert_eq!(b.window(), Some(Duration::from_secs(5)), "fixed: {fixed}");
+            assert!(b.effective_capacity().is_some_and(|c| c <= 24.0), "{:?}", b.effective_capacity());
+        }
     }
 
     #[tokio::test(start_paused = true)]
