@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One run that decides alone (--quota-store off) started GAP seconds after another on the same
+# key (issue #32): `weir sim` with 100 requests per 5-s window (WIN=sliding or fixed),
+# whole-second advice, 0.3 s latency; a run of 300 records, then the measured run of 200.
+# MODE=fresh leaves the first run out; MODE=overfill instead sends a first wave bigger than the
+# quota (20 per 5 s, --max-concurrency 64 --concurrency fixed). Prints the measured run's wall
+# time, the simulator's requests and 429s for it, and the limit it learned.
+#   WEIR_BIN=/path/to/weir [GAP=1.5] [MODE=after|fresh|overfill] [WIN=sliding|fixed] bench/after-another-one.sh
+set -u
+BIN=${WEIR_BIN:-$(dirname "$0")/../target/release/weir}
+GAP=${GAP:-1.5}; MODE=${MODE:-after}; WIN=${WIN:-sliding}
+W=$(mktemp -d)
+PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+python3 - "$W" <<'PY'
+import json, sys
+for n, c in [("a", 300), ("b", 200)]:
+    with open(f"{sys.argv[1]}/{n}.jsonl", "w") as f:
+        for i in range(c):
+            f.write(json.dumps({"id": f"{n}{i}", "prompt": f"{n} {i:06d} river stone"}) + "\n")
+PY
+RPM=100
+[ "$MODE" = overfill ] && RPM=20
+"$BIN" sim --listen "127.0.0.1:$PORT" --rpm $RPM --window-secs 5 --round-advice --latency-ms 300 --window "$WIN" > "$W/sim.log" 2>&1 &
+SIM=$!
+trap 'kill $SIM 2>/dev/null; rm -rf "$W"' EXIT
+sleep 0.7
+run() { "$BIN" run --model gemini/gemini-2.5-flash --base-url "http://127.0.0.1:$PORT" --input "$W/$1.jsonl" \
+  --output "$W/$1.out" --id-field id --no-state --progress never --quota-store off --max-retries 50 "${@:2}" 2> "$W/$1.err"; }
+if [ "$MODE" = after ]; then run a; sleep "$GAP"; fi
+curl -s -X POST "http://127.0.0.1:$PORT/stats/reset" > /dev/null
+s=$(date +%s.%N)
+if [ "$MODE" = overfill ]; then run b --max-concurrency 64 --concurrency fixed; else run b; fi
+e=$(date +%s.%N)
+st=$(curl -s "http://127.0.0.1:$PORT/stats" | python3 -c "import json,sys; s=json.load(sys.stdin); print(f\"{s['requests']} requests, {s['rate_limited']} rate-limited\")")
+echo "$MODE, gap $GAP s, $WIN window: $(python3 -c "print(round($e-$s,1))") s; $st; learned $(grep -o '[0-9,]* requests per [0-9.]* s' "$W/b.err")"
