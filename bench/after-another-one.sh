@@ -4,7 +4,8 @@
 # whole-second advice, 0.3 s latency; a run of 300 records, then the measured run of 200.
 # MODE=fresh leaves the first run out; MODE=overfill instead sends a first wave bigger than the
 # quota (20 per 5 s, --max-concurrency 64 --concurrency fixed). Prints the measured run's wall
-# time, the simulator's requests and 429s for it, and the limit it learned.
+# time, the simulator's requests and 429s for it, and the limit it learned. ROUND=0: the server
+# advises exact waits instead of whole seconds.
 #   WEIR_BIN=/path/to/weir [GAP=1.5] [MODE=after|fresh|overfill] [WIN=sliding|fixed] bench/after-another-one.sh
 set -u
 BIN=${WEIR_BIN:-$(dirname "$0")/../target/release/weir}
@@ -20,7 +21,7 @@ for n, c in [("a", 300), ("b", 200)]:
 PY
 RPM=100
 [ "$MODE" = overfill ] && RPM=20
-"$BIN" sim --listen "127.0.0.1:$PORT" --rpm $RPM --window-secs 5 --round-advice --latency-ms 300 --window "$WIN" > "$W/sim.log" 2>&1 &
+"$BIN" sim --listen "127.0.0.1:$PORT" --rpm $RPM --window-secs 5 $([ "${ROUND:-1}" = 1 ] && echo --round-advice) --latency-ms 300 --window "$WIN" > "$W/sim.log" 2>&1 &
 SIM=$!
 trap 'kill $SIM 2>/dev/null; rm -rf "$W"' EXIT
 sleep 0.7
