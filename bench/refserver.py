@@ -13,7 +13,7 @@ up to whole seconds. No `Retry-After` header, as the Gemini API sends none.
 successes and refusals per second since the last `POST /stats/reset`.
 
 Usage: refserver.py --listen 127.0.0.1:PORT --rpm 100 --window-secs 5 --latency-ms 300
-                    [--jitter-ms 20]
+                    [--jitter-ms 20] [--no-advice]
 Prints one line once it listens.
 """
 import argparse, asyncio, json, math, random, time
@@ -56,16 +56,16 @@ class Stats:
                 "successes_per_second": self.ok_per_s, "rate_limited_per_second": self.refused_per_s}
 
 
-def refusal(model, wait):
+def refusal(model, wait, advise=True):
     delay = max(1, math.ceil(wait))
+    retry = [{"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": f"{delay}s"}] if advise else []
     return 429, {"error": {"code": 429, "status": "RESOURCE_EXHAUSTED",
                            "message": "You exceeded your current quota, please check your plan and billing details.",
                            "details": [
                                {"@type": "type.googleapis.com/google.rpc.QuotaFailure", "violations": [{
                                    "quotaMetric": "generativelanguage.googleapis.com/generate_content_requests",
                                    "quotaId": "GenerateRequestsPerMinutePerProjectPerModel",
-                                   "quotaDimensions": {"location": "global", "model": model}}]},
-                               {"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": f"{delay}s"}]}}
+                                   "quotaDimensions": {"location": "global", "model": model}}]}] + retry}}
 
 
 def answer(body):
@@ -88,6 +88,7 @@ async def main():
     ap.add_argument("--window-secs", type=float, default=60.0)
     ap.add_argument("--latency-ms", type=float, default=300.0)
     ap.add_argument("--jitter-ms", type=float, default=0.0)
+    ap.add_argument("--no-advice", action="store_true", help="refuse with no RetryInfo (the Gemini API sometimes does)")
     a = ap.parse_args()
     quota, stats = Quota(a.rpm, a.window_secs), Stats()
 
@@ -117,7 +118,7 @@ async def main():
                     else:
                         stats.rate_limited += 1
                         stats.count(stats.refused_per_s, now)
-                        status, out = refusal(model, wait)
+                        status, out = refusal(model, wait, not a.no_advice)
                 else:
                     status, out = 404, {"error": {"code": 404, "status": "NOT_FOUND", "message": path}}
                 data = json.dumps(out).encode()
