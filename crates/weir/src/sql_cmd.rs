@@ -547,7 +547,9 @@ async fn run_statement(
             RUNNING.lock().unwrap_or_else(|e| e.into_inner()).as_ref().and_then(weir_datafusion_job).is_some();
         if let (Err(e), Some(url), true) = (&ran, cluster, started) {
             let text = e.to_string();
-            if ["tcp connect error", "Connection refused", "transport error", "connection reset"]
+            // Killed mid-stream, the scheduler's connection can also end as a cancelled call
+            // whose source is the closed connection (seen in CI).
+            if ["tcp connect error", "Connection refused", "transport error", "connection reset", "connection closed"]
                 .iter()
                 .any(|t| text.contains(t))
             {
