@@ -5,8 +5,9 @@
 # MODE=fresh leaves the first run out; MODE=overfill instead sends a first wave bigger than the
 # quota (20 per 5 s, --max-concurrency 64 --concurrency fixed). Prints the measured run's wall
 # time, the simulator's requests and 429s for it, and the limit it learned. ROUND=0: the server
-# advises exact waits instead of whole seconds.
-#   WEIR_BIN=/path/to/weir [GAP=1.5] [MODE=after|fresh|overfill] [WIN=sliding|fixed] bench/after-another-one.sh
+# advises exact waits instead of whole seconds. SERVER=ref-noadvice: bench/refserver.py
+# --no-advice instead (a fixed window whose 429s advise no wait, as the Gemini API's sometimes do).
+#   WEIR_BIN=/path/to/weir [GAP=1.5] [MODE=after|fresh|overfill] [WIN=sliding|fixed] [SERVER=sim|ref-noadvice] bench/after-another-one.sh
 set -u
 BIN=${WEIR_BIN:-$(dirname "$0")/../target/release/weir}
 GAP=${GAP:-1.5}; MODE=${MODE:-after}; WIN=${WIN:-sliding}
@@ -21,10 +22,15 @@ for n, c in [("a", 300), ("b", 200)]:
 PY
 RPM=100
 [ "$MODE" = overfill ] && RPM=20
-"$BIN" sim --listen "127.0.0.1:$PORT" --rpm $RPM --window-secs 5 $([ "${ROUND:-1}" = 1 ] && echo --round-advice) --latency-ms 300 --window "$WIN" > "$W/sim.log" 2>&1 &
+if [ "${SERVER:-sim}" = ref-noadvice ]; then
+  WIN=fixed
+  python3 "$(dirname "$0")/refserver.py" --listen "127.0.0.1:$PORT" --rpm $RPM --window-secs 5 --latency-ms 300 --no-advice > "$W/sim.log" 2>&1 &
+else
+  "$BIN" sim --listen "127.0.0.1:$PORT" --rpm $RPM --window-secs 5 $([ "${ROUND:-1}" = 1 ] && echo --round-advice) --latency-ms 300 --window "$WIN" > "$W/sim.log" 2>&1 &
+fi
 SIM=$!
 trap 'kill $SIM 2>/dev/null; rm -rf "$W"' EXIT
-sleep 0.7
+sleep 1
 run() { "$BIN" run --model gemini/gemini-2.5-flash --base-url "http://127.0.0.1:$PORT" --input "$W/$1.jsonl" \
   --output "$W/$1.out" --id-field id --no-state --progress never --quota-store off --max-retries 50 "${@:2}" 2> "$W/$1.err"; }
 if [ "$MODE" = after ]; then run a; sleep "$GAP"; fi
