@@ -21,7 +21,7 @@ use crate::cache::{cache_key, is_deterministic, CacheKey, ResponseCache};
 use crate::error::{ErrorKind, ModelError, RetryHint};
 use crate::executor::{Checked, Done, Executor, Failed, Observer, StreamEvent};
 use crate::handler::{ModelHandler, ModelRequest};
-use crate::media::{MediaLoader, MediaRef, MediaSource, Part, MAX_INLINE_BYTES};
+use crate::media::{MediaLoader, MediaRef, MediaSource, Part, Spill, MAX_INLINE_BYTES};
 use crate::metrics::RunMetrics;
 use crate::outcome::{Failure, ModelResponse, Outcome, Success};
 use crate::params::GenParams;
@@ -443,7 +443,7 @@ impl Driver {
         for r in &record.media {
             let inline_left = MAX_INLINE_BYTES - total;
             let read = match &r.source {
-                MediaSource::Bytes(b) if b.len() <= inline_left => Ok((b.clone(), "")),
+                MediaSource::Bytes(b) if b.len() <= inline_left => Ok((b.clone(), "", false)),
                 MediaSource::Bytes(b) => Err(crate::media::MediaError::too_large(b.len() as u64, inline_left)),
                 MediaSource::Named(source) if self.handlers.iter().all(|h| h.reads_by_reference(source)) => {
                     // Read by the endpoint itself: only its type and version are asked here.
@@ -466,38 +466,49 @@ impl Driver {
                         .flatten();
                     let guess = size.unwrap_or(UNKNOWN_SIZE_GUESS).min(inline_left);
                     held = fit_budget(held, read_bytes + guess).await;
-                    let read = within(timeout, loader(r)?.load(source, inline_left)).await;
-                    read_bytes += read.as_ref().map_or(0, |d| d.len());
+                    // Where the part could go by upload, a source found too large only as it
+                    // is read goes on being read in the turn for large parts, if it is free.
+                    let spill = upload_max.map(|max| Spill { max, turn: large.is_none().then_some(&LARGE) });
+                    let read = within(timeout, loader(r)?.load_or_spill(source, inline_left, spill.as_ref())).await;
+                    // A spilled part is in the turn for large parts, not in the budget.
+                    read_bytes += read.as_ref().map_or(0, |l| if l.spilled { 0 } else { l.bytes.len() });
                     held = fit_budget(held, read_bytes).await;
-                    read.map(|d| (d, source.as_str()))
+                    read.map(|l| {
+                        if l.turn.is_some() {
+                            large = l.turn;
+                        }
+                        (l.bytes, source.as_str(), l.spilled)
+                    })
                 }
             };
-            let (data, name) = match read {
+            let (data, name, upload) = match read {
                 Ok(got) => got,
-                // Too large to go inline, to an endpoint that takes uploads.
+                // Too large to go inline, to an endpoint that takes uploads: read in its turn.
                 Err(e) if e.over && upload_max.is_some() => {
                     let max = upload_max.unwrap_or(0);
                     if large.is_none() {
                         large = Some(LARGE.lock().await);
                     }
-                    let (data, name) = match &r.source {
-                        MediaSource::Bytes(b) if b.len() <= max => (b.clone(), ""),
+                    match &r.source {
+                        MediaSource::Bytes(b) if b.len() <= max => (b.clone(), "", true),
                         MediaSource::Bytes(b) => return Err(bad(r, crate::media::too_large(b.len() as u64, max))),
                         MediaSource::Named(source) => {
                             let data = loader(r)?
                                 .load(source, max)
                                 .await
                                 .map_err(|e| media_error(bad(r, e.message.clone()), &e))?;
-                            (data, source.as_str())
+                            (data, source.as_str(), true)
                         }
-                    };
-                    let part = Part::typed_as(data, name, r.mime.as_deref()).ok_or_else(|| untyped(r))?;
-                    pending.push((parts.len(), bad(r, "could not be uploaded".into())));
-                    parts.push(part);
-                    continue;
+                    }
                 }
                 Err(e) => return Err(media_error(bad(r, e.message.clone()), &e)),
             };
+            if upload {
+                let part = Part::typed_as(data, name, r.mime.as_deref()).ok_or_else(|| untyped(r))?;
+                pending.push((parts.len(), bad(r, "could not be uploaded".into())));
+                parts.push(part);
+                continue;
+            }
             total += data.len();
             if data.is_empty() {
                 return Err(bad(r, "it is empty".into()));

@@ -288,12 +288,45 @@ impl From<&str> for MediaError {
     }
 }
 
+/// The turn for large parts: one record's parts too large to go inline are read and uploaded
+/// at a time in the process, so memory holds at most those beside the inline parts in flight.
+pub type Turn = tokio::sync::MutexGuard<'static, ()>;
+
+/// Where a part too large to go inline may go instead (an upload), for
+/// [`MediaLoader::load_or_spill`].
+pub struct Spill {
+    /// The most bytes an upload takes.
+    pub max: usize,
+    /// The turn to take before reading past the inline limit; `None` when the caller holds it.
+    pub turn: Option<&'static tokio::sync::Mutex<()>>,
+}
+
+/// What [`MediaLoader::load_or_spill`] read.
+pub struct Loaded {
+    /// The bytes.
+    pub bytes: Bytes,
+    /// More than the inline limit: the part goes by upload.
+    pub spilled: bool,
+    /// The turn for large parts, when it was taken to read past the inline limit.
+    pub turn: Option<Turn>,
+}
+
 /// Reads what media fields name. The front end gives the driver one (files, URLs, buckets);
 /// the driver calls it when a record is about to be sent.
 #[async_trait::async_trait]
 pub trait MediaLoader: Send + Sync {
     /// The bytes `source` names, at most `max` of them, or why not.
     async fn load(&self, source: &str, max: usize) -> Result<Bytes, MediaError>;
+
+    /// Like [`load`](Self::load), for a caller that can upload what is too large to go inline.
+    /// A source whose size shows only as it is read (a URL answered with no Content-Length)
+    /// and that passes `max` is read on, up to `spill.max`, when the turn for large parts is
+    /// free at that moment: otherwise the bytes read so far would be dropped and read again
+    /// from the start in that turn. The default reads as `load` does, for sources whose size
+    /// is known before their bytes are read (files, bucket objects).
+    async fn load_or_spill(&self, source: &str, max: usize, _spill: Option<&Spill>) -> Result<Loaded, MediaError> {
+        Ok(Loaded { bytes: self.load(source, max).await?, spilled: false, turn: None })
+    }
 
     /// The first bytes, version and size of `source`, for an endpoint that reads it by
     /// reference ([`crate::ModelHandler::reads_by_reference`]); only bucket objects have them.

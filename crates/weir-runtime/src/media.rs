@@ -6,7 +6,7 @@ use bytes::Bytes;
 use futures::StreamExt;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
-use weir_core::media::{MediaError, MediaLoader};
+use weir_core::media::{Loaded, MediaError, MediaLoader, Spill, Turn};
 use weir_core::ErrorKind;
 use weir_providers::http::is_loopback;
 
@@ -49,6 +49,51 @@ impl Loader {
     }
 }
 
+/// Why a file of the system is not read.
+const SYSTEM_FILE: &str = "a file of the system (/proc, /sys, /dev), not media";
+
+/// Whether `f` is on a file system the kernel makes up (procfs, sysfs and their kind), whose
+/// files are the system's state, not media: one `fstatfs` of the open file, where resolving
+/// its path took a call per directory (seen in a profile at 20 KB a file).
+fn of_the_system(f: &std::fs::File) -> bool {
+    use std::os::fd::AsRawFd;
+    const KERNEL_MADE: [i64; 10] = [
+        0x9fa0,      // proc
+        0x6265_6572, // sysfs
+        0x6462_6720, // debugfs
+        0x7472_6163, // tracefs
+        0x7363_6673, // securityfs
+        0x6367_7270, // cgroup2
+        0x0027_e0eb, // cgroup
+        0xcafe_4a11, // bpf
+        0x6265_6570, // configfs
+        0xde5e_81e4, // efivarfs
+    ];
+    let mut st = std::mem::MaybeUninit::<libc::statfs>::uninit();
+    // SAFETY: `f` is an open file for the duration of the call, and `st` is written in full
+    // by a call that returns 0.
+    if unsafe { libc::fstatfs(f.as_raw_fd(), st.as_mut_ptr()) } != 0 {
+        return false;
+    }
+    // SAFETY: the call above returned 0.
+    // `f_type`'s type differs between platforms (i64 here, u32 on some).
+    #[allow(clippy::unnecessary_cast)]
+    let kind = unsafe { st.assume_init() }.f_type as i64;
+    KERNEL_MADE.contains(&kind)
+}
+
+/// `source` as a URL weir fetches, when it is an `http(s)://` one.
+fn url_of(source: &str) -> Result<Option<reqwest::Url>, MediaError> {
+    if !(source.starts_with("https://") || source.starts_with("http://")) {
+        return Ok(None);
+    }
+    let url = reqwest::Url::parse(source).map_err(|_| "not a URL")?;
+    if url.scheme() == "http" && !is_loopback(&url) {
+        return Err("plain http:// is read only from loopback: give an https:// URL".into());
+    }
+    Ok(Some(url))
+}
+
 /// Tries of a URL whose fetch failed in a way that may pass (a timeout, a cut connection, a
 /// 5xx or 429), the waits between them doubling from [`FETCH_WAIT`].
 const FETCH_TRIES: u32 = 3;
@@ -57,22 +102,35 @@ const FETCH_WAIT: Duration = Duration::from_millis(500);
 
 impl Loader {
     /// `url`'s bytes, tried again after a failure that may pass; the last failure otherwise.
-    async fn fetch(&self, url: reqwest::Url, max: usize) -> Result<Bytes, MediaError> {
+    /// Past `max`, read on up to `spill`'s limit in the turn for large parts, if it is free;
+    /// once taken, the turn is kept for the later tries.
+    async fn fetch(&self, url: reqwest::Url, max: usize, spill: Option<&Spill>) -> Result<Loaded, MediaError> {
         let mut wait = FETCH_WAIT;
         let mut tries = 1;
+        let mut turn = None;
         loop {
-            match self.fetch_once(url.clone(), max).await {
+            match self.fetch_once(url.clone(), max, spill, &mut turn).await {
                 Err(e) if e.is_transient() && tries < FETCH_TRIES => {
                     tokio::time::sleep(wait).await;
                     wait *= 2;
                     tries += 1;
                 }
-                done => return done,
+                Err(e) => return Err(e),
+                Ok(bytes) => {
+                    let spilled = bytes.len() > max;
+                    return Ok(Loaded { bytes, spilled, turn: turn.filter(|_| spilled) });
+                }
             }
         }
     }
 
-    async fn fetch_once(&self, url: reqwest::Url, max: usize) -> Result<Bytes, MediaError> {
+    async fn fetch_once(
+        &self,
+        url: reqwest::Url,
+        max: usize,
+        spill: Option<&Spill>,
+        turn: &mut Option<Turn>,
+    ) -> Result<Bytes, MediaError> {
         let client = self.client.as_ref().ok_or("no HTTP client could be made")?;
         let resp = client.get(url).send().await.map_err(|e| {
             let fetched = |why: &str| format!("could not be fetched: {why}");
@@ -94,8 +152,12 @@ impl Loader {
                 MediaError::permanent(msg)
             });
         }
-        if let Some(len) = resp.content_length().filter(|l| *l > max as u64) {
-            return Err(MediaError::too_large(len, max));
+        let mut limit = match (&*turn, spill) {
+            (Some(_), Some(s)) => s.max,
+            _ => max,
+        };
+        if let Some(len) = resp.content_length().filter(|l| *l > limit as u64) {
+            past(len, &mut limit, max, spill, turn)?;
         }
         let mut body = resp.bytes_stream();
         let mut data = Vec::new();
@@ -103,12 +165,37 @@ impl Loader {
             let chunk = chunk.map_err(|e| {
                 MediaError::transient(ErrorKind::Transport, format!("cut while fetched: {}", e.without_url()))
             })?;
-            if data.len() + chunk.len() > max {
-                return Err(MediaError::too_large((data.len() + chunk.len()) as u64, max));
+            if data.len() + chunk.len() > limit {
+                past((data.len() + chunk.len()) as u64, &mut limit, max, spill, turn)?;
             }
             data.extend_from_slice(&chunk);
         }
         Ok(Bytes::from(data))
+    }
+}
+
+/// `len` bytes of a source do not fit in `limit`: it becomes `spill`'s limit when the turn for
+/// large parts is ours or can be taken at once, or the error says why the bytes are not read
+/// on (too large to go inline, which may go by upload in its turn; or too large to upload).
+fn past(
+    len: u64,
+    limit: &mut usize,
+    max: usize,
+    spill: Option<&Spill>,
+    turn: &mut Option<Turn>,
+) -> Result<(), MediaError> {
+    if let Some(s) = spill.filter(|_| *limit == max) {
+        let ours = turn.is_some() || s.turn.is_none_or(|t| t.try_lock().map(|g| *turn = Some(g)).is_ok());
+        if ours {
+            *limit = s.max;
+        }
+    }
+    if len <= *limit as u64 {
+        Ok(())
+    } else if *limit == max {
+        Err(MediaError::too_large(len, max))
+    } else {
+        Err(MediaError::permanent(weir_core::media::too_large(len, *limit)))
     }
 }
 
@@ -121,13 +208,16 @@ impl MediaLoader for Loader {
         }
     }
 
+    async fn load_or_spill(&self, source: &str, max: usize, spill: Option<&Spill>) -> Result<Loaded, MediaError> {
+        match url_of(source)? {
+            Some(url) => self.fetch(url, max, spill).await,
+            None => Ok(Loaded { bytes: self.load(source, max).await?, spilled: false, turn: None }),
+        }
+    }
+
     async fn load(&self, source: &str, max: usize) -> Result<Bytes, MediaError> {
-        if source.starts_with("https://") || source.starts_with("http://") {
-            let url = reqwest::Url::parse(source).map_err(|_| "not a URL")?;
-            if url.scheme() == "http" && !is_loopback(&url) {
-                return Err("plain http:// is read only from loopback: give an https:// URL".into());
-            }
-            return self.fetch(url, max).await;
+        if let Some(url) = url_of(source)? {
+            return self.fetch(url, max, None).await.map(|l| l.bytes);
         }
         if source.starts_with("gs://") || source.starts_with("s3://") {
             return match &self.objects {
@@ -143,27 +233,32 @@ impl MediaLoader for Loader {
         let path = source.to_string();
         let read = tokio::task::spawn_blocking(move || -> Result<Bytes, MediaError> {
             use std::io::Read;
-            // Asked of the path before it is opened: opening a FIFO waits for a writer forever.
-            if let Ok(m) = std::fs::metadata(&path) {
-                if !m.is_file() {
-                    return Err("not a file".into());
-                }
-            }
+            use std::os::unix::fs::OpenOptionsExt;
             // The system's own files are not a dataset's media: /proc/self/environ would send
-            // weir's environment (its keys) to the model. They report no size, and some never
-            // end; a file that says it is empty is refused before it is read.
-            if let Ok(real) = std::fs::canonicalize(&path) {
-                if ["/proc", "/sys", "/dev"].iter().any(|d| real.starts_with(d)) {
-                    return Err("a file of the system (/proc, /sys, /dev), not media".into());
-                }
+            // weir's environment (its keys) to the model. Asked of the name here, and of the
+            // file opened below (a link to one is refused too).
+            if ["/proc/", "/sys/", "/dev/"].iter().any(|d| path.starts_with(d)) {
+                return Err(SYSTEM_FILE.into());
             }
-            let f = std::fs::File::open(&path).map_err(|e| match e.kind() {
-                std::io::ErrorKind::NotFound => "no such file".to_string(),
-                _ => format!("cannot be read: {e}"),
-            })?;
+            // Asked of the path before it is opened: opening a device can do something (a
+            // watchdog starts, a tape rewinds), and opening a FIFO waits for a writer.
+            if std::fs::metadata(&path).is_ok_and(|m| !m.is_file()) {
+                return Err("not a file".into());
+            }
+            // Opened without waiting, for a FIFO put in the file's place since.
+            let f =
+                std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(&path).map_err(
+                    |e| match e.kind() {
+                        std::io::ErrorKind::NotFound => "no such file".to_string(),
+                        _ => format!("cannot be read: {e}"),
+                    },
+                )?;
             let meta = f.metadata().map_err(|e| format!("cannot be read: {e}"))?;
             if !meta.is_file() {
                 return Err("not a file".into());
+            }
+            if of_the_system(&f) {
+                return Err(SYSTEM_FILE.into());
             }
             if meta.len() > max as u64 {
                 return Err(MediaError::too_large(meta.len(), max));

@@ -18,7 +18,8 @@ fn png(i: usize) -> Vec<u8> {
 
 /// Serves `files` (path → bytes) over HTTP/1.1 on loopback, one request per connection.
 /// A body `FLAKY n rest` is answered 503 the first n times, then `rest`; `ALWAYS503` always;
-/// `STALL` never.
+/// `STALL` never; `UNSIZED rest` is `rest` with no Content-Length (the body ends when the
+/// connection closes). `/hits` answers how many times each path was asked for, as JSON.
 async fn serve(files: HashMap<String, Vec<u8>>) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -47,6 +48,10 @@ async fn serve(files: HashMap<String, Vec<u8>>) -> String {
                     let n: usize = std::str::from_utf8(&rest[..sp]).unwrap().parse().unwrap();
                     file = if hit <= n { Some(b"ALWAYS503".to_vec()) } else { Some(rest[sp + 1..].to_vec()) };
                 }
+                if path == "/hits" {
+                    let counts = serde_json::to_string(&*hits.lock().unwrap()).unwrap();
+                    file = Some(counts.into_bytes());
+                }
                 let reply = match file.as_ref() {
                     Some(body) if body.as_slice() == b"STALL" => {
                         tokio::time::sleep(std::time::Duration::from_secs(600)).await;
@@ -59,6 +64,11 @@ async fn serve(files: HashMap<String, Vec<u8>>) -> String {
                             "HTTP/1.1 302 Found\r\nLocation: {to}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
                         )
                         .into_bytes()
+                    }
+                    Some(body) if body.starts_with(b"UNSIZED ") => {
+                        let mut r = b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n".to_vec();
+                        r.extend_from_slice(&body[8..]);
+                        r
                     }
                     Some(body) => {
                         let mut r =
@@ -452,6 +462,44 @@ async fn large_parts_go_through_the_gemini_files_api_once() {
     sim.shutdown().await;
 }
 
+/// A URL answered with no Content-Length, found too large to go inline only as it is read,
+/// is read once: on past the inline limit, in the turn for large parts, and uploaded. Two
+/// such records at once: the one that finds the turn taken reads again in its turn, and the
+/// two are uploaded one after the other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_url_of_unknown_size_is_read_once() {
+    let sim = sim(weir_sim::SimConfig::default()).await;
+    let dir = Dir::new("media-unsized");
+    let big = |i: usize| [b"UNSIZED ".to_vec(), png(i), vec![i as u8; 17_000_000]].concat();
+    let files: HashMap<String, Vec<u8>> = [("/one.png".to_string(), big(1)), ("/two.png".to_string(), big(2))].into();
+    let base = serve(files).await;
+    let hits = || async {
+        let counts =
+            reqwest::get(format!("{base}/hits")).await.unwrap().json::<HashMap<String, usize>>().await.unwrap();
+        (counts.get("/one.png").copied().unwrap_or(0), counts.get("/two.png").copied().unwrap_or(0))
+    };
+    let input = dir.write(
+        "one.jsonl",
+        format!("{{\"id\":\"one\",\"prompt\":\"describe\",\"image\":\"{base}/one.png\"}}\n").as_bytes(),
+    );
+    let o = run_media(&sim, &dir, "gemini/gemini-2.5-flash", &input, "one-out.jsonl").await;
+    let err = stderr(&o);
+    assert_eq!(rows(&dir.path("one-out.jsonl")).len(), 1, "{err}");
+    assert_eq!(sim.stats().gemini_files_uploaded, 1, "{err}");
+    assert_eq!(hits().await, (1, 0), "read once: {err}");
+    let lines = format!(
+        "{{\"id\":\"one\",\"prompt\":\"describe it\",\"image\":\"{base}/one.png\"}}\n\
+         {{\"id\":\"two\",\"prompt\":\"describe it\",\"image\":\"{base}/two.png\"}}\n"
+    );
+    let input = dir.write("two.jsonl", lines.as_bytes());
+    let o = run_media(&sim, &dir, "gemini/gemini-2.5-flash", &input, "two-out.jsonl").await;
+    let err = stderr(&o);
+    assert_eq!(rows(&dir.path("two-out.jsonl")).len(), 2, "{err}");
+    let (one, two) = hits().await;
+    assert!((one - 1) + two <= 3 && one >= 2 && two >= 1, "at most one of the two read again: {one}, {two}: {err}");
+    sim.shutdown().await;
+}
+
 /// `--media-field FIELD:TYPE` gives a part's type where its content says none (a file of
 /// plain text under any name).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -492,11 +540,16 @@ async fn system_files_are_not_media_and_other_media_fields_are_another_run() {
     let sim = sim(weir_sim::SimConfig::default()).await;
     let dir = Dir::new("media-proc");
     let img = dir.write("a.png", &png(1));
+    // A link to one is the system's file too, as is the same file by another name.
+    let link = dir.path("env.txt");
+    std::os::unix::fs::symlink("/proc/self/environ", &link).unwrap();
     let input = dir.write(
         "in.jsonl",
         format!(
-            "{{\"id\":\"env\",\"prompt\":\"x\",\"m\":\"/proc/self/environ\"}}\n{{\"id\":\"img\",\"prompt\":\"x\",\"m\":\"{}\"}}\n",
-            img.display()
+            "{{\"id\":\"env\",\"prompt\":\"x\",\"m\":\"/proc/self/environ\"}}\n{{\"id\":\"img\",\"prompt\":\"x\",\"m\":\"{}\"}}\n\
+             {{\"id\":\"link\",\"prompt\":\"x\",\"m\":\"{}\"}}\n{{\"id\":\"dots\",\"prompt\":\"x\",\"m\":\"/tmp/../proc/self/environ\"}}\n",
+            img.display(),
+            link.display()
         )
         .as_bytes(),
     );
@@ -521,8 +574,8 @@ async fn system_files_are_not_media_and_other_media_fields_are_another_run() {
     assert_eq!(sim.stats().requests, before);
     let o = run(&["--media-field", "m:text/plain", "--fresh"]).await;
     let errors = rows(&dir.path("out.errors.jsonl"));
-    assert_eq!(errors.len(), 1, "{}", stderr(&o));
-    assert!(errors[0]["message"].as_str().unwrap().contains("a file of the system"), "{}", errors[0]);
+    assert_eq!(errors.len(), 3, "{}", stderr(&o));
+    assert!(errors.iter().all(|e| e["message"].as_str().unwrap().contains("a file of the system")), "{errors:?}");
     assert_eq!(sim.stats().requests, before + 1, "only the image's record is sent");
     sim.shutdown().await;
 }
