@@ -491,7 +491,9 @@ impl Driver {
                     }
                     match &r.source {
                         MediaSource::Bytes(b) if b.len() <= max => (b.clone(), "", true),
-                        MediaSource::Bytes(b) => return Err(bad(r, crate::media::too_large(b.len() as u64, max))),
+                        MediaSource::Bytes(b) => {
+                            return Err(bad(r, crate::media::too_large_to_upload(Some(b.len() as u64), max)))
+                        }
                         MediaSource::Named(source) => {
                             let data = loader(r)?
                                 .load(source, max)

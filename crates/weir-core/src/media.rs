@@ -20,8 +20,20 @@ pub const MAX_INLINE_BYTES: usize = 15 * 1000 * 1000;
 /// Why a part of `len` bytes cannot be sent when `max` bytes are left for the request's parts
 /// (one wording for every place media is read from).
 pub fn too_large(len: u64, max: usize) -> String {
-    format!("{len} bytes, over the {max} bytes left for a request's inline parts (15 MB in all, 20 MB as base64)")
+    format!("{len} bytes, over the {max} bytes left for {INLINE}")
 }
+
+/// Why a part of `len` bytes (or more than `max`, when its size was not known) cannot be
+/// uploaded either.
+pub fn too_large_to_upload(len: Option<u64>, max: usize) -> String {
+    match len {
+        Some(len) => format!("{len} bytes, over the {max} bytes an upload takes"),
+        None => format!("more than the {max} bytes an upload takes"),
+    }
+}
+
+/// What the inline limit is, for messages.
+const INLINE: &str = "a request's inline parts (15 MB in all, 20 MB as base64)";
 
 /// A record's media field: which field, and what it names or holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -268,6 +280,12 @@ impl MediaError {
     /// Media of `len` bytes where at most `max` were asked for.
     pub fn too_large(len: u64, max: usize) -> Self {
         Self { over: true, ..Self::permanent(too_large(len, max)) }
+    }
+
+    /// Media whose size is not known (a URL's body with no length) found longer than `max` as
+    /// it was read: the bytes read so far are not its size.
+    pub fn too_large_unsized(max: usize) -> Self {
+        Self { over: true, ..Self::permanent(format!("more than the {max} bytes left for {INLINE}")) }
     }
 
     /// Whether trying again later may succeed.

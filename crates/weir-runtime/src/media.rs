@@ -6,7 +6,7 @@ use bytes::Bytes;
 use futures::StreamExt;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
-use weir_core::media::{Loaded, MediaError, MediaLoader, Spill, Turn};
+use weir_core::media::{too_large_to_upload, Loaded, MediaError, MediaLoader, Spill, Turn};
 use weir_core::ErrorKind;
 use weir_providers::http::is_loopback;
 
@@ -157,16 +157,23 @@ impl Loader {
             _ => max,
         };
         if let Some(len) = resp.content_length().filter(|l| *l > limit as u64) {
-            past(len, &mut limit, max, spill, turn)?;
+            past(Some(len), &mut limit, max, spill, turn).await?;
         }
         let mut body = resp.bytes_stream();
         let mut data = Vec::new();
         while let Some(chunk) = body.next().await {
             let chunk = chunk.map_err(|e| {
-                MediaError::transient(ErrorKind::Transport, format!("cut while fetched: {}", e.without_url()))
+                if e.is_timeout() {
+                    MediaError::transient(ErrorKind::Timeout, "not fetched whole within 30 s")
+                } else {
+                    MediaError::transient(ErrorKind::Transport, format!("cut while fetched: {}", e.without_url()))
+                }
             })?;
             if data.len() + chunk.len() > limit {
-                past((data.len() + chunk.len()) as u64, &mut limit, max, spill, turn)?;
+                past(None, &mut limit, max, spill, turn).await?;
+                if data.len() + chunk.len() > limit {
+                    return Err(MediaError::permanent(too_large_to_upload(None, limit)));
+                }
             }
             data.extend_from_slice(&chunk);
         }
@@ -174,28 +181,37 @@ impl Loader {
     }
 }
 
-/// `len` bytes of a source do not fit in `limit`: it becomes `spill`'s limit when the turn for
-/// large parts is ours or can be taken at once, or the error says why the bytes are not read
-/// on (too large to go inline, which may go by upload in its turn; or too large to upload).
-fn past(
-    len: u64,
+/// How long a read past the inline limit waits for the turn for large parts (another record's
+/// upload) before it lets go of what it read, to read it again in that turn.
+const TURN_WAIT: Duration = Duration::from_secs(5);
+
+/// A source does not fit in `limit` (its size `len` when it is known, or bytes past `limit`
+/// read): `limit` becomes `spill`'s when the turn for large parts is ours or comes within
+/// [`TURN_WAIT`], and otherwise the error says why the bytes are not read on (too large to go
+/// inline, which may go by upload in its turn; or too large to upload).
+async fn past(
+    len: Option<u64>,
     limit: &mut usize,
     max: usize,
     spill: Option<&Spill>,
     turn: &mut Option<Turn>,
 ) -> Result<(), MediaError> {
     if let Some(s) = spill.filter(|_| *limit == max) {
-        let ours = turn.is_some() || s.turn.is_none_or(|t| t.try_lock().map(|g| *turn = Some(g)).is_ok());
-        if ours {
+        if turn.is_none() {
+            if let Some(t) = s.turn {
+                *turn = tokio::time::timeout(TURN_WAIT, t.lock()).await.ok();
+            }
+        }
+        if turn.is_some() || s.turn.is_none() {
             *limit = s.max;
         }
     }
-    if len <= *limit as u64 {
-        Ok(())
-    } else if *limit == max {
-        Err(MediaError::too_large(len, max))
-    } else {
-        Err(MediaError::permanent(weir_core::media::too_large(len, *limit)))
+    match len {
+        Some(len) if len <= *limit as u64 => Ok(()),
+        None if *limit > max => Ok(()),
+        Some(len) if *limit == max => Err(MediaError::too_large(len, max)),
+        None if *limit == max => Err(MediaError::too_large_unsized(max)),
+        len => Err(MediaError::permanent(too_large_to_upload(len, *limit))),
     }
 }
 

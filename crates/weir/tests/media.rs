@@ -497,6 +497,15 @@ async fn a_large_url_of_unknown_size_is_read_once() {
     assert_eq!(rows(&dir.path("two-out.jsonl")).len(), 2, "{err}");
     let (one, two) = hits().await;
     assert!((one - 1) + two <= 3 && one >= 2 && two >= 1, "at most one of the two read again: {one}, {two}: {err}");
+    // An endpoint that takes no uploads: the error says the part is over the limit, not that
+    // the bytes read before stopping are its size.
+    let o = run_media(&sim, &dir, "openai/gpt-4o-mini", &input, "oai.jsonl").await;
+    let errors = rows(&dir.path("oai.errors.jsonl"));
+    assert_eq!(errors.len(), 2, "{}", stderr(&o));
+    for e in &errors {
+        let m = e["message"].as_str().unwrap();
+        assert!(m.contains("more than the 15000000 bytes left"), "{m}");
+    }
     sim.shutdown().await;
 }
 
