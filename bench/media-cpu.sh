@@ -10,17 +10,7 @@ N=${1:-10000}
 REPEAT=${REPEAT:-3}
 source bench/common.sh
 command -v /usr/bin/time >/dev/null || { echo "needs GNU time (apt-get install time)" >&2; exit 1; }
-python3 - "$N" "$WORK" <<'PY'
-import json, os, sys
-n, work = int(sys.argv[1]), sys.argv[2]
-os.makedirs(f"{work}/img", exist_ok=True)
-with open(f"{work}/in.jsonl", "w") as f:
-    for i in range(n):
-        path = f"{work}/img/{i}.png"
-        with open(path, "wb") as img:
-            img.write(b"\x89PNG\r\n\x1a\n" + os.urandom(20_000 - 8))
-        f.write(json.dumps({"id": f"r{i}", "prompt": f"What is in picture {i}?", "image": path}) + "\n")
-PY
+python3 bench/media-input.py "$N" "$WORK"
 # The simulator's CPU seconds so far (user + system, from /proc).
 sim_cpu() { awk -v hz="$(getconf CLK_TCK)" '{print ($14 + $15) / hz}' "/proc/$SIM/stat"; }
 printf "%-6s %7s %10s %10s %9s %13s\n" mode "wall s" "weir cpu" "(sys)" "sim cpu" "peak RSS MiB"
@@ -29,7 +19,7 @@ for _ in $(seq "$REPEAT"); do
     extra=(); [ "$mode" = media ] && extra=(--media-field image)
     before=$(sim_cpu)
     /usr/bin/time -f "%e %U %S %M" -o "$WORK/time" "$BIN" run --model gemini/gemini-2.5-flash \
-      --base-url "http://127.0.0.1:$PORT" --id-field id --input "$WORK/in.jsonl" --output "$WORK/out.jsonl" \
+      --base-url "http://127.0.0.1:$PORT" --id-field id --input "$WORK/in-$N.jsonl" --output "$WORK/out.jsonl" \
       --max-concurrency 64 --concurrency fixed --no-state --no-cache --overwrite --progress never "${extra[@]}" 2>/dev/null
     after=$(sim_cpu)
     read -r wall user sys kb < "$WORK/time"

@@ -13,18 +13,7 @@ source bench/common.sh
 command -v /usr/bin/time >/dev/null || { echo "needs GNU time (apt-get install time)" >&2; exit 1; }
 printf "%-8s %-6s %9s %10s %13s %12s\n" records mode "median s" "records/s" "peak RSS MiB" "parts seen"
 for n in $SIZES; do
-  python3 - "$n" "$WORK" <<'PY'
-import json, os, sys
-n, work = int(sys.argv[1]), sys.argv[2]
-os.makedirs(f"{work}/img", exist_ok=True)
-with open(f"{work}/in-{n}.jsonl", "w") as f:
-    for i in range(n):
-        path = f"{work}/img/{i}.png"
-        if not os.path.exists(path):
-            with open(path, "wb") as img:
-                img.write(b"\x89PNG\r\n\x1a\n" + os.urandom(20_000 - 8))
-        f.write(json.dumps({"id": f"r{i}", "prompt": f"What is in picture {i}?", "image": path}) + "\n")
-PY
+  python3 bench/media-input.py "$n" "$WORK"
   for mode in text media; do
     extra=(); [ "$mode" = media ] && extra=(--media-field image)
     times=(); rss=()

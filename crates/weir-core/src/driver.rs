@@ -467,7 +467,7 @@ impl Driver {
                     let guess = size.unwrap_or(UNKNOWN_SIZE_GUESS).min(inline_left);
                     held = fit_budget(held, read_bytes + guess).await;
                     // Where the part could go by upload, a source found too large only as it
-                    // is read goes on being read in the turn for large parts, if it is free.
+                    // is read goes on being read in the turn for large parts, if it comes soon.
                     let spill = upload_max.map(|max| Spill { max, turn: large.is_none().then_some(&LARGE) });
                     let read = within(timeout, loader(r)?.load_or_spill(source, inline_left, spill.as_ref())).await;
                     // A spilled part is in the turn for large parts, not in the budget.

@@ -329,6 +329,13 @@ pub struct Loaded {
     pub turn: Option<Turn>,
 }
 
+impl Loaded {
+    /// Bytes read within the inline limit, with no turn taken.
+    pub fn whole(bytes: Bytes) -> Self {
+        Self { bytes, spilled: false, turn: None }
+    }
+}
+
 /// Reads what media fields name. The front end gives the driver one (files, URLs, buckets);
 /// the driver calls it when a record is about to be sent.
 #[async_trait::async_trait]
@@ -338,12 +345,13 @@ pub trait MediaLoader: Send + Sync {
 
     /// Like [`load`](Self::load), for a caller that can upload what is too large to go inline.
     /// A source whose size shows only as it is read (a URL answered with no Content-Length)
-    /// and that passes `max` is read on, up to `spill.max`, when the turn for large parts is
-    /// free at that moment: otherwise the bytes read so far would be dropped and read again
-    /// from the start in that turn. The default reads as `load` does, for sources whose size
-    /// is known before their bytes are read (files, bucket objects).
+    /// and that passes `max` is read on, up to `spill.max`, in the turn for large parts when
+    /// that turn comes soon (the loader decides how long to wait): otherwise the bytes read so
+    /// far are dropped and read again from the start in that turn. The default reads as
+    /// `load` does, for sources whose size is known before their bytes are read (files,
+    /// bucket objects).
     async fn load_or_spill(&self, source: &str, max: usize, _spill: Option<&Spill>) -> Result<Loaded, MediaError> {
-        Ok(Loaded { bytes: self.load(source, max).await?, spilled: false, turn: None })
+        Ok(Loaded::whole(self.load(source, max).await?))
     }
 
     /// The first bytes, version and size of `source`, for an endpoint that reads it by

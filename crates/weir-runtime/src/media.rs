@@ -102,8 +102,8 @@ const FETCH_WAIT: Duration = Duration::from_millis(500);
 
 impl Loader {
     /// `url`'s bytes, tried again after a failure that may pass; the last failure otherwise.
-    /// Past `max`, read on up to `spill`'s limit in the turn for large parts, if it is free;
-    /// once taken, the turn is kept for the later tries.
+    /// Past `max`, read on up to `spill`'s limit in the turn for large parts, if it comes within
+    /// [`TURN_WAIT`]; once taken, the turn is kept for the later tries.
     async fn fetch(&self, url: reqwest::Url, max: usize, spill: Option<&Spill>) -> Result<Loaded, MediaError> {
         let mut wait = FETCH_WAIT;
         let mut tries = 1;
@@ -227,7 +227,7 @@ impl MediaLoader for Loader {
     async fn load_or_spill(&self, source: &str, max: usize, spill: Option<&Spill>) -> Result<Loaded, MediaError> {
         match url_of(source)? {
             Some(url) => self.fetch(url, max, spill).await,
-            None => Ok(Loaded { bytes: self.load(source, max).await?, spilled: false, turn: None }),
+            None => Ok(Loaded::whole(self.load(source, max).await?)),
         }
     }
 

@@ -464,8 +464,8 @@ async fn large_parts_go_through_the_gemini_files_api_once() {
 
 /// A URL answered with no Content-Length, found too large to go inline only as it is read,
 /// is read once: on past the inline limit, in the turn for large parts, and uploaded. Two
-/// such records at once: the one that finds the turn taken reads again in its turn, and the
-/// two are uploaded one after the other.
+/// such records at once: the one that finds the turn taken waits for it (a few seconds at
+/// most, then it reads again in its turn), and the two are uploaded one after the other.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_large_url_of_unknown_size_is_read_once() {
     let sim = sim(weir_sim::SimConfig::default()).await;
