@@ -4,7 +4,7 @@
 # advice, 0.3 s latency; 300 records first, then 4 × 500 at once. With FRESH=1 the first run is
 # left out (the window is empty when the four start). Prints the simulator's counts for the four,
 # how long they took together (ideal: about 100 s) and each one's summary.
-#   WEIR_BIN=/path/to/weir [FRESH=1] bench/after-another-off.sh
+#   WEIR_BIN=/path/to/weir [FRESH=1] [GAP=seconds, default 1.5] bench/after-another-off.sh
 set -euo pipefail
 BIN=${WEIR_BIN:-$(dirname "$0")/../target/release/weir}
 WORK=$(mktemp -d)
@@ -22,7 +22,7 @@ trap 'kill $SIM 2>/dev/null; rm -rf "$WORK"' EXIT
 sleep 1
 run() { "$BIN" run --model gemini/gemini-2.5-flash --base-url "http://127.0.0.1:$PORT" --input "$WORK/$1.jsonl" \
   --output "$WORK/$1.out" --id-field id --no-state --progress never --quota-store off --max-retries 50 2> "$WORK/$1.err"; }
-if [ "${FRESH:-0}" = 1 ]; then sleep 6; else run a; sleep 1.5; fi
+if [ "${FRESH:-0}" = 1 ]; then sleep 6; else run a; sleep "${GAP:-1.5}"; fi
 curl -s -X POST "http://127.0.0.1:$PORT/stats/reset" > /dev/null
 s=$(date +%s.%N)
 pids=()

@@ -53,7 +53,10 @@
 //!   is at most twice the server's). A window learned short while other traffic filled part of
 //!   it (a run started just after another) is found by its cost: when a quarter of what the
 //!   budget holds is refused within one window, on sends made on that window and no probes,
-//!   the window is a second longer.
+//!   the window is a second longer. Beside other processes that decide alone, whose probes
+//!   also refuse sends of ours, such a burst instead holds the credits until the advised time
+//!   and sends a scout ahead of the next round; a window known only as at least the longest
+//!   wait advised is a second longer when that scout is refused too.
 //!
 //! Weights are 1 per request for the request budget, and counted tokens for the token budget:
 //! an estimate at send time, replaced by the usage the answer reports. Time comes from
@@ -180,6 +183,12 @@ pub struct Budget {
     /// Sends of ours that are no probes refused since the moment kept, within a window of it
     /// (see [`Budget::refused`]).
     lost: (Option<Instant>, f64),
+    /// Beside other processes: when a quarter of a round our credits funded was refused at
+    /// once (see [`Budget::refused`]).
+    round_refused: Option<Instant>,
+    /// The window is known only to be at least this long: taken from the longest wait a
+    /// refusal advised, beside other processes, not from the server's ends.
+    window_at_least: bool,
     /// When the window was last learned or changed by a refusal.
     changed_at: Option<Instant>,
     /// Credits held back until the server has room for them: when, and how much.
@@ -410,6 +419,8 @@ impl Budget {
             reset_at: None,
             short_until: None,
             lost: (None, 0.0),
+            round_refused: None,
+            window_at_least: false,
             changed_at: None,
             sole: false,
             deferred: Vec::new(),
@@ -863,6 +874,7 @@ impl Budget {
                             // 7.6-10.2 % refused, now 3.3-5.0 %). Longer advice is not this
                             // window's (a day's quota, a penalty).
                             self.change_window(d, now, d);
+                            self.window_at_least = true;
                             // The refused send's slot is back when the server said, too.
                             self.deferred.push((now + d, weight));
                             tracing::debug!(window = ?self.window, "window lengthened to the advised wait");
@@ -873,8 +885,7 @@ impl Budget {
                             // Refused for the window, not the capacity: its slot is back when
                             // the server said.
                             self.deferred.push((now + d, weight));
-                        } else if self.sole
-                            && probe.is_none()
+                        } else if probe.is_none()
                             && !scouted
                             && self.period.is_none()
                             && self.short_until.is_none_or(|until| now >= until)
@@ -896,11 +907,28 @@ impl Budget {
                             };
                             self.lost = (Some(from), lost);
                             if lost >= (self.effective_capacity().unwrap_or(0.0) * 0.25).max(4.0) {
-                                self.window = Some(w + Duration::from_secs(1));
-                                self.short_until = Some(now + d);
                                 self.lost = (None, 0.0);
-                                self.changed_at = Some(now);
-                                tracing::debug!(window = ?self.window, "window lengthened: refusals of its sends");
+                                if self.sole {
+                                    self.window = Some(w + Duration::from_secs(1));
+                                    self.short_until = Some(now + d);
+                                    self.changed_at = Some(now);
+                                    tracing::debug!(window = ?self.window, "window lengthened: refusals of its sends");
+                                } else {
+                                    // Beside other processes, their probes' rounds also refuse
+                                    // sends of ours, so this alone does not lengthen the window
+                                    // (it took 5 s for 7-11). But every refused send costs its
+                                    // credit: a window learned a second short (four runs started
+                                    // 4 s after another on a sliding 5 s: 4 s, from the waits
+                                    // advised) had each round refused whole, and each run's
+                                    // capacity fell to nothing in one burst. The credits in hand
+                                    // and the rest of this burst's wait for the advised time, a
+                                    // scout goes ahead of the next round, and if it is refused
+                                    // too, the window is lengthened (below).
+                                    self.change_window(w, now, d);
+                                    self.distrust(now);
+                                    self.round_refused = Some(now);
+                                    tracing::debug!(window = ?self.window, "a round refused: credits held, scouting");
+                                }
                             }
                         }
                     } else if let Some(e) = self.log.iter().find(|e| e.state == State::Ok) {
@@ -911,6 +939,15 @@ impl Budget {
                             let w = Duration::from_secs_f64((w.as_secs_f64() + err / 2.0).max(0.5));
                             self.window = Some(w);
                         }
+                    }
+                }
+                if let (true, Some(w), Some(d)) = (scouted && !self.sole && self.window_at_least, self.window, delay) {
+                    if self.round_refused.take().is_some_and(|at| now < at + w * 3) && w < LONGEST_ADVISED_WINDOW {
+                        // A round of ours refused, then the scout that went ahead of the next:
+                        // the window, known only to be at least the longest wait advised, is
+                        // longer. (A window measured from the server's ends is not changed so.)
+                        self.change_window(w + Duration::from_secs(1), now, d);
+                        tracing::debug!(window = ?self.window, "window lengthened: a round and its scout refused");
                     }
                 }
                 if scouted {
@@ -1146,6 +1183,7 @@ impl Budget {
         } else {
             self.settle_fixed(period, admitted, id, now, d);
         }
+        self.window_at_least = false;
         if self.sole {
             self.period = Some(period);
             self.distrust(now);
@@ -1907,6 +1945,30 @@ mod tests {
             let last = ended.iter().copied().fold(0.0, f64::max);
             if last > first * 1.35 || refused > 160 {
                 seen.push(format!("late {late} ms: ended {ended:.1?}, {refused} refused"));
+            }
+        }
+        assert!(seen.is_empty(), "{seen:#?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn four_runs_deciding_alone_after_other_traffic_on_a_sliding_window_keep_their_credits() {
+        // Four runs of 500 (`--quota-store off`) started when a few of a sliding window's 100
+        // slots per 5 s still hold another run's requests, expiring 0.5-1.3 s in (on weir sim,
+        // four runs started 4.2 s after another: 33-36 % of requests refused, 150-157 s). Each
+        // first learns the window as 1 s from the other traffic's expiry, then 4 s from the
+        // waits advised, never 5: each round's credits came back a second early and the round
+        // was refused whole, each refusal taking its credit, so capacities fell to nothing in a
+        // burst. Before: 862-1,042 refused, the last ending at 131-166 s (ideal about 100).
+        let mut seen = Vec::new();
+        for k in 1..=3u64 {
+            let t0 = Instant::now();
+            let mut server = Server::sliding(100, Duration::from_secs(5));
+            server.log = (0..k * 3).map(|i| t0 - ms(4500) + ms(100 * i)).collect();
+            let mut b = [Budget::unlimited(), Budget::unlimited(), Budget::unlimited(), Budget::unlimited()];
+            let (ended, refused, per_window) = drive_runs(&mut b, &mut server, t0, 500, 64);
+            let last = ended.iter().copied().fold(0.0, f64::max);
+            if refused > 450 || last > 115.0 {
+                seen.push(format!("{} slots taken: {refused} refused {per_window:?}, ended {ended:.1?}", k * 3));
             }
         }
         assert!(seen.is_empty(), "{seen:#?}");
