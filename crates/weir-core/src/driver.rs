@@ -495,10 +495,11 @@ impl Driver {
                             return Err(bad(r, crate::media::too_large_to_upload(Some(b.len() as u64), max)))
                         }
                         MediaSource::Named(source) => {
-                            let data = loader(r)?
-                                .load(source, max)
-                                .await
-                                .map_err(|e| media_error(bad(r, e.message.clone()), &e))?;
+                            let data = loader(r)?.load(source, max).await.map_err(|e| match e.over {
+                                // Over the upload limit (2 GB), not the inline one.
+                                true => bad(r, crate::media::too_large_to_upload(e.len, max)),
+                                false => media_error(bad(r, e.message.clone()), &e),
+                            })?;
                             (data, source.as_str(), true)
                         }
                     }
@@ -1059,6 +1060,55 @@ mod tests {
             ..ThrottleSettings::default()
         }));
         (Driver::new(h.clone(), throttle, settings, Arc::new(RunMetrics::default())), h)
+    }
+
+    /// Takes uploads of up to 2 GB, as the Gemini API's Files API does; answers nothing.
+    struct Uploads;
+
+    #[async_trait::async_trait]
+    impl ModelHandler for Uploads {
+        async fn generate(&self, _r: &ModelRequest) -> Result<ModelResponse, ModelError> {
+            Err(ModelError::new(ErrorKind::Server, "not called"))
+        }
+        fn model_id(&self) -> &str {
+            "test/uploads"
+        }
+        fn max_upload_bytes(&self) -> Option<u64> {
+            Some(2_000_000_000)
+        }
+    }
+
+    /// Says every source is a file of this many bytes.
+    struct OfSize(u64);
+
+    #[async_trait::async_trait]
+    impl MediaLoader for OfSize {
+        async fn load(&self, _source: &str, max: usize) -> Result<bytes::Bytes, crate::media::MediaError> {
+            Err(crate::media::MediaError::too_large(self.0, max))
+        }
+    }
+
+    #[tokio::test]
+    async fn a_part_over_the_upload_limit_is_said_to_be_over_that_limit() {
+        // Read again in the turn for large parts, a 3 GB file was reported as over "the
+        // 2000000000 bytes left for a request's inline parts": the inline limit's words for
+        // the upload limit.
+        let throttle = Arc::new(Throttle::new(&ThrottleSettings::default()));
+        let d = Driver::new(Arc::new(Uploads), throttle, DriverSettings::default(), Arc::new(RunMetrics::default()))
+            .with_media(Arc::new(OfSize(3_000_000_000)));
+        let mut r = record("a");
+        r.media = vec![MediaRef { field: "image".into(), source: MediaSource::Named("big.png".into()), mime: None }];
+        match d.run(r).await {
+            Outcome::Failure(f) => {
+                assert_eq!(f.error.kind, ErrorKind::InvalidInput);
+                assert!(
+                    f.error.message.contains("3000000000 bytes, over the 2000000000 bytes an upload takes"),
+                    "{}",
+                    f.error.message
+                );
+            }
+            Outcome::Success(_) => panic!("a 3 GB part was sent"),
+        }
     }
 
     #[tokio::test(start_paused = true)]

@@ -264,22 +264,25 @@ pub struct MediaError {
     /// The media is larger than the bytes asked for (it may go by upload where the endpoint
     /// takes uploads).
     pub over: bool,
+    /// The media's size, when `over` and it was known: the upload path, with a larger limit,
+    /// words its own refusal from it rather than the inline limit's.
+    pub len: Option<u64>,
 }
 
 impl MediaError {
     /// A failure that trying again will not mend.
     pub fn permanent(message: impl Into<String>) -> Self {
-        Self { message: message.into(), kind: crate::ErrorKind::InvalidInput, over: false }
+        Self { message: message.into(), kind: crate::ErrorKind::InvalidInput, over: false, len: None }
     }
 
     /// A failure that may pass: `kind` is `Timeout`, `Transport` or `Server`.
     pub fn transient(kind: crate::ErrorKind, message: impl Into<String>) -> Self {
-        Self { message: message.into(), kind, over: false }
+        Self { message: message.into(), kind, over: false, len: None }
     }
 
     /// Media of `len` bytes where at most `max` were asked for.
     pub fn too_large(len: u64, max: usize) -> Self {
-        Self { over: true, ..Self::permanent(too_large(len, max)) }
+        Self { over: true, len: Some(len), ..Self::permanent(too_large(len, max)) }
     }
 
     /// Media whose size is not known (a URL's body with no length) found longer than `max` as
