@@ -878,7 +878,7 @@ impl Budget {
                             // The refused send's slot is back when the server said, too.
                             self.deferred.push((now + d, weight));
                             tracing::debug!(window = ?self.window, "window lengthened to the advised wait");
-                        } else if new_end && self.settle_period(id, now, d, w) {
+                        } else if new_end && self.settle_period(id, now, d, w, scouted) {
                             // The window changed to a fixed window's period; the refusal shrank
                             // its capacity (measured from what it admitted).
                         } else if self.lengthen_whole(id, now, d, w, probe, scouted) {
@@ -1158,8 +1158,9 @@ impl Budget {
     /// and a lattice of a shorter period would fit them: there the window is only lengthened
     /// (a fixed window entered late was taken too short, and every round its credits came
     /// back a second early was refused), never shortened, and not taken as a period (probes
-    /// keep doubling, so a share another process gave up is taken back quickly).
-    fn settle_period(&mut self, id: u64, now: Instant, d: Duration, w: Duration) -> bool {
+    /// keep doubling, so a share another process gave up is taken back quickly). `scouted`:
+    /// the refused send was the scout.
+    fn settle_period(&mut self, id: u64, now: Instant, d: Duration, w: Duration, scouted: bool) -> bool {
         let found = self.lattice(w);
         if self.sole && found == Some((w, true)) && self.period.is_none() {
             // The window was right (learned, or handed over by a process before).
@@ -1173,7 +1174,7 @@ impl Budget {
         let start = self.phase(period).and_then(|end| end.checked_sub(period));
         let admitted: f64 =
             self.log.iter().filter(|e| e.id < id && start.is_none_or(|s| e.at >= s)).map(|e| e.weight).sum();
-        if !self.sole && matches!(self.scout, Scout::Out(scout, _) if scout == id) {
+        if !self.sole && scouted {
             // A scout goes first, so what we sent in the window that refused it is nothing or
             // next to nothing: beside other processes, it was their sends that filled it, and
             // says nothing of our share. Taken as our capacity, three of four processes fell to
