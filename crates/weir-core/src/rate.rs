@@ -1837,7 +1837,8 @@ mod tests {
     }
 
     /// Runs `records` sends through each of `budgets` (processes deciding alone, answers in
-    /// 290-310 ms, slow start from 16 calls out to `in_flight`) against `server`: when each
+    /// 290-310 ms, slow start from 16 calls out to `in_flight`) against `server`, each starting
+    /// `starts[i]` ms after `t0` (processes a shell starts one after another): when each
     /// finished, the refusals, and the refusals per 5 s.
     fn drive_runs(
         budgets: &mut [Budget],
@@ -1845,11 +1846,12 @@ mod tests {
         t0: Instant,
         records: usize,
         in_flight: usize,
+        starts: &[u64],
     ) -> (Vec<f64>, usize, Vec<usize>) {
         type Out = (Instant, u64, Result<Instant, Duration>);
         let n_b = budgets.len();
         let mut out: Vec<Vec<Out>> = vec![Vec::new(); n_b];
-        let mut hold = vec![t0; n_b];
+        let mut hold: Vec<Instant> = starts.iter().map(|&s| t0 + ms(s)).collect();
         let mut done = vec![0usize; n_b];
         let mut sent_ok = vec![0usize; n_b];
         let mut ended = vec![0.0; n_b];
@@ -1901,6 +1903,15 @@ mod tests {
         (ended, refused, per_window)
     }
 
+    /// Four runs of 500 deciding alone (see [`drive_runs`]) on a fixed window of 100 per 5 s
+    /// entered `late` ms after it started, each starting `starts[i]` ms in.
+    fn four_runs_entered_late(late: u64, starts: &[u64]) -> (Vec<f64>, usize, Vec<usize>) {
+        let t0 = Instant::now();
+        let mut server = Server { fixed: Some(t0 - ms(late)), ..Server::sliding(100, Duration::from_secs(5)) };
+        let mut b = [Budget::unlimited(), Budget::unlimited(), Budget::unlimited(), Budget::unlimited()];
+        drive_runs(&mut b, &mut server, t0, 500, 64, starts)
+    }
+
     #[tokio::test(start_paused = true)]
     async fn four_runs_deciding_alone_on_a_fixed_window_entered_late_refuse_few() {
         // #32's row with no coordination: four runs of 500 records on one key that cannot reach
@@ -1912,10 +1923,7 @@ mod tests {
         let mut seen = Vec::new();
         let mut refused_all = Vec::new();
         for late in [0u64, 500, 1000, 1500, 2000, 2500, 3000, 3500, 4000, 4500] {
-            let t0 = Instant::now();
-            let mut server = Server { fixed: Some(t0 - ms(late)), ..Server::sliding(100, Duration::from_secs(5)) };
-            let mut b = [Budget::unlimited(), Budget::unlimited(), Budget::unlimited(), Budget::unlimited()];
-            let (ended, refused, per_window) = drive_runs(&mut b, &mut server, t0, 500, 64);
+            let (ended, refused, per_window) = four_runs_entered_late(late, &[0; 4]);
             let last = ended.iter().copied().fold(0.0, f64::max);
             refused_all.push(refused);
             // The ideal is 95.3 s (every window full from the start); the unluckiest run sets
@@ -1929,6 +1937,30 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn four_runs_started_apart_on_a_fixed_window_all_finish_with_few_refusals() {
+        // #32's row with no coordination as a shell starts it: four runs of 500 on one key, one
+        // after another 50 ms apart, a fixed window of 100 per 5 s entered anywhere in it. This
+        // is what reproduces the independent server's runs (one process ending at 50 s, the last
+        // at 100-105 s): the run started first ramps up first and takes about half of the first
+        // window, and credits replay that share after (started together, the model's runs ended
+        // within 20-25 s of each other, which no real run did). The shares are not fair yet
+        // (#32); what is kept is that every run finishes close to the ideal (95.3 s) and the
+        // refusals stay few: 69-303, median about 100, the last run ending at 99-106 s.
+        let mut refused_all = Vec::new();
+        let mut seen = Vec::new();
+        for late in [0u64, 600, 1200, 1800, 2400, 3000, 3600, 4200] {
+            let (ended, refused, per_window) = four_runs_entered_late(late, &[0, 50, 100, 150]);
+            let last = ended.iter().copied().fold(0.0, f64::max);
+            refused_all.push(refused);
+            if refused > 350 || last > 112.0 {
+                seen.push(format!("late {late} ms: {refused} refused {per_window:?}, ended {ended:.1?}"));
+            }
+        }
+        refused_all.sort_unstable();
+        assert!(seen.is_empty() && refused_all[4] <= 160, "{refused_all:?} {seen:#?}");
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn processes_deciding_alone_keep_their_shares_when_a_scout_finds_the_window_full() {
         // Four runs of 500 on a fixed window of 100 per 5 s, entered 1.8-3.6 s late: each first
         // takes the window as 3-4 s, and its ends later show the 5-s period. The refusal that
@@ -1938,10 +1970,7 @@ mod tests {
         // 75 s and 110 s). Now no run ends later than 1.35 times the first.
         let mut seen = Vec::new();
         for late in [1800u64, 2400, 3600] {
-            let t0 = Instant::now();
-            let mut server = Server { fixed: Some(t0 - ms(late)), ..Server::sliding(100, Duration::from_secs(5)) };
-            let mut b = [Budget::unlimited(), Budget::unlimited(), Budget::unlimited(), Budget::unlimited()];
-            let (ended, refused, _) = drive_runs(&mut b, &mut server, t0, 500, 64);
+            let (ended, refused, _) = four_runs_entered_late(late, &[0; 4]);
             let first = ended.iter().copied().fold(f64::MAX, f64::min);
             let last = ended.iter().copied().fold(0.0, f64::max);
             if last > first * 1.35 || refused > 160 {
@@ -1966,7 +1995,7 @@ mod tests {
             let mut server = Server::sliding(100, Duration::from_secs(5));
             server.log = (0..k * 3).map(|i| t0 - ms(4500) + ms(100 * i)).collect();
             let mut b = [Budget::unlimited(), Budget::unlimited(), Budget::unlimited(), Budget::unlimited()];
-            let (ended, refused, per_window) = drive_runs(&mut b, &mut server, t0, 500, 64);
+            let (ended, refused, per_window) = drive_runs(&mut b, &mut server, t0, 500, 64, &[0; 4]);
             let last = ended.iter().copied().fold(0.0, f64::max);
             if refused > 450 || last > 115.0 {
                 seen.push(format!("{} slots taken: {refused} refused {per_window:?}, ended {ended:.1?}", k * 3));
@@ -1993,7 +2022,7 @@ mod tests {
             // sends each window's round as its first did), answered 0.3 s after the last.
             server.log = (0..100).map(|i| t0 - ms(gap) - ms(1800) + ms(15 * i)).collect();
             let mut b = [Budget::unlimited()];
-            let (ended, refused, per_window) = drive_runs(&mut b, &mut server, t0, 300, 64);
+            let (ended, refused, per_window) = drive_runs(&mut b, &mut server, t0, 300, 64, &[0; 4]);
             if refused > 130 || ended[0] > 28.0 {
                 seen.push(format!("gap {gap} ms: {refused} refused {per_window:?}, ended {:.1} s", ended[0]));
             }
