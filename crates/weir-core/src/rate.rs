@@ -1850,6 +1850,7 @@ mod tests {
     ) -> (Vec<f64>, usize, Vec<usize>) {
         type Out = (Instant, u64, Result<Instant, Duration>);
         let n_b = budgets.len();
+        assert_eq!(starts.len(), n_b, "one start per run");
         let mut out: Vec<Vec<Out>> = vec![Vec::new(); n_b];
         let mut hold: Vec<Instant> = starts.iter().map(|&s| t0 + ms(s)).collect();
         let mut done = vec![0usize; n_b];
@@ -2022,7 +2023,7 @@ mod tests {
             // sends each window's round as its first did), answered 0.3 s after the last.
             server.log = (0..100).map(|i| t0 - ms(gap) - ms(1800) + ms(15 * i)).collect();
             let mut b = [Budget::unlimited()];
-            let (ended, refused, per_window) = drive_runs(&mut b, &mut server, t0, 300, 64, &[0; 4]);
+            let (ended, refused, per_window) = drive_runs(&mut b, &mut server, t0, 300, 64, &[0]);
             if refused > 130 || ended[0] > 28.0 {
                 seen.push(format!("gap {gap} ms: {refused} refused {per_window:?}, ended {:.1} s", ended[0]));
             }
