@@ -262,6 +262,9 @@ def coarse_case():
             print(f"   successes per {W} s window: {per_window}" + (f" (killed at {kill_at:g} s)" if kill_at else ""))
             refused = windows(s.get("rate_limited_per_second", []), W, skip_first=False)
             print(f"   429s per {W} s window: {refused}")
+            if os.environ.get("PER_SECOND") == "1":
+                # Where in the server's windows the successes fell (bins of 5 s may straddle them).
+                print(f"   successes per second: {s['successes_per_second']}")
             shared = [l.strip() for l in errs[-1].splitlines() if "quota shared" in l]
             if shared:
                 print(f"   last process: {shared[0]}")
