@@ -552,7 +552,8 @@ impl Throttle {
             let mine = |n: Option<u64>| n.map(|n| (n as f64, told.window, false));
             tracing::warn!(
                 "this process was told {} and {}, but the process holding the shared quota keeps {} and {}: \
-                 those are in force for every process that shares it. Give them all the same --rpm/--tpm/--limit-window, \
+                 those are in force for every process that shares it while it holds the quota (a process that takes \
+                 the quota over when it ends keeps its own). Give them all the same --rpm/--tpm/--limit-window, \
                  or --quota-store off to keep this one apart",
                 show(mine(told.requests), "requests"),
                 show(mine(told.tokens), "tokens"),
