@@ -215,6 +215,11 @@ pub async fn check_server(url: &str) -> Result<(), String> {
                 .to_string(),
         ),
         _ if text.contains("DB index") => Some("the server has no database of that number".to_string()),
+        // Something answered, but not a Redis server (a web server on that port, say): that
+        // port cannot work, whenever the run tries it.
+        (redis::ErrorKind::Parse, _) => {
+            Some("the server there answered, but not in Redis's protocol: is that a Redis server's port?".to_string())
+        }
         _ if tls && (text.contains("corrupt message") || text.contains("InvalidContentType")) => {
             Some("the server does not speak TLS; if it is on this machine, say redis://".to_string())
         }
@@ -581,6 +586,7 @@ impl Drop for Aborting {
 fn why(e: &redis::RedisError) -> String {
     match (e.kind(), e.code()) {
         (redis::ErrorKind::Io, _) => format!("{e}"),
+        (redis::ErrorKind::Parse, _) => "the server does not answer in Redis's protocol".into(),
         (_, Some("NOAUTH")) => "the server wants a password: put it in the URL, rediss://:PASSWORD@HOST:PORT".into(),
         (_, Some(code)) => format!("the server answered {code}"),
         (kind, None) => format!("{kind:?}"),

@@ -330,6 +330,23 @@ async fn a_meeting_place_others_can_write_to_is_not_used() {
 }
 
 #[tokio::test]
+async fn a_quota_store_port_that_is_no_redis_server_is_a_usage_error() {
+    // A port where something else answers (a web server: here the simulator) cannot work:
+    // exit 2, saying so, where before the run went on alone with "cannot reach … (Parse)".
+    let server = steady_sim().await;
+    let port = server.url().rsplit(':').next().unwrap().trim_end_matches('/').to_string();
+    let dir = Dir::new("share-redis-not-redis");
+    let (data, _) = prompts(3);
+    let input = dir.write("in.jsonl", &data);
+    let store = format!("redis://127.0.0.1:{port}");
+    let o = told_run(&server.url(), &dir, &input, "out", &dir.path("meet"), &store).output().await.unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("not in Redis's protocol"), "{err}");
+    assert_eq!(server.stats().requests, 0);
+}
+
+#[tokio::test]
 async fn a_redis_store_that_cannot_work_is_a_usage_error_before_any_call() {
     // A password refused, a database the server lacks: exit 2 at once, saying what to fix (and
     // not the password), where before the run went on alone with a warning.
