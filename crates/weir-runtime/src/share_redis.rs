@@ -215,13 +215,13 @@ pub async fn check_server(url: &str) -> Result<(), String> {
                 .to_string(),
         ),
         _ if text.contains("DB index") => Some("the server has no database of that number".to_string()),
-        // Something answered, but not a Redis server (a web server on that port, say): that
-        // port cannot work, whenever the run tries it.
-        (redis::ErrorKind::Parse, _) => {
-            Some("the server there answered, but not in Redis's protocol: is that a Redis server's port?".to_string())
-        }
         _ if tls && (text.contains("corrupt message") || text.contains("InvalidContentType")) => {
             Some("the server does not speak TLS; if it is on this machine, say redis://".to_string())
+        }
+        // Something answered (after the TLS case, whose hint says more), but not a Redis server (a web
+        // server on that port, say): that port cannot work, whenever the run tries it.
+        (redis::ErrorKind::Parse, _) => {
+            Some("the server there answered, but not in Redis's protocol: is that a Redis server's port?".to_string())
         }
         _ => None,
     };
