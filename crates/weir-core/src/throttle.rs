@@ -609,6 +609,28 @@ impl Throttle {
             }
             let _ = tokio::time::timeout(Duration::from_millis(100), changed).await;
         }
+        // Decided here — unless, while the call waits, another process's throttle comes to
+        // decide for this one (it holds the quota now, or answers again): then the call asks
+        // that one, instead of going out beside every call it admits.
+        tokio::select! {
+            a = self.admit_here(member, weight, start) => a,
+            () = self.routed_elsewhere() => Box::pin(self.admit_inner(member, weight)).await,
+        }
+    }
+
+    /// Returns once another process's throttle decides this one's calls.
+    async fn routed_elsewhere(&self) {
+        loop {
+            let changed = self.delegate_changed.notified();
+            if matches!(*self.route.read().unwrap_or_else(|e| e.into_inner()), Route::There(_)) {
+                return;
+            }
+            changed.await;
+        }
+    }
+
+    /// Admits a call of `member`'s by this throttle's own limits (`start`: when it asked).
+    async fn admit_here(&self, member: u64, weight: Weight, start: Instant) -> Admitted<'_> {
         self.gate.wait().await;
         if let Some(sre) = &self.sre {
             while sre.lock().unwrap_or_else(|e| e.into_inner()).throttle(Instant::now()) {
@@ -1301,6 +1323,33 @@ mod tests {
         assert_eq!(next.carried.load(Relaxed), 2);
         flying.pop().unwrap().finish(Ok((Usage::default(), None)));
         assert_eq!(next.carried.load(Relaxed), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn calls_waiting_here_go_to_a_throttle_that_comes_to_decide_for_this_one() {
+        // Told one call a minute: the second waits here. Another process's throttle comes to
+        // decide for this one (this process gave way to it): the waiting call asks that one at
+        // once, instead of going out at this one's pace beside every call that one admits.
+        let t = Arc::new(Throttle::new(&ThrottleSettings {
+            rate: RateSettings { requests: Some(1), window: Duration::from_secs(60), ..RateSettings::default() },
+            adaptive: false,
+            store: QuotaStore::Off,
+            ..ThrottleSettings::default()
+        }));
+        let never = CancellationToken::new();
+        let first = t.admit(Weight::default(), &never).await.unwrap();
+        let waiting = {
+            let (t, never) = (t.clone(), never.clone());
+            tokio::spawn(async move { t.admit(Weight::default(), &never).await.map(|a| a.remote.is_some()) })
+        };
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(!waiting.is_finished(), "a second call within the minute");
+        let there = Arc::new(Elsewhere::default());
+        there.open.store(true, Relaxed);
+        t.delegate_to(Some(there.clone()));
+        let remote = tokio::time::timeout(Duration::from_secs(1), waiting).await.expect("still waiting here").unwrap();
+        assert_eq!(remote, Some(true), "admitted here, not by the throttle deciding now");
+        drop(first);
     }
 
     #[tokio::test(start_paused = true)]

@@ -66,7 +66,6 @@ pub fn quota_name(model: &str, endpoint: &str, credential: Option<&str>) -> Stri
 /// The directory where processes meet, made private to this user if new. `Err` says why it
 /// cannot be used (then each process keeps the quota alone).
 fn meeting_dir() -> Result<PathBuf, String> {
-    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
     let uid = uid();
     // Empty is unset. Only the meeting directory itself is made, never its parents: a
     // mistyped path must not grow a tree of directories from the root.
@@ -81,14 +80,23 @@ fn meeting_dir() -> Result<PathBuf, String> {
             _ => std::env::temp_dir().join(format!("weir-{uid}")),
         },
     };
-    match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+    private_dir(&dir)?;
+    Ok(dir)
+}
+
+/// Makes `dir` (not its parents) private to this user if it is not there; `Err` says why it
+/// cannot be where processes meet.
+fn private_dir(dir: &std::path::Path) -> Result<(), String> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+    let uid = uid();
+    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
         Err(e) => return Err(format!("cannot make {}: {e}", dir.display())),
     }
     // Another user's directory (made first, in a shared /tmp) must not be trusted: whoever
     // owns it could answer for the holder.
-    let meta = std::fs::symlink_metadata(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let meta = std::fs::symlink_metadata(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let wrong = if meta.file_type().is_symlink() {
         Some("is a symbolic link (processes meet only in a real directory)".to_string())
     } else if !meta.is_dir() {
@@ -103,7 +111,7 @@ fn meeting_dir() -> Result<PathBuf, String> {
     if let Some(wrong) = wrong {
         return Err(format!("{} {wrong}; set {DIR_VAR} to a directory of this user's alone (mode 700)", dir.display()));
     }
-    Ok(dir)
+    Ok(())
 }
 
 /// Joins the processes that share `throttle`'s quota under `name`: from now on, while another
@@ -258,7 +266,7 @@ fn share_of_silent_holder(throttle: &Arc<Throttle>, place: &Place) {
 /// 20 ms, or less often when writing takes long (a window of many calls), and once more when
 /// the task ends with the process (a normal exit hands over everything; a kill, all but the
 /// last few milliseconds).
-async fn write_down(throttle: Weak<Throttle>, path: PathBuf) {
+async fn write_down(throttle: Weak<Throttle>, path: PathBuf, holding: CancellationToken) {
     struct Last(Weak<Throttle>, PathBuf);
     impl Drop for Last {
         fn drop(&mut self) {
@@ -267,11 +275,18 @@ async fn write_down(throttle: Weak<Throttle>, path: PathBuf) {
             }
         }
     }
-    let _last = Last(throttle.clone(), path.clone());
+    let mut written = Last(throttle.clone(), path.clone());
     let mut last = u64::MAX;
     let mut pause = STATE_EVERY;
     loop {
-        tokio::time::sleep(pause).await;
+        tokio::select! {
+            () = holding.cancelled() => {
+                // Another process holds the quota and writes down what it knows from now on.
+                written.0 = Weak::new();
+                return;
+            }
+            () = tokio::time::sleep(pause) => {}
+        }
         let Some(t) = throttle.upgrade() else { return };
         let admitted = t.admitted();
         if admitted == last {
@@ -331,6 +346,8 @@ async fn supervise(throttle: Weak<Throttle>, place: Place) {
     let mut silent = false;
     // Since when a holder has had the lock but no socket yet.
     let mut starting_since: Option<tokio::time::Instant> = None;
+    // This process held the quota until another took it: the holder is to count what it sent.
+    let mut displaced = false;
     loop {
         let Some(t) = throttle.upgrade() else { return };
         match try_hold(&place) {
@@ -344,10 +361,16 @@ async fn supervise(throttle: Weak<Throttle>, place: Place) {
                 if let Some(dir) = place.lock.parent().map(|d| d.to_path_buf()) {
                     tokio::task::spawn_blocking(move || sweep(&dir, std::time::SystemTime::now()));
                 }
+                let holding = CancellationToken::new();
                 held().lock().unwrap_or_else(|e| e.into_inner()).push((Arc::downgrade(&t), place.state.clone()));
-                tokio::spawn(write_down(Arc::downgrade(&t), place.state.clone()));
-                serve(t, listener, lock).await;
-                return;
+                tokio::spawn(write_down(Arc::downgrade(&t), place.state.clone(), holding.clone()));
+                serve(t, listener, lock, &place, &holding).await;
+                // Only when another process took the quota (its files were removed meanwhile):
+                // this one follows it from now on.
+                holding.cancel();
+                held().lock().unwrap_or_else(|e| e.into_inner()).retain(|(_, path)| *path != place.state);
+                displaced = true;
+                continue;
             }
             Ok(None) => {}
             Err(e) => {
@@ -380,10 +403,13 @@ async fn supervise(throttle: Weak<Throttle>, place: Place) {
                     }
                 }
                 let Some(t) = throttle.upgrade() else { return };
-                if std::mem::take(&mut silent) {
-                    // What this process sent alone is in the server's window: the holder
-                    // counts it (before any call of this process asks it).
+                let was_silent = std::mem::take(&mut silent);
+                if was_silent || std::mem::take(&mut displaced) {
+                    // What this process sent alone (or as the holder) is in the server's
+                    // window: the holder counts it (before any call of this process asks it).
                     peer.tell_sent(t.rate_limiter().export());
+                }
+                if was_silent {
                     tracing::warn!("the process holding the shared quota answers again; sharing the quota");
                 }
                 t.set_sole(true);
@@ -612,15 +638,51 @@ fn line<T: Serialize>(msg: &T) -> Vec<u8> {
     l
 }
 
+/// How often the holder checks that its lock file and socket are still where processes meet.
+const CHECK_PLACE_EVERY: Duration = Duration::from_millis(500);
+
 /// Serves the throttle to the processes that share its quota, for as long as this process
-/// lives (the lock is held as long as `_lock` is open).
-async fn serve(throttle: Arc<Throttle>, listener: UnixListener, _lock: std::fs::File) {
+/// lives (the lock is held as long as `lock` is open), or until another process holds the
+/// quota: then the processes it served are let go (to find that one), and `holding` cancelled.
+///
+/// The meeting directory can be removed under a holder (a cleaner of `/tmp`, a user's
+/// `rm -rf`): its lock and socket go with it, and a process started next would make a new lock,
+/// hold that, and keep a throttle of its own beside this one. So every [`CHECK_PLACE_EVERY`] the
+/// holder makes its files again if they went; only a process started in that half second can
+/// take the quota, and then this one gives way to it.
+async fn serve(
+    throttle: Arc<Throttle>,
+    mut listener: UnixListener,
+    mut lock: std::fs::File,
+    place: &Place,
+    holding: &CancellationToken,
+) {
     let peers = Arc::new(AtomicUsize::new(0));
-    tokio::spawn(watch_for_a_stop(Arc::downgrade(&throttle)));
+    tokio::spawn(watch_for_a_stop(Arc::downgrade(&throttle), holding.clone()));
     // Each served process's number for the throttle's turns (this one is 0).
     let mut member = 0u64;
+    let mut socket = file_id(&place.socket);
+    let mut check = tokio::time::interval(CHECK_PLACE_EVERY);
+    check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        let stream = match listener.accept().await {
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            _ = check.tick() => {
+                match keep_place(place, &mut lock, &mut listener, &mut socket) {
+                    Holding::Yes => continue,
+                    Holding::Another => {
+                        tracing::warn!(
+                            "the files where processes share the quota ({}) were removed, and another process holds the \
+                             quota now; this one shares it with that one",
+                            place.lock.parent().unwrap_or(&place.lock).display()
+                        );
+                        holding.cancel();
+                        return;
+                    }
+                }
+            }
+        };
+        let stream = match accepted {
             Ok((s, _)) => s,
             Err(e) => {
                 tracing::debug!("shared quota: accept failed: {e}");
@@ -634,22 +696,85 @@ async fn serve(throttle: Arc<Throttle>, listener: UnixListener, _lock: std::fs::
         }
         member += 1;
         let (throttle, peers) = (throttle.clone(), peers.clone());
+        let let_go = LetGo { silent_after: Some(HOLDER_SILENT), stop: holding.clone() };
         tokio::spawn(async move {
             let (read, write) = tokio::io::split(stream);
-            serve_peer(&throttle, BufReader::new(read).lines(), write, &peers, member, 1, Some(HOLDER_SILENT)).await;
+            serve_peer(&throttle, BufReader::new(read).lines(), write, &peers, member, 1, let_go).await;
         });
     }
+}
+
+/// The device and inode of the file at `path`, if there is one.
+fn file_id(path: &std::path::Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::symlink_metadata(path).ok().map(|m| (m.dev(), m.ino()))
+}
+
+/// Whether the holder still holds the quota where processes meet.
+enum Holding {
+    /// Yes: its files are there (made again if they had gone).
+    Yes,
+    /// Another process holds the lock at the quota's path now.
+    Another,
+}
+
+/// Makes the holder's lock file and socket again if they are no longer at `place` (removed with
+/// the meeting directory, or on their own). `socket` is the socket file this holder bound.
+fn keep_place(
+    place: &Place,
+    lock: &mut std::fs::File,
+    listener: &mut UnixListener,
+    socket: &mut Option<(u64, u64)>,
+) -> Holding {
+    let lock_kept = same_file(lock, &place.lock);
+    if lock_kept && socket.is_some() && file_id(&place.socket) == *socket {
+        return Holding::Yes;
+    }
+    let dir = place.lock.parent().unwrap_or(&place.lock);
+    if let Err(why) = private_dir(dir) {
+        tracing::debug!("cannot make the meeting directory again: {why}");
+        return Holding::Yes;
+    }
+    let made = if lock_kept {
+        // Only the socket went: bound again (this process still holds the lock).
+        let _ = std::fs::remove_file(&place.socket);
+        UnixListener::bind(&place.socket).map(|l| *listener = l)
+    } else {
+        match try_hold(place) {
+            Ok(Some((l, li))) => {
+                *lock = l;
+                *listener = li;
+                Ok(())
+            }
+            Ok(None) => return Holding::Another,
+            Err(e) => Err(e),
+        }
+    };
+    match made {
+        Ok(()) => {
+            *socket = file_id(&place.socket);
+            tracing::warn!(
+                "the files where processes share the quota were removed from {}; made them again",
+                dir.display()
+            );
+        }
+        Err(e) => tracing::debug!("cannot make the shared quota's files again: {e}"),
+    }
+    Holding::Yes
 }
 
 /// Notices this process resuming after it was stopped (Ctrl-Z, SIGSTOP) while it held the
 /// quota: its clock jumped by more than the others wait before they decide alone, so they did,
 /// and its budgets keep only their share until they hear what the others sent (see
 /// [`weir_core::rate::Budget::resumed`]).
-async fn watch_for_a_stop(throttle: Weak<Throttle>) {
+async fn watch_for_a_stop(throttle: Weak<Throttle>, holding: CancellationToken) {
     const TICK: Duration = Duration::from_millis(250);
     loop {
         let before = tokio::time::Instant::now();
-        tokio::time::sleep(TICK).await;
+        tokio::select! {
+            () = holding.cancelled() => return,
+            () = tokio::time::sleep(TICK) => {}
+        }
         let Some(t) = throttle.upgrade() else { return };
         if before.elapsed() >= HOLDER_SILENT + TICK {
             let n = t.sharing().processes.max(2);
@@ -692,6 +817,14 @@ struct Served {
     result: oneshot::Sender<(Reported, Duration)>,
 }
 
+/// When a holder lets a process it serves go, besides the process closing its connection.
+pub(crate) struct LetGo {
+    /// After this long without a line from it (none: never for silence).
+    pub(crate) silent_after: Option<Duration>,
+    /// When this is cancelled.
+    pub(crate) stop: CancellationToken,
+}
+
 /// Admits one process's calls until it goes. Calls it leaves admitted and unreported stay
 /// counted (they may have been sent), and free their slots as the throttle frees them.
 /// `others`: the processes sharing the quota besides those served (1 when the holder calls the
@@ -703,8 +836,9 @@ pub(crate) async fn serve_peer(
     peers: &Arc<AtomicUsize>,
     member: u64,
     others: usize,
-    silent_after: Option<Duration>,
+    let_go: LetGo,
 ) {
+    let LetGo { silent_after, stop } = let_go;
     let (tx, writer) = writer(write);
     let gone = CancellationToken::new();
     {
@@ -729,9 +863,15 @@ pub(crate) async fn serve_peer(
         // the calls it was granted and has not reported free their slots, instead of holding
         // every other process's calls until it resumes (then it finds the connection closed,
         // and joins again).
-        let next = match silent_after {
-            Some(d) => next_line_within(&mut lines, d).await,
-            None => Ok(lines.next_line().await.ok().flatten()),
+        let next = tokio::select! {
+            next = async {
+                match silent_after {
+                    Some(d) => next_line_within(&mut lines, d).await,
+                    None => Ok(lines.next_line().await.ok().flatten()),
+                }
+            } => next,
+            // The holder gives way to another: the process finds that one.
+            () = stop.cancelled() => Ok(None),
         };
         let l = match next {
             Ok(Some(l)) => l,
@@ -1233,7 +1373,8 @@ impl Keeper {
             (kept.throttle.clone(), kept.peers.clone(), kept.members)
         };
         let (read, write) = tokio::io::split(link);
-        serve_peer(&throttle, BufReader::new(read).lines(), write, &peers, member, 0, Some(HOLDER_SILENT)).await;
+        let let_go = LetGo { silent_after: Some(HOLDER_SILENT), stop: CancellationToken::new() };
+        serve_peer(&throttle, BufReader::new(read).lines(), write, &peers, member, 0, let_go).await;
         if peers.load(Relaxed) == 0 {
             let me = self.clone();
             tokio::spawn(async move {
@@ -1251,6 +1392,45 @@ impl Keeper {
 mod tests {
     use super::*;
     use weir_core::QuotaStore;
+
+    /// A quota held in `meet` (made): its place, lock, listener and socket file.
+    fn held_in(meet: &std::path::Path) -> (Place, std::fs::File, UnixListener, Option<(u64, u64)>) {
+        private_dir(meet).unwrap();
+        let place = Place { lock: meet.join("q.lock"), socket: meet.join("q.sock"), state: meet.join("q.state") };
+        let (lock, listener) = try_hold(&place).unwrap().unwrap();
+        let socket = file_id(&place.socket);
+        (place, lock, listener, socket)
+    }
+
+    #[tokio::test]
+    async fn a_holder_whose_files_were_removed_makes_them_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let meet = dir.path().join("meet");
+        let (place, mut lock, mut listener, mut socket) = held_in(&meet);
+        assert!(matches!(keep_place(&place, &mut lock, &mut listener, &mut socket), Holding::Yes));
+        std::fs::remove_dir_all(&meet).unwrap();
+        assert!(matches!(keep_place(&place, &mut lock, &mut listener, &mut socket), Holding::Yes));
+        // The lock at the path is this holder's (no one else can take it), and its socket answers.
+        assert!(try_hold(&place).unwrap().is_none());
+        assert!(same_file(&lock, &place.lock));
+        UnixStream::connect(&place.socket).await.unwrap();
+        // Only the socket removed: bound again.
+        std::fs::remove_file(&place.socket).unwrap();
+        assert!(matches!(keep_place(&place, &mut lock, &mut listener, &mut socket), Holding::Yes));
+        UnixStream::connect(&place.socket).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_holder_gives_way_to_one_that_took_the_quota_while_its_files_were_gone() {
+        let dir = tempfile::tempdir().unwrap();
+        let meet = dir.path().join("meet");
+        let (place, mut lock, mut listener, mut socket) = held_in(&meet);
+        std::fs::remove_dir_all(&meet).unwrap();
+        // A process started in between made the directory and holds the new lock.
+        private_dir(&meet).unwrap();
+        let (_their_lock, _their_listener) = try_hold(&place).unwrap().unwrap();
+        assert!(matches!(keep_place(&place, &mut lock, &mut listener, &mut socket), Holding::Another));
+    }
 
     fn told(requests: u64) -> Arc<Throttle> {
         Arc::new(Throttle::new(&ThrottleSettings {

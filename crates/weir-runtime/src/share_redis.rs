@@ -26,7 +26,7 @@ use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use weir_core::Throttle;
 
-use crate::share::{serve_peer, Handed, Peer, STATE_GRACE};
+use crate::share::{serve_peer, Handed, LetGo, Peer, STATE_GRACE};
 
 /// How long a holder's lease lasts without renewal.
 const LEASE: Duration = Duration::from_secs(3);
@@ -420,7 +420,8 @@ async fn hold(
             tokio::spawn(async move {
                 // Not let go for silence here: Redis carries the lines late at times, and
                 // a member that stops sending is dropped by its own timeout (`seen`).
-                serve_peer(&t2, BufReader::new(served_in).lines(), served_out, &peers2, no, 1, None).await;
+                let let_go = LetGo { silent_after: None, stop: tokio_util::sync::CancellationToken::new() };
+                serve_peer(&t2, BufReader::new(served_in).lines(), served_out, &peers2, no, 1, let_go).await;
             });
             tokio::spawn(send_out(from_served, conn.clone(), format!("{key}:out:{}", note.from)));
             Member { feed, seen: tokio::time::Instant::now() }

@@ -207,6 +207,41 @@ async fn follower_takes_over(
 }
 
 #[tokio::test]
+async fn a_holder_makes_its_files_again_when_the_meeting_place_is_removed() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    // The meeting directory removed under a running holder (a cleaner of /tmp, an `rm -rf`):
+    // a process started afterwards made a lock of its own, held it, and kept a throttle beside
+    // the first one's, each sending the told 10 a second. The holder makes its files again, so
+    // the newcomer joins it.
+    let server = steady_sim().await;
+    let url = server.url();
+    let dir = Dir::new("share-removed");
+    let meet = dir.path("meet");
+    let (data, ids) = prompts(50);
+    let input_a = dir.write("a.jsonl", &data);
+    let input_b = dir.write("b.jsonl", &data);
+    let mut holder = told_run(&url, &dir, &input_a, "a.out", &meet, "local");
+    let holder = holder.stderr(std::process::Stdio::piped()).spawn().unwrap();
+    holder_listens(&meet).await;
+    std::fs::remove_dir_all(&meet).unwrap();
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let mut newcomer = told_run(&url, &dir, &input_b, "b.out", &meet, "local");
+    let newcomer = newcomer.stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let (oa, ob) = tokio::join!(holder.wait_with_output(), newcomer.wait_with_output());
+    let (oa, ob) = (oa.unwrap(), ob.unwrap());
+    let (ea, eb) = (String::from_utf8_lossy(&oa.stderr), String::from_utf8_lossy(&ob.stderr));
+    assert!(oa.status.success() && ob.status.success(), "{ea}\n{eb}");
+    assert!(ea.contains("made them again"), "{ea}");
+    assert!(eb.contains("quota shared by 2 processes on this machine"), "{eb}");
+    for out in ["a.out", "b.out"] {
+        util::assert_each_id_once(&ids, &rows(&dir.path(out)), &[]);
+    }
+    let per_second = server.stats().successes_per_second;
+    let busiest = per_second.iter().copied().max().unwrap_or(0);
+    assert!(busiest <= 15, "{busiest} answers in one second: {per_second:?}\n{ea}\n{eb}");
+}
+
+#[tokio::test]
 async fn a_stopped_holder_does_not_stop_the_others() {
     let _one = ONE_AT_A_TIME.lock().await;
     // Ctrl-Z (SIGSTOP) on the process holding the quota: it keeps its lock, and its socket still
