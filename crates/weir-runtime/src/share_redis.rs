@@ -41,6 +41,9 @@ const LIST_TTL_MS: i64 = 10_000;
 /// How long a process goes without any answer from its holder (which echoes every "alive")
 /// before it leaves it for another.
 const UNANSWERED_FOR: Duration = Duration::from_secs(5);
+/// How recently a holder whose lease is gone must have answered for its followers to wait for
+/// it to take the lease again (it renews every [`RENEW_EVERY`]) rather than take it themselves.
+const STILL_THERE: Duration = Duration::from_millis(1500);
 /// The holder's answer to a process's "alive": not a line of the protocol.
 const ECHO: &str = "alive";
 /// How often, at most, the holder writes down its budgets.
@@ -367,8 +370,15 @@ async fn hold(
     let peers = Arc::new(AtomicUsize::new(0));
     let mut members: HashMap<String, Member> = HashMap::new();
     let tasks = Aborting(tokio::spawn(write_down(throttle.clone(), conn.clone(), format!("{key}:state"))));
+    // Renewed while it is this process's; taken again when it is nobody's (a FLUSHALL, or a
+    // Redis restarted, removed it): the processes this one serves go on with it rather than
+    // with a holder that knows nothing of the quota (a helper saw 12 % of calls refused after a
+    // FLUSHALL, when a follower took the lease with no state left to start from).
     let renew = redis::Script::new(
-        "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) else return 0 end",
+        "local v = redis.call('get', KEYS[1]) \
+         if v == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) \
+         elseif not v then redis.call('set', KEYS[1], ARGV[1], 'PX', ARGV[2]) return 2 \
+         else return 0 end",
     );
     let mut next_renewal = tokio::time::Instant::now() + RENEW_EVERY;
     let mut number = 0u64;
@@ -383,9 +393,18 @@ async fn hold(
         if tokio::time::Instant::now() >= next_renewal {
             let renewed: redis::RedisResult<i64> =
                 renew.key(&holder_key).arg(me).arg(LEASE.as_millis() as u64).invoke_async(&mut conn).await;
-            if !matches!(renewed, Ok(1)) {
-                tracing::debug!("no longer holding the quota shared through Redis");
-                break;
+            match renewed {
+                Ok(1) => {}
+                Ok(2) => {
+                    tracing::debug!("took the quota's lease again (its keys were removed)");
+                    if let Some(t) = throttle.upgrade() {
+                        write_state(&t, &mut conn, &format!("{key}:state")).await;
+                    }
+                }
+                _ => {
+                    tracing::debug!("no longer holding the quota shared through Redis");
+                    break;
+                }
             }
             next_renewal += RENEW_EVERY;
             // Processes not heard from are dropped: their served calls end (kept counted).
@@ -540,8 +559,13 @@ async fn follow(
         if tokio::time::Instant::now() >= next_beat {
             next_beat += BEAT_EVERY;
             let holds: redis::RedisResult<Option<String>> = conn.get(format!("{key}:holder")).await;
-            if holds.ok().flatten().as_deref() != Some(holder) {
-                break;
+            match holds {
+                Ok(Some(h)) if h == holder => {}
+                // The lease is nobody's, but the holder answered just now: its keys were
+                // removed (a FLUSHALL), and it takes the lease again at its next renewal. A
+                // holder that died has not answered for as long as its lease ran on.
+                Ok(None) if last_heard.elapsed() < STILL_THERE => {}
+                _ => break,
             }
             if push(&mut conn, &inbox, &alive).await.is_err() {
                 break;
