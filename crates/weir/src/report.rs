@@ -276,6 +276,15 @@ impl RunReport {
             s.push_str(&format!("  {}\n", sharing_text(&self.sharing, &self.shared_through)));
         } else if let Some(why) = &self.unshared {
             s.push_str(&format!("  quota not shared with other processes: {why}\n"));
+        } else if self.sharing.alone_now {
+            // The store was named but never reached (a Redis server down, a holder silent from
+            // the start): the warning scrolled away, and a run that shared nothing must not
+            // look like one that had no one to share with.
+            s.push_str(&format!(
+                "  quota not shared: the store where processes share it ({}) could not be reached (see the warning \
+                 above), and this process kept the quota alone\n",
+                self.shared_through
+            ));
         }
         s.push_str(&pool_lines(&self.pool));
         for (model, concurrency, rates) in &self.other_limits {

@@ -527,6 +527,8 @@ async fn a_redis_store_that_cannot_be_used_is_said_so() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{err}");
     assert!(err.contains("cannot reach redis://127.0.0.1:"), "{err}");
+    // In the summary too (the warning scrolls away).
+    assert!(err.contains("quota not shared: the store where processes share it (through redis://127.0.0.1:"), "{err}");
     assert!(!err.contains("hunter2"), "the password was shown: {err}");
     assert_eq!(rows(&dir.path("out")).len(), ids.len());
 }
