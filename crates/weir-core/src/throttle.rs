@@ -91,6 +91,9 @@ pub struct Sharing {
     /// This process was deciding alone when asked, having lost the others (its quota store
     /// could not be reached, or the holder stopped answering).
     pub alone_now: bool,
+    /// At the end, the quota store could not be reached and only the processes on this machine
+    /// shared the quota (they meet through it meanwhile; see `--quota-store`).
+    pub machine_only: bool,
 }
 
 /// A throttle that another process holds for this one: when several processes call one
@@ -155,6 +158,8 @@ pub struct Throttle {
     most_processes: std::sync::atomic::AtomicUsize,
     /// Deciding alone because the quota store failed (see [`Throttle::set_sole`]).
     alone: std::sync::atomic::AtomicBool,
+    /// See [`Sharing::machine_only`].
+    machine_only: std::sync::atomic::AtomicBool,
     /// Why the quota could not be shared with the other processes that call the endpoint (a
     /// meeting directory weir cannot use, a store it cannot reach), for the summary.
     unshared: Mutex<Option<String>>,
@@ -268,6 +273,7 @@ impl Throttle {
             unclaimed: Mutex::new(0),
             most_processes: std::sync::atomic::AtomicUsize::new(1),
             alone: std::sync::atomic::AtomicBool::new(false),
+            machine_only: std::sync::atomic::AtomicBool::new(false),
             unshared: Mutex::new(None),
             remote_calls: Mutex::default(),
             warned_limits: std::sync::atomic::AtomicBool::new(false),
@@ -282,6 +288,12 @@ impl Throttle {
     pub fn set_sole(&self, sole: bool) {
         self.rate.set_sole(sole);
         self.alone.store(!sole, Relaxed);
+    }
+
+    /// Says whether only the processes on this machine share the quota now, its store not
+    /// reached (see [`Sharing::machine_only`]).
+    pub fn set_machine_only(&self, yes: bool) {
+        self.machine_only.store(yes, Relaxed);
     }
 
     /// Says the quota cannot be shared with other processes, and why: this process decides
@@ -310,7 +322,11 @@ impl Throttle {
 
     /// How the quota was shared, as this process saw it.
     pub fn sharing(&self) -> Sharing {
-        Sharing { processes: self.most_processes.load(Relaxed), alone_now: self.alone.load(Relaxed) }
+        Sharing {
+            processes: self.most_processes.load(Relaxed),
+            alone_now: self.alone.load(Relaxed),
+            machine_only: self.machine_only.load(Relaxed),
+        }
     }
 
     /// Defers every admission to `delegate` (a shared throttle another process holds), or, with
@@ -517,9 +533,12 @@ impl Throttle {
             if q.is_empty() {
                 t.queues.remove(&member);
             }
-            t.last = member;
-            // A call that stopped waiting (cancelled) passes its turn on at once.
+            // A call that stopped waiting (cancelled) passes its turn on at once — to its own
+            // process's next call: the turn is the process's, not the call's. (Moving on to the
+            // next process here, a follower whose 200 waiting calls were cancelled when the
+            // holder it asked changed lost 200 turns, and no call of its went for 10 s.)
             if tx.send(()).is_ok() {
+                t.last = member;
                 return;
             }
         }
@@ -1352,11 +1371,10 @@ mod tests {
         drop(first);
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn processes_take_turns_whichever_asked_first() {
-        // Two per second. Process 1's twenty calls all ask before process 0's; still, from the
-        // first grant on, the two alternate (fairness by process, not by arrival), and a call
-        // cancelled while it waits passes its turn on.
+    /// Asks a throttle of two calls a second to admit a call of each `(member, cancel)`, in
+    /// order (each asks before the next), then cancels `gone`; the members in the order their
+    /// calls were admitted.
+    async fn admitted_in_turn(calls: Vec<(u64, CancellationToken)>, gone: &CancellationToken) -> Vec<u64> {
         let throttle = Arc::new(Throttle::new(&ThrottleSettings {
             rate: RateSettings { requests: Some(2), window: Duration::from_secs(1), ..RateSettings::default() },
             adaptive: false,
@@ -1364,27 +1382,37 @@ mod tests {
             ..ThrottleSettings::default()
         }));
         let order = Arc::new(Mutex::new(Vec::new()));
-        let cancel = CancellationToken::new();
         let mut tasks = Vec::new();
-        let gone = CancellationToken::new();
-        for member in [1u64, 0] {
-            for i in 0..20 {
-                let (throttle, order) = (throttle.clone(), order.clone());
-                let cancel = if member == 1 && i == 5 { gone.clone() } else { cancel.clone() };
-                tasks.push(tokio::spawn(async move {
-                    if let Some(a) = throttle.admit_for(member, Weight::default(), &cancel).await {
-                        order.lock().unwrap().push(member);
-                        a.finish(Ok((Usage::default(), None)));
-                    }
-                }));
-                tokio::task::yield_now().await;
-            }
+        for (member, cancel) in calls {
+            let (throttle, order) = (throttle.clone(), order.clone());
+            tasks.push(tokio::spawn(async move {
+                if let Some(a) = throttle.admit_for(member, Weight::default(), &cancel).await {
+                    order.lock().unwrap().push(member);
+                    a.finish(Ok((Usage::default(), None)));
+                }
+            }));
+            tokio::task::yield_now().await;
         }
         gone.cancel();
         for t in tasks {
             t.await.unwrap();
         }
         let order = order.lock().unwrap().clone();
+        order
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn processes_take_turns_whichever_asked_first() {
+        // Two per second. Process 1's twenty calls all ask before process 0's; still, from the
+        // first grant on, the two alternate (fairness by process, not by arrival), and a call
+        // cancelled while it waits passes its turn on.
+        let (keep, gone) = (CancellationToken::new(), CancellationToken::new());
+        let calls = [1u64, 0]
+            .into_iter()
+            .flat_map(|m| (0..20).map(move |i| (m, i)))
+            .map(|(m, i)| (m, if m == 1 && i == 5 { gone.clone() } else { keep.clone() }))
+            .collect();
+        let order = admitted_in_turn(calls, &gone).await;
         assert_eq!(order.len(), 39, "the cancelled call is not admitted, and nothing is stuck");
         // Once both have calls waiting (after process 1's first few), they alternate: never
         // three in a row from one (two where the cancelled call passed its turn on), even
@@ -1393,6 +1421,22 @@ mod tests {
         assert!(both.windows(3).all(|w| !(w[0] == w[1] && w[1] == w[2])), "{order:?}");
         let zeros = both.iter().filter(|&&m| m == 0).count();
         assert!(zeros.abs_diff(both.len() - zeros) <= 2, "{order:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_process_whose_waiting_calls_were_cancelled_keeps_its_turns() {
+        // Two per second. Process 1's first twenty calls are cancelled while they wait (their
+        // process left, or asked elsewhere); its next ten still alternate with process 0's.
+        let (keep, gone) = (CancellationToken::new(), CancellationToken::new());
+        let calls = [(0u64, 20, &keep), (1, 20, &gone), (1, 10, &keep)]
+            .into_iter()
+            .flat_map(|(m, n, c)| (0..n).map(move |_| (m, c.clone())))
+            .collect();
+        let order = admitted_in_turn(calls, &gone).await;
+        assert_eq!(order.len(), 30, "{order:?}");
+        // Process 1's ten go among the first twenty-two, not after all of process 0's.
+        let ones = order[..22].iter().filter(|&&m| m == 1).count();
+        assert!(ones >= 9, "{order:?}");
     }
 
     #[test]

@@ -250,7 +250,7 @@ pub fn join(throttle: &Arc<Throttle>, name: String, url: &str) {
         }
     };
     throttle.await_delegate();
-    tokio::spawn(supervise(Arc::downgrade(throttle), client, format!("weir:quota:{name}"), describe(url)));
+    tokio::spawn(supervise(Arc::downgrade(throttle), client, name, describe(url)));
 }
 
 fn random_id() -> String {
@@ -272,9 +272,15 @@ async fn connect(client: &redis::Client) -> redis::RedisResult<redis::aio::Multi
 }
 
 /// Holds the quota when nobody does, else follows the holder; again whenever that changes. While
-/// Redis cannot be reached, this process decides alone.
-async fn supervise(throttle: Weak<Throttle>, client: redis::Client, key: String, place: String) {
+/// Redis cannot be reached, this process shares the quota with the processes on this machine
+/// that named the same store (see [`crate::share::fall_back`]), else decides alone.
+async fn supervise(throttle: Weak<Throttle>, client: redis::Client, name: String, place: String) {
+    let key = format!("weir:quota:{name}");
     let mut said = false;
+    // Sharing through this machine while Redis cannot be reached.
+    let mut fallback: Option<crate::share::Fallback> = None;
+    // This process held the quota through Redis last.
+    let mut held = false;
     loop {
         if LEFT.load(std::sync::atomic::Ordering::SeqCst) {
             return;
@@ -298,10 +304,17 @@ async fn supervise(throttle: Weak<Throttle>, client: redis::Client, key: String,
             Ok(holder.map(|h| (conn, h, false)))
         };
         let result = attempt.await;
+        if result.as_ref().is_ok_and(|r| r.is_some()) {
+            if let Some(f) = fallback.take() {
+                f.end().await;
+                tracing::warn!("{place} can be reached again; sharing the quota through it");
+            }
+        }
         let Some(t) = throttle.upgrade() else { return };
         match result {
             Ok(Some((conn, me, true))) => {
                 said = false;
+                held = true;
                 take_over(&t, conn.clone(), &key).await;
                 t.set_sole(true);
                 t.delegate_to(None);
@@ -311,6 +324,9 @@ async fn supervise(throttle: Weak<Throttle>, client: redis::Client, key: String,
             }
             Ok(Some((conn, holder, false))) => {
                 said = false;
+                held = false;
+                // One throttle for all again (after Redis could not be reached, say).
+                t.set_sole(true);
                 drop(t);
                 follow(&throttle, &client, conn, &key, &holder, &place).await;
             }
@@ -319,10 +335,16 @@ async fn supervise(throttle: Weak<Throttle>, client: redis::Client, key: String,
             Err(e) => {
                 // Others may be deciding alone too: their sends make the window look longer.
                 t.set_sole(false);
-                t.delegate_to(None);
+                if fallback.is_none() {
+                    fallback = crate::share::fall_back(&t, &name, held);
+                    if fallback.is_none() {
+                        t.delegate_to(None);
+                    }
+                }
                 if !said {
                     tracing::warn!(
-                        "cannot reach {place} to share the quota ({}); this process keeps it alone until it can",
+                        "cannot reach {place} to share the quota ({}); this process shares it with the processes on \
+                         this machine that name it too, and with no others, until it can",
                         why(&e)
                     );
                     said = true;

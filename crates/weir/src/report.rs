@@ -272,7 +272,13 @@ impl RunReport {
             "  limits: {limits}; {}/s succeeded\n",
             thousands((self.succeeded as f64 / self.elapsed.as_secs_f64()).round() as u64)
         ));
-        if self.sharing.processes > 1 {
+        if self.sharing.processes > 1 && self.sharing.machine_only {
+            s.push_str(&format!(
+                "  quota shared by {} processes at most; at the end the store where processes share it ({}) could not \
+                 be reached, and only the processes on this machine shared it (see the warning above)\n",
+                self.sharing.processes, self.shared_through
+            ));
+        } else if self.sharing.processes > 1 {
             s.push_str(&format!("  {}\n", sharing_text(&self.sharing, &self.shared_through)));
         } else if let Some(why) = &self.unshared {
             s.push_str(&format!("  quota not shared with other processes: {why}\n"));

@@ -242,6 +242,36 @@ async fn a_holder_makes_its_files_again_when_the_meeting_place_is_removed() {
 }
 
 #[tokio::test]
+async fn the_quota_passes_on_when_its_holder_is_killed_and_the_meeting_place_removed() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    // The directory removed and the holder killed at once: the follower found no directory to
+    // take the lock in, and kept the quota alone for the rest of its run (a process started
+    // then made a throttle of its own beside it). It makes the directory again and holds.
+    let server = steady_sim().await;
+    let url = server.url();
+    let dir = Dir::new("share-kill-removed");
+    let meet = dir.path("meet");
+    let (data, ids) = prompts(40);
+    let input_a = dir.write("a.jsonl", &data);
+    let input_b = dir.write("b.jsonl", &data);
+    let mut holder = told_run(&url, &dir, &input_a, "a.out", &meet, "local").spawn().unwrap();
+    holder_listens(&meet).await;
+    let mut follower = told_run(&url, &dir, &input_b, "b.out", &meet, "local");
+    let follower = follower.env("WEIR_LOG", "weir_runtime=debug").stderr(std::process::Stdio::piped()).spawn().unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    std::fs::remove_dir_all(&meet).unwrap();
+    holder.start_kill().unwrap();
+    holder.wait().await.unwrap();
+    let o = follower.wait_with_output().await.unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("made it again"), "{err}");
+    assert!(!err.contains("not shared"), "{err}");
+    assert!(err.contains("holding the shared quota"), "{err}");
+    util::assert_each_id_once(&ids, &rows(&dir.path("b.out")), &[]);
+}
+
+#[tokio::test]
 async fn a_stopped_holder_does_not_stop_the_others() {
     let _one = ONE_AT_A_TIME.lock().await;
     // Ctrl-Z (SIGSTOP) on the process holding the quota: it keeps its lock, and its socket still
@@ -589,6 +619,47 @@ fn seconds_of_day(hms: &str) -> Option<f64> {
     let (h, m, s) =
         (parts.next()?.parse::<f64>().ok()?, parts.next()?.parse::<f64>().ok()?, parts.next()?.parse::<f64>().ok()?);
     Some(h * 3600.0 + m * 60.0 + s)
+}
+
+#[tokio::test]
+async fn processes_on_one_machine_share_through_it_while_redis_is_down() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    // Redis stopped mid-run: each process decided alone, the one that held the quota with all
+    // of it and the other with nothing (a helper saw 11-13 % of calls refused, and one process
+    // starve). Processes on one machine now share through it until Redis is back: told 10 a
+    // second each, the two still send 10 a second between them.
+    let Some((mut redis, store)) = redis().await else { return };
+    let server = steady_sim().await;
+    let url = server.url();
+    let dir = Dir::new("share-redis-down");
+    let meet = dir.path("meet");
+    let (data, ids) = prompts(60);
+    let names = ["a", "b"];
+    let runs: Vec<_> = names
+        .iter()
+        .map(|n| {
+            let input = dir.write(&format!("{n}.jsonl"), &data);
+            let mut run = told_run(&url, &dir, &input, &format!("{n}.out"), &meet, &store);
+            run.stderr(std::process::Stdio::piped()).spawn().unwrap()
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    redis.kill().await.unwrap();
+    let stopped = server.stats().successes_per_second.len();
+    for (n, run) in names.iter().zip(runs) {
+        let o = tokio::time::timeout(Duration::from_secs(60), run.wait_with_output())
+            .await
+            .unwrap_or_else(|_| panic!("{n} stalled after Redis stopped"))
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr).to_string();
+        assert!(o.status.success(), "{n}: {err}");
+        util::assert_each_id_once(&ids, &rows(&dir.path(&format!("{n}.out"))), &[]);
+        assert!(err.contains("only the processes on this machine shared it"), "{n}: {err}");
+    }
+    // After the stop (a second's grace for the hand-over), never much over the 10 told.
+    let per_second = server.stats().successes_per_second;
+    let busiest = per_second.iter().skip(stopped + 1).copied().max().unwrap_or(0);
+    assert!(busiest <= 15, "{busiest} answers in one second after Redis stopped: {per_second:?}");
 }
 
 /// One command to the Redis server on `port`, in its wire format; the first reply's bytes.
