@@ -154,18 +154,29 @@ pub(crate) struct Fallback {
     stop: CancellationToken,
     task: tokio::task::JoinHandle<()>,
     throttle: Weak<Throttle>,
+    place: Place,
 }
 
 #[cfg(feature = "redis")]
 impl Fallback {
     /// Ends it: this process holds or follows the quota on this machine no more (the processes
-    /// it served are let go), and its calls wait for whoever decides next.
-    pub(crate) async fn end(self) {
+    /// it served are let go), and its calls wait for whoever decides next. Returns, when
+    /// another process held the quota here, what that one last wrote down (and how long ago):
+    /// a process that takes the quota over through the store next, and finds nothing written
+    /// there (a Redis server restarted empty), starts from it rather than from nothing, which
+    /// sent a whole told limit beside what the machine had sent in the window. `Err(())` when
+    /// this process held it: then its budgets know what the machine sent.
+    pub(crate) async fn end(self) -> Result<Option<(Handed, Duration)>, ()> {
+        let held_here = held().lock().unwrap_or_else(|e| e.into_inner()).iter().any(|(_, p)| *p == self.place.state);
         self.stop.cancel();
         let _ = self.task.await;
         if let Some(t) = self.throttle.upgrade() {
             t.set_machine_only(false);
         }
+        if held_here {
+            return Err(());
+        }
+        Ok(last_written(&self.place).filter(|(h, age)| *age < h.window() + STATE_GRACE))
     }
 }
 
@@ -200,14 +211,14 @@ pub(crate) fn fall_back(throttle: &Arc<Throttle>, name: &str, held: bool) -> Opt
         write_state(throttle, &place.state);
     }
     let stop = CancellationToken::new();
-    let (weak, until) = (Arc::downgrade(throttle), stop.clone());
+    let (weak, until, at) = (Arc::downgrade(throttle), stop.clone(), place.clone());
     let task = tokio::spawn(async move {
         if !held {
             pause(HOLDER_FIRST, &until).await;
         }
-        supervise(weak, place, false, until, held).await;
+        supervise(weak, at, false, until, held).await;
     });
-    Some(Fallback { stop, task, throttle: Arc::downgrade(throttle) })
+    Some(Fallback { stop, task, throttle: Arc::downgrade(throttle), place })
 }
 
 /// How long the processes that followed a quota's holder through a store wait, when the store
@@ -417,8 +428,9 @@ async fn supervise(throttle: Weak<Throttle>, place: Place, whole: bool, stop: Ca
     let mut silent = false;
     // Since when a holder has had the lock but no socket yet.
     let mut starting_since: Option<tokio::time::Instant> = None;
-    // This process held the quota until another took it: the holder is to count what it sent.
-    let mut displaced = false;
+    // This process held the quota until another took it (here, or through the store it falls
+    // back from): the holder is to count what it sent.
+    let mut displaced = own_state;
     loop {
         if stop.is_cancelled() {
             return;

@@ -304,9 +304,12 @@ async fn supervise(throttle: Weak<Throttle>, client: redis::Client, name: String
             Ok(holder.map(|h| (conn, h, false)))
         };
         let result = attempt.await;
+        // What the process holding the quota on this machine meanwhile last wrote down (`Err`:
+        // this process held it).
+        let mut local = Ok(None);
         if result.as_ref().is_ok_and(|r| r.is_some()) {
             if let Some(f) = fallback.take() {
-                f.end().await;
+                local = f.end().await;
                 tracing::warn!("{place} can be reached again; sharing the quota through it");
             }
         }
@@ -315,7 +318,11 @@ async fn supervise(throttle: Weak<Throttle>, client: redis::Client, name: String
             Ok(Some((conn, me, true))) => {
                 said = false;
                 held = true;
-                take_over(&t, conn.clone(), &key).await;
+                if !take_over(&t, conn.clone(), &key).await {
+                    if let Ok(Some((handed, age))) = local {
+                        handed.take_over(&t, age);
+                    }
+                }
                 t.set_sole(true);
                 t.delegate_to(None);
                 tracing::debug!("holding the quota shared through {place}");
@@ -327,8 +334,12 @@ async fn supervise(throttle: Weak<Throttle>, client: redis::Client, name: String
                 held = false;
                 // One throttle for all again (after Redis could not be reached, say).
                 t.set_sole(true);
+                // Having held the quota on this machine, it tells the holder what the machine
+                // sent in the window (the holder took the lease before this process saw Redis
+                // again, and may have admitted calls beside those).
+                let sent = local.is_err().then(|| t.rate_limiter().export());
                 drop(t);
-                follow(&throttle, &client, conn, &key, &holder, &place).await;
+                follow(&throttle, &client, conn, &key, &holder, &place, sent).await;
             }
             // The holder's lease just ended: try again at once.
             Ok(None) => continue,
@@ -350,7 +361,11 @@ async fn supervise(throttle: Weak<Throttle>, client: redis::Client, name: String
                     said = true;
                 }
                 drop(t);
-                tokio::time::sleep(Duration::from_secs(1)).await;
+                // Sharing through this machine meanwhile, Redis is tried often: the first process
+                // to see it again takes the quota there while the others still share here, and
+                // both decide until they see it too.
+                let again = if fallback.is_some() { Duration::from_millis(200) } else { Duration::from_secs(1) };
+                tokio::time::sleep(again).await;
                 continue;
             }
         }
@@ -360,15 +375,16 @@ async fn supervise(throttle: Weak<Throttle>, client: redis::Client, name: String
     }
 }
 
-/// Seeds `throttle` with what the last holder wrote down, if it has not expired.
-async fn take_over(throttle: &Arc<Throttle>, mut conn: redis::aio::MultiplexedConnection, key: &str) {
+/// Seeds `throttle` with what the last holder wrote down, if it has not expired; whether it did.
+async fn take_over(throttle: &Arc<Throttle>, mut conn: redis::aio::MultiplexedConnection, key: &str) -> bool {
     let state = format!("{key}:state");
     let got: redis::RedisResult<(Option<String>, i64)> =
         redis::pipe().get(&state).cmd("PTTL").arg(&state).query_async(&mut conn).await;
-    let Ok((Some(text), left_ms)) = got else { return };
-    let Ok(w) = serde_json::from_str::<Written>(&text) else { return };
+    let Ok((Some(text), left_ms)) = got else { return false };
+    let Ok(w) = serde_json::from_str::<Written>(&text) else { return false };
     let age = Duration::from_millis(w.ttl_ms.saturating_sub(left_ms.max(0) as u64));
     w.handed.take_over(throttle, age);
+    true
 }
 
 /// One process the holder serves: where its lines go in, and when it was last heard from.
@@ -533,6 +549,7 @@ async fn follow(
     key: &str,
     holder: &str,
     place: &str,
+    sent: Option<(weir_core::rate::Seed, weir_core::rate::Seed)>,
 ) {
     let Ok(mut pops) = connect(client).await else { return };
     let me = random_id();
@@ -542,6 +559,9 @@ async fn follow(
     let (pump_read, mut feed) = tokio::io::split(pump);
     let ended = Arc::new(tokio::sync::Notify::new());
     let peer = Peer::start(ours, ended.clone());
+    if let Some(budgets) = sent {
+        peer.tell_sent(budgets);
+    }
     let Some(t) = throttle.upgrade() else { return };
     t.delegate_to(Some(peer));
     // The holder and this one, at least (its grants tell how many more).

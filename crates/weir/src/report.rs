@@ -275,7 +275,7 @@ impl RunReport {
         if self.sharing.processes > 1 && self.sharing.machine_only {
             s.push_str(&format!(
                 "  quota shared by {} processes at most; at the end the store where processes share it ({}) could not \
-                 be reached, and only the processes on this machine shared it (see the warning above)\n",
+                 be reached, and only processes on this machine could share it (see the warning above)\n",
                 self.sharing.processes, self.shared_through
             ));
         } else if self.sharing.processes > 1 {
