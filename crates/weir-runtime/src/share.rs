@@ -131,19 +131,10 @@ pub fn join(throttle: &Arc<Throttle>, name: String) {
             return;
         }
     };
-    let place = Place {
-        lock: dir.join(format!("{name}.lock")),
-        socket: dir.join(format!("{name}.sock")),
-        state: dir.join(format!("{name}.state")),
+    let place = match Place::in_dir(&dir, &name) {
+        Ok(p) => p,
+        Err(why) => return not_shared(throttle, why),
     };
-    // A Unix socket's path is limited to 107 bytes.
-    if place.socket.as_os_str().len() > 100 {
-        not_shared(
-            throttle,
-            format!("{} is too long a path for a socket; set {DIR_VAR} to a shorter one", place.socket.display()),
-        );
-        return;
-    }
     throttle.await_delegate();
     handle.spawn(supervise(Arc::downgrade(throttle), place, true, CancellationToken::new(), false));
 }
@@ -194,16 +185,7 @@ impl Fallback {
 /// quota would learn it again from 429s).
 #[cfg(feature = "redis")]
 pub(crate) fn fall_back(throttle: &Arc<Throttle>, name: &str, held: bool) -> Option<Fallback> {
-    let dir = meeting_dir().ok()?;
-    let name = format!("{name}-fallback");
-    let place = Place {
-        lock: dir.join(format!("{name}.lock")),
-        socket: dir.join(format!("{name}.sock")),
-        state: dir.join(format!("{name}.state")),
-    };
-    if place.socket.as_os_str().len() > 100 {
-        return None;
-    }
+    let place = Place::in_dir(&meeting_dir().ok()?, &format!("{name}-fallback")).ok()?;
     throttle.set_sole(false);
     throttle.set_machine_only(true);
     throttle.await_delegate();
@@ -248,6 +230,26 @@ pub(crate) const STATE_GRACE: Duration = Duration::from_secs(2);
 /// How often, at most, the holder writes down what its budgets know (when it admitted calls
 /// since).
 const STATE_EVERY: Duration = Duration::from_millis(20);
+
+impl Place {
+    /// The files of the quota `name` in the meeting directory `dir`; `Err` says why they cannot
+    /// be used.
+    fn in_dir(dir: &std::path::Path, name: &str) -> Result<Place, String> {
+        let place = Place {
+            lock: dir.join(format!("{name}.lock")),
+            socket: dir.join(format!("{name}.sock")),
+            state: dir.join(format!("{name}.state")),
+        };
+        // A Unix socket's path is limited to 107 bytes.
+        if place.socket.as_os_str().len() > 100 {
+            return Err(format!(
+                "{} is too long a path for a socket; set {DIR_VAR} to a shorter one",
+                place.socket.display()
+            ));
+        }
+        Ok(place)
+    }
+}
 
 /// What a holder hands to the next (written down as it goes, wherever the processes meet).
 #[derive(Debug, Serialize, Deserialize)]
@@ -355,15 +357,13 @@ async fn write_down(throttle: Weak<Throttle>, path: PathBuf, holding: Cancellati
     }
     let mut written = Last(throttle.clone(), path.clone());
     let mut last = u64::MAX;
-    let mut pause = STATE_EVERY;
+    let mut every = STATE_EVERY;
     loop {
-        tokio::select! {
-            () = holding.cancelled() => {
-                // Another process holds the quota and writes down what it knows from now on.
-                written.0 = Weak::new();
-                return;
-            }
-            () = tokio::time::sleep(pause) => {}
+        pause(every, &holding).await;
+        if holding.is_cancelled() {
+            // Another process holds the quota and writes down what it knows from now on.
+            written.0 = Weak::new();
+            return;
         }
         let Some(t) = throttle.upgrade() else { return };
         let admitted = t.admitted();
@@ -373,7 +373,7 @@ async fn write_down(throttle: Weak<Throttle>, path: PathBuf, holding: Cancellati
         last = admitted;
         let took = std::time::Instant::now();
         write_state(&t, &path);
-        pause = STATE_EVERY.max(took.elapsed() * 20);
+        every = STATE_EVERY.max(took.elapsed() * 20);
     }
 }
 
@@ -894,9 +894,9 @@ async fn watch_for_a_stop(throttle: Weak<Throttle>, holding: CancellationToken) 
     const TICK: Duration = Duration::from_millis(250);
     loop {
         let before = tokio::time::Instant::now();
-        tokio::select! {
-            () = holding.cancelled() => return,
-            () = tokio::time::sleep(TICK) => {}
+        pause(TICK, &holding).await;
+        if holding.is_cancelled() {
+            return;
         }
         let Some(t) = throttle.upgrade() else { return };
         if before.elapsed() >= HOLDER_SILENT + TICK {

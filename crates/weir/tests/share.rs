@@ -177,25 +177,40 @@ async fn calls_wait_for_a_holder_that_is_slow_to_start() {
     util::assert_each_id_once(&ids, &rows(&dir.path("second.out")), &[]);
 }
 
-/// Starts `follower` (writing `b.out` in `dir`, with the runtime's debug log) beside `holder`,
-/// kills the holder 1.5 s later, and checks that the follower said it followed, then held the
-/// quota itself (`says`), answered every id of `ids` once, and kept within the told limit.
-async fn follower_takes_over(
+/// Starts `follower` (with the runtime's debug log) beside `holder`, 1.5 s later removes
+/// `remove` (the meeting directory), if any, and kills the holder; the follower's stderr, once
+/// it ended well.
+async fn kill_the_holder(
     mut holder: tokio::process::Child,
     mut follower: tokio::process::Command,
+    remove: Option<&std::path::Path>,
+) -> String {
+    follower.env("WEIR_LOG", "weir_runtime=debug").stderr(std::process::Stdio::piped());
+    let follower = follower.spawn().unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    if let Some(dir) = remove {
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+    holder.start_kill().unwrap();
+    holder.wait().await.unwrap();
+    let o = follower.wait_with_output().await.unwrap();
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(o.status.success(), "{err}");
+    err
+}
+
+/// Starts `follower` (writing `b.out` in `dir`) beside `holder`, kills the holder 1.5 s later,
+/// and checks that the follower said it followed, then held the quota itself (`says`),
+/// answered every id of `ids` once, and kept within the told limit.
+async fn follower_takes_over(
+    holder: tokio::process::Child,
+    follower: tokio::process::Command,
     server: &weir_sim::SimServer,
     dir: &Dir,
     ids: &[String],
     says: (&str, &str),
 ) {
-    follower.env("WEIR_LOG", "weir_runtime=debug").stderr(std::process::Stdio::piped());
-    let follower = follower.spawn().unwrap();
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    holder.start_kill().unwrap();
-    holder.wait().await.unwrap();
-    let o = follower.wait_with_output().await.unwrap();
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.success(), "{err}");
+    let err = kill_the_holder(holder, follower, None).await;
     let joined = err.find(says.0).unwrap_or_else(|| panic!("{err}"));
     let held = err.find(says.1).unwrap_or_else(|| panic!("{err}"));
     assert!(joined < held, "{err}");
@@ -254,17 +269,10 @@ async fn the_quota_passes_on_when_its_holder_is_killed_and_the_meeting_place_rem
     let (data, ids) = prompts(40);
     let input_a = dir.write("a.jsonl", &data);
     let input_b = dir.write("b.jsonl", &data);
-    let mut holder = told_run(&url, &dir, &input_a, "a.out", &meet, "local").spawn().unwrap();
+    let holder = told_run(&url, &dir, &input_a, "a.out", &meet, "local").spawn().unwrap();
     holder_listens(&meet).await;
-    let mut follower = told_run(&url, &dir, &input_b, "b.out", &meet, "local");
-    let follower = follower.env("WEIR_LOG", "weir_runtime=debug").stderr(std::process::Stdio::piped()).spawn().unwrap();
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    std::fs::remove_dir_all(&meet).unwrap();
-    holder.start_kill().unwrap();
-    holder.wait().await.unwrap();
-    let o = follower.wait_with_output().await.unwrap();
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.success(), "{err}");
+    let follower = told_run(&url, &dir, &input_b, "b.out", &meet, "local");
+    let err = kill_the_holder(holder, follower, Some(&meet)).await;
     assert!(err.contains("made it again"), "{err}");
     assert!(!err.contains("not shared"), "{err}");
     assert!(err.contains("holding the shared quota"), "{err}");
