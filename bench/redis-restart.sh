@@ -5,8 +5,10 @@
 # 100 per 5-s window, so only the runs' sharing keeps them to 60. Prints each run's summary line,
 # the simulator's successes and 429s per second, and the most successes in any 5 s (told: 60;
 # a fixed window's 60 can sit either side of a boundary, so up to 120 would be a 5-s span of
-# two full windows — compare the per-second rows with the windows).
-#   WEIR_BIN=/path/to/weir [DOWN=5] [UP=5] [N=150] bench/redis-restart.sh   (needs redis-server)
+# two full windows — compare the per-second rows with the windows). HANG=1 stops Redis with
+# SIGSTOP instead and resumes it with SIGCONT UP seconds later: a server that hangs (or a network
+# that drops its packets) rather than one that refuses connections.
+#   WEIR_BIN=/path/to/weir [DOWN=5] [UP=5] [N=150] [HANG=1] bench/redis-restart.sh   (needs redis-server)
 set -euo pipefail
 BIN=${WEIR_BIN:-$(dirname "$0")/../target/release/weir}
 REDIS=${WEIR_REDIS_SERVER:-redis-server}
@@ -30,10 +32,15 @@ for i in range(${N:-150}): print(json.dumps({'id': 'p$p-%d' % i, 'prompt': 'p$p 
     --rpm 60 --limit-window 5 --quota-store "redis://127.0.0.1:$RP" 2> "$WORK/err$p" &
   pids+=($!)
 done
-sleep "${DOWN:-5}"; kill "$RS"; wait "$RS" 2>/dev/null || true
-sleep "${UP:-5}"
-"$REDIS" --port "$RP" --bind 127.0.0.1 --save "" --appendonly no > "$WORK/redis2.log" 2>&1 &
-RS=$!
+sleep "${DOWN:-5}"
+if [ -n "${HANG:-}" ]; then
+  kill -STOP "$RS"; sleep "${UP:-5}"; kill -CONT "$RS"
+else
+  kill "$RS"; wait "$RS" 2>/dev/null || true
+  sleep "${UP:-5}"
+  "$REDIS" --port "$RP" --bind 127.0.0.1 --save "" --appendonly no > "$WORK/redis2.log" 2>&1 &
+  RS=$!
+fi
 wait "${pids[@]}"
 for p in 1 2 3; do grep -h "records in" "$WORK/err$p"; done
 curl -s "http://127.0.0.1:$PORT/stats" | python3 -c "

@@ -584,7 +584,8 @@ impl Throttle {
 
     async fn admit_inner(&self, member: u64, weight: Weight) -> Admitted<'_> {
         let start = Instant::now();
-        let mut lost_at = None;
+        // When the shared throttle this call last asked was found gone, and which it was.
+        let mut lost: Option<(Instant, Arc<dyn Delegate>)> = None;
         loop {
             let changed = self.delegate_changed.notified();
             let route = self.route.read().unwrap_or_else(|e| e.into_inner()).clone();
@@ -622,8 +623,16 @@ impl Throttle {
             // The shared throttle is gone: ask the next one the runtime finds (or this one, if
             // it takes the quota over) — unless none is found in time (the runtime that looked
             // for it has ended): then this process decides alone.
-            let lost = *lost_at.get_or_insert_with(Instant::now);
-            if lost.elapsed() >= DECIDING_AT_MOST {
+            // Timed from when this one was found gone, not from an earlier loss: a call that
+            // waited its turn at the next throttle for longer than that went alone at once
+            // when that one went too (the quota's holder on this machine, handing it back to
+            // Redis: 16 calls beside the 60 the holder had let out).
+            let since = match &lost {
+                Some((at, gone)) if Arc::ptr_eq(gone, &d) => *at,
+                _ => Instant::now(),
+            };
+            lost = Some((since, d));
+            if since.elapsed() >= DECIDING_AT_MOST {
                 break;
             }
             let _ = tokio::time::timeout(Duration::from_millis(100), changed).await;
@@ -1305,6 +1314,67 @@ mod tests {
         fn landed(&self) {
             self.carried.fetch_sub(1, Relaxed);
         }
+    }
+
+    /// A shared throttle in another process at which calls wait their turn until it goes (its
+    /// process hands the quota on).
+    #[derive(Default)]
+    struct Queued {
+        gone: CancellationToken,
+    }
+
+    impl Delegate for Queued {
+        fn admit(&self, _weight: Weight) -> futures::future::BoxFuture<'static, Option<Grant>> {
+            let gone = self.gone.clone();
+            Box::pin(async move {
+                gone.cancelled().await;
+                None
+            })
+        }
+        fn finish(&self, _: u64, _: Result<(Usage, Option<LimitInfo>), &ModelError>, _: Duration) {}
+        fn abandon(&self, _: u64) {}
+        fn is_open(&self) -> bool {
+            !self.gone.is_cancelled()
+        }
+        fn carry(&self, _: usize) {}
+        fn landed(&self) {}
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_call_that_waited_long_at_a_shared_throttle_that_goes_waits_for_the_next() {
+        // Redis hung: the call's shared throttle (the holder through Redis) went, and the call
+        // waited its turn at the next (the holder on this machine) for longer than calls wait
+        // for a throttle. When that one went too (Redis was back), the call went alone at
+        // once, timed from the first loss: with 15 others, beside the 60 the machine had sent.
+        let t = Arc::new(Throttle::new(&ThrottleSettings {
+            rate: RateSettings { requests: Some(60), window: Duration::from_secs(5), ..RateSettings::default() },
+            adaptive: false,
+            store: QuotaStore::Off,
+            ..ThrottleSettings::default()
+        }));
+        let never = CancellationToken::new();
+        let (first, second) = (Arc::new(Queued::default()), Arc::new(Queued::default()));
+        t.delegate_to(Some(first.clone()));
+        let call = {
+            let (t, never) = (t.clone(), never.clone());
+            tokio::spawn(async move { t.admit(Weight::default(), &never).await.map(|a| a.remote.is_some()) })
+        };
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        first.gone.cancel();
+        t.await_delegate();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        t.delegate_to(Some(second.clone()));
+        tokio::time::sleep(DECIDING_AT_MOST + Duration::from_secs(1)).await;
+        assert!(!call.is_finished(), "waiting its turn at the second");
+        second.gone.cancel();
+        t.await_delegate();
+        tokio::time::sleep(DECIDING_AT_MOST / 2).await;
+        assert!(!call.is_finished(), "went alone as the second throttle went");
+        let third = Arc::new(Elsewhere::default());
+        third.open.store(true, Relaxed);
+        t.delegate_to(Some(third));
+        let remote = tokio::time::timeout(Duration::from_secs(1), call).await.expect("admitted").unwrap();
+        assert_eq!(remote, Some(true), "admitted by the third");
     }
 
     #[tokio::test(start_paused = true)]

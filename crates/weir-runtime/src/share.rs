@@ -182,9 +182,10 @@ impl Fallback {
 /// `held`: this process held the quota through the store. Its budgets know the quota, so it
 /// writes them down for whoever holds the quota here, and the others wait [`HOLDER_FIRST`]
 /// before they try to, so that it usually does itself (else one that knows nothing of the
-/// quota would learn it again from 429s).
+/// quota would learn it again from 429s). `hung`: the store was found hung rather than down;
+/// the others wait [`HOLDER_FIRST_HUNG`] instead.
 #[cfg(feature = "redis")]
-pub(crate) fn fall_back(throttle: &Arc<Throttle>, name: &str, held: bool) -> Option<Fallback> {
+pub(crate) fn fall_back(throttle: &Arc<Throttle>, name: &str, held: bool, hung: bool) -> Option<Fallback> {
     let place = Place::in_dir(&meeting_dir().ok()?, &format!("{name}-fallback")).ok()?;
     throttle.set_sole(false);
     throttle.set_machine_only(true);
@@ -196,7 +197,7 @@ pub(crate) fn fall_back(throttle: &Arc<Throttle>, name: &str, held: bool) -> Opt
     let (weak, until, at) = (Arc::downgrade(throttle), stop.clone(), place.clone());
     let task = tokio::spawn(async move {
         if !held {
-            pause(HOLDER_FIRST, &until).await;
+            pause(if hung { HOLDER_FIRST_HUNG } else { HOLDER_FIRST }, &until).await;
         }
         supervise(weak, at, false, until, held).await;
     });
@@ -207,6 +208,13 @@ pub(crate) fn fall_back(throttle: &Arc<Throttle>, name: &str, held: bool) -> Opt
 /// cannot be reached, before they try to hold the quota on this machine (see [`fall_back`]).
 #[cfg(feature = "redis")]
 const HOLDER_FIRST: Duration = Duration::from_millis(300);
+
+/// As [`HOLDER_FIRST`], when the store was found hung by a time-out rather than refusing: each
+/// process finds that when its own command times out, and the holder's pops block a second
+/// longer than a follower's. Under [`weir_core::throttle::DECIDING_AT_MOST`], the 2 s calls
+/// wait for a throttle before going alone.
+#[cfg(feature = "redis")]
+const HOLDER_FIRST_HUNG: Duration = Duration::from_millis(1500);
 
 /// Says, now and in the summary, that `throttle`'s quota is not shared with other processes.
 fn not_shared(throttle: &Throttle, why: String) {

@@ -48,6 +48,12 @@ const STILL_THERE: Duration = Duration::from_millis(1500);
 const ECHO: &str = "alive";
 /// How often, at most, the holder writes down its budgets.
 const STATE_EVERY: Duration = Duration::from_millis(250);
+/// How long a command may go unanswered before Redis is taken as unreachable. A server that
+/// hangs (stopped, or a network that drops its packets rather than refusing them) answers no
+/// error: with the 5-s time-outs this replaced, the processes found it after 10 s, while their
+/// calls waited on a holder that could not hear them and then went alone, in a burst over the
+/// told limit. Redis answers in a millisecond or so; 2 s is a hang, not a busy server.
+const HUNG_AFTER: Duration = Duration::from_secs(2);
 
 /// A message on a holder's list.
 #[derive(Debug, Serialize, Deserialize)]
@@ -105,14 +111,19 @@ impl Drop for Registered {
     }
 }
 
+/// The script that gives up a lease (`KEYS[1]`) if it is still `ARGV[1]`'s.
+fn release() -> redis::Script {
+    redis::Script::new(
+        "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end",
+    )
+}
+
 /// Leaves every quota this process shares through Redis: gives up the leases it holds and says
 /// goodbye to the holders it follows. Called when a run ends; a second of Redis at most.
 pub async fn leave_all() {
     LEFT.store(true, std::sync::atomic::Ordering::SeqCst);
     let all: Vec<Leaving> = leaving().lock().unwrap_or_else(|e| e.into_inner()).drain().map(|(_, l)| l).collect();
-    let release = redis::Script::new(
-        "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end",
-    );
+    let release = release();
     let each = all.into_iter().map(|l| {
         let release = &release;
         async move {
@@ -263,12 +274,34 @@ fn random_id() -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
+/// A connection whose commands are answered within [`HUNG_AFTER`], or fail.
 async fn connect(client: &redis::Client) -> redis::RedisResult<redis::aio::MultiplexedConnection> {
+    connect_for(client, Duration::ZERO).await
+}
+
+/// A connection for pops that block up to `blocking`: answered within that and [`HUNG_AFTER`].
+async fn connect_for(
+    client: &redis::Client,
+    blocking: Duration,
+) -> redis::RedisResult<redis::aio::MultiplexedConnection> {
     let config = redis::AsyncConnectionConfig::new()
-        .set_connection_timeout(Some(Duration::from_secs(5)))
-        // Longer than the 1-s blocking pops.
-        .set_response_timeout(Some(Duration::from_secs(5)));
+        .set_connection_timeout(Some(HUNG_AFTER))
+        .set_response_timeout(Some(blocking + HUNG_AFTER));
     client.get_multiplexed_async_connection_with_config(&config).await
+}
+
+/// Why holding or following a quota through Redis ended.
+enum Ended {
+    /// The lease changed hands, or the holder went quiet: look for the holder again.
+    Lease,
+    /// Redis failed or did not answer: share through this machine at once, rather than try a
+    /// server that has just failed (a hung one would take [`HUNG_AFTER`] more to fail again).
+    Unreachable(redis::RedisError),
+}
+
+/// The error for an attempt that Redis left unanswered.
+fn hung() -> redis::RedisError {
+    std::io::Error::new(std::io::ErrorKind::TimedOut, format!("no answer in {} s", HUNG_AFTER.as_secs())).into()
 }
 
 /// Holds the quota when nobody does, else follows the holder; again whenever that changes. While
@@ -281,10 +314,17 @@ async fn supervise(throttle: Weak<Throttle>, client: redis::Client, name: String
     let mut fallback: Option<crate::share::Fallback> = None;
     // This process held the quota through Redis last.
     let mut held = false;
+    // Redis failed just now, while this process held or followed the quota through it.
+    let mut failed: Option<redis::RedisError> = None;
+    // The lease this process held when Redis hung: the renewal it had sent then may run when
+    // Redis wakes, and take the lease again for a holding that has ended (the others would
+    // follow a holder that reads nothing). Given up when seen.
+    let mut stale: Option<String> = None;
     loop {
         if LEFT.load(std::sync::atomic::Ordering::SeqCst) {
             return;
         }
+        let stale_now = stale.clone();
         let attempt = async {
             let mut conn = connect(&client).await?;
             let me = random_id();
@@ -301,9 +341,16 @@ async fn supervise(throttle: Weak<Throttle>, client: redis::Client, name: String
                 return Ok::<_, redis::RedisError>(Some((conn, me, true)));
             }
             let holder: Option<String> = conn.get(format!("{key}:holder")).await?;
+            if let Some(old) = holder.as_ref().filter(|h| stale_now.as_ref() == Some(*h)) {
+                let _: i64 = release().key(format!("{key}:holder")).arg(old).invoke_async(&mut conn).await?;
+                return Ok(None);
+            }
             Ok(holder.map(|h| (conn, h, false)))
         };
-        let result = attempt.await;
+        let result = match failed.take() {
+            Some(e) => Err(e),
+            None => tokio::time::timeout(HUNG_AFTER, attempt).await.unwrap_or_else(|_| Err(hung())),
+        };
         // What the process holding the quota on this machine meanwhile last wrote down (`Err`:
         // this process held it).
         let mut local = Ok(None);
@@ -318,16 +365,22 @@ async fn supervise(throttle: Weak<Throttle>, client: redis::Client, name: String
             Ok(Some((conn, me, true))) => {
                 said = false;
                 held = true;
-                if !take_over(&t, conn.clone(), &key).await {
-                    if let Ok(Some((handed, age))) = local {
-                        handed.take_over(&t, age);
-                    }
+                stale = None;
+                // What the machine's holder wrote while Redis could not be reached is newer than
+                // anything in Redis (where a write sent as Redis hung may have run as it woke,
+                // looking fresh).
+                match local {
+                    Ok(Some((handed, age))) => handed.take_over(&t, age),
+                    _ => take_over(&t, conn.clone(), &key).await,
                 }
                 t.set_sole(true);
                 t.delegate_to(None);
                 tracing::debug!("holding the quota shared through {place}");
                 drop(t);
-                hold(&throttle, &client, conn, &key, &me).await;
+                if let Ended::Unreachable(e) = hold(&throttle, &client, conn, &key, &me).await {
+                    failed = Some(e);
+                    stale = Some(me);
+                }
             }
             Ok(Some((conn, holder, false))) => {
                 said = false;
@@ -339,7 +392,9 @@ async fn supervise(throttle: Weak<Throttle>, client: redis::Client, name: String
                 // again, and may have admitted calls beside those).
                 let sent = local.is_err().then(|| t.rate_limiter().export());
                 drop(t);
-                follow(&throttle, &client, conn, &key, &holder, &place, sent).await;
+                if let Ended::Unreachable(e) = follow(&throttle, &client, conn, &key, &holder, &place, sent).await {
+                    failed = Some(e);
+                }
             }
             // The holder's lease just ended: try again at once.
             Ok(None) => continue,
@@ -347,7 +402,10 @@ async fn supervise(throttle: Weak<Throttle>, client: redis::Client, name: String
                 // Others may be deciding alone too: their sends make the window look longer.
                 t.set_sole(false);
                 if fallback.is_none() {
-                    fallback = crate::share::fall_back(&t, &name, held);
+                    // Found hung, by a time-out: the holder finds it by one too, up to a second
+                    // later than a follower (its pops block longer), so a follower gives it the
+                    // longer while to hold the quota here first with what it knows.
+                    fallback = crate::share::fall_back(&t, &name, held, e.is_timeout());
                     if fallback.is_none() {
                         t.delegate_to(None);
                     }
@@ -375,16 +433,15 @@ async fn supervise(throttle: Weak<Throttle>, client: redis::Client, name: String
     }
 }
 
-/// Seeds `throttle` with what the last holder wrote down, if it has not expired; whether it did.
-async fn take_over(throttle: &Arc<Throttle>, mut conn: redis::aio::MultiplexedConnection, key: &str) -> bool {
+/// Seeds `throttle` with what the last holder wrote down, if it has not expired.
+async fn take_over(throttle: &Arc<Throttle>, mut conn: redis::aio::MultiplexedConnection, key: &str) {
     let state = format!("{key}:state");
     let got: redis::RedisResult<(Option<String>, i64)> =
         redis::pipe().get(&state).cmd("PTTL").arg(&state).query_async(&mut conn).await;
-    let Ok((Some(text), left_ms)) = got else { return false };
-    let Ok(w) = serde_json::from_str::<Written>(&text) else { return false };
+    let Ok((Some(text), left_ms)) = got else { return };
+    let Ok(w) = serde_json::from_str::<Written>(&text) else { return };
     let age = Duration::from_millis(w.ttl_ms.saturating_sub(left_ms.max(0) as u64));
     w.handed.take_over(throttle, age);
-    true
 }
 
 /// One process the holder serves: where its lines go in, and when it was last heard from.
@@ -392,6 +449,9 @@ struct Member {
     feed: tokio::io::DuplexStream,
     seen: tokio::time::Instant,
 }
+
+/// How long the holder's pops block.
+const HOLDER_POP: Duration = Duration::from_secs(1);
 
 /// Serves the quota to the processes that ask through Redis, for as long as the lease is this
 /// process's.
@@ -401,8 +461,12 @@ async fn hold(
     mut conn: redis::aio::MultiplexedConnection,
     key: &str,
     me: &str,
-) {
-    let Ok(mut pops) = connect(client).await else { return };
+) -> Ended {
+    let mut pops = match connect_for(client, HOLDER_POP).await {
+        Ok(p) => p,
+        Err(e) => return Ended::Unreachable(e),
+    };
+    let mut ended = Ended::Lease;
     let holder_key = format!("{key}:holder");
     let inbox = format!("{key}:in:{me}");
     let peers = Arc::new(AtomicUsize::new(0));
@@ -439,8 +503,12 @@ async fn hold(
                         write_state(&t, &mut conn, &format!("{key}:state")).await;
                     }
                 }
-                _ => {
+                Ok(_) => {
                     tracing::debug!("no longer holding the quota shared through Redis");
+                    break;
+                }
+                Err(e) => {
+                    ended = Ended::Unreachable(e);
                     break;
                 }
             }
@@ -450,14 +518,17 @@ async fn hold(
             members.retain(|_, m| now - m.seen < SILENT_FOR);
         }
         let Some(t) = throttle.upgrade() else { break };
-        let popped: redis::RedisResult<Option<(String, String)>> = pops.blpop(&inbox, 1.0).await;
+        let popped: redis::RedisResult<Option<(String, String)>> = pops.blpop(&inbox, HOLDER_POP.as_secs_f64()).await;
         let note = match popped {
             Ok(Some((_, text))) => match serde_json::from_str::<Note>(&text) {
                 Ok(n) => n,
                 Err(_) => continue,
             },
             Ok(None) => continue,
-            Err(_) => break,
+            Err(e) => {
+                ended = Ended::Unreachable(e);
+                break;
+            }
         };
         if note.bye {
             // Its serving ends with its pipe: the calls it had let out are given back.
@@ -499,6 +570,7 @@ async fn hold(
         }
     }
     drop(tasks);
+    ended
 }
 
 /// Pushes `line` onto the list `list`, which expires [`LIST_TTL_MS`] after its last push.
@@ -550,8 +622,11 @@ async fn follow(
     holder: &str,
     place: &str,
     sent: Option<(weir_core::rate::Seed, weir_core::rate::Seed)>,
-) {
-    let Ok(mut pops) = connect(client).await else { return };
+) -> Ended {
+    let mut pops = match connect_for(client, BEAT_EVERY).await {
+        Ok(p) => p,
+        Err(e) => return Ended::Unreachable(e),
+    };
     let me = random_id();
     let inbox = format!("{key}:in:{holder}");
     let outbox = format!("{key}:out:{me}");
@@ -562,7 +637,7 @@ async fn follow(
     if let Some(budgets) = sent {
         peer.tell_sent(budgets);
     }
-    let Some(t) = throttle.upgrade() else { return };
+    let Some(t) = throttle.upgrade() else { return Ended::Lease };
     t.delegate_to(Some(peer));
     // The holder and this one, at least (its grants tell how many more).
     t.set_processes(2);
@@ -587,6 +662,7 @@ async fn follow(
     let mut next_beat = tokio::time::Instant::now();
     let mut finished = std::pin::pin!(ended.notified());
     let mut last_heard = tokio::time::Instant::now();
+    let mut ended = Ended::Lease;
     loop {
         // A holder that has answered nothing for a while although this process has calls
         // waiting (its lists lost — a FLUSHALL — or its process stuck) is left: the calls decide
@@ -607,9 +683,14 @@ async fn follow(
                 // removed (a FLUSHALL), and it takes the lease again at its next renewal. A
                 // holder that died has not answered for as long as its lease ran on.
                 Ok(None) if last_heard.elapsed() < STILL_THERE => {}
-                _ => break,
+                Ok(_) => break,
+                Err(e) => {
+                    ended = Ended::Unreachable(e);
+                    break;
+                }
             }
-            if push(&mut conn, &inbox, &alive).await.is_err() {
+            if let Err(e) = push(&mut conn, &inbox, &alive).await {
+                ended = Ended::Unreachable(e);
                 break;
             }
         }
@@ -629,13 +710,17 @@ async fn follow(
                 }
             }
             Ok(None) => {}
-            Err(_) => break,
+            Err(e) => {
+                ended = Ended::Unreachable(e);
+                break;
+            }
         }
     }
     drop(sending);
     // Ends the holder's side for this process (its waiting calls decide alone until the next
     // holder is found).
     drop(feed);
+    ended
 }
 
 /// A task stopped when this is dropped.
