@@ -7,8 +7,9 @@
 # a fixed window's 60 can sit either side of a boundary, so up to 120 would be a 5-s span of
 # two full windows — compare the per-second rows with the windows). HANG=1 stops Redis with
 # SIGSTOP instead and resumes it with SIGCONT UP seconds later: a server that hangs (or a network
-# that drops its packets) rather than one that refuses connections.
-#   WEIR_BIN=/path/to/weir [DOWN=5] [UP=5] [N=150] [HANG=1] bench/redis-restart.sh   (needs redis-server)
+# that drops its packets) rather than one that refuses connections. KILL_FIRST=S kills the
+# first run (the one that usually holds the quota) with SIGKILL S seconds after Redis goes.
+#   WEIR_BIN=/path/to/weir [DOWN=5] [UP=5] [N=150] [HANG=1] [KILL_FIRST=S] bench/redis-restart.sh   (needs redis-server)
 set -euo pipefail
 BIN=${WEIR_BIN:-$(dirname "$0")/../target/release/weir}
 REDIS=${WEIR_REDIS_SERVER:-redis-server}
@@ -33,16 +34,24 @@ for i in range(${N:-150}): print(json.dumps({'id': 'p$p-%d' % i, 'prompt': 'p$p 
   pids+=($!)
 done
 sleep "${DOWN:-5}"
+# Sleeps UP seconds, killing the first run KILL_FIRST seconds in.
+pause() {
+  if [ -n "${KILL_FIRST:-}" ]; then
+    sleep "$KILL_FIRST"; kill -9 "${pids[0]}"; sleep "$(python3 -c "print(max(0, ${UP:-5} - $KILL_FIRST))")"
+  else
+    sleep "${UP:-5}"
+  fi
+}
 if [ -n "${HANG:-}" ]; then
-  kill -STOP "$RS"; sleep "${UP:-5}"; kill -CONT "$RS"
+  kill -STOP "$RS"; pause; kill -CONT "$RS"
 else
   kill "$RS"; wait "$RS" 2>/dev/null || true
-  sleep "${UP:-5}"
+  pause
   "$REDIS" --port "$RP" --bind 127.0.0.1 --save "" --appendonly no > "$WORK/redis2.log" 2>&1 &
   RS=$!
 fi
-wait "${pids[@]}"
-for p in 1 2 3; do grep -h "records in" "$WORK/err$p"; done
+wait "${pids[@]}" || true
+for p in 1 2 3; do grep -h "records in" "$WORK/err$p" || echo "run $p: killed"; done
 curl -s "http://127.0.0.1:$PORT/stats" | python3 -c "
 import json, sys
 d = json.load(sys.stdin); ok = d['successes_per_second']
