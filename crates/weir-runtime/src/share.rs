@@ -482,10 +482,10 @@ async fn supervise(throttle: Weak<Throttle>, place: Place, whole: bool, stop: Ca
                 if e.kind() == std::io::ErrorKind::NotFound
                     && place.lock.parent().is_some_and(|dir| private_dir(dir).is_ok()) =>
             {
-                tracing::warn!(
-                    "the directory where processes share the quota was removed; made it again ({})",
+                remade(format_args!(
+                    "the directory where processes share the quota was removed ({})",
                     place.lock.parent().unwrap_or(&place.lock).display()
-                );
+                ));
                 continue;
             }
             Err(e) => {
@@ -884,14 +884,22 @@ fn keep_place(
     match made {
         Ok(()) => {
             *socket = file_id(&place.socket);
-            tracing::warn!(
-                "the files where processes share the quota were removed from {}; made them again",
-                dir.display()
-            );
+            remade(format_args!("the files where processes share the quota were removed from {}", dir.display()));
         }
         Err(e) => tracing::debug!("cannot make the shared quota's files again: {e}"),
     }
     Holding::Yes
+}
+
+/// Says that the meeting place was removed and made again: a warning the first time, then in
+/// the debug log only (a directory deleted 30 times in 11 s gave 22 warnings, the same each).
+fn remade(what: std::fmt::Arguments<'_>) {
+    static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        tracing::debug!("{what}; made again");
+    } else {
+        tracing::warn!("{what}; made again (said once: later removals are in the debug log)");
+    }
 }
 
 /// Notices this process resuming after it was stopped (Ctrl-Z, SIGSTOP) while it held the

@@ -309,7 +309,9 @@ fn hung() -> redis::RedisError {
 /// that named the same store (see [`crate::share::fall_back`]), else decides alone.
 async fn supervise(throttle: Weak<Throttle>, client: redis::Client, name: String, place: String) {
     let key = format!("weir:quota:{name}");
-    let mut said = false;
+    // What kind of failure was last said (a Redis back with a password the runs do not know
+    // is said again: no longer down, but refusing them).
+    let mut said: Option<redis::ErrorKind> = None;
     // Sharing through this machine while Redis cannot be reached.
     let mut fallback: Option<crate::share::Fallback> = None;
     // This process held the quota through Redis last.
@@ -363,7 +365,7 @@ async fn supervise(throttle: Weak<Throttle>, client: redis::Client, name: String
         let Some(t) = throttle.upgrade() else { return };
         match result {
             Ok(Some((conn, me, true))) => {
-                said = false;
+                said = None;
                 held = true;
                 stale = None;
                 // What the machine's holder wrote while Redis could not be reached is newer than
@@ -383,7 +385,7 @@ async fn supervise(throttle: Weak<Throttle>, client: redis::Client, name: String
                 }
             }
             Ok(Some((conn, holder, false))) => {
-                said = false;
+                said = None;
                 held = false;
                 // One throttle for all again (after Redis could not be reached, say).
                 t.set_sole(true);
@@ -410,13 +412,13 @@ async fn supervise(throttle: Weak<Throttle>, client: redis::Client, name: String
                         t.delegate_to(None);
                     }
                 }
-                if !said {
+                if said != Some(e.kind()) {
                     tracing::warn!(
                         "cannot reach {place} to share the quota ({}); this process shares it with the processes on \
                          this machine that name it too, and with no others, until it can",
                         why(&e)
                     );
-                    said = true;
+                    said = Some(e.kind());
                 }
                 drop(t);
                 // Sharing through this machine meanwhile, Redis is tried often: the first process

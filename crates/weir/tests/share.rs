@@ -246,7 +246,7 @@ async fn a_holder_makes_its_files_again_when_the_meeting_place_is_removed() {
     let (oa, ob) = (oa.unwrap(), ob.unwrap());
     let (ea, eb) = (String::from_utf8_lossy(&oa.stderr), String::from_utf8_lossy(&ob.stderr));
     assert!(oa.status.success() && ob.status.success(), "{ea}\n{eb}");
-    assert!(ea.contains("made them again"), "{ea}");
+    assert!(ea.contains("were removed from"), "{ea}");
     assert!(eb.contains("quota shared by 2 processes on this machine"), "{eb}");
     for out in ["a.out", "b.out"] {
         util::assert_each_id_once(&ids, &rows(&dir.path(out)), &[]);
@@ -273,7 +273,7 @@ async fn the_quota_passes_on_when_its_holder_is_killed_and_the_meeting_place_rem
     holder_listens(&meet).await;
     let follower = told_run(&url, &dir, &input_b, "b.out", &meet, "local");
     let err = kill_the_holder(holder, follower, Some(&meet)).await;
-    assert!(err.contains("made it again"), "{err}");
+    assert!(err.contains("share the quota was removed ("), "{err}");
     assert!(!err.contains("not shared"), "{err}");
     assert!(err.contains("holding the shared quota"), "{err}");
     util::assert_each_id_once(&ids, &rows(&dir.path("b.out")), &[]);
