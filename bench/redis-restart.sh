@@ -9,7 +9,8 @@
 # SIGSTOP instead and resumes it with SIGCONT UP seconds later: a server that hangs (or a network
 # that drops its packets) rather than one that refuses connections. KILL_FIRST=S kills the
 # first run (the one that usually holds the quota) with SIGKILL S seconds after Redis goes.
-#   WEIR_BIN=/path/to/weir [DOWN=5] [UP=5] [N=150] [HANG=1] [KILL_FIRST=S] bench/redis-restart.sh   (needs redis-server)
+# APART=1 gives each run a meeting directory of its own, as on three machines.
+#   WEIR_BIN=/path/to/weir [DOWN=5] [UP=5] [N=150] [HANG=1] [KILL_FIRST=S] [APART=1] bench/redis-restart.sh   (needs redis-server)
 set -euo pipefail
 BIN=${WEIR_BIN:-$(dirname "$0")/../target/release/weir}
 REDIS=${WEIR_REDIS_SERVER:-redis-server}
@@ -22,13 +23,13 @@ SIM=$!
 RS=$!
 trap 'kill $SIM $RS 2>/dev/null; rm -rf "$WORK"' EXIT
 sleep 1
-mkdir -m 700 "$WORK/meet"
+mkdir -m 700 "$WORK/meet" "$WORK/meet1" "$WORK/meet2" "$WORK/meet3"
 pids=()
 for p in 1 2 3; do
   python3 -c "
 import json
 for i in range(${N:-150}): print(json.dumps({'id': 'p$p-%d' % i, 'prompt': 'p$p %06d river stone' % i}))" > "$WORK/in$p.jsonl"
-  WEIR_QUOTA_DIR="$WORK/meet" "$BIN" run --model gemini/gemini-2.5-flash --base-url "http://127.0.0.1:$PORT" \
+  WEIR_QUOTA_DIR="$WORK/meet${APART:+$p}" "$BIN" run --model gemini/gemini-2.5-flash --base-url "http://127.0.0.1:$PORT" \
     --input "$WORK/in$p.jsonl" --output "$WORK/out$p.jsonl" --id-field id --no-state --progress never --max-retries 50 \
     --rpm 60 --limit-window 5 --quota-store "redis://127.0.0.1:$RP" 2> "$WORK/err$p" &
   pids+=($!)

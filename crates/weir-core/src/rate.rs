@@ -216,6 +216,8 @@ pub struct Budget {
     refusals: u64,
     /// The window assumed when a refusal does not say when to come back.
     default_window: Duration,
+    /// The part of a static capacity in force (see [`Budget::set_part`]).
+    part: f64,
 }
 
 /// What a budget knew, handed from a process that held a shared quota to the one that takes
@@ -433,6 +435,7 @@ impl Budget {
             ends: VecDeque::new(),
             period: None,
             others_filled: false,
+            part: 1.0,
         }
     }
 
@@ -454,6 +457,15 @@ impl Budget {
         if !sole {
             self.scout = Scout::Trusted;
         }
+    }
+
+    /// Keeps `part` (0 to 1) of a static capacity: the told limit is the key's, and while the
+    /// processes that shared it through a store cannot reach it, each keeps its part rather than
+    /// the whole (three processes on three machines, each told 60 per 5 s, sent 100 a window
+    /// between them while Redis was down). Not written to a [`Seed`]: the process handed it
+    /// keeps its own part.
+    pub fn set_part(&mut self, part: f64) {
+        self.part = part.clamp(0.0, 1.0);
     }
 
     /// Assumes `window` when a refusal does not say when to come back (a provider whose 429s
@@ -483,7 +495,7 @@ impl Budget {
     pub fn effective_capacity(&self) -> Option<f64> {
         match self.mode {
             Mode::Unlimited => None,
-            Mode::Static { capacity } => Some(capacity),
+            Mode::Static { capacity } => Some(capacity * self.part),
             Mode::Learned => Some(
                 self.credits.max(0.0)
                     + self.log.iter().map(|e| e.weight).sum::<f64>()
@@ -554,7 +566,7 @@ impl Budget {
         self.expire(now);
         let ok = match self.mode {
             Mode::Unlimited => true,
-            Mode::Static { capacity } => self.in_window + weight <= capacity || self.log.is_empty(),
+            Mode::Static { capacity } => self.in_window + weight <= capacity * self.part || self.log.is_empty(),
             Mode::Learned => {
                 if let Some(until) = self.hold_until.filter(|&until| now < until) {
                     return Err(Some(until));
@@ -1357,7 +1369,11 @@ impl Budget {
             mode: self.mode,
             window: self.window,
             probe: self.probe,
-            capacity: self.effective_capacity().unwrap_or(0.0),
+            // A told capacity whole: the part kept is this process's alone (see `set_part`).
+            capacity: match self.mode {
+                Mode::Static { capacity } => capacity,
+                _ => self.effective_capacity().unwrap_or(0.0),
+            },
             sends,
             fixed: self.period.is_some() && self.period == self.window,
             learning,

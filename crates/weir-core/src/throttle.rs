@@ -156,6 +156,14 @@ pub struct Throttle {
     unclaimed: Mutex<usize>,
     /// The most processes seen sharing the quota at once.
     most_processes: std::sync::atomic::AtomicUsize,
+    /// The processes sharing the quota through this throttle or the one it asks, as last seen.
+    processes_now: std::sync::atomic::AtomicUsize,
+    /// The processes this throttle decides for, itself included, while the quota store cannot
+    /// be reached (see [`Throttle::keep_part`]).
+    served: std::sync::atomic::AtomicUsize,
+    /// While the quota store cannot be reached: how many processes shared the quota through it
+    /// (0: the store works, or was never reached). See [`Throttle::keep_part`].
+    shared_among: std::sync::atomic::AtomicUsize,
     /// Deciding alone because the quota store failed (see [`Throttle::set_sole`]).
     alone: std::sync::atomic::AtomicBool,
     /// See [`Sharing::machine_only`].
@@ -272,6 +280,9 @@ impl Throttle {
             in_flight: std::sync::atomic::AtomicUsize::new(0),
             unclaimed: Mutex::new(0),
             most_processes: std::sync::atomic::AtomicUsize::new(1),
+            processes_now: std::sync::atomic::AtomicUsize::new(1),
+            served: std::sync::atomic::AtomicUsize::new(1),
+            shared_among: std::sync::atomic::AtomicUsize::new(0),
             alone: std::sync::atomic::AtomicBool::new(false),
             machine_only: std::sync::atomic::AtomicBool::new(false),
             unshared: Mutex::new(None),
@@ -312,6 +323,44 @@ impl Throttle {
     /// holds an endpoint's shared throttle, as others join and leave).
     pub fn set_processes(&self, n: usize) {
         self.most_processes.fetch_max(n, Relaxed);
+        self.processes_now.store(n, Relaxed);
+    }
+
+    /// Says how many processes this throttle decides for now, itself included (set by the
+    /// process that holds the quota, as others join and leave): while the quota store cannot
+    /// be reached, its part of a told limit (see [`Throttle::keep_part`]).
+    pub fn set_served(&self, n: usize) {
+        self.set_processes(n);
+        self.served.store(n.max(1), Relaxed);
+        self.apply_part();
+    }
+
+    /// `true` when the quota store has just been lost: of a told limit, this throttle keeps the
+    /// part of the processes that shared the quota through the store that it serves (itself, or
+    /// the processes of this machine while it holds the quota here); `false` when the store can
+    /// be reached again: all of it. The told limit is the key's, and processes on other
+    /// machines keep their parts meanwhile (three runs on three machines, each told 60 per 5 s,
+    /// sent 100 a window between them, the server's cap, while Redis was down).
+    pub fn keep_part(&self, lost: bool) {
+        if lost {
+            if self.shared_among.load(Relaxed) == 0 {
+                // From now on, itself and whoever it comes to serve here. (Only those: a process
+                // that follows a holder again when the store is back keeps its part, or the
+                // calls still deciding here as it does would take the rest at once.)
+                self.served.store(1, Relaxed);
+                self.shared_among.store(self.processes_now.load(Relaxed).max(1), Relaxed);
+            }
+        } else {
+            self.shared_among.store(0, Relaxed);
+        }
+        self.apply_part();
+    }
+
+    /// Gives the rate limiter its part (see [`Throttle::keep_part`]).
+    fn apply_part(&self) {
+        let among = self.shared_among.load(Relaxed);
+        let part = if among == 0 { 1.0 } else { self.served.load(Relaxed) as f64 / among as f64 };
+        self.rate.set_part(part.min(1.0));
     }
 
     /// Calls this throttle has admitted in all (its own process's and, when it serves others,
@@ -602,6 +651,7 @@ impl Throttle {
                 self.check_told(&g.rates);
                 *self.shared_view.lock().unwrap_or_else(|e| e.into_inner()) = Some((g.concurrency, g.rates));
                 self.most_processes.fetch_max(g.processes, Relaxed);
+                self.processes_now.store(g.processes, Relaxed);
                 self.throttled_micros.fetch_add(g.waited.as_micros() as u64, Relaxed);
                 let call = {
                     let mut calls = self.remote_calls.lock().unwrap_or_else(|e| e.into_inner());
@@ -891,6 +941,16 @@ impl RateLimiter {
             next_id: AtomicU64::new(0),
             mean_output: Mutex::new((0.0, 0)),
         }
+    }
+
+    /// Keeps `part` of each told limit (see [`Budget::set_part`]).
+    pub fn set_part(&self, part: f64) {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        s.0.set_part(part);
+        s.1.set_part(part);
+        drop(s);
+        // Calls waiting may go, or wait longer.
+        self.changed.notify_waiters();
     }
 
     /// Says whether this limiter is its quota's only client here (see [`Budget::sole`]).
@@ -1314,6 +1374,39 @@ mod tests {
         fn landed(&self) {
             self.carried.fetch_sub(1, Relaxed);
         }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_throttle_keeps_its_part_of_a_told_limit_while_the_quota_store_is_lost() {
+        let t = Throttle::new(&ThrottleSettings {
+            rate: RateSettings { requests: Some(6), window: Duration::from_secs(60), ..RateSettings::default() },
+            adaptive: false,
+            store: QuotaStore::Off,
+            ..ThrottleSettings::default()
+        });
+        let never = CancellationToken::new();
+        let admitted_now = || async {
+            let mut n = 0;
+            while let Ok(a) = tokio::time::timeout(Duration::from_millis(10), t.admit(Weight::default(), &never)).await
+            {
+                a.unwrap().finish(Ok((Usage::default(), None)));
+                n += 1;
+            }
+            n
+        };
+        // Three processes shared the quota when the store was lost: this one keeps a third.
+        t.set_processes(3);
+        t.keep_part(true);
+        assert_eq!(admitted_now().await, 2);
+        // Another process of this machine comes to share through this one: two thirds.
+        t.set_served(2);
+        assert_eq!(admitted_now().await, 2);
+        // Lost again while still lost: the count of those that shared it stands.
+        t.keep_part(true);
+        assert_eq!(admitted_now().await, 0);
+        // The store is back: the whole limit.
+        t.keep_part(false);
+        assert_eq!(admitted_now().await, 2);
     }
 
     /// A shared throttle in another process at which calls wait their turn until it goes (its

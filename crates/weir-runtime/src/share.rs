@@ -1030,7 +1030,7 @@ pub(crate) async fn serve_peer(
         if !counted && matches!(ask, Ask::Admit { .. }) {
             counted = true;
             let n = peers.fetch_add(1, Relaxed) + 1;
-            throttle.set_processes(n + others);
+            throttle.set_served(n + others);
         }
         match ask {
             Ask::Admit { id, tokens } => {
@@ -1083,7 +1083,8 @@ pub(crate) async fn serve_peer(
     }
     throttle.repay_slots(carried);
     if counted {
-        peers.fetch_sub(1, Relaxed);
+        let n = peers.fetch_sub(1, Relaxed) - 1;
+        throttle.set_served(n + others);
     }
     gone.cancel();
     calls.lock().unwrap_or_else(|e| e.into_inner()).clear();

@@ -322,6 +322,9 @@ async fn supervise(throttle: Weak<Throttle>, client: redis::Client, name: String
     // Redis wakes, and take the lease again for a holding that has ended (the others would
     // follow a holder that reads nothing). Given up when seen.
     let mut stale: Option<String> = None;
+    // Gives the whole told limit back a window after Redis is reached again, unless it fails
+    // again first (dropped then).
+    let mut _regained: Option<tokio_util::sync::DropGuard> = None;
     loop {
         if LEFT.load(std::sync::atomic::Ordering::SeqCst) {
             return;
@@ -359,6 +362,22 @@ async fn supervise(throttle: Weak<Throttle>, client: redis::Client, name: String
         if result.as_ref().is_ok_and(|r| r.is_some()) {
             if let Some(f) = fallback.take() {
                 local = f.end().await;
+                // The whole told limit again once the sends made apart have left its window;
+                // meanwhile the part grows as the processes join the holder and say what they
+                // sent (all three at once, each with its part spent, sent 118 in a second).
+                let regain = tokio_util::sync::CancellationToken::new();
+                let (weak, until) = (throttle.clone(), regain.clone());
+                tokio::spawn(async move {
+                    let Some(window) = weak.upgrade().map(|t| t.rate_limiter().told().window) else { return };
+                    tokio::select! {
+                        () = tokio::time::sleep(window) => {}
+                        () = until.cancelled() => return,
+                    }
+                    if let Some(t) = weak.upgrade() {
+                        t.keep_part(false);
+                    }
+                });
+                _regained = Some(regain.drop_guard());
                 tracing::warn!("{place} can be reached again; sharing the quota through it");
             }
         }
@@ -403,6 +422,8 @@ async fn supervise(throttle: Weak<Throttle>, client: redis::Client, name: String
             Err(e) => {
                 // Others may be deciding alone too: their sends make the window look longer.
                 t.set_sole(false);
+                _regained = None;
+                t.keep_part(true);
                 if fallback.is_none() {
                     // Found hung, by a time-out: the holder finds it by one too, up to a second
                     // later than a follower (its pops block longer), so a follower gives it the

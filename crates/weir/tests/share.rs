@@ -636,7 +636,17 @@ async fn processes_on_one_machine_share_through_it_while_redis_is_down() {
     // of it and the other with nothing (a helper saw 11-13 % of calls refused, and one process
     // starve). Processes on one machine now share through it until Redis is back: told 10 a
     // second each, the two still send 10 a second between them.
-    through_a_redis_fault("share-redis-down", RedisFault::Killed).await;
+    through_a_redis_fault("share-redis-down", RedisFault::Killed, false).await;
+}
+
+#[tokio::test]
+async fn processes_on_different_machines_keep_their_parts_of_a_told_limit_while_redis_is_down() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    // Each process meets others in a directory of its own, as on different machines: with
+    // Redis down, each kept the whole told limit (three told 60 per 5 s sent 100 a window, the
+    // server's cap, and 68 were refused). Each now keeps its part: told 10 a second, the two
+    // still send 10 a second between them.
+    through_a_redis_fault("share-redis-down-apart", RedisFault::Killed, true).await;
 }
 
 #[tokio::test]
@@ -647,7 +657,7 @@ async fn processes_on_one_machine_share_through_it_while_redis_hangs() {
     // could not hear them, then went alone (a helper saw 100 in 2 s for a told 60 per 5 s).
     // Now found within about 3 s, shared through the machine, and handed back to Redis when it
     // wakes: never much over the 10 a second told.
-    through_a_redis_fault("share-redis-hung", RedisFault::Hung).await;
+    through_a_redis_fault("share-redis-hung", RedisFault::Hung, false).await;
 }
 
 /// How Redis fails under [`through_a_redis_fault`]'s runs.
@@ -658,9 +668,10 @@ enum RedisFault {
     Hung,
 }
 
-/// Two runs told 10 a second, sharing through Redis; Redis fails 2 s in. The runs end, each id
-/// once, never much over 10 a second after the fault, and each says what it did.
-async fn through_a_redis_fault(name: &str, fault: RedisFault) {
+/// Two runs told 10 a second, sharing through Redis (and meeting in one directory unless
+/// `apart`); Redis fails 2 s in. The runs end, each id once, never much over 10 a second after
+/// the fault, and each says what it did.
+async fn through_a_redis_fault(name: &str, fault: RedisFault, apart: bool) {
     let Some((mut redis, store)) = redis().await else { return };
     let server = steady_sim().await;
     let url = server.url();
@@ -668,14 +679,20 @@ async fn through_a_redis_fault(name: &str, fault: RedisFault) {
     let meet = dir.path("meet");
     let (data, ids) = prompts(60);
     let names = ["a", "b"];
-    let runs: Vec<_> = names
-        .iter()
-        .map(|n| {
-            let input = dir.write(&format!("{n}.jsonl"), &data);
-            let mut run = told_run(&url, &dir, &input, &format!("{n}.out"), &meet, &store);
-            run.stderr(std::process::Stdio::piped()).spawn().unwrap()
-        })
-        .collect();
+    let runs: Vec<_> = if apart {
+        runs_through(&store, &url, &dir, &names, &data)
+    } else {
+        names
+            .iter()
+            .map(|n| {
+                let input = dir.write(&format!("{n}.jsonl"), &data);
+                told_run(&url, &dir, &input, &format!("{n}.out"), &meet, &store)
+            })
+            .collect()
+    }
+    .into_iter()
+    .map(|mut run| run.stderr(std::process::Stdio::piped()).spawn().unwrap())
+    .collect();
     tokio::time::sleep(Duration::from_secs(2)).await;
     let stopped = server.stats().successes_per_second.len();
     match fault {
@@ -705,6 +722,7 @@ async fn through_a_redis_fault(name: &str, fault: RedisFault) {
     assert!(busiest <= 15, "{busiest} answers in one second after Redis failed: {per_second:?}");
     for (n, err) in said {
         match fault {
+            RedisFault::Killed if apart => assert!(err.contains("could not be reached"), "{n}: {err}"),
             RedisFault::Killed => assert!(err.contains("only processes on this machine could share it"), "{n}: {err}"),
             RedisFault::Hung => {
                 assert!(err.contains("to share the quota (timed out)"), "{n} did not say Redis hung: {err}");
