@@ -264,6 +264,22 @@ pub fn join(throttle: &Arc<Throttle>, name: String, url: &str) {
     tokio::spawn(supervise(Arc::downgrade(throttle), client, name, describe(url)));
 }
 
+/// A follower's id for one holder: this process's id, a dash, and a number of its own. A
+/// holder that hears from a new session of a process it serves lets the old one go at once:
+/// with Redis stopped 2.3 s in every 3.3 s, each process came back as a new follower while the
+/// holder still counted the old one (for 5 s), and three processes were counted as seven.
+fn follower_id() -> String {
+    static PROCESS: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    static SESSION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = SESSION.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    format!("{}-{n}", PROCESS.get_or_init(random_id))
+}
+
+/// The process part of a [`follower_id`] (all of an id without a dash, as older versions wrote).
+fn process_of(id: &str) -> &str {
+    id.split_once('-').map_or(id, |(p, _)| p)
+}
+
 fn random_id() -> String {
     let mut b = [0u8; 8];
     if getrandom::fill(&mut b).is_err() {
@@ -558,6 +574,11 @@ async fn hold(
             members.remove(&note.from);
             continue;
         }
+        if !members.contains_key(&note.from) {
+            // A new session of a process served already: the old one is over.
+            let process = process_of(&note.from);
+            members.retain(|from, _| process_of(from) != process);
+        }
         let member = members.entry(note.from.clone()).or_insert_with(|| {
             // A process new to this holder: served as a connection of its own.
             number += 1;
@@ -650,7 +671,7 @@ async fn follow(
         Ok(p) => p,
         Err(e) => return Ended::Unreachable(e),
     };
-    let me = random_id();
+    let me = follower_id();
     let inbox = format!("{key}:in:{holder}");
     let outbox = format!("{key}:out:{me}");
     let (ours, pump) = tokio::io::duplex(1 << 16);
