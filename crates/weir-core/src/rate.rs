@@ -1381,6 +1381,17 @@ impl Budget {
         }
     }
 
+    /// Counts a send of this process's that another process's throttle admitted at `at`, as if
+    /// this budget had: a told limit only (see [`Budget::set_part`]), when this process starts
+    /// deciding on its part of it, for the sends it made in the window to count against that.
+    pub fn note_sent(&mut self, id: u64, at: Instant, weight: f64) {
+        if let Mode::Static { .. } = self.mode {
+            let at_place = self.log.partition_point(|e| e.at <= at);
+            self.log.insert(at_place, Entry { id, at, weight, state: State::Ok });
+            self.in_window += weight;
+        }
+    }
+
     /// Counts the sends of `seed` (another process's, made while it decided alone beside this
     /// budget's process, which was stopped; see [`Budget::export`]) as if this budget had
     /// admitted them: they are in the server's window, and a budget that did not count them

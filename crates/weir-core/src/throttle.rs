@@ -161,6 +161,10 @@ pub struct Throttle {
     /// The processes this throttle decides for, itself included, while the quota store cannot
     /// be reached (see [`Throttle::keep_part`]).
     served: std::sync::atomic::AtomicUsize,
+    /// This process's calls that another process's throttle admitted within the told window,
+    /// when they went and their tokens (kept only under a told limit): counted against this
+    /// one's part when it comes to decide on it.
+    sent_elsewhere: Mutex<std::collections::VecDeque<(Instant, u64)>>,
     /// While the quota store cannot be reached: how many processes shared the quota through it
     /// (0: the store works, or was never reached). See [`Throttle::keep_part`].
     shared_among: std::sync::atomic::AtomicUsize,
@@ -282,6 +286,7 @@ impl Throttle {
             most_processes: std::sync::atomic::AtomicUsize::new(1),
             processes_now: std::sync::atomic::AtomicUsize::new(1),
             served: std::sync::atomic::AtomicUsize::new(1),
+            sent_elsewhere: Mutex::default(),
             shared_among: std::sync::atomic::AtomicUsize::new(0),
             alone: std::sync::atomic::AtomicBool::new(false),
             machine_only: std::sync::atomic::AtomicBool::new(false),
@@ -349,11 +354,31 @@ impl Throttle {
                 // calls still deciding here as it does would take the rest at once.)
                 self.served.store(1, Relaxed);
                 self.shared_among.store(self.processes_now.load(Relaxed).max(1), Relaxed);
+                // What the holder admitted of this process's calls is in the window: against
+                // its part (else three runs apart, each with a third of 60 free, sent 40 beside
+                // the 31 the holder had let out).
+                let sent: Vec<_> = self.sent_elsewhere.lock().unwrap_or_else(|e| e.into_inner()).drain(..).collect();
+                self.rate.note_sent(&sent);
             }
         } else {
             self.shared_among.store(0, Relaxed);
         }
         self.apply_part();
+    }
+
+    /// Keeps a call another process's throttle admitted now, under a told limit, for the told
+    /// window (see [`Throttle::keep_part`]).
+    fn note_sent_elsewhere(&self, weight: Weight) {
+        let told = self.rate.told();
+        if told.requests.is_none() && told.tokens.is_none() {
+            return;
+        }
+        let now = Instant::now();
+        let mut sent = self.sent_elsewhere.lock().unwrap_or_else(|e| e.into_inner());
+        while sent.front().is_some_and(|&(at, _)| now.duration_since(at) > told.window * 2) {
+            sent.pop_front();
+        }
+        sent.push_back((now, weight.tokens));
     }
 
     /// Gives the rate limiter its part (see [`Throttle::keep_part`]).
@@ -400,6 +425,8 @@ impl Throttle {
             Some(d) => Route::There(d),
             None => {
                 *self.shared_view.lock().unwrap_or_else(|e| e.into_inner()) = None;
+                // Deciding here from now on: what this one is handed counts those calls.
+                self.sent_elsewhere.lock().unwrap_or_else(|e| e.into_inner()).clear();
                 Route::Here
             }
         };
@@ -648,6 +675,7 @@ impl Throttle {
                 Route::There(d) => d,
             };
             if let Some(g) = d.admit(weight).await {
+                self.note_sent_elsewhere(weight);
                 self.check_told(&g.rates);
                 *self.shared_view.lock().unwrap_or_else(|e| e.into_inner()) = Some((g.concurrency, g.rates));
                 self.most_processes.fetch_max(g.processes, Relaxed);
@@ -940,6 +968,17 @@ impl RateLimiter {
             changed: Notify::new(),
             next_id: AtomicU64::new(0),
             mean_output: Mutex::new((0.0, 0)),
+        }
+    }
+
+    /// Counts sends of this process's that another process's throttle admitted, each at its
+    /// moment with its tokens (see [`Budget::note_sent`]).
+    pub fn note_sent(&self, sent: &[(Instant, u64)]) {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        for &(at, tokens) in sent {
+            let id = self.next_id.fetch_add(1, Relaxed);
+            s.0.note_sent(id, at, 1.0);
+            s.1.note_sent(id, at, tokens as f64);
         }
     }
 
@@ -1407,6 +1446,37 @@ mod tests {
         // The store is back: the whole limit.
         t.keep_part(false);
         assert_eq!(admitted_now().await, 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn calls_another_throttle_admitted_count_against_the_part_kept() {
+        // Following a holder when the store was lost, this process's calls it admitted are in
+        // the told window: they count against this one's part as it comes to decide.
+        let t = Throttle::new(&ThrottleSettings {
+            rate: RateSettings { requests: Some(6), window: Duration::from_secs(60), ..RateSettings::default() },
+            adaptive: false,
+            store: QuotaStore::Off,
+            ..ThrottleSettings::default()
+        });
+        let never = CancellationToken::new();
+        let holder = Arc::new(Elsewhere::default());
+        holder.open.store(true, Relaxed);
+        t.delegate_to(Some(holder.clone()));
+        for _ in 0..2 {
+            let a = t.admit(Weight::default(), &never).await.unwrap();
+            assert!(a.remote.is_some());
+            a.finish(Ok((Usage::default(), None)));
+        }
+        // The holder's grants said two processes shared the quota: this one keeps 3 of 6.
+        holder.open.store(false, Relaxed);
+        t.keep_part(true);
+        t.delegate_to(None);
+        let mut here = 0;
+        while let Ok(a) = tokio::time::timeout(Duration::from_millis(10), t.admit(Weight::default(), &never)).await {
+            a.unwrap().finish(Ok((Usage::default(), None)));
+            here += 1;
+        }
+        assert_eq!(here, 1, "3 kept, 2 sent through the holder");
     }
 
     /// A shared throttle in another process at which calls wait their turn until it goes (its
