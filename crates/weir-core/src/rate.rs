@@ -495,7 +495,9 @@ impl Budget {
     pub fn effective_capacity(&self) -> Option<f64> {
         match self.mode {
             Mode::Unlimited => None,
-            Mode::Static { capacity } => Some(capacity * self.part),
+            // Whole: the part kept is this process's for a while (see `set_part`), not the
+            // limit it was told, which the summary and a process handed it show.
+            Mode::Static { capacity } => Some(capacity),
             Mode::Learned => Some(
                 self.credits.max(0.0)
                     + self.log.iter().map(|e| e.weight).sum::<f64>()
@@ -611,7 +613,7 @@ impl Budget {
         Err(match self.mode {
             Mode::Static { capacity } => {
                 let mut freed = 0.0;
-                let need = self.in_window + weight - capacity;
+                let need = self.in_window + weight - capacity * self.part;
                 let mut at = None;
                 for e in &self.log {
                     freed += e.weight;
@@ -1369,11 +1371,7 @@ impl Budget {
             mode: self.mode,
             window: self.window,
             probe: self.probe,
-            // A told capacity whole: the part kept is this process's alone (see `set_part`).
-            capacity: match self.mode {
-                Mode::Static { capacity } => capacity,
-                _ => self.effective_capacity().unwrap_or(0.0),
-            },
+            capacity: self.effective_capacity().unwrap_or(0.0),
             sends,
             fixed: self.period.is_some() && self.period == self.window,
             learning,

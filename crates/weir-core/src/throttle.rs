@@ -159,15 +159,18 @@ pub struct Throttle {
     /// The processes sharing the quota through this throttle or the one it asks, as last seen.
     processes_now: std::sync::atomic::AtomicUsize,
     /// The processes this throttle decides for, itself included, while the quota store cannot
-    /// be reached (see [`Throttle::keep_part`]).
+    /// be reached (see [`Throttle::store_lost`]).
     served: std::sync::atomic::AtomicUsize,
     /// This process's calls that another process's throttle admitted within the told window,
     /// when they went and their tokens (kept only under a told limit): counted against this
     /// one's part when it comes to decide on it.
     sent_elsewhere: Mutex<std::collections::VecDeque<(Instant, u64)>>,
-    /// While the quota store cannot be reached: how many processes shared the quota through it
-    /// (0: the store works, or was never reached). See [`Throttle::keep_part`].
+    /// How many processes shared the quota through the quota store when it was last lost, until
+    /// the whole told limit is back (0: the store works, or was never reached). See
+    /// [`Throttle::store_lost`].
     shared_among: std::sync::atomic::AtomicUsize,
+    /// The quota store is lost now (see [`Throttle::store_lost`]).
+    lost: std::sync::atomic::AtomicBool,
     /// Deciding alone because the quota store failed (see [`Throttle::set_sole`]).
     alone: std::sync::atomic::AtomicBool,
     /// See [`Sharing::machine_only`].
@@ -288,6 +291,7 @@ impl Throttle {
             served: std::sync::atomic::AtomicUsize::new(1),
             sent_elsewhere: Mutex::default(),
             shared_among: std::sync::atomic::AtomicUsize::new(0),
+            lost: std::sync::atomic::AtomicBool::new(false),
             alone: std::sync::atomic::AtomicBool::new(false),
             machine_only: std::sync::atomic::AtomicBool::new(false),
             unshared: Mutex::new(None),
@@ -333,41 +337,61 @@ impl Throttle {
 
     /// Says how many processes this throttle decides for now, itself included (set by the
     /// process that holds the quota, as others join and leave): while the quota store cannot
-    /// be reached, its part of a told limit (see [`Throttle::keep_part`]).
+    /// be reached, its part of a told limit (see [`Throttle::store_lost`]).
     pub fn set_served(&self, n: usize) {
         self.set_processes(n);
         self.served.store(n.max(1), Relaxed);
         self.apply_part();
     }
 
-    /// `true` when the quota store has just been lost: of a told limit, this throttle keeps the
-    /// part of the processes that shared the quota through the store that it serves (itself, or
-    /// the processes of this machine while it holds the quota here); `false` when the store can
-    /// be reached again: all of it. The told limit is the key's, and processes on other
-    /// machines keep their parts meanwhile (three runs on three machines, each told 60 per 5 s,
-    /// sent 100 a window between them, the server's cap, while Redis was down).
-    pub fn keep_part(&self, lost: bool) {
-        if lost {
-            if self.shared_among.load(Relaxed) == 0 {
-                // From now on, itself and whoever it comes to serve here. (Only those: a process
-                // that follows a holder again when the store is back keeps its part, or the
-                // calls still deciding here as it does would take the rest at once.)
-                self.served.store(1, Relaxed);
-                self.shared_among.store(self.processes_now.load(Relaxed).max(1), Relaxed);
-                // What the holder admitted of this process's calls is in the window: against
-                // its part (else three runs apart, each with a third of 60 free, sent 40 beside
-                // the 31 the holder had let out).
-                let sent: Vec<_> = self.sent_elsewhere.lock().unwrap_or_else(|e| e.into_inner()).drain(..).collect();
-                self.rate.note_sent(&sent);
-            }
-        } else {
-            self.shared_among.store(0, Relaxed);
+    /// Says the quota store has just been lost: of a told limit, this throttle keeps the part
+    /// of the processes that shared the quota through the store that it decides for (itself, or
+    /// the processes of this machine while it holds the quota here). The told limit is the
+    /// key's, and processes on other machines keep their parts meanwhile (three runs on three
+    /// machines, each told 60 per 5 s, sent 100 a window between them, the server's cap, while
+    /// Redis was down). Said again while lost, it changes nothing.
+    pub fn store_lost(&self) {
+        if !self.lost.swap(true, Relaxed) {
+            // From now on, itself and whoever it comes to serve here. (Only those: a process
+            // that follows a holder again when the store is back keeps its part, or the calls
+            // still deciding here as it does would take the rest at once.)
+            self.served.store(1, Relaxed);
+            // At least as many as when it was lost before, unless the whole came back since: a
+            // store back for a moment (a hung Redis killed, answering what it held first) left
+            // a process that had just taken its lease counting only itself, and it kept the
+            // whole told limit beside the others' parts (100 in 5 s for 60).
+            let before = self.shared_among.load(Relaxed);
+            self.shared_among.store(self.processes_now.load(Relaxed).max(before).max(1), Relaxed);
+            // What the holder admitted of this process's calls is in the window: against its
+            // part (else three runs apart, each with a third of 60 free, sent 40 beside the 31
+            // the holder had let out).
+            let sent: Vec<_> = self.sent_elsewhere.lock().unwrap_or_else(|e| e.into_inner()).drain(..).collect();
+            self.rate.note_sent(&sent);
+            self.apply_part();
         }
-        self.apply_part();
+    }
+
+    /// Says the quota store can be reached again: the part grows as the processes join the
+    /// holder (see [`Throttle::set_served`]) until [`Throttle::whole_again`]. Returns whether
+    /// it was lost.
+    /// Whether it was lost.
+    pub fn store_back(&self) -> bool {
+        self.lost.swap(false, Relaxed)
+    }
+
+    /// The whole told limit again, once the sends made apart while the store was lost have left
+    /// its window (unless it was lost again since). Giving it back as soon as the store was back
+    /// sent 118 in one second for a told 60 per 5 s: each process's calls still deciding for
+    /// themselves took the rest.
+    pub fn whole_again(&self) {
+        if !self.lost.load(Relaxed) {
+            self.shared_among.store(0, Relaxed);
+            self.apply_part();
+        }
     }
 
     /// Keeps a call another process's throttle admitted now, under a told limit, for the told
-    /// window (see [`Throttle::keep_part`]).
+    /// window (see [`Throttle::store_lost`]).
     fn note_sent_elsewhere(&self, weight: Weight) {
         let told = self.rate.told();
         if told.requests.is_none() && told.tokens.is_none() {
@@ -381,7 +405,7 @@ impl Throttle {
         sent.push_back((now, weight.tokens));
     }
 
-    /// Gives the rate limiter its part (see [`Throttle::keep_part`]).
+    /// Gives the rate limiter its part (see [`Throttle::store_lost`]).
     fn apply_part(&self) {
         let among = self.shared_among.load(Relaxed);
         let part = if among == 0 { 1.0 } else { self.served.load(Relaxed) as f64 / among as f64 };
@@ -1435,17 +1459,25 @@ mod tests {
         };
         // Three processes shared the quota when the store was lost: this one keeps a third.
         t.set_processes(3);
-        t.keep_part(true);
+        t.store_lost();
         assert_eq!(admitted_now().await, 2);
         // Another process of this machine comes to share through this one: two thirds.
         t.set_served(2);
         assert_eq!(admitted_now().await, 2);
-        // Lost again while still lost: the count of those that shared it stands.
-        t.keep_part(true);
+        // Said lost again while still lost: the count of those that shared it stands.
+        t.store_lost();
         assert_eq!(admitted_now().await, 0);
-        // The store is back: the whole limit.
-        t.keep_part(false);
+        // The store is back: the part grows as processes join, and the whole comes back later.
+        t.store_back();
+        t.set_served(3);
         assert_eq!(admitted_now().await, 2);
+        // Lost again before the whole came back: counted afresh, from the three just seen.
+        t.store_lost();
+        t.whole_again();
+        assert_eq!(admitted_now().await, 0, "a third of 6, spent");
+        t.store_back();
+        t.whole_again();
+        assert_eq!(admitted_now().await, 0, "6, spent");
     }
 
     #[tokio::test(start_paused = true)]
@@ -1469,7 +1501,7 @@ mod tests {
         }
         // The holder's grants said two processes shared the quota: this one keeps 3 of 6.
         holder.open.store(false, Relaxed);
-        t.keep_part(true);
+        t.store_lost();
         t.delegate_to(None);
         let mut here = 0;
         while let Ok(a) = tokio::time::timeout(Duration::from_millis(10), t.admit(Weight::default(), &never)).await {

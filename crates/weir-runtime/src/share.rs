@@ -1083,8 +1083,11 @@ pub(crate) async fn serve_peer(
     }
     throttle.repay_slots(carried);
     if counted {
+        // Counted for the summary, not for a part of a told limit: a serving that ends as the
+        // store is lost must not make the count of those that shared it smaller, and a process
+        // that left while it was lost has ended (its part unspent is no excess).
         let n = peers.fetch_sub(1, Relaxed) - 1;
-        throttle.set_served(n + others);
+        throttle.set_processes(n + others);
     }
     gone.cancel();
     calls.lock().unwrap_or_else(|e| e.into_inner()).clear();

@@ -378,6 +378,9 @@ async fn supervise(throttle: Weak<Throttle>, client: redis::Client, name: String
         if result.as_ref().is_ok_and(|r| r.is_some()) {
             if let Some(f) = fallback.take() {
                 local = f.end().await;
+                tracing::warn!("{place} can be reached again; sharing the quota through it");
+            }
+            if throttle.upgrade().is_some_and(|t| t.store_back()) {
                 // The whole told limit again once the sends made apart have left its window;
                 // meanwhile the part grows as the processes join the holder and say what they
                 // sent (all three at once, each with its part spent, sent 118 in a second).
@@ -390,11 +393,10 @@ async fn supervise(throttle: Weak<Throttle>, client: redis::Client, name: String
                         () = until.cancelled() => return,
                     }
                     if let Some(t) = weak.upgrade() {
-                        t.keep_part(false);
+                        t.whole_again();
                     }
                 });
                 _regained = Some(regain.drop_guard());
-                tracing::warn!("{place} can be reached again; sharing the quota through it");
             }
         }
         let Some(t) = throttle.upgrade() else { return };
@@ -439,7 +441,7 @@ async fn supervise(throttle: Weak<Throttle>, client: redis::Client, name: String
                 // Others may be deciding alone too: their sends make the window look longer.
                 t.set_sole(false);
                 _regained = None;
-                t.keep_part(true);
+                t.store_lost();
                 if fallback.is_none() {
                     // Found hung, by a time-out: the holder finds it by one too, up to a second
                     // later than a follower (its pops block longer), so a follower gives it the
@@ -611,6 +613,14 @@ async fn hold(
             if tokio::time::timeout(Duration::from_millis(100), feed.write_all(&bytes)).await.is_err() {
                 members.remove(&note.from);
             }
+        }
+    }
+    if matches!(ended, Ended::Unreachable(_)) {
+        // While the processes served are still counted: their servings end as `members` goes,
+        // and a holder that counted after that kept the whole told limit (100 in 0.63 s for a
+        // told 60 per 5 s, beside the others' parts).
+        if let Some(t) = throttle.upgrade() {
+            t.store_lost();
         }
     }
     drop(tasks);
