@@ -374,7 +374,6 @@ impl Throttle {
     /// Says the quota store can be reached again: the part grows as the processes join the
     /// holder (see [`Throttle::set_served`]) until [`Throttle::whole_again`]. Returns whether
     /// it was lost.
-    /// Whether it was lost.
     pub fn store_back(&self) -> bool {
         self.lost.swap(false, Relaxed)
     }
@@ -1439,57 +1438,66 @@ mod tests {
         }
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn a_throttle_keeps_its_part_of_a_told_limit_while_the_quota_store_is_lost() {
-        let t = Throttle::new(&ThrottleSettings {
-            rate: RateSettings { requests: Some(6), window: Duration::from_secs(60), ..RateSettings::default() },
+    /// A throttle told `requests` per `window`, deciding alone, with a fixed concurrency.
+    fn told(requests: u64, window: Duration) -> Throttle {
+        Throttle::new(&ThrottleSettings {
+            rate: RateSettings { requests: Some(requests), window, ..RateSettings::default() },
             adaptive: false,
             store: QuotaStore::Off,
             ..ThrottleSettings::default()
-        });
+        })
+    }
+
+    /// How many calls `t` admits now, one after another, each finished at once.
+    async fn admitted_now(t: &Throttle) -> usize {
         let never = CancellationToken::new();
-        let admitted_now = || async {
-            let mut n = 0;
-            while let Ok(a) = tokio::time::timeout(Duration::from_millis(10), t.admit(Weight::default(), &never)).await
-            {
-                a.unwrap().finish(Ok((Usage::default(), None)));
-                n += 1;
-            }
-            n
-        };
+        let mut n = 0;
+        while let Ok(a) = tokio::time::timeout(Duration::from_millis(10), t.admit(Weight::default(), &never)).await {
+            a.unwrap().finish(Ok((Usage::default(), None)));
+            n += 1;
+        }
+        n
+    }
+
+    /// A call asking `t` in the background: whether another process's throttle admitted it.
+    fn call_asking(t: &Arc<Throttle>) -> tokio::task::JoinHandle<Option<bool>> {
+        let t = t.clone();
+        tokio::spawn(
+            async move { t.admit(Weight::default(), &CancellationToken::new()).await.map(|a| a.remote.is_some()) },
+        )
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_throttle_keeps_its_part_of_a_told_limit_while_the_quota_store_is_lost() {
+        let t = told(6, Duration::from_secs(60));
         // Three processes shared the quota when the store was lost: this one keeps a third.
         t.set_processes(3);
         t.store_lost();
-        assert_eq!(admitted_now().await, 2);
+        assert_eq!(admitted_now(&t).await, 2);
         // Another process of this machine comes to share through this one: two thirds.
         t.set_served(2);
-        assert_eq!(admitted_now().await, 2);
+        assert_eq!(admitted_now(&t).await, 2);
         // Said lost again while still lost: the count of those that shared it stands.
         t.store_lost();
-        assert_eq!(admitted_now().await, 0);
+        assert_eq!(admitted_now(&t).await, 0);
         // The store is back: the part grows as processes join, and the whole comes back later.
         t.store_back();
         t.set_served(3);
-        assert_eq!(admitted_now().await, 2);
+        assert_eq!(admitted_now(&t).await, 2);
         // Lost again before the whole came back: counted afresh, from the three just seen.
         t.store_lost();
         t.whole_again();
-        assert_eq!(admitted_now().await, 0, "a third of 6, spent");
+        assert_eq!(admitted_now(&t).await, 0, "a third of 6, spent");
         t.store_back();
         t.whole_again();
-        assert_eq!(admitted_now().await, 0, "6, spent");
+        assert_eq!(admitted_now(&t).await, 0, "6, spent");
     }
 
     #[tokio::test(start_paused = true)]
     async fn calls_another_throttle_admitted_count_against_the_part_kept() {
         // Following a holder when the store was lost, this process's calls it admitted are in
         // the told window: they count against this one's part as it comes to decide.
-        let t = Throttle::new(&ThrottleSettings {
-            rate: RateSettings { requests: Some(6), window: Duration::from_secs(60), ..RateSettings::default() },
-            adaptive: false,
-            store: QuotaStore::Off,
-            ..ThrottleSettings::default()
-        });
+        let t = told(6, Duration::from_secs(60));
         let never = CancellationToken::new();
         let holder = Arc::new(Elsewhere::default());
         holder.open.store(true, Relaxed);
@@ -1503,12 +1511,7 @@ mod tests {
         holder.open.store(false, Relaxed);
         t.store_lost();
         t.delegate_to(None);
-        let mut here = 0;
-        while let Ok(a) = tokio::time::timeout(Duration::from_millis(10), t.admit(Weight::default(), &never)).await {
-            a.unwrap().finish(Ok((Usage::default(), None)));
-            here += 1;
-        }
-        assert_eq!(here, 1, "3 kept, 2 sent through the holder");
+        assert_eq!(admitted_now(&t).await, 1, "3 kept, 2 sent through the holder");
     }
 
     /// A shared throttle in another process at which calls wait their turn until it goes (its
@@ -1541,19 +1544,10 @@ mod tests {
         // waited its turn at the next (the holder on this machine) for longer than calls wait
         // for a throttle. When that one went too (Redis was back), the call went alone at
         // once, timed from the first loss: with 15 others, beside the 60 the machine had sent.
-        let t = Arc::new(Throttle::new(&ThrottleSettings {
-            rate: RateSettings { requests: Some(60), window: Duration::from_secs(5), ..RateSettings::default() },
-            adaptive: false,
-            store: QuotaStore::Off,
-            ..ThrottleSettings::default()
-        }));
-        let never = CancellationToken::new();
+        let t = Arc::new(told(60, Duration::from_secs(5)));
         let (first, second) = (Arc::new(Queued::default()), Arc::new(Queued::default()));
         t.delegate_to(Some(first.clone()));
-        let call = {
-            let (t, never) = (t.clone(), never.clone());
-            tokio::spawn(async move { t.admit(Weight::default(), &never).await.map(|a| a.remote.is_some()) })
-        };
+        let call = call_asking(&t);
         tokio::time::sleep(Duration::from_secs(1)).await;
         first.gone.cancel();
         t.await_delegate();
@@ -1614,18 +1608,10 @@ mod tests {
         // Told one call a minute: the second waits here. Another process's throttle comes to
         // decide for this one (this process gave way to it): the waiting call asks that one at
         // once, instead of going out at this one's pace beside every call that one admits.
-        let t = Arc::new(Throttle::new(&ThrottleSettings {
-            rate: RateSettings { requests: Some(1), window: Duration::from_secs(60), ..RateSettings::default() },
-            adaptive: false,
-            store: QuotaStore::Off,
-            ..ThrottleSettings::default()
-        }));
+        let t = Arc::new(told(1, Duration::from_secs(60)));
         let never = CancellationToken::new();
         let first = t.admit(Weight::default(), &never).await.unwrap();
-        let waiting = {
-            let (t, never) = (t.clone(), never.clone());
-            tokio::spawn(async move { t.admit(Weight::default(), &never).await.map(|a| a.remote.is_some()) })
-        };
+        let waiting = call_asking(&t);
         tokio::time::sleep(Duration::from_secs(1)).await;
         assert!(!waiting.is_finished(), "a second call within the minute");
         let there = Arc::new(Elsewhere::default());
@@ -1640,12 +1626,7 @@ mod tests {
     /// order (each asks before the next), then cancels `gone`; the members in the order their
     /// calls were admitted.
     async fn admitted_in_turn(calls: Vec<(u64, CancellationToken)>, gone: &CancellationToken) -> Vec<u64> {
-        let throttle = Arc::new(Throttle::new(&ThrottleSettings {
-            rate: RateSettings { requests: Some(2), window: Duration::from_secs(1), ..RateSettings::default() },
-            adaptive: false,
-            store: QuotaStore::Off,
-            ..ThrottleSettings::default()
-        }));
+        let throttle = Arc::new(told(2, Duration::from_secs(1)));
         let order = Arc::new(Mutex::new(Vec::new()));
         let mut tasks = Vec::new();
         for (member, cancel) in calls {

@@ -128,19 +128,12 @@ async fn holder_listens(meet: &std::path::Path) {
 #[tokio::test]
 async fn the_quota_passes_on_when_its_holder_is_killed() {
     let _one = ONE_AT_A_TIME.lock().await;
-    let server = steady_sim().await;
-    let url = server.url();
-    let dir = Dir::new("share-kill");
-    let meet = dir.path("meet");
-    let (data, ids) = prompts(40);
-    let input_a = dir.write("a.jsonl", &data);
-    let input_b = dir.write("b.jsonl", &data);
+    let m = OneMachine::new("share-kill", 40).await;
     // The first process holds the quota (it starts alone); the second joins it.
-    let holder = told_run(&url, &dir, &input_a, "a.out", &meet, "local").spawn().unwrap();
-    holder_listens(&meet).await;
-    let follower = told_run(&url, &dir, &input_b, "b.out", &meet, "local");
+    let holder = m.run(0, "a.out").spawn().unwrap();
+    holder_listens(&m.meet).await;
     let says = ("sharing the quota held by another process", "holding the shared quota");
-    follower_takes_over(holder, follower, &server, &dir, &ids, says).await;
+    follower_takes_over(holder, m.run(1, "b.out"), &m.server, &m.dir, &m.ids, says).await;
 }
 
 #[tokio::test]
@@ -175,6 +168,34 @@ async fn calls_wait_for_a_holder_that_is_slow_to_start() {
     let o = tokio::time::timeout(Duration::from_secs(30), run.wait_with_output()).await.unwrap().unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     util::assert_each_id_once(&ids, &rows(&dir.path("second.out")), &[]);
+}
+
+/// Two runs' work on one machine: a steady simulator, and inputs `a.jsonl` and `b.jsonl` of
+/// the same records in a fresh directory, where the runs meet in `meet`.
+struct OneMachine {
+    server: weir_sim::SimServer,
+    dir: Dir,
+    meet: std::path::PathBuf,
+    ids: Vec<String>,
+    inputs: [std::path::PathBuf; 2],
+}
+
+impl OneMachine {
+    /// In the directory `name`, `n` records an input.
+    async fn new(name: &str, n: usize) -> Self {
+        let server = steady_sim().await;
+        let dir = Dir::new(name);
+        let meet = dir.path("meet");
+        let (data, ids) = prompts(n);
+        let inputs = [dir.write("a.jsonl", &data), dir.write("b.jsonl", &data)];
+        OneMachine { server, dir, meet, ids, inputs }
+    }
+
+    /// A told run over input `i` (0: `a.jsonl`, 1: `b.jsonl`) writing `out`, sharing through
+    /// this machine.
+    fn run(&self, i: usize, out: &str) -> tokio::process::Command {
+        told_run(&self.server.url(), &self.dir, &self.inputs[i], out, &self.meet, "local")
+    }
 }
 
 /// Starts `follower` (with the runtime's debug log) beside `holder`, 1.5 s later removes
@@ -228,19 +249,12 @@ async fn a_holder_makes_its_files_again_when_the_meeting_place_is_removed() {
     // a process started afterwards made a lock of its own, held it, and kept a throttle beside
     // the first one's, each sending the told 10 a second. The holder makes its files again, so
     // the newcomer joins it.
-    let server = steady_sim().await;
-    let url = server.url();
-    let dir = Dir::new("share-removed");
-    let meet = dir.path("meet");
-    let (data, ids) = prompts(50);
-    let input_a = dir.write("a.jsonl", &data);
-    let input_b = dir.write("b.jsonl", &data);
-    let mut holder = told_run(&url, &dir, &input_a, "a.out", &meet, "local");
-    let holder = holder.stderr(std::process::Stdio::piped()).spawn().unwrap();
-    holder_listens(&meet).await;
-    std::fs::remove_dir_all(&meet).unwrap();
+    let m = OneMachine::new("share-removed", 50).await;
+    let holder = m.run(0, "a.out").stderr(std::process::Stdio::piped()).spawn().unwrap();
+    holder_listens(&m.meet).await;
+    std::fs::remove_dir_all(&m.meet).unwrap();
     tokio::time::sleep(Duration::from_millis(1200)).await;
-    let mut newcomer = told_run(&url, &dir, &input_b, "b.out", &meet, "local");
+    let mut newcomer = m.run(1, "b.out");
     let newcomer = newcomer.stderr(std::process::Stdio::piped()).spawn().unwrap();
     let (oa, ob) = tokio::join!(holder.wait_with_output(), newcomer.wait_with_output());
     let (oa, ob) = (oa.unwrap(), ob.unwrap());
@@ -249,9 +263,9 @@ async fn a_holder_makes_its_files_again_when_the_meeting_place_is_removed() {
     assert!(ea.contains("were removed from"), "{ea}");
     assert!(eb.contains("quota shared by 2 processes on this machine"), "{eb}");
     for out in ["a.out", "b.out"] {
-        util::assert_each_id_once(&ids, &rows(&dir.path(out)), &[]);
+        util::assert_each_id_once(&m.ids, &rows(&m.dir.path(out)), &[]);
     }
-    let per_second = server.stats().successes_per_second;
+    let per_second = m.server.stats().successes_per_second;
     let busiest = per_second.iter().copied().max().unwrap_or(0);
     assert!(busiest <= 15, "{busiest} answers in one second: {per_second:?}\n{ea}\n{eb}");
 }
@@ -262,21 +276,14 @@ async fn the_quota_passes_on_when_its_holder_is_killed_and_the_meeting_place_rem
     // The directory removed and the holder killed at once: the follower found no directory to
     // take the lock in, and kept the quota alone for the rest of its run (a process started
     // then made a throttle of its own beside it). It makes the directory again and holds.
-    let server = steady_sim().await;
-    let url = server.url();
-    let dir = Dir::new("share-kill-removed");
-    let meet = dir.path("meet");
-    let (data, ids) = prompts(40);
-    let input_a = dir.write("a.jsonl", &data);
-    let input_b = dir.write("b.jsonl", &data);
-    let holder = told_run(&url, &dir, &input_a, "a.out", &meet, "local").spawn().unwrap();
-    holder_listens(&meet).await;
-    let follower = told_run(&url, &dir, &input_b, "b.out", &meet, "local");
-    let err = kill_the_holder(holder, follower, Some(&meet)).await;
+    let m = OneMachine::new("share-kill-removed", 40).await;
+    let holder = m.run(0, "a.out").spawn().unwrap();
+    holder_listens(&m.meet).await;
+    let err = kill_the_holder(holder, m.run(1, "b.out"), Some(&m.meet)).await;
     assert!(err.contains("share the quota was removed ("), "{err}");
     assert!(!err.contains("not shared"), "{err}");
     assert!(err.contains("holding the shared quota"), "{err}");
-    util::assert_each_id_once(&ids, &rows(&dir.path("b.out")), &[]);
+    util::assert_each_id_once(&m.ids, &rows(&m.dir.path("b.out")), &[]);
 }
 
 #[tokio::test]
@@ -285,17 +292,11 @@ async fn a_stopped_holder_does_not_stop_the_others() {
     // Ctrl-Z (SIGSTOP) on the process holding the quota: it keeps its lock, and its socket still
     // takes connections, but it grants nothing. The follower says so within seconds and goes on
     // alone; when the holder is resumed, both finish.
-    let server = steady_sim().await;
-    let url = server.url();
-    let dir = Dir::new("share-stop");
-    let meet = dir.path("meet");
-    let (data, ids) = prompts(60);
-    let input_a = dir.write("a.jsonl", &data);
-    let input_b = dir.write("b.jsonl", &data);
-    let holder = told_run(&url, &dir, &input_a, "a.out", &meet, "local").spawn().unwrap();
+    let m = OneMachine::new("share-stop", 60).await;
+    let holder = m.run(0, "a.out").spawn().unwrap();
     let pid = holder.id().unwrap().to_string();
-    holder_listens(&meet).await;
-    let mut follower = told_run(&url, &dir, &input_b, "b.out", &meet, "local");
+    holder_listens(&m.meet).await;
+    let mut follower = m.run(1, "b.out");
     follower.env("WEIR_LOG", "weir_runtime=debug").stderr(std::process::Stdio::piped());
     let follower = follower.spawn().unwrap();
     tokio::time::sleep(Duration::from_millis(1500)).await;
@@ -316,12 +317,12 @@ async fn a_stopped_holder_does_not_stop_the_others() {
         err.contains("quota shared by 2 processes on this machine (--quota-store local) for part of the run"),
         "{err}"
     );
-    util::assert_each_id_once(&ids, &rows(&dir.path("b.out")), &[]);
+    util::assert_each_id_once(&m.ids, &rows(&m.dir.path("b.out")), &[]);
     // 60 records at 10 a second, some of them before the stop: alone after 5 s of silence.
     assert!(took < Duration::from_secs(20), "the follower ended {took:?} after the stop: {err}");
     let o = tokio::time::timeout(Duration::from_secs(40), holder.wait_with_output()).await.unwrap().unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    util::assert_each_id_once(&ids, &rows(&dir.path("a.out")), &[]);
+    util::assert_each_id_once(&m.ids, &rows(&m.dir.path("a.out")), &[]);
 }
 
 #[tokio::test]
