@@ -218,6 +218,23 @@ pub struct Budget {
     default_window: Duration,
     /// The part of a static capacity in force (see [`Budget::set_part`]).
     part: f64,
+    /// While nothing is learned: refusals that advised no wait and taught nothing (see
+    /// [`Budget::refused_blind`]).
+    blind: Option<Blind>,
+}
+
+/// Refusals that advised no wait, while no send of ours was admitted since the first: another
+/// run (or process) filled the window, and the server does not say for how long. Every call is
+/// held, and one scout goes at a time, at waits that double up to [`BLIND_LONGEST`]: a run
+/// started just after another on a per-minute quota whose 429s advise nothing (Vertex AI's)
+/// sent 450 requests in the minute the window stayed full, all refused, and every one of its
+/// 50 records failed once its retries ran out.
+#[derive(Debug, Clone, Copy)]
+struct Blind {
+    /// Rounds refused in a row: the first refusal's, then each scout's.
+    rounds: u32,
+    /// When the last round's hold began: refusals of sends made before then are of that round.
+    since: Instant,
 }
 
 /// What a budget knew, handed from a process that held a shared quota to the one that takes
@@ -388,6 +405,14 @@ const LONGEST_ADVISED_WINDOW: Duration = Duration::from_secs(60);
 /// The default window when a refusal does not say when to come back.
 pub const DEFAULT_WINDOW: Duration = Duration::from_secs(60);
 
+/// The first hold after a refusal that advised no wait and taught nothing (see [`Blind`]).
+const BLIND_FIRST: Duration = Duration::from_millis(500);
+
+/// The longest hold between scouts while refusals advise no wait (see [`Blind`]): a window
+/// another run filled is found open at most this late (a twelfth of a minute's window), for
+/// about a dozen refusals over that minute.
+const BLIND_LONGEST: Duration = Duration::from_secs(5);
+
 impl Budget {
     /// A budget with no limit known.
     pub fn unlimited() -> Self {
@@ -436,6 +461,7 @@ impl Budget {
             period: None,
             others_filled: false,
             part: 1.0,
+            blind: None,
         }
     }
 
@@ -567,7 +593,16 @@ impl Budget {
     pub fn try_take(&mut self, id: u64, weight: f64, now: Instant) -> Result<(), Option<Instant>> {
         self.expire(now);
         let ok = match self.mode {
-            Mode::Unlimited => true,
+            Mode::Unlimited => {
+                // Held after refusals that advised no wait (see `Blind`): one scout at a time.
+                if let Some(until) = self.hold_until.filter(|&until| now < until) {
+                    return Err(Some(until));
+                }
+                if matches!(self.scout, Scout::Out(..)) {
+                    return Err(None);
+                }
+                true
+            }
             Mode::Static { capacity } => self.in_window + weight <= capacity * self.part || self.log.is_empty(),
             Mode::Learned => {
                 if let Some(until) = self.hold_until.filter(|&until| now < until) {
@@ -593,9 +628,6 @@ impl Budget {
                     // Let through with nothing out (and no credit), a send still comes back as a
                     // credit, but the budget does not go into debt for it.
                     self.credits = if self.credits >= weight { self.credits - weight } else { self.credits.min(0.0) };
-                    if matches!(self.scout, Scout::After(from) if from <= now) {
-                        self.scout = Scout::Out(id, now);
-                    }
                     if self.unspent_probe.0 > 0.0 {
                         self.unspent_probe.0 -= weight;
                         if let Some(kind) = self.unspent_probe.1 {
@@ -604,6 +636,9 @@ impl Budget {
                     }
                 }
                 Mode::Unlimited => {}
+            }
+            if !matches!(self.mode, Mode::Static { .. }) && matches!(self.scout, Scout::After(from) if from <= now) {
+                self.scout = Scout::Out(id, now);
             }
             self.log.push_back(Entry { id, at: now, weight, state: State::Pending });
             return Ok(());
@@ -696,6 +731,7 @@ impl Budget {
 
     /// The send was admitted; its real weight is `weight`.
     pub fn admitted(&mut self, id: u64, weight: f64) {
+        self.blind = None;
         if let Scout::Out(scout, at) = self.scout {
             if scout == id {
                 self.scouts_admitted += 1;
@@ -817,6 +853,10 @@ impl Budget {
                     // learned "84 per 4 s" for 100 per 5 s and had a third of its sends refused.
                     // The server's advised pause holds the calls; learn from a refusal that
                     // comes once the window holds sends of ours.
+                    // With no advice, nothing holds them but this budget (see `Blind`).
+                    if delay.is_none() {
+                        self.refused_blind(now, removed.as_ref().map(|e| e.at));
+                    }
                     self.last_refusal = Some(now);
                     return;
                 }
@@ -1005,6 +1045,37 @@ impl Budget {
             come_back = ?self.come_back.map(|c| c.saturating_duration_since(now).as_secs_f64()),
             "budget refused"
         );
+    }
+
+    /// A send made at `sent` was refused at `now`, advising no wait, and taught nothing (no send
+    /// of ours admitted yet): every call is held, for twice as long as the last round's hold
+    /// (from [`BLIND_FIRST`] up to [`BLIND_LONGEST`]), then one scout goes (see [`Blind`]).
+    /// Refusals of sends made before the last hold began are of that round and change nothing.
+    /// Also for refusals it does not learn from (see [`Budget::refused_not_learned`]).
+    fn refused_blind(&mut self, now: Instant, sent: Option<Instant>) {
+        let rounds = match self.blind {
+            Some(b) if sent.is_none_or(|at| at < b.since) => return,
+            Some(b) => b.rounds + 1,
+            None => 1,
+        };
+        let hold = BLIND_FIRST.saturating_mul(1 << (rounds - 1).min(16)).min(BLIND_LONGEST);
+        self.blind = Some(Blind { rounds, since: now });
+        self.hold_until = Some(now + hold);
+        self.distrust(now + hold);
+        tracing::debug!(rounds, ?hold, "refused with no advice before any send was admitted: holding, then a scout");
+    }
+
+    /// The send of `id` was refused at `now`, advising no wait, by a quota this budget does not
+    /// learn from (the refusal names none, as an OpenAI-compatible server's bare 429, or
+    /// learning is off): while no limit is known, calls are held as after a refusal that
+    /// advises nothing and teaches nothing (see [`Blind`]) until one is admitted. The send is
+    /// kept, as for [`Budget::failed`].
+    pub fn refused_not_learned(&mut self, id: u64, now: Instant) {
+        if self.mode == Mode::Unlimited {
+            let sent = self.position(id).map(|i| self.log[i].at);
+            self.refused_blind(now, sent);
+        }
+        self.failed(id);
     }
 
     /// A send our credits let through was refused, told `d` in whole seconds, with the window
@@ -2480,6 +2551,64 @@ mod tests {
         b.try_take(4, 1.0, t1).unwrap();
         b.refused(4, t1, Some(ms(999)));
         assert_eq!((b.mode(), b.window()), (Mode::Learned, Some(ms(999))));
+    }
+
+    /// Drives one client with 16 calls out against `server` from `t0` for `secs`, as a run
+    /// does against a server whose refusals advise no wait (answers in 0.3 s, refusals at
+    /// once). Returns when each admitted send went, and how many were refused.
+    fn drive_unadvised(b: &mut Budget, server: &mut Server, t0: Instant, secs: u64) -> (Vec<Instant>, usize) {
+        let (mut admitted, mut refused) = (Vec::new(), 0);
+        let mut out: Vec<(Instant, u64, bool)> = Vec::new();
+        let (mut t, mut id) = (t0, 0);
+        while t < t0 + Duration::from_secs(secs) {
+            out.sort_by_key(|o| std::cmp::Reverse(o.0));
+            while out.last().is_some_and(|o| o.0 <= t) {
+                let (_, done, ok) = out.pop().expect("not empty");
+                if ok {
+                    b.admitted(done, 1.0);
+                } else {
+                    b.refused(done, t, None);
+                    refused += 1;
+                }
+            }
+            while out.len() < 16 && b.try_take(id, 1.0, t).is_ok() {
+                let ok = server.admit(t).is_ok();
+                if ok {
+                    admitted.push(t);
+                }
+                out.push((t + if ok { ms(300) } else { ms(2) }, id, ok));
+                id += 1;
+            }
+            t += ms(1);
+        }
+        (admitted, refused)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_window_filled_by_others_with_no_advice_is_scouted_not_stormed() {
+        // A per-minute fixed window (100 a minute) another run filled just before this one
+        // started, and refusals that advise no wait, as Vertex AI's: the window stays full for
+        // 58 s. Each call refused went again after its retry's backoff: 450 refusals in that
+        // minute, and every record failed. Held, with one scout at a time, the run is refused a
+        // few times and finds the window open within the longest hold of its opening.
+        let t0 = Instant::now();
+        let mut server =
+            Server { fixed: Some(t0 - Duration::from_secs(2)), ..Server::sliding(100, Duration::from_secs(60)) };
+        server.log.extend(std::iter::repeat_n(t0 - Duration::from_secs(1), 100));
+        let mut b = Budget::unlimited();
+        let (admitted, refused) = drive_unadvised(&mut b, &mut server, t0, 70);
+        let opened = t0 + Duration::from_secs(58);
+        let first = admitted.first().copied().expect("admitted once the window opened");
+        assert!(
+            first >= opened && first <= opened + BLIND_LONGEST + ms(10),
+            "first admitted {:?} after it opened",
+            first - opened
+        );
+        // 16 refused at once, then a scout about every 5 s; then, once our own 100 filled the
+        // next window, the refusal that teaches (sends in flight then are refused too).
+        assert!(refused <= 16 + 16 + 16, "{refused} refused");
+        assert_eq!(admitted.len(), 100, "the next window's capacity");
+        assert_eq!(b.mode(), Mode::Learned, "learned from the refusal after our own sends");
     }
 
     /// A budget that took over `seed` 50 ms after it was exported, at `t0 + 150 ms`.

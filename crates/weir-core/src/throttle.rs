@@ -1154,6 +1154,8 @@ impl RateLimiter {
                     other.forget(ticket.id);
                     if self.settings.learn || refusing.mode() != Mode::Unlimited {
                         refusing.refused(ticket.id, now, delay);
+                    } else if delay.is_none() {
+                        refusing.refused_not_learned(ticket.id, now);
                     } else {
                         refusing.failed(ticket.id);
                     }
@@ -1164,6 +1166,11 @@ impl RateLimiter {
                 Err(e) if e.unreachable => {
                     s.0.forget(ticket.id);
                     s.1.forget(ticket.id);
+                }
+                // A refusal that names no quota and advises no wait.
+                Err(e) if e.kind == ErrorKind::RateLimited && e.retry_after().is_none() => {
+                    s.0.refused_not_learned(ticket.id, now);
+                    s.1.failed(ticket.id);
                 }
                 Err(_) => {
                     s.0.failed(ticket.id);
