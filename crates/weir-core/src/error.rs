@@ -211,6 +211,26 @@ impl ModelError {
         self
     }
 
+    /// This refusal, which advised no wait, as the one that stops the run: every call for
+    /// `refused_for` (longer than [`LONGEST_ADVISED_WAIT`]) was refused so and none admitted, so
+    /// the quota is not a window that frees (a quota of zero, one spent for the day) and holding
+    /// calls for it would go on in silence. Resumable, as [`ModelError::within_reason`]'s stop.
+    pub fn never_admitted(self, refused_for: Duration) -> Self {
+        Self {
+            kind: ErrorKind::QuotaExhausted,
+            hint: RetryHint::StopRun,
+            message: format!(
+                "every call for {} was refused with no advised wait, and none admitted (weir waits out at most \
+                 {} min): the quota may be zero or spent for now; the run stops here, and the same command run \
+                 again goes on where it stopped: {}",
+                human(refused_for),
+                LONGEST_ADVISED_WAIT.as_secs() / 60,
+                self.message
+            ),
+            ..self
+        }
+    }
+
     /// This error, unless the server advised a wait longer than [`LONGEST_ADVISED_WAIT`] (a
     /// `Retry-After` of a day, or a date years away): then the quota is spent for now, and the
     /// run stops saying so and resumes when run again. Waiting it out would hold every call in

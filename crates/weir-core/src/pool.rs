@@ -342,6 +342,10 @@ impl Pool {
         } else {
             l.failed.fetch_add(1, Relaxed);
         }
+        // Refused with no advice for longer than weir waits: the run stops (or the pool leaves
+        // this endpoint).
+        let judged = l.throttle.judge(e);
+        let e = judged.as_ref().unwrap_or(e);
         if self.lanes.len() == 1 {
             return Some((e.clone(), Absorbed::No));
         }

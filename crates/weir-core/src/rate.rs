@@ -235,6 +235,8 @@ struct Blind {
     rounds: u32,
     /// When the last round's hold began: refusals of sends made before then are of that round.
     since: Instant,
+    /// When the first round began: nothing admitted since.
+    first: Instant,
 }
 
 /// What a budget knew, handed from a process that held a shared quota to the one that takes
@@ -1053,16 +1055,22 @@ impl Budget {
     /// Refusals of sends made before the last hold began are of that round and change nothing.
     /// Also for refusals it does not learn from (see [`Budget::refused_not_learned`]).
     fn refused_blind(&mut self, now: Instant, sent: Option<Instant>) {
-        let rounds = match self.blind {
+        let (rounds, first) = match self.blind {
             Some(b) if sent.is_none_or(|at| at < b.since) => return,
-            Some(b) => b.rounds + 1,
-            None => 1,
+            Some(b) => (b.rounds + 1, b.first),
+            None => (1, now),
         };
         let hold = BLIND_FIRST.saturating_mul(1 << (rounds - 1).min(16)).min(BLIND_LONGEST);
-        self.blind = Some(Blind { rounds, since: now });
+        self.blind = Some(Blind { rounds, since: now, first });
         self.hold_until = Some(now + hold);
         self.distrust(now + hold);
         tracing::debug!(rounds, ?hold, "refused with no advice before any send was admitted: holding, then a scout");
+    }
+
+    /// Since when every send has been refused with no advice, while nothing is learned, and none
+    /// admitted (see [`Blind`]).
+    pub fn refused_blind_since(&self) -> Option<Instant> {
+        self.blind.map(|b| b.first)
     }
 
     /// The send of `id` was refused at `now`, advising no wait, by a quota this budget does not

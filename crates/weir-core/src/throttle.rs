@@ -826,6 +826,18 @@ impl Throttle {
         }
     }
 
+    /// The error to act on instead of `e`, if any: a 429 that advises no wait, once every call
+    /// for longer than [`crate::error::LONGEST_ADVISED_WAIT`] was refused so and none admitted,
+    /// stops the run (see [`ModelError::never_admitted`]). Until then the budget holds the calls
+    /// and sends one scout at a time, so a quota of zero would hold them all in silence.
+    pub fn judge(&self, e: &ModelError) -> Option<ModelError> {
+        if e.kind != ErrorKind::RateLimited || e.retry_after().is_some() {
+            return None;
+        }
+        let refused_for = self.rate.refused_blind_since()?.elapsed();
+        (refused_for > crate::error::LONGEST_ADVISED_WAIT).then(|| e.clone().never_admitted(refused_for))
+    }
+
     /// Holds every new call for `delay` (a server-advised pause; never shortens one in force).
     pub fn hold(&self, delay: Duration) {
         self.gate.hold(delay);
@@ -1179,6 +1191,12 @@ impl RateLimiter {
             }
         }
         self.changed.notify_waiters();
+    }
+
+    /// Since when every send has been refused with no advice and none admitted, while no
+    /// request limit is known (see [`crate::rate::Budget::refused_blind_since`]).
+    pub fn refused_blind_since(&self) -> Option<Instant> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).0.refused_blind_since()
     }
 
     /// How long a refusal advising `advised` holds every call. When the quota that refused is
@@ -1738,6 +1756,40 @@ mod tests {
         assert!(times[9] < Duration::from_millis(1));
         assert!(times[10] >= Duration::from_secs(1) && times[10] < Duration::from_millis(1100));
         assert!(times[20] >= Duration::from_secs(2) && times[20] < Duration::from_millis(2200));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn refusals_with_no_advice_and_nothing_admitted_for_ten_minutes_stop_the_run() {
+        // A quota of zero (a model with no quota in a region) refuses every call, advising no
+        // wait: the calls are held, one scout at a time, and once none was admitted for longer
+        // than weir waits out, the refusal becomes one that stops the run (resumable).
+        for quota in [Some(QuotaScope::Requests), None] {
+            let t = Throttle::new(&ThrottleSettings { store: QuotaStore::Off, ..ThrottleSettings::default() });
+            let never = CancellationToken::new();
+            let mut refused = ModelError::new(ErrorKind::RateLimited, "429").with_status(429);
+            refused.quota = quota;
+            let start = Instant::now();
+            let mut scouts = 0;
+            let stop = loop {
+                let a = t.admit(t.estimate(10, None), &never).await.expect("not cancelled");
+                a.finish(Err(&refused));
+                scouts += 1;
+                if let Some(stop) = t.judge(&refused) {
+                    break stop;
+                }
+                assert!(start.elapsed() <= crate::error::LONGEST_ADVISED_WAIT, "{quota:?}: not stopped in time");
+            };
+            assert_eq!((stop.kind, stop.hint), (ErrorKind::QuotaExhausted, RetryHint::StopRun), "{quota:?}");
+            assert!(stop.message.contains("no advised wait"), "{}", stop.message);
+            let elapsed = start.elapsed();
+            assert!(elapsed < crate::error::LONGEST_ADVISED_WAIT + Duration::from_secs(6), "{quota:?}: {elapsed:?}");
+            // A scout every 5 s once the holds have grown: 10 minutes' worth, and no storm.
+            assert!((110..=130).contains(&scouts), "{quota:?}: {scouts} scouts");
+            // One call admitted clears it.
+            let a = t.admit(t.estimate(10, None), &never).await.expect("not cancelled");
+            a.finish(Ok((Usage::default(), None)));
+            assert!(t.judge(&refused).is_none(), "{quota:?}");
+        }
     }
 
     #[tokio::test(start_paused = true)]
