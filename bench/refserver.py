@@ -13,7 +13,7 @@ up to whole seconds. No `Retry-After` header, as the Gemini API sends none.
 successes and refusals per second since the last `POST /stats/reset`.
 
 Usage: refserver.py --listen 127.0.0.1:PORT --rpm 100 --window-secs 5 --latency-ms 300
-                    [--jitter-ms 20] [--no-advice]
+                    [--jitter-ms 20] [--no-advice] [--zero-after SECS]
 Prints one line once it listens.
 """
 import argparse, asyncio, json, math, random, time
@@ -89,6 +89,8 @@ async def main():
     ap.add_argument("--latency-ms", type=float, default=300.0)
     ap.add_argument("--jitter-ms", type=float, default=0.0)
     ap.add_argument("--no-advice", action="store_true", help="refuse with no RetryInfo (the Gemini API sometimes does)")
+    ap.add_argument("--zero-after", type=float, default=None,
+                    help="from this many seconds after the start, admit nothing (a quota that falls to zero)")
     a = ap.parse_args()
     quota, stats = Quota(a.rpm, a.window_secs), Stats()
 
@@ -109,6 +111,8 @@ async def main():
                 elif method == "POST" and ":generateContent" in path:
                     model = path.rsplit("/", 1)[-1].split(":")[0]
                     stats.requests += 1
+                    if a.zero_after is not None and now - quota.start >= a.zero_after:
+                        quota.limit = 0
                     admitted, wait = quota.admit(now)
                     if admitted:
                         jitter = random.uniform(-a.jitter_ms / 2, a.jitter_ms / 2)

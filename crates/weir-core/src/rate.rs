@@ -1026,6 +1026,18 @@ impl Budget {
                         _ => self.distrust(now),
                     }
                 }
+                if delay.is_none()
+                    && self.credits < 1.0
+                    && self.log.is_empty()
+                    && self.overdue.is_empty()
+                    && self.deferred.is_empty()
+                {
+                    // Refusals with no advice took every credit, and nothing out brings one
+                    // back: the lone send that follows would go at once, and again at once when
+                    // refused (a quota that fell to zero under a run that had learned it). Held
+                    // as before anything was learned (see `Blind`).
+                    self.refused_blind(now, removed.as_ref().map(|e| e.at));
+                }
             }
         }
         self.last_refusal = Some(now);
@@ -1050,7 +1062,7 @@ impl Budget {
     }
 
     /// A send made at `sent` was refused at `now`, advising no wait, and taught nothing (no send
-    /// of ours admitted yet): every call is held, for twice as long as the last round's hold
+    /// of ours admitted yet, or none since refusals took every credit): every call is held, for twice as long as the last round's hold
     /// (from [`BLIND_FIRST`] up to [`BLIND_LONGEST`]), then one scout goes (see [`Blind`]).
     /// Refusals of sends made before the last hold began are of that round and change nothing.
     /// Also for refusals it does not learn from (see [`Budget::refused_not_learned`]).
@@ -1725,6 +1737,27 @@ mod tests {
         b.try_take(4, 1.0, t0).unwrap();
         b.refused(4, t0, Some(ms(999)));
         b
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_learned_quota_that_falls_to_nothing_with_no_advice_is_scouted_not_stormed() {
+        // Four per ~1 s learned; then the quota refuses everything, advising no wait. Each
+        // refusal takes a credit; once none is left and nothing is out, the lone send that
+        // follows went at once, and again at once: a send every step, all refused.
+        let t0 = Instant::now();
+        let mut b = learned_four(t0);
+        let (mut sent, mut t, mut id) = (0, t0 + Duration::from_secs(2), 10u64);
+        while t < t0 + Duration::from_secs(62) {
+            if b.try_take(id, 1.0, t).is_ok() {
+                sent += 1;
+                b.refused(id, t + ms(2), None);
+                id += 1;
+            }
+            t += ms(10);
+        }
+        // The four credits, then a scout after holds of 0.5, 1, 2, 4 s and every 5 s after.
+        assert!(sent <= 4 + 16, "{sent} sent in a minute, all refused");
+        assert!(b.refused_blind_since().is_some());
     }
 
     #[tokio::test(start_paused = true)]
