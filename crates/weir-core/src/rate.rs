@@ -218,8 +218,8 @@ pub struct Budget {
     default_window: Duration,
     /// The part of a static capacity in force (see [`Budget::set_part`]).
     part: f64,
-    /// While nothing is learned: refusals that advised no wait and taught nothing (see
-    /// [`Budget::refused_blind`]).
+    /// Refusals that advised no wait with nothing to go by: nothing learned yet, or every credit
+    /// lost to refusals (see [`Budget::refused_blind`]).
     blind: Option<Blind>,
 }
 
@@ -228,7 +228,9 @@ pub struct Budget {
 /// held, and one scout goes at a time, at waits that double up to [`BLIND_LONGEST`]: a run
 /// started just after another on a per-minute quota whose 429s advise nothing (Vertex AI's)
 /// sent 450 requests in the minute the window stayed full, all refused, and every one of its
-/// 50 records failed once its retries ran out.
+/// 50 records failed once its retries ran out. The same once refusals with no advice took a
+/// learned budget's every credit (its quota fell to nothing). After 10 minutes of it the run
+/// stops (see [`crate::throttle::Throttle::judge`]).
 #[derive(Debug, Clone, Copy)]
 struct Blind {
     /// Rounds refused in a row: the first refusal's, then each scout's.
@@ -1079,8 +1081,8 @@ impl Budget {
         tracing::debug!(rounds, ?hold, "refused with no advice before any send was admitted: holding, then a scout");
     }
 
-    /// Since when every send has been refused with no advice, while nothing is learned, and none
-    /// admitted (see [`Blind`]).
+    /// Since when every send has been refused with no advice and none admitted, with nothing to
+    /// go by (see [`Blind`]).
     pub fn refused_blind_since(&self) -> Option<Instant> {
         self.blind.map(|b| b.first)
     }

@@ -1193,8 +1193,8 @@ impl RateLimiter {
         self.changed.notify_waiters();
     }
 
-    /// Since when every send has been refused with no advice and none admitted, while no
-    /// request limit is known (see [`crate::rate::Budget::refused_blind_since`]).
+    /// Since when every send has been refused with no advice and none admitted, with no request
+    /// limit or credit to go by (see [`crate::rate::Budget::refused_blind_since`]).
     pub fn refused_blind_since(&self) -> Option<Instant> {
         self.state.lock().unwrap_or_else(|e| e.into_inner()).0.refused_blind_since()
     }
