@@ -216,14 +216,19 @@ impl ModelError {
     /// the quota is not a window that frees (a quota of zero, one spent for the day) and holding
     /// calls for it would go on in silence. Resumable, as [`ModelError::within_reason`]'s stop.
     pub fn never_admitted(self, refused_for: Duration) -> Self {
+        let why = format!("every call for {} was refused with no advised wait, and none admitted", human(refused_for));
+        self.stops_run(why, "the quota may be zero or spent for now; ", "")
+    }
+
+    /// This error as the one that stops the run, `why` (a wait longer than weir waits out),
+    /// with `note` before the stop and `again` after "run again": the one wording of both stops.
+    fn stops_run(self, why: String, note: &str, again: &str) -> Self {
         Self {
             kind: ErrorKind::QuotaExhausted,
             hint: RetryHint::StopRun,
             message: format!(
-                "every call for {} was refused with no advised wait, and none admitted (weir waits out at most \
-                 {} min): the quota may be zero or spent for now; the run stops here, and the same command run \
-                 again goes on where it stopped: {}",
-                human(refused_for),
+                "{why} (weir waits out at most {} min): {note}the run stops here, and the same command run again{again} \
+                 goes on where it stopped: {}",
                 LONGEST_ADVISED_WAIT.as_secs() / 60,
                 self.message
             ),
@@ -237,18 +242,10 @@ impl ModelError {
     /// silence (and, through a shared quota directory, every later run too).
     pub fn within_reason(self) -> Self {
         match self.hint {
-            RetryHint::Later(Some(advised)) if advised > LONGEST_ADVISED_WAIT => Self {
-                kind: ErrorKind::QuotaExhausted,
-                hint: RetryHint::StopRun,
-                message: format!(
-                    "the endpoint asks to wait {} before the next call (weir waits out at most {} min): the run \
-                     stops here, and the same command run again after then goes on where it stopped: {}",
-                    human(advised),
-                    LONGEST_ADVISED_WAIT.as_secs() / 60,
-                    self.message
-                ),
-                ..self
-            },
+            RetryHint::Later(Some(advised)) if advised > LONGEST_ADVISED_WAIT => {
+                let why = format!("the endpoint asks to wait {} before the next call", human(advised));
+                self.stops_run(why, "", " after then")
+            }
             _ => self,
         }
     }

@@ -692,8 +692,12 @@ impl Budget {
 
     /// When a send may go with no credit, if nothing is out to bring one back.
     fn lone_send_at(&self, now: Instant) -> Option<Instant> {
-        (self.log.is_empty() && self.overdue.is_empty() && self.deferred.is_empty())
-            .then(|| self.come_back.unwrap_or(now).max(now))
+        self.nothing_out().then(|| self.come_back.unwrap_or(now).max(now))
+    }
+
+    /// No send is out or held back to bring a credit back.
+    fn nothing_out(&self) -> bool {
+        self.log.is_empty() && self.overdue.is_empty() && self.deferred.is_empty()
     }
 
     /// Called while sends wait for a credit: mints a capacity probe after two windows without a
@@ -1028,12 +1032,7 @@ impl Budget {
                         _ => self.distrust(now),
                     }
                 }
-                if delay.is_none()
-                    && self.credits < 1.0
-                    && self.log.is_empty()
-                    && self.overdue.is_empty()
-                    && self.deferred.is_empty()
-                {
+                if delay.is_none() && self.credits < 1.0 && self.nothing_out() {
                     // Refusals with no advice took every credit, and nothing out brings one
                     // back: the lone send that follows would go at once, and again at once when
                     // refused (a quota that fell to zero under a run that had learned it). Held
@@ -1064,8 +1063,9 @@ impl Budget {
     }
 
     /// A send made at `sent` was refused at `now`, advising no wait, and taught nothing (no send
-    /// of ours admitted yet, or none since refusals took every credit): every call is held, for twice as long as the last round's hold
-    /// (from [`BLIND_FIRST`] up to [`BLIND_LONGEST`]), then one scout goes (see [`Blind`]).
+    /// of ours admitted yet, or none since refusals took every credit): every call is held, for
+    /// twice as long as the last round's hold (from [`BLIND_FIRST`] up to [`BLIND_LONGEST`]),
+    /// then one scout goes (see [`Blind`]).
     /// Refusals of sends made before the last hold began are of that round and change nothing.
     /// Also for refusals it does not learn from (see [`Budget::refused_not_learned`]).
     fn refused_blind(&mut self, now: Instant, sent: Option<Instant>) {
@@ -1078,7 +1078,7 @@ impl Budget {
         self.blind = Some(Blind { rounds, since: now, first });
         self.hold_until = Some(now + hold);
         self.distrust(now + hold);
-        tracing::debug!(rounds, ?hold, "refused with no advice before any send was admitted: holding, then a scout");
+        tracing::debug!(rounds, ?hold, "refused with no advice and nothing to go by: holding, then a scout");
     }
 
     /// Since when every send has been refused with no advice and none admitted, with nothing to
