@@ -480,6 +480,10 @@ impl RunMetrics {
             "weir_quota_processes",
             "The most processes on this machine that shared the endpoint's quota at once (1: this one alone)."
         );
+        metrics::describe_gauge!(
+            "weir_calls_held",
+            "This process's calls held for the quota now (an advised pause, the budgets, or another process's shared throttle)."
+        );
         metrics::describe_gauge!("weir_requests_per_second_limit", "Request rate allowed now.");
         metrics::describe_gauge!("weir_tokens_per_second_limit", "Token rate allowed now.");
     }

@@ -239,6 +239,12 @@ impl Pool {
         self.lanes.iter().map(|l| l.throttle.concurrency()).sum()
     }
 
+    /// This process's calls the endpoints' throttles hold for their quotas now (see
+    /// [`Throttle::held_now`]).
+    pub fn held(&self) -> usize {
+        self.lanes.iter().map(|l| l.throttle.held_now()).sum()
+    }
+
     /// Every endpoint as it stands.
     pub fn status(&self) -> Vec<EndpointStatus> {
         let now = Instant::now();

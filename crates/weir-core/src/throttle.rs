@@ -187,6 +187,32 @@ pub struct Throttle {
     /// Set once this process has said that the shared throttle keeps other limits than it was
     /// told.
     warned_limits: std::sync::atomic::AtomicBool,
+    /// This process's calls held now by the pause, the SRE throttler or the budgets, or waiting
+    /// at another process's shared throttle (see [`Throttle::held_now`]).
+    held: std::sync::atomic::AtomicUsize,
+    /// The call holding the turn is held by the budgets: the calls queued behind it are too.
+    turn_held: std::sync::atomic::AtomicBool,
+}
+
+/// Counts a call in a gauge while it lives (a call cancelled while held is counted out too).
+struct Counted<'a>(Option<&'a std::sync::atomic::AtomicUsize>);
+
+impl<'a> Counted<'a> {
+    /// Counts in `gauge`, or nowhere when `count` is false.
+    fn new(gauge: &'a std::sync::atomic::AtomicUsize, count: bool) -> Self {
+        if count {
+            gauge.fetch_add(1, Relaxed);
+        }
+        Self(count.then_some(gauge))
+    }
+}
+
+impl Drop for Counted<'_> {
+    fn drop(&mut self) {
+        if let Some(g) = self.0 {
+            g.fetch_sub(1, Relaxed);
+        }
+    }
 }
 
 /// Calls in flight that a shared throttle admitted: the last number given, and each call's
@@ -298,7 +324,23 @@ impl Throttle {
             remote_calls: Mutex::default(),
             warned_limits: std::sync::atomic::AtomicBool::new(false),
             carried: Mutex::new((0, None)),
+            held: std::sync::atomic::AtomicUsize::new(0),
+            turn_held: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// This process's calls held for the quota now: by a pause the server advised, the SRE
+    /// throttler or the budgets (queued behind a call the budgets hold included), or waiting at
+    /// the shared throttle of another process. A wait for a concurrency slot is not counted:
+    /// that is the endpoint's pace. What the progress line and `/metrics` show, so that a run
+    /// whose calls the quota holds (a full per-minute window, a scout's wait) does not look hung.
+    pub fn held_now(&self) -> usize {
+        let queued = if self.turn_held.load(Relaxed) {
+            self.turns.lock().unwrap_or_else(|e| e.into_inner()).queues.get(&0).map_or(0, |q| q.len())
+        } else {
+            0
+        };
+        self.held.load(Relaxed) + queued
     }
 
     /// Says whether every process here that shares this quota goes through this throttle: true
@@ -614,6 +656,8 @@ impl Throttle {
     /// Passes the turn on: to the next process after the last one served that has a call
     /// waiting, round the processes.
     fn pass_turn(&self) {
+        // The next call has not met the budgets yet (one cancelled while held left this set).
+        self.turn_held.store(false, Relaxed);
         let mut t = self.turns.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             let next = t
@@ -697,7 +741,10 @@ impl Throttle {
                 }
                 Route::There(d) => d,
             };
-            if let Some(g) = d.admit(weight).await {
+            let waiting = Counted::new(&self.held, member == 0);
+            let granted = d.admit(weight).await;
+            drop(waiting);
+            if let Some(g) = granted {
                 self.note_sent_elsewhere(weight);
                 self.check_told(&g.rates);
                 *self.shared_view.lock().unwrap_or_else(|e| e.into_inner()) = Some((g.concurrency, g.rates));
@@ -760,10 +807,14 @@ impl Throttle {
 
     /// Admits a call of `member`'s by this throttle's own limits (`start`: when it asked).
     async fn admit_here(&self, member: u64, weight: Weight, start: Instant) -> Admitted<'_> {
-        self.gate.wait().await;
-        if let Some(sre) = &self.sre {
-            while sre.lock().unwrap_or_else(|e| e.into_inner()).throttle(Instant::now()) {
-                tokio::time::sleep(SRE_DELAY).await;
+        let own = member == 0;
+        {
+            let _held = Counted::new(&self.held, own);
+            self.gate.wait().await;
+            if let Some(sre) = &self.sre {
+                while sre.lock().unwrap_or_else(|e| e.into_inner()).throttle(Instant::now()) {
+                    tokio::time::sleep(SRE_DELAY).await;
+                }
             }
         }
         let sre_held = start.elapsed();
@@ -784,16 +835,21 @@ impl Throttle {
             let (permit, level) = self.limit.acquire().await;
             // A pause the server asked for while this call waited for its slot holds it too.
             let t = Instant::now();
+            let gated = Counted::new(&self.held, own);
             self.gate.wait().await;
+            drop(gated);
             let changed = self.rate.changed.notified();
             match self.rate.try_acquire(weight.tokens) {
                 Ok(ticket) => {
+                    self.turn_held.store(false, Relaxed);
                     held += t.elapsed();
                     self.turn_held_micros.fetch_add(t.elapsed().as_micros() as u64, Relaxed);
                     break (permit, level, ticket);
                 }
                 Err(wake) => {
                     drop(permit);
+                    let _held = Counted::new(&self.held, own);
+                    self.turn_held.store(true, Relaxed);
                     tokio::select! {
                         _ = async {
                             match wake {
@@ -969,6 +1025,9 @@ pub struct RateLimiter {
     next_id: AtomicU64,
     /// Mean output tokens of answers so far (to estimate a request's tokens before it is sent).
     mean_output: Mutex<(f64, u64)>,
+    /// Set once a quota was learned from 429s that advised no wait, and the window assumed
+    /// said (see [`RateLimiter::complete_with`]).
+    said_window: std::sync::atomic::AtomicBool,
 }
 
 /// What the rate limiter knows, for the summary.
@@ -1003,6 +1062,7 @@ impl RateLimiter {
             changed: Notify::new(),
             next_id: AtomicU64::new(0),
             mean_output: Mutex::new((0.0, 0)),
+            said_window: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -1165,7 +1225,25 @@ impl RateLimiter {
                     // The other quota did not count the send either.
                     other.forget(ticket.id);
                     if self.settings.learn || refusing.mode() != Mode::Unlimited {
+                        let was = refusing.mode();
                         refusing.refused(ticket.id, now, delay);
+                        if delay.is_none()
+                            && was == Mode::Unlimited
+                            && refusing.mode() == Mode::Learned
+                            && !self.said_window.swap(true, Relaxed)
+                        {
+                            // Nothing in the refusals says how long the quota's window is: the
+                            // one assumed decides how long a full window holds every call, and
+                            // a user whose quota is counted per second would otherwise see a
+                            // run wait a minute at a time with nothing saying why.
+                            tracing::warn!(
+                                "the endpoint's 429s do not say when to come back: its quota is taken as counted \
+                                 over {} s (--limit-window); if it is counted over a shorter window, set \
+                                 --limit-window to it, or each full window holds the calls for {} s",
+                                self.settings.window.as_secs_f64(),
+                                self.settings.window.as_secs_f64(),
+                            );
+                        }
                     } else if delay.is_none() {
                         refusing.refused_not_learned(ticket.id, now);
                     } else {
@@ -1471,6 +1549,49 @@ mod tests {
             store: QuotaStore::Off,
             ..ThrottleSettings::default()
         })
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn calls_held_for_the_quota_are_counted_and_a_wait_for_a_slot_is_not() {
+        // Two per minute, told: two calls go, the next five are held by the budget (one at
+        // the turn, four queued behind it).
+        let t = Arc::new(told(2, Duration::from_secs(60)));
+        let first: Vec<_> = (0..2).map(|_| call_asking(&t)).collect();
+        let cancel = CancellationToken::new();
+        let cancelled = {
+            let (t, cancel) = (t.clone(), cancel.clone());
+            tokio::spawn(async move { t.admit(Weight::default(), &cancel).await.is_none() })
+        };
+        let rest: Vec<_> = (0..4).map(|_| call_asking(&t)).collect();
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert_eq!(t.held_now(), 5);
+        // One cancelled while held is counted out.
+        cancel.cancel();
+        assert!(cancelled.await.unwrap());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert_eq!(t.held_now(), 4);
+        // The next window admits two of the four; two are still held.
+        tokio::time::sleep(Duration::from_secs(61)).await;
+        assert_eq!(t.held_now(), 2);
+        for c in first {
+            assert_eq!(c.await.unwrap(), Some(false));
+        }
+        drop(rest);
+
+        // A wait for a concurrency slot is the endpoint's pace, not the quota's.
+        let t = Arc::new(Throttle::new(&ThrottleSettings {
+            adaptive: false,
+            max_concurrency: 1,
+            store: QuotaStore::Off,
+            ..ThrottleSettings::default()
+        }));
+        let never = CancellationToken::new();
+        let on_the_wire = t.admit(Weight::default(), &never).await.unwrap();
+        let waiting: Vec<_> = (0..3).map(|_| call_asking(&t)).collect();
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert_eq!(t.held_now(), 0);
+        on_the_wire.finish(Ok((Usage::default(), None)));
+        drop(waiting);
     }
 
     /// How many calls `t` admits now, one after another, each finished at once.

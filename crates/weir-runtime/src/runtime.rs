@@ -147,6 +147,9 @@ pub struct EndpointState {
     pub endpoint: String,
     /// Calls its throttle allows in flight now.
     pub concurrency: usize,
+    /// This process's calls its throttle holds for the quota now (see
+    /// [`weir_core::Throttle::held_now`]).
+    pub held: usize,
     /// Its rate limits, told or learned, if any.
     pub rate: Option<weir_core::RateSnapshot>,
     /// How its quota was shared with this machine's other processes.
@@ -287,6 +290,7 @@ impl Runtime {
                 model: model.clone(),
                 endpoint: s.handler.endpoint().to_string(),
                 concurrency: s.pool.concurrency(),
+                held: s.pool.held(),
                 rate: Some(s.throttle.rates()),
                 sharing: s.throttle.sharing(),
                 metrics: s.metrics.clone(),

@@ -60,6 +60,20 @@ pub(crate) struct Stops<'a> {
     pub(crate) resumable: bool,
 }
 
+/// Set in the count of requests to stop (the `interrupts` a run is given) when the first came
+/// as SIGTERM rather than Ctrl-C: a run stopped by a service manager or `timeout` says so, and
+/// does not tell whoever reads its log to press a key.
+pub const BY_SIGTERM: u32 = 1 << 31;
+
+/// How the stop was asked, and how to ask again to stop at once, from the count of requests.
+fn asked(n: u32) -> (&'static str, &'static str) {
+    if n & BY_SIGTERM != 0 {
+        ("terminated (SIGTERM)", "Send SIGTERM again or press Ctrl-C")
+    } else {
+        ("interrupted", "Press Ctrl-C again")
+    }
+}
+
 /// Takes outcomes to rows and hands them to the writer until the outcomes end, or the run
 /// stops (an interrupt drains the calls in flight for `--drain` at most); then finishes the
 /// writer. A reader that stops reading still lets Ctrl-C be heard.
@@ -92,8 +106,9 @@ pub(crate) async fn drain(
             changed = interrupts.changed(), if !interrupted => {
                 if changed.is_ok() && *interrupts.borrow() >= 1 {
                     interrupted = true;
+                    let (what, again) = asked(*interrupts.borrow());
                     progress.suspend(|| eprintln!(
-                        "weir: interrupted; letting calls in flight finish (up to {} s). Press Ctrl-C again to stop at once.",
+                        "weir: {what}; letting calls in flight finish (up to {} s). {again} to stop at once.",
                         settings.drain.as_secs()
                     ));
                     start_drain(router, drain_deadline.as_mut(), settings.drain, "interrupted");
@@ -163,17 +178,18 @@ pub(crate) async fn drain(
                 changed = interrupts.changed(), if !interrupted => {
                     if changed.is_ok() && *interrupts.borrow() >= 1 {
                         interrupted = true;
+                        let (what, again) = asked(*interrupts.borrow());
                         if resumable {
                             progress.suspend(|| eprintln!(
-                                "weir: interrupted while a reader (of the output or of --events) is not reading; \
-                                 waiting for it up to {} s. Press Ctrl-C again to stop at once.",
+                                "weir: {what} while a reader (of the output or of --events) is not reading; \
+                                 waiting for it up to {} s. {again} to stop at once.",
                                 settings.drain.as_secs()
                             ));
                         } else {
                             progress.suspend(|| eprintln!(
-                                "weir: interrupted while a reader (of the output or of --events) is not reading; \
+                                "weir: {what} while a reader (of the output or of --events) is not reading; \
                                  waiting for it: without a state directory, the rows it has not taken would be lost. \
-                                 Press Ctrl-C again to stop at once (they are lost then)."
+                                 {again} to stop at once (they are lost then)."
                             ));
                         }
                         start_drain(router, drain_deadline.as_mut(), settings.drain, "interrupted");

@@ -13,5 +13,6 @@ pub mod pipeline;
 pub mod report;
 mod resume;
 
+pub use drain::BY_SIGTERM;
 pub use pipeline::{run, EventsTo, RunError, RunSettings, StateMode, TableIn, TableOut};
 pub use report::RunReport;

@@ -99,6 +99,7 @@ fn update_gauges(e: &EndpointState, started: Instant) {
         }
     }
     metrics::gauge!("weir_quota_processes", &labels).set(e.sharing.processes.max(1) as f64);
+    metrics::gauge!("weir_calls_held", &labels).set(e.held as f64);
     let secs = started.elapsed().as_secs_f64().max(1e-6);
     metrics::gauge!("weir_success_rate", &labels).set(e.metrics.succeeded.load(Relaxed) as f64 / secs);
     // A pool's endpoints, each under its own `member` label (the model's series above are

@@ -265,7 +265,7 @@ pub async fn run(
         }
         _ => None,
     };
-    let progress = Progress::start(settings.progress, remaining, metrics.clone());
+    let progress = Progress::start(settings.progress, remaining, metrics.clone(), runtime.clone());
     let started = Instant::now();
 
     // Fed again with --resume-stream, the same records may come in another order or with

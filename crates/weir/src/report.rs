@@ -354,7 +354,17 @@ impl RunReport {
                     stop.message
                 ));
             } else if self.interrupted() {
-                s.push_str("  interrupted\n");
+                // Without a state directory, every record the stop cut off has an error row, and
+                // counts among the failed: say that they were not run rather than that they
+                // failed.
+                match self.failures.get(&ErrorKind::Aborted).filter(|_| self.state.is_none()) {
+                    Some(&n) => s.push_str(&format!(
+                        "  interrupted: {} of the failed records were not run or were cut off; each has an error row \
+                         (kind aborted) with its input in the errors file (no state directory to resume from)\n",
+                        thousands(n)
+                    )),
+                    None => s.push_str("  interrupted\n"),
+                }
             } else {
                 s.push_str(&format!("  stopped early ({}): {}\n", stop.kind, stop.message));
             }
@@ -429,7 +439,14 @@ pub(crate) struct Progress {
 }
 
 impl Progress {
-    pub(crate) fn start(enabled: bool, total: Option<u64>, metrics: Arc<RunMetrics>) -> Self {
+    /// Shows progress on stderr, when `enabled`, read from `metrics` and from `runtime`'s
+    /// throttles (calls they hold for the quota).
+    pub(crate) fn start(
+        enabled: bool,
+        total: Option<u64>,
+        metrics: Arc<RunMetrics>,
+        runtime: Arc<weir_runtime::Runtime>,
+    ) -> Self {
         if !enabled {
             return Self { bar: None, ticker: None };
         }
@@ -442,11 +459,12 @@ impl Progress {
                     let done = metrics.done.load(Relaxed);
                     let of = total.map(|t| format!(" of {}", thousands(t))).unwrap_or_default();
                     eprintln!(
-                        "weir: {}{of} records in {:.0} s ({}/s), {} errors",
+                        "weir: {}{of} records in {:.0} s ({}/s), {} errors{}",
                         thousands(done),
                         start.elapsed().as_secs_f64(),
                         thousands((done as f64 / start.elapsed().as_secs_f64()).round() as u64),
                         thousands(metrics.failed.load(Relaxed)),
+                        held_text(&runtime, ", ").await,
                     );
                 }
             });
@@ -470,11 +488,12 @@ impl Progress {
                 tokio::time::sleep(Duration::from_millis(250)).await;
                 let rate = metrics.done.load(Relaxed) as f64 / start.elapsed().as_secs_f64();
                 b.set_message(format!(
-                    "| {}/s | {} errors | {} tok in, {} out",
+                    "| {}/s | {} errors | {} tok in, {} out{}",
                     thousands(rate.round() as u64),
                     metrics.failed.load(Relaxed),
                     thousands(metrics.tokens_in.load(Relaxed)),
                     thousands(metrics.tokens_out.load(Relaxed)),
+                    held_text(&runtime, " | ").await,
                 ));
             }
         });
@@ -502,6 +521,16 @@ impl Progress {
         if let Some(b) = &self.bar {
             b.finish_and_clear();
         }
+    }
+}
+
+/// The calls the quota holds now, after `sep`, for the progress line (nothing when none are):
+/// a run held for a full per-minute window, or behind a scout, otherwise looks hung.
+async fn held_text(runtime: &weir_runtime::Runtime, sep: &str) -> String {
+    match runtime.endpoints().await.iter().map(|e| e.held).sum::<usize>() {
+        0 => String::new(),
+        1 => format!("{sep}1 call held for the quota"),
+        n => format!("{sep}{} calls held for the quota", thousands(n as u64)),
     }
 }
 

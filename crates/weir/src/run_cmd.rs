@@ -1063,9 +1063,14 @@ pub async fn run(args: RunArgs) -> anyhow::Result<u8> {
     let interrupted_status = move || seen.lock().unwrap_or_else(|e| e.into_inner()).exit_status();
     tokio::spawn(async move {
         let mut presses = 0;
+        // Whether the first request to stop was SIGTERM (see `weir::BY_SIGTERM`).
+        let mut by = 0;
         while let Some(stop) = signals.next().await {
             *last.lock().unwrap_or_else(|e| e.into_inner()) = stop;
             presses += 1;
+            if presses == 1 && stop == crate::signals::Stop::Terminate {
+                by = weir::BY_SIGTERM;
+            }
             if presses >= 2 {
                 eprintln!("weir: stopped at once; {after_second}");
                 if let Some((output, dir, to)) = &saved_report {
@@ -1079,7 +1084,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<u8> {
                 }
                 std::process::exit(stop.exit_status().into());
             }
-            let _ = tx.send(presses);
+            let _ = tx.send(presses | by);
         }
     });
     let report = match weir::run(settings, &env, rx).await {

@@ -283,24 +283,41 @@ async fn ctrl_c_without_state_still_accounts_for_every_record() {
     config.latency.fixed_ms = 300.0;
     let server = sim(config).await;
     let url = server.url();
-    let dir = Dir::new("ctrlc-nostate");
-    let (data, ids) = prompts(300);
-    let input = dir.write("in.jsonl", &data);
-    let out = dir.path("out.jsonl");
-    let (i, o) = (input.to_str().unwrap().to_string(), out.to_str().unwrap().to_string());
-    let mut args = base_args(&url, &i, &o);
-    args.extend(["--max-concurrency", "8", "--progress", "never", "--no-state"]);
-    let child = weir().args(&args).stderr(std::process::Stdio::piped()).spawn().unwrap();
-    tokio::time::sleep(Duration::from_millis(800)).await;
-    let pid = child.id().unwrap().to_string();
-    assert!(std::process::Command::new("kill").args(["-INT", &pid]).status().unwrap().success());
-    let o1 = child.wait_with_output().await.unwrap();
-    assert_eq!(o1.status.code(), Some(130), "{}", stderr(&o1));
-    let results = rows(&out);
-    let errors = rows(&dir.path("out.errors.jsonl"));
-    assert_each_id_once(&ids, &results, &errors);
-    assert!(!results.is_empty() && !errors.is_empty());
-    assert!(errors.iter().all(|e| e["kind"] == "aborted"));
-    assert_eq!(server.stats().requests, results.len() as u64, "every call made got its result row");
+    // Ctrl-C, and SIGTERM (a service manager, `timeout`) alike; each says which it was and how
+    // to stop at once.
+    for (signal, status, says) in [
+        ("-INT", 130, "interrupted; letting calls in flight finish (up to 30 s). Press Ctrl-C again to stop at once."),
+        (
+            "-TERM",
+            143,
+            "terminated (SIGTERM); letting calls in flight finish (up to 30 s). Send SIGTERM again or press Ctrl-C \
+             to stop at once.",
+        ),
+    ] {
+        let before = server.stats().requests;
+        let dir = Dir::new("ctrlc-nostate");
+        let (data, ids) = prompts(300);
+        let input = dir.write("in.jsonl", &data);
+        let out = dir.path("out.jsonl");
+        let (i, o) = (input.to_str().unwrap().to_string(), out.to_str().unwrap().to_string());
+        let mut args = base_args(&url, &i, &o);
+        args.extend(["--max-concurrency", "8", "--progress", "never", "--no-state"]);
+        let child = weir().args(&args).stderr(std::process::Stdio::piped()).spawn().unwrap();
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        let pid = child.id().unwrap().to_string();
+        assert!(std::process::Command::new("kill").args([signal, &pid]).status().unwrap().success());
+        let o1 = child.wait_with_output().await.unwrap();
+        assert_eq!(o1.status.code(), Some(status), "{}", stderr(&o1));
+        assert!(stderr(&o1).contains(says), "{}", stderr(&o1));
+        let results = rows(&out);
+        let errors = rows(&dir.path("out.errors.jsonl"));
+        assert_each_id_once(&ids, &results, &errors);
+        assert!(!results.is_empty() && !errors.is_empty());
+        assert!(errors.iter().all(|e| e["kind"] == "aborted"));
+        assert_eq!(server.stats().requests - before, results.len() as u64, "every call made got its result row");
+        // The summary says those failed records were not run, rather than only that they failed.
+        let said = format!("interrupted: {} of the failed records were not run or were cut off", errors.len());
+        assert!(stderr(&o1).contains(&said), "{}", stderr(&o1));
+    }
     server.shutdown().await;
 }
