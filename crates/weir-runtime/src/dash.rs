@@ -448,6 +448,7 @@ impl Watch {
                 serde_json::json!({ "kind": kind.as_str(), "records": n, "examples": examples })
             })
             .collect();
+        let endpoints_held: usize = endpoints.iter().map(|e| e.held).sum();
         let endpoints: Vec<Value> = endpoints
             .iter()
             .flat_map(|e| {
@@ -510,6 +511,8 @@ impl Watch {
             "tokens_in": get(&m.tokens_in),
             "tokens_out": get(&m.tokens_out),
             "cost_usd": cost,
+            // Calls the quota holds now: a run waiting out a full window is not stalled.
+            "held": if ended.is_none() { endpoints_held } else { 0 },
             "endpoints": endpoints,
             "failures": failures,
             "jobs": self.jobs.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|j| serde_json::json!({

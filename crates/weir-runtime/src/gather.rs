@@ -192,6 +192,12 @@ impl Gathered {
             .collect();
         let executors = heard.len();
         let silent = heard.values().filter(|h| h.at.elapsed() >= SILENT_AFTER).count();
+        // Calls the quota holds now, in the executors still heard from.
+        let held: u64 = heard
+            .values()
+            .filter(|h| h.at.elapsed() < SILENT_AFTER)
+            .filter_map(|h| h.summary.get("held").and_then(Value::as_u64))
+            .sum();
         let cost = point[column("cost")];
         let summary = serde_json::json!({
             "title": self.title,
@@ -215,6 +221,7 @@ impl Gathered {
             "tokens_in": sum("tokens_in") as u64,
             "tokens_out": sum("tokens_out") as u64,
             "cost_usd": cost,
+            "held": held,
             "endpoints": endpoints,
             "failures": failures,
             "jobs": null,

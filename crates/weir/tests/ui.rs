@@ -67,9 +67,23 @@ async fn the_live_page_and_the_report_show_what_the_summary_says() {
     let out = dir.path("out.jsonl");
     let base = sim.url();
     let (mut child, url, rest) = start(&gemini_at(&base, &input, &out)).await;
-    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    // The quota holds most of the 400 calls for a while: the page says how many.
+    let mut held = Vec::new();
+    for _ in 0..30 {
+        let update: serde_json::Value =
+            reqwest::get(format!("{url}api/update?since=0")).await.unwrap().json().await.unwrap();
+        held.push(update["summary"]["held"].as_u64().unwrap_or(0));
+        if held.last() > Some(&0) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert!(held.iter().any(|&n| n > 0 && n <= 400), "calls held while the quota is met: {held:?}");
+    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
     let live = dom(&chromium, &url).await;
     assert_eq!(shown(&live, "state"), "running", "{live}");
+    let says = shown(&live, "held");
+    assert!(says.is_empty() || (says.contains("held for the quota") && says.starts_with('(')), "{says}");
     let done = number(&live, "records-done");
     assert!(done > 0.0 && done < 400.0, "records done while it runs: {done}");
     assert!(shown(&live, "of-total").contains("400"), "{}", shown(&live, "of-total"));
@@ -92,6 +106,7 @@ async fn the_live_page_and_the_report_show_what_the_summary_says() {
     assert!(summary.contains(&format!("report:  {}", report.display())), "{summary}");
     let html = dom(&chromium, &format!("file://{}", report.display())).await;
     assert_eq!(shown(&html, "state"), "finished");
+    assert_eq!(shown(&html, "held"), "", "nothing held once finished");
     assert_eq!(shown(&html, "eta"), "0s");
     assert_eq!(number(&html, "records-done"), 400.0);
     assert_eq!(number(&html, "succeeded"), 400.0);
