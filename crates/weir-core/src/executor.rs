@@ -208,8 +208,11 @@ impl Executor {
         }
     }
 
-    /// Sleeps `d`, or less if `cancel` fires; false when cancelled.
-    async fn backoff(d: Duration, cancel: &CancellationToken) -> bool {
+    /// Sleeps `d`, or less if `cancel` fires; false when cancelled. `for_quota`: the wait
+    /// follows a refusal for rate, and the call counts as held for the quota meanwhile (see
+    /// [`Pool::held`]): a run whose every call waits out a 429's advice does not look idle.
+    async fn backoff(&self, d: Duration, cancel: &CancellationToken, for_quota: bool) -> bool {
+        let _held = crate::throttle::Counted::new(self.pool.backing_off(), for_quota);
         tokio::select! {
             _ = tokio::time::sleep(d) => true,
             _ = cancel.cancelled() => false,
@@ -300,8 +303,9 @@ impl Executor {
                     Decision::GiveUp => return Err(Failed { error, attempts, cancelled: false }),
                     Decision::Retry(delay) => {
                         tracing::debug!(attempts, ?delay, "retrying: {error}");
+                        let for_quota = error.kind == ErrorKind::RateLimited;
                         last = Some(error);
-                        if !Self::backoff(delay, cancel).await {
+                        if !self.backoff(delay, cancel, for_quota).await {
                             return Err(Self::cancelled(attempts, last));
                         }
                     }
@@ -358,12 +362,14 @@ impl Executor {
             std::collections::VecDeque::from([(0..items).collect()]);
         let mut again: Vec<usize> = Vec::new();
         let mut delay = Duration::ZERO;
+        // Whether an item to send again was refused for rate (see `Executor::backoff`).
+        let mut for_quota = false;
         loop {
             let group = match queue.pop_front() {
                 Some(g) => g,
                 None if again.is_empty() => break,
                 None => {
-                    if !Self::backoff(std::mem::take(&mut delay), cancel).await {
+                    if !self.backoff(std::mem::take(&mut delay), cancel, std::mem::take(&mut for_quota)).await {
                         break;
                     }
                     queue.push_back(std::mem::take(&mut again));
@@ -425,6 +431,7 @@ impl Executor {
                         }
                         Decision::Retry(d) => {
                             delay = delay.max(d);
+                            for_quota |= error.kind == ErrorKind::RateLimited;
                             last[i] = Some(error);
                             again.push(i);
                         }
@@ -822,10 +829,13 @@ mod tests {
             .await
         });
         tokio::time::sleep(Duration::from_secs(1)).await;
+        // Waiting out the 429's advice, the call is held for the quota.
+        assert_eq!(ex.pool().held(), 1);
         cancel.cancel();
         let e = task.await.unwrap().unwrap_err();
         assert!(e.cancelled);
         assert_eq!(e.error.kind, ErrorKind::Aborted);
+        assert_eq!(ex.pool().held(), 0);
         let e = ex.run(Weight::default(), &cancel, || async { Ok(answer("never")) }).await.unwrap_err();
         assert_eq!((e.attempts, e.cancelled), (0, true));
     }

@@ -187,6 +187,9 @@ pub struct Pool {
     /// Said when an endpoint is cooled down, so calls waiting on it choose again.
     changed: tokio::sync::Notify,
     seed: AtomicU64,
+    /// Calls waiting out the backoff after a refusal for rate, or for a cooled-down endpoint
+    /// to take calls again: held for the quota too, outside any throttle (see [`Pool::held`]).
+    backing_off: std::sync::atomic::AtomicUsize,
 }
 
 impl std::fmt::Debug for Pool {
@@ -216,7 +219,12 @@ impl Pool {
                 failed: AtomicU64::new(0),
             })
             .collect();
-        Self { lanes, changed: tokio::sync::Notify::new(), seed: AtomicU64::new(0x9001) }
+        Self {
+            lanes,
+            changed: tokio::sync::Notify::new(),
+            seed: AtomicU64::new(0x9001),
+            backing_off: std::sync::atomic::AtomicUsize::new(0),
+        }
     }
 
     /// How many endpoints.
@@ -239,10 +247,18 @@ impl Pool {
         self.lanes.iter().map(|l| l.throttle.concurrency()).sum()
     }
 
-    /// This process's calls the endpoints' throttles hold for their quotas now (see
-    /// [`Throttle::held_now`]).
+    /// This process's calls held for the quota now: by the endpoints' throttles (see
+    /// [`Throttle::held_now`]), in the backoff after a 429, or waiting for a cooled-down
+    /// endpoint. A call waits at every endpoint of a pool at once, so a pool's count is its
+    /// endpoints' largest, not their sum (which counted one call once per endpoint).
     pub fn held(&self) -> usize {
-        self.lanes.iter().map(|l| l.throttle.held_now()).sum()
+        let at_endpoints = self.lanes.iter().map(|l| l.throttle.held_now()).max().unwrap_or(0);
+        at_endpoints + self.backing_off.load(Relaxed)
+    }
+
+    /// The gauge of calls held outside the throttles (see [`Pool::held`]).
+    pub(crate) fn backing_off(&self) -> &std::sync::atomic::AtomicUsize {
+        &self.backing_off
     }
 
     /// Every endpoint as it stands.
@@ -313,6 +329,7 @@ impl Pool {
                     }
                 }
                 Err(back) => {
+                    let _held = crate::throttle::Counted::new(&self.backing_off, true);
                     tokio::select! {
                         _ = tokio::time::sleep_until(back) => {}
                         _ = &mut changed => {}

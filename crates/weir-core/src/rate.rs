@@ -888,6 +888,13 @@ impl Budget {
                 self.mode = Mode::Learned;
                 self.changed_at = Some(now);
                 self.credits = 0.0;
+                if matches!(self.scout, Scout::Out(scout, _) if scout == id) {
+                    // The scout of a hold after refusals that taught nothing (see `Blind`),
+                    // refused once sends of ours were admitted: it teaches, and is answered.
+                    // Left out, every send waited for its answer, which had come: the run
+                    // sent nothing again.
+                    self.scout = Scout::Trusted;
+                }
                 if delay.is_some_and(is_coarse) {
                     // Measured from our oldest send, which may be well after a fixed window
                     // started: the first credits that come back send a scout ahead. Beside
@@ -2652,6 +2659,24 @@ mod tests {
         assert!(refused <= 16 + 16 + 16, "{refused} refused");
         assert_eq!(admitted.len(), 100, "the next window's capacity");
         assert_eq!(b.mode(), Mode::Learned, "learned from the refusal after our own sends");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_scout_refused_once_own_sends_were_admitted_learns_and_does_not_stall() {
+        // 10 per fixed 5 s, refusals that advise no wait. The first 16 go at once: the 6
+        // refused come back before any of the 10 admitted is answered, so they teach nothing
+        // and hold the calls behind a scout. Refused once the 10 were answered, the scout
+        // teaches a quota of 10 per minute (the window assumed). It used to stay the scout
+        // out, waited for after it was answered: no call went again, ever.
+        let t0 = Instant::now();
+        let mut server = Server { fixed: Some(t0), ..Server::sliding(10, Duration::from_secs(5)) };
+        let mut b = Budget::unlimited();
+        let (admitted, refused) = drive_unadvised(&mut b, &mut server, t0, 130);
+        assert_eq!(b.mode(), Mode::Learned);
+        // The window assumed frees its 10 after a minute, and again after two.
+        let late = admitted.iter().filter(|&&at| at >= t0 + Duration::from_secs(60)).count();
+        assert!(admitted.len() >= 30 && late >= 20, "{} admitted, {late} after a minute", admitted.len());
+        assert!(refused <= 6 + 1 + 2 * 2, "{refused} refused");
     }
 
     /// A budget that took over `seed` 50 ms after it was exported, at `t0 + 150 ms`.

@@ -195,11 +195,11 @@ pub struct Throttle {
 }
 
 /// Counts a call in a gauge while it lives (a call cancelled while held is counted out too).
-struct Counted<'a>(Option<&'a std::sync::atomic::AtomicUsize>);
+pub(crate) struct Counted<'a>(Option<&'a std::sync::atomic::AtomicUsize>);
 
 impl<'a> Counted<'a> {
     /// Counts in `gauge`, or nowhere when `count` is false.
-    fn new(gauge: &'a std::sync::atomic::AtomicUsize, count: bool) -> Self {
+    pub(crate) fn new(gauge: &'a std::sync::atomic::AtomicUsize, count: bool) -> Self {
         if count {
             gauge.fetch_add(1, Relaxed);
         }
