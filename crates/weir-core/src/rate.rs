@@ -221,6 +221,9 @@ pub struct Budget {
     /// Refusals that advised no wait with nothing to go by: nothing learned yet, or every credit
     /// lost to refusals (see [`Budget::refused_blind`]).
     blind: Option<Blind>,
+    /// The window in force is the default one, assumed when refusals advised no wait (see
+    /// [`Budget::with_default_window`]), not one a server's advice measured.
+    window_assumed: bool,
 }
 
 /// Refusals that advised no wait, while no send of ours was admitted since the first: another
@@ -262,6 +265,10 @@ pub struct Seed {
     /// older versions wrote).
     #[serde(default)]
     told: bool,
+    /// The window was the writer's default (`--limit-window`), assumed because refusals advised
+    /// no wait: a run given another takes its own (absent from what older versions wrote).
+    #[serde(default)]
+    assumed: bool,
 }
 
 impl Seed {
@@ -466,6 +473,7 @@ impl Budget {
             others_filled: false,
             part: 1.0,
             blind: None,
+            window_assumed: false,
         }
     }
 
@@ -798,6 +806,7 @@ impl Budget {
     /// The send was refused by this quota at `now`; the server advised `delay`, if it did.
     pub fn refused(&mut self, id: u64, now: Instant, delay: Option<Duration>) {
         self.refusals += 1;
+        let window_before = self.window;
         if let Some(c) = self.come_back.filter(|&c| c <= now) {
             self.reset_at = Some(c);
         }
@@ -874,6 +883,7 @@ impl Budget {
                     }
                     _ => self.default_window,
                 });
+                self.window_assumed = delay.is_none();
                 // Advice in whole seconds was rounded up by up to a second: the window is at
                 // most this long and at least a second shorter. Quota windows given in whole
                 // seconds are themselves whole seconds (a second, a minute): the one whole
@@ -1047,6 +1057,10 @@ impl Budget {
                     self.refused_blind(now, removed.as_ref().map(|e| e.at));
                 }
             }
+        }
+        if delay.is_some() && self.window != window_before {
+            // Measured from the server's advice now.
+            self.window_assumed = false;
         }
         self.last_refusal = Some(now);
         tracing::debug!(
@@ -1476,6 +1490,7 @@ impl Budget {
             fixed: self.period.is_some() && self.period == self.window,
             learning,
             told: self.told && matches!(self.mode, Mode::Static { .. }),
+            assumed: self.window_assumed && self.mode == Mode::Learned,
         }
     }
 
@@ -1564,8 +1579,15 @@ impl Budget {
         match (self.mode, seed.mode) {
             // Limits another run was told (`--rpm`) are not this one's: a run that ended would
             // hold every later run to them, silently. Its sends are in the server's window.
-            (Mode::Unlimited, Mode::Unlimited) | (Mode::Unlimited, Mode::Static { .. })
-                if seed.mode == Mode::Unlimited || seed.told =>
+            // Nor is a window another run assumed with another default (`--limit-window`), its
+            // server's refusals advising no wait: a run given `--limit-window 5` after one that
+            // assumed a minute waited a minute at every full window.
+            (Mode::Unlimited, Mode::Unlimited)
+            | (Mode::Unlimited, Mode::Static { .. })
+            | (Mode::Unlimited, Mode::Learned)
+                if seed.mode == Mode::Unlimited
+                    || seed.told
+                    || (seed.mode == Mode::Learned && seed.assumed && seed.window != Some(self.default_window)) =>
             {
                 // Nothing learned on either side: the other's sends are in the server's window,
                 // and the first refusal here measures from them too.
@@ -1593,6 +1615,7 @@ impl Budget {
             (Mode::Unlimited, Mode::Learned) => {
                 self.mode = Mode::Learned;
                 self.window = seed.window;
+                self.window_assumed = seed.assumed;
                 self.probe = seed.probe;
                 self.log.clear();
                 self.overdue.clear();
@@ -2677,6 +2700,42 @@ mod tests {
         let late = admitted.iter().filter(|&&at| at >= t0 + Duration::from_secs(60)).count();
         assert!(admitted.len() >= 30 && late >= 20, "{} admitted, {late} after a minute", admitted.len());
         assert!(refused <= 6 + 1 + 2 * 2, "{refused} refused");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_window_assumed_with_another_default_is_not_taken_over() {
+        // A run learned 10 per minute from refusals that advised no wait (the minute assumed).
+        let t0 = Instant::now();
+        let mut server = Server { fixed: Some(t0), ..Server::sliding(10, Duration::from_secs(5)) };
+        let mut a = Budget::unlimited();
+        drive_unadvised(&mut a, &mut server, t0, 10);
+        assert_eq!((a.mode(), a.window()), (Mode::Learned, Some(DEFAULT_WINDOW)));
+        let now = t0 + Duration::from_secs(10);
+        let seed = a.export(now);
+        let mut next = 1000;
+        let mut ids = || {
+            next += 1;
+            next
+        };
+        // The next run, given `--limit-window 5`, learns its own window.
+        let mut b = Budget::unlimited().with_default_window(Duration::from_secs(5));
+        b.seed(&seed, ms(50), now, &mut ids);
+        assert_eq!(b.mode(), Mode::Unlimited);
+        // One with the same default goes on from it.
+        let mut c = Budget::unlimited();
+        c.seed(&seed, ms(50), now, &mut ids);
+        assert_eq!((c.mode(), c.window()), (Mode::Learned, Some(DEFAULT_WINDOW)));
+        // A window the server's advice measured is taken over whatever the default.
+        let mut d = Budget::unlimited();
+        for id in 0..3 {
+            d.try_take(id, 1.0, t0).unwrap();
+            d.admitted(id, 1.0);
+        }
+        d.try_take(3, 1.0, t0).unwrap();
+        d.refused(3, t0 + ms(10), Some(ms(4990)));
+        let mut e = Budget::unlimited().with_default_window(Duration::from_secs(5));
+        e.seed(&d.export(t0 + ms(20)), ms(50), t0 + ms(20), &mut ids);
+        assert_eq!(e.mode(), Mode::Learned);
     }
 
     /// A budget that took over `seed` 50 ms after it was exported, at `t0 + 150 ms`.
