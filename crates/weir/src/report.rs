@@ -456,14 +456,14 @@ impl Progress {
                 let start = tokio::time::Instant::now();
                 loop {
                     tokio::time::sleep(LINE_EVERY).await;
-                    let done = metrics.done.load(Relaxed);
+                    let (done, failed) = done_and_failed(&metrics);
                     let of = total.map(|t| format!(" of {}", thousands(t))).unwrap_or_default();
                     eprintln!(
                         "weir: {}{of} records in {:.0} s ({}/s), {} errors{}",
                         thousands(done),
                         start.elapsed().as_secs_f64(),
                         thousands((done as f64 / start.elapsed().as_secs_f64()).round() as u64),
-                        thousands(metrics.failed.load(Relaxed)),
+                        thousands(failed),
                         held_text(&runtime, ", ").await,
                     );
                 }
@@ -486,11 +486,12 @@ impl Progress {
             let start = tokio::time::Instant::now();
             loop {
                 tokio::time::sleep(Duration::from_millis(250)).await;
-                let rate = metrics.done.load(Relaxed) as f64 / start.elapsed().as_secs_f64();
+                let (done, failed) = done_and_failed(&metrics);
+                let rate = done as f64 / start.elapsed().as_secs_f64();
                 b.set_message(format!(
                     "| {}/s | {} errors | {} tok in, {} out{}",
                     thousands(rate.round() as u64),
-                    metrics.failed.load(Relaxed),
+                    thousands(failed),
                     thousands(metrics.tokens_in.load(Relaxed)),
                     thousands(metrics.tokens_out.load(Relaxed)),
                     held_text(&runtime, " | ").await,
@@ -522,6 +523,15 @@ impl Progress {
             b.finish_and_clear();
         }
     }
+}
+
+/// Records done and failed, for the progress: without the records a stop cut off (`aborted`),
+/// which a resumable run does not write and does next time, and a run without state writes as
+/// error rows that its summary explains. Counted as failures, they showed as "12 errors" after
+/// Ctrl-C in a run that had none, and as a pace while nothing was being done.
+fn done_and_failed(metrics: &RunMetrics) -> (u64, u64) {
+    let aborted = metrics.failures_by_kind().get(&ErrorKind::Aborted).copied().unwrap_or(0);
+    (metrics.done.load(Relaxed).saturating_sub(aborted), metrics.failed.load(Relaxed).saturating_sub(aborted))
 }
 
 /// The calls the quota holds now, after `sep`, for the progress line (nothing when none are):
