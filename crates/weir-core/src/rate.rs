@@ -615,7 +615,16 @@ impl Budget {
                 }
                 true
             }
-            Mode::Static { capacity } => self.in_window + weight <= capacity * self.part || self.log.is_empty(),
+            Mode::Static { capacity } => {
+                // Held after refusals that advised no wait (see `Blind`): one scout at a time.
+                if let Some(until) = self.hold_until.filter(|&until| now < until) {
+                    return Err(Some(until));
+                }
+                if matches!(self.scout, Scout::Out(..)) {
+                    return Err(None);
+                }
+                self.in_window + weight <= capacity * self.part || self.log.is_empty()
+            }
             Mode::Learned => {
                 if let Some(until) = self.hold_until.filter(|&until| now < until) {
                     return Err(Some(until));
@@ -649,7 +658,10 @@ impl Budget {
                 }
                 Mode::Unlimited => {}
             }
-            if !matches!(self.mode, Mode::Static { .. }) && matches!(self.scout, Scout::After(from) if from <= now) {
+            // (A told limit scouts only while held after refusals that advised no wait.)
+            if (!matches!(self.mode, Mode::Static { .. }) || self.blind.is_some())
+                && matches!(self.scout, Scout::After(from) if from <= now)
+            {
                 self.scout = Scout::Out(id, now);
             }
             self.log.push_back(Entry { id, at: now, weight, state: State::Pending });
@@ -832,6 +844,14 @@ impl Budget {
         let probe = self.probes.remove(&id);
         match self.mode {
             Mode::Static { .. } => {
+                if delay.is_none() {
+                    // A told limit above the server's, whose refusals advise no wait (Vertex
+                    // AI's): nothing else holds the calls, and each went again after its own
+                    // backoff: told 20 per minute where 10 are admitted, 360 refusals in 52 s
+                    // and 40 of 50 records failed. Held as before anything is learned (see
+                    // `Blind`), with one scout at a time until one is admitted.
+                    self.refused_blind(now, removed.as_ref().map(|e| e.at));
+                }
                 if let Some(e) = &removed {
                     self.in_window -= e.weight;
                 }
@@ -1110,11 +1130,12 @@ impl Budget {
 
     /// The send of `id` was refused at `now`, advising no wait, by a quota this budget does not
     /// learn from (the refusal names none, as an OpenAI-compatible server's bare 429, or
-    /// learning is off): while no limit is known, calls are held as after a refusal that
-    /// advises nothing and teaches nothing (see [`Blind`]) until one is admitted. The send is
-    /// kept, as for [`Budget::failed`].
+    /// learning is off): while no limit is learned (none known, or one told that the server
+    /// does not keep), calls are held as after a refusal that advises nothing and teaches
+    /// nothing (see [`Blind`]) until one is admitted. The send is kept, as for
+    /// [`Budget::failed`].
     pub fn refused_not_learned(&mut self, id: u64, now: Instant) {
-        if self.mode == Mode::Unlimited {
+        if self.mode != Mode::Learned {
             let sent = self.position(id).map(|i| self.log[i].at);
             self.refused_blind(now, sent);
         }
@@ -1705,9 +1726,17 @@ mod tests {
         let again = b.try_take(3, 1.0, t0).unwrap_err().unwrap();
         assert_eq!(again, t0 + Duration::from_secs(1) + ms(20));
         assert!(b.try_take(3, 1.0, again).is_ok());
-        // A refused send gives its slot back at once.
-        b.refused(3, again, None);
+        // A refused send gives its slot back at once (the server's advised pause holds the
+        // calls, in the throttle's gate).
+        b.refused(3, again, Some(ms(100)));
         assert!(b.try_take(4, 1.0, again).is_ok());
+        // Refused with no advice, the calls are held, then one goes alone (see `Blind`).
+        b.refused(4, again, None);
+        assert_eq!(b.try_take(5, 1.0, again), Err(Some(again + BLIND_FIRST)));
+        assert!(b.try_take(5, 1.0, again + BLIND_FIRST).is_ok());
+        assert_eq!(b.try_take(6, 1.0, again + BLIND_FIRST), Err(None), "behind the scout");
+        b.admitted(5, 1.0);
+        assert!(b.try_take(6, 1.0, again + BLIND_FIRST).is_ok());
     }
 
     #[tokio::test(start_paused = true)]
@@ -2700,6 +2729,21 @@ mod tests {
         let late = admitted.iter().filter(|&&at| at >= t0 + Duration::from_secs(60)).count();
         assert!(admitted.len() >= 30 && late >= 20, "{} admitted, {late} after a minute", admitted.len());
         assert!(refused <= 6 + 1 + 2 * 2, "{refused} refused");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_told_limit_above_the_servers_with_no_advice_is_scouted_not_stormed() {
+        // Told 20 a minute where the server admits 10 (per fixed minute), refusals advising no
+        // wait: each refused send went again at once, as the told limit still had room.
+        let t0 = Instant::now();
+        let mut server = Server { fixed: Some(t0), ..Server::sliding(10, Duration::from_secs(60)) };
+        let mut b = Budget::fixed(20.0, Duration::from_secs(60));
+        let (admitted, refused) = drive_unadvised(&mut b, &mut server, t0, 125);
+        // 10 in each of the three minutes begun.
+        assert_eq!(admitted.len(), 30, "{admitted:?}");
+        // Each minute: what the told limit lets out beyond the server's 10, then a scout about
+        // every 5 s while the window stays full (12 a minute at most).
+        assert!(refused <= 3 * (10 + 12), "{refused} refused");
     }
 
     #[tokio::test(start_paused = true)]
