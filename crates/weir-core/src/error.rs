@@ -211,12 +211,14 @@ impl ModelError {
         self
     }
 
-    /// This refusal, which advised no wait, as the one that stops the run: every call for
-    /// `refused_for` (longer than [`LONGEST_ADVISED_WAIT`]) was refused so and none admitted, so
-    /// the quota is not a window that frees (a quota of zero, one spent for the day) and holding
-    /// calls for it would go on in silence. Resumable, as [`ModelError::within_reason`]'s stop.
-    pub fn never_admitted(self, refused_for: Duration) -> Self {
-        let why = format!("every call for {} was refused with no advised wait, and none admitted", human(refused_for));
+    /// This refusal as the one that stops the run: every call for `refused_for` (longer than
+    /// [`LONGEST_ADVISED_WAIT`]) was refused for rate (`advised`: each told to wait a little)
+    /// and none admitted, so the quota is not a window that frees (a quota of zero, one spent
+    /// for the day) and holding calls for it would go on in silence. Resumable, as
+    /// [`ModelError::within_reason`]'s stop.
+    pub fn never_admitted(self, refused_for: Duration, advised: bool) -> Self {
+        let how = if advised { "refused (each told to come back soon)" } else { "refused with no advised wait" };
+        let why = format!("every call for {} was {how}, and none admitted", human(refused_for));
         self.stops_run(why, "the quota may be zero or spent for now; ", "")
     }
 

@@ -882,16 +882,20 @@ impl Throttle {
         }
     }
 
-    /// The error to act on instead of `e`, if any: a 429 that advises no wait, once every call
-    /// for longer than [`crate::error::LONGEST_ADVISED_WAIT`] was refused so and none admitted,
-    /// stops the run (see [`ModelError::never_admitted`]). Until then the budget holds the calls
-    /// and sends one scout at a time, so a quota of zero would hold them all in silence.
+    /// The error to act on instead of `e`, if any: a 429, once every call for longer than
+    /// [`crate::error::LONGEST_ADVISED_WAIT`] was refused and none admitted, stops the run (see
+    /// [`ModelError::never_admitted`]). Until then the budget holds the calls and sends one
+    /// scout at a time (no advice), or the server's short pauses do (advice): a quota of zero
+    /// would hold them all in silence. (Refusals advising a few seconds each, on a quota that
+    /// fell to zero, held a run 22 minutes until it was killed.)
     pub fn judge(&self, e: &ModelError) -> Option<ModelError> {
-        if e.kind != ErrorKind::RateLimited || e.retry_after().is_some() {
+        if e.kind != ErrorKind::RateLimited {
             return None;
         }
-        let refused_for = self.rate.refused_blind_since()?.elapsed();
-        (refused_for > crate::error::LONGEST_ADVISED_WAIT).then(|| e.clone().never_admitted(refused_for))
+        let advised = e.retry_after().is_some();
+        let since = if advised { self.rate.refused_since() } else { self.rate.refused_blind_since() };
+        let refused_for = since?.elapsed();
+        (refused_for > crate::error::LONGEST_ADVISED_WAIT).then(|| e.clone().never_admitted(refused_for, advised))
     }
 
     /// Holds every new call for `delay` (a server-advised pause; never shortens one in force).
@@ -1028,6 +1032,9 @@ pub struct RateLimiter {
     /// Set once a quota was learned from 429s that advised no wait, and the window assumed
     /// said (see [`RateLimiter::complete_with`]).
     said_window: std::sync::atomic::AtomicBool,
+    /// Since when every call answered was refused for rate, none admitted (see
+    /// [`Throttle::judge`]).
+    refused_since: Mutex<Option<Instant>>,
 }
 
 /// What the rate limiter knows, for the summary.
@@ -1063,6 +1070,7 @@ impl RateLimiter {
             next_id: AtomicU64::new(0),
             mean_output: Mutex::new((0.0, 0)),
             said_window: std::sync::atomic::AtomicBool::new(false),
+            refused_since: Mutex::new(None),
         }
     }
 
@@ -1183,6 +1191,16 @@ impl RateLimiter {
     /// Reports how the call went: the usage and rate-limit headers of an answer, or the error.
     pub fn complete_with(&self, ticket: Ticket, result: Result<(Usage, Option<LimitInfo>), &ModelError>) {
         {
+            let mut since = self.refused_since.lock().unwrap_or_else(|e| e.into_inner());
+            match result {
+                Ok(_) => *since = None,
+                Err(e) if e.kind == ErrorKind::RateLimited => {
+                    since.get_or_insert_with(Instant::now);
+                }
+                Err(_) => {}
+            }
+        }
+        {
             let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
             let now = Instant::now();
             match result {
@@ -1275,6 +1293,12 @@ impl RateLimiter {
     /// limit or credit to go by (see [`crate::rate::Budget::refused_blind_since`]).
     pub fn refused_blind_since(&self) -> Option<Instant> {
         self.state.lock().unwrap_or_else(|e| e.into_inner()).0.refused_blind_since()
+    }
+
+    /// Since when every call answered was refused for rate, with or without advice, and none
+    /// admitted.
+    pub fn refused_since(&self) -> Option<Instant> {
+        *self.refused_since.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// How long a refusal advising `advised` holds every call. When the quota that refused is
@@ -1911,6 +1935,34 @@ mod tests {
             a.finish(Ok((Usage::default(), None)));
             assert!(t.judge(&refused).is_none(), "{quota:?}");
         }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn refusals_advising_short_waits_and_nothing_admitted_for_ten_minutes_stop_the_run() {
+        // A quota that fell to zero, each refusal advising a few seconds: the pauses hold the
+        // calls, and without this the run went on being refused for as long as it was left.
+        let t = Throttle::new(&ThrottleSettings { store: QuotaStore::Off, ..ThrottleSettings::default() });
+        let never = CancellationToken::new();
+        let refused = ModelError::new(ErrorKind::RateLimited, "429")
+            .with_status(429)
+            .with_hint(RetryHint::Later(Some(Duration::from_secs(3))));
+        let start = Instant::now();
+        let stop = loop {
+            let a = t.admit(t.estimate(10, None), &never).await.expect("not cancelled");
+            a.finish(Err(&refused));
+            if let Some(stop) = t.judge(&refused) {
+                break stop;
+            }
+            assert!(start.elapsed() <= crate::error::LONGEST_ADVISED_WAIT + Duration::from_secs(4), "not stopped");
+            // As the retry's backoff does.
+            tokio::time::sleep(Duration::from_secs(3)).await;
+        };
+        assert_eq!((stop.kind, stop.hint), (ErrorKind::QuotaExhausted, RetryHint::StopRun));
+        assert!(stop.message.contains("each told to come back soon"), "{}", stop.message);
+        // One call admitted clears it.
+        let a = t.admit(t.estimate(10, None), &never).await.expect("not cancelled");
+        a.finish(Ok((Usage::default(), None)));
+        assert!(t.judge(&refused).is_none());
     }
 
     #[tokio::test(start_paused = true)]
