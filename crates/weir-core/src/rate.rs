@@ -604,35 +604,18 @@ impl Budget {
     /// (`None`: when some send completes).
     pub fn try_take(&mut self, id: u64, weight: f64, now: Instant) -> Result<(), Option<Instant>> {
         self.expire(now);
+        // In every mode: held after a refused scout, or after refusals that advised no wait
+        // (see `Blind`), and behind a scout out, whose answer wakes the waiting sends.
+        if let Some(until) = self.hold_until.filter(|&until| now < until) {
+            return Err(Some(until));
+        }
+        if matches!(self.scout, Scout::Out(..)) {
+            return Err(None);
+        }
         let ok = match self.mode {
-            Mode::Unlimited => {
-                // Held after refusals that advised no wait (see `Blind`): one scout at a time.
-                if let Some(until) = self.hold_until.filter(|&until| now < until) {
-                    return Err(Some(until));
-                }
-                if matches!(self.scout, Scout::Out(..)) {
-                    return Err(None);
-                }
-                true
-            }
-            Mode::Static { capacity } => {
-                // Held after refusals that advised no wait (see `Blind`): one scout at a time.
-                if let Some(until) = self.hold_until.filter(|&until| now < until) {
-                    return Err(Some(until));
-                }
-                if matches!(self.scout, Scout::Out(..)) {
-                    return Err(None);
-                }
-                self.in_window + weight <= capacity * self.part || self.log.is_empty()
-            }
+            Mode::Unlimited => true,
+            Mode::Static { capacity } => self.in_window + weight <= capacity * self.part || self.log.is_empty(),
             Mode::Learned => {
-                if let Some(until) = self.hold_until.filter(|&until| now < until) {
-                    return Err(Some(until));
-                }
-                if matches!(self.scout, Scout::Out(..)) {
-                    // Its answer wakes the waiting sends.
-                    return Err(None);
-                }
                 if self.credits < weight {
                     self.maybe_probe(now);
                 }
