@@ -269,9 +269,34 @@ pub struct Seed {
     /// no wait: a run given another takes its own (absent from what older versions wrote).
     #[serde(default)]
     assumed: bool,
+    /// The writer's calls were held after refusals that advised no wait, none admitted since
+    /// (see [`Blind`]): its rounds, and when the last and the first round began (absent from
+    /// what older versions wrote).
+    #[serde(default)]
+    blind: Option<(u32, f64, f64)>,
+    /// Since when every call the writer's throttle saw answered was refused for rate, none
+    /// admitted (the requests budget's seed only; see [`Seed::with_refused_since`]).
+    #[serde(default)]
+    refused: Option<f64>,
 }
 
 impl Seed {
+    /// This seed, saying that every call answered since `since` was refused and none admitted:
+    /// a process taking a shared quota over counts the time toward the stop that a quota of
+    /// zero makes (see [`crate::throttle::Throttle::judge`]) from there, not from its own
+    /// first refusal. Processes sharing a quota of zero stopped after 12.5 and 16.5 minutes,
+    /// not 10, as each began counting afresh when it took the quota over.
+    pub fn with_refused_since(mut self, since: Option<Instant>, now: Instant) -> Seed {
+        self.refused = since.map(|t| offset(t, now));
+        self
+    }
+
+    /// Since when every call the writer saw answered was refused, as a moment here, the seed
+    /// having been written at `written`.
+    pub fn refused_since(&self, written: Instant) -> Option<Instant> {
+        at_offset(written, self.refused?)
+    }
+
     /// This seed as one share of `n` processes': a process that decides alone beside others
     /// that do too (the process holding their shared quota went silent) starts from what the
     /// holder knew rather than from nothing, which sent a burst the quota refused, and takes its
@@ -423,6 +448,11 @@ const BLIND_FIRST: Duration = Duration::from_millis(500);
 /// another run filled is found open at most this late (a twelfth of a minute's window), for
 /// about a dozen refusals over that minute.
 const BLIND_LONGEST: Duration = Duration::from_secs(5);
+
+/// How long every call is held after the `rounds`-th refusal in a row (see [`Blind`]).
+fn blind_hold(rounds: u32) -> Duration {
+    BLIND_FIRST.saturating_mul(1 << rounds.saturating_sub(1).min(16)).min(BLIND_LONGEST)
+}
 
 impl Budget {
     /// A budget with no limit known.
@@ -1098,11 +1128,29 @@ impl Budget {
             Some(b) => (b.rounds + 1, b.first),
             None => (1, now),
         };
-        let hold = BLIND_FIRST.saturating_mul(1 << (rounds - 1).min(16)).min(BLIND_LONGEST);
+        let hold = blind_hold(rounds);
         self.blind = Some(Blind { rounds, since: now, first });
         self.hold_until = Some(now + hold);
         self.distrust(now + hold);
         tracing::debug!(rounds, ?hold, "refused with no advice and nothing to go by: holding, then a scout");
+    }
+
+    /// Goes on holding the calls where the writer of `seed` (`age` ago) held them after
+    /// refusals that advised no wait (see [`Blind`]), unless this budget has been held for
+    /// longer: its next scout goes when the writer's would have, and the 10 minutes to the
+    /// stop count from the writer's first refusal. A process taking over a quota of zero
+    /// otherwise sent every call it held at once, all refused, and began counting afresh.
+    fn take_blind(&mut self, seed: &Seed, age: Duration, now: Instant) {
+        let Some((rounds, since, first)) = seed.blind else { return };
+        let Some(base) = now.checked_sub(age) else { return };
+        let (Some(since), Some(first)) = (at_offset(base, since), at_offset(base, first)) else { return };
+        if self.blind.is_some_and(|b| b.first <= first) {
+            return;
+        }
+        let until = since + blind_hold(rounds);
+        self.blind = Some(Blind { rounds, since, first });
+        self.hold_until = self.hold_until.max(Some(until));
+        self.distrust(until);
     }
 
     /// Since when every send has been refused with no advice and none admitted, with nothing to
@@ -1495,6 +1543,8 @@ impl Budget {
             learning,
             told: self.told && matches!(self.mode, Mode::Static { .. }),
             assumed: self.window_assumed && self.mode == Mode::Learned,
+            blind: self.blind.map(|b| (b.rounds, offset(b.since, now), offset(b.first, now))),
+            refused: None,
         }
     }
 
@@ -1570,6 +1620,7 @@ impl Budget {
     /// learned again. `ids` gives each of those sends an id older than any to come. A budget
     /// given a limit keeps its own; one that learned something itself keeps what it learned.
     pub fn seed(&mut self, seed: &Seed, age: Duration, now: Instant, ids: &mut dyn FnMut() -> u64) {
+        self.take_blind(seed, age, now);
         if self.mode == Mode::Learned || (seed.mode == Mode::Unlimited && self.mode != Mode::Unlimited) {
             return;
         }

@@ -1320,9 +1320,10 @@ impl RateLimiter {
 
     /// What both budgets know, for a process taking the quota over (see [`Budget::seed`]).
     pub fn export(&self) -> (crate::rate::Seed, crate::rate::Seed) {
+        let since = self.refused_since();
         let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
         let now = Instant::now();
-        (s.0.export(now), s.1.export(now))
+        (s.0.export(now).with_refused_since(since, now), s.1.export(now))
     }
 
     /// Counts another process's sends as admitted here (see [`crate::rate::Budget::count_sends`]).
@@ -1359,6 +1360,10 @@ impl RateLimiter {
     /// Takes over what another process's budgets knew, `age` after they were exported.
     pub fn seed(&self, seeds: &(crate::rate::Seed, crate::rate::Seed), age: Duration) {
         self.apply_seeds(seeds, |b, seed, now, ids| b.seed(seed, age, now, ids));
+        if let Some(theirs) = Instant::now().checked_sub(age).and_then(|at| seeds.0.refused_since(at)) {
+            let mut since = self.refused_since.lock().unwrap_or_else(|e| e.into_inner());
+            *since = Some(since.map_or(theirs, |ours| ours.min(theirs)));
+        }
     }
 
     /// The limits in force.
@@ -1963,6 +1968,56 @@ mod tests {
         let a = t.admit(t.estimate(10, None), &never).await.expect("not cancelled");
         a.finish(Ok((Usage::default(), None)));
         assert!(t.judge(&refused).is_none());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_process_taking_over_a_quota_refused_throughout_counts_from_the_first_refusal() {
+        // The holder of a shared quota of zero, its 429s advising nothing, stops after 10
+        // minutes; the process that takes the quota over goes on holding and stops at its next
+        // refusal, instead of sending all it held and counting 10 minutes afresh.
+        let settings = ThrottleSettings { store: QuotaStore::Off, ..ThrottleSettings::default() };
+        let holder = Throttle::new(&settings);
+        let never = CancellationToken::new();
+        let bare = ModelError::new(ErrorKind::RateLimited, "429").with_status(429);
+        let start = Instant::now();
+        while holder.judge(&bare).is_none() {
+            let a = holder.admit(holder.estimate(10, None), &never).await.expect("not cancelled");
+            a.finish(Err(&bare));
+            assert!(start.elapsed() <= crate::error::LONGEST_ADVISED_WAIT + Duration::from_secs(6), "not stopped");
+        }
+        let handed = holder.rate_limiter().export();
+        let age = Duration::from_millis(300);
+        tokio::time::advance(age).await;
+
+        let next = Throttle::new(&settings);
+        next.rate_limiter().seed(&handed, age);
+        let blind = next.rate_limiter().refused_blind_since().expect("held as the holder was");
+        assert_eq!(Some(blind), holder.rate_limiter().refused_blind_since());
+        assert_eq!(next.rate_limiter().refused_since(), holder.rate_limiter().refused_since());
+        // Held: nothing goes until the holder's next scout was due.
+        let t = Instant::now();
+        let a = next.admit(next.estimate(10, None), &never).await.expect("not cancelled");
+        assert!(t.elapsed() >= Duration::from_secs(4), "sent after {:?}", t.elapsed());
+        a.finish(Err(&bare));
+        let stop = next.judge(&bare).expect("stops at its first refusal");
+        assert_eq!(stop.kind, ErrorKind::QuotaExhausted);
+
+        // Advised waits are counted from the holder's first refusal too.
+        let advised = ModelError::new(ErrorKind::RateLimited, "429")
+            .with_status(429)
+            .with_hint(RetryHint::Later(Some(Duration::from_secs(3))));
+        let fresh = Throttle::new(&settings);
+        let before = fresh.rate_limiter().export();
+        tokio::time::advance(crate::error::LONGEST_ADVISED_WAIT).await;
+        fresh.rate_limiter().seed(&handed, Duration::ZERO);
+        let a = fresh.admit(fresh.estimate(10, None), &never).await.expect("not cancelled");
+        a.finish(Err(&advised));
+        assert!(fresh.judge(&advised).is_some(), "refused since the holder's first refusal");
+        // A holder refused nothing hands nothing of the kind on.
+        let other = Throttle::new(&settings);
+        other.rate_limiter().seed(&before, Duration::ZERO);
+        assert_eq!(other.rate_limiter().refused_since(), None);
+        assert_eq!(other.rate_limiter().refused_blind_since(), None);
     }
 
     #[tokio::test(start_paused = true)]
