@@ -162,6 +162,7 @@ impl Executor {
         cancel: &CancellationToken,
         attempts: u32,
         held: &Held,
+        refused_before: Option<Instant>,
         call: impl FnOnce(usize) -> Fut,
     ) -> Option<(Result<T, ModelError>, bool)>
     where
@@ -198,12 +199,18 @@ impl Executor {
                     self.metrics.record_rate_limited();
                 }
                 self.metrics.record_call_error(e.kind);
-                let (e, absorbed) = self.pool.learn(lane, Err(&e)).unwrap_or((e, Absorbed::No));
-                if absorbed == Absorbed::No {
+                let (e, mut absorbed) = self.pool.learn(lane, Err(&e)).unwrap_or((e, Absorbed::No));
+                let refused_throughout = refused_before
+                    .is_some_and(|before| self.pool.refused_since(lane).is_some_and(|since| since <= before));
+                if absorbed == Absorbed::No && e.kind == ErrorKind::RateLimited && refused_throughout {
+                    absorbed = Absorbed::Held;
+                }
+                if matches!(absorbed, Absorbed::No | Absorbed::Held) {
                     self.observer.failed_attempt(&e, attempts + 1);
                 }
-                // (The second: not one of the record's retries; see `Absorbed::Left`.)
-                Some((Err(e), absorbed == Absorbed::Left))
+                // (The second: not one of the record's retries; see `Absorbed::Left` and
+                // `Absorbed::Held`.)
+                Some((Err(e), matches!(absorbed, Absorbed::Left | Absorbed::Held)))
             }
         }
     }
@@ -279,13 +286,16 @@ impl Executor {
         let mut charged = 0u32;
         let mut invalid = 0u32;
         let mut last = None;
+        // When the last attempt was refused for rate (see `Absorbed::Held`).
+        let mut refused_at = None;
         loop {
             if cancel.is_cancelled() {
                 return Err(Self::cancelled(attempts, last));
             }
-            let Some((result, free)) = self.attempt(weight, cancel, attempts, held, &mut call).await else {
+            let Some((result, free)) = self.attempt(weight, cancel, attempts, held, refused_at, &mut call).await else {
                 return Err(Self::cancelled(attempts, last));
             };
+            refused_at = matches!(&result, Err(e) if e.kind == ErrorKind::RateLimited).then(Instant::now);
             attempts += 1;
             if !free {
                 charged += 1;
@@ -384,7 +394,9 @@ impl Executor {
             let w = weight(&batch.0);
             let n = batch.0.len();
             let result = self
-                .attempt(w, cancel, attempts[batch.0[0]], &Held::default(), |lane| Batch::call(&batch, lane, &mut call))
+                .attempt(w, cancel, attempts[batch.0[0]], &Held::default(), None, |lane| {
+                    Batch::call(&batch, lane, &mut call)
+                })
                 .await;
             let Some((result, free)) = result else {
                 queue.push_front(batch.0);
@@ -795,6 +807,57 @@ mod tests {
         }
         let failed: Vec<_> = results.iter().filter_map(|r| r.as_ref().err()).map(|f| f.error.to_string()).collect();
         assert!(failed.is_empty(), "failed: {failed:?}");
+    }
+
+    /// A quota of zero whose 429s advise 10 s: no record uses up its retries on refusals while
+    /// nothing is admitted; each ends with the run's 10-minute stop (`quota_exhausted`, run
+    /// again by a plain resume), not as a `rate_limited` row after its 9 attempts. Once a call
+    /// is admitted, refusals count against a record's retries again.
+    #[tokio::test(start_paused = true)]
+    async fn refusals_while_nothing_is_admitted_are_not_a_records_retries() {
+        let ex = Arc::new(executor(8));
+        let cancel = CancellationToken::new();
+        let refused = || {
+            ModelError::new(ErrorKind::RateLimited, "429")
+                .with_status(429)
+                .with_hint(RetryHint::Later(Some(Duration::from_secs(10))))
+        };
+        let start = Instant::now();
+        let records: Vec<_> = (0..4)
+            .map(|_| {
+                let ex = ex.clone();
+                let cancel = cancel.clone();
+                tokio::spawn(async move {
+                    ex.run(Weight::default(), &cancel, || async { Err::<ModelResponse, _>(refused()) }).await
+                })
+            })
+            .collect();
+        for r in records {
+            let failed = r.await.unwrap().unwrap_err();
+            assert_eq!(failed.error.kind, ErrorKind::QuotaExhausted, "{}", failed.error);
+            assert!(failed.attempts > 9, "{} attempts", failed.attempts);
+        }
+        assert!(start.elapsed() >= crate::error::LONGEST_ADVISED_WAIT, "{:?}", start.elapsed());
+
+        // A quota that admits others' calls between a record's refusals: they count, and the
+        // record ends as refused after its retries.
+        ex.run(Weight::default(), &cancel, || async { Ok(answer("admitted again")) }).await.unwrap();
+        let busy = {
+            let ex = ex.clone();
+            let cancel = cancel.clone();
+            tokio::spawn(async move {
+                loop {
+                    ex.run(Weight::default(), &cancel, || async { Ok(answer("another record's")) }).await.unwrap();
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+            })
+        };
+        let start = Instant::now();
+        let failed = ex.run(Weight::default(), &cancel, || async { Err::<ModelResponse, _>(refused()) }).await;
+        busy.abort();
+        let failed = failed.unwrap_err();
+        assert_eq!((failed.error.kind, failed.attempts), (ErrorKind::RateLimited, 9), "{}", failed.error);
+        assert!(start.elapsed() < Duration::from_secs(200), "{:?}", start.elapsed());
     }
 
     #[tokio::test(start_paused = true)]

@@ -554,8 +554,10 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn overlapping_waits_count_once_in_wall_time() {
         let m = RunMetrics::default();
+        // The epoch is the process's, maybe taken by another test's paused clock, which may
+        // have run minutes ahead of this one's: a day later, every wait here is after it.
         epoch();
-        tokio::time::sleep(Duration::from_secs(10)).await;
+        tokio::time::sleep(Duration::from_secs(86_400)).await;
         // Three calls held over the same 10 s, ending together, then one more 2 s later.
         for _ in 0..3 {
             m.add_throttled(Duration::from_secs(10));

@@ -168,6 +168,14 @@ pub enum Absorbed {
     /// the record did nothing wrong, and a dead endpoint would otherwise use up the retries of
     /// every record that met it.
     Left,
+    /// Refused for rate again, and the endpoint admitted none of this process's calls since
+    /// the record's last refusal (a quota of zero): the run's trouble, not the record's, so
+    /// not counted against its retries; the run stops after 10 minutes of it (see
+    /// [`Throttle::judge`](crate::throttle::Throttle::judge)). On a quota of zero whose 429s
+    /// advised 10 s, every record used up its retries in about 5 minutes and ended as a
+    /// `rate_limited` row, which a plain resume does not run again. (Decided by the executor,
+    /// which knows the record's last refusal.)
+    Held,
 }
 
 /// An endpoint of a pool, as the runtime hands it over.
@@ -338,6 +346,12 @@ impl Pool {
                 }
             }
         }
+    }
+
+    /// Since when every call of this process's that endpoint `lane` answered was refused for
+    /// rate, none admitted (see [`RateLimiter::refused_since`](crate::throttle::RateLimiter::refused_since)).
+    pub fn refused_since(&self, lane: usize) -> Option<Instant> {
+        self.lanes[lane].throttle.rate_limiter().refused_since()
     }
 
     /// Learns from an attempt's result at endpoint `lane`. For an error, answers the error

@@ -372,6 +372,16 @@ impl Seed {
     pub fn window(&self) -> Option<Duration> {
         (self.mode != Mode::Unlimited).then_some(self.window).flatten()
     }
+
+    /// How long after it was written this seed still tells the next process something true:
+    /// a window, the calls sent in it; calls held after refusals with no advice, as long as a
+    /// round of that hold lasts (the writer sends a scout and writes again at least that often).
+    /// A holder of a quota of zero killed up to 5 s after its last write otherwise handed on
+    /// nothing, and the others began counting the 10 minutes to the stop afresh.
+    pub fn current_for(&self) -> Duration {
+        let held = if self.blind.is_some() { BLIND_LONGEST } else { Duration::ZERO };
+        self.window().unwrap_or_default().max(held)
+    }
 }
 
 /// True for advice in whole seconds (`retry-after: 2`, `retryDelay: "13s"`): rounded up, so the

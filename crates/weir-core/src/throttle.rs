@@ -943,6 +943,9 @@ impl Admitted<'_> {
     pub fn finish_timed(mut self, result: Result<(Usage, Option<LimitInfo>), &ModelError>, latency: Option<Duration>) {
         let latency = latency.unwrap_or_else(|| self.sent.elapsed());
         if let Some((d, id, call)) = self.remote.take() {
+            // Another process's throttle keeps the budgets; whether this process's calls are
+            // all refused is this one's to know (see `RateLimiter::refused_since`).
+            self.throttle.rate.answered(result);
             d.finish(id, result, latency);
             self.throttle.remote_ended(call);
             return;
@@ -1190,16 +1193,7 @@ impl RateLimiter {
 
     /// Reports how the call went: the usage and rate-limit headers of an answer, or the error.
     pub fn complete_with(&self, ticket: Ticket, result: Result<(Usage, Option<LimitInfo>), &ModelError>) {
-        {
-            let mut since = self.refused_since.lock().unwrap_or_else(|e| e.into_inner());
-            match result {
-                Ok(_) => *since = None,
-                Err(e) if e.kind == ErrorKind::RateLimited => {
-                    since.get_or_insert_with(Instant::now);
-                }
-                Err(_) => {}
-            }
-        }
+        self.answered(result);
         {
             let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
             let now = Instant::now();
@@ -1293,6 +1287,18 @@ impl RateLimiter {
     /// limit or credit to go by (see [`crate::rate::Budget::refused_blind_since`]).
     pub fn refused_blind_since(&self) -> Option<Instant> {
         self.state.lock().unwrap_or_else(|e| e.into_inner()).0.refused_blind_since()
+    }
+
+    /// Notes how a call of this process's was answered, for [`RateLimiter::refused_since`].
+    fn answered(&self, result: Result<(Usage, Option<LimitInfo>), &ModelError>) {
+        let mut since = self.refused_since.lock().unwrap_or_else(|e| e.into_inner());
+        match result {
+            Ok(_) => *since = None,
+            Err(e) if e.kind == ErrorKind::RateLimited => {
+                since.get_or_insert_with(Instant::now);
+            }
+            Err(_) => {}
+        }
     }
 
     /// Since when every call answered was refused for rate, with or without advice, and none
@@ -1986,6 +1992,9 @@ mod tests {
             assert!(start.elapsed() <= crate::error::LONGEST_ADVISED_WAIT + Duration::from_secs(6), "not stopped");
         }
         let handed = holder.rate_limiter().export();
+        // Taken over for as long as a round of the hold lasts: the holder writes it down at
+        // each scout, up to 5 s apart.
+        assert_eq!(handed.0.current_for(), Duration::from_secs(5));
         let age = Duration::from_millis(300);
         tokio::time::advance(age).await;
 
@@ -2014,6 +2023,7 @@ mod tests {
         a.finish(Err(&advised));
         assert!(fresh.judge(&advised).is_some(), "refused since the holder's first refusal");
         // A holder refused nothing hands nothing of the kind on.
+        assert_eq!(before.0.current_for(), Duration::ZERO);
         let other = Throttle::new(&settings);
         other.rate_limiter().seed(&before, Duration::ZERO);
         assert_eq!(other.rate_limiter().refused_since(), None);

@@ -167,7 +167,7 @@ impl Fallback {
         if held_here {
             return Err(());
         }
-        Ok(last_written(&self.place).filter(|(h, age)| *age < h.window() + STATE_GRACE))
+        Ok(last_written(&self.place).filter(|(h, age)| *age < h.current_for() + STATE_GRACE))
     }
 }
 
@@ -277,9 +277,10 @@ impl Handed {
         Handed { budgets: t.rate_limiter().export(), concurrency: t.export_concurrency(), in_flight: t.in_flight() }
     }
 
-    /// The longest window the budgets count over.
-    pub(crate) fn window(&self) -> Duration {
-        self.budgets.0.window().max(self.budgets.1.window()).unwrap_or_default()
+    /// How long after it was written this still tells the next holder something true (see
+    /// [`weir_core::rate::Seed::current_for`]).
+    pub(crate) fn current_for(&self) -> Duration {
+        self.budgets.0.current_for().max(self.budgets.1.current_for())
     }
 
     /// One share of `n` processes' (see [`weir_core::rate::Seed::share`]): the calls in flight
@@ -330,7 +331,7 @@ fn last_written(place: &Place) -> Option<(Handed, Duration)> {
 
 /// Seeds `throttle` with what the last holder wrote down, if it is recent.
 fn take_over(throttle: &Arc<Throttle>, place: &Place) {
-    if let Some((handed, age)) = last_written(place).filter(|(h, age)| *age < h.window() + STATE_GRACE) {
+    if let Some((handed, age)) = last_written(place).filter(|(h, age)| *age < h.current_for() + STATE_GRACE) {
         handed.take_over(throttle, age);
     }
 }

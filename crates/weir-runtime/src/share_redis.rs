@@ -660,7 +660,7 @@ async fn write_down(throttle: Weak<Throttle>, mut conn: redis::aio::MultiplexedC
 /// Writes down what `throttle`'s budgets know under `key`, to expire a window after.
 async fn write_state(throttle: &Throttle, conn: &mut redis::aio::MultiplexedConnection, key: &str) {
     let handed = Handed::of(throttle);
-    let ttl_ms = (handed.window() + STATE_GRACE).as_millis() as u64;
+    let ttl_ms = (handed.current_for() + STATE_GRACE).as_millis() as u64;
     let written = Written { ttl_ms, handed };
     let text = serde_json::to_string(&written).expect("the budgets serialise");
     let _: redis::RedisResult<()> = conn.pset_ex(key, text, ttl_ms).await;
