@@ -3,7 +3,7 @@
 # default local quota store): bench/refserver.py with 100 per 60 s that falls to zero at once,
 # plus ARGS for the server (e.g. --no-advice). Prints when each process ended and with which exit
 # status (3: the run stopped, resumable, after 10 minutes with nothing admitted), then the
-# server's counts. Takes about 10-11 minutes.
+# server's counts, and each process's results and error rows by kind. Takes about 10-11 minutes.
 #   WEIR_BIN=/path/to/weir [K=3] [N=20] bench/zero-quota-shared.sh [--no-advice]
 set -u
 BIN=${WEIR_BIN:-$(dirname "$0")/../target/release/weir}
@@ -24,7 +24,15 @@ import json
 for j in range($N): print(json.dumps({'id': f'$i-{j}', 'prompt': f'hello {j}'}))" > "$W/in$i.jsonl"
   ( "$BIN" run --model gemini/gemini-2.5-flash --base-url "http://127.0.0.1:$PORT" --input "$W/in$i.jsonl" \
       --output "$W/out$i.jsonl" --id-field id --no-cache > /dev/null 2> "$W/p$i.err"
-    echo "process $i: exit $? at $(python3 -c "print(round($(date +%s.%N)-$start,1))") s" ) &
+    rc=$?
+    kinds=$(python3 -c "
+import collections, json, sys
+try:
+    rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+except FileNotFoundError:
+    rows = []
+print(', '.join(f'{k} {n}' for k, n in sorted(collections.Counter(r['kind'] for r in rows).items())) or 'none')" "$W/out$i.errors.jsonl")
+    echo "process $i: exit $rc at $(python3 -c "print(round($(date +%s.%N)-$start,1))") s; $(cat "$W/out$i.jsonl" 2>/dev/null | wc -l) results; error rows: $kinds" ) &
   pids+=($!)
 done
 wait "${pids[@]}"
