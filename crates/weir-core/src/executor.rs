@@ -200,9 +200,11 @@ impl Executor {
                 }
                 self.metrics.record_call_error(e.kind);
                 let (e, mut absorbed) = self.pool.learn(lane, Err(&e)).unwrap_or((e, Absorbed::No));
-                let refused_throughout = refused_before
-                    .is_some_and(|before| self.pool.refused_since(lane).is_some_and(|since| since <= before));
-                if absorbed == Absorbed::No && e.kind == ErrorKind::RateLimited && refused_throughout {
+                if absorbed == Absorbed::No
+                    && e.kind == ErrorKind::RateLimited
+                    && refused_before
+                        .is_some_and(|before| self.pool.refused_since(lane).is_some_and(|since| since <= before))
+                {
                     absorbed = Absorbed::Held;
                 }
                 if matches!(absorbed, Absorbed::No | Absorbed::Held) {
@@ -367,6 +369,8 @@ impl Executor {
         // left, as in `run_held`).
         let mut charged = vec![0u32; items];
         let mut last: Vec<Option<ModelError>> = vec![None; items];
+        // When each item was last refused for rate (see `Absorbed::Held`).
+        let mut refused_at: Vec<Option<Instant>> = vec![None; items];
         // Groups of items to send, each as one call; items to send again after a backoff.
         let mut queue: std::collections::VecDeque<Vec<usize>> =
             std::collections::VecDeque::from([(0..items).collect()]);
@@ -393,8 +397,12 @@ impl Executor {
             let batch = Batch(group);
             let w = weight(&batch.0);
             let n = batch.0.len();
+            // A refusal of the call spends no retry only if every item in it was refused before
+            // and nothing was admitted since: since the earliest of those refusals, then.
+            let before =
+                batch.0.iter().map(|&i| refused_at[i]).collect::<Option<Vec<_>>>().and_then(|t| t.into_iter().min());
             let result = self
-                .attempt(w, cancel, attempts[batch.0[0]], &Held::default(), None, |lane| {
+                .attempt(w, cancel, attempts[batch.0[0]], &Held::default(), before, |lane| {
                     Batch::call(&batch, lane, &mut call)
                 })
                 .await;
@@ -434,7 +442,9 @@ impl Executor {
                 }
                 Err(e) => (0..n).map(|_| Err(e.clone())).collect(),
             };
+            let now = Instant::now();
             for (i, r) in batch.0.iter().copied().zip(per_item) {
+                refused_at[i] = matches!(&r, Err(e) if e.kind == ErrorKind::RateLimited).then_some(now);
                 match r {
                     Ok(value) => out[i] = Some(Ok(Done { value, attempts: attempts[i], latency: start.elapsed() })),
                     Err(error) => match self.policy.decide(charged[i], &error, &mut rng) {
@@ -858,6 +868,33 @@ mod tests {
         let failed = failed.unwrap_err();
         assert_eq!((failed.error.kind, failed.attempts), (ErrorKind::RateLimited, 9), "{}", failed.error);
         assert!(start.elapsed() < Duration::from_secs(200), "{:?}", start.elapsed());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn batched_refusals_while_nothing_is_admitted_are_not_the_items_retries() {
+        let ex = executor(8);
+        let cancel = CancellationToken::new();
+        let start = Instant::now();
+        let out = ex
+            .run_batch(
+                3,
+                |items| Weight { tokens: items.len() as u64 },
+                &cancel,
+                |_items: Vec<usize>| async {
+                    Err::<Vec<Result<ModelResponse, ModelError>>, _>(
+                        ModelError::new(ErrorKind::RateLimited, "429")
+                            .with_status(429)
+                            .with_hint(RetryHint::Later(Some(Duration::from_secs(10)))),
+                    )
+                },
+            )
+            .await;
+        for o in &out {
+            let failed = o.as_ref().unwrap_err();
+            assert_eq!(failed.error.kind, ErrorKind::QuotaExhausted, "{}", failed.error);
+            assert!(failed.attempts > 9, "{} attempts", failed.attempts);
+        }
+        assert!(start.elapsed() >= crate::error::LONGEST_ADVISED_WAIT, "{:?}", start.elapsed());
     }
 
     #[tokio::test(start_paused = true)]
