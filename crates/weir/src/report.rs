@@ -119,13 +119,17 @@ fn limits_text(concurrency: usize, rates: Option<&RateSnapshot>) -> String {
     let mut limits = vec![format!("concurrency {concurrency}")];
     if let Some(r) = rates {
         for (what, v) in [("requests", r.requests), ("tokens", r.tokens)] {
-            if let Some((cap, window, learned)) = v {
-                limits.push(format!(
+            match v {
+                // Learned as nothing (a quota of zero): the window it was learned over says
+                // nothing, and "0 per 14.0 s" against a 10-s window puzzled a user.
+                Some((cap, _, true)) if cap < 0.5 => limits.push(format!("{what}: none admitted at the end (learned)")),
+                Some((cap, window, learned)) => limits.push(format!(
                     "{} {what} per {:.1} s{}",
                     thousands(cap.round() as u64),
                     window.as_secs_f64(),
                     if learned { " (learned)" } else { "" }
-                ));
+                )),
+                None => {}
             }
         }
     }
@@ -598,5 +602,18 @@ mod tests {
         assert_eq!(super::thousands(999), "999");
         assert_eq!(super::thousands(1000), "1,000");
         assert_eq!(super::thousands(1234567), "1,234,567");
+    }
+
+    #[test]
+    fn a_quota_learned_as_nothing_names_no_window() {
+        use std::time::Duration;
+        let rates = weir_core::RateSnapshot {
+            requests: Some((0.0, Duration::from_secs(14), true)),
+            tokens: Some((1_000.0, Duration::from_secs(60), false)),
+        };
+        assert_eq!(
+            super::limits_text(4, Some(&rates)),
+            "concurrency 4, requests: none admitted at the end (learned), 1,000 tokens per 60.0 s"
+        );
     }
 }
