@@ -2,7 +2,8 @@
 """A stand-in for the Gemini API's quota, written apart from `weir sim` (no code shared with
 weir), so that the quota benchmarks are not measured only against weir's own simulator.
 
-It answers `POST /v1beta/models/{model}:generateContent` after a latency, and enforces a fixed
+It answers `POST /v1beta/models/{model}:generateContent` (and `:batchEmbedContents`, one
+vector per request, the call counted as one request) after a latency, and enforces a fixed
 window: at most RPM requests are admitted per WINDOW seconds, counted when a request arrives,
 the windows starting when the server starts. A request over the quota is refused at once with
 HTTP 429 and the Gemini API's error body: `RESOURCE_EXHAUSTED`, a `QuotaFailure` naming a
@@ -81,6 +82,16 @@ def answer(body):
                  "modelVersion": "refserver"}
 
 
+def embeddings(body):
+    """batchEmbedContents: one vector per request, each from its text's length (a batched call,
+    which the quota counts as one request)."""
+    try:
+        texts = [r["content"]["parts"][0]["text"] for r in body["requests"]]
+    except (KeyError, IndexError, TypeError):
+        return 400, {"error": {"code": 400, "status": "INVALID_ARGUMENT", "message": "requests is not specified"}}
+    return 200, {"embeddings": [{"values": [float(len(t)), 1.0, 0.0]} for t in texts]}
+
+
 async def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--listen", default="127.0.0.1:0")
@@ -108,7 +119,7 @@ async def main():
                 elif path == "/stats/reset":
                     stats.reset()
                     status, out = 200, {}
-                elif method == "POST" and ":generateContent" in path:
+                elif method == "POST" and (":generateContent" in path or ":batchEmbedContents" in path):
                     model = path.rsplit("/", 1)[-1].split(":")[0]
                     stats.requests += 1
                     if a.zero_after is not None and now - quota.start >= a.zero_after:
@@ -117,7 +128,8 @@ async def main():
                     if admitted:
                         jitter = random.uniform(-a.jitter_ms / 2, a.jitter_ms / 2)
                         await asyncio.sleep(max(0.0, a.latency_ms + jitter) / 1000)
-                        status, out = answer(json.loads(body or b"{}"))
+                        reply = embeddings if ":batchEmbedContents" in path else answer
+                        status, out = reply(json.loads(body or b"{}"))
                         stats.count(stats.ok_per_s, time.monotonic())
                     else:
                         stats.rate_limited += 1
