@@ -220,12 +220,20 @@ impl Executor {
     /// Sleeps `d`, or less if `cancel` fires; false when cancelled. `for_quota`: the wait
     /// follows a refusal for rate, and the call counts as held for the quota meanwhile (see
     /// [`Pool::held`]): a run whose every call waits out a 429's advice does not look idle.
+    /// Such a wait counts as throttled time too, ended or cut short: a batched call on a quota
+    /// of zero waits out one 429's advice after another, and a run stopped after 10 minutes of
+    /// that said "0.0 s throttled".
     async fn backoff(&self, d: Duration, cancel: &CancellationToken, for_quota: bool) -> bool {
         let _held = crate::throttle::Counted::new(self.pool.backing_off(), for_quota);
-        tokio::select! {
+        let start = Instant::now();
+        let slept = tokio::select! {
             _ = tokio::time::sleep(d) => true,
             _ = cancel.cancelled() => false,
+        };
+        if for_quota {
+            self.metrics.add_throttled(start.elapsed());
         }
+        slept
     }
 
     fn cancelled(attempts: u32, last: Option<ModelError>) -> Failed {
@@ -872,6 +880,9 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn batched_refusals_while_nothing_is_admitted_are_not_the_items_retries() {
+        // Throttled time is counted from a process-wide epoch, which another test's paused
+        // clock may have set minutes ahead of this one's (see metrics.rs).
+        tokio::time::sleep(Duration::from_secs(86_400)).await;
         let ex = executor(8);
         let cancel = CancellationToken::new();
         let start = Instant::now();
@@ -895,6 +906,9 @@ mod tests {
             assert!(failed.attempts > 9, "{} attempts", failed.attempts);
         }
         assert!(start.elapsed() >= crate::error::LONGEST_ADVISED_WAIT, "{:?}", start.elapsed());
+        // Waiting out the 429s' advice was throttling (the run said "0.0 s throttled").
+        let throttled = Duration::from_micros(ex.metrics().throttled_wall_micros.load(Relaxed));
+        assert!(throttled >= crate::error::LONGEST_ADVISED_WAIT - Duration::from_secs(10), "{throttled:?}");
     }
 
     #[tokio::test(start_paused = true)]
