@@ -904,6 +904,13 @@ impl Budget {
                     // Every send of ours refused, none admitted or out: someone else filled
                     // the window (another process on the key, a run just before this one).
                     self.others_filled = true;
+                    if let Some(d) = delay {
+                        // Or nobody: the quota is zero. Once the advised pause is over, one
+                        // scout goes and the other sends wait for its answer. Every send went
+                        // at once before: on a quota of zero whose 429s advised 10 s, a run of
+                        // 50 records had up to 16 refused every 10 s for 10 minutes.
+                        self.distrust(now + d);
+                    }
                 }
                 if oldest.is_none() {
                     // Refused before any send of ours was admitted: the refusal is fast and
@@ -2728,6 +2735,35 @@ mod tests {
             t += ms(1);
         }
         (admitted, refused)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_quota_of_zero_whose_refusals_advise_a_wait_is_scouted_not_stormed() {
+        // Every send refused, each advising 10 s, none ever admitted: after each pause every
+        // waiting send went at once (up to 16 refused every 10 s, for 10 minutes).
+        let t0 = Instant::now();
+        let d = Duration::from_secs(10);
+        let mut b = Budget::unlimited();
+        for id in 0..10 {
+            b.try_take(id, 1.0, t0).unwrap();
+        }
+        for id in 0..10 {
+            b.refused(id, t0 + ms(5), Some(d));
+        }
+        // Once the pause is over: one scout, and the others wait for its answer.
+        let t1 = t0 + ms(5) + d;
+        assert_eq!(b.try_take(10, 1.0, t1), Ok(()));
+        assert_eq!(b.try_take(11, 1.0, t1), Err(None));
+        // Refused too: one again after the next pause.
+        b.refused(10, t1 + ms(5), Some(d));
+        let t2 = t1 + ms(5) + d;
+        assert_eq!(b.try_take(12, 1.0, t2), Ok(()));
+        assert_eq!(b.try_take(13, 1.0, t2), Err(None));
+        // Admitted: the quota is back, and the others go.
+        b.admitted(12, 1.0);
+        for id in 14..24 {
+            assert_eq!(b.try_take(id, 1.0, t2 + ms(300)), Ok(()));
+        }
     }
 
     #[tokio::test(start_paused = true)]
