@@ -406,9 +406,9 @@ impl Executor {
             let w = weight(&batch.0);
             let n = batch.0.len();
             // A refusal of the call spends no retry only if every item in it was refused before
-            // and nothing was admitted since: since the earliest of those refusals, then.
-            let before =
-                batch.0.iter().map(|&i| refused_at[i]).collect::<Option<Vec<_>>>().and_then(|t| t.into_iter().min());
+            // and nothing was admitted since: since the earliest of those refusals, then. (`None`
+            // orders before any time, so an item never refused makes the minimum `None`.)
+            let before = batch.0.iter().map(|&i| refused_at[i]).min().flatten();
             let result = self
                 .attempt(w, cancel, attempts[batch.0[0]], &Held::default(), before, |lane| {
                     Batch::call(&batch, lane, &mut call)

@@ -35,8 +35,11 @@
 //! A state belongs to one run: the input (its path, size, and a hash of all of it up to
 //! [`HASH_WHOLE_UP_TO`], else of its first and last 64 KiB; a stream is not read to identify
 //! it), the model, the base URL, how prompts and ids are read, the system text and the
-//! generation parameters. A command that differs in any of these refuses to resume and says what
-//! changed; `--fresh` starts over. Concurrency, timeouts and retries may change freely.
+//! generation parameters. A command that differs in any of these but the base URL refuses to
+//! resume and says what changed; `--fresh` starts over. Concurrency, timeouts and retries may
+//! change freely. The base URL says where the model is served, not what it answers: a server
+//! restarted on another port, or a replica behind another address, resumes (the run says so,
+//! and the new URL is recorded) rather than paying again for every finished record.
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -87,13 +90,19 @@ impl RunIdentity {
         cmp("input", stored.input.clone(), self.input.clone());
         cmp("model", stored.model.clone(), self.model.clone());
         cmp("model field", opt(&stored.model_field), opt(&self.model_field));
-        cmp("base URL", opt(&stored.base_url), opt(&self.base_url));
         cmp("prompt", stored.prompt.clone(), self.prompt.clone());
         cmp("id field", opt(&stored.id_field), opt(&self.id_field));
         cmp("system text", opt(&stored.system), opt(&self.system));
         cmp("parameters", stored.params.to_string(), self.params.to_string());
         cmp("call", opt(&stored.call), opt(&self.call));
         d
+    }
+
+    /// The base URL's change from a stored identity, as `old → new`, if it changed: not one of
+    /// the [`differences`](Self::differences) that refuse a resume (see the module's docs).
+    pub fn moved(&self, stored: &RunIdentity) -> Option<String> {
+        let opt = |o: &Option<String>| o.clone().unwrap_or_else(|| "(none)".into());
+        (stored.base_url != self.base_url).then(|| format!("{} → {}", opt(&stored.base_url), opt(&self.base_url)))
     }
 }
 
@@ -177,9 +186,16 @@ pub struct StateDir {
     pub dir: PathBuf,
     meta: PathBuf,
     _lock: File,
+    moved: Option<String>,
 }
 
 impl StateDir {
+    /// The base URL's change (`old → new`) when the earlier run resumed used another one: the
+    /// new one is recorded, and the run says that the rows already finished came from the old.
+    pub fn moved(&self) -> Option<&str> {
+        self.moved.as_deref()
+    }
+
     /// A file of this output's run beside its record (`runs/<output>.<ext>`): its time series
     /// (`series.json`) and the like.
     pub fn file(&self, ext: &str) -> PathBuf {
@@ -236,6 +252,9 @@ pub struct Recovered {
     pub errors: u64,
     /// Error rows removed so their records run again.
     pub requeued: u64,
+    /// Error rows kept whose failure may pass on another try (a rate limit, a server error):
+    /// what `--retry-errors` would run again, for the resumed run to say so.
+    pub retryable: u64,
     /// Bytes of torn tails cut off.
     pub torn_bytes: u64,
 }
@@ -272,6 +291,7 @@ pub fn open(
     }
     let meta = runs.join(format!("{output_name}.json"));
     let mut resuming = false;
+    let mut moved = None;
     if !fresh {
         match std::fs::read(&meta) {
             Ok(bytes) => {
@@ -286,6 +306,16 @@ pub fn open(
                             });
                         }
                         resuming = true;
+                        moved = identity.moved(&stored);
+                        if moved.is_some() {
+                            // Recorded now (the lock is held): a later run with the new URL
+                            // resumes without saying it again.
+                            let bytes = serde_json::to_vec_pretty(identity).map_err(|e| StateError::Io {
+                                path: meta.display().to_string(),
+                                source: io::Error::other(e),
+                            })?;
+                            write_atomic(&meta, &bytes).map_err(io_err(&meta))?;
+                        }
                     }
                     None => {
                         return Err(StateError::Mismatch {
@@ -299,7 +329,7 @@ pub fn open(
             Err(e) => return Err(StateError::Io { path: meta.display().to_string(), source: e }),
         }
     }
-    Ok((StateDir { dir: dir.to_path_buf(), meta, _lock: lock }, resuming))
+    Ok((StateDir { dir: dir.to_path_buf(), meta, _lock: lock, moved }, resuming))
 }
 
 /// Writes a file so that a crash leaves the old content or the new, never a mix.
@@ -444,13 +474,18 @@ pub fn recover(results: &Path, errors: &Path, retry_errors: bool) -> io::Result<
     })?;
     let mut kept = Vec::new();
     let mut requeued = 0;
+    let mut retryable = 0;
     let mut finished = Vec::new();
     let torn = scan(errors, |bytes, id, line, kind| {
         let kind = kind.unwrap_or_default();
-        let rerun = ErrorKind::parse(&kind).is_some_and(|k| k.is_about_the_run() || (retry_errors && k.is_retryable()));
+        let parsed = ErrorKind::parse(&kind);
+        let rerun = parsed.is_some_and(|k| k.is_about_the_run() || (retry_errors && k.is_retryable()));
         if rerun {
             requeued += 1;
         } else {
+            if parsed.is_some_and(|k| k.is_retryable()) {
+                retryable += 1;
+            }
             kept.extend_from_slice(bytes);
             let duplicate = kind == "invalid_input" && bytes.windows(14).any(|w| w == b"duplicate id '");
             finished.push((id, line, duplicate));
@@ -468,6 +503,7 @@ pub fn recover(results: &Path, errors: &Path, retry_errors: bool) -> io::Result<
         r.errors += 1;
     }
     r.requeued = requeued;
+    r.retryable = retryable;
     Ok(r)
 }
 
@@ -518,6 +554,28 @@ mod tests {
         assert!(msg.contains("model: sim/a → sim/b") && msg.contains("--fresh"), "{msg}");
         let (_s, resuming) = open(&d, "out.jsonl", &identity("sim/b"), true).unwrap();
         assert!(!resuming);
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn another_base_url_resumes_and_is_recorded() {
+        let d = tmpdir("moved");
+        let at = |url: &str| RunIdentity { base_url: Some(url.into()), ..identity("sim/a") };
+        let (s, _) = open(&d, "out.jsonl", &at("http://127.0.0.1:8000/v1"), false).unwrap();
+        s.record(&at("http://127.0.0.1:8000/v1")).unwrap();
+        drop(s);
+        let (s, resuming) = open(&d, "out.jsonl", &at("http://127.0.0.1:8001/v1"), false).unwrap();
+        assert!(resuming);
+        assert_eq!(s.moved(), Some("http://127.0.0.1:8000/v1 → http://127.0.0.1:8001/v1"));
+        drop(s);
+        // The new URL was recorded: the next run with it has nothing to say.
+        let (s, resuming) = open(&d, "out.jsonl", &at("http://127.0.0.1:8001/v1"), false).unwrap();
+        assert!(resuming && s.moved().is_none());
+        drop(s);
+        // Another change with it still refuses.
+        let other = RunIdentity { model: "sim/b".into(), ..at("http://127.0.0.1:8002/v1") };
+        let msg = open(&d, "out.jsonl", &other, false).unwrap_err().to_string();
+        assert!(msg.contains("model: sim/a → sim/b") && !msg.contains("base URL"), "{msg}");
         std::fs::remove_dir_all(&d).unwrap();
     }
 

@@ -344,6 +344,7 @@ pub(crate) async fn resume(
                 let (sd, resume) =
                     state::open(dir, &name, &id, settings.fresh).map_err(|e| refused_with_jobs(e, &ledger))?;
                 resuming = resume;
+                announce_moved(&sd);
                 if resuming && live_input && !settings.follow && !settings.resume_stream {
                     return Err(stream_resume_refused(&t.results.display, input_name));
                 }
@@ -377,7 +378,7 @@ pub(crate) async fn resume(
                     if total.is_none() {
                         total = input.count()?;
                     }
-                    announce_resume(&recovered, total);
+                    announce_resume(&recovered, total, false);
                 }
                 if let (true, StateMode::Dir(dir)) = (settings.cache, state_mode) {
                     cache = open_cache(dir)?;
@@ -393,6 +394,7 @@ pub(crate) async fn resume(
             let (sd, resume) =
                 state::open(dir, &name, &id, settings.fresh).map_err(|e| refused_with_jobs(e, &ledger))?;
             resuming = resume;
+            announce_moved(&sd);
             jobs_ledger = Some(ledger);
             if resuming && live_input && !settings.follow && !settings.resume_stream {
                 return Err(stream_resume_refused(&out.display().to_string(), input_name));
@@ -422,7 +424,7 @@ pub(crate) async fn resume(
                 if total.is_none() {
                     total = input.count()?;
                 }
-                announce_resume(&recovered, total);
+                announce_resume(&recovered, total, !settings.retry_errors);
             } else if settings.retry_errors {
                 return Err(RunError::Usage(
                     "--retry-errors needs the state of an earlier run of the same command (none found)".into(),
@@ -547,8 +549,22 @@ pub(crate) fn open_cache(dir: &std::path::Path) -> Result<Option<Arc<DiskCache>>
     }
 }
 
-/// Says what an earlier run finished, on stderr.
-pub(crate) fn announce_resume(recovered: &state::Recovered, total: Option<u64>) {
+/// Says, on stderr, that the run resumed goes on at another base URL than the earlier one's
+/// (a server restarted on another port): its finished rows are kept, and came from the old one.
+fn announce_moved(sd: &state::StateDir) {
+    if let Some(moved) = sd.moved() {
+        eprintln!(
+            "weir: the base URL changed since the earlier run ({moved}); its finished rows are kept (they were \
+             answered there) and the rest go to the new one (--fresh starts over)"
+        );
+    }
+}
+
+/// Says what an earlier run finished, on stderr. Error rows kept are finished records, so a
+/// plain re-run skips them; where `--retry-errors` would run some again (`retry_hint`: a JSONL
+/// output, without the flag), it is named, since a user whose run ended in errors that may pass
+/// (a quota of zero with `--max-retries 0`, say) re-runs expecting them to be tried again.
+pub(crate) fn announce_resume(recovered: &state::Recovered, total: Option<u64>, retry_hint: bool) {
     let of = total.map(|t| format!(" of {}", crate::report::thousands(t))).unwrap_or_default();
     eprintln!(
         "Resuming: {}{of} finished ({} results, {} errors){}{}",
@@ -566,6 +582,14 @@ pub(crate) fn announce_resume(recovered: &state::Recovered, total: Option<u64>) 
             String::new()
         },
     );
+    if retry_hint && recovered.retryable > 0 {
+        eprintln!(
+            "  error rows count as finished and are not run again; {} of them failed for a reason that may pass \
+             on another try (a rate limit, a server error, a timeout, a bad answer): add --retry-errors to run those \
+             again",
+            crate::report::thousands(recovered.retryable)
+        );
+    }
 }
 
 /// The name of a table output's state: its last path component and a digest of where it is

@@ -6,7 +6,7 @@ mod util;
 use rand::{Rng, SeedableRng};
 use std::time::Duration;
 use util::*;
-use weir_sim::{SimConfig, SimServer};
+use weir_sim::SimConfig;
 
 fn base_args<'a>(server: &'a str, input: &'a str, out: &'a str) -> Vec<&'a str> {
     vec!["run", "--model", "gemini/m", "--base-url", server, "--input", input, "--output", out, "--id-field", "key"]
@@ -248,8 +248,6 @@ async fn retry_errors_runs_only_retryable_failures_again() {
     let input = dir.write("in.jsonl", &data);
     let out = dir.path("out.jsonl");
     let (i, o) = (input.to_str().unwrap().to_string(), out.to_str().unwrap().to_string());
-    // The base URL is part of the run's identity, so both runs must use the same one: start the
-    // healthy simulator on the port the faulty one had.
     let url = bad.url();
     let mut args = base_args(&url, &i, &o);
     args.extend(["--max-retries", "0"]);
@@ -262,12 +260,20 @@ async fn retry_errors_runs_only_retryable_failures_again() {
     let r = run(&args).await;
     assert_eq!(r.status.code(), Some(1));
     assert!(stderr(&r).contains("Resuming: 40 of 40 finished"), "{}", stderr(&r));
-    let addr = bad.addr();
+    // ... and says how to run the ones that may pass again (not the blocked ones).
+    assert!(stderr(&r).contains("36 of them failed for a reason that may pass"), "{}", stderr(&r));
+    assert!(stderr(&r).contains("add --retry-errors"), "{}", stderr(&r));
     bad.shutdown().await;
-    let good = SimServer::start(SimConfig::default(), addr).await.unwrap();
+    // The healthy server is elsewhere (a server restarted on another port): the run resumes
+    // there, keeping what the first one finished, and says so.
+    let good = sim(SimConfig::default()).await;
+    let good_url = good.url();
+    let mut args = base_args(&good_url, &i, &o);
+    args.extend(["--max-retries", "0"]);
     let r = run(&[&args[..], &["--retry-errors"]].concat()).await;
     assert_eq!(r.status.code(), Some(1), "{}", stderr(&r));
     assert!(stderr(&r).contains("36 error rows to run again"), "{}", stderr(&r));
+    assert!(stderr(&r).contains(&format!("the base URL changed since the earlier run ({url} → ")), "{}", stderr(&r));
     let results = rows(&out);
     let errors = rows(&dir.path("out.errors.jsonl"));
     assert_eq!(results.len(), 36);
