@@ -112,6 +112,9 @@ pub struct Executor {
     metrics: Arc<RunMetrics>,
     seed: AtomicU64,
     observer: Arc<dyn Observer>,
+    /// Calls answered so far: a batched call that fails whole again while others were answered
+    /// meanwhile fails for what it holds, not for the endpoint (see [`Executor::run_batch_at`]).
+    answered: AtomicU64,
 }
 
 impl Executor {
@@ -124,7 +127,15 @@ impl Executor {
     /// An executor over a pool of endpoints: each attempt goes to the endpoint that admits it
     /// first, and the call is told which (see [`Executor::run_at`]).
     pub fn pooled(pool: Arc<Pool>, policy: RetryPolicy, timeout: Duration, metrics: Arc<RunMetrics>) -> Self {
-        Self { pool, policy, timeout, metrics, seed: AtomicU64::new(0x5eed), observer: Arc::new(NoObserver) }
+        Self {
+            pool,
+            policy,
+            timeout,
+            metrics,
+            seed: AtomicU64::new(0x5eed),
+            observer: Arc::new(NoObserver),
+            answered: AtomicU64::new(0),
+        }
     }
 
     /// Reports every attempt to `observer`.
@@ -184,6 +195,7 @@ impl Executor {
         match result {
             Ok(v) => {
                 self.pool.learn(lane, Ok(()));
+                self.answered.fetch_add(1, Relaxed);
                 self.observer.answered();
                 // Paid for and counted above, but not an answer to keep.
                 if let Some(e) = v.invalid() {
@@ -383,18 +395,26 @@ impl Executor {
         let mut queue: std::collections::VecDeque<Vec<usize>> =
             std::collections::VecDeque::from([(0..items).collect()]);
         let mut again: Vec<usize> = Vec::new();
+        // Halves of calls split after failing whole again (see below), each sent as one call.
+        let mut again_apart: Vec<Vec<usize>> = Vec::new();
+        // Calls answered (by this executor) when each item's call last failed whole.
+        let mut failed_whole_at: Vec<Option<u64>> = vec![None; items];
         let mut delay = Duration::ZERO;
         // Whether an item to send again was refused for rate (see `Executor::backoff`).
         let mut for_quota = false;
         loop {
             let group = match queue.pop_front() {
                 Some(g) => g,
-                None if again.is_empty() => break,
+                None if again.is_empty() && again_apart.is_empty() => break,
                 None => {
                     if !self.backoff(std::mem::take(&mut delay), cancel, std::mem::take(&mut for_quota)).await {
+                        // (The items stay unsent: they end as cancelled, below.)
                         break;
                     }
-                    queue.push_back(std::mem::take(&mut again));
+                    if !again.is_empty() {
+                        queue.push_back(std::mem::take(&mut again));
+                    }
+                    queue.extend(again_apart.drain(..));
                     continue;
                 }
             };
@@ -441,6 +461,25 @@ impl Executor {
                     continue;
                 }
             }
+            // A call that fails whole again, for a reason a retry may change but not a rate
+            // limit, may fail for one of its items (a text the server cannot take, answered with
+            // a 500 or a reset each time): sent again as it was, the same call failed every time,
+            // and all 128 items of an embedding call failed with the one. It is split in halves
+            // when calls were answered since its items' last such failure (the endpoint is
+            // up, so it is this call), or from its third failure on (no other call to tell by).
+            // A first failure is retried whole: most are the endpoint's, and halves cost calls.
+            let answered = self.answered.load(Relaxed);
+            let whole = matches!(&result, Err(e) if e.kind != ErrorKind::RateLimited);
+            let apart = whole
+                && n > 1
+                && batch.0.iter().all(|&i| {
+                    failed_whole_at[i].is_some_and(|at| answered > at)
+                        || (failed_whole_at[i].is_some() && charged[i] >= 3)
+                });
+            for &i in &batch.0 {
+                failed_whole_at[i] = whole.then_some(answered);
+            }
+            let mut retried = Vec::new();
             // Item-level outcomes; a whole-call failure applies to every item of the call.
             let per_item: Vec<Result<T, ModelError>> = match result {
                 Ok(BatchReply(v)) if v.len() == n => v,
@@ -463,10 +502,17 @@ impl Executor {
                             delay = delay.max(d);
                             for_quota |= error.kind == ErrorKind::RateLimited;
                             last[i] = Some(error);
-                            again.push(i);
+                            retried.push(i);
                         }
                     },
                 }
+            }
+            if apart && retried.len() > 1 {
+                let b = retried.split_off(retried.len() / 2);
+                again_apart.push(retried);
+                again_apart.push(b);
+            } else {
+                again.extend(retried);
             }
         }
         out.into_iter()
@@ -909,6 +955,61 @@ mod tests {
         // Waiting out the 429s' advice was throttling (the run said "0.0 s throttled").
         let throttled = Duration::from_micros(ex.metrics().throttled_wall_micros.load(Relaxed));
         assert!(throttled >= crate::error::LONGEST_ADVISED_WAIT - Duration::from_secs(10), "{throttled:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_batched_call_that_keeps_failing_whole_is_split_until_its_culprit_fails_alone() {
+        // One item makes every call that holds it fail with a 500 (a text the server cannot
+        // take): sent again as it was, the call failed every time, and every item in it with it.
+        let ex = executor(8);
+        let cancel = CancellationToken::new();
+        let calls = Arc::new(AtomicU64::new(0));
+        let c = calls.clone();
+        let out = ex
+            .run_batch(
+                16,
+                |items| Weight { tokens: items.len() as u64 },
+                &cancel,
+                move |items: Vec<usize>| {
+                    c.fetch_add(1, Relaxed);
+                    async move {
+                        if items.contains(&5) {
+                            return Err(ModelError::new(ErrorKind::Server, "500").with_status(500));
+                        }
+                        Ok(items.iter().map(|i| Ok(answer(&i.to_string()))).collect())
+                    }
+                },
+            )
+            .await;
+        for (i, o) in out.iter().enumerate() {
+            assert_eq!(o.is_ok(), i != 5, "item {i}: {:?}", o.as_ref().err().map(|f| &f.error));
+        }
+        assert_eq!(out[5].as_ref().unwrap_err().error.kind, ErrorKind::Server);
+        // Whole twice, then halves: 16, 16, 8 + 8, 4 + 4, 2 + 2, 1 + 1, then the culprit alone
+        // until its retries are spent.
+        assert!(calls.load(Relaxed) <= 16, "{} calls", calls.load(Relaxed));
+
+        // A failure that every call meets (the endpoint down) is retried whole: no halves.
+        let calls = Arc::new(AtomicU64::new(0));
+        let c = calls.clone();
+        let out = ex
+            .run_batch(
+                16,
+                |items| Weight { tokens: items.len() as u64 },
+                &cancel,
+                move |items: Vec<usize>| {
+                    let n = c.fetch_add(1, Relaxed);
+                    async move {
+                        if n < 2 {
+                            return Err(ModelError::new(ErrorKind::Transport, "connection refused"));
+                        }
+                        Ok(items.iter().map(|i| Ok(answer(&i.to_string()))).collect())
+                    }
+                },
+            )
+            .await;
+        assert!(out.iter().all(Result::is_ok));
+        assert_eq!(calls.load(Relaxed), 3, "two whole failures, then one whole call");
     }
 
     #[tokio::test(start_paused = true)]

@@ -67,6 +67,22 @@ fn registry() -> &'static Mutex<HashMap<String, Weak<Shared>>> {
     ENGINES.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
+/// A digest of the process's environment, part of an engine's key in [`registry`]: an engine
+/// reads its credentials (`GEMINI_API_KEY`, `OPENAI_API_KEY`, `GOOGLE_APPLICATION_CREDENTIALS`,
+/// the variables an endpoints file names, ...) from the environment when it is made, so a new
+/// `Engine` made after one changed must not take an older one's. Without this, a notebook that
+/// fixed a wrong key kept failing with it, and one that switched to another account's key was
+/// still billed to the first. The whole environment, not a list of names: an endpoints file may
+/// name any variable. (Only a 64-bit digest is kept, in memory.)
+fn environment_digest() -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut vars: Vec<(std::ffi::OsString, std::ffi::OsString)> = std::env::vars_os().collect();
+    vars.sort();
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    vars.hash(&mut h);
+    h.finish()
+}
+
 /// A keyword-argument error from clap, in the words of Python (`max_concurrency`, not
 /// `--max-concurrency`).
 fn settings_error(e: &clap::Error) -> String {
@@ -356,7 +372,7 @@ impl PyEngine {
                 )))
             }
         };
-        let key = format!("{endpoint:?}\u{0}{:?}", cache.as_ref().map(Arc::as_ptr));
+        let key = format!("{endpoint:?}\u{0}{:?}\u{0}{:016x}", cache.as_ref().map(Arc::as_ptr), environment_digest());
         let mut engines = registry().lock().unwrap_or_else(|e| e.into_inner());
         let shared = match engines.get(&key).and_then(Weak::upgrade) {
             Some(s) => s,
@@ -466,6 +482,15 @@ fn setting_names() -> Vec<String> {
 
 /// A `media_fields` entry as the CLI's `--media-field` takes it: `FIELD` or `FIELD:TYPE`, as
 /// (field, MIME type or `None`); `ConfigError` says what to fix (one parser for every front end).
+/// Checks one item's generation parameters (a JSON object) as an engine would read them, so
+/// that an item with parameters weir cannot send fails alone, as an unreadable item does, before
+/// any call: in a Beam pipeline, a misspelt parameter in one element used to raise for its whole
+/// batch after other batches had been paid for, and the pipeline failed.
+#[pyfunction]
+fn check_params(json: &str, label: &str) -> PyResult<()> {
+    params_over(&GenParams::default(), Some(json), label).map(drop)
+}
+
 #[pyfunction]
 fn media_field(spec: &str) -> PyResult<(String, Option<String>)> {
     weir_core::media::field_spec(spec).map_err(|e| ConfigError::new_err(format!("media_fields: {e}")))
@@ -514,5 +539,6 @@ fn _weir(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(setting_names, m)?)?;
     m.add_function(wrap_pyfunction!(leave_quotas, m)?)?;
     m.add_function(wrap_pyfunction!(media_field, m)?)?;
+    m.add_function(wrap_pyfunction!(check_params, m)?)?;
     Ok(())
 }

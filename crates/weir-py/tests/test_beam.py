@@ -112,7 +112,7 @@ def test_errors_as_results(sim, tmp_path):
     p = beam.Pipeline()
     _ = (
         p
-        | beam.Create(["fine", "no [sim:block_prompt]", 42])
+        | beam.Create(["fine", "no [sim:block_prompt]", 42, BAD_PARAMS, NOT_PARAMS])
         | RunInference(handler)
         | beam.Map(lambda r: json.dumps([r.example, r.inference.ok]))
         | beam.io.WriteToText(out)
@@ -120,14 +120,21 @@ def test_errors_as_results(sim, tmp_path):
     outcome = p.run()
     outcome.wait_until_finish()
     rows = sorted((json.loads(l) for path in glob.glob(out + "*") for l in open(path)), key=json.dumps)
-    # The element weir cannot read (42) fails alone; its batch-mates are answered.
-    assert rows == sorted([[42, False], ["fine", True], ["no [sim:block_prompt]", False]], key=json.dumps)
-    # Both failures are counted: the blocked prompt and the element weir could not read.
+    # The elements weir cannot read (42, a misspelt parameter, params that are no dict) fail
+    # alone; their batch-mates are answered. (A misspelt parameter used to raise for the whole
+    # batch, after other batches were paid for, and fail the pipeline.)
+    expected = [[42, False], ["fine", True], ["no [sim:block_prompt]", False], [BAD_PARAMS, False], [NOT_PARAMS, False]]
+    assert rows == sorted(expected, key=json.dumps)
+    # Every failure is counted: the blocked prompt and the elements weir could not read.
     counters = {
         r.key.metric.name: r.committed
         for r in outcome.metrics().query(MetricsFilter().with_namespace("RunInference"))["counters"]
     }
-    assert counters["weir_failed_records"] == 2, counters
+    assert counters["weir_failed_records"] == 4, counters
+
+
+BAD_PARAMS = {"prompt": "misspelt", "params": {"tempertaure": 0}}
+NOT_PARAMS = {"prompt": "not a dict", "params": "hot"}
 
 
 def test_bad_settings_fail_when_the_handler_is_made():

@@ -322,6 +322,13 @@ def test_hurried_user_edges(sim):
         a.generate([{"prompt": "x", "temprature": 0}])
     with pytest.raises(TypeError, match="'promt' is not an item key; did you mean 'prompt'"):
         a.generate([{"promt": "x"}])
+    # An item's own parameters weir cannot send name the item, before any call.
+    calls = sim.stats()["requests"]
+    with pytest.raises(TypeError, match="item 1 params: .*tempertaure"):
+        a.generate(["fine", {"prompt": "x", "params": {"tempertaure": 0}}])
+    with pytest.raises(TypeError, match="item 0: 'params' must be a dict"):
+        a.generate([{"prompt": "x", "params": "hot"}])
+    assert sim.stats()["requests"] == calls
     assert a.generate([{"prompt": "x", "category": "rivers", "row": 3}])[0].ok
     before = sim.stats()["requests"]
     r = a.generate(["", "   ", "real"])
@@ -593,3 +600,21 @@ def test_media_fields_read_s3_objects(sim, monkeypatch):
     finally:
         moto.terminate()
         moto.wait()
+
+
+def test_a_new_engine_reads_the_key_in_the_environment_now(sim_factory, monkeypatch):
+    # In a notebook: the first key was wrong, the user fixes GEMINI_API_KEY and makes a new
+    # engine while the first is still alive. Engines with the same settings used to share one,
+    # credentials included: the fixed key was ignored (and a key switched to another account's
+    # was never used: the first account was billed).
+    s = sim_factory("--latency-ms", "5", "--api-key", "right-key-1")
+    monkeypatch.setenv("GEMINI_API_KEY", "wrong-key-0")
+    first = weir.Engine("gemini/m", base_url=s.url, cache=False, max_retries=0)
+    r = first.generate(["hi"])[0]
+    assert not r.ok and r.error_kind == "auth", r
+    monkeypatch.setenv("GEMINI_API_KEY", "right-key-1")
+    second = weir.Engine("gemini/m", base_url=s.url, cache=False, max_retries=0)
+    r = second.generate(["hi"])[0]
+    assert r.ok, r
+    # The first engine keeps the key it was made with.
+    assert not first.generate(["hi again"])[0].ok

@@ -9,7 +9,9 @@ An engine is configured like ``weir run``: the model, ``base_url``, and the othe
 settings under ``weir run``'s flag names with ``_`` for ``-`` (``max_concurrency``, ``rpm``,
 ``tpm``, ``limit_window``, ``timeout``, ``max_retries``, ...; ``weir.setting_names()`` lists
 them). Every engine of a process with the same settings shares one throttle per endpoint, so
-threads that each make their own engine still reach the quota together and never past it.
+threads that each make their own engine still reach the quota together and never past it. An
+engine reads its credentials (``GEMINI_API_KEY``, ``OPENAI_API_KEY``, ...) from the environment
+when it is made: after changing one, make a new engine (the old one keeps the old key).
 
 Calls never raise for one item's failure: each item gets a :class:`Result`, ``ok`` or with an
 error kind and message. They raise :class:`ConfigError` for what no item could survive (an
@@ -137,6 +139,24 @@ def _media(label: str, item: Mapping[str, Any], fields: Iterable[Any]):
     return out
 
 
+def _item_params(label: str, params: Any) -> Optional[str]:
+    """An item's own ``params`` as JSON, checked as the engine reads them: ``TypeError`` naming
+    the item when weir cannot send them (not a dict, an unknown or misspelt parameter, a value
+    of the wrong type), so that the item fails alone, before any call."""
+    if params is None:
+        return None
+    if not isinstance(params, Mapping):
+        raise TypeError(f"{label}: 'params' must be a dict, e.g. {{'temperature': 0.2}}, not {type(params).__name__}")
+    try:
+        text = json.dumps(dict(params))
+        _weir.check_params(text, label)
+    except ConfigError as e:
+        raise TypeError(str(e)) from None
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{label} params: {e}") from None
+    return text
+
+
 def _item(label: str, item: Any, embed: bool, media_fields: Iterable[str] = ()):
     """An item as the native engine takes it, and its id; ``TypeError`` naming what is wrong."""
     text_key = "text" if embed else "prompt"
@@ -172,7 +192,7 @@ def _item(label: str, item: Any, embed: bool, media_fields: Iterable[str] = ()):
         raise TypeError(f"{label}: 'model' must be a str")
     if system is not None and not isinstance(system, str):
         raise TypeError(f"{label}: 'system' must be a str")
-    params = _json_or_none(item.get("params"), label)
+    params = _item_params(label, item.get("params"))
     media = _media(label, item, media_fields)
     native_id = None if rid is None or rid == "" else str(rid)
     return (native_id, isinstance(rid, int), prompt if prompt.strip() else None, model, system, params, media), rid
