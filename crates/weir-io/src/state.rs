@@ -75,6 +75,13 @@ pub struct RunIdentity {
     /// How the model is called, when not the default: `task=embed`, `endpoint_format=chat`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub call: Option<String>,
+    /// Where and how the rows are written besides the output itself: the errors file, and a
+    /// table's formats and kept columns. A resume with another errors file read an empty one,
+    /// paid again for every record whose row was in the first, and left ids in both files; a
+    /// table resumed with other `--keep-columns` or another `--output-format` mixed parts of two
+    /// shapes. (Absent from a state written before it was kept: not compared then.)
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outputs: Option<String>,
 }
 
 impl RunIdentity {
@@ -95,6 +102,9 @@ impl RunIdentity {
         cmp("system text", opt(&stored.system), opt(&self.system));
         cmp("parameters", stored.params.to_string(), self.params.to_string());
         cmp("call", opt(&stored.call), opt(&self.call));
+        if let (Some(old), Some(new)) = (&stored.outputs, &self.outputs) {
+            cmp("outputs", old.clone(), new.clone());
+        }
         d
     }
 
@@ -530,6 +540,7 @@ mod tests {
             system: None,
             params: serde_json::json!({"temperature": 0.5}),
             call: None,
+            outputs: None,
         }
     }
 

@@ -608,12 +608,19 @@ pub fn is_loopback(url: &reqwest::Url) -> bool {
 
 /// Checks a base URL: it must parse, and plain `http` is only allowed to loopback hosts, so
 /// prompts and keys never cross a network unencrypted.
-pub fn check_base_url(url: &str) -> Result<reqwest::Url, ProviderError> {
+pub fn check_base_url(raw: &str) -> Result<reqwest::Url, ProviderError> {
+    // A user and password (`https://u:pw@host`) are never echoed either, in any message.
+    let url = &without_userinfo(raw);
     // A query may carry a key (`?key=…`): never echo it, never keep it, never send it.
     if url.contains('?') || url.contains('#') {
         let shown = url.split(['?', '#']).next().unwrap_or_default();
         return Err(ProviderError::Config(format!(
             "--base-url {shown}?…: must not have a query or fragment (keys go in GEMINI_API_KEY, OPENAI_API_KEY, …); give the API root only"
+        )));
+    }
+    if url.as_str() != raw {
+        return Err(ProviderError::Config(format!(
+            "--base-url {url}: must not contain credentials; use the API key variables"
         )));
     }
     let parsed =
@@ -633,6 +640,18 @@ pub fn check_base_url(url: &str) -> Result<reqwest::Url, ProviderError> {
         return Err(ProviderError::Config("--base-url must not contain credentials; use the API key variables".into()));
     }
     Ok(parsed)
+}
+
+/// `url` with any user and password before its host shown as `***` (`https://***@host/v1`):
+/// what a message may echo of a base URL given with credentials in it.
+fn without_userinfo(url: &str) -> String {
+    let Some(start) = url.find("://").map(|i| i + 3) else { return url.to_string() };
+    let rest = &url[start..];
+    let authority = &rest[..rest.find(['/', '?', '#']).unwrap_or(rest.len())];
+    match authority.rfind('@') {
+        Some(at) => format!("{}***{}", &url[..start], &url[start + at..]),
+        None => url.to_string(),
+    }
 }
 
 /// How a request carries its credential.
@@ -1030,6 +1049,17 @@ mod tests {
         assert!(check_base_url("https://user:pw@host").is_err());
         let e = check_base_url("http://127.0.0.1:8080/v1?key=SECRET123").unwrap_err().to_string();
         assert!(e.contains("query") && !e.contains("SECRET123"), "{e}");
+        // A user and password are never echoed, whatever else is wrong with the URL.
+        for url in [
+            "http://u:pw-SECRET@127.0.0.1:18006/?key=QSECRET",
+            "http://u:pw-SECRET@10.0.0.5/v1",
+            "ftp://u:pw-SECRET@host",
+            "https://u:pw-SECRET@host/v1",
+            "https://pw-SECRET@host",
+        ] {
+            let e = check_base_url(url).unwrap_err().to_string();
+            assert!(!e.contains("SECRET") && e.contains("***@"), "{e}");
+        }
     }
 
     #[test]

@@ -6,7 +6,7 @@
 use futures::stream::BoxStream;
 use futures::{Stream, StreamExt};
 use std::path::PathBuf;
-use weir_core::{ErrorKind, Failure, ModelError, RecordSpec};
+use weir_core::{ErrorKind, Failure, ModelError, PromptSource, RecordSpec};
 use weir_io::source::RawLine;
 use weir_io::state::{finished_key, id_key};
 use weir_io::InputPath;
@@ -40,6 +40,39 @@ pub(crate) struct Skip {
     pub by_id: bool,
 }
 
+/// A CSV or Parquet input whose columns (its header, its footer: known before any row is read)
+/// lack the prompt field or the id field is a usage error: every row would have become an
+/// `invalid_input` row, a million of them for a million-row file. (JSONL names its fields line
+/// by line, and a field may be missing from some: there each line says so.)
+async fn check_columns(input: &weir_tables::TableInput, settings: &RunSettings) -> Result<(), RunError> {
+    if input.format == weir_tables::Format::Jsonl || input.files.is_empty() {
+        return Ok(());
+    }
+    let schema = input.schema().await.map_err(table_error)?;
+    let names: Vec<&str> = schema.fields().iter().map(|f| f.name().as_str()).collect();
+    if names.is_empty() {
+        return Ok(());
+    }
+    let missing = |field: &str, flag: &str| {
+        RunError::Usage(format!(
+            "--input {}: has no column {field:?} ({flag}); its columns are {}",
+            input.location.display,
+            names.iter().map(|n| format!("{n:?}")).collect::<Vec<_>>().join(", ")
+        ))
+    };
+    if let PromptSource::Field(f) = &settings.records.prompt {
+        if !names.contains(&f.as_str()) {
+            return Err(missing(f, "the prompt: name the column with --prompt-field, or give --template"));
+        }
+    }
+    if let Some(id) = &settings.records.id_field {
+        if !names.contains(&id.as_str()) {
+            return Err(missing(id, "--id-field"));
+        }
+    }
+    Ok(())
+}
+
 impl Input {
     /// Opens the input `settings` name. A stream (stdin, a FIFO, `<(cmd)`, /dev/stdin) can be
     /// read only once: it is never read to be identified or counted.
@@ -61,6 +94,7 @@ impl Input {
                 let inside =
                     |url: &str, o: &String| url == o || url.starts_with(&format!("{}/", o.trim_end_matches('/')));
                 input.retain(|url| !own.iter().any(|o| inside(url, o))).map_err(table_error)?;
+                check_columns(&input, settings).await?;
                 Some(input)
             }
             None => None,

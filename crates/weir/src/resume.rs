@@ -175,6 +175,16 @@ pub(crate) fn check_not_foreign(
     Ok(())
 }
 
+/// `p` made absolute with its directory's links resolved (the file itself may not exist yet),
+/// so that two spellings of one errors file are one identity.
+fn resolved(p: &std::path::Path) -> std::path::PathBuf {
+    let abs = std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
+    match (abs.parent().and_then(|d| std::fs::canonicalize(d).ok()), abs.file_name()) {
+        (Some(dir), Some(name)) => dir.join(name),
+        _ => abs,
+    }
+}
+
 pub(crate) fn identity(
     settings: &RunSettings,
     input_file: Option<&std::path::Path>,
@@ -243,6 +253,20 @@ pub(crate) fn identity(
             }
             (!call.is_empty()).then(|| call.join(" "))
         },
+        outputs: Some(match &settings.table_output {
+            Some(t) => format!(
+                "{} table, errors {} ({}), columns {}",
+                t.results_format,
+                t.errors.display,
+                t.errors_format,
+                settings.keep_columns.as_ref().map_or("all".to_string(), |c| c.join(","))
+            ),
+            None => match &settings.errors {
+                OutputPath::File(p) => format!("errors {}", resolved(p).display()),
+                OutputPath::Stream(p) => format!("errors {}", p.display()),
+                OutputPath::Stdout => "errors -".to_string(),
+            },
+        }),
     })
 }
 

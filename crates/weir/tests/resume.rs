@@ -96,6 +96,17 @@ async fn a_changed_command_refuses_to_resume_and_fresh_starts_over() {
     assert_eq!(r.status.code(), Some(0));
     assert!(stderr(&r).contains("Resuming: 50 of 50 finished"), "{}", stderr(&r));
     assert_eq!(server.stats().requests, 100);
+    // Another errors file is another run (resumed, it read an empty one: the records whose rows
+    // were in the first were paid for again, and their ids ended up in both files); another
+    // spelling of the same one is not.
+    let other = dir.path("other.errors.jsonl");
+    let r = run(&[&args[..], &["--param", "temperature=0.7", "--errors", other.to_str().unwrap()]].concat()).await;
+    assert_eq!(r.status.code(), Some(2), "{}", stderr(&r));
+    assert!(stderr(&r).contains("outputs: errors ") && stderr(&r).contains("other.errors.jsonl"), "{}", stderr(&r));
+    let same = format!("{}/./out.errors.jsonl", dir.path("").display());
+    let r = run(&[&args[..], &["--param", "temperature=0.7", "--errors", &same]].concat()).await;
+    assert_eq!(r.status.code(), Some(0), "{}", stderr(&r));
+    assert_eq!(server.stats().requests, 100);
     // A changed input is a different run.
     std::fs::write(&input, [&data[..], b"{\"key\":\"new\",\"prompt\":\"x\"}\n"].concat()).unwrap();
     let r = run(&[&args[..], &["--param", "temperature=0.7"]].concat()).await;

@@ -276,6 +276,50 @@ async fn a_directory_input_never_reads_its_own_output_or_state() {
     assert_eq!(rows(&out).len(), 7);
 }
 
+/// A table resumed with other kept columns or into another errors table would mix parts of two
+/// shapes (a reader of the table saw half its rows without the dropped columns): another run.
+#[tokio::test]
+async fn a_table_output_resumed_with_another_shape_is_another_run() {
+    let dir = Dir::new("table-shape");
+    let (data, _) = records(6);
+    let input = dir.write("in.jsonl", &data);
+    let out = dir.path("out.csv");
+    let (i, o) = (input.to_str().unwrap(), out.to_str().unwrap());
+    let base = ["run", "--model", "sim/demo", "--input", i, "--output", o, "--id-field", "id", "--progress", "never"];
+    let r = run(&base).await;
+    assert_eq!(r.status.code(), Some(0), "{}", stderr(&r));
+    let r = run(&[&base[..], &["--keep-columns", "prompt"]].concat()).await;
+    assert_eq!(r.status.code(), Some(2), "{}", stderr(&r));
+    assert!(stderr(&r).contains("outputs: csv table") && stderr(&r).contains("columns all"), "{}", stderr(&r));
+    let errors = dir.path("elsewhere.csv");
+    let r = run(&[&base[..], &["--errors", errors.to_str().unwrap()]].concat()).await;
+    assert_eq!(r.status.code(), Some(2), "{}", stderr(&r));
+    let o = run(&base).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stderr(&o).contains("Resuming: 6 of 6"), "{}", stderr(&o));
+}
+
+/// A CSV whose header lacks the prompt column (or the id column) is a usage error before any
+/// row: every row used to become an `invalid_input` row.
+#[tokio::test]
+async fn a_csv_without_the_prompt_column_is_refused_before_any_row() {
+    let dir = Dir::new("csv-columns");
+    let input = dir.write("in.csv", b"id,text\n1,a\n2,b\n");
+    let out = dir.path("out.jsonl");
+    let (i, o) = (input.to_str().unwrap(), out.to_str().unwrap());
+    let r = run(&["run", "--model", "sim/demo", "--input", i, "--output", o, "--id-field", "id"]).await;
+    assert_eq!(r.status.code(), Some(2), "{}", stderr(&r));
+    assert!(stderr(&r).contains("has no column \"prompt\"") && stderr(&r).contains("\"text\""), "{}", stderr(&r));
+    assert!(!out.exists() || rows(&out).is_empty());
+    let r = run(&["run", "--model", "sim/demo", "--input", i, "--output", o, "--id-field", "key"]).await;
+    assert_eq!(r.status.code(), Some(2), "{}", stderr(&r));
+    let r =
+        run(&["run", "--model", "sim/demo", "--input", i, "--output", o, "--id-field", "id", "--prompt-field", "text"])
+            .await;
+    assert_eq!(r.status.code(), Some(0), "{}", stderr(&r));
+    assert_eq!(rows(&out).len(), 2);
+}
+
 /// A new run will not mix its parts with files it did not write; --overwrite replaces weir's
 /// parts and leaves other files; bad table flags are usage errors.
 #[tokio::test]
