@@ -111,8 +111,11 @@ impl RunIdentity {
     /// The base URL's change from a stored identity, as `old → new`, if it changed: not one of
     /// the [`differences`](Self::differences) that refuse a resume (see the module's docs).
     pub fn moved(&self, stored: &RunIdentity) -> Option<String> {
-        let opt = |o: &Option<String>| o.clone().unwrap_or_else(|| "(none)".into());
-        (stored.base_url != self.base_url).then(|| format!("{} → {}", opt(&stored.base_url), opt(&self.base_url)))
+        let opt = |o: &Option<String>| o.clone().unwrap_or_else(|| "the provider's own".into());
+        // A trailing `/` is the same root.
+        let root = |o: &Option<String>| o.as_deref().map(|u| u.trim_end_matches('/').to_string());
+        (root(&stored.base_url) != root(&self.base_url))
+            .then(|| format!("{} → {}", opt(&stored.base_url), opt(&self.base_url)))
     }
 }
 
@@ -201,7 +204,7 @@ pub struct StateDir {
 
 impl StateDir {
     /// The base URL's change (`old → new`) when the earlier run resumed used another one: the
-    /// new one is recorded, and the run says that the rows already finished came from the old.
+    /// run says so and records the new one ([`StateDir::record`]) once nothing refuses it.
     pub fn moved(&self) -> Option<&str> {
         self.moved.as_deref()
     }
@@ -316,16 +319,9 @@ pub fn open(
                             });
                         }
                         resuming = true;
+                        // Recorded by the caller ([`StateDir::record`]) once nothing else
+                        // refuses the run.
                         moved = identity.moved(&stored);
-                        if moved.is_some() {
-                            // Recorded now (the lock is held): a later run with the new URL
-                            // resumes without saying it again.
-                            let bytes = serde_json::to_vec_pretty(identity).map_err(|e| StateError::Io {
-                                path: meta.display().to_string(),
-                                source: io::Error::other(e),
-                            })?;
-                            write_atomic(&meta, &bytes).map_err(io_err(&meta))?;
-                        }
                     }
                     None => {
                         return Err(StateError::Mismatch {
@@ -579,7 +575,15 @@ mod tests {
         assert!(resuming);
         assert_eq!(s.moved(), Some("http://127.0.0.1:8000/v1 → http://127.0.0.1:8001/v1"));
         drop(s);
-        // The new URL was recorded: the next run with it has nothing to say.
+        // Not recorded until the caller says: said again.
+        let (s, _) = open(&d, "out.jsonl", &at("http://127.0.0.1:8001/v1/"), false).unwrap();
+        assert!(s.moved().is_some());
+        s.record(&at("http://127.0.0.1:8001/v1")).unwrap();
+        drop(s);
+        // The new URL was recorded: the next run with it (a trailing `/` or not) has nothing to say.
+        let (s, _) = open(&d, "out.jsonl", &at("http://127.0.0.1:8001/v1/"), false).unwrap();
+        assert!(s.moved().is_none());
+        drop(s);
         let (s, resuming) = open(&d, "out.jsonl", &at("http://127.0.0.1:8001/v1"), false).unwrap();
         assert!(resuming && s.moved().is_none());
         drop(s);

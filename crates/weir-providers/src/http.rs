@@ -642,15 +642,26 @@ pub fn check_base_url(raw: &str) -> Result<reqwest::Url, ProviderError> {
     Ok(parsed)
 }
 
-/// `url` with any user and password before its host shown as `***` (`https://***@host/v1`):
-/// what a message may echo of a base URL given with credentials in it.
+/// `url` with whatever comes before an `@` (a user and password: `https://***@host/v1`) shown
+/// as `***`: what a message may echo of a base URL given with credentials in it, however
+/// malformed (`u:pw@host` with no scheme, `//u:pw@host`, `http//u:pw@host`). An `@` in a
+/// path is hidden too: a message loses a little, never a secret.
 fn without_userinfo(url: &str) -> String {
-    let Some(start) = url.find("://").map(|i| i + 3) else { return url.to_string() };
-    let rest = &url[start..];
-    let authority = &rest[..rest.find(['/', '?', '#']).unwrap_or(rest.len())];
-    match authority.rfind('@') {
+    let end = url.find(['?', '#']).unwrap_or(url.len());
+    let start = url[..end].find("://").map_or(0, |i| i + 3);
+    match url[start..end].rfind('@') {
         Some(at) => format!("{}***{}", &url[..start], &url[start + at..]),
         None => url.to_string(),
+    }
+}
+
+/// A base URL as messages may show it: no user or password (see [`check_base_url`]) and no
+/// query or fragment (`?…`), which may carry a key.
+pub fn shown_url(url: &str) -> String {
+    let url = without_userinfo(url);
+    match url.find(['?', '#']) {
+        Some(i) => format!("{}?…", &url[..i]),
+        None => url,
     }
 }
 
@@ -1056,9 +1067,14 @@ mod tests {
             "ftp://u:pw-SECRET@host",
             "https://u:pw-SECRET@host/v1",
             "https://pw-SECRET@host",
+            "u:pw-SECRET@127.0.0.1:17101",
+            "//u:pw-SECRET@127.0.0.1:17101",
+            "http//u:pw-SECRET@127.0.0.1:17101",
+            "mailto:pw-SECRET@x",
         ] {
             let e = check_base_url(url).unwrap_err().to_string();
             assert!(!e.contains("SECRET") && e.contains("***@"), "{e}");
+            assert!(!shown_url(url).contains("SECRET"), "{}", shown_url(url));
         }
     }
 

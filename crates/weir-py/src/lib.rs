@@ -303,8 +303,12 @@ fn sum_metrics(engine: &Runtime) -> HashMap<&'static str, f64> {
             ("failed", get(&m.failed) as f64),
             ("rate_limited", get(&m.rate_limited) as f64),
             ("cache_hits", get(&m.cache_hits) as f64),
-            ("prompt_tokens", get(&m.tokens_in) as f64),
-            ("output_tokens", get(&m.tokens_out) as f64),
+            // Paid for: an answer from the cache costs nothing (counted apart), and a user who
+            // priced a rerun from these was told it cost as much as the first run.
+            ("prompt_tokens", m.paid_tokens().0 as f64),
+            ("output_tokens", m.paid_tokens().1 as f64),
+            ("cached_prompt_tokens", m.cache_tokens_in() as f64),
+            ("cached_output_tokens", m.cache_tokens_out() as f64),
             ("throttled_seconds", get(&m.throttled_wall_micros) as f64 / 1e6),
             ("throttled_call_seconds", get(&m.throttled_micros) as f64 / 1e6),
         ] {

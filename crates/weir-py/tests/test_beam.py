@@ -144,3 +144,10 @@ def test_bad_settings_fail_when_the_handler_is_made():
         WeirModelHandler(MODEL, "http://127.0.0.1:9", rmp=5)
     with pytest.raises(ConfigError, match="task"):
         WeirModelHandler(MODEL, "http://127.0.0.1:9", task="chat")
+    # A max alone is taken (the min follows it down); a min over the max is refused.
+    h = WeirModelHandler(MODEL, "http://127.0.0.1:9", max_batch_size=10)
+    assert h.batch_elements_kwargs()["min_batch_size"] == 10
+    with pytest.raises(ConfigError, match="min_batch_size 20 and max_batch_size 10"):
+        WeirModelHandler(MODEL, "http://127.0.0.1:9", min_batch_size=20, max_batch_size=10)
+    with pytest.raises(ConfigError, match="metrics_namespace"):
+        WeirModelHandler(MODEL, "http://127.0.0.1:9", metrics_namespace=5)

@@ -328,6 +328,11 @@ def test_hurried_user_edges(sim):
         a.generate(["fine", {"prompt": "x", "params": {"tempertaure": 0}}])
     with pytest.raises(TypeError, match="item 0: 'params' must be a dict"):
         a.generate([{"prompt": "x", "params": "hot"}])
+    # A lone surrogate (left by surrogateescape decoding) names its item and field.
+    with pytest.raises(TypeError, match="item 1: 'prompt' holds"):
+        a.generate(["fine", "bad \udc80 bytes"])
+    with pytest.raises(TypeError, match="item 0: 'params' holds"):
+        a.generate([{"prompt": "x", "params": {"stop": ["\ud800"]}}])
     assert sim.stats()["requests"] == calls
     assert a.generate([{"prompt": "x", "category": "rivers", "row": 3}])[0].ok
     before = sim.stats()["requests"]
@@ -618,3 +623,27 @@ def test_a_new_engine_reads_the_key_in_the_environment_now(sim_factory, monkeypa
     assert r.ok, r
     # The first engine keeps the key it was made with.
     assert not first.generate(["hi again"])[0].ok
+
+
+def test_tokens_from_the_cache_are_not_counted_as_paid(sim):
+    engine = weir.Engine(MODEL, sim.url)
+    items = [{"id": f"t{i}", "prompt": f"tokens {i}"} for i in range(5)]
+    assert all(r.ok for r in engine.generate(items))
+    paid = engine.metrics()
+    assert paid["prompt_tokens"] > 0 and paid["output_tokens"] > 0 and paid["cached_output_tokens"] == 0
+    again = engine.generate(items)
+    assert all(r.ok and r.attempts == 0 for r in again)
+    m = engine.metrics()
+    assert m["cache_hits"] == 5
+    # Nothing more was paid for; the answers from the cache are counted apart.
+    assert (m["prompt_tokens"], m["output_tokens"]) == (paid["prompt_tokens"], paid["output_tokens"])
+    assert m["cached_output_tokens"] == paid["output_tokens"] and m["cached_prompt_tokens"] == paid["prompt_tokens"]
+
+
+def test_numpy_integer_ids_are_ids(sim):
+    np = pytest.importorskip("numpy")
+    engine = weir.Engine(MODEL, sim.url, cache=False)
+    r = engine.generate([{"id": np.int64(7), "prompt": "seven"}, {"id": 7.0, "prompt": "float"}][:1])
+    assert r[0].ok and r[0].id == 7 and type(r[0].id) is int
+    with pytest.raises(TypeError, match="'id' must be a str or an int, not float"):
+        engine.generate([{"id": 7.0, "prompt": "float"}])

@@ -59,7 +59,11 @@ impl EndpointEntry {
         if let Some(n) = &self.name {
             return n.clone();
         }
-        let at = self.base_url.as_deref().or(self.location.as_deref()).or(self.project.as_deref()).unwrap_or("");
+        // A base URL as messages may show it: never a user, password or query (a key).
+        let at = match &self.base_url {
+            Some(url) => weir_providers::http::shown_url(url),
+            None => self.location.as_deref().or(self.project.as_deref()).unwrap_or("").to_string(),
+        };
         if at.is_empty() {
             format!("endpoint {}", index + 1)
         } else {

@@ -57,6 +57,39 @@ pub struct TableInput {
     delimiter: u8,
 }
 
+/// The rows of a CSV file, its header included: lines that are not blank, where a newline
+/// inside a quoted field does not end one (counted by lines, a file whose prompts held
+/// newlines said "3,000 of 3,018 finished" when every record was).
+fn csv_rows(path: &std::path::Path) -> io::Result<u64> {
+    use std::io::BufRead;
+    let mut reader = std::io::BufReader::with_capacity(1 << 20, std::fs::File::open(path)?);
+    let (mut rows, mut quoted, mut content) = (0u64, false, false);
+    loop {
+        let buf = reader.fill_buf()?;
+        if buf.is_empty() {
+            break;
+        }
+        for &b in buf {
+            match b {
+                // A doubled quote inside a quoted field toggles twice: still quoted.
+                b'"' => {
+                    quoted = !quoted;
+                    content = true;
+                }
+                b'\n' if !quoted => {
+                    rows += u64::from(content);
+                    content = false;
+                }
+                b'\r' | b' ' | b'\t' => {}
+                _ => content = true,
+            }
+        }
+        let n = buf.len();
+        reader.consume(n);
+    }
+    Ok(rows + u64::from(content))
+}
+
 fn has_glob(s: &str) -> bool {
     s.contains(['*', '?', '['])
 }
@@ -104,11 +137,26 @@ impl TableInput {
                 glob::Pattern::new(&full).map_err(|e| TableError::Usage(format!("--input {spec}: bad glob: {e}")))?;
             let fixed: Vec<&str> = full.split('/').take_while(|part| !has_glob(part)).collect();
             let prefix = ObjectPath::from_iter(fixed.iter().copied());
+            // Below the fixed part, hidden names are skipped as in a directory (`out.parquet/*`
+            // read weir's own `.weir.lock`), unless the pattern itself starts that name with
+            // the same `.` or `_` (`data/_extra*.csv` asks for them).
+            let parts: Vec<&str> = full.split('/').collect();
+            let unasked_hidden = |p: &ObjectPath| {
+                p.parts().enumerate().skip(fixed.len()).any(|(i, c)| {
+                    let c = c.as_ref();
+                    c.chars()
+                        .next()
+                        .is_some_and(|h| (h == '.' || h == '_') && !parts.get(i).is_some_and(|q| q.starts_with(h)))
+                })
+            };
             let mut listing = store.list(Some(&prefix));
             while let Some(m) = listing.next().await {
                 let m = m.map_err(|e| TableError::listing(&format!("cannot read --input {spec}"), e))?;
                 let whole_names = glob::MatchOptions { require_literal_separator: true, ..Default::default() };
-                if pattern.matches_with(m.location.as_ref(), whole_names) && wanted(&m.location) {
+                if pattern.matches_with(m.location.as_ref(), whole_names)
+                    && wanted(&m.location)
+                    && !unasked_hidden(&m.location)
+                {
                     files.push(as_file(m));
                 }
             }
@@ -201,14 +249,13 @@ impl TableInput {
         for f in &self.files {
             total += match self.format {
                 Format::Parquet => self.parquet_builder(f).await.ok()?.metadata().file_metadata().num_rows() as u64,
-                Format::Jsonl | Format::Csv => {
+                Format::Jsonl => {
                     self.location.local_path()?;
-                    let n = weir_io::count_records(std::path::Path::new(&format!("/{}", f.path))).ok()?;
-                    if self.format == Format::Csv {
-                        n.saturating_sub(1)
-                    } else {
-                        n
-                    }
+                    weir_io::count_records(std::path::Path::new(&format!("/{}", f.path))).ok()?
+                }
+                Format::Csv => {
+                    self.location.local_path()?;
+                    csv_rows(std::path::Path::new(&format!("/{}", f.path))).ok()?.saturating_sub(1)
                 }
             };
         }
@@ -958,6 +1005,15 @@ fn json_lines(batch: &RecordBatch, first: u64) -> Result<Vec<RawLine>, arrow_sch
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn csv_rows_count_records_not_lines() {
+        let path = std::env::temp_dir().join(format!("weir-csv-rows-{}.csv", std::process::id()));
+        let text = "id,prompt\n1,\"two\nlines\"\n\n2,\"a \"\"quoted\"\"\nword\"\r\n3,plain\n4,last without newline";
+        std::fs::write(&path, text).unwrap();
+        assert_eq!(super::csv_rows(&path).unwrap(), 5, "the header and four records");
+        std::fs::remove_file(&path).unwrap();
+    }
+
     use super::*;
     use arrow_array::{BinaryArray, DictionaryArray, Int32Array};
 

@@ -672,7 +672,12 @@ fn report_places(settings: &RunSettings) -> crate::report::Places {
         ),
         None => (settings.output.display(), settings.errors.display()),
     };
-    crate::report::Places { output, errors, followed: settings.follow }
+    let stream = settings.table_input.is_none()
+        && match &settings.input {
+            weir_io::InputPath::Stdin => true,
+            weir_io::InputPath::File(p) => !settings.follow && weir_io::paths::is_stream(p),
+        };
+    crate::report::Places { output, errors, followed: settings.follow, stream }
 }
 
 /// Columns a CSV input keeps as text: the id field (`007` and `7` are different ids), and the

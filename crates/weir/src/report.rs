@@ -79,6 +79,8 @@ pub struct RunReport {
     pub inter_token: Option<Percentiles>,
     /// The input was a followed file (a resume goes on from where it stopped).
     pub followed: bool,
+    /// The input was a stream (stdin, a FIFO): read once, so resumed with `--resume-stream`.
+    pub stream: bool,
 }
 
 /// How records were gathered into calls.
@@ -148,6 +150,8 @@ pub struct Places {
     pub errors: String,
     /// Whether the input was followed (`--follow`).
     pub followed: bool,
+    /// Whether the input was a stream (stdin, a FIFO).
+    pub stream: bool,
 }
 
 impl RunReport {
@@ -211,6 +215,7 @@ impl RunReport {
             first_token: m.first_token(),
             inter_token: m.inter_token(),
             followed: places.followed,
+            stream: places.stream,
         }
     }
 
@@ -396,9 +401,14 @@ impl RunReport {
                         "  stopped following; run the same command again to go on from where it stopped (state in \
                          {state})\n"
                     )),
-                    None => s.push_str(&format!(
+                    None if self.stream => s.push_str(&format!(
                         "  the rest of the input (a stream, not counted) is not finished; feed the same data to the \
                          same command with --resume-stream to resume (state in {state})\n"
+                    )),
+                    // A table not counted (a CSV in a bucket): read again by the same command.
+                    None => s.push_str(&format!(
+                        "  the rest of the input (not counted) is not finished; run the same command again to resume \
+                         (state in {state})\n"
                     )),
                 }
             }
@@ -602,6 +612,38 @@ mod tests {
         assert_eq!(super::thousands(999), "999");
         assert_eq!(super::thousands(1000), "1,000");
         assert_eq!(super::thousands(1234567), "1,234,567");
+    }
+
+    #[test]
+    fn a_stopped_run_over_an_input_not_counted_says_how_to_resume_it() {
+        use std::time::Duration;
+        // A table in a bucket is not counted: it is read again by the same command. Only a
+        // stream is fed again with --resume-stream (an S3 CSV's stop said "a stream" before).
+        let stop = weir_core::StopReason { kind: weir_core::ErrorKind::Aborted, message: "interrupted".into() };
+        let report = |stream| {
+            let places = super::Places { output: "o".into(), errors: "e".into(), followed: false, stream };
+            let m = weir_core::RunMetrics::default();
+            super::RunReport::new(
+                &m,
+                Duration::from_secs(1),
+                Some(stop.clone()),
+                places,
+                (1, 0),
+                (0, 0),
+                None,
+                Some("st".into()),
+                4,
+                None,
+            )
+            .summary()
+        };
+        let table = report(false);
+        assert!(
+            table.contains("not counted) is not finished; run the same command again")
+                && !table.contains("--resume-stream"),
+            "{table}"
+        );
+        assert!(report(true).contains("--resume-stream"));
     }
 
     #[test]

@@ -254,10 +254,14 @@ pub(crate) fn identity(
             (!call.is_empty()).then(|| call.join(" "))
         },
         outputs: Some(match &settings.table_output {
+            // Where the errors table is, however the command spelled it (`./t/e.parquet`, from
+            // another directory): its store, bucket and absolute path.
             Some(t) => format!(
-                "{} table, errors {} ({}), columns {}",
+                "{} table, errors {:?}:{}/{} ({}), columns {}",
                 t.results_format,
-                t.errors.display,
+                t.errors.scheme,
+                t.errors.bucket,
+                t.errors.path,
                 t.errors_format,
                 settings.keep_columns.as_ref().map_or("all".to_string(), |c| c.join(","))
             ),
@@ -368,10 +372,10 @@ pub(crate) async fn resume(
                 let (sd, resume) =
                     state::open(dir, &name, &id, settings.fresh).map_err(|e| refused_with_jobs(e, &ledger))?;
                 resuming = resume;
-                announce_moved(&sd);
                 if resuming && live_input && !settings.follow && !settings.resume_stream {
                     return Err(stream_resume_refused(&t.results.display, input_name));
                 }
+                moved_without_jobs(&sd, &ledger)?;
                 jobs_ledger = Some(ledger);
                 let path = dir.join("runs").join(format!("{name}.journal"));
                 let (j, c) = weir_tables::Journal::open(&path, !resuming)
@@ -391,8 +395,12 @@ pub(crate) async fn resume(
                 weir_tables::prepare(location, table, &committed, resuming, replace, env).await.map_err(table_error)?;
             }
             if journaled {
-                if let (false, Some(sd), Some(id)) = (resuming, &state_dir, &run_id) {
-                    sd.record(id).map_err(|e| RunError::Usage(e.to_string()))?;
+                // Recorded (and a new base URL said) only now that nothing refuses the run.
+                if let (Some(sd), Some(id)) = (&state_dir, &run_id) {
+                    if !resuming || sd.moved().is_some() {
+                        announce_moved(sd);
+                        sd.record(id).map_err(|e| RunError::Usage(e.to_string()))?;
+                    }
                 }
                 next_part = committed.next_part();
                 recovered.results = committed.rows(weir_tables::journal::Table::Results);
@@ -418,17 +426,19 @@ pub(crate) async fn resume(
             let (sd, resume) =
                 state::open(dir, &name, &id, settings.fresh).map_err(|e| refused_with_jobs(e, &ledger))?;
             resuming = resume;
-            announce_moved(&sd);
-            jobs_ledger = Some(ledger);
             if resuming && live_input && !settings.follow && !settings.resume_stream {
                 return Err(stream_resume_refused(&out.display().to_string(), input_name));
             }
+            moved_without_jobs(&sd, &ledger)?;
+            jobs_ledger = Some(ledger);
             check_not_foreign(
                 &[&out_file, &err_file, &events_file],
                 resuming || settings.fresh || settings.overwrite,
                 false,
             )?;
-            if !resuming {
+            // Recorded (and a new base URL said) only now that nothing refuses the run.
+            if !resuming || sd.moved().is_some() {
+                announce_moved(&sd);
                 sd.record(&id).map_err(|e| RunError::Usage(e.to_string()))?;
             }
             if resuming {
@@ -574,14 +584,34 @@ pub(crate) fn open_cache(dir: &std::path::Path) -> Result<Option<Arc<DiskCache>>
 }
 
 /// Says, on stderr, that the run resumed goes on at another base URL than the earlier one's
-/// (a server restarted on another port): its finished rows are kept, and came from the old one.
+/// (a server restarted on another port): its finished rows are kept.
 fn announce_moved(sd: &state::StateDir) {
     if let Some(moved) = sd.moved() {
         eprintln!(
-            "weir: the base URL changed since the earlier run ({moved}); its finished rows are kept (they were \
-             answered there) and the rest go to the new one (--fresh starts over)"
+            "weir: the base URL changed since the earlier run ({moved}); its finished rows are kept and the rest go \
+             to the new one (--fresh starts over)"
         );
     }
+}
+
+/// A run resumed at another base URL while the earlier run's provider jobs are still open is
+/// refused: they were submitted at the old address, which the new one does not know, so their
+/// records were submitted again at the new one and paid for twice (the old jobs going on).
+fn moved_without_jobs(sd: &state::StateDir, ledger: &std::path::Path) -> Result<(), RunError> {
+    let Some(moved) = sd.moved() else { return Ok(()) };
+    let chunks = weir_jobs::Ledger::read(ledger).unwrap_or_default();
+    let open = weir_jobs::open_chunks(&chunks);
+    if open.is_empty() {
+        return Ok(());
+    }
+    let jobs: Vec<String> =
+        open.iter().map(|c| c.job.as_ref().map_or_else(|| c.name.clone(), |j| j.id.clone())).collect();
+    Err(RunError::Usage(format!(
+        "the base URL changed since the earlier run ({moved}), but its provider jobs {} are still open at the old \
+         one: resume with the old --base-url to collect them (or `weir batch cancel` them there), or --fresh to \
+         start over (their records would be paid for again)",
+        jobs.join(", ")
+    )))
 }
 
 /// Says what an earlier run finished, on stderr. Error rows kept are finished records, so a

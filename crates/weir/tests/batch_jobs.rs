@@ -229,8 +229,18 @@ async fn killed_and_resumed(model: &str, name: &str) {
     let o = weir().args(&online).output().await.unwrap();
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("resume with --mode batch"), "{}", stderr(&o));
+    // Resumed at another base URL while its jobs are open at this one: refused, not submitted
+    // again there (their records were paid for twice), and nothing recorded.
+    let elsewhere = self::sim(10.0, |_| {}).await;
+    let moved = batch_args(&elsewhere, model, &dir, &input, &["--job-max-requests", "1000"]);
+    let o = weir().args(&moved).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("are still open at the old one"), "{}", stderr(&o));
+    assert_eq!(elsewhere.stats().batch_jobs, 0);
+    elsewhere.shutdown().await;
     let o = weir().args(&args).output().await.unwrap();
     let err = stderr(&o);
+    assert!(!err.contains("base URL changed"), "{err}");
     assert_eq!(o.status.code(), Some(0), "{err}");
     assert_each_id_once(&ids, &rows(&out), &rows(&dir.path("out.errors.jsonl")));
     assert_eq!(sim.stats().batch_jobs, 3, "re-attached, not submitted again: {err}");

@@ -299,6 +299,34 @@ async fn a_table_output_resumed_with_another_shape_is_another_run() {
     assert!(stderr(&o).contains("Resuming: 6 of 6"), "{}", stderr(&o));
 }
 
+/// A glob skips hidden names (`.x`, `_x`) below its fixed part as a directory does, unless the
+/// pattern itself starts the name so (`out.parquet/*` read weir's own `.weir.lock`).
+#[tokio::test]
+async fn a_glob_skips_hidden_files_unless_it_names_them() {
+    let dir = Dir::new("glob-hidden");
+    std::fs::create_dir_all(dir.path("in")).unwrap();
+    dir.write("in/a.csv", b"id,prompt\na1,x\na2,y\n");
+    dir.write("in/.h.csv", b"id,prompt\nh1,x\n");
+    dir.write("in/_x.csv", b"id,prompt\nx1,x\n");
+    dir.write("in/_extra1.csv", b"id,prompt\ne1,x\n");
+    let ids = |glob: &str, out: &str| {
+        let input = dir.path(glob);
+        let out = dir.path(out);
+        async move {
+            let (i, o) = (input.to_str().unwrap().to_string(), out.to_str().unwrap().to_string());
+            let r =
+                run(&["run", "--model", "sim/demo", "--input", &i, "--output", &o, "--id-field", "id", "--no-state"])
+                    .await;
+            assert_eq!(r.status.code(), Some(0), "{}", stderr(&r));
+            let mut ids: Vec<String> = rows(&out).iter().map(|r| r["id"].as_str().unwrap().to_string()).collect();
+            ids.sort();
+            ids
+        }
+    };
+    assert_eq!(ids("in/*.csv", "all.jsonl").await, ["a1", "a2"]);
+    assert_eq!(ids("in/_extra*.csv", "extra.jsonl").await, ["e1"]);
+}
+
 /// A CSV whose header lacks the prompt column (or the id column) is a usage error before any
 /// row: every row used to become an `invalid_input` row.
 #[tokio::test]

@@ -25,6 +25,7 @@ import dataclasses
 import atexit
 import difflib
 import json
+import numbers
 import os
 from dataclasses import dataclass
 from typing import Any, Iterable, List, Mapping, Optional, Union
@@ -148,12 +149,26 @@ def _item_params(label: str, params: Any) -> Optional[str]:
     if not isinstance(params, Mapping):
         raise TypeError(f"{label}: 'params' must be a dict, e.g. {{'temperature': 0.2}}, not {type(params).__name__}")
     try:
-        text = json.dumps(dict(params))
+        text = json.dumps(dict(params), ensure_ascii=False)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{label} params: {e}") from None
+    _utf8(label, "params", text)
+    try:
         _weir.check_params(text, label)
     except ConfigError as e:
         raise TypeError(str(e)) from None
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"{label} params: {e}") from None
+    return text
+
+
+def _utf8(label: str, key: str, text: str) -> str:
+    """``text`` if it can be sent (UTF-8 has no lone surrogates, which ``surrogateescape``
+    decoding leaves in file names and text); else ``TypeError`` naming the item, instead of a
+    bare ``UnicodeEncodeError`` from deep in the call that named none."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise TypeError(f"{label}: {key!r} holds {text[e.start]!r} at {e.start}, which is not text UTF-8 can carry (a lone surrogate)") from None
     return text
 
 
@@ -161,6 +176,7 @@ def _item(label: str, item: Any, embed: bool, media_fields: Iterable[str] = ()):
     """An item as the native engine takes it, and its id; ``TypeError`` naming what is wrong."""
     text_key = "text" if embed else "prompt"
     if isinstance(item, str):
+        _utf8(label, text_key, item)
         return (None, False, item if item.strip() else None, None, None, None, []), None
     if not isinstance(item, Mapping):
         raise TypeError(f"{label}: expected a str or a dict with {text_key!r}, not {type(item).__name__}")
@@ -184,14 +200,22 @@ def _item(label: str, item: Any, embed: bool, media_fields: Iterable[str] = ()):
     if not isinstance(prompt, str):
         raise TypeError(f"{label}: {text_key!r} must be a str, not {type(prompt).__name__}")
     rid = item.get("id")
-    if rid is not None and (isinstance(rid, bool) or not isinstance(rid, (str, int))):
-        raise TypeError(f"{label}: 'id' must be a str or an int, not {type(rid).__name__}")
+    if rid is not None and not isinstance(rid, str):
+        # numpy's and pandas' integers are integers too (a DataFrame's id column is int64).
+        if isinstance(rid, bool) or not isinstance(rid, numbers.Integral):
+            raise TypeError(f"{label}: 'id' must be a str or an int, not {type(rid).__name__}")
+        rid = int(rid)
     model = item.get("model")
     system = item.get("system")
     if model is not None and not isinstance(model, str):
         raise TypeError(f"{label}: 'model' must be a str")
     if system is not None and not isinstance(system, str):
         raise TypeError(f"{label}: 'system' must be a str")
+    _utf8(label, text_key, prompt)
+    if system is not None:
+        _utf8(label, "system", system)
+    if isinstance(rid, str):
+        _utf8(label, "id", rid)
     params = _item_params(label, item.get("params"))
     media = _media(label, item, media_fields)
     native_id = None if rid is None or rid == "" else str(rid)
@@ -379,7 +403,9 @@ class Engine:
 
     def metrics(self) -> dict:
         """Counters so far: ``calls``, ``retries``, ``succeeded``, ``failed``, ``rate_limited``
-        (429s), ``cache_hits``, ``prompt_tokens``, ``output_tokens``, ``throttled_seconds`` (wall
+        (429s), ``cache_hits``, ``prompt_tokens`` and ``output_tokens`` (paid for: answers from
+        the cache not included), ``cached_prompt_tokens`` and ``cached_output_tokens`` (those of
+        the answers from the cache), ``throttled_seconds`` (wall
         time during which calls were held by the throttle) and ``throttled_call_seconds`` (the
         same summed over calls); summed over the endpoints, and shared with every engine of this
         process with the same settings. ``quota_processes`` is the most processes seen sharing an

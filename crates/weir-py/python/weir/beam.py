@@ -87,8 +87,8 @@ class WeirModelHandler(ModelHandler):
     ``cache=False`` keeps none. The endpoint settings are as for :class:`weir.Engine` too
     (``rpm``, ``tpm``, ``limit_window``, ``max_concurrency``,
     ``timeout``, ``max_retries``, ...), checked when the handler is made. Batching is Beam's:
-    ``min_batch_size``, ``max_batch_size``, ``max_batch_duration_secs`` and
-    ``element_size_fn`` go to ``BatchElements`` (a batch's calls run at once, so large batches
+    ``min_batch_size`` (256, or ``max_batch_size`` when that is smaller), ``max_batch_size``,
+    ``max_batch_duration_secs`` and ``element_size_fn`` go to ``BatchElements`` (a batch's calls run at once, so large batches
     are cheap: the throttle, not the batch, decides how many calls are in flight).
     ``inference_args`` given to ``RunInference`` may set ``system`` and generation
     parameters for every element.
@@ -105,7 +105,7 @@ class WeirModelHandler(ModelHandler):
         cache_dir: Optional[str] = None,
         cache: bool = True,
         errors: str = "dead_letter",
-        min_batch_size: int = 256,
+        min_batch_size: Optional[int] = None,
         max_batch_size: int = 1024,
         max_batch_duration_secs: Optional[float] = None,
         element_size_fn: Optional[Callable[[Any], int]] = None,
@@ -123,8 +123,22 @@ class WeirModelHandler(ModelHandler):
             raise ConfigError(f"cache: expected True or False, not {type(cache).__name__}")
         if cache_dir is not None and not cache:
             raise ConfigError("cache=False with a cache_dir: drop one of them")
-        if not (isinstance(min_batch_size, int) and isinstance(max_batch_size, int) and 1 <= min_batch_size <= max_batch_size):
-            raise ConfigError("min_batch_size and max_batch_size: expected whole numbers with 1 <= min <= max")
+        if min_batch_size is None and isinstance(max_batch_size, int) and not isinstance(max_batch_size, bool):
+            # 256 unless max_batch_size is smaller: a max alone is taken, as Beam's handlers take it.
+            min_batch_size = min(256, max_batch_size)
+        if not (
+            isinstance(min_batch_size, int)
+            and isinstance(max_batch_size, int)
+            and not isinstance(min_batch_size, bool)
+            and not isinstance(max_batch_size, bool)
+            and 1 <= min_batch_size <= max_batch_size
+        ):
+            raise ConfigError(
+                f"min_batch_size {min_batch_size!r} and max_batch_size {max_batch_size!r}: expected whole numbers "
+                "with 1 <= min <= max (min defaults to 256, or to max when max is smaller)"
+            )
+        if metrics_namespace is not None and not isinstance(metrics_namespace, str):
+            raise ConfigError(f"metrics_namespace: expected a str, not {type(metrics_namespace).__name__}")
         # Refused settings fail the pipeline's construction, not a worker hours later.
         Engine(model, base_url, system=system, params=params, cache=False, **settings)
         self._model = model
