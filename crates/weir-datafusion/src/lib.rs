@@ -35,7 +35,7 @@ mod udf;
 
 pub use hoist::{optimizer_rules, HoistModelCalls, MOVES_CALLS};
 pub use options::{CallOptions, OptionsError};
-pub use udf::{LlmUdf, UdfKind};
+pub use udf::{LlmUdf, UdfKind, MAX_MEDIA};
 pub use weir_runtime::{Connector, Runtime, RuntimeSettings};
 
 pub use datafusion;

@@ -17,7 +17,7 @@ use datafusion::logical_expr::{
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
-use weir_core::Outcome;
+use weir_core::{ErrorKind, Outcome};
 
 use crate::options::CallOptions;
 use weir_runtime::{Row, RowResult, Runtime};
@@ -138,7 +138,7 @@ impl LlmUdf {
 }
 
 /// The most media arguments a call takes (`llm_generate(model, prompt, options, image, …)`).
-const MAX_MEDIA: usize = 4;
+pub const MAX_MEDIA: usize = 4;
 
 /// The Arrow type of `llm_generate`'s answers when its options are a literal with a
 /// `response_schema`: the schema's type ([`weir_tables::arrow_type_of`]); `None` without one.
@@ -322,6 +322,25 @@ impl AsyncScalarUDFImpl for LlmUdf {
                 stop.kind,
                 stop.message
             );
+        }
+        // Fewer calls than the rule that stops a run on rejected credentials needs (a query of
+        // one or two rows, each refused): their rows were NULLs and the statement exited 1, where
+        // a larger one stops (exit 3). Every call refused for its credentials is that stop.
+        let mut done = results.iter().filter_map(|r| match r {
+            RowResult::Done(o, _) => Some(o.as_ref()),
+            _ => None,
+        });
+        if let Some(Outcome::Failure(first)) = done.next() {
+            if first.error.kind == ErrorKind::Auth
+                && done.all(|o| matches!(o, Outcome::Failure(f) if f.error.kind == ErrorKind::Auth))
+            {
+                return exec_err!(
+                    "{name}: the calls stopped early ({}: every call was refused for its credentials: {}); the query \
+                     is stopped rather than written with NULLs",
+                    first.error.kind,
+                    first.error.message
+                );
+            }
         }
         for (i, r) in results.iter().enumerate() {
             if let (true, RowResult::Done(o, _)) = (fail_on_error[i], r) {

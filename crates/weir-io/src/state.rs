@@ -119,6 +119,13 @@ impl RunIdentity {
     }
 }
 
+/// The base URL the earlier run of `output_name` recorded (`Some(None)`: the provider's own), if
+/// a run was recorded: where its provider batch jobs are, which `--fresh` must ask about them.
+pub fn recorded_base_url(dir: &Path, output_name: &str) -> Option<Option<String>> {
+    let bytes = std::fs::read(dir.join("runs").join(format!("{output_name}.json"))).ok()?;
+    serde_json::from_slice::<RunIdentity>(&bytes).ok().map(|i| i.base_url)
+}
+
 /// Inputs up to this size are hashed whole; larger ones by their first and last 64 KiB.
 pub const HASH_WHOLE_UP_TO: u64 = 128 * 1024 * 1024;
 

@@ -207,6 +207,17 @@ impl Syncer {
     }
 }
 
+/// Says that the reader of `--events` went away (`--events - | head`, a FIFO closed): the events
+/// after that were dropped, while every row was written. Before, nothing said so.
+fn say_events_dropped(events: &JsonlWriter) {
+    if events.reader_gone() {
+        tracing::warn!(
+            "the reader of --events went away before the run ended: the events after that were dropped (every \
+             record's row is written)"
+        );
+    }
+}
+
 impl RowWriter {
     /// Starts a writer thread named `name` running `write` with a channel of `queue` rows; the
     /// thread returns the rows it wrote and its first error.
@@ -241,6 +252,7 @@ impl RowWriter {
                 }
             }
             let end = end.and_then(|()| events.flush().map_err(events_error));
+            say_events_dropped(&events);
             ((0, 0), end)
         })
     }
@@ -352,6 +364,9 @@ impl RowWriter {
                 if let Err(e) = s.finish() {
                     error.get_or_insert(e);
                 }
+            }
+            if let Some(f) = &events {
+                say_events_dropped(f);
             }
             let end = match error {
                 Some(e) => Err(e),

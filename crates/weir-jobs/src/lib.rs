@@ -154,6 +154,9 @@ pub struct Progress {
     pub jobs: BTreeMap<&'static str, u32>,
     /// Requests the provider reports answered in the jobs not yet collected.
     pub completed: u64,
+    /// Requests the provider reports failed in those jobs (an expired job's unanswered ones):
+    /// counted with the answered ones, an expired job's progress said every request was answered.
+    pub failed: u64,
     /// Requests in the jobs not yet collected.
     pub total: u64,
     /// Records whose outcome is known.
@@ -985,7 +988,8 @@ impl Run<'_> {
             *p.jobs.entry(state.as_str()).or_default() += 1;
             match &a.status {
                 Some(s) => {
-                    p.completed += s.completed + s.failed;
+                    p.completed += s.completed;
+                    p.failed += s.failed;
                     p.total += s.total.max(a.count);
                 }
                 None => p.total += a.count,

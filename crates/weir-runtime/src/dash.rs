@@ -204,6 +204,15 @@ fn time_left(
     Some(remaining as f64 / (r * over))
 }
 
+/// Records done and failed, without those a stop cut off (`aborted`): a resumable run leaves
+/// them to the next one, with no row, and the summary at the end explains those a run without
+/// state writes. Counted as failures, 24 records a Ctrl-C cut off showed as failed on the page
+/// and in the report's plots of a run that had none.
+fn done_and_failed(m: &RunMetrics) -> (u64, u64) {
+    let aborted = m.failures_by_kind().get(&ErrorKind::Aborted).copied().unwrap_or(0);
+    (RunMetrics::get(&m.done).saturating_sub(aborted), RunMetrics::get(&m.failed).saturating_sub(aborted))
+}
+
 /// A run's rows at its end, as its summary counts them.
 #[derive(Debug, Clone, Default)]
 pub struct EndRows {
@@ -253,7 +262,13 @@ pub struct Watch {
     /// Records an earlier run of this output finished (a resumed run's page counts this run's
     /// records against what was left, and says how many were done before).
     resumed: std::sync::atomic::AtomicU64,
+    /// Why the front end is stopping the run, if it is (see [`Watch::stops_by`]).
+    stop_of: Mutex<Option<StopOf>>,
 }
+
+/// Why a front end is stopping its run (Ctrl-C, a rejected key), while it is: the runtime does
+/// not know of an interrupt the front end took.
+pub type StopOf = Box<dyn Fn() -> Option<weir_core::StopReason> + Send + Sync>;
 
 impl Watch {
     /// Watches `runtime`'s run named `title` (its output), of `total` records when known.
@@ -270,7 +285,20 @@ impl Watch {
             ended: Mutex::new(None),
             last: Mutex::new(Value::Null),
             resumed: Default::default(),
+            stop_of: Mutex::new(None),
         })
+    }
+
+    /// Asks `stop` why the run is stopping: after Ctrl-C the page said "running", gave a time
+    /// left and counted the records the stop cut off as failed, for the seconds the calls in
+    /// flight took to finish.
+    pub fn stops_by(&self, stop: StopOf) {
+        *self.stop_of.lock().unwrap_or_else(|e| e.into_inner()) = Some(stop);
+    }
+
+    /// Why the run is stopping early, if it is.
+    fn stopping(&self) -> Option<weir_core::StopReason> {
+        self.runtime.stop_reason().or_else(|| self.stop_of.lock().unwrap_or_else(|e| e.into_inner()).as_ref()?())
     }
 
     /// Says that an earlier run of this output had finished `records` (this run resumes it).
@@ -334,7 +362,7 @@ impl Watch {
         s.insert("records_per_s".into(), (elapsed > 0.0).then(|| r.done as f64 / elapsed).into());
         s.insert("total".into(), r.unfinished.map(|u| r.done + u).into());
         s.insert("eta_secs".into(), Value::Null);
-        let failures: Vec<Value> = s
+        let mut failures: Vec<Value> = s
             .get("failures")
             .and_then(Value::as_array)
             .into_iter()
@@ -346,11 +374,24 @@ impl Watch {
                 Some(f)
             })
             .collect();
+        // Kinds the page did not list while the run went (`aborted`: rows of records a stop cut
+        // off, in a run that keeps no state).
+        for (kind, n) in &r.failures {
+            if !failures.iter().any(|f| f.get("kind").and_then(Value::as_str) == Some(kind)) {
+                failures.push(serde_json::json!({ "kind": kind, "records": n, "examples": [] }));
+            }
+        }
         s.insert("failures".into(), Value::Array(failures));
         let unfinished = r.unfinished.unwrap_or(0);
         if unfinished > 0 && s.get("alert").is_none_or(Value::is_null) {
             let msg =
                 format!("Not finished: {unfinished} records have no row yet; run the same command again to resume.");
+            s.insert("alert".into(), Value::String(msg));
+        }
+        // A run that keeps no state writes the records a stop cut off as `aborted` rows.
+        let cut = r.failures.get("aborted").copied().unwrap_or(0);
+        if cut > 0 && s.get("alert").is_none_or(Value::is_null) {
+            let msg = format!("Stopped early: {cut} records were cut off and have `aborted` error rows.");
             s.insert("alert".into(), Value::String(msg));
         }
     }
@@ -382,11 +423,12 @@ impl Watch {
             .filter_map(|e| e.rate.as_ref()?.requests.map(|(n, w, _)| n / w.as_secs_f64().max(1e-9)))
             .reduce(|a, b| a + b);
         let t = self.started.elapsed().as_secs_f64();
+        let (done, failed) = done_and_failed(m);
         let point = [
             Some(t),
-            Some(get(&m.done)),
+            Some(done as f64),
             Some(get(&m.succeeded)),
-            Some(get(&m.failed)),
+            Some(failed as f64),
             Some(get(&m.calls)),
             Some(get(&m.rate_limited)),
             Some(server as f64),
@@ -412,10 +454,10 @@ impl Watch {
     fn summarize(&self, endpoints: &[EndpointState], elapsed: f64, cost: Option<f64>, server: u64) -> Value {
         let m = self.runtime.totals();
         let get = |c: &std::sync::atomic::AtomicU64| RunMetrics::get(c);
-        let done = get(&m.done);
+        let (done, failed) = done_and_failed(m);
         let total = *self.total.lock().unwrap_or_else(|e| e.into_inner());
         let ended = self.ended.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        let stop = self.runtime.stop_reason();
+        let stop = self.stopping();
         // Records a second over the last minute (or what there is of it).
         let per_s = self.series.recent("done", 60.0).map(|(a, b, dt)| (b - a) / dt.max(1e-9));
         let calls_per_s = self.series.recent("calls", 60.0).map(|(a, b, dt)| (b - a) / dt.max(1e-9));
@@ -431,6 +473,10 @@ impl Watch {
             (None, None) => "running".into(),
         };
         let alert = match (&stop, &ended) {
+            (Some(s), None) if s.kind == ErrorKind::Aborted => Some(format!(
+                "Stopping ({}): the calls in flight finish; records not finished are left to a resume (or get rows if the run keeps no state)",
+                s.message
+            )),
             (Some(s), _) => Some(format!("Stopped: {}", s.message)),
             // The front end's word (a run's driver stopped, not the runtime's).
             (None, Some(how)) => how.strip_prefix("stopped: ").map(|why| format!("Stopped: {why}")),
@@ -439,6 +485,8 @@ impl Watch {
         let failures: Vec<Value> = m
             .failures_by_kind()
             .into_iter()
+            // Records a stop cut off are not failures (see `done_and_failed`).
+            .filter(|(kind, _)| *kind != ErrorKind::Aborted)
             .map(|(kind, n)| {
                 let examples: Vec<Value> = m
                     .failure_examples(kind)
@@ -501,7 +549,7 @@ impl Watch {
             "done": done,
             "resumed": self.resumed.load(std::sync::atomic::Ordering::Relaxed),
             "succeeded": get(&m.succeeded),
-            "failed": get(&m.failed),
+            "failed": failed,
             "records_per_s": per_s,
             "eta_secs": eta,
             "calls": get(&m.calls),
@@ -673,8 +721,9 @@ pub fn write_report(path: &std::path::Path, html: &str, own: &[&std::path::Path]
         .map_err(|e| format!("could not write the report {}: {e}", path.display()))
 }
 
-/// A report rebuilt from the data a run saved ([`Watch::update`] with everything).
-pub fn report_of(saved: &str) -> Result<String, String> {
+/// A report rebuilt from the data a run saved ([`Watch::update`] with everything); `running`:
+/// the run still holds its output (it is going on, and the figures are as of its last save).
+pub fn report_of(saved: &str, running: bool) -> Result<String, String> {
     let v: Value = serde_json::from_str(saved).map_err(|e| format!("not a run's saved series: {e}"))?;
     if v.get("columns").and_then(Value::as_object).is_none() {
         return Err("not a run's saved series (no columns)".into());
@@ -683,8 +732,19 @@ pub fn report_of(saved: &str) -> Result<String, String> {
     if let Some(s) = v.get_mut("summary").and_then(Value::as_object_mut) {
         s.insert("live".into(), Value::Bool(false));
         s.insert("written".into(), Value::String(humantime_utc(SystemTime::now())));
+        let unended =
+            s.get("state").and_then(Value::as_str).is_some_and(|st| st == "running" || st.starts_with("stopping"));
+        if unended && running {
+            s.insert("eta_secs".into(), Value::Null);
+            s.insert(
+                "alert".into(),
+                "The run is still going: these figures are as of its last save (every 10 s); its own report comes at its end.".into(),
+            );
+        }
         // Saved while it ran, never at its end: it was killed (or its machine stopped).
-        if s.get("state").and_then(Value::as_str).is_some_and(|st| st == "running" || st.starts_with("stopping")) {
+        if !running
+            && s.get("state").and_then(Value::as_str).is_some_and(|st| st == "running" || st.starts_with("stopping"))
+        {
             s.insert("state".into(), "ended without a word (killed?)".into());
             s.insert("eta_secs".into(), Value::Null);
             s.insert(

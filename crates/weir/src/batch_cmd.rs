@@ -28,7 +28,7 @@ enum Action {
 }
 
 /// Which provider: the same flags as the run's.
-#[derive(Debug, Args)]
+#[derive(Debug, Clone, Args)]
 struct Site {
     /// The model of the run, as given to `weir run` (openai/…, gemini/…, vertex_ai/…, anthropic/…).
     #[arg(long, value_name = "MODEL")]
@@ -229,7 +229,7 @@ pub async fn run(args: BatchArgs) -> anyhow::Result<u8> {
 
 /// Status (and cancel) of each job; exit 1 when the provider could not be asked about one.
 async fn each_job(t: &Target, cancel: bool) -> anyhow::Result<u8> {
-    let sites = connect(&t.site)?;
+    let mut connected: Option<(Vec<String>, weir_jobs::Sites)> = None;
     let mut failed = false;
     for path in ledgers(t)? {
         // The run's jobs are at its model's provider: asked with another --model, another API
@@ -240,7 +240,7 @@ async fn each_job(t: &Target, cancel: bool) -> anyhow::Result<u8> {
             .and_then(|p| std::fs::read(p).ok())
             .and_then(|b| serde_json::from_slice::<weir_io::state::RunIdentity>(&b).ok());
         let provider = |m: &str| m.split('/').next().unwrap_or_default().to_string();
-        if let Some(stored) = stored.filter(|s| provider(&s.model) != provider(&t.site.model)) {
+        if let Some(stored) = stored.as_ref().filter(|s| provider(&s.model) != provider(&t.site.model)) {
             return Err(UsageError(format!(
                 "{}: that run's jobs are {}'s (it ran --model {}): give --model {}",
                 path.display(),
@@ -250,13 +250,35 @@ async fn each_job(t: &Target, cancel: bool) -> anyhow::Result<u8> {
             ))
             .into());
         }
+        // The run's jobs are at the base URL it recorded: without --base-url, that one (not the
+        // provider's own, which a user in a hurry reached); with another, a job of the same id
+        // there would be taken for this run's.
+        let root = |u: &str| u.trim_end_matches('/').to_string();
+        let recorded = stored.as_ref().and_then(|s| s.base_url.clone()).filter(|_| t.site.endpoints.is_none());
+        let base_url = match (&recorded, t.site.base_url.first()) {
+            (Some(r), None) => vec![r.clone()],
+            (Some(r), Some(given)) if root(r) != root(given) && t.site.base_url.len() == 1 => {
+                return Err(UsageError(format!(
+                    "{}: that run's jobs were submitted at --base-url {} (not {}): give that one",
+                    path.display(),
+                    weir_providers::http::shown_url(r),
+                    weir_providers::http::shown_url(given)
+                ))
+                .into());
+            }
+            _ => t.site.base_url.clone(),
+        };
+        if connected.as_ref().is_none_or(|(b, _)| *b != base_url) {
+            connected = Some((base_url.clone(), connect(&Site { base_url: base_url.clone(), ..t.site.clone() })?));
+        }
+        let sites = &connected.as_ref().expect("connected above").1;
         // Read only: the run may be appending to it.
         let chunks = weir_jobs::Ledger::read(&path).map_err(|e| anyhow::anyhow!(e))?;
         if !say(&format!("{}:", path.display()))? {
             return Ok(u8::from(failed));
         }
         for chunk in &chunks {
-            let line = match job_line(&sites, chunk, &chunks, cancel).await {
+            let line = match job_line(sites, chunk, &chunks, cancel).await {
                 Ok(line) => line,
                 Err(line) => {
                     failed = true;

@@ -319,10 +319,11 @@ impl weir_jobs::Host for Rows {
         }
         let states: Vec<String> = p.jobs.iter().map(|(s, n)| format!("{n} {s}")).collect();
         let line = format!(
-            "weir: batch jobs: {}; {} of {} requests answered so far; {} records settled{}",
+            "weir: batch jobs: {}; {} of {} requests answered so far{}; {} records settled{}",
             states.join(", "),
             thousands(p.completed),
             thousands(p.total),
+            if p.failed > 0 { format!(", {} failed", thousands(p.failed)) } else { String::new() },
             thousands(p.settled),
             if p.queued > 0 { format!("; {} queued for a job", thousands(p.queued)) } else { String::new() }
         );

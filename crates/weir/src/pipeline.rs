@@ -217,6 +217,11 @@ pub async fn run(
         table_locks: _locks,
         ..
     } = resumed;
+    // Counted also for a resumed run's report: one with nothing left keeps the earlier report.
+    let total = match total {
+        None if resuming && settings.report.is_some() && !input.live => input.count()?,
+        total => total,
+    };
     let events = match (&settings.stream, &events_writer) {
         (None, _) => None,
         (Some(_), Some(w)) => w.events(),
@@ -246,7 +251,10 @@ pub async fn run(
     let remaining = total.map(|t| t.saturating_sub(recovered.finished_count()));
     // The run watched: sampled into a time series (saved in the state directory), shown live
     // with --ui, and written as a report at the end.
-    let series_path = state_dir.as_ref().map(|s| s.file("series.json"));
+    // A re-run with nothing left to do keeps the earlier run's series and report: written over,
+    // the plots of the run that did the work were gone.
+    let nothing_left = resuming && remaining == Some(0);
+    let series_path = state_dir.as_ref().filter(|_| !nothing_left).map(|s| s.file("series.json"));
     // What batch jobs settled, as they settle (the live cost prices their tokens at the batch
     // share; the summary reads it at the end).
     let tally = Arc::new(std::sync::Mutex::new(crate::jobs::JobsTally::default()));
@@ -254,6 +262,8 @@ pub async fn run(
         let cost = live_cost(Some(tally.clone()));
         let w = weir_runtime::dash::Watch::new(runtime.clone(), settings.output.display(), remaining, Some(cost));
         w.set_resumed(recovered.finished_count());
+        let router = router.clone();
+        w.stops_by(Box::new(move || router.stop_reason()));
         w
     });
     let sampler = watch.as_ref().map(|w| w.start(series_path.clone()));
@@ -403,10 +413,23 @@ pub async fn run(
             tracing::warn!("could not remove the batch job spools of {}: {e}", ledger.display());
         }
     }
+    // An interrupt that came once every record had its row (Ctrl-C while the last calls of
+    // a batch run's online fallback finished) stopped nothing: the run is finished, not one to
+    // resume (it exited 130 saying "0 records not finished; run the same command again").
+    let cut_off = metrics.failures_by_kind().get(&ErrorKind::Aborted).copied().unwrap_or(0);
+    // (Not over a stream: what it did not read is not counted.)
+    let stop_reason = router.stop_reason().filter(|r| {
+        !(r.kind == ErrorKind::Aborted
+            && !live_input
+            && r.message != OUTPUT_CLOSED
+            && unfinished == Some(0)
+            && not_written == 0
+            && cut_off == 0)
+    });
     let mut report = RunReport::new(
         &metrics,
         started.elapsed().max(Duration::from_micros(1)),
-        router.stop_reason(),
+        stop_reason,
         report_places(&settings),
         (result_rows, error_rows),
         (recovered.results, recovered.errors),
@@ -468,7 +491,7 @@ pub async fn run(
                 tracing::warn!("could not save the run's series to {}: {e}", path.display());
             }
         }
-        if let Some(path) = &settings.report {
+        if let Some(path) = settings.report.as_ref().filter(|p| !(nothing_left && p.exists())) {
             let input = match &settings.input {
                 weir_io::InputPath::File(p) => Some(p.as_path()),
                 weir_io::InputPath::Stdin => None,

@@ -245,7 +245,11 @@ impl RunReport {
             "weir: {} records in {:.2} s ({}/s): {} succeeded, {} failed\n",
             thousands(self.records),
             self.elapsed.as_secs_f64(),
-            thousands(self.rate().round() as u64),
+            // A slow run's pace to a tenth (4 records in 9.9 s said "0/s").
+            match self.rate() {
+                r if r > 0.0 && r < 10.0 => format!("{r:.1}"),
+                r => thousands(r.round() as u64),
+            },
             thousands(self.succeeded),
             thousands(self.failed),
         );

@@ -54,7 +54,13 @@ pub fn rebuild(output: &str, state: Option<PathBuf>, report: Option<PathBuf>) ->
         .into());
     };
     let saved = std::fs::read_to_string(&series).with_context(|| format!("cannot read {}", series.display()))?;
-    let html = weir_runtime::dash::report_of(&saved).map_err(|e| UsageError(format!("{}: {e}", series.display())))?;
+    // A run still going holds its output's lock (a file's own, a table's `.weir.lock`).
+    let running = [output.to_path_buf(), output.join(".weir.lock")].iter().any(|p| held_by_a_run(p));
+    if running {
+        eprintln!("weir: the run of {output_arg} is still going; the report shows it as of its last save");
+    }
+    let html =
+        weir_runtime::dash::report_of(&saved, running).map_err(|e| UsageError(format!("{}: {e}", series.display())))?;
     let to = match report {
         Some(p) => p,
         None if trimmed.contains("://") => {
@@ -65,4 +71,14 @@ pub fn rebuild(output: &str, state: Option<PathBuf>, report: Option<PathBuf>) ->
     let own = [output, series.as_path()];
     weir_runtime::dash::write_report(&to, &html, &own).map_err(UsageError)?;
     Ok(to)
+}
+
+/// Whether a run holds the lock of `path` (a run's output file, or a table's lock file): it is
+/// still going. Before, `weir report` said a run it was asked about mid-way had been killed.
+fn held_by_a_run(path: &std::path::Path) -> bool {
+    let Ok(file) = std::fs::File::open(path) else { return false };
+    if !file.metadata().is_ok_and(|m| m.is_file()) {
+        return false;
+    }
+    matches!(file.try_lock_shared(), Err(std::fs::TryLockError::WouldBlock))
 }

@@ -368,7 +368,8 @@ pub(crate) async fn resume(
                 let name = table_state_name(&t.results);
                 let id = identity(settings, None, input.table.as_ref(), followed.as_deref(), env)?;
                 let ledger = weir_jobs::Ledger::path_in(dir, &name);
-                guard_jobs(&ledger, jobs_api, settings, &t.results.display).await?;
+                let recorded = state::recorded_base_url(dir, &name);
+                guard_jobs(&ledger, jobs_api, settings, &t.results.display, recorded, &id).await?;
                 let (sd, resume) =
                     state::open(dir, &name, &id, settings.fresh).map_err(|e| refused_with_jobs(e, &ledger))?;
                 resuming = resume;
@@ -422,7 +423,8 @@ pub(crate) async fn resume(
             let name = state::output_state_name(out, dir);
             let id = identity(settings, input_file.as_deref(), input.table.as_ref(), followed.as_deref(), env)?;
             let ledger = weir_jobs::Ledger::path_in(dir, &name);
-            guard_jobs(&ledger, jobs_api, settings, &out.display().to_string()).await?;
+            let recorded = state::recorded_base_url(dir, &name);
+            guard_jobs(&ledger, jobs_api, settings, &out.display().to_string(), recorded, &id).await?;
             let (sd, resume) =
                 state::open(dir, &name, &id, settings.fresh).map_err(|e| refused_with_jobs(e, &ledger))?;
             resuming = resume;
@@ -666,6 +668,8 @@ pub(crate) async fn guard_jobs(
     api: Option<&Arc<weir_jobs::Sites>>,
     settings: &RunSettings,
     output: &str,
+    recorded: Option<Option<String>>,
+    id: &state::RunIdentity,
 ) -> Result<(), RunError> {
     let chunks = match weir_jobs::Ledger::read(ledger) {
         Ok(chunks) => chunks,
@@ -688,6 +692,17 @@ pub(crate) async fn guard_jobs(
     }
     if !settings.fresh || open.is_empty() {
         return Ok(());
+    }
+    // The jobs are at the address the earlier run used: asked at another, a job of the same id
+    // there (another run's) was taken for this run's, and a real one still running at the old
+    // address would have been forgotten.
+    if let Some(moved) = recorded.and_then(|base_url| id.moved(&state::RunIdentity { base_url, ..id.clone() })) {
+        return Err(RunError::Usage(format!(
+            "--fresh asks the provider whether the earlier run's {} batch job(s) ended, and they were submitted at \
+             another base URL ({moved}): run --fresh with the earlier --base-url, or cancel them there with `weir \
+             batch cancel`",
+            open.len()
+        )));
     }
     let cancel = format!(
         "`weir batch cancel --model {} --output {output}` (with this run's --base-url, --endpoints, --project, \

@@ -357,6 +357,18 @@ impl RunArgs {
                 .collect();
             weir_runtime::dash::check_report_path(path, &own).map_err(UsageError)?;
         }
+        if let (Some(ui), Some(m)) = (self.ui, self.metrics_listen) {
+            // Each is free alone; together they cannot both listen (found out after the run had
+            // created its files, which a re-run then took for a run to resume).
+            if ui.port() != 0
+                && ui.port() == m.port()
+                && (ui.ip() == m.ip() || ui.ip().is_unspecified() || m.ip().is_unspecified())
+            {
+                return Err(UsageError(format!(
+                    "--ui {ui} and --metrics-listen {m}: the same address; give them different ports"
+                )));
+            }
+        }
         if let Some(addr) = self.metrics_listen {
             // Found out before any file is created (the exporter binds it again later).
             std::net::TcpListener::bind(addr)

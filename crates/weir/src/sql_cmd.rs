@@ -269,6 +269,27 @@ fn explain_usage(e: &DataFusionError) -> String {
     let marker = "No function matches the given name and argument types '";
     if let Some(call) = text.split_once(marker).and_then(|(_, rest)| rest.split_once('\'')).map(|(call, _)| call) {
         if call.starts_with("llm_") {
+            // Arguments: the types between the outer parentheses, split at commas outside
+            // nested ones (a struct's fields).
+            let inner = call.split_once('(').map_or("", |(_, r)| r.strip_suffix(')').unwrap_or(r));
+            let (mut depth, mut n) = (0i32, usize::from(!inner.trim().is_empty()));
+            for c in inner.chars() {
+                match c {
+                    '(' | '[' | '<' => depth += 1,
+                    ')' | ']' | '>' => depth -= 1,
+                    ',' if depth == 0 => n += 1,
+                    _ => {}
+                }
+            }
+            let name = call.split('(').next().unwrap_or(call);
+            let most = weir_datafusion::MAX_MEDIA;
+            if !(2..=3 + most).contains(&n) {
+                return format!(
+                    "{name}: takes the model and the prompt (or text), then optionally the options and up to \
+                     {most} media ({name}(model, prompt [, options [, media …]])); it was given {n} argument{}",
+                    if n == 1 { "" } else { "s" }
+                );
+            }
             return format!(
                 "{call}: the model, the prompt (or text) and the options must be text (numbers, dates and times \
                  are cast); pick a field of a struct (r['response']) or cast the value: CAST(x AS VARCHAR)"
@@ -702,6 +723,13 @@ pub(crate) async fn summary(functions: &Runtime, elapsed: std::time::Duration, w
     }
     if let Some(stop) = functions.stop_reason() {
         s.push_str(&format!("  stopped early ({}): {}\n", stop.kind, stop.message));
+        // The stop's words are the runtime's, for a run that resumes; a statement does not.
+        if stop.message.contains("goes on where it stopped") {
+            s.push_str(
+                "  (a statement has no resume: run again, it calls again for every row whose answer is not in the \
+                 response cache, which keeps those asked with temperature 0 or a seed; `weir run` resumes)\n",
+            );
+        }
     }
     s
 }

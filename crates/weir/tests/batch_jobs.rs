@@ -236,7 +236,22 @@ async fn killed_and_resumed(model: &str, name: &str) {
     let o = weir().args(&moved).output().await.unwrap();
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("are still open at the old one"), "{}", stderr(&o));
+    // --fresh there too: it would ask the other server about these jobs' ids (and took another
+    // run's job of the same id for this run's).
+    let fresh: Vec<String> = moved.iter().cloned().chain(["--fresh".to_string()]).collect();
+    let o = weir().args(&fresh).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("submitted at another base URL"), "{}", stderr(&o));
     assert_eq!(elsewhere.stats().batch_jobs, 0);
+    // `weir batch status` asks where the run recorded its jobs: without --base-url, there (it
+    // asked the provider's own), and another is refused.
+    let status = ["batch", "status", "--model", model, "--output", out.to_str().unwrap()];
+    let o = weir().args(status).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(String::from_utf8_lossy(&o.stdout).matches("answered").count(), 3, "{}", stderr(&o));
+    let o = weir().args(status).args(["--base-url", &elsewhere.url()]).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("were submitted at --base-url"), "{}", stderr(&o));
     elsewhere.shutdown().await;
     let o = weir().args(&args).output().await.unwrap();
     let err = stderr(&o);

@@ -181,7 +181,30 @@ async fn a_stopped_endpoint_or_an_unwritable_target_keeps_the_earlier_file_and_p
     assert!(err.contains("stopped early (auth"), "{err}");
     assert!(sim.stats().requests < 20, "{} calls", sim.stats().requests);
     assert_eq!(std::fs::read(dir.path("answers.parquet")).unwrap(), b"an earlier result");
+    // Fewer rows than the rule that stops on rejected credentials counts (it needs three calls):
+    // every call refused is that stop too, not a file of NULLs and exit 1.
+    let one = copy.replace("FROM t)", "FROM t LIMIT 1)");
+    let out = weir()
+        .current_dir(&dir.0)
+        .env("GEMINI_API_KEY", "wrong-key")
+        .args(["sql", "--no-cache", "--base-url", &sim.url(), "--table", "t=in.jsonl", &one])
+        .output()
+        .await
+        .unwrap();
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(3), "{err}");
+    assert!(err.contains("every call was refused for its credentials"), "{err}");
+    assert_eq!(std::fs::read(dir.path("answers.parquet")).unwrap(), b"an earlier result");
     sim.shutdown().await;
+    // Too few or too many arguments are said as such (it said they "must be text").
+    for (sql, n) in [
+        ("SELECT llm_generate('sim/demo') AS a", "1 argument"),
+        ("SELECT llm_embed('sim/demo', 'x', '{}', 'a', 'b', 'c', 'd', 'e') AS a", "8 arguments"),
+    ] {
+        let out = weir().current_dir(&dir.0).args(["sql", sql]).output().await.unwrap();
+        assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+        assert!(stderr(&out).contains(&format!("it was given {n}")), "{}", stderr(&out));
+    }
     // A target that cannot be written: refused before any call.
     let sim = SimServer::start(SimConfig::default(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
     for target in ["/proc/out.parquet", "in.jsonl/out.parquet"] {

@@ -551,3 +551,27 @@ async fn stream_latencies_are_histograms_at_metrics() {
     assert!(bucket("weir_inter_token_seconds", "0.02") > 0.0);
     server.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_of_the_events_that_goes_away_is_said_and_every_row_is_written() {
+    // `--events - | head -1`: the events after the reader went are dropped, which nothing said.
+    let dir = Dir::new("stream-events-reader-gone");
+    let (data, ids) = prompts(2000);
+    let input = dir.write("in.jsonl", &data);
+    let out = dir.path("out.jsonl");
+    let mut child = weir()
+        .args(["run", "--model", "sim/demo", "--stream", "--events", "-", "--id-field", "key"])
+        .args(["--input", input.to_str().unwrap(), "--output", out.to_str().unwrap(), "--progress", "never"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut events = BufReader::new(child.stdout.take().unwrap()).lines();
+    assert!(events.next_line().await.unwrap().is_some_and(|l| l.contains("\"seq\":0")));
+    drop(events);
+    let o = child.wait_with_output().await.unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert!(err.contains("the reader of --events went away"), "{err}");
+    assert_each_id_once(&ids, &rows(&out), &rows(&dir.path("out.errors.jsonl")));
+}

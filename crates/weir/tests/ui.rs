@@ -163,10 +163,14 @@ async fn ui_and_report_flags_are_checked_and_no_report_writes_none() {
     let input = dir.write("in.jsonl", &data);
     let out = dir.path("out.jsonl");
     let base = ["run", "--model", "sim/demo", "--input", input.to_str().unwrap(), "--output", out.to_str().unwrap()];
+    let same = format!("127.0.0.1:{}", free_port());
     for (extra, says) in [
         (vec!["--ui", "0.0.0.0:0"], "loopback only"),
         (vec!["--report", "/nonexistent-dir/r.html"], "no directory"),
         (vec!["--report", "r.html", "--no-report"], "cannot be used with"),
+        // Each free alone, the same for both: found out before any file is made (a re-run
+        // took the files left for a run to resume).
+        (vec!["--ui", &same, "--metrics-listen", &same], "the same address"),
     ] {
         let o = weir().args(base).args(&extra).output().await.unwrap();
         assert_eq!(o.status.code(), Some(2), "{extra:?}: {}", stderr(&o));
@@ -207,8 +211,68 @@ async fn ui_and_report_flags_are_checked_and_no_report_writes_none() {
     // A resumed run's page says how many records were done before it.
     let o = weir().args(base).output().await.unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
-    let html = std::fs::read_to_string(dir.path("out.jsonl.report.html")).unwrap();
-    assert!(html.contains("\"resumed\":5"), "the records done before are on the page");
+    // A re-run with nothing left keeps the report and the series it came from: written over,
+    // the plots of the run that did the work were gone.
+    let series = dir.path(".weir/runs/out.jsonl.series.json");
+    let kept = (std::fs::read(dir.path("out.jsonl.report.html")).unwrap(), std::fs::read(&series).unwrap());
+    let o = weir().args(base).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stderr(&o).contains("5 of 5 finished"), "{}", stderr(&o));
+    assert_eq!(std::fs::read(dir.path("out.jsonl.report.html")).unwrap(), kept.0, "the report is kept");
+    assert_eq!(std::fs::read(&series).unwrap(), kept.1, "the series is kept");
+}
+
+/// The page while a Ctrl-C's stop is under way, and `weir report` asked about a run still going.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_under_way_is_on_the_page_and_a_report_of_a_run_going_on_says_so() {
+    // Calls of 8 s, four at a time: a stop waits for those in flight.
+    let mut config = weir_sim::SimConfig::default();
+    config.latency.fixed_ms = 8_000.0;
+    let sim = sim(config).await;
+    let dir = Dir::new("ui-stopping");
+    let (data, _) = prompts(40);
+    let input = dir.write("in.jsonl", &data);
+    let out = dir.path("out.jsonl");
+    let mut args = gemini_at(&sim.url(), &input, &out);
+    args.extend(["--concurrency", "fixed", "--max-concurrency", "4"].map(String::from));
+    let (child, url, rest) = start(&args).await;
+    // The series is saved in the run's first second: `weir report` finds it, and the run's
+    // output locked (it was said to have been killed).
+    tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
+    let mid = dir.path("mid.html");
+    let o = weir()
+        .args(["report", "--output", out.to_str().unwrap(), "--report", mid.to_str().unwrap()])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stderr(&o).contains("still going"), "{}", stderr(&o));
+    let html = std::fs::read_to_string(&mid).unwrap();
+    assert!(html.contains("The run is still going") && !html.contains("killed?"), "{}", &html[..200]);
+    let pid = child.id().unwrap().to_string();
+    assert!(std::process::Command::new("kill").args(["-INT", &pid]).status().unwrap().success());
+    // Sampled once a second: within 2 s the page says the stop, gives no time left, and counts
+    // none of the records the stop cut off as failed.
+    tokio::time::sleep(std::time::Duration::from_millis(2000)).await;
+    let api = format!("{}/api/update?since=0", url.trim_end_matches('/'));
+    let v: serde_json::Value = reqwest::get(&api).await.unwrap().json().await.unwrap();
+    let s = &v["summary"];
+    assert!(s["state"].as_str().unwrap().starts_with("stopping"), "{s}");
+    assert!(s["alert"].as_str().unwrap().starts_with("Stopping"), "{s}");
+    assert!(s["eta_secs"].is_null() && s["failed"] == 0, "{s}");
+    let o = child.wait_with_output().await.unwrap();
+    let err = rest.await.unwrap();
+    assert_eq!(o.status.code(), Some(130), "{err}");
+    let report = std::fs::read_to_string(dir.path("out.jsonl.report.html")).unwrap();
+    assert!(report.contains("\"failed\":0,"), "no failures in the report's summary");
+    // Resumed, the rest in one wave: its report counts the records done before.
+    let mut args = gemini_at(&sim.url(), &input, &out);
+    args.extend(["--max-concurrency", "64"].map(String::from));
+    let o = weir().args(&args).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let report = std::fs::read_to_string(dir.path("out.jsonl.report.html")).unwrap();
+    assert!(report.contains("\"resumed\":4,"), "the records done before are on the page");
+    sim.shutdown().await;
 }
 
 /// Provider batch jobs on the page: their states while they run, and in the report.
