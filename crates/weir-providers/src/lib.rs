@@ -74,6 +74,19 @@ pub enum ProviderError {
     Start(String),
 }
 
+/// The base URL a provider's client takes from the environment when `--base-url` is not given
+/// (`OPENAI_BASE_URL`, `ANTHROPIC_BASE_URL`), if it takes one and it is set: where a run's calls
+/// and batch jobs go, which a run records as its own. (Recorded as the provider's own, a run
+/// resumed with the variable pointed elsewhere submitted its records again there.)
+pub fn base_url_from_env(provider: Provider, env: &(dyn Fn(&str) -> Option<String> + Sync)) -> Option<String> {
+    let var = match provider {
+        Provider::OpenAi => "OPENAI_BASE_URL",
+        Provider::Anthropic => "ANTHROPIC_BASE_URL",
+        _ => return None,
+    };
+    env(var).filter(|v| !v.trim().is_empty())
+}
+
 /// Which provider a model id names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Provider {

@@ -196,8 +196,13 @@ impl StreamTo {
         self.tx.send(self.row(Some(text.to_string()), false, None)).await;
     }
 
-    /// Ends the events of a record that failed.
+    /// Ends the events of a record that failed. Not for one a stop cut off (`aborted`): it is
+    /// not finished (a resume does it, and a run without state says so with its row), and error
+    /// events for 30 such records told a consumer of the events alone they had failed.
     async fn failed(&self, error: &ModelError) {
+        if error.kind == weir_core::ErrorKind::Aborted {
+            return;
+        }
         let e = weir_io::EventError { kind: error.kind.as_str().to_string(), message: error.message.clone() };
         self.tx.send(self.row(None, false, Some(e))).await;
     }

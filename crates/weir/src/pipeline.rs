@@ -254,7 +254,8 @@ pub async fn run(
     // A re-run with nothing left to do keeps the earlier run's series and report: written over,
     // the plots of the run that did the work were gone.
     let nothing_left = resuming && remaining == Some(0);
-    let series_path = state_dir.as_ref().filter(|_| !nothing_left).map(|s| s.file("series.json"));
+    let series_file = state_dir.as_ref().map(|s| s.file("series.json"));
+    let series_path = series_file.clone().filter(|_| !nothing_left);
     // What batch jobs settled, as they settle (the live cost prices their tokens at the batch
     // share; the summary reads it at the end).
     let tally = Arc::new(std::sync::Mutex::new(crate::jobs::JobsTally::default()));
@@ -491,7 +492,13 @@ pub async fn run(
                 tracing::warn!("could not save the run's series to {}: {e}", path.display());
             }
         }
-        if let Some(path) = settings.report.as_ref().filter(|p| !(nothing_left && p.exists())) {
+        // With nothing left, a report asked at a new path is the earlier run's, from its series.
+        let earlier = series_file
+            .as_ref()
+            .filter(|_| nothing_left)
+            .and_then(|f| std::fs::read_to_string(f).ok())
+            .and_then(|saved| weir_runtime::dash::report_of(&saved, false).ok());
+        if let Some(path) = settings.report.as_ref().filter(|p| !(nothing_left && (p.exists() || earlier.is_none()))) {
             let input = match &settings.input {
                 weir_io::InputPath::File(p) => Some(p.as_path()),
                 weir_io::InputPath::Stdin => None,
@@ -503,7 +510,7 @@ pub async fn run(
             let outputs: Vec<PathBuf> =
                 [file(&settings.output), file(&settings.errors)].into_iter().flatten().collect();
             let own: Vec<&std::path::Path> = input.into_iter().chain(outputs.iter().map(PathBuf::as_path)).collect();
-            match weir_runtime::dash::write_report(path, &w.report(), &own) {
+            match weir_runtime::dash::write_report(path, earlier.as_deref().unwrap_or(&w.report()), &own) {
                 Ok(()) => report.html = Some(path.display().to_string()),
                 Err(e) => eprintln!("weir: the report was not written: {e}"),
             }
@@ -675,8 +682,8 @@ async fn choose_jobs(
         (None, _) if earlier_jobs => {
             return Err(RunError::Usage(
                 "an earlier run of this command submitted batch jobs, which hold its records: resume with \
-                 --mode batch (it re-attaches to them), or start over with --fresh (and `weir batch cancel` the \
-                 old jobs)"
+                 --mode batch (it re-attaches to them), or `weir batch cancel` them and then start over with \
+                 --fresh"
                     .into(),
             ))
         }

@@ -245,11 +245,7 @@ impl RunReport {
             "weir: {} records in {:.2} s ({}/s): {} succeeded, {} failed\n",
             thousands(self.records),
             self.elapsed.as_secs_f64(),
-            // A slow run's pace to a tenth (4 records in 9.9 s said "0/s").
-            match self.rate() {
-                r if r > 0.0 && r < 10.0 => format!("{r:.1}"),
-                r => thousands(r.round() as u64),
-            },
+            pace(self.rate()),
             thousands(self.succeeded),
             thousands(self.failed),
         );
@@ -283,7 +279,7 @@ impl RunReport {
         };
         s.push_str(&format!(
             "  limits: {limits}; {}/s succeeded\n",
-            thousands((self.succeeded as f64 / self.elapsed.as_secs_f64()).round() as u64)
+            pace(self.succeeded as f64 / self.elapsed.as_secs_f64())
         ));
         if self.sharing.processes > 1 && self.sharing.machine_only {
             s.push_str(&format!(
@@ -540,6 +536,16 @@ impl Progress {
         if let Some(b) = &self.bar {
             b.finish_and_clear();
         }
+    }
+}
+
+/// A pace per second as the summary says it: a slow run's to a tenth (4 records in 9.9 s said
+/// "0/s").
+fn pace(r: f64) -> String {
+    if r > 0.0 && r < 10.0 {
+        format!("{r:.1}")
+    } else {
+        thousands(r.round() as u64)
     }
 }
 

@@ -23,14 +23,15 @@ pub struct ReportArgs {
 
 /// Writes the report of the run `args` names.
 pub async fn run(args: ReportArgs) -> anyhow::Result<u8> {
-    let to = rebuild(&args.output, args.state, args.report)?;
+    let to = rebuild(&args.output, args.state, args.report, false)?;
     eprintln!("weir: report written to {}", to.display());
     Ok(0)
 }
 
 /// Writes the report of the run with `--output` `output` (and `--state` `state`) from the series
-/// its state directory keeps, to `report` (default: beside the output); where it went.
-pub fn rebuild(output: &str, state: Option<PathBuf>, report: Option<PathBuf>) -> anyhow::Result<PathBuf> {
+/// its state directory keeps, to `report` (default: beside the output); where it went. `ending`:
+/// the run itself asks, as it stops at once (it holds its output's lock, and is not going on).
+pub fn rebuild(output: &str, state: Option<PathBuf>, report: Option<PathBuf>, ending: bool) -> anyhow::Result<PathBuf> {
     let trimmed = output.trim_end_matches('/');
     let output_arg = output;
     let output = std::path::Path::new(trimmed);
@@ -55,8 +56,16 @@ pub fn rebuild(output: &str, state: Option<PathBuf>, report: Option<PathBuf>) ->
     };
     let saved = std::fs::read_to_string(&series).with_context(|| format!("cannot read {}", series.display()))?;
     // A run still going holds its output's lock (a file's own, a table's `.weir.lock`).
-    let running = [output.to_path_buf(), output.join(".weir.lock")].iter().any(|p| held_by_a_run(p));
+    let running = !ending && [output.to_path_buf(), output.join(".weir.lock")].iter().any(|p| held_by_a_run(p));
     if running {
+        // Its own report comes at its end, where the earlier run's is now: not written over.
+        if report.is_none() {
+            return Err(UsageError(format!(
+                "the run of {output_arg} is still going, and writes its report at its end; for one as of its last \
+                 save now, give --report PATH"
+            ))
+            .into());
+        }
         eprintln!("weir: the run of {output_arg} is still going; the report shows it as of its last save");
     }
     let html =

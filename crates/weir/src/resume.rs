@@ -208,7 +208,13 @@ pub(crate) fn identity(
         model: settings.model.to_string(),
         model_field: settings.model_field.clone(),
         // A pool's first endpoint names the run, however the pool was given.
-        base_url: settings.pool.first().and_then(|e| e.base_url.clone()).or_else(|| settings.provider.base_url.clone()),
+        // Or the one the provider's client takes from the environment (`OPENAI_BASE_URL`).
+        base_url: settings
+            .pool
+            .first()
+            .and_then(|e| e.base_url.clone())
+            .or_else(|| settings.provider.base_url.clone())
+            .or_else(|| weir_providers::base_url_from_env(settings.model.provider, env)),
         prompt: match &settings.records.prompt {
             PromptSource::Field(f) => format!("field:{f}"),
             PromptSource::Template(t) => format!("template:{}", t.source()),
@@ -610,8 +616,8 @@ fn moved_without_jobs(sd: &state::StateDir, ledger: &std::path::Path) -> Result<
         open.iter().map(|c| c.job.as_ref().map_or_else(|| c.name.clone(), |j| j.id.clone())).collect();
     Err(RunError::Usage(format!(
         "the base URL changed since the earlier run ({moved}), but its provider jobs {} are still open at the old \
-         one: resume with the old --base-url to collect them (or `weir batch cancel` them there), or --fresh to \
-         start over (their records would be paid for again)",
+         one: resume with the old --base-url to collect them, or cancel them there (`weir batch cancel` with the \
+         old --base-url) and run --fresh with the old --base-url to start over (their records are paid for again)",
         jobs.join(", ")
     )))
 }

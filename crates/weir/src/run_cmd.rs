@@ -1086,7 +1086,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<u8> {
             if presses >= 2 {
                 eprintln!("weir: stopped at once; {after_second}");
                 if let Some((output, dir, to)) = &saved_report {
-                    match crate::report_cmd::rebuild(output, Some(dir.clone()), Some(to.clone())) {
+                    match crate::report_cmd::rebuild(output, Some(dir.clone()), Some(to.clone()), true) {
                         Ok(to) => eprintln!(
                             "weir: report written to {} (from the series saved last: its last seconds are not in it)",
                             to.display()

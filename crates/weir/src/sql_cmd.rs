@@ -283,6 +283,14 @@ fn explain_usage(e: &DataFusionError) -> String {
             }
             let name = call.split('(').next().unwrap_or(call);
             let most = weir_datafusion::MAX_MEDIA;
+            let embed = name.starts_with("llm_embed");
+            if embed && !(2..=3).contains(&n) {
+                return format!(
+                    "{name}: takes the model and the text, then optionally the options ({name}(model, text [, \
+                     options])); it was given {n} argument{}",
+                    if n == 1 { "" } else { "s" }
+                );
+            }
             if !(2..=3 + most).contains(&n) {
                 return format!(
                     "{name}: takes the model and the prompt (or text), then optionally the options and up to \
@@ -724,7 +732,7 @@ pub(crate) async fn summary(functions: &Runtime, elapsed: std::time::Duration, w
     if let Some(stop) = functions.stop_reason() {
         s.push_str(&format!("  stopped early ({}): {}\n", stop.kind, stop.message));
         // The stop's words are the runtime's, for a run that resumes; a statement does not.
-        if stop.message.contains("goes on where it stopped") {
+        if stop.kind == weir_core::ErrorKind::QuotaExhausted {
             s.push_str(
                 "  (a statement has no resume: run again, it calls again for every row whose answer is not in the \
                  response cache, which keeps those asked with temperature 0 or a seed; `weir run` resumes)\n",

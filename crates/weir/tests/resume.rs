@@ -338,3 +338,34 @@ async fn ctrl_c_without_state_still_accounts_for_every_record() {
     }
     server.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_base_url_from_the_environment_is_the_runs_own() {
+    // `OPENAI_BASE_URL` instead of `--base-url`: recorded as the provider's own, a resume with
+    // the variable pointed elsewhere was not seen as moved (a batch run's records were submitted
+    // again there), the same URL given the other way was, and `weir batch status` went to
+    // api.openai.com.
+    let sim = sim(SimConfig::default()).await;
+    let other = self::sim(SimConfig::default()).await;
+    let dir = Dir::new("resume-base-url-env");
+    let (data, _) = prompts(3);
+    let input = dir.write("in.jsonl", &data);
+    let out = dir.path("out.jsonl");
+    let base = format!("{}/v1", sim.url());
+    let args = ["run", "--model", "openai/m", "--id-field", "key", "--input", input.to_str().unwrap()];
+    let args: Vec<&str> = args.into_iter().chain(["--output", out.to_str().unwrap()]).collect();
+    let o = weir().env("OPENAI_BASE_URL", &base).args(&args).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let recorded = std::fs::read_to_string(dir.path(".weir/runs/out.jsonl.json")).unwrap();
+    assert!(recorded.contains(&base), "{recorded}");
+    // The same URL given as --base-url: no change.
+    let o = weir().args(&args).args(["--base-url", &base]).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(!stderr(&o).contains("base URL changed"), "{}", stderr(&o));
+    // The variable pointed elsewhere: a change, said.
+    let o = weir().env("OPENAI_BASE_URL", format!("{}/v1", other.url())).args(&args).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stderr(&o).contains("base URL changed"), "{}", stderr(&o));
+    sim.shutdown().await;
+    other.shutdown().await;
+}

@@ -220,6 +220,12 @@ async fn ui_and_report_flags_are_checked_and_no_report_writes_none() {
     assert!(stderr(&o).contains("5 of 5 finished"), "{}", stderr(&o));
     assert_eq!(std::fs::read(dir.path("out.jsonl.report.html")).unwrap(), kept.0, "the report is kept");
     assert_eq!(std::fs::read(&series).unwrap(), kept.1, "the series is kept");
+    // Asked at a new path, the report is that earlier run's (it was an empty one of the re-run).
+    let other = dir.path("other.html");
+    let o = weir().args(base).args(["--report", other.to_str().unwrap()]).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let html = std::fs::read_to_string(&other).unwrap();
+    assert!(html.contains("\"done\":5,"), "the earlier run's figures");
 }
 
 /// The page while a Ctrl-C's stop is under way, and `weir report` asked about a run still going.
@@ -249,6 +255,10 @@ async fn a_stop_under_way_is_on_the_page_and_a_report_of_a_run_going_on_says_so(
     assert!(stderr(&o).contains("still going"), "{}", stderr(&o));
     let html = std::fs::read_to_string(&mid).unwrap();
     assert!(html.contains("The run is still going") && !html.contains("killed?"), "{}", &html[..200]);
+    // Not over the default report, which the run writes at its end.
+    let o = weir().args(["report", "--output", out.to_str().unwrap()]).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("give --report PATH"), "{}", stderr(&o));
     let pid = child.id().unwrap().to_string();
     assert!(std::process::Command::new("kill").args(["-INT", &pid]).status().unwrap().success());
     // Sampled once a second: within 2 s the page says the stop, gives no time left, and counts
@@ -339,7 +349,10 @@ async fn a_run_stopped_at_once_writes_its_report_from_the_saved_series() {
     let err = stderr(&o);
     assert_eq!(o.status.code(), Some(130), "{err}");
     assert!(err.contains("stopped at once") && err.contains("report written to"), "{err}");
+    // Its own report, not one of a run "still going" (it holds its output's lock as it ends).
+    assert!(!err.contains("still going"), "{err}");
     let report = std::fs::read_to_string(dir.path("out.jsonl.report.html")).unwrap();
     assert!(report.starts_with("<!doctype html>"), "{}", &report[..80.min(report.len())]);
+    assert!(!report.contains("The run is still going"), "the report of a run that ended");
     sim.shutdown().await;
 }
