@@ -229,7 +229,7 @@ impl ModelError {
             kind: ErrorKind::QuotaExhausted,
             hint: RetryHint::StopRun,
             message: format!(
-                "{why} (weir waits out at most {} min): {note}the run stops here; run the same command again{again}: {}",
+                "{why} (weir waits out at most {} min): {note}the run stops here, and the same command can be run again{again}: {}",
                 LONGEST_ADVISED_WAIT.as_secs() / 60,
                 self.message
             ),

@@ -89,17 +89,30 @@ impl Series {
     /// in place of the last one when `last` (the run's end must be in the series).
     pub fn push(&self, point: [Option<f64>; COLUMNS.len()], last: bool) {
         let mut p = self.points();
+        let mut point = point;
         let t = point[0].unwrap_or(0.0);
         let previous = p.cols[0].last().copied().flatten();
         match previous {
             Some(before) if t - before < p.step * 0.999 => {
                 if !last {
+                    // Too soon for a point of its own; what it alone measured (the latencies of
+                    // calls since the last sample, taken by it) goes to the newest one.
+                    for (c, v) in p.cols.iter_mut().zip(point) {
+                        if let (Some(slot @ None), Some(v)) = (c.last_mut(), v) {
+                            *slot = Some(v);
+                        }
+                    }
                     return;
                 }
-                // The end replaces a point newer than a step (kept: the series stays even).
+                // The end replaces a point newer than a step (kept: the series stays even),
+                // keeping what only the replaced one measured: the time to first token of a
+                // short streamed run was all in it, and the report's plot of it was empty.
                 if p.cols[0].len() > 1 {
-                    for c in p.cols.iter_mut() {
-                        c.pop();
+                    for (c, v) in p.cols.iter_mut().zip(point.iter_mut()) {
+                        let replaced = c.pop().flatten();
+                        if v.is_none() {
+                            *v = replaced;
+                        }
                     }
                 }
             }
@@ -949,6 +962,27 @@ mod tests {
         s.push(point(9.6), true);
         assert_eq!(s.len(), 10);
         assert_eq!(s.since(9, Some(0)).0["t"], vec![Some(9.6)]);
+    }
+
+    #[test]
+    fn what_only_a_point_not_kept_measured_goes_to_the_newest() {
+        // The time to first token of a short streamed run was all in a point the end replaced
+        // (or one too soon to keep), and the report's plot of it was empty.
+        let s = Series::new();
+        let ttft = column("ttft_p50");
+        let with_ttft = |t: f64, v: f64| {
+            let mut p = point(t);
+            p[ttft] = Some(v);
+            p
+        };
+        s.push(point(0.0), false);
+        s.push(point(1.0), false);
+        s.push(with_ttft(1.5, 0.2), false);
+        assert_eq!(s.since(1, Some(0)).0["ttft_p50"], vec![Some(0.2)], "kept in the newest point");
+        s.push(with_ttft(2.0, 0.3), false);
+        s.push(point(2.4), true);
+        let cols = s.since(2, Some(0)).0;
+        assert_eq!((cols["t"].clone(), cols["ttft_p50"].clone()), (vec![Some(2.4)], vec![Some(0.3)]));
     }
 
     #[test]
