@@ -519,6 +519,20 @@ impl RunMetrics {
         self.failures_by_kind.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
+    /// Records a stop cut off (`aborted`): not failures. A resumable run leaves them to the next
+    /// one, with no row; a run without state writes them as error rows its summary explains.
+    pub fn cut_off(&self) -> u64 {
+        self.failures_by_kind().get(&ErrorKind::Aborted).copied().unwrap_or(0)
+    }
+
+    /// Records done and failed, without those a stop cut off ([`RunMetrics::cut_off`]): counted
+    /// as failures, they showed as "12 errors" after Ctrl-C in a run that had none, as a pace
+    /// while nothing was being done, and as failed on the live page and in the report's plots.
+    pub fn done_and_failed(&self) -> (u64, u64) {
+        let cut = self.cut_off();
+        (self.done.load(Relaxed).saturating_sub(cut), self.failed.load(Relaxed).saturating_sub(cut))
+    }
+
     /// Reads a counter.
     pub fn get(counter: &AtomicU64) -> u64 {
         counter.load(Relaxed)

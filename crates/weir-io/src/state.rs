@@ -111,12 +111,16 @@ impl RunIdentity {
     /// The base URL's change from a stored identity, as `old → new`, if it changed: not one of
     /// the [`differences`](Self::differences) that refuse a resume (see the module's docs).
     pub fn moved(&self, stored: &RunIdentity) -> Option<String> {
-        let opt = |o: &Option<String>| o.clone().unwrap_or_else(|| "the provider's own".into());
-        // A trailing `/` is the same root.
-        let root = |o: &Option<String>| o.as_deref().map(|u| u.trim_end_matches('/').to_string());
-        (root(&stored.base_url) != root(&self.base_url))
-            .then(|| format!("{} → {}", opt(&stored.base_url), opt(&self.base_url)))
+        base_url_moved(&stored.base_url, &self.base_url)
     }
+}
+
+/// A base URL's change from `old` to `new` (`None`: the provider's own), as `old → new`, if it
+/// changed: a trailing `/` is the same root.
+pub fn base_url_moved(old: &Option<String>, new: &Option<String>) -> Option<String> {
+    let opt = |o: &Option<String>| o.clone().unwrap_or_else(|| "the provider's own".into());
+    let root = |o: &Option<String>| o.as_deref().map(|u| u.trim_end_matches('/').to_string());
+    (root(old) != root(new)).then(|| format!("{} → {}", opt(old), opt(new)))
 }
 
 /// The base URL the earlier run of `output_name` recorded (`Some(None)`: the provider's own), if

@@ -395,7 +395,7 @@ fn openai_site(
     options: &ProviderOptions,
     env: &(dyn Fn(&str) -> Option<String> + Sync),
 ) -> Result<(reqwest::Url, Option<Secret>), ProviderError> {
-    keyed_site(options, env, ("OPENAI_BASE_URL", "https://api.openai.com/v1", "OPENAI_API_KEY"), || {
+    keyed_site(options, env, (Provider::OpenAi, "https://api.openai.com/v1", "OPENAI_API_KEY"), || {
         "openai: set OPENAI_API_KEY, or point --base-url at your OpenAI-compatible server"
     })
 }
@@ -406,21 +406,22 @@ fn anthropic_site(
     options: &ProviderOptions,
     env: &(dyn Fn(&str) -> Option<String> + Sync),
 ) -> Result<(reqwest::Url, Option<Secret>), ProviderError> {
-    keyed_site(options, env, ("ANTHROPIC_BASE_URL", "https://api.anthropic.com", "ANTHROPIC_API_KEY"), || {
+    keyed_site(options, env, (Provider::Anthropic, "https://api.anthropic.com", "ANTHROPIC_API_KEY"), || {
         "anthropic: set ANTHROPIC_API_KEY, or point --base-url at a server that speaks the Messages API"
     })
 }
 
-/// A provider's base URL and key: `--base-url`, else the `base_var` variable, else `default`;
-/// the key from `key_var`, required (`missing` says so) when the base is the provider's own host.
+/// A provider's base URL and key: `--base-url`, else the provider's variable
+/// ([`base_url_from_env`]), else `default`; the key from `key_var`, required (`missing` says so)
+/// when the base is the provider's own host.
 fn keyed_site(
     options: &ProviderOptions,
     env: &(dyn Fn(&str) -> Option<String> + Sync),
-    (base_var, default, key_var): (&str, &str, &str),
+    (provider, default, key_var): (Provider, &str, &str),
     missing: impl Fn() -> &'static str,
 ) -> Result<(reqwest::Url, Option<Secret>), ProviderError> {
     let nonempty = |k: &str| env(k).filter(|v| !v.trim().is_empty());
-    let base = options.base_url.clone().or_else(|| nonempty(base_var)).unwrap_or_else(|| default.into());
+    let base = options.base_url.clone().or_else(|| base_url_from_env(provider, env)).unwrap_or_else(|| default.into());
     let base = http::check_base_url(&base)?;
     let key = nonempty(key_var).map(Secret::new);
     let own = reqwest::Url::parse(default).ok().and_then(|u| u.host_str().map(str::to_string));

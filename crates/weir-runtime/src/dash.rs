@@ -217,15 +217,6 @@ fn time_left(
     Some(remaining as f64 / (r * over))
 }
 
-/// Records done and failed, without those a stop cut off (`aborted`): a resumable run leaves
-/// them to the next one, with no row, and the summary at the end explains those a run without
-/// state writes. Counted as failures, 24 records a Ctrl-C cut off showed as failed on the page
-/// and in the report's plots of a run that had none.
-fn done_and_failed(m: &RunMetrics) -> (u64, u64) {
-    let aborted = m.failures_by_kind().get(&ErrorKind::Aborted).copied().unwrap_or(0);
-    (RunMetrics::get(&m.done).saturating_sub(aborted), RunMetrics::get(&m.failed).saturating_sub(aborted))
-}
-
 /// A run's rows at its end, as its summary counts them.
 #[derive(Debug, Clone, Default)]
 pub struct EndRows {
@@ -436,7 +427,7 @@ impl Watch {
             .filter_map(|e| e.rate.as_ref()?.requests.map(|(n, w, _)| n / w.as_secs_f64().max(1e-9)))
             .reduce(|a, b| a + b);
         let t = self.started.elapsed().as_secs_f64();
-        let (done, failed) = done_and_failed(m);
+        let (done, failed) = m.done_and_failed();
         let point = [
             Some(t),
             Some(done as f64),
@@ -467,7 +458,7 @@ impl Watch {
     fn summarize(&self, endpoints: &[EndpointState], elapsed: f64, cost: Option<f64>, server: u64) -> Value {
         let m = self.runtime.totals();
         let get = |c: &std::sync::atomic::AtomicU64| RunMetrics::get(c);
-        let (done, failed) = done_and_failed(m);
+        let (done, failed) = m.done_and_failed();
         let total = *self.total.lock().unwrap_or_else(|e| e.into_inner());
         let ended = self.ended.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let stop = self.stopping();
@@ -498,7 +489,7 @@ impl Watch {
         let failures: Vec<Value> = m
             .failures_by_kind()
             .into_iter()
-            // Records a stop cut off are not failures (see `done_and_failed`).
+            // Records a stop cut off are not failures (see `RunMetrics::cut_off`).
             .filter(|(kind, _)| *kind != ErrorKind::Aborted)
             .map(|(kind, n)| {
                 let examples: Vec<Value> = m
@@ -755,9 +746,7 @@ pub fn report_of(saved: &str, running: bool) -> Result<String, String> {
             );
         }
         // Saved while it ran, never at its end: it was killed (or its machine stopped).
-        if !running
-            && s.get("state").and_then(Value::as_str).is_some_and(|st| st == "running" || st.starts_with("stopping"))
-        {
+        if unended && !running {
             s.insert("state".into(), "ended without a word (killed?)".into());
             s.insert("eta_secs".into(), Value::Null);
             s.insert(

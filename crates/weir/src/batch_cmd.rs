@@ -253,11 +253,13 @@ async fn each_job(t: &Target, cancel: bool) -> anyhow::Result<u8> {
         // The run's jobs are at the base URL it recorded: without --base-url, that one (not the
         // provider's own, which a user in a hurry reached); with another, a job of the same id
         // there would be taken for this run's.
-        let root = |u: &str| u.trim_end_matches('/').to_string();
         let recorded = stored.as_ref().and_then(|s| s.base_url.clone()).filter(|_| t.site.endpoints.is_none());
         let base_url = match (&recorded, t.site.base_url.first()) {
             (Some(r), None) => vec![r.clone()],
-            (Some(r), Some(given)) if root(r) != root(given) && t.site.base_url.len() == 1 => {
+            (Some(r), Some(given))
+                if t.site.base_url.len() == 1
+                    && weir_io::state::base_url_moved(&recorded, &Some(given.clone())).is_some() =>
+            {
                 return Err(UsageError(format!(
                     "{}: that run's jobs were submitted at --base-url {} (not {}): give that one",
                     path.display(),

@@ -417,7 +417,7 @@ pub async fn run(
     // An interrupt that came once every record had its row (Ctrl-C while the last calls of
     // a batch run's online fallback finished) stopped nothing: the run is finished, not one to
     // resume (it exited 130 saying "0 records not finished; run the same command again").
-    let cut_off = metrics.failures_by_kind().get(&ErrorKind::Aborted).copied().unwrap_or(0);
+    let cut_off = metrics.cut_off();
     // (Not over a stream: what it did not read is not counted.)
     let stop_reason = router.stop_reason().filter(|r| {
         !(r.kind == ErrorKind::Aborted
@@ -510,7 +510,8 @@ pub async fn run(
             let outputs: Vec<PathBuf> =
                 [file(&settings.output), file(&settings.errors)].into_iter().flatten().collect();
             let own: Vec<&std::path::Path> = input.into_iter().chain(outputs.iter().map(PathBuf::as_path)).collect();
-            match weir_runtime::dash::write_report(path, earlier.as_deref().unwrap_or(&w.report()), &own) {
+            let html = earlier.unwrap_or_else(|| w.report());
+            match weir_runtime::dash::write_report(path, &html, &own) {
                 Ok(()) => report.html = Some(path.display().to_string()),
                 Err(e) => eprintln!("weir: the report was not written: {e}"),
             }

@@ -470,7 +470,7 @@ impl Progress {
                 let start = tokio::time::Instant::now();
                 loop {
                     tokio::time::sleep(LINE_EVERY).await;
-                    let (done, failed) = done_and_failed(&metrics);
+                    let (done, failed) = metrics.done_and_failed();
                     let of = total.map(|t| format!(" of {}", thousands(t))).unwrap_or_default();
                     eprintln!(
                         "weir: {}{of} records in {:.0} s ({}/s), {} errors{}",
@@ -500,7 +500,7 @@ impl Progress {
             let start = tokio::time::Instant::now();
             loop {
                 tokio::time::sleep(Duration::from_millis(250)).await;
-                let (done, failed) = done_and_failed(&metrics);
+                let (done, failed) = metrics.done_and_failed();
                 let rate = done as f64 / start.elapsed().as_secs_f64();
                 b.set_message(format!(
                     "| {}/s | {} errors | {} tok in, {} out{}",
@@ -547,15 +547,6 @@ fn pace(r: f64) -> String {
     } else {
         thousands(r.round() as u64)
     }
-}
-
-/// Records done and failed, for the progress: without the records a stop cut off (`aborted`),
-/// which a resumable run does not write and does next time, and a run without state writes as
-/// error rows that its summary explains. Counted as failures, they showed as "12 errors" after
-/// Ctrl-C in a run that had none, and as a pace while nothing was being done.
-fn done_and_failed(metrics: &RunMetrics) -> (u64, u64) {
-    let aborted = metrics.failures_by_kind().get(&ErrorKind::Aborted).copied().unwrap_or(0);
-    (metrics.done.load(Relaxed).saturating_sub(aborted), metrics.failed.load(Relaxed).saturating_sub(aborted))
 }
 
 /// The calls the quota holds now, after `sep`, for the progress line (nothing when none are):

@@ -702,7 +702,7 @@ pub(crate) async fn guard_jobs(
     // The jobs are at the address the earlier run used: asked at another, a job of the same id
     // there (another run's) was taken for this run's, and a real one still running at the old
     // address would have been forgotten.
-    if let Some(moved) = recorded.and_then(|base_url| id.moved(&state::RunIdentity { base_url, ..id.clone() })) {
+    if let Some(moved) = recorded.and_then(|old| state::base_url_moved(&old, &id.base_url)) {
         return Err(RunError::Usage(format!(
             "--fresh asks the provider whether the earlier run's {} batch job(s) ended, and they were submitted at \
              another base URL ({moved}): run --fresh with the earlier --base-url, or cancel them there with `weir \
