@@ -325,7 +325,7 @@ impl Executor {
             let decided = match &result {
                 Err(error) if error.kind == ErrorKind::InvalidOutput => {
                     invalid += 1;
-                    Some(self.policy.decide_invalid(invalid))
+                    Some(self.policy.decide_invalid(invalid, error))
                 }
                 _ => None,
             };

@@ -46,9 +46,11 @@ impl RetryPolicy {
         self.base.saturating_mul(1u32 << exp).min(self.cap)
     }
 
-    /// Decides after the `invalid`-th answer (≥ 1) that did not match the response schema.
-    pub fn decide_invalid(&self, invalid: u32) -> Decision {
-        match invalid > self.max_invalid_retries {
+    /// Decides after the `invalid`-th answer (≥ 1) that did not match the response schema,
+    /// `error`: one that says asking again is in vain (an answer cut at the token limit) is not
+    /// asked for again.
+    pub fn decide_invalid(&self, invalid: u32, error: &ModelError) -> Decision {
+        match invalid > self.max_invalid_retries || error.hint == RetryHint::Never {
             true => Decision::GiveUp,
             false => Decision::Retry(Duration::ZERO),
         }

@@ -38,7 +38,7 @@ impl OutputSchema {
     pub fn invalid(&self, response: &crate::outcome::ModelResponse) -> Option<ModelError> {
         match response.embedding {
             Some(_) => None,
-            None => self.check(&response.text).err(),
+            None => self.check(&response.text).err().map(|e| cut_short(e, &response.finish_reason)),
         }
     }
 
@@ -49,7 +49,13 @@ impl OutputSchema {
         let why = match serde_json::from_str::<Value>(body) {
             Err(e) => format!("the answer is not JSON ({e})"),
             Ok(v) => match self.validator.iter_errors(&v).next() {
-                None => return Ok(()),
+                None => match unheld_number(&v, &mut String::new()) {
+                    None => return Ok(()),
+                    Some((at, n)) => {
+                        let at = if at.is_empty() { "the answer".to_string() } else { format!("at {at}") };
+                        format!("the answer does not fit a typed column: {at}: {n} is past what a 64-bit number holds")
+                    }
+                },
                 Some(e) => {
                     let at = e.instance_path().to_string();
                     let at = if at.is_empty() { "the answer".to_string() } else { format!("at {at}") };
@@ -62,6 +68,57 @@ impl OutputSchema {
         Err(ModelError::new(ErrorKind::InvalidOutput, format!("{why}; answer: {quoted}{more}"))
             .with_hint(RetryHint::Backoff))
     }
+}
+
+/// A number in `v` that no 64-bit column holds, with its JSON pointer: an integer past i64 (as
+/// written, digits only) or a number whose value is infinite as a double (`1e999`). Answers are
+/// parsed keeping numbers as written, so such a value would reach a JSONL row whole but a
+/// Parquet, Arrow or SQL column as a null: an answer paid for and lost in silence. Refused
+/// here, it is an invalid answer like any other, asked for again and, failing that, an error
+/// row that quotes it.
+fn unheld_number(v: &Value, at: &mut String) -> Option<(String, String)> {
+    match v {
+        Value::Number(n) => {
+            let text = n.to_string();
+            let integer = !text.contains(['.', 'e', 'E']);
+            let held = if integer { n.is_i64() } else { n.as_f64().is_some_and(f64::is_finite) };
+            (!held).then(|| (at.clone(), text))
+        }
+        Value::Array(items) => items.iter().enumerate().find_map(|(i, x)| {
+            let len = at.len();
+            at.push_str(&format!("/{i}"));
+            let found = unheld_number(x, at);
+            at.truncate(len);
+            found
+        }),
+        Value::Object(m) => m.iter().find_map(|(k, x)| {
+            let len = at.len();
+            at.push('/');
+            at.push_str(&k.replace('~', "~0").replace('/', "~1"));
+            let found = unheld_number(x, at);
+            at.truncate(len);
+            found
+        }),
+        _ => None,
+    }
+}
+
+/// An invalid answer that the model ended because it reached the output-token limit
+/// (`finish_reason` `length`): asked again with the same limit it is most likely cut again, so
+/// every retry would be paid for in vain. The error says so and is not retried.
+fn cut_short(e: ModelError, finish_reason: &str) -> ModelError {
+    if finish_reason != "length" {
+        return e;
+    }
+    ModelError::new(
+        e.kind,
+        format!(
+            "the answer was cut at the output-token limit (finish_reason length), so it was not asked for again; \
+             give a larger max_output_tokens. {}",
+            e.message
+        ),
+    )
+    .with_hint(RetryHint::Never)
 }
 
 /// The JSON inside a Markdown code fence (```json … ```), which some models wrap it in even
@@ -154,6 +211,44 @@ mod tests {
         assert!(e.message.contains("score"), "{e}");
         let long = format!("{{\"label\": \"{}\"", "x".repeat(10_000));
         assert!(s.check(&long).unwrap_err().message.len() < 4200, "the quote is clipped");
+    }
+
+    /// A tester's answers: `{"n": 12345678901234567890123}` and `1e999` passed the schema and
+    /// became a null and `inf` in a Parquet column, counted as successes.
+    #[test]
+    fn numbers_no_64_bit_column_holds_are_invalid_answers() {
+        let s = OutputSchema::new(&json!({
+            "type": "object",
+            "properties": {"n": {"type": "integer"}, "xs": {"type": "array", "items": {"type": "number"}}},
+        }))
+        .unwrap();
+        assert!(s.check(r#"{"n": 9223372036854775807, "xs": [1.5, -2e300, 3]}"#).is_ok());
+        let e = s.check(r#"{"n": 12345678901234567890123}"#).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::InvalidOutput);
+        assert!(e.message.contains("at /n: 12345678901234567890123 is past"), "{e}");
+        assert!(s.check(r#"{"n": -9223372036854775809}"#).is_err());
+        let e = s.check(r#"{"xs": [1, 1e999]}"#).unwrap_err();
+        assert!(e.message.contains("at /xs/1: 1e"), "{e}");
+    }
+
+    /// An answer cut at the output-token limit is not asked for again: the same limit would cut
+    /// it again, and each try is paid for.
+    #[test]
+    fn an_answer_cut_at_the_token_limit_is_not_asked_for_again() {
+        let s = schema();
+        let answer = |finish: &str| crate::outcome::ModelResponse {
+            text: r#"{"label": "hat", "sco"#.into(),
+            finish_reason: finish.into(),
+            ..Default::default()
+        };
+        let e = s.invalid(&answer("length")).unwrap();
+        assert_eq!((e.kind, e.hint), (ErrorKind::InvalidOutput, RetryHint::Never));
+        assert!(e.message.contains("max_output_tokens") && e.message.contains("not JSON"), "{e}");
+        let e = s.invalid(&answer("stop")).unwrap();
+        assert_eq!(e.hint, RetryHint::Backoff);
+        let policy = crate::retry::RetryPolicy::default();
+        assert_eq!(policy.decide_invalid(1, &s.invalid(&answer("length")).unwrap()), crate::retry::Decision::GiveUp);
+        assert!(matches!(policy.decide_invalid(1, &e), crate::retry::Decision::Retry(_)));
     }
 
     #[test]

@@ -908,7 +908,13 @@ impl Run<'_> {
             });
             match result {
                 Some(r)
-                    if r.as_ref().map_or_else(|e| !e.kind.is_retryable() && e.kind != ErrorKind::Aborted, |_| true) =>
+                    if r.as_ref().map_or_else(
+                        |e| {
+                            (!e.kind.is_retryable() || e.hint == weir_core::RetryHint::Never)
+                                && e.kind != ErrorKind::Aborted
+                        },
+                        |_| true,
+                    ) =>
                 {
                     self.settled += 1;
                     self.host.deliver(e.record, r).await;

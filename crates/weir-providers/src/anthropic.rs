@@ -110,6 +110,18 @@ fn version_header() -> reqwest::header::HeaderMap {
     headers
 }
 
+/// Media types the Messages API takes as `image` blocks.
+const IMAGES: [&str; 4] = ["image/jpeg", "image/png", "image/gif", "image/webp"];
+/// Media types the Messages API takes as `document` blocks.
+const DOCUMENTS: [&str; 2] = ["application/pdf", "text/plain"];
+
+/// Whether the Messages API takes a part of this media type: checked before any call for a
+/// type the run names (`--media-field photo:audio/wav`), which would otherwise fail every
+/// record.
+pub fn takes_media_type(mime: &str) -> bool {
+    IMAGES.contains(&mime) || DOCUMENTS.contains(&mime)
+}
+
 /// A user message's content with media: the text, then images (`image`) and PDFs and plain
 /// text (`document`), each as base64 in its block; other types no Messages API takes.
 fn content_blocks(request: &ModelRequest, marks: bool) -> Result<Vec<Value>, ModelError> {
@@ -121,8 +133,8 @@ fn content_blocks(request: &ModelRequest, marks: bool) -> Result<Vec<Value>, Mod
         };
         let source = json!({"type": "base64", "media_type": p.mime, "data": data});
         content.push(match p.mime.as_str() {
-            "image/jpeg" | "image/png" | "image/gif" | "image/webp" => json!({"type": "image", "source": source}),
-            "application/pdf" | "text/plain" => json!({"type": "document", "source": source}),
+            m if IMAGES.contains(&m) => json!({"type": "image", "source": source}),
+            m if DOCUMENTS.contains(&m) => json!({"type": "document", "source": source}),
             other => {
                 return Err(ModelError::new(
                     ErrorKind::InvalidInput,

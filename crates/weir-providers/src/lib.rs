@@ -150,6 +150,20 @@ impl ModelSpec {
         }
     }
 
+    /// Why a part of media type `mime` cannot go to this model, found before any call: Claude
+    /// (Anthropic's Messages API, also on Vertex AI) takes images and PDF or plain-text
+    /// documents only. Other providers' refusals come from the server.
+    pub fn refused_media_type(&self, mime: &str) -> Option<String> {
+        let claude = self.provider == Provider::Anthropic
+            || (self.provider == Provider::Vertex && self.model.starts_with("claude"));
+        (claude && !anthropic::takes_media_type(mime)).then(|| {
+            format!(
+                "{mime} is not a type Anthropic's Messages API (Claude) takes (images: JPEG, PNG, GIF, WebP; \
+                 documents: PDF, plain text)"
+            )
+        })
+    }
+
     /// Whether a request for this model can carry a response schema or MIME type: not a
     /// `vertex_endpoint/` `:predict` instance (raw or chat), whose body has no place for one.
     pub fn takes_response_schema(&self, format: EndpointFormat) -> bool {
@@ -688,5 +702,18 @@ mod tests {
         assert!(connect(&openai, &local, &none).await.is_ok());
         let remote_http = ProviderOptions { base_url: Some("http://example.com/v1".into()), ..Default::default() };
         assert!(connect(&openai, &remote_http, &none).await.is_err());
+    }
+
+    /// A tester's `--media-field photo:audio/wav` with a Claude model failed every record at
+    /// run time; it is refused before any call.
+    #[test]
+    fn claude_refuses_media_types_it_does_not_take_before_any_call() {
+        for model in ["anthropic/claude-haiku-4-5", "vertex_ai/claude-sonnet-4-5"] {
+            let m: ModelSpec = model.parse().unwrap();
+            assert!(m.refused_media_type("audio/wav").unwrap().contains("audio/wav"), "{model}");
+            assert!(m.refused_media_type("image/png").is_none() && m.refused_media_type("application/pdf").is_none());
+        }
+        let gemini: ModelSpec = "gemini/gemini-2.5-flash".parse().unwrap();
+        assert!(gemini.refused_media_type("audio/wav").is_none());
     }
 }

@@ -34,7 +34,7 @@ struct Cli {
 enum Command {
     /// Run a model over every record of a JSONL dataset; one result or error row per record.
     Run(Box<run_cmd::RunArgs>),
-    /// Serve a simulated LLM endpoint (Gemini, Vertex AI, OpenAI wire formats) with quotas,
+    /// Serve a simulated LLM endpoint (Gemini, Vertex AI, OpenAI and Anthropic wire formats) with quotas,
     /// latency and injected faults.
     Sim(Box<sim_cmd::SimArgs>),
     /// The provider batch jobs of `weir run --mode batch` runs: status, cancel, fetch.

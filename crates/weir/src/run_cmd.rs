@@ -323,7 +323,10 @@ impl RunArgs {
             }
         }
         for f in &self.media_fields {
-            weir_core::media::field_spec(f).map_err(|e| UsageError(format!("--media-field: {e}")))?;
+            let (_, mime) = weir_core::media::field_spec(f).map_err(|e| UsageError(format!("--media-field: {e}")))?;
+            if let Some(why) = mime.and_then(|m| model.refused_media_type(&m)) {
+                return Err(UsageError(format!("--media-field {f}: {why}")));
+            }
         }
         if !self.media_fields.is_empty() {
             if self.task == TaskArg::Embed {

@@ -211,6 +211,17 @@ async fn media_with_embeddings_or_no_field_is_a_usage_error() {
         assert_eq!(o.status.code(), Some(2), "{extra:?}: {}", stderr(&o));
         assert!(stderr(&o).contains("--media-field"), "{}", stderr(&o));
     }
+    // A type Claude does not take, named for the field: refused before any call (a tester's
+    // run failed every record instead).
+    let o = weir()
+        .args(["run", "--model", "anthropic/claude-haiku-4-5", "--base-url", "http://127.0.0.1:9"])
+        .args(["--input", input.to_str().unwrap(), "--media-field", "image:audio/wav"])
+        .args(["--output", dir.path("claude.jsonl").to_str().unwrap()])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("--media-field image:audio/wav: audio/wav is not a type"), "{}", stderr(&o));
 }
 
 /// Images in buckets: `gs://` (the simulator's GCS, through `STORAGE_EMULATOR_HOST`) and
