@@ -385,7 +385,10 @@ impl Driver {
         });
         Self {
             model_id: Arc::from(handler.model_id()),
-            source: Arc::from(format!("{} at {}", handler.model_id(), handler.endpoint())),
+            source: Arc::from(match handler.request_form() {
+                None => format!("{} at {}", handler.model_id(), handler.endpoint()),
+                Some(form) => format!("{} at {} ({form})", handler.model_id(), handler.endpoint()),
+            }),
             handler,
             handlers,
             executor,

@@ -76,6 +76,14 @@ pub trait ModelHandler: Send + Sync {
         self.model_id()
     }
 
+    /// How the requests are put to [`Self::endpoint`], when one URL takes them in more than one
+    /// form that answers differently (a Vertex AI endpoint's `:predict` with raw prompts, or
+    /// with chat messages its server puts through the chat template): kept apart in the
+    /// response cache too. `None` for the one form most handlers have.
+    fn request_form(&self) -> Option<&str> {
+        None
+    }
+
     /// The record fields a request is built from besides the prompt (an `http/` model's body
     /// template names them): the engine hands them over in [`ModelRequest::fields`], and the
     /// response cache keys on them. Empty for models that read the prompt alone.

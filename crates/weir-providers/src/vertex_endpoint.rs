@@ -158,6 +158,11 @@ impl ModelHandler for PredictHandler {
         self.credential.quota_id()
     }
 
+    fn request_form(&self) -> Option<&str> {
+        // The raw form keeps the source it always had (its cached answers stay good).
+        (self.format == InstanceFormat::Chat).then_some("chat instances")
+    }
+
     fn max_batch(&self) -> usize {
         self.max_batch
     }

@@ -621,6 +621,7 @@ pub fn connect(
     let spec = Spec::check(name, raw, env).map_err(|e| ProviderError::Config(format!("--http-models {path}: {e}")))?;
     let client = crate::http::client()?;
     Ok(HttpModel {
+        missed: Default::default(),
         client,
         model_id: format!("http/{name}"),
         quota: spec.secrets.iter().map(|s| s.expose().to_string()).collect::<Vec<_>>().join("\n"),
@@ -636,7 +637,17 @@ pub struct HttpModel {
     /// The secrets the calls carry, joined: what tells this quota from another key's.
     quota: String,
     spec: Spec,
+    /// Answers with nothing at `answer` since the run started, while none has had something
+    /// there (`u32::MAX` once one has): see [`MISSED_FROM_THE_START`].
+    missed: std::sync::atomic::AtomicU32,
 }
+
+/// Answers in a row, from the start of a run, with nothing at `answer` that stop the run: the
+/// pointer is most likely wrong (a typo in the models file), and every record would otherwise
+/// be paid for `--max-retries` + 1 times before failing (a tester's 20 records: 180 calls,
+/// every one answered 2xx). Once an answer has had something there, a miss is that answer's
+/// (`malformed_response`, tried again).
+const MISSED_FROM_THE_START: u32 = 3;
 
 impl HttpModel {
     /// The request for `request`: its URL and body.
@@ -729,14 +740,28 @@ impl HttpModel {
     fn parse(&self, body: &[u8]) -> Result<ModelResponse, ModelError> {
         let v: Value = serde_json::from_slice(body)
             .map_err(|e| ModelError::new(ErrorKind::MalformedResponse, format!("the answer is not JSON: {e}")))?;
+        use std::sync::atomic::Ordering::Relaxed;
         let answer = v.pointer(&self.spec.answer).filter(|a| !a.is_null()).cloned().ok_or_else(|| {
             let mut v = v.clone();
             crate::http::mask_value(&mut v, &self.spec.secrets);
-            ModelError::new(
-                ErrorKind::MalformedResponse,
-                clip(&format!("the answer has nothing at {}: {}", self.spec.answer, self.masked(&v.to_string()))),
-            )
+            let said =
+                clip(&format!("the answer has nothing at {}: {}", self.spec.answer, self.masked(&v.to_string())));
+            let missed = self.missed.fetch_update(Relaxed, Relaxed, |n| (n != u32::MAX).then(|| n + 1));
+            match missed {
+                Ok(n) if n + 1 >= MISSED_FROM_THE_START => ModelError::new(
+                    ErrorKind::Endpoint,
+                    format!(
+                        "{said} (the first {} answers of the run all had nothing at models.{}'s answer pointer: \
+                         put it right in the models file; the records are tried again by the next run)",
+                        n + 1,
+                        self.spec.name
+                    ),
+                )
+                .with_hint(RetryHint::StopRun),
+                _ => ModelError::new(ErrorKind::MalformedResponse, said),
+            }
         })?;
+        self.missed.store(u32::MAX, Relaxed);
         // An answer that is an object is masked string by string, then as the text written.
         let mut answer = answer;
         crate::http::mask_value(&mut answer, &self.spec.secrets);
@@ -806,7 +831,13 @@ mod tests {
         let env: Vec<(String, String)> = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         let get = move |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
         let spec = Spec::check(&name, raw, &get)?;
-        Ok(HttpModel { client: reqwest::Client::new(), model_id: format!("http/{name}"), quota: String::new(), spec })
+        Ok(HttpModel {
+            client: reqwest::Client::new(),
+            model_id: format!("http/{name}"),
+            quota: String::new(),
+            spec,
+            missed: Default::default(),
+        })
     }
 
     fn request(prompt: &str, fields: Value) -> ModelRequest {
@@ -961,6 +992,29 @@ answer = "/data/0/text"
         // A redirect goes in no list.
         let e = model("[models.m]\nurl = \"https://x.com/\"\nanswer = \"/out\"\nretry = [302]\n", &[]).unwrap_err();
         assert!(e.contains("redirect"), "{e}");
+    }
+
+    /// A wrong `answer` pointer: a tester's 20 records were paid for 9 times each (180 calls,
+    /// every one answered) before failing. The first three answers of a run with nothing there
+    /// stop it; once one has had something there, a miss is that answer's and tried again.
+    #[test]
+    fn an_answer_pointer_that_finds_nothing_from_the_start_stops_the_run() {
+        let text = "[models.m]\nurl = \"https://x.com/a\"\nanswer = \"/choices/0/msg\"\n";
+        let kinds = |m: &HttpModel| {
+            (0..3)
+                .map(|_| m.parse(br#"{"choices": [{"message": "hi"}]}"#).unwrap_err())
+                .map(|e| (e.kind, e.hint))
+                .collect::<Vec<_>>()
+        };
+        let wrong = model(text, &[]).unwrap();
+        let seen = kinds(&wrong);
+        assert_eq!(seen[..2], [(ErrorKind::MalformedResponse, RetryHint::Backoff); 2]);
+        assert_eq!(seen[2], (ErrorKind::Endpoint, RetryHint::StopRun));
+        let e = wrong.parse(b"{}").unwrap_err();
+        assert!(e.message.contains("models.m's answer pointer"), "{e}");
+        let found = model(text, &[]).unwrap();
+        assert!(found.parse(br#"{"choices": [{"msg": "hi"}]}"#).is_ok());
+        assert!(kinds(&found).into_iter().all(|k| k == (ErrorKind::MalformedResponse, RetryHint::Backoff)));
     }
 
     /// A variable in a header that carries no credential is a setting: not masked, and part of

@@ -1478,6 +1478,8 @@ struct Kept {
     peers: Arc<AtomicUsize>,
     members: u64,
     told: Told,
+    /// Executors connected to it now, whether or not they have called yet.
+    linked: usize,
 }
 
 /// How long the scheduler keeps a quota's throttle after its last executor left: an executor
@@ -1519,19 +1521,40 @@ impl Keeper {
                 peers: Arc::default(),
                 members: 0,
                 told: hello.told.clone(),
+                linked: 0,
             });
-            if kept.told != hello.told {
+            if kept.told != hello.told && kept.linked == 0 {
+                // Every executor told the first limits has left (the throttle is kept a while
+                // for the next query's): the limits this one was told are the quota's now. A
+                // tester's executors started again with `--rpm 100` ran at the 40 of the ones
+                // before them, and others told 40 burst at what the ones before had learned.
+                tracing::info!("quota service: an executor was told other limits for a quota no executor uses now; they replace the earlier ones");
+                *kept = Kept {
+                    throttle: Arc::new(Throttle::new(&settings)),
+                    peers: Arc::default(),
+                    members: 0,
+                    told: hello.told.clone(),
+                    linked: 0,
+                };
+            } else if kept.told != hello.told {
                 tracing::warn!(
                     "quota service: an executor was told other limits for a quota than the first one; the first ones \
                      stay in force for every executor (one throttle per quota)"
                 );
             }
             kept.members += 1;
+            kept.linked += 1;
             (kept.throttle.clone(), kept.peers.clone(), kept.members)
         };
         let (read, write) = tokio::io::split(link);
         let let_go = LetGo { silent_after: Some(HOLDER_SILENT), stop: CancellationToken::new() };
         serve_peer(&throttle, BufReader::new(read).lines(), write, &peers, member, 0, let_go).await;
+        if let Some(k) = self.quotas.lock().unwrap_or_else(|e| e.into_inner()).get_mut(&hello.quota) {
+            // (Not a throttle made anew since this executor came: that one counts its own.)
+            if Arc::ptr_eq(&k.throttle, &throttle) {
+                k.linked = k.linked.saturating_sub(1);
+            }
+        }
         if peers.load(Relaxed) == 0 {
             let me = self.clone();
             tokio::spawn(async move {
@@ -1596,6 +1619,41 @@ mod tests {
             store: QuotaStore::Off,
             ..ThrottleSettings::default()
         }))
+    }
+
+    /// The scheduler keeps a quota's throttle a minute after its last executor left. A
+    /// tester's executors started again with `--rpm 100` within it ran at the 40 of the ones
+    /// before: limits told anew, while no executor is connected, replace the kept ones; while
+    /// one is, the first ones stay.
+    #[tokio::test]
+    async fn limits_told_anew_once_every_executor_left_replace_the_kept_ones() {
+        let keeper = Keeper::new();
+        let told = |rpm: u64| {
+            Told::of(&ThrottleSettings {
+                rate: RateSettings { requests: Some(rpm), window: Duration::from_secs(5), ..RateSettings::default() },
+                ..ThrottleSettings::default()
+            })
+        };
+        let quota = "0123456789abcdef01234567".to_string();
+        let hello = |rpm| serde_json::to_string(&Hello { quota: quota.clone(), told: told(rpm) }).unwrap();
+        let kept = |k: &Keeper| k.quotas.lock().unwrap()[&quota].told.requests;
+        // An executor told 40 connects and stays; one told 100 beside it gets the 40.
+        let (first, far) = tokio::io::duplex(4096);
+        let k = keeper.clone();
+        let h = hello(40);
+        let serving = tokio::spawn(async move { k.serve(&h, far).await });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let (second, far) = tokio::io::duplex(4096);
+        drop(second);
+        keeper.serve(&hello(100), far).await;
+        assert_eq!(kept(&keeper), Some(40), "the first executor is still connected");
+        // It leaves; the next one told 100 sets the quota's limits.
+        drop(first);
+        serving.await.unwrap();
+        let (third, far) = tokio::io::duplex(4096);
+        drop(third);
+        keeper.serve(&hello(100), far).await;
+        assert_eq!(kept(&keeper), Some(100));
     }
 
     #[test]

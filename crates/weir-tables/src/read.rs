@@ -884,10 +884,14 @@ fn is_binary(t: &DataType) -> bool {
 
 /// Bytes as JSON: text when they are UTF-8 (a prompt stored as bytes is still the prompt, not
 /// its hex); else `{"base64": …}`, which keeps them and is no string, so a prompt of such bytes
-/// is that record's error, found before any call.
+/// is that record's error, found before any call. A PDF is kept as bytes even when all of it
+/// is UTF-8 (a small PDF written in ASCII): as text, a media field would take it for a path.
 fn bytes_value(written: &str) -> serde_json::Value {
     use base64::Engine;
     match hex::decode(written).ok().map(String::from_utf8) {
+        Some(Ok(text)) if text.starts_with("%PDF-") => {
+            serde_json::json!({ "base64": base64::engine::general_purpose::STANDARD.encode(text.into_bytes()) })
+        }
         Some(Ok(text)) => serde_json::Value::String(text),
         Some(Err(e)) => {
             serde_json::json!({ "base64": base64::engine::general_purpose::STANDARD.encode(e.into_bytes()) })
@@ -1035,5 +1039,16 @@ mod tests {
             assert_eq!(row(&batch)["img"], serde_json::json!({ "base64": b64 }), "{:?}", schema.field(0));
             assert_eq!(plain(&schema).field(0).data_type(), &DataType::Binary, "written back as bytes");
         }
+        // A PDF all in ASCII stays bytes (as text, a media field took it for a path); other
+        // UTF-8 bytes are text.
+        let pdf: &[u8] = b"%PDF-1.4\n%fake";
+        let col = Arc::new(BinaryArray::from(vec![pdf, b"a prompt".as_slice()])) as arrow_array::ArrayRef;
+        let schema = Schema::new(vec![arrow_schema::Field::new("doc", col.data_type().clone(), true)]);
+        let batch = RecordBatch::try_new(Arc::new(schema), vec![col]).unwrap();
+        let b64 = base64::engine::general_purpose::STANDARD.encode(pdf);
+        assert_eq!(row(&batch)["doc"], serde_json::json!({ "base64": b64 }));
+        let lines = batch_lines(&batch, 0).unwrap();
+        let second: serde_json::Value = serde_json::from_slice(&lines[1].bytes).unwrap();
+        assert_eq!(second["doc"], "a prompt");
     }
 }

@@ -281,6 +281,25 @@ async fn a_vertex_endpoint_through_chat_instances_the_openai_route_and_raw_predi
     }
 }
 
+/// Raw prompts and chat instances go to one `:predict` URL and answer differently (a vLLM
+/// server puts only the latter through the chat template): a tester's switch to chat instances
+/// got the raw answers back from the response cache, with no call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_instances_are_not_answered_from_the_cache_of_raw_prompts() {
+    let server = sim(|_| {}).await;
+    let dir = Dir::new("vertex-endpoint-forms");
+    let data = prompts(20);
+    let (o, _, _) = model_run("vertex_endpoint/5", &server, &dir, &data, &["--project", "p"]).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let before = server.stats().requests;
+    let args = ["--project", "p", "--endpoint-format", "chat", "--fresh"];
+    let (o, out, ids) = model_run("vertex_endpoint/5", &server, &dir, &data, &args).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_each_id_once(&ids, &rows(&out), &[]);
+    assert_eq!(server.stats().requests - before, 20, "each chat instance called: {}", stderr(&o));
+    server.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batching_flags_that_cannot_apply_exit_2() {
     let dir = Dir::new("vertex-endpoint-flags");
