@@ -122,7 +122,10 @@ pub fn site_name(options: &ProviderOptions) -> String {
 /// the same entries (how the Python package passes `endpoints=[...]`). `from` names it in
 /// messages.
 pub fn parse(text: &str, from: &str) -> Result<Vec<EndpointEntry>, String> {
-    let entries = if text.trim_start().starts_with('[') && !text.trim_start().starts_with("[[") {
+    // A JSON list opens with `[` and then `{` or `]`; a TOML table header (`[endpoint]`, a
+    // single-bracket slip for `[[endpoint]]`) with a name.
+    let json = text.trim_start().strip_prefix('[').is_some_and(|r| r.trim_start().starts_with(['{', ']']));
+    let entries = if json {
         serde_json::from_str::<Vec<EndpointEntry>>(text).map_err(|e| format!("{from}: {e}"))?
     } else {
         // The line, not the snippet the error would show: a key pasted into the file is not
@@ -130,9 +133,15 @@ pub fn parse(text: &str, from: &str) -> Result<Vec<EndpointEntry>, String> {
         toml::from_str::<File>(text)
             .map_err(|e| match e.span() {
                 Some(at) => format!(
-                    "{from}: line {}: {}",
+                    "{from}: line {}: {}{}",
                     text[..at.start.min(text.len())].matches('\n').count() + 1,
-                    e.message()
+                    e.message(),
+                    // `[endpoint]` is one table where a list of them is wanted.
+                    if text.lines().any(|l| l.trim() == "[endpoint]") {
+                        " (each endpoint is an [[endpoint]] table, with double brackets)"
+                    } else {
+                        ""
+                    }
                 ),
                 None => format!("{from}: {}", e.message()),
             })?
@@ -203,6 +212,14 @@ pub fn check(entries: &[EndpointEntry], env: &dyn Fn(&str) -> Option<String>) ->
                     b.label(j)
                 ));
             }
+            if a.name.is_some() && a.name == b.name {
+                return Err(format!(
+                    "{} and {} have the same name: the summary, the page and /metrics tell endpoints apart by it, \
+                     give each its own",
+                    a.label(i),
+                    b.label(j)
+                ));
+            }
         }
     }
     Ok(())
@@ -238,6 +255,12 @@ mod tests {
         let j = parse(r#"[{"base_url": "http://127.0.0.1:9/v1"}, {"location": "europe-west4"}]"#, "endpoints").unwrap();
         assert_eq!(j[1].location.as_deref(), Some("europe-west4"));
 
+        // A tester's `[endpoint]` was read as JSON ("expected value at line 1 column 2").
+        let single = parse("[endpoint]\nbase_url = \"http://127.0.0.1:1/v1\"\n", "pool.toml").unwrap_err();
+        assert!(single.contains("[[endpoint]] table, with double brackets"), "{single}");
+        let mut twins = p.clone();
+        twins[0].name = twins[1].name.clone();
+        assert!(check(&twins, &env).unwrap_err().contains("have the same name"));
         let unknown = parse("[[endpoint]]\nbase_url = \"http://127.0.0.1:1/v1\"\napi_key = \"x\"\n", "pool.toml");
         assert!(unknown.unwrap_err().contains("unknown field `api_key`"));
         let mut missing = p.clone();
