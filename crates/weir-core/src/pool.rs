@@ -395,9 +395,15 @@ impl Pool {
         } else if e.kind == ErrorKind::QuotaExhausted || e.hint == RetryHint::StopRun {
             Some(Cause::Spent)
         } else if matches!(e.kind, ErrorKind::Server | ErrorKind::Timeout | ErrorKind::Transport) {
+            // Cooled down so that others take its calls: with every other endpoint dead, a
+            // cool-down would only hold the records (doubling to two minutes each time), and
+            // its failures are the records' as at a lone endpoint (a tester's pool of one
+            // hanging endpoint and one with a rejected key wrote no row in 200 s).
+            let others_alive =
+                self.lanes.iter().enumerate().any(|(i, o)| i != lane && o.standing(now).0 != EndpointHealth::Dead);
             let mut h = l.health.lock().unwrap_or_else(|e| e.into_inner());
             h.failures_in_a_row += 1;
-            (h.failures_in_a_row >= FAILURES_TO_COOL).then_some(Cause::Failing)
+            (h.failures_in_a_row >= FAILURES_TO_COOL && others_alive).then_some(Cause::Failing)
         } else {
             None
         };
@@ -576,6 +582,16 @@ mod tests {
         }
         q.learn(0, Err(&server));
         assert_eq!(q.status()[0].health, EndpointHealth::CoolingDown);
+        // Beside endpoints that are all dead, failures do not cool one: they are the records'
+        // errors, tried again after their backoff as at a lone endpoint.
+        let r = pool(&[100, 100]);
+        r.learn(1, Err(&rejected));
+        let timeout = ModelError::new(ErrorKind::Timeout, "no answer in 5 s");
+        for _ in 0..FAILURES_TO_COOL * 2 {
+            let (e, absorbed) = r.learn(0, Err(&timeout)).unwrap();
+            assert_eq!((absorbed, e.kind, e.hint), (Absorbed::No, ErrorKind::Timeout, timeout.hint));
+        }
+        assert_eq!(r.status()[0].health, EndpointHealth::Active);
     }
 
     #[tokio::test(start_paused = true)]
