@@ -357,13 +357,6 @@ async fn watch_scheduler(scheduler: SocketAddr) -> std::convert::Infallible {
     }
 }
 
-/// Stops the calls of every task running on this executor; how many tasks there were. For an
-/// executor asked to stop (SIGTERM, Ctrl-C): Ballista then tells the scheduler it stopped and
-/// waits for its tasks to end, which they do at once rather than after every call.
-pub fn stop_tasks() -> usize {
-    crate::cancel::cancel_all()
-}
-
 /// How long an executor goes without reaching its scheduler before it stops its tasks' calls.
 const SCHEDULER_GONE: std::time::Duration = std::time::Duration::from_secs(15);
 

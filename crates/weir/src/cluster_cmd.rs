@@ -354,26 +354,9 @@ async fn executor(a: ExecutorArgs) -> anyhow::Result<u8> {
     eprintln!("weir: executor on {}:{} serving the scheduler at {}", a.host, a.port, a.scheduler);
     let started = Instant::now();
     let mut signals = crate::signals::StopSignals::new()?;
-    let running = weir_datafusion::cluster::executor(place, functions.clone());
-    tokio::pin!(running);
     let result = tokio::select! {
-        r = &mut running => r,
-        _ = signals.next() => {
-            // Ballista's executor got the same signal: it tells the scheduler this executor is
-            // stopping, so its tasks go elsewhere now and no new ones come. Dropped at once, it
-            // stayed registered; an executor started again at its address was handed the old
-            // one's tasks, and after the scheduler's 30-s heartbeat timeout they ran again
-            // elsewhere, paid for twice (a tester's restart: 375 calls for 300 rows). Its tasks'
-            // calls stop now, so the wait is short; a second signal stops at once.
-            let stopped = weir_datafusion::cluster::stop_tasks();
-            if stopped > 0 {
-                eprintln!("weir: stopping; the calls of the {stopped} task(s) running here were stopped");
-            }
-            tokio::select! {
-                r = tokio::time::timeout(STOP_PATIENCE, &mut running) => r.unwrap_or(Ok(())),
-                _ = signals.next() => Ok(()),
-            }
-        }
+        r = weir_datafusion::cluster::executor(place, functions.clone()) => r,
+        _ = signals.next() => Ok(()),
     };
     // A scheduler with TLS closes a plain or unknown executor's connection during the handshake;
     // one with a token answers UNAUTHENTICATED.
@@ -407,9 +390,6 @@ async fn executor(a: ExecutorArgs) -> anyhow::Result<u8> {
     result.map_err(|e| anyhow::anyhow!(e))?;
     Ok(0)
 }
-
-/// How long a stopping executor waits for Ballista to tell the scheduler and let its tasks end.
-const STOP_PATIENCE: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The first part of the name of an executor's work directory; the process id follows.
 const WORK_PREFIX: &str = "weir-executor-";
