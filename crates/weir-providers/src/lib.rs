@@ -135,8 +135,7 @@ impl ModelSpec {
                  API's own parameters there"
             ));
         }
-        let claude = self.provider == Provider::Anthropic
-            || (self.provider == Provider::Vertex && self.model.starts_with("claude"));
+        let claude = self.is_claude();
         let unknown = [
             ("seed", params.seed.is_some()),
             ("presence_penalty", params.presence_penalty.is_some()),
@@ -150,13 +149,17 @@ impl ModelSpec {
         }
     }
 
+    /// Claude, called through Anthropic's Messages API (its own, or Vertex AI's publisher
+    /// `anthropic` model), whose parameters and media types are the API's.
+    fn is_claude(&self) -> bool {
+        self.provider == Provider::Anthropic || (self.provider == Provider::Vertex && self.model.starts_with("claude"))
+    }
+
     /// Why a part of media type `mime` cannot go to this model, found before any call: Claude
     /// (Anthropic's Messages API, also on Vertex AI) takes images and PDF or plain-text
     /// documents only. Other providers' refusals come from the server.
     pub fn refused_media_type(&self, mime: &str) -> Option<String> {
-        let claude = self.provider == Provider::Anthropic
-            || (self.provider == Provider::Vertex && self.model.starts_with("claude"));
-        (claude && !anthropic::takes_media_type(mime)).then(|| {
+        (self.is_claude() && !anthropic::takes_media_type(mime)).then(|| {
             format!(
                 "{mime} is not a type Anthropic's Messages API (Claude) takes (images: JPEG, PNG, GIF, WebP; \
                  documents: PDF, plain text)"
