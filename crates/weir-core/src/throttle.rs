@@ -286,6 +286,9 @@ pub struct Admitted<'a> {
     /// Time the call was held by a server-advised pause, the SRE throttler and the budgets
     /// (not counting the wait for a concurrency slot).
     pub waited: Duration,
+    /// A slot of a pool's cap on the run's calls in flight at all its endpoints together
+    /// (see [`Pool`](crate::Pool)), freed with the call.
+    run_slot: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 impl Throttle {
@@ -766,6 +769,7 @@ impl Throttle {
                     remote: Some((d, g.id, call)),
                     sent: Instant::now(),
                     waited: g.waited,
+                    run_slot: None,
                 };
             }
             // The shared throttle is gone: ask the next one the runtime finds (or this one, if
@@ -879,6 +883,7 @@ impl Throttle {
             remote: None,
             sent: Instant::now(),
             waited,
+            run_slot: None,
         }
     }
 
@@ -931,6 +936,12 @@ impl Throttle {
 }
 
 impl Admitted<'_> {
+    /// The call also holds `slot` until it ends (a pool's cap on the run's calls in flight).
+    pub(crate) fn holding(mut self, slot: Option<tokio::sync::OwnedSemaphorePermit>) -> Self {
+        self.run_slot = slot;
+        self
+    }
+
     /// Reports how the call went (usage and rate-limit headers of an answer, or the error):
     /// frees the slot, corrects the budgets, and teaches the limits.
     pub fn finish(self, result: Result<(Usage, Option<LimitInfo>), &ModelError>) {

@@ -378,7 +378,9 @@ pub async fn connect(url: &str, config: SessionConfig, functions: &Arc<Runtime>)
         .with_runtime_env(runtime(None).map_err(|e| e.to_string())?)
         .with_default_features()
         .build();
-    let ctx = SessionContext::remote_with_state(url, state).await.map_err(|e| format!("{url}: {e}"))?;
+    // `dfs://` (mutual TLS, installed with the credentials) is `df://` to Ballista.
+    let wire = url.replacen("dfs://", "df://", 1);
+    let ctx = SessionContext::remote_with_state(&wire, state).await.map_err(|e| format!("{url}: {e}"))?;
     let settings = [
         // The client asks for the job's status rather than waiting for the scheduler to push
         // it: pushed, the job's id arrives only when a stage ends, too late to cancel the job

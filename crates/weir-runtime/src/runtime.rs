@@ -438,7 +438,7 @@ impl Runtime {
             handler,
             throttle,
             handlers,
-            pool: Arc::new(weir_core::Pool::new(members)),
+            pool: Arc::new(weir_core::Pool::new(members).with_most_in_flight(self.settings.throttle.max_concurrency)),
             metrics,
             unreachable: std::sync::atomic::AtomicBool::new(false),
         });
