@@ -252,10 +252,33 @@ fn where_calls_cannot_go(e: DataFusionError) -> DataFusionError {
     }
 }
 
+/// An executor's planning error inside a failed cluster job: Ballista hands it back as the
+/// text of its debug form (`…Plan("llm_generate options …: unknown parameter 'bogus'…")…`),
+/// which `find_root` cannot open. Its message, unquoted.
+fn cluster_plan_error(e: &DataFusionError) -> Option<String> {
+    let text = e.to_string();
+    let (_, rest) = text.split_once("Plan(\"")?;
+    let mut out = String::new();
+    let mut chars = rest.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '"' => return Some(out),
+            '\\' => match chars.next()? {
+                'n' => out.push('\n'),
+                't' => out.push('\t'),
+                other => out.push(other),
+            },
+            c => out.push(c),
+        }
+    }
+    None
+}
+
 /// True for errors in the query or its inputs (exit status 2), not in running it.
 fn is_usage(e: &DataFusionError) -> bool {
     // A cluster wraps the executor's planning error in layers find_root does not open.
     e.to_string().contains("Error during planning")
+        || cluster_plan_error(e).is_some()
         || matches!(
             e.find_root(),
             DataFusionError::SQL(..)
@@ -269,6 +292,9 @@ fn is_usage(e: &DataFusionError) -> bool {
 /// A usage error's message, with DataFusion's words for a call of weir's functions with
 /// arguments of the wrong type (an "internal error" that asks for a bug report) replaced.
 fn explain_usage(e: &DataFusionError) -> String {
+    if let Some(message) = cluster_plan_error(e) {
+        return message;
+    }
     let text = e.to_string();
     let marker = "No function matches the given name and argument types '";
     if let Some(call) = text.split_once(marker).and_then(|(_, rest)| rest.split_once('\'')).map(|(call, _)| call) {
@@ -745,4 +771,25 @@ pub(crate) async fn summary(functions: &Runtime, elapsed: std::time::Duration, w
         }
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_executors_planning_error_is_a_usage_error_with_its_own_words() {
+        // As a cluster's failed job gives it back (an unknown option key: exit 2, as on one
+        // machine, not 3).
+        let e = DataFusionError::Execution(
+            "Job 038HW5SR5M000 failed: Job failed due to stage 1 failed: Task failed due to runtime execution \
+             error: DataFusionError(Shared(External(DataFusionError(Plan(\"llm_generate options {\\\"bogus\\\": 1}: \
+             unknown parameter 'bogus'\")))))"
+                .into(),
+        );
+        assert!(is_usage(&e));
+        assert_eq!(explain_usage(&e), "llm_generate options {\"bogus\": 1}: unknown parameter 'bogus'");
+        let failed = DataFusionError::Execution("Job 1 failed: the endpoint refused the key".into());
+        assert!(!is_usage(&failed));
+    }
 }
