@@ -354,9 +354,26 @@ async fn executor(a: ExecutorArgs) -> anyhow::Result<u8> {
     eprintln!("weir: executor on {}:{} serving the scheduler at {}", a.host, a.port, a.scheduler);
     let started = Instant::now();
     let mut signals = crate::signals::StopSignals::new()?;
+    let running = weir_datafusion::cluster::executor(place, functions.clone());
+    tokio::pin!(running);
     let result = tokio::select! {
-        r = weir_datafusion::cluster::executor(place, functions.clone()) => r,
-        _ = signals.next() => Ok(()),
+        r = &mut running => r,
+        _ = signals.next() => {
+            // Ballista got the same signal and tells the scheduler that this executor stops:
+            // its tasks go to the others now, and no new one comes here. Ended at once, it
+            // stayed registered for the scheduler's 30-s timeout, and one started again at its
+            // address was handed the old one's tasks, which then ran again (a tester's restart
+            // of two executors: 450 calls for 300 rows). Ballista would then wait for its tasks
+            // to end, each to its last call, paid for while another executor runs it again;
+            // nor are they stopped here: a task stopped before the scheduler heard failed the
+            // whole query. So a moment for the telling, then the process ends with its tasks
+            // (their calls in flight are made again elsewhere, as after a kill).
+            eprintln!("weir: stopping: the scheduler is told, and the tasks running here go to other executors");
+            tokio::select! {
+                r = tokio::time::timeout(TELL_SCHEDULER, &mut running) => r.unwrap_or(Ok(())),
+                _ = signals.next() => Ok(()),
+            }
+        }
     };
     // A scheduler with TLS closes a plain or unknown executor's connection during the handshake;
     // one with a token answers UNAUTHENTICATED.
@@ -390,6 +407,10 @@ async fn executor(a: ExecutorArgs) -> anyhow::Result<u8> {
     result.map_err(|e| anyhow::anyhow!(e))?;
     Ok(0)
 }
+
+/// How long a stopping executor gives Ballista to tell the scheduler (two calls to it) before
+/// the process ends with its tasks.
+const TELL_SCHEDULER: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// The first part of the name of an executor's work directory; the process id follows.
 const WORK_PREFIX: &str = "weir-executor-";
