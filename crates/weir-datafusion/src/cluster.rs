@@ -347,10 +347,14 @@ async fn watch_scheduler(scheduler: SocketAddr) -> std::convert::Infallible {
         if every * missed == SCHEDULER_GONE {
             let stopped = crate::cancel::cancel_all();
             if stopped > 0 {
-                eprintln!(
+                // Not eprintln!: it panics when stderr's reader has gone away.
+                let _ = std::io::Write::write_fmt(
+                    &mut std::io::stderr(),
+                    format_args!(
                     "weir: the scheduler at {scheduler} has not answered for {} s; stopped the calls of the {stopped} \
-                     task(s) running here (nobody could collect their results)",
+                     task(s) running here (nobody could collect their results)\n",
                     SCHEDULER_GONE.as_secs()
+                    ),
                 );
             }
         }

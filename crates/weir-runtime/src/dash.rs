@@ -863,7 +863,8 @@ pub async fn watch_and_serve(
 ) -> Result<(Arc<Watch>, [tokio::task::JoinHandle<()>; 2]), String> {
     let watch = Watch::new(runtime, title, None, cost);
     let (bound, server) = serve(addr, watch.clone()).await?;
-    eprintln!("{who}: live page on http://{bound}/");
+    // Not eprintln!: it panics when stderr's reader has gone away.
+    let _ = std::io::Write::write_fmt(&mut std::io::stderr(), format_args!("{who}: live page on http://{bound}/\n"));
     let sampler = watch.start(None);
     Ok((watch, [sampler, server]))
 }

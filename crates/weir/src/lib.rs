@@ -3,6 +3,9 @@
 
 #![warn(missing_docs)]
 
+// Before the other modules, so that its `eprintln!` and `eprint!` are theirs.
+#[macro_use]
+mod stderr_lines;
 pub mod cost;
 mod drain;
 mod input;

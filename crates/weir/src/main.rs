@@ -1,6 +1,9 @@
 //! The `weir` binary: parses the command line, wires the library crates together and maps the
 //! outcome to an exit status. Everything that does work lives in the library crates.
 
+// Before the other modules, so that its `eprintln!` and `eprint!` are theirs.
+#[macro_use]
+mod stderr_lines;
 mod batch_cmd;
 #[cfg(feature = "cluster")]
 mod cluster_cmd;

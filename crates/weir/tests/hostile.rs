@@ -326,6 +326,39 @@ async fn a_closed_stdout_accounts_for_every_record_left() {
     server.shutdown().await;
 }
 
+/// A reader of stderr that goes away (`weir run … 2>&1 | head -1`): the run goes on and writes
+/// every row. Every line to stderr panicked (exit 101): a finished run's summary, and, mid-run,
+/// the message that the output was closed, with answered records unwritten and no `aborted`
+/// rows for the rest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_stderr_loses_nothing() {
+    let dir = Dir::new("closed-stderr");
+    let (data, _) = prompts(200);
+    dir.write("in.jsonl", &data);
+    let mut child = demo(&dir, &["--input", "in.jsonl", "--output", "out.jsonl", "--id-field", "key"])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stderr.take());
+    let status = child.wait().await.unwrap();
+    assert_eq!(status.code(), Some(0));
+    assert_eq!(rows(&dir.path("out.jsonl")).len(), 200);
+    // With the results on a pipe too, closed after one row: an `aborted` row for the rest.
+    let mut child = demo(&dir, &["--input", "in.jsonl", "--output", "-", "--errors", "e.jsonl", "--id-field", "key"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stderr.take());
+    let mut out = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    out.next_line().await.unwrap().unwrap();
+    drop(out);
+    let status = child.wait().await.unwrap();
+    assert_eq!(status.code(), Some(141));
+    let errors = rows(&dir.path("e.jsonl"));
+    assert!(errors.len() >= 150 && errors.iter().all(|r| r["kind"] == "aborted"), "{} error rows", errors.len());
+}
+
 /// 12. Ctrl-C while the reader of `--events` has stopped reading (the writer is blocked on
 ///     it): the run says so and ends within the drain time; it used to print nothing and
 ///     wait for the reader for ever. Run again, it resumes.
