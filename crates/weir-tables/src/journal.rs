@@ -9,6 +9,8 @@
 //!
 //! ```text
 //! k 3f2a…(32 hex digits)     a finished record's key
+//! i 9c04…(32 hex digits)     a finished record's id (with `--id-field`), for a stream fed again
+//!                            in another order (`--resume-stream`)
 //! p r part-00003.parquet 812 a results part and its rows
 //! p e part-00003.parquet 4   an errors part and its rows
 //! C                          the checkpoint is complete
@@ -59,6 +61,9 @@ pub struct Part {
 pub struct Committed {
     /// Finished records' keys.
     pub finished: KeySet,
+    /// Finished records' ids (by `weir_io::state::id_key`), when the run had `--id-field`
+    /// (journals written before ids were kept have none).
+    pub finished_ids: KeySet,
     /// The committed parts.
     pub parts: Vec<Part>,
 }
@@ -132,6 +137,7 @@ impl Journal {
             let mut line = String::new();
             let mut offset = 0u64;
             let mut keys: Vec<Key> = Vec::new();
+            let mut ids: Vec<Key> = Vec::new();
             let mut parts: Vec<Part> = Vec::new();
             loop {
                 line.clear();
@@ -143,8 +149,9 @@ impl Journal {
                 let text = line.trim_end();
                 let mut fields = text.split(' ');
                 match fields.next() {
-                    Some("k") => match fields.next().and_then(|h| u128::from_str_radix(h, 16).ok()) {
-                        Some(k) => keys.push(k),
+                    Some(kind @ ("k" | "i")) => match fields.next().and_then(|h| u128::from_str_radix(h, 16).ok()) {
+                        Some(k) if kind == "k" => keys.push(k),
+                        Some(k) => ids.push(k),
                         None => break,
                     },
                     Some("p") => {
@@ -163,6 +170,9 @@ impl Journal {
                         for k in keys.drain(..) {
                             committed.finished.insert(k);
                         }
+                        for k in ids.drain(..) {
+                            committed.finished_ids.insert(k);
+                        }
                         committed.parts.append(&mut parts);
                         good = offset;
                     }
@@ -178,12 +188,15 @@ impl Journal {
         Ok((Self { file, path: path.to_path_buf() }, committed))
     }
 
-    /// Records one checkpoint: the keys of the records now finished and the parts that hold
-    /// them, made durable before returning.
-    pub fn commit(&mut self, keys: &[Key], parts: &[Part]) -> io::Result<()> {
-        let mut text = String::with_capacity(keys.len() * 35 + parts.len() * 40 + 2);
+    /// Records one checkpoint: the keys of the records now finished, their ids, and the parts
+    /// that hold them, made durable before returning.
+    pub fn commit(&mut self, keys: &[Key], ids: &[Key], parts: &[Part]) -> io::Result<()> {
+        let mut text = String::with_capacity((keys.len() + ids.len()) * 35 + parts.len() * 40 + 2);
         for k in keys {
             text.push_str(&format!("k {k:032x}\n"));
+        }
+        for k in ids {
+            text.push_str(&format!("i {k:032x}\n"));
         }
         for p in parts {
             text.push_str(&format!("p {} {} {}\n", p.table.letter(), p.name, p.rows));
@@ -210,8 +223,8 @@ mod tests {
         let (mut j, c) = Journal::open(&p, false).unwrap();
         assert_eq!((c.finished.len(), c.next_part()), (0, 0));
         let part = |t, n: u32, rows| Part { table: t, name: part_name(n, "parquet"), rows };
-        j.commit(&[1, 2], &[part(Table::Results, 0, 2)]).unwrap();
-        j.commit(&[3], &[part(Table::Errors, 1, 1)]).unwrap();
+        j.commit(&[1, 2], &[7], &[part(Table::Results, 0, 2)]).unwrap();
+        j.commit(&[3], &[], &[part(Table::Errors, 1, 1)]).unwrap();
         drop(j);
         // A checkpoint cut short: its keys are not finished.
         let mut f = OpenOptions::new().append(true).open(&p).unwrap();
@@ -220,6 +233,7 @@ mod tests {
         let (j, c) = Journal::open(&p, false).unwrap();
         assert_eq!(c.finished.len(), 3);
         assert!(c.finished.contains(&3) && !c.finished.contains(&4));
+        assert!(c.finished_ids.contains(&7) && c.finished_ids.len() == 1);
         assert_eq!((c.rows(Table::Results), c.rows(Table::Errors), c.next_part()), (2, 1, 2));
         assert!(std::fs::read_to_string(j.path()).unwrap().ends_with("C\n"));
         let (_j, c) = Journal::open(&p, true).unwrap();

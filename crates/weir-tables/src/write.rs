@@ -23,7 +23,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::AsyncWriteExt;
 use weir_core::{Failure, Success};
-use weir_io::state::{finished_key, Key};
+use weir_io::state::{finished_key, id_key, Key};
 use weir_io::writer::report;
 use weir_io::{ErrorRow, ResultRow, Row, RowWriter, WriterThread};
 
@@ -437,6 +437,17 @@ fn error_row(f: &Failure, c: &OutputColumns) -> Map<String, Value> {
     row
 }
 
+/// The id of a row's record as the journal keeps it (see [`journal::Committed::finished_ids`]);
+/// not a duplicate's, whose id is the earlier line's.
+fn id_of(row: &Row) -> Option<Key> {
+    match row {
+        Row::Success(s) => Some(id_key(&s.record.id)),
+        Row::Failure(f) if f.error.message.contains("duplicate id '") => None,
+        Row::Failure(f) => f.id.as_ref().map(id_key),
+        Row::Event(_) => None,
+    }
+}
+
 fn key_of(row: &Row) -> Option<Key> {
     match row {
         Row::Success(s) => Some(finished_key(Some(&s.record.id), s.record.line)),
@@ -452,6 +463,8 @@ struct State {
     journal: Option<Journal>,
     next_part: u32,
     keys: Vec<Key>,
+    /// The ids of the records of `keys`, with `--id-field`.
+    ids: Vec<Key>,
     settings_task: Task,
     keep: Option<Vec<String>>,
     id_field: Option<String>,
@@ -522,6 +535,9 @@ impl State {
         }
         if self.journal.is_some() {
             self.keys.extend(key_of(&row));
+            if self.id_field.is_some() {
+                self.ids.extend(id_of(&row));
+            }
         }
         if let (Some(c), None, Some((rows, first))) = (&self.columns, &self.keep, &mut self.unseen) {
             let input = match &row {
@@ -596,9 +612,10 @@ impl State {
             return Ok(());
         }
         if let Some(j) = &mut self.journal {
-            j.commit(&self.keys, &parts)?;
+            j.commit(&self.keys, &self.ids, &parts)?;
         }
         self.keys.clear();
+        self.ids.clear();
         if !parts.is_empty() {
             self.next_part += 1;
         }
@@ -642,6 +659,7 @@ async fn write_loop(
         journal,
         next_part,
         keys: Vec::new(),
+        ids: Vec::new(),
         settings_task: settings.task.clone(),
         keep: settings.keep.clone(),
         id_field: settings.id_field.clone(),

@@ -413,6 +413,7 @@ pub(crate) async fn resume(
                 recovered.results = committed.rows(weir_tables::journal::Table::Results);
                 recovered.errors = committed.rows(weir_tables::journal::Table::Errors);
                 recovered.finished = committed.finished;
+                recovered.finished_ids = committed.finished_ids;
                 if resuming {
                     if total.is_none() {
                         total = input.count()?;
@@ -634,7 +635,9 @@ pub(crate) fn announce_resume(recovered: &state::Recovered, total: Option<u64>, 
         crate::report::thousands(recovered.results),
         crate::report::thousands(recovered.errors),
         if recovered.requeued > 0 {
-            format!("; {} error rows to run again", recovered.requeued)
+            // Not among the finished errors before it: "0 errors; 104 error rows to run again"
+            // read as a contradiction.
+            format!("; {} more error rows are to run again", recovered.requeued)
         } else {
             String::new()
         },

@@ -470,15 +470,16 @@ async fn auto_mode_says_when_it_runs_online() {
 async fn resume_stream_knows_finished_ids_in_any_order() {
     let server = sim(weir_sim::SimConfig::default()).await;
     let dir = Dir::new("resume-stream-ids");
-    let (data, mut ids) = prompts(100);
+    let (data, ids) = prompts(100);
     let url = server.url();
-    let feed = |bytes: Vec<u8>| {
+    let feed = |bytes: Vec<u8>, output: &'static [&'static str]| {
         let dir = &dir.0;
         let url = url.clone();
         async move {
             let mut child = weir()
                 .current_dir(dir)
-                .args(["run", "--model", "gemini/m", "--base-url", &url, "--input", "-", "--output", "out.jsonl"])
+                .args(["run", "--model", "gemini/m", "--base-url", &url, "--input", "-"])
+                .args(output)
                 .args(["--id-field", "key", "--progress", "never", "--no-cache", "--resume-stream"])
                 .stdin(Stdio::piped())
                 .stderr(Stdio::piped())
@@ -490,7 +491,7 @@ async fn resume_stream_knows_finished_ids_in_any_order() {
             child.wait_with_output().await.unwrap()
         }
     };
-    let o = feed(data.clone()).await;
+    let o = feed(data.clone(), &["--output", "out.jsonl"]).await;
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     assert_eq!(server.stats().requests, 100);
     // One new record first, then the same hundred in reverse order.
@@ -499,11 +500,27 @@ async fn resume_stream_knows_finished_ids_in_any_order() {
         again.extend_from_slice(line);
         again.push(b'\n');
     }
-    let o = feed(again).await;
+    let o = feed(again.clone(), &["--output", "out.jsonl"]).await;
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     assert_eq!(server.stats().requests, 101, "only the new record is paid for: {}", stderr(&o));
-    ids.push("new".into());
-    assert_each_id_once(&ids, &rows(&dir.path("out.jsonl")), &rows(&dir.path("out.errors.jsonl")));
+    let mut all = ids.clone();
+    all.push("new".into());
+    assert_each_id_once(&all, &rows(&dir.path("out.jsonl")), &rows(&dir.path("out.errors.jsonl")));
+    // Into a table output (a directory of parts) alike: each id once. Keyed on id and line, the
+    // hundred were written again (answered from nowhere but a call with --no-cache).
+    std::fs::create_dir(dir.path("table")).unwrap();
+    const TABLE: &[&str] = &["--output", "table", "--output-format", "jsonl"];
+    let o = feed(data.clone(), TABLE).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let o = feed(again, TABLE).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(server.stats().requests, 202, "only the new record is paid for: {}", stderr(&o));
+    let parts = |d: &str| -> Vec<serde_json::Value> {
+        let mut names: Vec<_> = std::fs::read_dir(dir.path(d)).unwrap().map(|e| e.unwrap().path()).collect();
+        names.sort();
+        names.iter().filter(|p| p.extension().is_some_and(|e| e == "jsonl")).flat_map(|p| rows(p)).collect()
+    };
+    assert_each_id_once(&all, &parts("table"), &[]);
     server.shutdown().await;
 }
 

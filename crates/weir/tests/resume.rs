@@ -283,7 +283,7 @@ async fn retry_errors_runs_only_retryable_failures_again() {
     args.extend(["--max-retries", "0"]);
     let r = run(&[&args[..], &["--retry-errors"]].concat()).await;
     assert_eq!(r.status.code(), Some(1), "{}", stderr(&r));
-    assert!(stderr(&r).contains("36 error rows to run again"), "{}", stderr(&r));
+    assert!(stderr(&r).contains("36 more error rows are to run again"), "{}", stderr(&r));
     assert!(stderr(&r).contains(&format!("the base URL changed since the earlier run ({url} → ")), "{}", stderr(&r));
     let results = rows(&out);
     let errors = rows(&dir.path("out.errors.jsonl"));
