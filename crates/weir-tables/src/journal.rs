@@ -11,8 +11,8 @@
 //! k 3f2a…(32 hex digits)     a finished record's key
 //! i 9c04…(32 hex digits)     a finished record's id (with `--id-field`), for a stream fed again
 //!                            in another order (`--resume-stream`)
-//! p r part-00003.parquet 812 a results part and its rows
-//! p e part-00003.parquet 4   an errors part and its rows
+//! p r part-00003.parquet 812 40960   a results part, its rows and its size in bytes
+//! p e part-00003.parquet 4 2048      an errors part, its rows and its size
 //! C                          the checkpoint is complete
 //! ```
 //!
@@ -54,6 +54,9 @@ pub struct Part {
     pub name: String,
     /// Rows in it.
     pub rows: u64,
+    /// Its size in bytes once complete (journals written before sizes were kept have none): a
+    /// part of that name with another size was written by another run since.
+    pub bytes: Option<u64>,
 }
 
 /// What the journal says an earlier run finished.
@@ -164,7 +167,8 @@ impl Journal {
                         else {
                             break;
                         };
-                        parts.push(Part { table, name: name.to_string(), rows });
+                        let bytes = fields.next().and_then(|b| b.parse().ok());
+                        parts.push(Part { table, name: name.to_string(), rows, bytes });
                     }
                     Some("C") => {
                         for k in keys.drain(..) {
@@ -199,7 +203,10 @@ impl Journal {
             text.push_str(&format!("i {k:032x}\n"));
         }
         for p in parts {
-            text.push_str(&format!("p {} {} {}\n", p.table.letter(), p.name, p.rows));
+            match p.bytes {
+                Some(b) => text.push_str(&format!("p {} {} {} {b}\n", p.table.letter(), p.name, p.rows)),
+                None => text.push_str(&format!("p {} {} {}\n", p.table.letter(), p.name, p.rows)),
+            }
         }
         text.push_str("C\n");
         self.file.write_all(text.as_bytes())?;
@@ -222,7 +229,7 @@ mod tests {
         let _ = std::fs::remove_file(&p);
         let (mut j, c) = Journal::open(&p, false).unwrap();
         assert_eq!((c.finished.len(), c.next_part()), (0, 0));
-        let part = |t, n: u32, rows| Part { table: t, name: part_name(n, "parquet"), rows };
+        let part = |t, n: u32, rows| Part { table: t, name: part_name(n, "parquet"), rows, bytes: Some(rows * 100) };
         j.commit(&[1, 2], &[7], &[part(Table::Results, 0, 2)]).unwrap();
         j.commit(&[3], &[], &[part(Table::Errors, 1, 1)]).unwrap();
         drop(j);

@@ -116,7 +116,7 @@ pub async fn prepare(
         }
     }
     let store = location.store(env)?;
-    let mine: Vec<&str> = committed.parts.iter().filter(|p| p.table == table).map(|p| p.name.as_str()).collect();
+    let mine: Vec<&journal::Part> = committed.parts.iter().filter(|p| p.table == table).collect();
     let mut seen = Vec::new();
     let mut foreign = Vec::new();
     let mut stale = Vec::new();
@@ -134,7 +134,17 @@ pub async fn prepare(
                 continue;
             }
         };
-        if resuming && mine.contains(&name.as_str()) {
+        if let Some(part) = mine.iter().find(|p| resuming && p.name == name) {
+            if part.bytes.is_some_and(|b| b != m.size) {
+                return Err(TableError::Usage(format!(
+                    "{}: the earlier run's part {name} was replaced since it was written ({} bytes, was {}): another \
+                     run wrote there, so what the earlier run finished is not what the table holds; start over with \
+                     --fresh",
+                    location.display,
+                    m.size,
+                    part.bytes.unwrap_or_default()
+                )));
+            }
             seen.push(name);
         } else if journal::part_number(&name).is_some() && (resuming || overwrite) {
             stale.push(m.location);
@@ -142,7 +152,7 @@ pub async fn prepare(
             foreign.push(m.location);
         }
     }
-    if let Some(missing) = mine.iter().find(|n| !seen.iter().any(|s| s == *n)) {
+    if let Some(missing) = mine.iter().map(|p| &p.name).find(|n| !seen.iter().any(|s| s == *n)) {
         return Err(TableError::Usage(format!(
             "{}: the earlier run's part {missing} is gone, so the records it held would be lost; start over with --fresh",
             location.display
@@ -152,7 +162,8 @@ pub async fn prepare(
         return Err(TableError::Usage(format!(
             "{} already holds files no earlier run of this command wrote (such as {}); weir will not mix its parts \
              with them. Choose an empty location, or pass --overwrite to replace weir's parts there (other files \
-             are left alone)",
+             are left alone). A run of this command from another directory keeps its state there (.weir, or its \
+             --state): to resume it, run it there",
             location.display,
             location.url_of(&foreign[0])
         )));
@@ -314,12 +325,15 @@ impl Sink {
             }
             Encoder::Text { mut out, .. } => out.shutdown().await?,
         }
+        let to = self.dir.clone().join(part.name.as_str());
         if let Some(staging) = &part.staging {
-            let to = self.dir.clone().join(part.name.as_str());
             self.store.rename(staging, &to).await.map_err(io_other)?;
         }
+        // Its size as the store has it, for a resume to tell it from a part of the same name
+        // another run wrote since.
+        let bytes = self.store.head(&to).await.map_err(io_other)?.size;
         self.written += part.rows;
-        Ok(Some(Part { table: self.table, name: part.name, rows: part.rows }))
+        Ok(Some(Part { table: self.table, name: part.name, rows: part.rows, bytes: Some(bytes) }))
     }
 }
 

@@ -753,3 +753,31 @@ print(t.schema.field("weir_weir_model").type, t.schema.field("empty").type)
     assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
     assert!(!none.exists());
 }
+
+/// A table another run wrote over since (from another state directory, with `--overwrite`):
+/// resuming the first run's command is refused, not taken as finished. It said "Resuming: 40 of
+/// 40 finished" over the other run's rows (or, after a stop, added its own to them: 2,904 rows
+/// for 1,500 ids in a tester's S3 table).
+#[tokio::test]
+async fn a_table_another_run_replaced_is_not_resumed_over() {
+    let dir = Dir::new("replaced-table");
+    let (data, _) = records(40);
+    dir.write("in.jsonl", &data);
+    let (other, _) = records(25);
+    dir.write("other.jsonl", &other);
+    let run = |input: &str, extra: &[&str]| {
+        let mut c = weir();
+        c.current_dir(&dir.0)
+            .args(["run", "--model", "sim/demo", "--input", input, "--output", "out.csv", "--id-field", "id"])
+            .args(["--progress", "never"])
+            .args(extra);
+        c.output()
+    };
+    let first = run("in.jsonl", &[]).await.unwrap();
+    assert_eq!(first.status.code(), Some(0), "{}", stderr(&first));
+    let theirs = run("other.jsonl", &["--state", "elsewhere", "--overwrite"]).await.unwrap();
+    assert_eq!(theirs.status.code(), Some(0), "{}", stderr(&theirs));
+    let again = run("in.jsonl", &[]).await.unwrap();
+    assert_eq!(again.status.code(), Some(2), "{}", stderr(&again));
+    assert!(stderr(&again).contains("was replaced since it was written"), "{}", stderr(&again));
+}
