@@ -213,7 +213,8 @@ impl TableInput {
         self.files.retain(|f| keep(&location.url_of(&f.path)));
         if self.files.is_empty() {
             return Err(TableError::Usage(format!(
-                "--input {}: holds nothing but this run's own outputs and state",
+                "--input {}: every file it names is where this run writes (its --output, --errors or state); an \
+                 output cannot be the input or hold it: choose another --output",
                 self.location.display
             )));
         }

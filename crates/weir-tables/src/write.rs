@@ -116,6 +116,17 @@ pub async fn prepare(
         }
     }
     let store = location.store(env)?;
+    if location.local_path().is_none() {
+        // An object at the table's own name (an older single-file output): readers of that
+        // name would get it, not the parts under it. Refused as a local file there is.
+        if store.head(&location.path).await.is_ok() {
+            return Err(TableError::Usage(format!(
+                "{}: is an object; weir writes a table as a prefix of parts (part-00000…) under that name, and \
+                 readers of the name would get the object. Choose another name, or delete the object",
+                location.display.trim_end_matches('/')
+            )));
+        }
+    }
     let mine: Vec<&journal::Part> = committed.parts.iter().filter(|p| p.table == table).collect();
     let mut seen = Vec::new();
     let mut foreign = Vec::new();
@@ -129,6 +140,8 @@ pub async fn prepare(
             .map(|parts| parts.map(|p| p.as_ref().to_string()).collect::<Vec<_>>());
         let name = match rel.as_deref() {
             Some([one]) => one.clone(),
+            // A folder's marker (`out.parquet/`, empty, as consoles make them): nothing to read.
+            Some([]) if m.size == 0 => continue,
             _ => {
                 foreign.push(m.location);
                 continue;

@@ -696,10 +696,12 @@ async fn choose_jobs(
 /// prefix) of part files, the errors' too, whatever their names say: said, so that
 /// `--errors e.jsonl` is not looked for as a file.
 fn report_places(settings: &RunSettings) -> crate::report::Places {
+    // One slash after the directory, however it was given (`s3://b/out.parquet/` said `…//`).
+    let dir = |p: String| format!("{}/", p.trim_end_matches('/'));
     let (output, errors) = match &settings.table_output {
         Some(t) => (
-            format!("{}/ (a table: {} part files)", settings.output.display(), t.results_format.extension()),
-            format!("{}/ (a table: {} part files)", settings.errors.display(), t.errors_format.extension()),
+            format!("{} (a table: {} part files)", dir(settings.output.display()), t.results_format.extension()),
+            format!("{} (a table: {} part files)", dir(settings.errors.display()), t.errors_format.extension()),
         ),
         None => (settings.output.display(), settings.errors.display()),
     };

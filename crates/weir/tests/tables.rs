@@ -781,3 +781,30 @@ async fn a_table_another_run_replaced_is_not_resumed_over() {
     assert_eq!(again.status.code(), Some(2), "{}", stderr(&again));
     assert!(stderr(&again).contains("was replaced since it was written"), "{}", stderr(&again));
 }
+
+/// An S3 table output whose own name is an object (an older single-file output) is refused, as
+/// a local file there is: readers of the name got the old object and not the parts written
+/// under it. A console's folder marker (`name/`, empty) is no such object.
+#[tokio::test]
+async fn an_object_at_a_tables_own_name_is_refused_and_a_folder_marker_is_not() {
+    let Some(s3) = moto().await else { return };
+    let dir = Dir::new("s3-object-at-name");
+    let (data, _) = records(5);
+    dir.write("in.jsonl", &data);
+    s3_put(&s3.url, &dir.write("old.parquet", b"an older output"), "single.parquet");
+    s3_put(&s3.url, &dir.write("marker", b""), "folder.parquet/");
+    let run = |out: &str| {
+        let mut c = weir();
+        c.current_dir(&dir.0)
+            .args(["run", "--model", "sim/demo", "--input", "in.jsonl", "--output", out, "--id-field", "id"])
+            .args(["--progress", "never"]);
+        s3_env(&mut c, &s3.url);
+        c.output()
+    };
+    let o = run("s3://bkt/single.parquet").await.unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("s3://bkt/single.parquet: is an object"), "{}", stderr(&o));
+    let o = run("s3://bkt/folder.parquet/").await.unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stderr(&o).contains("results: s3://bkt/folder.parquet/ (a table"), "{}", stderr(&o));
+}
