@@ -507,6 +507,8 @@ fn init_logging() {
         let _ = tracing_subscriber::fmt()
             .with_env_filter(filter)
             .with_writer(std::io::stderr)
+            // A line stderr could not take is lost, not said on stderr again (that panicked).
+            .log_internal_errors(false)
             .with_target(false)
             .try_init();
     }

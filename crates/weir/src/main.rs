@@ -141,6 +141,9 @@ fn init_logging() {
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        // A log line stderr could not take is lost, not said on stderr again: that second
+        // write panicked when stderr's reader had gone away (exit 101, records unwritten).
+        .log_internal_errors(false)
         .with_ansi(ansi)
         .with_target(false)
         .init();

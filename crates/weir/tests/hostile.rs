@@ -343,6 +343,17 @@ async fn a_closed_stderr_loses_nothing() {
     let status = child.wait().await.unwrap();
     assert_eq!(status.code(), Some(0));
     assert_eq!(rows(&dir.path("out.jsonl")).len(), 200);
+    // Log lines too (a pool's warnings, WEIR_LOG=debug): tracing said on stderr that it could
+    // not write to stderr, and that panicked.
+    let mut child = demo(&dir, &["--input", "in.jsonl", "--output", "logged.jsonl", "--id-field", "key"])
+        .env("WEIR_LOG", "debug")
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stderr.take());
+    let status = child.wait().await.unwrap();
+    assert_eq!(status.code(), Some(0));
+    assert_eq!(rows(&dir.path("logged.jsonl")).len(), 200);
     // With the results on a pipe too, closed after one row: an `aborted` row for the rest.
     let mut child = demo(&dir, &["--input", "in.jsonl", "--output", "-", "--errors", "e.jsonl", "--id-field", "key"])
         .stdout(Stdio::piped())
