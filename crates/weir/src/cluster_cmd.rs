@@ -398,7 +398,13 @@ async fn executor(a: ExecutorArgs) -> anyhow::Result<u8> {
         task.abort();
     }
     // What this executor's calls came to, over its whole life.
-    eprint!("{}", crate::sql_cmd::summary(&functions, started.elapsed(), "weir cluster executor").await);
+    let said = crate::sql_cmd::summary(&functions, started.elapsed(), "weir cluster executor").await;
+    if said.is_empty() {
+        // Said all the same: `weir sql` tells users that each executor prints its summary.
+        eprintln!("weir cluster executor: {:.2} s; no model calls here", started.elapsed().as_secs_f64());
+    } else {
+        eprint!("{said}");
+    }
     functions.shutdown().await;
     // Shuffle files and results go with the executor.
     if let Err(e) = work.close() {
