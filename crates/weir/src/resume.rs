@@ -567,8 +567,8 @@ impl Drop for TableLock {
 pub(crate) fn stream_resume_refused(output: &str, input: &str) -> RunError {
     RunError::Usage(format!(
         "{output} holds an earlier run of this command, but the input {input} is a stream, which weir cannot \
-         check is the same data. Pass --resume-stream to resume anyway (records whose id and line are finished \
-         are skipped), or --fresh to start over"
+         check is the same data. Pass --resume-stream to resume anyway (with --id-field, records whose id is \
+         finished are skipped wherever they come; without it, those whose line is), or --fresh to start over"
     ))
 }
 

@@ -208,7 +208,8 @@ pub struct RunArgs {
     #[arg(long)]
     overwrite: bool,
     /// Resume from a stream (stdin, a pipe) although weir cannot check that it carries the same
-    /// data as the earlier run: records whose id and line are finished are skipped.
+    /// data as the earlier run: with --id-field, records whose id is finished are skipped in any
+    /// order; without it, those whose line is.
     #[arg(long, conflicts_with = "fresh")]
     resume_stream: bool,
     /// Do not use the response cache.
