@@ -226,6 +226,33 @@ impl StateDir {
         self.meta.with_extension(ext)
     }
 
+    /// Notes the size and modification time of this run's output files as it ends, so that the
+    /// next run of the command can tell whether another run wrote them since
+    /// ([`StateDir::written_since`]). Best effort: a note that cannot be written checks nothing.
+    pub fn note_closed(&self, files: &[&Path]) {
+        let text: String = files.iter().map(|f| format!("{}\n", stamp(f).unwrap_or_default())).collect();
+        let _ = write_atomic(&self.file("closed"), text.as_bytes());
+    }
+
+    /// Drops the note of [`StateDir::note_closed`]: a run that writes the files now and is
+    /// killed leaves them other than noted.
+    pub fn forget_closed(&self) {
+        let _ = std::fs::remove_file(self.file("closed"));
+    }
+
+    /// Which of `files` (as noted when the last run of this command ended) has another size or
+    /// modification time now: another run wrote it since (one from another directory, with
+    /// `--overwrite`), and what it holds is not what the earlier run finished. `None` when all
+    /// are as noted, or nothing was noted (that run was killed, or ran before notes were kept).
+    pub fn written_since(&self, files: &[&Path]) -> Option<PathBuf> {
+        let noted = std::fs::read_to_string(self.file("closed")).ok()?;
+        let noted: Vec<&str> = noted.lines().collect();
+        if noted.len() != files.len() {
+            return None;
+        }
+        files.iter().zip(noted).find(|(f, n)| stamp(f).unwrap_or_default() != *n).map(|(f, _)| f.to_path_buf())
+    }
+
     /// Records `identity` as this output's run. Called once the run is sure to start (after
     /// every check), so a refused command leaves no state that a later run would resume.
     pub fn record(&self, identity: &RunIdentity) -> Result<(), StateError> {
@@ -233,6 +260,13 @@ impl StateDir {
             .map_err(|e| StateError::Io { path: self.meta.display().to_string(), source: io::Error::other(e) })?;
         write_atomic(&self.meta, &bytes).map_err(io_err(&self.meta))
     }
+}
+
+/// A file's size and modification time (nanoseconds), as `note_closed` keeps them.
+fn stamp(f: &Path) -> Option<String> {
+    let m = std::fs::metadata(f).ok()?;
+    let t = m.modified().ok()?.duration_since(std::time::UNIX_EPOCH).ok()?;
+    Some(format!("{} {}", m.len(), t.as_nanos()))
 }
 
 /// An exact key: 128 bits of SHA-256. Unlike a 64-bit hash, no two ids of a realistic dataset

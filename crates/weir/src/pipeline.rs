@@ -390,6 +390,13 @@ pub async fn run(
     }
     runtime.shutdown().await;
     drop(cache);
+    // A JSONL run's files as it leaves them, for the next run to see whether another run wrote
+    // them since (see `StateDir::written_since`).
+    if let (Some(sd), None, OutputPath::File(out), OutputPath::File(errs), true) =
+        (&state_dir, &settings.table_output, &settings.output, &settings.errors, flushed.is_ok())
+    {
+        sd.note_closed(&[out, errs]);
+    }
     let state_path = state_dir.take().map(|s| s.dir.display().to_string());
     if let Err(e) = flushed {
         fatal.get_or_insert(format!("writing rows failed: {e}"));

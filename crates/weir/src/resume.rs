@@ -451,6 +451,18 @@ pub(crate) async fn resume(
                 sd.record(&id).map_err(|e| RunError::Usage(e.to_string()))?;
             }
             if resuming {
+                if let Some(changed) = sd.written_since(&[out, errs]) {
+                    return Err(RunError::Usage(format!(
+                        "{}: changed since this command's last run ended (its size or time differ: another run wrote \
+                         it, or an edit), so what it holds may not be what that run finished; start over with --fresh \
+                         (answers in the response cache are not paid for again)",
+                        changed.display()
+                    )));
+                }
+            }
+            // Written from now on: a kill would leave the files other than noted at the end.
+            sd.forget_closed();
+            if resuming {
                 recovered = state::recover(out, errs, settings.retry_errors).map_err(|e| {
                     let msg = format!("recovering the earlier run's outputs: {e}");
                     // A line that is not a row is the user's to fix; other failures are I/O.

@@ -370,6 +370,35 @@ async fn a_closed_stderr_loses_nothing() {
     assert!(errors.len() >= 150 && errors.iter().all(|r| r["kind"] == "aborted"), "{} error rows", errors.len());
 }
 
+/// A JSONL output another run wrote over since (from another state directory, with
+/// `--overwrite`): the first command run again is refused, not resumed over. It said "Resuming:
+/// 150 of 200 finished" and kept 150 rows answering the other run's prompts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_jsonl_output_another_run_wrote_since_is_not_resumed_over() {
+    let dir = Dir::new("jsonl-written-since");
+    let (data, _) = prompts(40);
+    dir.write("in.jsonl", &data);
+    let (other, _) = prompts(25);
+    let other = String::from_utf8(other).unwrap().replace("Tell me about", "ANOTHER prompt about");
+    dir.write("other.jsonl", other.as_bytes());
+    let mine = ["--input", "in.jsonl", "--output", "out.jsonl", "--id-field", "key"];
+    let o = demo(&dir, &mine).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    // Run again untouched: resumed, nothing to do.
+    let o = demo(&dir, &mine).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stderr(&o).contains("Resuming: 40 of 40"), "{}", stderr(&o));
+    let theirs = ["--input", "other.jsonl", "--output", "out.jsonl", "--id-field", "key"];
+    let o = demo(&dir, &theirs).args(["--state", "elsewhere", "--overwrite"]).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let o = demo(&dir, &mine).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("changed since this command's last run ended"), "{}", stderr(&o));
+    let o = demo(&dir, &mine).arg("--fresh").output().await.unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(rows(&dir.path("out.jsonl")).len(), 40);
+}
+
 /// 12. Ctrl-C while the reader of `--events` has stopped reading (the writer is blocked on
 ///     it): the run says so and ends within the drain time; it used to print nothing and
 ///     wait for the reader for ever. Run again, it resumes.

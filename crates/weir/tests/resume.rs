@@ -128,6 +128,7 @@ async fn a_torn_tail_is_cut_and_its_record_done_again() {
     args.push("--no-cache");
     assert_eq!(run(&args).await.status.code(), Some(0));
     // Keep 20 whole rows and half of the 21st, as a crash mid-write would.
+    as_if_killed(&dir.0);
     let text = std::fs::read_to_string(&out).unwrap();
     let lines: Vec<&str> = text.lines().collect();
     let mut torn = lines[..20].join("\n");

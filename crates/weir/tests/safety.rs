@@ -655,6 +655,12 @@ async fn a_foreign_line_in_the_output_is_refused_not_cut() {
     lines.insert(10, "garbage line".into());
     let edited = lines.join("\n") + "\n";
     std::fs::write(&out, &edited).unwrap();
+    // After a run that ended: the file changed since, refused as such.
+    let o = run_in(&dir.path(""), &args).await;
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("changed since this command's last run ended"), "{}", stderr(&o));
+    // After a killed one (nothing noted): the line is named.
+    as_if_killed(&dir.0);
     let o = run_in(&dir.path(""), &args).await;
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("line 11 of"), "{}", stderr(&o));
