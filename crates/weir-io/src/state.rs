@@ -226,11 +226,11 @@ impl StateDir {
         self.meta.with_extension(ext)
     }
 
-    /// Notes the size and modification time of this run's output files as it ends, so that the
+    /// Notes the size and edges of this run's output files as it ends (see `stamp`), so that the
     /// next run of the command can tell whether another run wrote them since
     /// ([`StateDir::written_since`]). Best effort: a note that cannot be written checks nothing.
     pub fn note_closed(&self, files: &[&Path]) {
-        let text: String = files.iter().map(|f| format!("{}\n", stamp(f).unwrap_or_default())).collect();
+        let text: String = files.iter().map(|f| format!("{}\n", stamp(f).unwrap_or_else(|| "0".into()))).collect();
         let _ = write_atomic(&self.file("closed"), text.as_bytes());
     }
 
@@ -241,7 +241,7 @@ impl StateDir {
     }
 
     /// Which of `files` (as noted when the last run of this command ended) has another size or
-    /// modification time now: another run wrote it since (one from another directory, with
+    /// other first or last 64 KiB now: another run wrote it since (one from another directory, with
     /// `--overwrite`), and what it holds is not what the earlier run finished. `None` when all
     /// are as noted, or nothing was noted (that run was killed, or ran before notes were kept).
     pub fn written_since(&self, files: &[&Path]) -> Option<PathBuf> {
@@ -250,7 +250,11 @@ impl StateDir {
         if noted.len() != files.len() {
             return None;
         }
-        files.iter().zip(noted).find(|(f, n)| stamp(f).unwrap_or_default() != *n).map(|(f, _)| f.to_path_buf())
+        files
+            .iter()
+            .zip(noted)
+            .find(|(f, n)| stamp(f).unwrap_or_else(|| "0".into()) != *n)
+            .map(|(f, _)| f.to_path_buf())
     }
 
     /// Records `identity` as this output's run. Called once the run is sure to start (after
@@ -262,11 +266,28 @@ impl StateDir {
     }
 }
 
-/// A file's size and modification time (nanoseconds), as `note_closed` keeps them.
+/// What `note_closed` keeps of a file: its size and a digest of its first and last 64 KiB
+/// (rows another run wrote differ there), not its time, which `touch` or a copy changes with
+/// nothing else. A file that is missing or empty is `0` alike (an empty errors file removed).
 fn stamp(f: &Path) -> Option<String> {
-    let m = std::fs::metadata(f).ok()?;
-    let t = m.modified().ok()?.duration_since(std::time::UNIX_EPOCH).ok()?;
-    Some(format!("{} {}", m.len(), t.as_nanos()))
+    const EDGE: u64 = 64 << 10;
+    let mut file = File::open(f).ok()?;
+    let len = file.metadata().ok()?.len();
+    if len == 0 {
+        return None;
+    }
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; EDGE.min(len) as usize];
+    file.read_exact(&mut buf).ok()?;
+    h.update(&buf);
+    if len > EDGE {
+        file.seek(SeekFrom::Start(len - EDGE.min(len - EDGE))).ok()?;
+        let mut tail = vec![0u8; EDGE.min(len - EDGE) as usize];
+        file.read_exact(&mut tail).ok()?;
+        h.update(&tail);
+    }
+    let d: [u8; 32] = h.finalize().into();
+    Some(format!("{len} {:032x}", u128::from_le_bytes(d[..16].try_into().expect("16 bytes"))))
 }
 
 /// An exact key: 128 bits of SHA-256. Unlike a 64-bit hash, no two ids of a realistic dataset

@@ -453,8 +453,8 @@ pub(crate) async fn resume(
             if resuming {
                 if let Some(changed) = sd.written_since(&[out, errs]) {
                     return Err(RunError::Usage(format!(
-                        "{}: changed since this command's last run ended (its size or time differ: another run wrote \
-                         it, or an edit), so what it holds may not be what that run finished; start over with --fresh \
+                        "{}: changed since this command's last run ended (its size or its first or last rows differ: \
+                         another run wrote it, or an edit), so what it holds may not be what that run finished; start over with --fresh \
                          (answers in the response cache are not paid for again)",
                         changed.display()
                     )));

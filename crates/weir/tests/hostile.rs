@@ -388,6 +388,16 @@ async fn a_jsonl_output_another_run_wrote_since_is_not_resumed_over() {
     let o = demo(&dir, &mine).output().await.unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     assert!(stderr(&o).contains("Resuming: 40 of 40"), "{}", stderr(&o));
+    // Touched (a copy, a backup tool), and its empty errors file removed: the same rows, resumed.
+    let when = std::time::UNIX_EPOCH + std::time::Duration::from_secs(1_000_000_000);
+    std::fs::File::options().append(true).open(dir.path("out.jsonl")).unwrap().set_modified(when).unwrap();
+    let errors = dir.path("out.errors.jsonl");
+    if std::fs::metadata(&errors).is_ok_and(|m| m.len() == 0) {
+        std::fs::remove_file(&errors).unwrap();
+    }
+    let o = demo(&dir, &mine).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stderr(&o).contains("Resuming: 40 of 40"), "{}", stderr(&o));
     let theirs = ["--input", "other.jsonl", "--output", "out.jsonl", "--id-field", "key"];
     let o = demo(&dir, &theirs).args(["--state", "elsewhere", "--overwrite"]).output().await.unwrap();
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
