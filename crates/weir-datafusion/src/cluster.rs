@@ -348,13 +348,12 @@ async fn watch_scheduler(scheduler: SocketAddr) -> std::convert::Infallible {
             let stopped = crate::cancel::cancel_all();
             if stopped > 0 {
                 // Not eprintln!: it panics when stderr's reader has gone away.
-                let _ = std::io::Write::write_fmt(
-                    &mut std::io::stderr(),
-                    format_args!(
+                use std::io::Write as _;
+                let _ = writeln!(
+                    std::io::stderr(),
                     "weir: the scheduler at {scheduler} has not answered for {} s; stopped the calls of the {stopped} \
-                     task(s) running here (nobody could collect their results)\n",
+                     task(s) running here (nobody could collect their results)",
                     SCHEDULER_GONE.as_secs()
-                    ),
                 );
             }
         }
@@ -383,7 +382,7 @@ pub async fn connect(url: &str, config: SessionConfig, functions: &Arc<Runtime>)
         .with_default_features()
         .build();
     // `dfs://` (mutual TLS, installed with the credentials) is `df://` to Ballista.
-    let wire = url.replacen("dfs://", "df://", 1);
+    let wire = format!("df://{}", crate::scheduler_address(url).unwrap_or(url));
     let ctx = SessionContext::remote_with_state(&wire, state).await.map_err(|e| format!("{url}: {e}"))?;
     let settings = [
         // The client asks for the job's status rather than waiting for the scheduler to push

@@ -360,10 +360,8 @@ pub async fn scheduler_client(
     ballista_core::serde::protobuf::scheduler_grpc_client::SchedulerGrpcClient<tonic::transport::Channel>,
     tonic::transport::Error,
 > {
-    let mut endpoint = tonic::transport::Endpoint::from_shared(format!(
-        "http://{}",
-        url.trim_start_matches("df://").trim_start_matches("dfs://")
-    ))?;
+    let address = crate::scheduler_address(url).unwrap_or(url);
+    let mut endpoint = tonic::transport::Endpoint::from_shared(format!("http://{address}"))?;
     if let Some(creds) = installed() {
         endpoint = (creds.endpoint_override())(endpoint).map_err(|e| {
             // The override only fails on a URI or setting tonic refuses: said as such.

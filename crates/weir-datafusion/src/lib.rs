@@ -40,6 +40,13 @@ pub use weir_runtime::{Connector, Runtime, RuntimeSettings};
 
 pub use datafusion;
 
+/// The scheduler's `HOST:PORT` in a cluster address, `df://HOST:PORT` or `dfs://HOST:PORT`
+/// (mutual TLS, which the installed credentials give; the address is the same); `None` for
+/// another scheme. Messages keep the address as given.
+pub fn scheduler_address(url: &str) -> Option<&str> {
+    url.strip_prefix("df://").or_else(|| url.strip_prefix("dfs://"))
+}
+
 use datafusion::prelude::SessionContext;
 use std::sync::Arc;
 

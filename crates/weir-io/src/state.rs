@@ -230,7 +230,7 @@ impl StateDir {
     /// next run of the command can tell whether another run wrote them since
     /// ([`StateDir::written_since`]). Best effort: a note that cannot be written checks nothing.
     pub fn note_closed(&self, files: &[&Path]) {
-        let text: String = files.iter().map(|f| format!("{}\n", stamp(f).unwrap_or_else(|| "0".into()))).collect();
+        let text: String = files.iter().map(|f| stamp(f) + "\n").collect();
         let _ = write_atomic(&self.file("closed"), text.as_bytes());
     }
 
@@ -250,11 +250,7 @@ impl StateDir {
         if noted.len() != files.len() {
             return None;
         }
-        files
-            .iter()
-            .zip(noted)
-            .find(|(f, n)| stamp(f).unwrap_or_else(|| "0".into()) != *n)
-            .map(|(f, _)| f.to_path_buf())
+        files.iter().zip(noted).find(|(f, n)| stamp(f) != *n).map(|(f, _)| f.to_path_buf())
     }
 
     /// Records `identity` as this output's run. Called once the run is sure to start (after
@@ -269,25 +265,24 @@ impl StateDir {
 /// What `note_closed` keeps of a file: its size and a digest of its first and last 64 KiB
 /// (rows another run wrote differ there), not its time, which `touch` or a copy changes with
 /// nothing else. A file that is missing or empty is `0` alike (an empty errors file removed).
-fn stamp(f: &Path) -> Option<String> {
+fn stamp(f: &Path) -> String {
     const EDGE: u64 = 64 << 10;
-    let mut file = File::open(f).ok()?;
-    let len = file.metadata().ok()?.len();
-    if len == 0 {
-        return None;
-    }
-    let mut h = Sha256::new();
-    let mut buf = vec![0u8; EDGE.min(len) as usize];
-    file.read_exact(&mut buf).ok()?;
-    h.update(&buf);
-    if len > EDGE {
-        file.seek(SeekFrom::Start(len - EDGE.min(len - EDGE))).ok()?;
-        let mut tail = vec![0u8; EDGE.min(len - EDGE) as usize];
-        file.read_exact(&mut tail).ok()?;
-        h.update(&tail);
-    }
-    let d: [u8; 32] = h.finalize().into();
-    Some(format!("{len} {:032x}", u128::from_le_bytes(d[..16].try_into().expect("16 bytes"))))
+    let edges = || -> io::Result<Option<String>> {
+        let mut file = File::open(f)?;
+        let len = file.metadata()?.len();
+        if len == 0 {
+            return Ok(None);
+        }
+        // The head, then the tail past it (all of a file under twice the edge).
+        let (head, tail) = (EDGE.min(len), (len - EDGE.min(len)).min(EDGE));
+        let mut bytes = vec![0u8; (head + tail) as usize];
+        file.read_exact(&mut bytes[..head as usize])?;
+        file.seek(SeekFrom::Start(len - tail))?;
+        file.read_exact(&mut bytes[head as usize..])?;
+        let d: [u8; 32] = Sha256::digest(&bytes).into();
+        Ok(Some(format!("{len} {:032x}", u128::from_le_bytes(d[..16].try_into().expect("16 bytes")))))
+    };
+    edges().ok().flatten().unwrap_or_else(|| "0".into())
 }
 
 /// An exact key: 128 bits of SHA-256. Unlike a 64-bit hash, no two ids of a realistic dataset
@@ -310,6 +305,10 @@ pub fn finished_key(id: Option<&RecordId>, line: u64) -> Key {
     let id = id.map(RecordId::key_bytes).unwrap_or_default();
     digest(&[&id, &line.to_le_bytes()])
 }
+
+/// What an `invalid_input` error row for a repeated id says, and how it is known: its id is the
+/// earlier line's record's, so it finishes no id of its own.
+pub const DUPLICATE_ID: &str = "duplicate id '";
 
 /// The key of an id alone, for the duplicate check.
 pub fn id_key(id: &RecordId) -> Key {
@@ -559,7 +558,8 @@ pub fn recover(results: &Path, errors: &Path, retry_errors: bool) -> io::Result<
                 retryable += 1;
             }
             kept.extend_from_slice(bytes);
-            let duplicate = kind == "invalid_input" && bytes.windows(14).any(|w| w == b"duplicate id '");
+            let duplicate =
+                kind == "invalid_input" && bytes.windows(DUPLICATE_ID.len()).any(|w| w == DUPLICATE_ID.as_bytes());
             finished.push((id, line, duplicate));
         }
     })?;

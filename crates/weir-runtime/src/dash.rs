@@ -864,7 +864,8 @@ pub async fn watch_and_serve(
     let watch = Watch::new(runtime, title, None, cost);
     let (bound, server) = serve(addr, watch.clone()).await?;
     // Not eprintln!: it panics when stderr's reader has gone away.
-    let _ = std::io::Write::write_fmt(&mut std::io::stderr(), format_args!("{who}: live page on http://{bound}/\n"));
+    use std::io::Write as _;
+    let _ = writeln!(std::io::stderr(), "{who}: live page on http://{bound}/");
     let sampler = watch.start(None);
     Ok((watch, [sampler, server]))
 }

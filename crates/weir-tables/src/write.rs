@@ -469,7 +469,7 @@ fn error_row(f: &Failure, c: &OutputColumns) -> Map<String, Value> {
 fn id_of(row: &Row) -> Option<Key> {
     match row {
         Row::Success(s) => Some(id_key(&s.record.id)),
-        Row::Failure(f) if f.error.message.contains("duplicate id '") => None,
+        Row::Failure(f) if f.error.message.contains(weir_io::state::DUPLICATE_ID) => None,
         Row::Failure(f) => f.id.as_ref().map(id_key),
         Row::Event(_) => None,
     }

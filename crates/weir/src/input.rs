@@ -188,8 +188,12 @@ impl Input {
                         {
                             None
                         } else if !first {
-                            let msg =
-                                format!("line {}: duplicate id '{}' (an earlier line has it)", record.line, record.id);
+                            let msg = format!(
+                                "line {}: {}{}' (an earlier line has it)",
+                                record.line,
+                                weir_io::state::DUPLICATE_ID,
+                                record.id
+                            );
                             Some(Work::Done(Box::new(Failure::of(
                                 record,
                                 ModelError::new(ErrorKind::InvalidInput, msg),

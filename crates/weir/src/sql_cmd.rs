@@ -144,11 +144,7 @@ fn cluster_tls(_credentials: &crate::credential_args::CredentialArgs) -> Result<
 /// A session on the cluster at `url`.
 #[cfg(feature = "cluster")]
 async fn cluster_session(url: &str, config: SessionConfig, functions: &Arc<Runtime>) -> anyhow::Result<SessionContext> {
-    let port = url
-        .strip_prefix("df://")
-        .or_else(|| url.strip_prefix("dfs://"))
-        .and_then(|rest| rest.rsplit_once(':'))
-        .map(|(_, port)| port);
+    let port = weir_datafusion::scheduler_address(url).and_then(|rest| rest.rsplit_once(':')).map(|(_, port)| port);
     if port.is_none_or(|p| p.parse::<u16>().is_err()) {
         return Err(UsageError(format!(
             "--cluster {url}: expected the scheduler as df://HOST:PORT (the port is its --bind port, 50050 unless set)"
@@ -191,7 +187,7 @@ static RUNNING: std::sync::Mutex<Option<Arc<dyn datafusion::physical_plan::Execu
 async fn waiting_notice(cluster: Option<&str>) {
     if let Some(url) = cluster {
         tokio::time::sleep(std::time::Duration::from_secs(20)).await;
-        let host = url.trim_start_matches("df://").trim_start_matches("dfs://");
+        let host = weir_datafusion::scheduler_address(url).unwrap_or(url);
         let plan = RUNNING.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let job = plan.as_ref().and_then(weir_datafusion_job);
         let done = match &job {

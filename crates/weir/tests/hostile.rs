@@ -335,25 +335,22 @@ async fn a_closed_stderr_loses_nothing() {
     let dir = Dir::new("closed-stderr");
     let (data, _) = prompts(200);
     dir.write("in.jsonl", &data);
-    let mut child = demo(&dir, &["--input", "in.jsonl", "--output", "out.jsonl", "--id-field", "key"])
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    drop(child.stderr.take());
-    let status = child.wait().await.unwrap();
-    assert_eq!(status.code(), Some(0));
-    assert_eq!(rows(&dir.path("out.jsonl")).len(), 200);
+    // Into `output` with stderr closed at once, logging at `log`: every row written, exit 0.
+    let at = &dir;
+    let finishes = |output: &'static str, log: &'static str| {
+        let mut cmd = demo(at, &["--input", "in.jsonl", "--output", output, "--id-field", "key"]);
+        cmd.env("WEIR_LOG", log).stderr(Stdio::piped());
+        async move {
+            let mut child = cmd.spawn().unwrap();
+            drop(child.stderr.take());
+            assert_eq!(child.wait().await.unwrap().code(), Some(0), "WEIR_LOG={log}");
+            assert_eq!(rows(&at.path(output)).len(), 200, "WEIR_LOG={log}");
+        }
+    };
+    finishes("out.jsonl", "warn").await;
     // Log lines too (a pool's warnings, WEIR_LOG=debug): tracing said on stderr that it could
     // not write to stderr, and that panicked.
-    let mut child = demo(&dir, &["--input", "in.jsonl", "--output", "logged.jsonl", "--id-field", "key"])
-        .env("WEIR_LOG", "debug")
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    drop(child.stderr.take());
-    let status = child.wait().await.unwrap();
-    assert_eq!(status.code(), Some(0));
-    assert_eq!(rows(&dir.path("logged.jsonl")).len(), 200);
+    finishes("logged.jsonl", "debug").await;
     // With the results on a pipe too, closed after one row: an `aborted` row for the rest.
     let mut child = demo(&dir, &["--input", "in.jsonl", "--output", "-", "--errors", "e.jsonl", "--id-field", "key"])
         .stdout(Stdio::piped())
