@@ -21,6 +21,11 @@ use std::sync::Arc;
 
 use crate::TableError;
 
+/// How long the first request to a bucket may go unanswered. object_store retries an endpoint
+/// that takes connections and never answers for three minutes, without a word; the first
+/// request comes before any model call, so stopping sooner and saying why loses nothing.
+pub const FIRST_ANSWER: std::time::Duration = std::time::Duration::from_secs(20);
+
 /// The environment variables the stores' credentials and endpoints come from.
 pub const ENV_VARS: &[&str] = &[
     "AWS_ACCESS_KEY_ID",
@@ -119,6 +124,25 @@ impl Location {
     /// The full name of an object in this location's store, for messages and identities.
     pub fn url_of(&self, path: &ObjectPath) -> String {
         self.with_path(path.clone()).display
+    }
+
+    /// Awaits `request`, the first one to this location's store, for at most [`FIRST_ANSWER`]
+    /// (a local path waits as long as it takes).
+    pub async fn first_answer<T>(&self, request: impl std::future::Future<Output = T>) -> Result<T, TableError> {
+        if self.scheme == Scheme::Local {
+            return Ok(request.await);
+        }
+        let endpoint = match self.scheme {
+            Scheme::Gcs => "STORAGE_EMULATOR_HOST or the network",
+            _ => "AWS_ENDPOINT_URL or the network",
+        };
+        tokio::time::timeout(FIRST_ANSWER, request).await.map_err(|_| {
+            TableError::Unavailable(format!(
+                "{}: the store did not answer within {} s (is the service up? check {endpoint})",
+                self.display.trim_end_matches('/'),
+                FIRST_ANSWER.as_secs()
+            ))
+        })
     }
 
     /// Connects to the store this location is in.
@@ -527,5 +551,35 @@ mod tests {
         assert_eq!(ini_section(&f, "profile p").unwrap()[0].1, "eu-west-1");
         assert!(ini_section(&f, "other").is_none());
         std::fs::remove_file(&f).unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_store_that_takes_connections_and_never_answers_is_named_at_the_first_request() {
+        // object_store retried such an endpoint for three minutes without a word before the
+        // run stopped (a tester's S3 emulator that had hung). Now the first request, made
+        // before any model call, is given 20 s (of paused time here).
+        let hung = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let endpoint = format!("http://{}", hung.local_addr().unwrap());
+        // Never accepted: the kernel completes the connections into the backlog, and nothing
+        // answers them.
+        let env = |k: &str| match k {
+            "AWS_ACCESS_KEY_ID" => Some("k".to_string()),
+            "AWS_SECRET_ACCESS_KEY" => Some("s".to_string()),
+            "AWS_ENDPOINT_URL" => Some(endpoint.clone()),
+            _ => None,
+        };
+        let out = Location::parse("s3://bk/out.parquet").unwrap();
+        let committed = crate::journal::Committed::default();
+        let e = crate::write::prepare(&out, crate::journal::Table::Results, &committed, false, false, &env)
+            .await
+            .expect_err("no answer");
+        assert!(
+            matches!(&e, TableError::Unavailable(m) if m.contains("s3://bk/out.parquet: the store did not answer within 20 s")),
+            "{e:?}"
+        );
+        let e =
+            crate::read::TableInput::open("s3://bk/in/*.csv", None, &[], b',', &env).await.err().expect("no answer");
+        assert!(matches!(&e, TableError::Unavailable(m) if m.contains("did not answer")), "{e:?}");
+        drop(hung);
     }
 }

@@ -149,7 +149,8 @@ impl TableInput {
                         .is_some_and(|h| (h == '.' || h == '_') && !parts.get(i).is_some_and(|q| q.starts_with(h)))
                 })
             };
-            let mut listing = store.list(Some(&prefix));
+            let mut listing = store.list(Some(&prefix)).peekable();
+            location.first_answer(std::pin::Pin::new(&mut listing).peek()).await?;
             while let Some(m) = listing.next().await {
                 let m = m.map_err(|e| TableError::listing(&format!("cannot read --input {spec}"), e))?;
                 let whole_names = glob::MatchOptions { require_literal_separator: true, ..Default::default() };
@@ -161,7 +162,7 @@ impl TableInput {
                 }
             }
         } else {
-            match store.head(&location.path).await {
+            match location.first_answer(store.head(&location.path)).await? {
                 Ok(m) => files.push(as_file(m)),
                 Err(_) => {
                     let mut listing = store.list(Some(&location.path));

@@ -119,7 +119,7 @@ pub async fn prepare(
     if location.local_path().is_none() {
         // An object at the table's own name (an older single-file output): readers of that
         // name would get it, not the parts under it. Refused as a local file there is.
-        if store.head(&location.path).await.is_ok() {
+        if location.first_answer(store.head(&location.path)).await?.is_ok() {
             return Err(TableError::Usage(format!(
                 "{}: is an object; weir writes a table as a prefix of parts (part-00000…) under that name, and \
                  readers of the name would get the object. Choose another name, or delete the object",
