@@ -23,6 +23,7 @@ pub mod rate;
 pub mod record;
 pub mod retry;
 pub mod schema;
+pub mod secret;
 pub mod throttle;
 
 pub use batch::{batches, BatchSettings, Bucketing};
@@ -39,6 +40,7 @@ pub use params::{GenParams, ParamError};
 pub use pool::{Absorbed, EndpointHealth, EndpointStatus, Pool, PoolMember};
 pub use record::{template_pieces, PromptSource, Record, RecordId, RecordSpec, Template, TemplateError, TemplatePiece};
 pub use retry::{Decision, RetryPolicy};
+pub use secret::Secret;
 pub use throttle::{
     is_pushback, Admitted, Delegate, Grant, QuotaStore, RateLimiter, RateSettings, RateSnapshot, Sharing, SreThrottler,
     Throttle, ThrottleSettings, Ticket, Weight,

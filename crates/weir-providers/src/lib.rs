@@ -392,13 +392,50 @@ pub struct Endpoint {
     pub resident: Option<Resident>,
 }
 
+/// A TOML file's error as `line N: what is wrong`: the line's number, not the snippet of it the
+/// error would show, so that a key written into the file is not repeated on the terminal.
+pub fn toml_error(text: &str, e: &toml::de::Error) -> String {
+    match e.span() {
+        Some(at) => format!("line {}: {}", text[..at.start.min(text.len())].matches('\n').count() + 1, e.message()),
+        None => e.message().to_string(),
+    }
+}
+
+/// The key in the variable `var` of `env`: none when it is unset or blank. Whitespace around
+/// it (the newline a key file ends with) is dropped. What is left must be printable ASCII, as
+/// every provider's keys are: a space, a control character or a non-ASCII letter inside is a
+/// mistake in setting it, refused before any call (each call would otherwise fail alone, or
+/// send the text as it is), and the key is not repeated in the message.
+fn key_in(env: &(dyn Fn(&str) -> Option<String> + Sync), var: &str) -> Result<Option<Secret>, ProviderError> {
+    let Some(value) = env(var) else { return Ok(None) };
+    let key = value.trim();
+    if key.is_empty() {
+        return Ok(None);
+    }
+    if let Some((at, c)) = key.char_indices().find(|(_, c)| !c.is_ascii_graphic()) {
+        let what = match c {
+            ' ' | '\t' => "a space",
+            c if c.is_control() => "a control character",
+            _ => "a non-ASCII character",
+        };
+        return Err(ProviderError::Config(format!(
+            "{var} holds {what} at character {} of {}; a key is printable ASCII: check how the variable was set",
+            key[..at].chars().count() + 1,
+            key.chars().count()
+        )));
+    }
+    Ok(Some(Secret::new(key.to_string())))
+}
+
 /// The key of the Gemini API (or `None` on loopback), as the generation client finds it.
 fn gemini_key(
     base: &reqwest::Url,
     env: &(dyn Fn(&str) -> Option<String> + Sync),
 ) -> Result<Option<Secret>, ProviderError> {
-    let nonempty = |k: &str| env(k).filter(|v| !v.trim().is_empty());
-    let key = nonempty("GEMINI_API_KEY").or_else(|| nonempty("GOOGLE_API_KEY")).map(Secret::new);
+    let key = match key_in(env, "GEMINI_API_KEY")? {
+        Some(k) => Some(k),
+        None => key_in(env, "GOOGLE_API_KEY")?,
+    };
     if key.is_none() && !http::is_loopback(base) {
         return Err(ProviderError::Config(
             "gemini: set GEMINI_API_KEY (or GOOGLE_API_KEY) to your Gemini API key".into(),
@@ -437,10 +474,9 @@ fn keyed_site(
     (provider, default, key_var): (Provider, &str, &str),
     missing: impl Fn() -> &'static str,
 ) -> Result<(reqwest::Url, Option<Secret>), ProviderError> {
-    let nonempty = |k: &str| env(k).filter(|v| !v.trim().is_empty());
     let base = options.base_url.clone().or_else(|| base_url_from_env(provider, env)).unwrap_or_else(|| default.into());
     let base = http::check_base_url(&base)?;
-    let key = nonempty(key_var).map(Secret::new);
+    let key = key_in(env, key_var)?;
     let own = reqwest::Url::parse(default).ok().and_then(|u| u.host_str().map(str::to_string));
     if key.is_none() && base.host_str().is_some() && base.host_str() == own.as_deref() {
         return Err(ProviderError::Config(missing().into()));
@@ -705,6 +741,28 @@ mod tests {
         assert!(connect(&openai, &local, &none).await.is_ok());
         let remote_http = ProviderOptions { base_url: Some("http://example.com/v1".into()), ..Default::default() };
         assert!(connect(&openai, &remote_http, &none).await.is_err());
+    }
+
+    /// A key with a newline, a control character, a space or a non-ASCII letter inside was sent
+    /// as it was, or failed every record as a `transport` error (a tester's `$'k\nXYZ'`).
+    #[tokio::test]
+    async fn a_key_that_is_not_printable_ascii_is_refused_without_being_shown() {
+        let openai: ModelSpec = "openai/gpt-4o-mini".parse().unwrap();
+        let local = ProviderOptions { base_url: Some("http://127.0.0.1:9/v1".into()), ..Default::default() };
+        for (key, what) in [
+            ("SECRET-abc\nXYZ", "control character at character 11"),
+            ("SECRET-abc XYZ", "a space"),
+            ("SECRET-abcXYZ\u{fc}", "non-ASCII"),
+            ("SECRET\x01abc", "control"),
+        ] {
+            let env = |k: &str| (k == "OPENAI_API_KEY").then(|| key.to_string());
+            let e = connect(&openai, &local, &env).await.err().expect("refused").to_string();
+            assert!(e.contains("OPENAI_API_KEY holds") && e.contains(what) && !e.contains("abc"), "{e}");
+        }
+        // Around it, whitespace is a file's newline: dropped.
+        let env = |k: &str| (k == "GEMINI_API_KEY").then(|| "  SECRET-abc\n".to_string());
+        let gemini: ModelSpec = "gemini/gemini-2.5-flash".parse().unwrap();
+        assert!(connect(&gemini, &ProviderOptions::default(), &env).await.is_ok());
     }
 
     /// A tester's `--media-field photo:audio/wav` with a Claude model failed every record at

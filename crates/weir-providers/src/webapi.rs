@@ -464,6 +464,13 @@ impl Spec {
             headers.push((header, value));
             secrets.extend(s);
         }
+        // A value written into the URL's query (`?key=…`, as some APIs take keys; or a
+        // setting such as `api-version=…`) is masked too, as a header's written key is: a
+        // server that echoes the URL in an error would put it in error rows and reports.
+        if let Some((_, query)) = raw.url.split('#').next().unwrap_or("").split_once('?') {
+            let written = query.split('&').filter_map(|pair| pair.split_once('=').map(|(_, v)| v));
+            secrets.extend(written.filter(|v| v.len() >= 8 && !v.contains('{')).map(|v| Secret::new(v.to_string())));
+        }
         let endpoint = format!("{endpoint}#{}", described(shape, &settings));
         let body = match raw.body {
             None => None,
@@ -608,8 +615,8 @@ pub fn connect(
         })?;
     let text = std::fs::read_to_string(&path)
         .map_err(|e| ProviderError::Config(format!("--http-models {path}: cannot read it: {e}")))?;
-    let file: RawFile =
-        toml::from_str(&text).map_err(|e| ProviderError::Config(format!("--http-models {path}: {e}")))?;
+    let file: RawFile = toml::from_str(&text)
+        .map_err(|e| ProviderError::Config(format!("--http-models {path}: {}", crate::toml_error(&text, &e))))?;
     let known: Vec<String> = file.models.keys().cloned().collect();
     let mut models = file.models;
     let raw = models.remove(name).ok_or_else(|| {
@@ -1092,5 +1099,40 @@ answer = "/data/0/text"
             let e = m.redacted(m.classify(&reply));
             assert!(!e.message.contains("k3y") && e.message.contains("***"), "{}", e.message);
         }
+    }
+
+    /// A key written into the URL's query was quoted unmasked when a server echoed the URL in
+    /// an error (a tester's `?key=LITERALSECRET-…`); a placeholder's value is the record's.
+    #[test]
+    fn a_value_written_into_the_url_query_is_masked_in_echoes() {
+        let m = model(
+            "[models.m]\nurl = \"https://x.com/a?key=LITERALSECRET-zzz999&q={prompt}&v=1\"\nanswer = \"/echo\"\n",
+            &[],
+        )
+        .unwrap();
+        let body = r#"{"error": "bad path /a?key=LITERALSECRET-zzz999&q=hi&v=1"}"#;
+        let reply = Reply { status: 400, headers: Default::default(), body: bytes::Bytes::from(body) };
+        let e = m.redacted(m.classify(&reply));
+        assert!(!e.message.contains("LITERALSECRET") && e.message.contains("key=***&q=hi&v=1"), "{}", e.message);
+    }
+
+    /// A parse error quoted the line, and a key written on it (a tester's
+    /// `Authorization = "Bearer LITERALSECRET…" oops`): now the line's number only.
+    #[test]
+    fn a_file_that_does_not_parse_is_named_by_line_without_quoting_it() {
+        let dir = std::env::temp_dir().join(format!("weir-http-models-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let none = |_: &str| None;
+        for (text, line) in [
+            ("[models.a]\nurl = \"http://127.0.0.1:9/a\"\nheaders = { Authorization = \"Bearer LITERALSECRET-1\" oops }\n", 3),
+            ("[models.a]\nurl = \"http://127.0.0.1:9/a\"\nanswer = \"/x\"\nbogus = \"LITERALSECRET-2\"\n", 4),
+        ] {
+            let file = dir.join("m.toml");
+            std::fs::write(&file, text).unwrap();
+            let Err(e) = connect("a", Some(file.to_str().unwrap()), &none) else { panic!("accepted") };
+            let e = e.to_string();
+            assert!(!e.contains("LITERALSECRET") && e.contains(&format!("line {line}:")), "{e}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

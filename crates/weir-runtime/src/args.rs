@@ -92,8 +92,9 @@ pub struct EndpointArgs {
     /// (this machine's processes of this user, through a socket in a private runtime
     /// directory: they learn and keep one quota together), `redis://HOST:PORT` (every process,
     /// on any machine, naming that Redis server; `rediss://` for TLS, required off this
-    /// machine), or `off` (this process alone).
-    #[arg(long, value_name = "STORE", default_value = "local")]
+    /// machine), or `off` (this process alone). A Redis URL with a password belongs in
+    /// WEIR_QUOTA_STORE: any user of the machine can read a process's arguments.
+    #[arg(long, value_name = "STORE", default_value = "local", env = "WEIR_QUOTA_STORE", hide_env_values = true)]
     pub quota_store: String,
 }
 

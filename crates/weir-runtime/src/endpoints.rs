@@ -131,19 +131,17 @@ pub fn parse(text: &str, from: &str) -> Result<Vec<EndpointEntry>, String> {
         // The line, not the snippet the error would show: a key pasted into the file is not
         // repeated.
         toml::from_str::<File>(text)
-            .map_err(|e| match e.span() {
-                Some(at) => format!(
-                    "{from}: line {}: {}{}",
-                    text[..at.start.min(text.len())].matches('\n').count() + 1,
-                    e.message(),
+            .map_err(|e| {
+                format!(
+                    "{from}: {}{}",
+                    weir_providers::toml_error(text, &e),
                     // `[endpoint]` is one table where a list of them is wanted.
                     if text.lines().any(|l| l.trim() == "[endpoint]") {
                         " (each endpoint is an [[endpoint]] table, with double brackets)"
                     } else {
                         ""
                     }
-                ),
-                None => format!("{from}: {}", e.message()),
+                )
             })?
             .endpoint
     };

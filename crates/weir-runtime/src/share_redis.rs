@@ -211,16 +211,18 @@ pub async fn check_server(url: &str) -> Result<(), String> {
     };
     let e = match tokio::time::timeout(Duration::from_secs(3), attempt).await {
         Ok(Ok(_)) => return Ok(()),
-        Ok(Err(e)) => e,
-        // Nothing came back: TLS spoken to a plain server waits for an answer that never comes.
-        Err(_) if tls => {
+        Ok(Err(e)) if !(tls && e.is_timeout()) => e,
+        // Nothing came back (within the connection's own wait, or this one): TLS spoken to a
+        // plain server waits for an answer that never comes.
+        _ if tls => {
             return Err(format!(
-                "--quota-store {}: no TLS answer in 3 s; if the server speaks plain Redis (only on this machine), \
+                "--quota-store {}: no TLS answer in {} s; if the server speaks plain Redis (only on this machine), \
                  say redis://",
-                describe(url)
+                describe(url),
+                HUNG_AFTER.as_secs()
             ))
         }
-        Err(_) => return Ok(()),
+        _ => return Ok(()),
     };
     let text = e.to_string();
     let usage = match (e.kind(), e.code()) {

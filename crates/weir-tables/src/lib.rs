@@ -10,6 +10,7 @@
 pub mod format;
 pub mod journal;
 pub mod location;
+mod masked;
 pub mod media;
 pub mod read;
 pub mod schema;

@@ -149,8 +149,12 @@ impl Location {
     pub fn store(&self, env: Env) -> Result<Arc<dyn ObjectStore>, TableError> {
         match self.scheme {
             Scheme::Local => Ok(Arc::new(LocalFileSystem::new())),
-            Scheme::S3 => s3(&self.bucket, env),
-            Scheme::Gcs => gcs(&self.bucket, env),
+            Scheme::S3 => {
+                let mut given = Vec::new();
+                let store = s3(&self.bucket, env, &mut given)?;
+                Ok(crate::masked::Masked::wrap(store, given))
+            }
+            Scheme::Gcs => Ok(crate::masked::Masked::wrap(gcs(&self.bucket, env)?, Vec::new())),
         }
     }
 }
@@ -220,7 +224,9 @@ fn endpoint(var: &str, value: &str) -> Result<(String, bool), TableError> {
     }
 }
 
-fn s3(bucket: &str, env: Env) -> Result<Arc<dyn ObjectStore>, TableError> {
+/// An S3 store for `bucket`; the credentials it was given are added to `given` (to be masked in
+/// its errors).
+fn s3(bucket: &str, env: Env, given: &mut Vec<String>) -> Result<Arc<dyn ObjectStore>, TableError> {
     let mut b = AmazonS3Builder::new().with_bucket_name(bucket);
     let key = env("AWS_ACCESS_KEY_ID").filter(|v| !v.is_empty());
     let secret = env("AWS_SECRET_ACCESS_KEY").filter(|v| !v.is_empty());
@@ -228,8 +234,10 @@ fn s3(bucket: &str, env: Env) -> Result<Arc<dyn ObjectStore>, TableError> {
     let home = env("HOME").map(PathBuf::from);
     match (key, secret) {
         (Some(k), Some(s)) => {
+            given.extend([k.clone(), s.clone()]);
             b = b.with_access_key_id(k).with_secret_access_key(s);
             if let Some(t) = env("AWS_SESSION_TOKEN").filter(|v| !v.is_empty()) {
+                given.push(t.clone());
                 b = b.with_token(t);
             }
         }
@@ -257,8 +265,10 @@ fn s3(bucket: &str, env: Env) -> Result<Arc<dyn ObjectStore>, TableError> {
                 let get = |k: &str| section.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
                 match (get("aws_access_key_id"), get("aws_secret_access_key")) {
                     (Some(k), Some(s)) => {
+                        given.extend([k.clone(), s.clone()]);
                         b = b.with_access_key_id(k).with_secret_access_key(s);
                         if let Some(t) = get("aws_session_token") {
+                            given.push(t.clone());
                             b = b.with_token(t);
                         }
                         return finish_s3(b, bucket, env, &profile_name, home.as_deref());
@@ -479,7 +489,7 @@ mod tests {
         };
         for disabled in [false, true] {
             let started = std::time::Instant::now();
-            let e = s3("b", &vars(disabled)).expect_err("no credentials accepted").to_string();
+            let e = s3("b", &vars(disabled), &mut Vec::new()).expect_err("no credentials accepted").to_string();
             assert!(started.elapsed().as_secs() < 5, "{:?}", started.elapsed());
             assert!(e.contains("no AWS credentials found") && e.contains("AWS_ACCESS_KEY_ID"), "{e}");
             assert!(e.contains(if disabled { "AWS_EC2_METADATA_DISABLED" } else { closed.to_string().leak() }), "{e}");
@@ -520,7 +530,7 @@ mod tests {
             "AWS_PROFILE" => Some("nosuch".into()),
             _ => None,
         };
-        let e = s3("b", &named).expect_err("a missing profile").to_string();
+        let e = s3("b", &named, &mut Vec::new()).expect_err("a missing profile").to_string();
         assert!(e.contains("AWS_PROFILE=nosuch") && e.contains("neither"), "{e}");
         let config = std::env::temp_dir().join(format!("weir-awsconfig-{}", std::process::id()));
         std::fs::write(&config, "[profile p1]\naws_access_key_id = A\naws_secret_access_key = B\n").unwrap();
@@ -531,16 +541,16 @@ mod tests {
             "AWS_CONFIG_FILE" => Some(config_s.clone()),
             _ => None,
         };
-        assert!(s3("b", &p1).is_ok());
+        assert!(s3("b", &p1, &mut Vec::new()).is_ok());
         std::fs::remove_file(&config).unwrap();
         // Keys, or a role configured, are taken without a probe.
         let with = |k: &str| match k {
             "AWS_ACCESS_KEY_ID" | "AWS_SECRET_ACCESS_KEY" => Some("x".into()),
             _ => None,
         };
-        assert!(s3("b", &with).is_ok());
+        assert!(s3("b", &with, &mut Vec::new()).is_ok());
         let role = |k: &str| (k == "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI").then(|| "/v2/creds".to_string());
-        assert!(s3("b", &role).is_ok());
+        assert!(s3("b", &role, &mut Vec::new()).is_ok());
     }
 
     #[test]

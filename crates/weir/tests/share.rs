@@ -446,6 +446,9 @@ async fn a_redis_store_that_cannot_work_is_a_usage_error_before_any_call() {
         (format!("redis://127.0.0.1:{port}"), "refused the password"),
         (format!("redis://:wrong-pass@127.0.0.1:{port}"), "refused the password"),
         (format!("redis://:s3cret-pass@127.0.0.1:{port}/99"), "no database of that number"),
+        // TLS to a server that speaks none: it waits for a handshake that never comes (a
+        // tester's run went on alone with a warning).
+        (format!("rediss://:s3cret-pass@127.0.0.1:{port}"), "no TLS answer"),
     ];
     for (url, says) in cases {
         let o = told_run(&server.url(), &dir, &input, "out", &dir.path("meet"), &url).output().await.unwrap();
