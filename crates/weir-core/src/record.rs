@@ -180,6 +180,15 @@ impl Template {
         Ok(Self { source: text.to_string(), pieces })
     }
 
+    /// The fields the template names, in order (a field named twice, twice): a table's
+    /// columns can be checked against them before any row is read.
+    pub fn fields(&self) -> impl Iterator<Item = &str> {
+        self.pieces.iter().filter_map(|p| match p {
+            Piece::Field(name) => Some(name.as_str()),
+            _ => None,
+        })
+    }
+
     /// The template as written.
     pub fn source(&self) -> &str {
         &self.source

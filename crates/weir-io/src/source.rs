@@ -36,6 +36,23 @@ pub struct RawLine {
     /// fields, an unreadable Parquet row group): it becomes an error row with this message,
     /// keeping `bytes` as its raw text.
     pub malformed: Option<String>,
+    /// The file the line is in and the number of lines before that file, when the input is
+    /// many files and `line` counts through all of them: messages name the file and its own
+    /// line (`data/b.jsonl line 2`), while `line` keeps the input's order for resuming.
+    pub origin: Option<(std::sync::Arc<str>, u64)>,
+}
+
+impl RawLine {
+    /// `message`, which names this line as `line N`, naming its file and its line there
+    /// instead, when the input is many files.
+    pub fn located(&self, message: String) -> String {
+        match &self.origin {
+            Some((file, before)) => {
+                message.replacen(&format!("line {}", self.line), &format!("{file} line {}", self.line - before), 1)
+            }
+            None => message,
+        }
+    }
 }
 
 const BUFFER: usize = 256 * 1024;
@@ -65,12 +82,91 @@ fn record_line(n: u64, mut bytes: Vec<u8>) -> Option<RawLine> {
     if bytes.iter().all(u8::is_ascii_whitespace) {
         return None;
     }
-    Some(RawLine { line: n, bytes, malformed: None })
+    Some(RawLine { line: n, bytes, malformed: None, origin: None })
+}
+
+/// Why a file that starts with `head` (its first bytes, a few KiB) is not JSON Lines, when it
+/// plainly is not: compressed, a Parquet file, or a JSON array written over many lines. Each
+/// would become error rows that say nothing of why (a gzip file's two records became one row
+/// "not valid UTF-8"; a pretty-printed array's two records became eight).
+pub fn not_jsonl(head: &[u8]) -> Option<&'static str> {
+    if let Some(why) = not_text(head) {
+        return Some(why);
+    }
+    let text = head.strip_prefix(BOM).unwrap_or(head);
+    let mut filled = text.split(|b| *b == b'\n').map(|l| l.trim_ascii()).filter(|l| !l.is_empty());
+    let first = filled.next()?;
+    let json = |l: &[u8]| serde_json::from_slice::<serde::de::IgnoredAny>(l).is_ok();
+    // A line that opens an array and does not close it, and a next line that is no JSON value
+    // either (`{`, or `{…},`): the array goes on over the lines below. (A first line that is
+    // only broken, above whole objects, is one error row as any other.)
+    let opens_array = first.starts_with(b"[") && !json(first) && !filled.next().is_some_and(json);
+    opens_array.then_some(
+        "is a JSON array written over many lines, not JSON Lines (one object per line); convert it: \
+         jq -c '.[]' FILE > FILE.jsonl",
+    )
+}
+
+/// Why a file that starts with `head` is not text at all (JSON Lines or CSV), when its first
+/// bytes say what it is instead: compressed, an archive, a Parquet file.
+pub fn not_text(head: &[u8]) -> Option<&'static str> {
+    const MAGIC: &[(&[u8], &str)] = &[
+        (
+            b"\x1f\x8b",
+            "is gzip-compressed; decompress it first (gunzip -k), or stream it: zcat FILE | weir run --input - …",
+        ),
+        (
+            b"\x28\xb5\x2f\xfd",
+            "is zstd-compressed; decompress it first (zstd -d), or stream it: zstdcat FILE | weir run --input - …",
+        ),
+        (
+            b"BZh",
+            "is bzip2-compressed; decompress it first (bunzip2 -k), or stream it: bzcat FILE | weir run --input - …",
+        ),
+        (
+            b"\xfd7zXZ\x00",
+            "is xz-compressed; decompress it first (unxz -k), or stream it: xzcat FILE | weir run --input - …",
+        ),
+        (b"PK\x03\x04", "is a zip archive; extract the JSONL, CSV or Parquet file from it first"),
+        (b"PAR1", "is a Parquet file; name it *.parquet, or pass --input-format parquet"),
+    ];
+    MAGIC.iter().find(|(magic, _)| head.starts_with(magic)).map(|(_, why)| *why)
+}
+
+/// The longest line read as a record. A longer one (a file with no line ends, `/dev/zero`)
+/// would be held whole, and the process run out of memory; it becomes an error row instead,
+/// keeping its first [`KEPT_OF_LONG`] bytes.
+pub const MAX_LINE: usize = 64 << 20;
+
+/// The bytes of a line longer than [`MAX_LINE`] kept in its error row, to find it by.
+pub const KEPT_OF_LONG: usize = 1024;
+
+/// Reads past the rest of a line (through its `\n`, or to the end), holding none of it; the
+/// number of bytes passed, without the `\n`.
+async fn skip_line<R: tokio::io::AsyncBufRead + Unpin>(reader: &mut R) -> io::Result<u64> {
+    let mut passed = 0u64;
+    loop {
+        let buf = reader.fill_buf().await?;
+        if buf.is_empty() {
+            return Ok(passed);
+        }
+        let (used, end) = match buf.iter().position(|b| *b == b'\n') {
+            Some(i) => (i + 1, true),
+            None => (buf.len(), false),
+        };
+        reader.consume(used);
+        if end {
+            return Ok(passed + used as u64 - 1);
+        }
+        passed += used as u64;
+    }
 }
 
 /// The lines of a reader as a stream. Blank lines are not records and are skipped; line
-/// numbers still count them, so a line number always points at the file.
+/// numbers still count them, so a line number always points at the file. A line longer than
+/// [`MAX_LINE`] is a malformed record.
 pub fn lines(reader: Box<dyn AsyncRead + Send + Unpin>) -> impl Stream<Item = io::Result<RawLine>> + Send {
+    use tokio::io::AsyncReadExt;
     let reader = BufReader::with_capacity(BUFFER, reader);
     futures::stream::unfold((reader, 0u64, false), |(mut reader, mut n, done)| async move {
         if done {
@@ -78,8 +174,27 @@ pub fn lines(reader: Box<dyn AsyncRead + Send + Unpin>) -> impl Stream<Item = io
         }
         loop {
             let mut bytes = Vec::new();
-            match reader.read_until(b'\n', &mut bytes).await {
+            match (&mut reader).take(MAX_LINE as u64 + 1).read_until(b'\n', &mut bytes).await {
                 Ok(0) => return None,
+                Ok(_) if bytes.len() > MAX_LINE && bytes.last() != Some(&b'\n') => {
+                    n += 1;
+                    let rest = match skip_line(&mut reader).await {
+                        Ok(rest) => rest,
+                        Err(e) => return Some((Err(e), (reader, n, true))),
+                    };
+                    bytes.truncate(KEPT_OF_LONG);
+                    let malformed = format!(
+                        "line {n} is {} bytes long, over weir's limit of {} MiB for one record; its first {} \
+                         bytes are kept here",
+                        MAX_LINE as u64 + 1 + rest,
+                        MAX_LINE >> 20,
+                        KEPT_OF_LONG
+                    );
+                    return Some((
+                        Ok(RawLine { line: n, bytes, malformed: Some(malformed), origin: None }),
+                        (reader, n, false),
+                    ));
+                }
                 Ok(_) => {
                     n += 1;
                     match record_line(n, bytes) {
@@ -305,6 +420,40 @@ mod tests {
         assert_eq!((got[0].line, got[0].bytes.as_slice()), (1, &b"{\"a\":1}"[..]));
         assert_eq!(got[1].line, 4);
         assert_eq!((got[2].line, got[2].bytes.as_slice()), (5, &b"{\"a\":3}"[..]));
+    }
+
+    #[test]
+    fn files_that_are_not_json_lines_are_told_apart() {
+        assert!(not_jsonl(b"\x1f\x8b\x08\x08").unwrap().contains("gzip"));
+        assert!(not_jsonl(b"PAR1\x15\x04").unwrap().contains("Parquet"));
+        assert!(not_jsonl(b"[\n  {\n    \"prompt\": \"a\"\n").unwrap().contains("JSON array"));
+        assert!(not_jsonl(b"\xef\xbb\xbf\n  [{\"prompt\": \"a\"},\n").unwrap().contains("JSON array"));
+        for fine in [
+            &b"{\"prompt\": \"a\"}\n"[..],
+            b"[\"a\", 1]\n{\"prompt\": 1}\n",
+            b"[broken\n{\"prompt\": 1}\n",
+            b"",
+            b"\n\n",
+            b"not json",
+        ] {
+            assert_eq!(not_jsonl(fine), None, "{:?}", String::from_utf8_lossy(fine));
+        }
+    }
+
+    #[tokio::test]
+    async fn a_line_over_the_limit_is_one_malformed_record_and_the_next_is_read() {
+        // A tester's `--input /dev/zero` grew to 880 MB and aborted; a 50 MB line took 467 MB.
+        let mut data = b"{\"a\":1}\n".to_vec();
+        data.resize(data.len() + MAX_LINE + 5000, b'x');
+        data.extend_from_slice(b"\n{\"a\":3}\n");
+        let got: Vec<RawLine> = lines(Box::new(std::io::Cursor::new(data))).map(|l| l.unwrap()).collect().await;
+        assert_eq!(got.len(), 3);
+        assert_eq!((got[0].line, got[0].malformed.is_none()), (1, true));
+        let long = &got[1];
+        assert_eq!((long.line, long.bytes.len()), (2, KEPT_OF_LONG));
+        let why = long.malformed.as_deref().unwrap();
+        assert!(why.contains(&format!("line 2 is {} bytes long", MAX_LINE + 5000)), "{why}");
+        assert_eq!((got[2].line, got[2].bytes.as_slice(), got[2].malformed.is_none()), (3, &b"{\"a\":3}"[..], true));
     }
 
     #[tokio::test]

@@ -23,7 +23,7 @@ pub use journal::{Committed, Journal};
 pub use location::{Location, Scheme};
 pub use media::BucketMedia;
 pub use read::TableInput;
-pub use schema::{arrow_type_of, shaped_column, OutputColumns, Task};
+pub use schema::{arrow_type_of, holds_text, shaped_column, OutputColumns, Task};
 pub use staging::BucketStaging;
 pub use write::{prepare, spawn, TableSettings};
 

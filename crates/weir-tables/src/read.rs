@@ -201,6 +201,19 @@ impl TableInput {
             }
         };
         let mut input = Self { location, files, format, store, csv_schema: None, delimiter };
+        // A text format named for a file that is not text (`--input-format jsonl` on a Parquet
+        // file, a compressed one): said once, not as an error row per line of bytes.
+        if format != Format::Parquet {
+            let first = &input.files[0];
+            let head = input.head_bytes(first).await.map_err(|e| read_err(&input.location.url_of(&first.path), e))?;
+            let why = match format {
+                Format::Jsonl => weir_io::source::not_jsonl(&head),
+                _ => weir_io::source::not_text(&head),
+            };
+            if let Some(why) = why {
+                return Err(TableError::Usage(format!("--input {}: {why}", input.location.url_of(&first.path))));
+            }
+        }
         if format == Format::Csv {
             input.csv_schema = Some(input.infer_csv(text).await?);
         }
@@ -408,6 +421,7 @@ impl TableInput {
         let format = self.format;
         let csv_schema = self.csv_schema.clone();
         let delimiter = self.delimiter;
+        let many = self.files.len() > 1;
         futures::stream::iter(self.files.clone())
             .then(move |f| {
                 let (store, location, last, csv_schema) =
@@ -415,6 +429,9 @@ impl TableInput {
                 async move {
                     let base = last.load(Ordering::Relaxed);
                     let url = location.url_of(&f.path);
+                    // Of many JSONL files, each line says which file it is in (CSV's and
+                    // Parquet's messages name it already).
+                    let origin: Option<Arc<str>> = (format == Format::Jsonl && many).then(|| url.as_str().into());
                     let lines: BoxStream<'static, io::Result<RawLine>> = match format {
                         Format::Jsonl => jsonl_lines(store, f).await,
                         Format::Csv => {
@@ -425,6 +442,7 @@ impl TableInput {
                     lines
                         .map(move |l| {
                             l.map(|mut l| {
+                                l.origin = origin.clone().map(|file| (file, base));
                                 l.line += base;
                                 last.fetch_max(l.line, Ordering::Relaxed);
                                 l
@@ -613,6 +631,7 @@ async fn csv_lines(
                             line,
                             bytes: Vec::new(),
                             malformed: Some(format!("{url} line {line}: not valid UTF-8 ({e})")),
+                            origin: None,
                         },
                         _ => {
                             let _ = tx.blocking_send(Err(io::Error::other(format!("{url}: {e}"))));
@@ -727,6 +746,7 @@ fn csv_row(headers: &csv::StringRecord, record: &csv::StringRecord, schema: &Sch
                 record.len(),
                 headers.len()
             )),
+            origin: None,
         };
     }
     let mut obj = serde_json::Map::with_capacity(headers.len());
@@ -734,7 +754,7 @@ fn csv_row(headers: &csv::StringRecord, record: &csv::StringRecord, schema: &Sch
         let ty = schema.field_with_name(name).map(|f| f.data_type().clone()).unwrap_or(DataType::Utf8);
         obj.insert(name.to_string(), csv_value(text, &ty));
     }
-    RawLine { line, bytes: serde_json::to_vec(&obj).unwrap_or_default(), malformed: None }
+    RawLine { line, bytes: serde_json::to_vec(&obj).unwrap_or_default(), malformed: None, origin: None }
 }
 
 /// A CSV field as the JSON value of its column's type: empty is null except in a text column
@@ -859,7 +879,14 @@ fn row_group_lines(
                         }
                         let upto = (next + PARQUET_BATCH as u64).min(end);
                         let lines = (next..upto)
-                            .map(|i| Ok(RawLine { line: i + 1, bytes: Vec::new(), malformed: Some(msg.clone()) }))
+                            .map(|i| {
+                                Ok(RawLine {
+                                    line: i + 1,
+                                    bytes: Vec::new(),
+                                    malformed: Some(msg.clone()),
+                                    origin: None,
+                                })
+                            })
                             .collect::<Vec<_>>();
                         return Some((lines, (Group::Failing(msg), upto)));
                     }
@@ -1005,7 +1032,7 @@ fn json_lines(batch: &RecordBatch, first: u64) -> Result<Vec<RawLine>, arrow_sch
         .split(|b| *b == b'\n')
         .filter(|l| !l.is_empty())
         .enumerate()
-        .map(|(i, l)| RawLine { line: first + i as u64 + 1, bytes: l.to_vec(), malformed: None })
+        .map(|(i, l)| RawLine { line: first + i as u64 + 1, bytes: l.to_vec(), malformed: None, origin: None })
         .collect())
 }
 

@@ -388,6 +388,17 @@ impl OutputColumns {
     }
 }
 
+/// Whether a column of type `t` may hold text (strings, bytes that may be UTF-8, or a
+/// dictionary of either): what a prompt column must hold.
+pub fn holds_text(t: &arrow_schema::DataType) -> bool {
+    use arrow_schema::DataType as T;
+    match t {
+        T::Utf8 | T::LargeUtf8 | T::Utf8View | T::Binary | T::LargeBinary | T::BinaryView => true,
+        T::Dictionary(_, values) => holds_text(values),
+        _ => false,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

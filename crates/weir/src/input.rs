@@ -60,10 +60,29 @@ async fn check_columns(input: &weir_tables::TableInput, settings: &RunSettings) 
             names.iter().map(|n| format!("{n:?}")).collect::<Vec<_>>().join(", ")
         ))
     };
-    if let PromptSource::Field(f) = &settings.records.prompt {
-        if !names.contains(&f.as_str()) {
+    match &settings.records.prompt {
+        PromptSource::Field(f) if !names.contains(&f.as_str()) => {
             return Err(missing(f, "the prompt: name the column with --prompt-field, or give --template"));
         }
+        PromptSource::Field(f) => {
+            // A prompt column that holds no text (numbers in a Parquet file) failed every row
+            // with "not a string"; a template writes any value as text.
+            if let Some(ty) =
+                schema.field_with_name(f).ok().map(|c| c.data_type()).filter(|t| !weir_tables::holds_text(t))
+            {
+                return Err(RunError::Usage(format!(
+                    "--input {}: the prompt column {f:?} holds {ty}, not text; name a text column with \
+                     --prompt-field, or write its values into a prompt with --template '{{{f}}}'",
+                    input.location.display,
+                )));
+            }
+        }
+        PromptSource::Template(t) => {
+            if let Some(f) = t.fields().find(|f| !names.contains(f)) {
+                return Err(missing(f, "named in --template"));
+            }
+        }
+        _ => {}
     }
     if let Some(id) = &settings.records.id_field {
         if !names.contains(&id.as_str()) {
@@ -71,6 +90,15 @@ async fn check_columns(input: &weir_tables::TableInput, settings: &RunSettings) 
         }
     }
     Ok(())
+}
+
+/// Why the local file `p` is plainly not JSON Lines ([`weir_io::source::not_jsonl`]), from its
+/// first 4 KiB; nothing when it cannot be read (opening it says why).
+fn not_jsonl(p: &std::path::Path) -> Option<&'static str> {
+    use std::io::Read;
+    let mut head = Vec::with_capacity(4096);
+    std::fs::File::open(p).ok()?.take(4096).read_to_end(&mut head).ok()?;
+    weir_io::source::not_jsonl(&head)
 }
 
 impl Input {
@@ -110,6 +138,10 @@ impl Input {
             (Some(t), _) => t.lines(),
             (None, InputPath::File(p)) if settings.follow => {
                 weir_io::source::follow(p.clone(), weir_io::source::FOLLOW_POLL).boxed()
+            }
+            (None, InputPath::File(p)) if file.is_some() && not_jsonl(p).is_some() => {
+                let why = not_jsonl(p).unwrap_or_default();
+                return Err(RunError::Usage(format!("--input {name}: {why}")));
             }
             (None, _) => weir_io::source::lines(
                 weir_io::source::open(&settings.input)
@@ -170,8 +202,12 @@ impl Input {
                     }))
                 }),
                 Ok(raw) => match spec.parse(raw.line, &raw.bytes) {
-                    Err(failure) => (!finished.contains(&finished_key(failure.id.as_ref(), failure.line)))
-                        .then_some(Work::Done(failure)),
+                    Err(mut failure) => {
+                        (!finished.contains(&finished_key(failure.id.as_ref(), failure.line))).then(|| {
+                            failure.error.message = raw.located(std::mem::take(&mut failure.error.message));
+                            Work::Done(failure)
+                        })
+                    }
                     Ok(record) => {
                         let first = match check_duplicates {
                             false => true,
@@ -188,12 +224,12 @@ impl Input {
                         {
                             None
                         } else if !first {
-                            let msg = format!(
+                            let msg = raw.located(format!(
                                 "line {}: {}{}' (an earlier line has it)",
                                 record.line,
                                 weir_io::state::DUPLICATE_ID,
                                 record.id
-                            );
+                            ));
                             Some(Work::Done(Box::new(Failure::of(
                                 record,
                                 ModelError::new(ErrorKind::InvalidInput, msg),

@@ -805,6 +805,17 @@ impl RunArgs {
                     "--follow {path}: weir follows a local JSONL file as it grows; read a table with --input"
                 )));
             }
+            // A FIFO or /dev/stdin can be read once, from the start: CSV's header is read twice
+            // and Parquet's footer is at the end.
+            let path = std::path::Path::new(self.input());
+            let stream = !remote(self.input()) && weir_io::paths::is_stream(path) && !path.is_dir();
+            if stream && input_format.or(Format::from_name(self.input())).is_some_and(|f| f != Format::Jsonl) {
+                return Err(UsageError(format!(
+                    "--input {}: is a stream (a pipe or a FIFO), which gives JSONL only; CSV and Parquet must be \
+                     read from a file",
+                    self.input()
+                )));
+            }
             Some(TableIn { spec: self.input().to_string(), format: input_format, csv_delimiter })
         } else {
             None

@@ -861,3 +861,68 @@ async fn keep_columns_no_row_has_are_named() {
     assert!(stderr(&o).contains("--keep-columns: no input row had 'nosuch'"), "{}", stderr(&o));
     assert!(rows(&dir.path("out.jsonl")).iter().all(|r| r["input"]["key"].is_string()));
 }
+
+/// An outside tester's inputs that are not what their names or flags say, each once refused
+/// with what it is (exit 2, nothing written), where before each became error rows that did not
+/// say why: a gzip file (2 records, 1 row "not valid UTF-8"), a pretty-printed JSON array (2
+/// records, 8 rows), a Parquet file read as JSONL (43 rows for 6), a template naming a column
+/// the CSV lacks and a prompt column of numbers (a row each), a CSV from a FIFO ("Requested
+/// range was invalid"). And of many JSONL files, a bad line is named by its file and its line
+/// there, not by its place among all of them.
+#[tokio::test]
+async fn inputs_that_are_not_what_they_say_are_named_before_any_row() {
+    let dir = Dir::new("not-what-they-say");
+    let ok = b"{\"prompt\":\"hi\"}\n{\"prompt\":\"yo\"}\n";
+    // `gzip` of the two lines (its header, then the deflated bytes).
+    let mut gz = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\x03".to_vec();
+    gz.extend_from_slice(b"\xabV*(\xca\xcf-(Q\xb2R\xca\xc8T\xaa\xe5\x02\x00");
+    dir.write("in.jsonl.gz", &gz);
+    dir.write("arr.json", b"[\n  {\n    \"prompt\": \"hi\"\n  },\n  {\n    \"prompt\": \"yo\"\n  }\n]\n");
+    dir.write("in.csv", b"id,prompt\n1,hi\n2,yo\n");
+    dir.write("fake.jsonl", b"PAR1\x15\x04\x15\x10\x15\x14");
+    let cases: &[(&[&str], &str)] = &[
+        (&["--input", "in.jsonl.gz"], "is gzip-compressed"),
+        (&["--input", "arr.json"], "is a JSON array written over many lines"),
+        (&["--input", "in.csv", "--template", "Q: {promt}"], "has no column \"promt\" (named in --template)"),
+        (&["--input", "in.csv", "--prompt-field", "id"], ""),
+        (&["--input", "fake.jsonl", "--input-format", "jsonl", "--output-format", "jsonl"], "is a Parquet file"),
+    ];
+    for (args, says) in cases {
+        let out = dir.path("out.jsonl");
+        let _ = std::fs::remove_file(&out);
+        let o = demo(&dir, args).args(["--output", s(&out), "--no-state"]).output().await.unwrap();
+        if says.is_empty() {
+            // A CSV column of digits is kept as text when it is the prompt: it runs.
+            assert!(o.status.success(), "{args:?}: {}", stderr(&o));
+            continue;
+        }
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", stderr(&o));
+        assert!(stderr(&o).contains(says), "{args:?}: {}", stderr(&o));
+        assert!(!out.exists(), "{args:?}");
+    }
+    let fifo = dir.path("f.csv");
+    assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let o = demo(&dir, &["--input", s(&fifo), "--output", "o.jsonl"]).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("is a stream (a pipe or a FIFO)"), "{}", stderr(&o));
+    std::fs::create_dir_all(dir.path("many")).unwrap();
+    dir.write("many/a.jsonl", ok);
+    dir.write("many/b.jsonl", b"{\"prompt\":\"fine\"}\n{broken\n");
+    let o = demo(&dir, &["--input", "many", "--output", "m.jsonl"]).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let errors = rows(&dir.path("m.errors.jsonl"));
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    let message = errors[0]["message"].as_str().unwrap();
+    assert!(message.contains("b.jsonl line 2 is not valid JSON"), "{message}");
+    assert_eq!(errors[0]["line"], 4, "the input's own numbering is kept, for resuming");
+    if peer("WEIR_PYTHON").is_some() {
+        let ints = dir.path("ints.parquet");
+        python(
+            "import sys, pyarrow as pa, pyarrow.parquet as pq\npq.write_table(pa.table({'prompt': [1, 2, 3]}), sys.argv[1])",
+            &[s(&ints)],
+        );
+        let o = demo(&dir, &["--input", s(&ints), "--output", "i.jsonl"]).output().await.unwrap();
+        assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+        assert!(stderr(&o).contains("the prompt column \"prompt\" holds Int64, not text"), "{}", stderr(&o));
+    }
+}
