@@ -85,6 +85,8 @@ struct StopRules {
     /// Refused calls since the last answer.
     auth_in_a_row: AtomicU64,
     auth_failures_to_stop: u64,
+    /// Answers that could not be read (`malformed_response`), before any success.
+    unreadable: AtomicU64,
     max_retries: u32,
     answered: AtomicBool,
     first_unreachable: Mutex<Option<Instant>>,
@@ -94,6 +96,11 @@ struct StopRules {
     unreachable: AtomicBool,
     metrics: Arc<RunMetrics>,
 }
+
+/// Answers that could not be read, before any call of the run succeeded, that stop it: a
+/// server of another API, or a proxy that breaks every answer, is paid for each (a tester's
+/// server of broken 200s was called 9 times for every record).
+const UNREADABLE_TO_STOP: u64 = 10;
 
 /// After answers, this many times `auth_failures_to_stop` refusals in a row stop the run: more
 /// than at the start, since calls in flight when the credentials changed all fail together.
@@ -167,6 +174,18 @@ impl Observer for StopRules {
             });
         } else if error.hint == RetryHint::StopRun {
             self.stop(StopReason { kind: error.kind, message: error.message.clone() });
+        } else if error.kind == ErrorKind::MalformedResponse {
+            let n = self.unreadable.fetch_add(1, Relaxed) + 1;
+            if n >= UNREADABLE_TO_STOP && !self.answered_ok() {
+                self.stop(StopReason {
+                    kind: ErrorKind::MalformedResponse,
+                    message: format!(
+                        "the first {n} answers could not be read and no call succeeded (is the base URL a server of \
+                         this provider's API?): {}",
+                        error.message
+                    ),
+                });
+            }
         } else if error.kind == ErrorKind::Auth {
             let n = self.auth_failures.fetch_add(1, Relaxed) + 1;
             let in_a_row = self.auth_in_a_row.fetch_add(1, Relaxed) + 1;
@@ -365,6 +384,7 @@ impl Driver {
             reason: Mutex::new(None),
             auth_failures: AtomicU64::new(0),
             auth_in_a_row: AtomicU64::new(0),
+            unreadable: AtomicU64::new(0),
             auth_failures_to_stop: settings.auth_failures_to_stop,
             max_retries: settings.retry.max_retries,
             answered: AtomicBool::new(false),
@@ -1204,6 +1224,31 @@ mod tests {
         }
         assert_eq!(h.calls.load(Relaxed), 3, "no call after the stop");
         assert_eq!(d.stop_reason().unwrap().kind, ErrorKind::Auth);
+    }
+
+    /// A server whose every answer cannot be read (a tester's broken 200s: 9 calls per record,
+    /// each billable) stops the run after the first few, when nothing has succeeded; after a
+    /// success, an unreadable answer is the record's own and is retried as before.
+    #[tokio::test(start_paused = true)]
+    async fn answers_that_cannot_be_read_from_the_start_stop_the_run() {
+        let unreadable = || Err(ModelError::new(ErrorKind::MalformedResponse, "the answer is not JSON"));
+        let (d, h) = driver((0..100).map(|_| unreadable()).collect(), DriverSettings::default());
+        for i in 0..20 {
+            let _ = d.run(record(&i.to_string())).await;
+            if d.is_stopped() {
+                break;
+            }
+        }
+        assert!(d.is_stopped());
+        assert_eq!(h.calls.load(Relaxed), UNREADABLE_TO_STOP);
+        assert_eq!(d.stop_reason().unwrap().kind, ErrorKind::MalformedResponse);
+        let mut script: Vec<Result<Duration, ModelError>> = vec![Ok(Duration::from_millis(1))];
+        script.extend((0..40).map(|_| unreadable()));
+        let (d, _) = driver(script, DriverSettings::default());
+        for i in 0..4 {
+            let _ = d.run(record(&i.to_string())).await;
+        }
+        assert!(!d.is_stopped(), "after a success, unreadable answers are the records' own");
     }
 
     /// Issue #29, item 16: credentials revoked part-way (answers, then only refusals) stop the

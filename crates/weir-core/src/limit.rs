@@ -117,6 +117,8 @@ impl ConcurrencyLimit for FixedLimit {
 /// is frequent again).
 /// An endpoint that slows down instead of refusing is caught by latency: a round trip whose median
 /// latency (of successful calls) is twice the best seen, and 5 ms more, lowers the limit by 10 %.
+/// A latency that cuts in a row did not bring down by a fifth, with a fifth fewer calls out, is
+/// not load: it becomes the best seen, and the limit goes back to where the cuts began.
 #[derive(Debug)]
 pub struct AdaptiveLimit {
     sem: Arc<Semaphore>,
@@ -152,6 +154,9 @@ struct Control {
     probe_every: u32,
     /// The limit is one above the ceiling, probing.
     probing: bool,
+    /// Rounds running that were slower than the best and cut the limit: the median of the first
+    /// and the number of calls it allowed out.
+    slow_cuts: Option<(f64, usize)>,
 }
 
 /// Rounds at the ceiling before the first probe above it.
@@ -204,6 +209,7 @@ impl AdaptiveLimit {
                 pushback_share: 0.0,
                 probe_every: FIRST_PROBE_AFTER,
                 probing: false,
+                slow_cuts: None,
             }),
         })
     }
@@ -366,11 +372,29 @@ impl ConcurrencyLimit for Adaptive {
             me.set_limit(&mut c, ((limit as f64) * 0.9).floor() as usize);
             return;
         }
-        if slower {
+        if let (true, Some(m)) = (slower, mean) {
             c.slow_start = false;
+            // Latency that comes from load falls when fewer calls are out. One that did not fall
+            // with a fifth fewer out is the endpoint's own (a server that answers in 43 ms at any load,
+            // after a few fast first answers): it becomes the best, and the cuts are undone.
+            // A tester's healthy server ran at 1 call out, 28 answers a second, against 1,078
+            // at 64.
+            let level = c.round_limit;
+            let (first, at) = *c.slow_cuts.get_or_insert((m, level));
+            if level as f64 <= 0.8 * at as f64 {
+                if m >= 0.8 * first {
+                    c.best_rtt = Some(m);
+                    c.slow_cuts = None;
+                    me.set_limit(&mut c, at);
+                    return;
+                }
+                // It fell: load. Judged again from here.
+                c.slow_cuts = Some((m, level));
+            }
             me.set_limit(&mut c, ((limit as f64) * 0.9).floor() as usize);
             return;
         }
+        c.slow_cuts = None;
         if !bound {
             return;
         }
@@ -575,6 +599,38 @@ mod tests {
         // A cap that rises is still found: the next probe goes through and the limit climbs.
         refusals_under_a_cap(&a, 20, 400 * 12).await;
         assert!(a.current() >= 19, "limit {} under a cap raised to 20", a.current());
+    }
+
+    /// Rounds of `limit` calls answered in `latency(limit)`.
+    async fn rounds_at(a: &Adaptive, rounds: usize, latency: impl Fn(usize) -> Duration) {
+        for _ in 0..rounds {
+            let n = a.current();
+            let mut permits = Vec::new();
+            for _ in 0..n {
+                permits.push(a.acquire().await);
+            }
+            for (_, level) in &permits {
+                a.feedback(*level, latency(n), CallResult::Ok);
+            }
+            drop(permits);
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_latency_that_fewer_calls_do_not_bring_down_is_not_load() {
+        // A tester's server answered its first calls in 1 ms, then in 43 ms at any load (a
+        // small server's delayed acknowledgements): every round was "twice the best", and the
+        // limit fell to 1 and stayed there. Now three cuts that change nothing are undone.
+        let a = Adaptive(AdaptiveLimit::new(16, 64));
+        rounds_at(&a, 2, |_| Duration::from_millis(1)).await;
+        rounds_at(&a, 200, |_| Duration::from_millis(43)).await;
+        assert!(a.current() >= 32, "limit {} at a latency that does not track load", a.current());
+        // An endpoint whose latency does track load (queueing past 20 calls out) is still held
+        // near where it starts to queue.
+        let b = Adaptive(AdaptiveLimit::new(16, 256));
+        let queueing = |n: usize| Duration::from_millis(40 * (n.max(20) as u64) / 20);
+        rounds_at(&b, 300, queueing).await;
+        assert!((20..=60).contains(&b.current()), "limit {} where latency doubles at 40 calls out", b.current());
     }
 
     #[tokio::test(start_paused = true)]

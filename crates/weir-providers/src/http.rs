@@ -532,14 +532,16 @@ pub async fn read_answer(mut resp: reqwest::Response) -> Result<Reply, ModelErro
     let status = resp.status().as_u16();
     let headers = resp.headers().clone();
     let too_long = || {
+        // The answer's fault, not the request's: a malformed response, not tried again.
         ModelError::new(
-            ErrorKind::BadRequest,
+            ErrorKind::MalformedResponse,
             format!(
                 "HTTP {status}: the answer is longer than {} MiB, the most weir reads of one",
                 MAX_ANSWER_BYTES >> 20
             ),
         )
         .with_status(status)
+        .with_hint(RetryHint::Never)
     };
     if resp.content_length().is_some_and(|n| n > MAX_ANSWER_BYTES as u64) {
         return Err(too_long());
@@ -689,6 +691,11 @@ pub fn proto_duration(s: &str) -> Option<Duration> {
 
 /// Classifies an HTTP error status; providers refine the result from the body.
 pub fn status_error(status: u16, headers: &HeaderMap, message: String) -> ModelError {
+    // An answer with an empty body leaves `HTTP 301: ` with nothing after it.
+    let message = match message.trim_end().trim_end_matches(':') {
+        m if m.len() < message.len() && !m.is_empty() => m.to_string(),
+        _ => message,
+    };
     let advised = retry_after(headers);
     let e = match status {
         // No such model or route: no other record can fare better.
