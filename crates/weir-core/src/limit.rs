@@ -117,7 +117,7 @@ impl ConcurrencyLimit for FixedLimit {
 /// is frequent again).
 /// An endpoint that slows down instead of refusing is caught by latency: a round trip whose median
 /// latency (of successful calls) is twice the best seen, and 5 ms more, lowers the limit by 10 %.
-/// A latency that cuts in a row did not bring down by a fifth, with a fifth fewer calls out, is
+/// A latency that cuts in a row did not bring down by a fifth, with half as many calls out, is
 /// not load: it becomes the best seen, and the limit goes back to where the cuts began.
 #[derive(Debug)]
 pub struct AdaptiveLimit {
@@ -138,7 +138,8 @@ struct Control {
     ceiling: Option<usize>,
     rounds_at_ceiling: u32,
     done_in_round: usize,
-    rtts: Vec<f64>,
+    /// This round's successful calls: latency, and the level each was sent at.
+    rtts: Vec<(f64, usize)>,
     bound: bool,
     best_rtt: Option<f64>,
     ok_level_cur: usize,
@@ -233,6 +234,16 @@ impl AdaptiveLimit {
     }
 }
 
+/// The median of `values`, if any.
+fn median(values: impl Iterator<Item = f64>) -> Option<f64> {
+    let mut v: Vec<f64> = values.collect();
+    if v.is_empty() {
+        return None;
+    }
+    let mid = v.len() / 2;
+    Some(*v.select_nth_unstable_by(mid, f64::total_cmp).1)
+}
+
 /// The capacity a round's refusals reveal at once: at least three refusals above every level
 /// that succeeded, two of them at one level — the mark of a cap (every call above it refused,
 /// and the freed slot refused again), which random faults scattered over levels almost never
@@ -320,7 +331,7 @@ impl ConcurrencyLimit for Adaptive {
             c.done_in_round += 1;
         }
         if result == CallResult::Ok {
-            c.rtts.push(latency.as_secs_f64());
+            c.rtts.push((latency.as_secs_f64(), level));
         }
         // A round trip: as many calls answered as the limit allows in flight. Refusals come back
         // at once and would fill a round before any answer does, so they do not count towards
@@ -329,13 +340,8 @@ impl ConcurrencyLimit for Adaptive {
             return;
         }
         // The median of the round's successful calls: a few hung or timed-out calls are not load.
-        let mean = if c.rtts.is_empty() {
-            None
-        } else {
-            let mid = c.rtts.len() / 2;
-            Some(*c.rtts.select_nth_unstable_by(mid, f64::total_cmp).1)
-        };
-        c.rtts.clear();
+        let samples = std::mem::take(&mut c.rtts);
+        let mean = median(samples.iter().map(|(rtt, _)| *rtt));
         let best = match (c.best_rtt, mean) {
             (Some(b), Some(m)) => Some(b.min(m)),
             (b, m) => b.or(m),
@@ -375,21 +381,26 @@ impl ConcurrencyLimit for Adaptive {
         if let (true, Some(m)) = (slower, mean) {
             c.slow_start = false;
             // Latency that comes from load falls when fewer calls are out. One that did not fall
-            // with a fifth fewer out is the endpoint's own (a server that answers in 43 ms at any load,
+            // by a fifth with half as many out is the endpoint's own (a server that answers in 43 ms at any load,
             // after a few fast first answers): it becomes the best, and the cuts are undone.
             // A tester's healthy server ran at 1 call out, 28 answers a second, against 1,078
             // at 64.
-            let level = c.round_limit;
-            let (first, at) = *c.slow_cuts.get_or_insert((m, level));
-            if level as f64 <= 0.8 * at as f64 {
-                if m >= 0.8 * first {
-                    c.best_rtt = Some(m);
+            // Judged once the cuts have halved the calls out, on the calls sent with half as many
+            // out (answers to calls sent before the cuts come back for a while, as slow as ever).
+            let round_limit = c.round_limit;
+            let (first, at) = *c.slow_cuts.get_or_insert((m, round_limit));
+            let half = at as f64 / 2.0;
+            let fewer: Vec<f64> = samples.iter().filter(|(_, l)| *l as f64 <= half).map(|(rtt, _)| *rtt).collect();
+            let judged = round_limit as f64 <= half && fewer.len() >= 3;
+            if let Some(low) = median(fewer.into_iter()).filter(|_| judged) {
+                if low >= 0.8 * first {
+                    c.best_rtt = Some(low);
                     c.slow_cuts = None;
                     me.set_limit(&mut c, at);
                     return;
                 }
                 // It fell: load. Judged again from here.
-                c.slow_cuts = Some((m, level));
+                c.slow_cuts = Some((low, round_limit));
             }
             me.set_limit(&mut c, ((limit as f64) * 0.9).floor() as usize);
             return;
@@ -601,7 +612,7 @@ mod tests {
         assert!(a.current() >= 19, "limit {} under a cap raised to 20", a.current());
     }
 
-    /// Rounds of `limit` calls answered in `latency(limit)`.
+    /// Rounds of `limit` calls, each answered in `latency(level it was sent at)`.
     async fn rounds_at(a: &Adaptive, rounds: usize, latency: impl Fn(usize) -> Duration) {
         for _ in 0..rounds {
             let n = a.current();
@@ -610,7 +621,7 @@ mod tests {
                 permits.push(a.acquire().await);
             }
             for (_, level) in &permits {
-                a.feedback(*level, latency(n), CallResult::Ok);
+                a.feedback(*level, latency(*level), CallResult::Ok);
             }
             drop(permits);
         }
@@ -625,12 +636,13 @@ mod tests {
         rounds_at(&a, 2, |_| Duration::from_millis(1)).await;
         rounds_at(&a, 200, |_| Duration::from_millis(43)).await;
         assert!(a.current() >= 32, "limit {} at a latency that does not track load", a.current());
-        // An endpoint whose latency does track load (queueing past 20 calls out) is still held
-        // near where it starts to queue.
+        // An endpoint whose latency does track load (a call sent with more than 20 out queues)
+        // is still held where the round's median call takes twice the best (half the round
+        // is sent below its median level: about 80 out), far below the most allowed.
         let b = Adaptive(AdaptiveLimit::new(16, 256));
-        let queueing = |n: usize| Duration::from_millis(40 * (n.max(20) as u64) / 20);
+        let queueing = |level: usize| Duration::from_millis(40 * (level.max(20) as u64) / 20);
         rounds_at(&b, 300, queueing).await;
-        assert!((20..=60).contains(&b.current()), "limit {} where latency doubles at 40 calls out", b.current());
+        assert!((40..=100).contains(&b.current()), "limit {} where latency doubles at 40 calls out", b.current());
     }
 
     #[tokio::test(start_paused = true)]

@@ -58,6 +58,8 @@ impl OutputPath {
 
 /// A JSONL writer.
 pub struct JsonlWriter {
+    /// The file's name, put before its errors (`out.jsonl: No space left on device`).
+    name: Option<String>,
     out: BufWriter<Box<dyn Write + Send>>,
     file: Option<std::fs::File>,
     rows: u64,
@@ -157,9 +159,20 @@ impl JsonlWriter {
         Self::new(Box::new(io::stdout()), None)
     }
 
-    /// Writes to a file opened by [`claim`] (rows go after what it holds).
-    pub fn to_file(file: std::fs::File) -> io::Result<Self> {
-        Ok(Self::new(Box::new(file.try_clone()?), Some(file)))
+    /// Writes to a file opened by [`claim`] (rows go after what it holds), named `name` in its
+    /// errors.
+    pub fn to_file(file: std::fs::File, name: &str) -> io::Result<Self> {
+        let mut w = Self::new(Box::new(file.try_clone()?), Some(file));
+        w.name = Some(name.to_string());
+        Ok(w)
+    }
+
+    /// `e`, naming the file it happened to.
+    fn named(&self, e: io::Error) -> io::Error {
+        match &self.name {
+            Some(name) => io::Error::new(e.kind(), format!("{name}: {e}")),
+            None => e,
+        }
     }
 
     /// True once the reader of a pipe written to has gone away (`| head`): what is written
@@ -174,7 +187,7 @@ impl JsonlWriter {
             Some(f) if f.metadata().is_ok_and(|m| m.is_file()) => out,
             _ => Box::new(Closable { inner: out, gone: gone.clone() }),
         };
-        Self { out: BufWriter::with_capacity(256 * 1024, out), file, rows: 0, gone }
+        Self { name: None, out: BufWriter::with_capacity(256 * 1024, out), file, rows: 0, gone }
     }
 }
 
@@ -218,9 +231,9 @@ impl Write for Closable {
 impl JsonlWriter {
     /// Flushes and asks the kernel to put the rows on disk (`fdatasync`).
     pub fn sync(&mut self) -> io::Result<()> {
-        self.out.flush()?;
+        self.out.flush().map_err(|e| self.named(e))?;
         if let Some(f) = &self.file {
-            f.sync_data()?;
+            f.sync_data().map_err(|e| self.named(e))?;
         }
         Ok(())
     }
@@ -233,16 +246,17 @@ impl JsonlWriter {
 
     /// Writes one row and its newline.
     pub fn write<T: Serialize>(&mut self, row: &T) -> io::Result<()> {
-        serde_json::to_writer(&mut self.out, row).map_err(io::Error::other)?;
-        self.out.write_all(b"\n")?;
+        self.write_line(row)?;
         self.rows += 1;
         Ok(())
     }
 
     /// Writes one line that is not a row (a stream event): not counted in [`rows`](Self::rows).
     pub fn write_line<T: Serialize>(&mut self, line: &T) -> io::Result<()> {
-        serde_json::to_writer(&mut self.out, line).map_err(io::Error::other)?;
-        self.out.write_all(b"\n")
+        serde_json::to_writer(&mut self.out, line)
+            .map_err(io::Error::from)
+            .and_then(|()| self.out.write_all(b"\n"))
+            .map_err(|e| self.named(e))
     }
 
     /// Rows written.
@@ -252,7 +266,7 @@ impl JsonlWriter {
 
     /// Flushes buffered rows to the file.
     pub fn flush(&mut self) -> io::Result<()> {
-        self.out.flush()
+        self.out.flush().map_err(|e| self.named(e))
     }
 }
 

@@ -25,6 +25,22 @@ pub(crate) fn start_drain(
     deadline.reset(Instant::now() + drain);
 }
 
+/// The run's end when its rows could not be written (a full disk, `--output /dev/full`): what
+/// failed, and what the records not written come to.
+pub(crate) fn write_failed(e: &dyn std::fmt::Display, resumable: bool) -> String {
+    if resumable {
+        format!(
+            "writing rows failed: {e}. The rows written are kept: mend the cause (free some space) and run the \
+             same command again to resume"
+        )
+    } else {
+        format!(
+            "writing rows failed: {e}. This run keeps no state (--no-state, or nowhere beside the output to keep \
+             it), so the records whose rows were not written have none: run it again once the cause is mended"
+        )
+    }
+}
+
 /// The end of an interrupted resumable run whose output's (or events') reader stopped reading:
 /// the rows still queued for it are not written, and their records are not finished.
 pub(crate) fn reader_not_reading() -> RunError {
@@ -203,7 +219,7 @@ pub(crate) async fn drain(
         match written {
             Some(Ok(())) => {}
             Some(Err(e)) => {
-                fatal = Some(format!("writing rows failed: {e}"));
+                fatal = Some(write_failed(&e, resumable));
                 break;
             }
             None => return Err(reader_not_reading()),

@@ -26,7 +26,7 @@ pub(crate) async fn start_writers(
             let regular = f.metadata().map(|m| m.is_file()).unwrap_or(false);
             let truncated = if resuming || !regular { Ok(()) } else { f.set_len(0) };
             truncated
-                .and_then(|_| JsonlWriter::to_file(f))
+                .and_then(|_| JsonlWriter::to_file(f, &path.display().to_string()))
                 .map_err(|e| RunError::Usage(format!("cannot write {}: {e}", path.display())))
         }
     };

@@ -399,7 +399,7 @@ pub async fn run(
     }
     let state_path = state_dir.take().map(|s| s.dir.display().to_string());
     if let Err(e) = flushed {
-        fatal.get_or_insert(format!("writing rows failed: {e}"));
+        fatal.get_or_insert(crate::drain::write_failed(&e, resumable));
     }
     if let Some(msg) = fatal {
         return Err(RunError::Fatal(msg));

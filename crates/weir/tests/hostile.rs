@@ -926,3 +926,21 @@ async fn inputs_that_are_not_what_they_say_are_named_before_any_row() {
         assert!(stderr(&o).contains("the prompt column \"prompt\" holds Int64, not text"), "{}", stderr(&o));
     }
 }
+
+/// Rows that cannot be written (a tester's `--output /dev/full`) stop the run naming the file
+/// and what the records not written come to; it said only "writing rows failed: No space left
+/// on device".
+#[tokio::test]
+async fn a_full_output_is_named_with_what_it_costs() {
+    if !Path::new("/dev/full").exists() {
+        return;
+    }
+    let dir = Dir::new("full-output");
+    let (data, _) = prompts(500);
+    dir.write("in.jsonl", &data);
+    let o =
+        demo(&dir, &["--input", "in.jsonl", "--output", "/dev/full", "--errors", "errs.jsonl"]).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(err.contains("/dev/full: No space left on device") && err.contains("keeps no state"), "{err}");
+}
