@@ -28,6 +28,9 @@ pub(crate) struct Input {
     source: BoxStream<'static, std::io::Result<RawLine>>,
     /// A table's number of records, counted once at opening if anything may show it.
     table_count: Option<u64>,
+    /// A local file's size when it was opened: a file that changes while it is read is another
+    /// input to the next run.
+    opened_size: Option<u64>,
 }
 
 /// What an earlier run finished, skipped when read again.
@@ -157,7 +160,23 @@ impl Input {
             Some(t) if settings.progress || settings.state != StateMode::Off => t.count().await,
             _ => None,
         };
-        Ok(Self { name, table, file, live, source, table_count })
+        let opened_size = file.as_deref().and_then(|p| std::fs::metadata(p).ok()).map(|m| m.len());
+        Ok(Self { name, table, file, live, source, table_count, opened_size })
+    }
+
+    /// What to tell the user when the input file changed size while it was read (lines
+    /// appended as it ran): the run read them, but a later run of the command is refused as
+    /// over another input. None when it did not.
+    pub fn changed_while_read(&self) -> Option<String> {
+        let (p, before) = (self.file.as_deref()?, self.opened_size?);
+        let now = std::fs::metadata(p).ok()?.len();
+        (now != before).then(|| {
+            format!(
+                "--input {} changed while it was read ({before} bytes, now {now}): a run of this command again \
+                 will take it for another input. For a file that grows, use --follow",
+                self.name
+            )
+        })
     }
 
     /// The number of records, when the input can be counted (a file read again, a table).

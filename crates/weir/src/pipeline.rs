@@ -404,6 +404,9 @@ pub async fn run(
     if let Some(msg) = fatal {
         return Err(RunError::Fatal(msg));
     }
+    if let Some(changed) = input.changed_while_read() {
+        tracing::warn!("{changed}");
+    }
     // What a resume has left to do: every record of the input not in either file. Counted from
     // the input when it is a file; a stream cannot be counted again.
     let stopped = interrupted || router.stop_reason().is_some();
