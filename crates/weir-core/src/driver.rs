@@ -867,7 +867,13 @@ impl Driver {
         let result = match on_event.take() {
             Some(e) => {
                 let open = |at: usize| self.handlers[at].generate_stream(&request);
-                self.executor.run_stream_at(weight, cancel, open, e, Some(&check)).await
+                let mut result = self.executor.run_stream_at(weight, cancel, open, e, Some(&check)).await;
+                if let Ok(done) = &mut result {
+                    for h in &self.handlers {
+                        done.value.text = h.masked(&done.value.text);
+                    }
+                }
+                result
             }
             None if schema.is_some() => {
                 let call = |at: usize| {

@@ -99,6 +99,17 @@ pub trait ModelHandler: Send + Sync {
         None
     }
 
+    /// `text` with the key this handler's calls carry ([`ModelHandler::quota_credential`])
+    /// masked wherever it stands. A streamed answer's pieces are masked one by one as they
+    /// arrive; a key a server split between two pieces is whole only in the answer put
+    /// together, which is masked with this before it is written or cached.
+    fn masked(&self, text: &str) -> String {
+        match self.quota_credential() {
+            Some(key) => crate::secret::mask(text, &[crate::secret::Secret::new(key.to_string())]),
+            None => text.to_string(),
+        }
+    }
+
     /// How many tokens the model reads for `text`, when the handler knows the model's tokenizer
     /// (weights and batches are then exact); `None`: estimated from its length.
     fn count_tokens(&self, _text: &str) -> Option<u64> {

@@ -200,10 +200,9 @@ fn key_pair(key: &Secret) -> Result<ring::signature::RsaKeyPair, ModelError> {
 /// Removes from `message` every secret that was sent (and anything shaped like a JWT), so a
 /// token endpoint that echoes its request cannot put a credential into a log or a row.
 fn scrub(message: &str, sent: &[&str]) -> String {
-    let mut m = message.to_string();
-    for s in sent.iter().filter(|s| s.len() >= 8) {
-        m = m.replace(s, "***");
-    }
+    // However the echo wrote them (a form body percent-encodes a refresh token's `1//`).
+    let secrets: Vec<Secret> = sent.iter().filter(|s| s.len() >= 8).map(|s| Secret::new(s.to_string())).collect();
+    let m = crate::http::mask(message, &secrets);
     // A JWT: `eyJ` (base64 of `{"`) and its base64url and dot characters.
     let mut out = String::with_capacity(m.len());
     let mut rest = m.as_str();
@@ -430,6 +429,9 @@ mod tests {
     #[test]
     fn scrub_removes_what_was_sent_and_anything_like_a_jwt() {
         let m = scrub("refused: assertion=eyJhbGc.eyJpc3M.c2ln&grant=x secret=hunter2hunter2 ok", &["hunter2hunter2"]);
+        // A tester's token endpoint echoed the form body: `1//…` written `1%2F%2F…`.
+        let form = scrub("client_secret=***&refresh_token=1%2F%2FRefreshTok-0123", &["1//RefreshTok-0123"]);
+        assert_eq!(form, "client_secret=***&refresh_token=***");
         assert_eq!(m, "refused: assertion=***&grant=x secret=*** ok");
     }
 

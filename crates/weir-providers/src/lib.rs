@@ -407,6 +407,16 @@ pub fn toml_error(text: &str, e: &toml::de::Error) -> String {
 /// mistake in setting it, refused before any call (each call would otherwise fail alone, or
 /// send the text as it is), and the key is not repeated in the message.
 fn key_in(env: &(dyn Fn(&str) -> Option<String> + Sync), var: &str) -> Result<Option<Secret>, ProviderError> {
+    key_named(env, var, var)
+}
+
+/// As [`key_in`], naming the variable `var_shown` in messages (an endpoint's own `key_env`, which
+/// `env` reads in place of the provider's variable).
+fn key_named(
+    env: &(dyn Fn(&str) -> Option<String> + Sync),
+    var: &str,
+    var_shown: &str,
+) -> Result<Option<Secret>, ProviderError> {
     let Some(value) = env(var) else { return Ok(None) };
     let key = value.trim();
     if key.is_empty() {
@@ -419,7 +429,7 @@ fn key_in(env: &(dyn Fn(&str) -> Option<String> + Sync), var: &str) -> Result<Op
             _ => "a non-ASCII character",
         };
         return Err(ProviderError::Config(format!(
-            "{var} holds {what} at character {} of {}; a key is printable ASCII: check how the variable was set",
+            "{var_shown} holds {what} at character {} of {}; a key is printable ASCII: check how the variable was set",
             key[..at].chars().count() + 1,
             key.chars().count()
         )));
@@ -476,7 +486,7 @@ fn keyed_site(
 ) -> Result<(reqwest::Url, Option<Secret>), ProviderError> {
     let base = options.base_url.clone().or_else(|| base_url_from_env(provider, env)).unwrap_or_else(|| default.into());
     let base = http::check_base_url(&base)?;
-    let key = key_in(env, key_var)?;
+    let key = key_named(env, key_var, options.key_var.as_deref().unwrap_or(key_var))?;
     let own = reqwest::Url::parse(default).ok().and_then(|u| u.host_str().map(str::to_string));
     if key.is_none() && base.host_str().is_some() && base.host_str() == own.as_deref() {
         return Err(ProviderError::Config(missing().into()));

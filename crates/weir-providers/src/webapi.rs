@@ -307,8 +307,19 @@ fn expand(
             let end = r.find('}').ok_or_else(|| format!("{at}: '${{' is not closed by '}}'"))?;
             let var = &r[..end];
             let v = env(var)
-                .filter(|v| !v.trim().is_empty())
+                .map(|v| v.trim().to_string())
+                .filter(|v| !v.is_empty())
                 .ok_or_else(|| format!("{at}: the environment variable {var} is not set (or empty)"))?;
+            // Whitespace around it is a key file's newline; inside, only spaces and printable
+            // ASCII go in a header as written (a non-ASCII letter was sent as Latin-1).
+            if let Some((i, _)) = v.char_indices().find(|(_, c)| !(c.is_ascii_graphic() || *c == ' ')) {
+                return Err(format!(
+                    "{at}: the environment variable {var} holds a control or non-ASCII character at character {} of \
+                     {}; check how it was set",
+                    v[..i].chars().count() + 1,
+                    v.chars().count()
+                ));
+            }
             out.push_str(&v);
             secrets.push(Secret::new(v));
             rest = &r[end + 1..];
@@ -389,7 +400,19 @@ impl Spec {
             Some("PUT") => reqwest::Method::PUT,
             Some(other) => return Err(format!("{}: '{other}' is not GET, POST or PUT", at("method"))),
         };
-        let url = Text::parse(&raw.url, &at("url"))?;
+        // A value written into the URL's query (`?key=…`, as some APIs take keys; or a
+        // setting such as `api-version=…`) is masked as a header's written key is: in this
+        // file's errors, and wherever a server echoes the URL.
+        let written_query: Vec<Secret> = match raw.url.split('#').next().unwrap_or("").split_once('?') {
+            Some((_, query)) => query
+                .split('&')
+                .filter_map(|pair| pair.split_once('=').map(|(_, v)| v))
+                .filter(|v| v.len() >= 8 && !v.contains('{'))
+                .map(|v| Secret::new(v.to_string()))
+                .collect(),
+            None => Vec::new(),
+        };
+        let url = Text::parse(&raw.url, &at("url")).map_err(|e| crate::http::mask(&e, &written_query))?;
         // Where the calls go, written out before any placeholder or query: https, or plain
         // http to this machine only (a field may not choose the host).
         let endpoint = raw.url.split(['?', '#', '{']).next().unwrap_or("").to_string();
@@ -464,13 +487,7 @@ impl Spec {
             headers.push((header, value));
             secrets.extend(s);
         }
-        // A value written into the URL's query (`?key=…`, as some APIs take keys; or a
-        // setting such as `api-version=…`) is masked too, as a header's written key is: a
-        // server that echoes the URL in an error would put it in error rows and reports.
-        if let Some((_, query)) = raw.url.split('#').next().unwrap_or("").split_once('?') {
-            let written = query.split('&').filter_map(|pair| pair.split_once('=').map(|(_, v)| v));
-            secrets.extend(written.filter(|v| v.len() >= 8 && !v.contains('{')).map(|v| Secret::new(v.to_string())));
-        }
+        secrets.extend(written_query);
         let endpoint = format!("{endpoint}#{}", described(shape, &settings));
         let body = match raw.body {
             None => None,
@@ -1114,6 +1131,13 @@ answer = "/data/0/text"
         let reply = Reply { status: 400, headers: Default::default(), body: bytes::Bytes::from(body) };
         let e = m.redacted(m.classify(&reply));
         assert!(!e.message.contains("LITERALSECRET") && e.message.contains("key=***&q=hi&v=1"), "{}", e.message);
+        // Nor in the file's own error about that URL.
+        let Err(e) =
+            model("[models.m]\nurl = \"https://x.com/a?key=LITERALSECRET-zzz999&v={prompt\"\nanswer = \"/a\"\n", &[])
+        else {
+            panic!("an unclosed placeholder accepted")
+        };
+        assert!(e.contains("unclosed") && !e.contains("LITERALSECRET"), "{e}");
     }
 
     /// A parse error quoted the line, and a key written on it (a tester's
@@ -1134,5 +1158,21 @@ answer = "/data/0/text"
             assert!(!e.contains("LITERALSECRET") && e.contains(&format!("line {line}:")), "{e}");
         }
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A `${VAR}` key with a non-ASCII letter inside was sent as Latin-1 (and echoed unmasked);
+    /// one with a key file's newline at its end was refused as "not a header value".
+    #[test]
+    fn a_header_variable_is_trimmed_and_must_be_printable_ascii() {
+        let file =
+            "[models.m]\nurl = \"https://x.com/\"\nheaders = { Authorization = \"Bearer ${K}\" }\nanswer = \"/a\"\n";
+        assert!(model(file, &[("K", "sk-abc123\n")]).is_ok());
+        for bad in ["sk-ab\u{e9}c123", "sk-ab\u{200b}c123", "sk-ab\u{1}c123"] {
+            let Err(e) = model(file, &[("K", bad)]) else { panic!("{bad:?} accepted") };
+            assert!(
+                e.contains("K holds a control or non-ASCII character at character 6") && !e.contains("sk-ab"),
+                "{e}"
+            );
+        }
     }
 }

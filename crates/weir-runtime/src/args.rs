@@ -115,9 +115,15 @@ pub fn quota_store(s: &str) -> Result<QuotaStore, SettingsError> {
             ))
         }
         other => Err(SettingsError(format!(
-            "--quota-store {other:?}: say `local` (share the quota with this machine's processes), a Redis URL \
+            // Not repeated when it may hold a password (`REDIS://:pw@…`, a slip of the scheme).
+            "--quota-store {}: say `local` (share the quota with this machine's processes), a Redis URL \
              (redis://HOST:PORT, or rediss:// for TLS: share it with every process that names the same server) or \
-             `off`"
+             `off`",
+            if other.contains('@') || other.contains("password") {
+                "(not repeated: it may hold a password)".to_string()
+            } else {
+                format!("{other:?}")
+            }
         ))),
     }
 }
