@@ -85,8 +85,10 @@ struct StopRules {
     /// Refused calls since the last answer.
     auth_in_a_row: AtomicU64,
     auth_failures_to_stop: u64,
-    /// Answers that could not be read (`malformed_response`), before any success.
+    /// Records whose first answer could not be read (`malformed_response`).
     unreadable: AtomicU64,
+    /// A call of the run has succeeded (an answer kept or not).
+    call_succeeded: AtomicBool,
     max_retries: u32,
     answered: AtomicBool,
     first_unreachable: Mutex<Option<Instant>>,
@@ -97,10 +99,12 @@ struct StopRules {
     metrics: Arc<RunMetrics>,
 }
 
-/// Answers that could not be read, before any call of the run succeeded, that stop it: a
-/// server of another API, or a proxy that breaks every answer, is paid for each (a tester's
-/// server of broken 200s was called 9 times for every record).
-const UNREADABLE_TO_STOP: u64 = 10;
+/// Records whose first answer could not be read, before any call of the run succeeded, that
+/// stop it: a server of another API, or a proxy that breaks every answer, is paid for each (a
+/// tester's server of broken 200s was called 9 times for every record). Two first waves of
+/// calls, not a few answers: records that only this server cannot answer, first in the input,
+/// must not stop every run of it (a second tester's 20 such records did, resume after resume).
+const UNREADABLE_TO_STOP: u64 = 32;
 
 /// After answers, this many times `auth_failures_to_stop` refusals in a row stop the run: more
 /// than at the start, since calls in flight when the credentials changed all fail together.
@@ -122,6 +126,7 @@ impl StopRules {
 impl Observer for StopRules {
     fn answered(&self) {
         self.answered.store(true, Relaxed);
+        self.call_succeeded.store(true, Relaxed);
         self.auth_in_a_row.store(0, Relaxed);
         self.reached();
     }
@@ -174,14 +179,14 @@ impl Observer for StopRules {
             });
         } else if error.hint == RetryHint::StopRun {
             self.stop(StopReason { kind: error.kind, message: error.message.clone() });
-        } else if error.kind == ErrorKind::MalformedResponse {
+        } else if error.kind == ErrorKind::MalformedResponse && attempts == 1 {
             let n = self.unreadable.fetch_add(1, Relaxed) + 1;
-            if n >= UNREADABLE_TO_STOP && !self.answered_ok() {
+            if n >= UNREADABLE_TO_STOP && !self.call_succeeded.load(Relaxed) {
                 self.stop(StopReason {
                     kind: ErrorKind::MalformedResponse,
                     message: format!(
-                        "the first {n} answers could not be read and no call succeeded (is the base URL a server of \
-                         this provider's API?): {}",
+                        "the answers to the first {n} records could not be read and no call succeeded (is the base URL \
+                         a server of this provider's API?): {}",
                         error.message
                     ),
                 });
@@ -385,6 +390,7 @@ impl Driver {
             auth_failures: AtomicU64::new(0),
             auth_in_a_row: AtomicU64::new(0),
             unreadable: AtomicU64::new(0),
+            call_succeeded: AtomicBool::new(false),
             auth_failures_to_stop: settings.auth_failures_to_stop,
             max_retries: settings.retry.max_retries,
             answered: AtomicBool::new(false),
@@ -1238,15 +1244,19 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn answers_that_cannot_be_read_from_the_start_stop_the_run() {
         let unreadable = || Err(ModelError::new(ErrorKind::MalformedResponse, "the answer is not JSON"));
-        let (d, h) = driver((0..100).map(|_| unreadable()).collect(), DriverSettings::default());
-        for i in 0..20 {
+        let settings = DriverSettings {
+            retry: RetryPolicy { max_retries: 0, ..RetryPolicy::default() },
+            ..DriverSettings::default()
+        };
+        let (d, h) = driver((0..100).map(|_| unreadable()).collect(), settings);
+        for i in 0..40 {
             let _ = d.run(record(&i.to_string())).await;
             if d.is_stopped() {
                 break;
             }
         }
         assert!(d.is_stopped());
-        assert_eq!(h.calls.load(Relaxed), UNREADABLE_TO_STOP);
+        assert_eq!(h.calls.load(Relaxed), UNREADABLE_TO_STOP, "one call for each record, then the stop");
         assert_eq!(d.stop_reason().unwrap().kind, ErrorKind::MalformedResponse);
         let mut script: Vec<Result<Duration, ModelError>> = vec![Ok(Duration::from_millis(1))];
         script.extend((0..40).map(|_| unreadable()));

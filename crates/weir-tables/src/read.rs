@@ -203,15 +203,21 @@ impl TableInput {
         let mut input = Self { location, files, format, store, csv_schema: None, delimiter };
         // A text format named for a file that is not text (`--input-format jsonl` on a Parquet
         // file, a compressed one): said once, not as an error row per line of bytes.
+        // Every file of a local directory or glob (a read of its first KiB each); in a bucket,
+        // the first only (a request per object before any row would slow a start over
+        // thousands of them).
         if format != Format::Parquet {
-            let first = &input.files[0];
-            let head = input.head_bytes(first).await.map_err(|e| read_err(&input.location.url_of(&first.path), e))?;
-            let why = match format {
-                Format::Jsonl => weir_io::source::not_jsonl(&head),
-                _ => weir_io::source::not_text(&head),
-            };
-            if let Some(why) = why {
-                return Err(TableError::Usage(format!("--input {}: {why}", input.location.url_of(&first.path))));
+            let local = input.location.local_path().is_some();
+            for f in input.files.iter().take(if local { usize::MAX } else { 1 }) {
+                let url = input.location.url_of(&f.path);
+                let head = input.head_bytes(f, 4096).await.map_err(|e| read_err(&url, e))?;
+                let why = match format {
+                    Format::Jsonl => weir_io::source::not_jsonl(&head),
+                    _ => weir_io::source::not_text(&head),
+                };
+                if let Some(why) = why {
+                    return Err(TableError::Usage(format!("--input {url}: {why}")));
+                }
             }
         }
         if format == Format::Csv {
@@ -328,7 +334,7 @@ impl TableInput {
         let delimiter = self.delimiter;
         for f in &self.files {
             let url = self.location.url_of(&f.path);
-            let head = self.head_bytes(f).await.map_err(|e| read_err(&url, e))?;
+            let head = self.head_bytes(f, 64 << 10).await.map_err(|e| read_err(&url, e))?;
             if head.starts_with(&[0xFF, 0xFE]) || head.starts_with(&[0xFE, 0xFF]) {
                 return Err(TableError::Usage(format!(
                     "--input {url}: is UTF-16 text (its byte-order mark says so); weir reads UTF-8. Save it as UTF-8 \
@@ -397,9 +403,9 @@ impl TableInput {
         Ok(Arc::new(Schema::new(fields)))
     }
 
-    /// The first 64 KiB of a file (or all of a smaller one).
-    async fn head_bytes(&self, f: &InputFile) -> io::Result<Vec<u8>> {
-        let end = f.size.min(64 << 10);
+    /// The first `most` bytes of a file (or all of a smaller one).
+    async fn head_bytes(&self, f: &InputFile, most: u64) -> io::Result<Vec<u8>> {
+        let end = f.size.min(most);
         if end == 0 {
             return Ok(Vec::new());
         }

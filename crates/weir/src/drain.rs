@@ -230,6 +230,10 @@ pub(crate) async fn drain(
     // once) before the loop saw it: the run was interrupted all the same.
     if !interrupted && *interrupts.borrow() >= 1 {
         interrupted = true;
+        // Said as it is said mid-run (a followed file's run ends its input at once, and
+        // SIGTERM was then told only as "interrupted").
+        let (what, _) = asked(*interrupts.borrow());
+        progress.suspend(|| eprintln!("weir: {what}"));
         router.stop(StopReason { kind: ErrorKind::Aborted, message: "interrupted".into() });
     }
     drop(outcomes);

@@ -216,7 +216,10 @@ impl Input {
                         line: raw.line,
                         input: None,
                         raw: (!raw.bytes.is_empty()).then(|| String::from_utf8_lossy(&raw.bytes).into_owned()),
-                        error: ModelError::new(ErrorKind::InvalidInput, raw.malformed.unwrap_or_default()),
+                        error: ModelError::new(
+                            ErrorKind::InvalidInput,
+                            raw.located(raw.malformed.clone().unwrap_or_default()),
+                        ),
                         attempts: 0,
                     }))
                 }),

@@ -35,7 +35,7 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Run a model over every record of a JSONL dataset; one result or error row per record.
+    /// Run a model over every record of a dataset (JSONL, CSV or Parquet, local or in S3 or GCS); one result or error row per record.
     Run(Box<run_cmd::RunArgs>),
     /// Serve a simulated LLM endpoint (Gemini, Vertex AI, OpenAI and Anthropic wire formats) with quotas,
     /// latency and injected faults.

@@ -242,8 +242,9 @@ impl RunReport {
     /// The summary printed at the end of a run.
     pub fn summary(&self) -> String {
         let mut s = format!(
-            "weir: {} records in {:.2} s ({}/s): {} succeeded, {} failed\n",
+            "weir: {} record{} in {:.2} s ({}/s): {} succeeded, {} failed\n",
             thousands(self.records),
+            if self.records == 1 { "" } else { "s" },
             self.elapsed.as_secs_f64(),
             pace(self.rate()),
             thousands(self.succeeded),

@@ -452,6 +452,13 @@ pub(crate) async fn resume(
             }
             if resuming {
                 if let Some(changed) = sd.written_since(&[out, errs]) {
+                    if !changed.exists() {
+                        return Err(RunError::Usage(format!(
+                            "{}: gone since this command's last run ended, with the rows it finished; start over \
+                             with --fresh (answers in the response cache are not paid for again)",
+                            changed.display()
+                        )));
+                    }
                     return Err(RunError::Usage(format!(
                         "{}: changed since this command's last run ended (its size or its first or last rows differ: \
                          another run wrote it, or an edit), so what it holds may not be what that run finished; start over with --fresh \

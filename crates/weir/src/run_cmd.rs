@@ -62,9 +62,12 @@ pub enum TaskArg {
     after_help = "Models: sim/<name> (built-in simulator, no key), openai/<model> (any OpenAI-compatible server; \
 --base-url or OPENAI_BASE_URL, key from OPENAI_API_KEY), gemini/<model> (key from GEMINI_API_KEY or GOOGLE_API_KEY), \
 vertex_ai/<model> (Gemini on Vertex AI) and vertex_endpoint/<endpoint-id> (a model deployed to a Vertex AI endpoint), both \
-with Google Application Default Credentials and --project/--location.\n\n\
+with Google Application Default Credentials and --project/--location, anthropic/<model> (key from \
+ANTHROPIC_API_KEY), http/<name> (any HTTP API, described in --http-models), local/<model> (in this process, when \
+built with them).\n\n\
 Exit status: 0 all records succeeded; 1 some records are in the errors file; 2 usage or configuration error; \
-3 fatal error (e.g. credentials rejected, daily quota spent)."
+3 fatal error (e.g. credentials rejected, daily quota spent); 130 interrupted by Ctrl-C, 143 by SIGTERM; 141 the \
+output's reader went away."
 )]
 pub struct RunArgs {
     /// What to ask the model for: `generate` (text) or `embed` (a vector per prompt, from an

@@ -16,7 +16,8 @@ use crate::UsageError;
     after_help = "Routes: POST /v1beta/models/{m}:generateContent and :streamGenerateContent[?alt=sse] (also under /v1/); \
 POST /v1[beta1]/projects/{p}/locations/{l}/publishers/google/models/{m}:generateContent (Vertex AI); \
 POST /v1/chat/completions (OpenAI, stream included; any path ending in /chat/completions, e.g. a Vertex \
-endpoint's OpenAI-compatible route); POST /v1/embeddings; GET /v1/models; \
+endpoint's OpenAI-compatible route); POST /v1/embeddings; GET /v1/models; POST /v1/messages (Anthropic, stream \
+included) and /v1/messages/batches (Message Batches); \
 POST /v1beta/models/{m}:batchEmbedContents and :embedContent; \
 POST /v1[beta1]/projects/{p}/locations/{l}/endpoints/{id}:predict and :rawPredict; \
 POST /v1/projects/{p}/locations/{l}/publishers/google/models/{m}:predict (text embeddings); \
@@ -36,7 +37,7 @@ pub struct SimArgs {
     #[arg(long, value_name = "ADDR")]
     gcs_listen: Option<SocketAddr>,
     /// A TOML scenario file (sections: latency, quota, concurrency, faults, output, auth,
-    /// predict, embedding; and api_keys, capture_requests).
+    /// predict, embedding, batch; and seed, api_keys, models, capture_requests).
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
     /// Seed for generated text, latency spread and fault decisions.

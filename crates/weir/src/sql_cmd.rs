@@ -722,9 +722,10 @@ pub(crate) async fn summary(functions: &Runtime, elapsed: std::time::Duration, w
     let get = |f: fn(&weir_core::RunMetrics) -> u64| models.values().map(|m| f(m)).sum::<u64>();
     let (ok, failed) = (get(|m| m.succeeded.load(Relaxed)), get(|m| m.failed.load(Relaxed)));
     let mut s = format!(
-        "{who}: {:.2} s; model calls for {} rows: {} succeeded, {} failed\n",
+        "{who}: {:.2} s; model calls for {} row{}: {} succeeded, {} failed\n",
         elapsed.as_secs_f64(),
         thousands(ok + failed),
+        if ok + failed == 1 { "" } else { "s" },
         thousands(ok),
         thousands(failed)
     );

@@ -900,6 +900,13 @@ async fn inputs_that_are_not_what_they_say_are_named_before_any_row() {
         assert!(stderr(&o).contains(says), "{args:?}: {}", stderr(&o));
         assert!(!out.exists(), "{args:?}");
     }
+    // In a directory, any file, not only the first by name.
+    std::fs::create_dir_all(dir.path("mixed")).unwrap();
+    dir.write("mixed/a.jsonl", ok);
+    dir.write("mixed/b.jsonl", &gz);
+    let o = demo(&dir, &["--input", "mixed", "--output", "mixed.out.jsonl"]).output().await.unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("mixed/b.jsonl: is gzip-compressed"), "{}", stderr(&o));
     let fifo = dir.path("f.csv");
     assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
     let o = demo(&dir, &["--input", s(&fifo), "--output", "o.jsonl"]).output().await.unwrap();
