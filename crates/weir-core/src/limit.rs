@@ -117,8 +117,9 @@ impl ConcurrencyLimit for FixedLimit {
 /// is frequent again).
 /// An endpoint that slows down instead of refusing is caught by latency: a round trip whose median
 /// latency (of successful calls) is twice the best seen, and 5 ms more, lowers the limit by 10 %.
-/// A latency that cuts in a row did not bring down by a fifth, with half as many calls out, is
-/// not load: it becomes the best seen, and the limit goes back to where the cuts began.
+/// A latency that cuts in a row did not bring down by two fifths, with half as many calls out,
+/// is not load (queueing halves with the calls out; noise does not fall that far): it becomes
+/// the best seen, and the limit goes back to where the cuts began.
 #[derive(Debug)]
 pub struct AdaptiveLimit {
     sem: Arc<Semaphore>,
@@ -155,10 +156,13 @@ struct Control {
     probe_every: u32,
     /// The limit is one above the ceiling, probing.
     probing: bool,
-    /// Rounds running that were slower than the best and cut the limit: the median of the first
-    /// and the number of calls it allowed out.
-    slow_cuts: Option<(f64, usize)>,
+    /// Rounds running that were slower than the best and cut the limit: the calls the first
+    /// allowed out, and the latencies and levels of the calls answered since.
+    slow_cuts: Option<(usize, Vec<(f64, usize)>)>,
 }
+
+/// The most answers kept while cuts for latency are judged.
+const SLOW_SAMPLES_KEPT: usize = 4096;
 
 /// Rounds at the ceiling before the first probe above it.
 const FIRST_PROBE_AFTER: u32 = 20;
@@ -378,34 +382,46 @@ impl ConcurrencyLimit for Adaptive {
             me.set_limit(&mut c, ((limit as f64) * 0.9).floor() as usize);
             return;
         }
-        if let (true, Some(m)) = (slower, mean) {
+        // While cuts for latency are judged, every round's answers are evidence.
+        if let Some((_, seen)) = &mut c.slow_cuts {
+            seen.extend(samples.iter().copied());
+            let excess = seen.len().saturating_sub(SLOW_SAMPLES_KEPT);
+            seen.drain(..excess);
+        }
+        if slower {
             c.slow_start = false;
-            // Latency that comes from load falls when fewer calls are out. One that did not fall
-            // by a fifth with half as many out is the endpoint's own (a server that answers in 43 ms at any load,
-            // after a few fast first answers): it becomes the best, and the cuts are undone.
-            // A tester's healthy server ran at 1 call out, 28 answers a second, against 1,078
-            // at 64.
-            // Judged once the cuts have halved the calls out, on the calls sent with half as many
-            // out (answers to calls sent before the cuts come back for a while, as slow as ever).
+            // Latency that comes from load falls when fewer calls are out. Once the cuts have
+            // halved the calls out, the calls sent with at most half as many out are compared
+            // with those sent with more, over the same cuts: not two fifths faster, the latency
+            // is the endpoint's own (a server that answers in 43 ms at any load, after a few
+            // fast first answers; or answers at random), it becomes the best, and the cuts are
+            // undone. A tester's healthy server ran at 1 call out, 28 answers a second, against
+            // 1,078 at 64. (Measured against one slow round instead, chance alone made the
+            // rounds after it look faster, and random latencies walked the limit down.)
             let round_limit = c.round_limit;
-            let (first, at) = *c.slow_cuts.get_or_insert((m, round_limit));
+            let (at, seen) = c.slow_cuts.get_or_insert_with(|| (round_limit, samples.clone()));
+            let at = *at;
             let half = at as f64 / 2.0;
-            let fewer: Vec<f64> = samples.iter().filter(|(_, l)| *l as f64 <= half).map(|(rtt, _)| *rtt).collect();
-            let judged = round_limit as f64 <= half && fewer.len() >= 3;
-            if let Some(low) = median(fewer.into_iter()).filter(|_| judged) {
-                if low >= 0.8 * first {
+            let split = |low: bool| median(seen.iter().filter(|(_, l)| (*l as f64 <= half) == low).map(|(r, _)| *r));
+            let enough = |low: bool| seen.iter().filter(|(_, l)| (*l as f64 <= half) == low).count() >= 3;
+            if round_limit as f64 <= half && enough(true) && enough(false) {
+                let (low, high) = (split(true).unwrap_or_default(), split(false).unwrap_or_default());
+                if low >= 0.6 * high {
                     c.best_rtt = Some(low);
                     c.slow_cuts = None;
                     me.set_limit(&mut c, at);
                     return;
                 }
-                // It fell: load. Judged again from here.
-                c.slow_cuts = Some((low, round_limit));
+                // Faster with fewer out: load. Judged again from here.
+                c.slow_cuts = Some((round_limit, samples));
             }
             me.set_limit(&mut c, ((limit as f64) * 0.9).floor() as usize);
             return;
         }
-        c.slow_cuts = None;
+        // Grown back to where the cuts began: nothing left to judge.
+        if c.slow_cuts.as_ref().is_some_and(|(at, _)| limit >= *at) {
+            c.slow_cuts = None;
+        }
         if !bound {
             return;
         }
