@@ -220,6 +220,15 @@ pub fn s3_env(cmd: &mut tokio::process::Command, endpoint: &str) {
 
 /// The page at `url` as Chromium shows it once its scripts have run.
 pub async fn dom(chromium: &str, url: &str) -> String {
+    match dom_if_served(chromium, url).await {
+        Ok(html) => html,
+        Err(stderr) => panic!("chromium showed no page for {url}: {stderr}"),
+    }
+}
+
+/// As [`dom`], or chromium's stderr when nothing served the page (a run's live page after the
+/// run ended).
+pub async fn dom_if_served(chromium: &str, url: &str) -> Result<String, String> {
     // A profile of its own: two browsers on one profile hand the page to each other and exit.
     static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -235,8 +244,11 @@ pub async fn dom(chromium: &str, url: &str) -> String {
     let _ = std::fs::remove_dir_all(&profile);
     assert!(o.status.success(), "chromium failed: {}", String::from_utf8_lossy(&o.stderr));
     let html = String::from_utf8_lossy(&o.stdout).into_owned();
-    assert!(html.contains("</html>"), "chromium showed no page for {url}: {}", String::from_utf8_lossy(&o.stderr));
-    html
+    if html.contains("</html>") {
+        Ok(html)
+    } else {
+        Err(String::from_utf8_lossy(&o.stderr).into_owned())
+    }
 }
 
 /// The text of the element with `id` in `html` (as the page wrote it: plain text).
