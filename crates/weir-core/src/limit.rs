@@ -139,8 +139,8 @@ struct Control {
     ceiling: Option<usize>,
     rounds_at_ceiling: u32,
     done_in_round: usize,
-    /// This round's successful calls: latency, and the level each was sent at.
-    rtts: Vec<(f64, usize)>,
+    /// This round's successful calls.
+    rtts: Vec<Sample>,
     bound: bool,
     best_rtt: Option<f64>,
     ok_level_cur: usize,
@@ -158,8 +158,11 @@ struct Control {
     probing: bool,
     /// Rounds running that were slower than the best and cut the limit: the calls the first
     /// allowed out, and the latencies and levels of the calls answered since.
-    slow_cuts: Option<(usize, Vec<(f64, usize)>)>,
+    slow_cuts: Option<(usize, Vec<Sample>)>,
 }
+
+/// A successful call: its latency in seconds, and the level it was sent at.
+type Sample = (f64, usize);
 
 /// The most answers kept while cuts for latency are judged.
 const SLOW_SAMPLES_KEPT: usize = 4096;
@@ -402,10 +405,9 @@ impl ConcurrencyLimit for Adaptive {
             let (at, seen) = c.slow_cuts.get_or_insert_with(|| (round_limit, samples.clone()));
             let at = *at;
             let half = at as f64 / 2.0;
-            let split = |low: bool| median(seen.iter().filter(|(_, l)| (*l as f64 <= half) == low).map(|(r, _)| *r));
-            let enough = |low: bool| seen.iter().filter(|(_, l)| (*l as f64 <= half) == low).count() >= 3;
-            if round_limit as f64 <= half && enough(true) && enough(false) {
-                let (low, high) = (split(true).unwrap_or_default(), split(false).unwrap_or_default());
+            let (fewer, more): (Vec<Sample>, Vec<Sample>) = seen.iter().partition(|(_, level)| *level as f64 <= half);
+            let judged = |part: &[Sample]| median(part.iter().map(|(rtt, _)| *rtt)).filter(|_| part.len() >= 3);
+            if let (true, Some(low), Some(high)) = (round_limit as f64 <= half, judged(&fewer), judged(&more)) {
                 if low >= 0.6 * high {
                     c.best_rtt = Some(low);
                     c.slow_cuts = None;
@@ -647,7 +649,8 @@ mod tests {
     async fn a_latency_that_fewer_calls_do_not_bring_down_is_not_load() {
         // A tester's server answered its first calls in 1 ms, then in 43 ms at any load (a
         // small server's delayed acknowledgements): every round was "twice the best", and the
-        // limit fell to 1 and stayed there. Now three cuts that change nothing are undone.
+        // limit fell to 1 and stayed there. Now cuts that halve the calls out and change
+        // nothing are undone.
         let a = Adaptive(AdaptiveLimit::new(16, 64));
         rounds_at(&a, 2, |_| Duration::from_millis(1)).await;
         rounds_at(&a, 200, |_| Duration::from_millis(43)).await;

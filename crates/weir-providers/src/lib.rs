@@ -422,19 +422,25 @@ fn key_named(
     if key.is_empty() {
         return Ok(None);
     }
-    if let Some((at, c)) = key.char_indices().find(|(_, c)| !c.is_ascii_graphic()) {
+    if let Some((at, c)) = unprintable(key, false) {
         let what = match c {
             ' ' | '\t' => "a space",
             c if c.is_control() => "a control character",
             _ => "a non-ASCII character",
         };
         return Err(ProviderError::Config(format!(
-            "{var_shown} holds {what} at character {} of {}; a key is printable ASCII: check how the variable was set",
-            key[..at].chars().count() + 1,
+            "{var_shown} holds {what} at character {at} of {}; a key is printable ASCII: check how the variable was set",
             key.chars().count()
         )));
     }
     Ok(Some(Secret::new(key.to_string())))
+}
+
+/// The first character of a credential that is not printable ASCII (spaces allowed when
+/// `spaces`), with its place counted from 1, for a message that names where it is rather than
+/// what the credential holds.
+pub(crate) fn unprintable(text: &str, spaces: bool) -> Option<(usize, char)> {
+    text.chars().enumerate().find(|(_, c)| !(c.is_ascii_graphic() || spaces && *c == ' ')).map(|(i, c)| (i + 1, c))
 }
 
 /// The key of the Gemini API (or `None` on loopback), as the generation client finds it.

@@ -312,11 +312,10 @@ fn expand(
                 .ok_or_else(|| format!("{at}: the environment variable {var} is not set (or empty)"))?;
             // Whitespace around it is a key file's newline; inside, only spaces and printable
             // ASCII go in a header as written (a non-ASCII letter was sent as Latin-1).
-            if let Some((i, _)) = v.char_indices().find(|(_, c)| !(c.is_ascii_graphic() || *c == ' ')) {
+            if let Some((i, _)) = crate::unprintable(&v, true) {
                 return Err(format!(
-                    "{at}: the environment variable {var} holds a control or non-ASCII character at character {} of \
+                    "{at}: the environment variable {var} holds a control or non-ASCII character at character {i} of \
                      {}; check how it was set",
-                    v[..i].chars().count() + 1,
                     v.chars().count()
                 ));
             }

@@ -136,15 +136,14 @@ impl Input {
             }
             _ => None,
         };
+        if let Some(why) = file.as_deref().and_then(not_jsonl) {
+            return Err(RunError::Usage(format!("--input {name}: {why}")));
+        }
         let live = table.is_none() && file.is_none();
         let source = match (&table, &settings.input) {
             (Some(t), _) => t.lines(),
             (None, InputPath::File(p)) if settings.follow => {
                 weir_io::source::follow(p.clone(), weir_io::source::FOLLOW_POLL).boxed()
-            }
-            (None, InputPath::File(p)) if file.is_some() && not_jsonl(p).is_some() => {
-                let why = not_jsonl(p).unwrap_or_default();
-                return Err(RunError::Usage(format!("--input {name}: {why}")));
             }
             (None, _) => weir_io::source::lines(
                 weir_io::source::open(&settings.input)
